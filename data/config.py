@@ -1,0 +1,278 @@
+"""Typed configuration of the data pipeline, loaded from the JSON file the user edits plus `key=value` overrides.
+
+The generic helpers (`apply_overrides`, `from_dict`) are shared with the trainer's YAML config.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import orjson
+
+STAGES = ("preprocess", "sample", "merge", "tokenize", "pack")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, of the wrong type or violates an invariant."""
+
+
+# ---------------------------------------------------------------------------------------------- generic helpers
+def parse_value(text: str) -> Any:
+    """`key=value` override values: JSON when it parses (numbers, true/false/null, lists), else the string."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return text
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply `a.b=value` overrides to a nested dict (in place) and return it."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = raw
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+        node[parts[-1]] = parse_value(value)
+    return raw
+
+
+def _convert(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(arg, value, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"{where}: invalid value {value!r}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{where}: {value!r} is not one of {list(args)}")
+        return value
+    if origin in (list, tuple):
+        if isinstance(value, (str, dict)) or not isinstance(value, (list, tuple)):
+            value = [value]
+        inner = args[0] if args else Any
+        return [_convert(inner, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a section (mapping), got {value!r}")
+        return from_dict(tp, value, where)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def from_dict(cls, raw: dict, where: str = "config"):
+    """Build dataclass `cls` from a nested dict; unknown keys and wrong types are ConfigErrors naming the key."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; known: {sorted(names)}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in raw:
+            kwargs[f.name] = _convert(hints[f.name], raw[f.name], f"{where}.{f.name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{where}: missing required key {f.name!r}")
+    return cls(**kwargs)
+
+
+def to_dict(obj) -> dict:
+    return dataclasses.asdict(obj)
+
+
+# ---------------------------------------------------------------------------------------------- the data config
+@dataclass
+class InputSpec:
+    """One raw input: a file, a glob, or a list of them (`split@path` selects a split of a datasets dir)."""
+
+    path: list[str]
+    # auto | messages | sharegpt | prompt_response | verl | function
+    format: Literal["auto", "messages", "sharegpt", "prompt_response", "verl", "function"] = "auto"
+    category_name: str | None = None  # fixed category for every record of this input
+    category_field: str | None = None  # or: the raw field holding the category name
+    prompt_key: str = "prompt"  # prompt_response / verl single-turn (prompt: string or message list)
+    response_key: str = "response"
+    system: str | None = None  # system prompt added to prompt_response records
+    messages_key: str = "messages"
+    tools_key: str = "tools"
+    function: str | None = None  # "path/to/file.py:function" mapping one raw row to a canonical record
+
+
+@dataclass
+class MergeConfig:
+    """Pseudo-multiturn: consecutive records merged with this probability; token budget (None: max_length)."""
+
+    probability: float = 0.0
+    max_tokens: int | None = None
+
+
+@dataclass
+class PackConfig:
+    max_length: int | None = None  # row capacity; None: DataConfig.max_length
+    shard_size_mb: int = 1024
+    algorithm: Literal["best_fit", "first_fit"] = "best_fit"
+
+
+@dataclass
+class DataConfig:
+    inputs: list[InputSpec]
+    output_dir: str
+    tokenizer_path: str
+    chat_template: str | None = None  # a Jinja file, for tokenizers without (or to replace) a chat template
+    ratio_path: str | None = None  # the ratio JSON the user edits; None: <output_dir>/ratios.json
+    max_length: int = 131072
+    seed: int = 42
+    num_workers: int = 0  # 0: all cores
+    on_error: Literal["error", "skip"] = "error"
+    # drop | error | truncate (at the last whole assistant turn that fits) | left | right (verl token truncation)
+    overlong: Literal["drop", "error", "truncate", "left", "right"] = "drop"
+    truncation: Literal["left", "right", "error"] | None = None  # verl's name; when set it overrides `overlong`
+    loss_turns: Literal["all", "last"] = "all"  # rllm: cumulative (all assistant turns) or stepwise (last only)
+    structure: Literal["parallel_thinking"] | None = None
+    enable_thinking: bool | None = None  # default for records without their own `enable_thinking`
+    merge: MergeConfig = field(default_factory=MergeConfig)
+    pack: PackConfig = field(default_factory=PackConfig)
+    stages: list[str] = field(default_factory=lambda: list(STAGES))
+
+    # ------------------------------------------------------------------ derived paths
+    @property
+    def out(self) -> Path:
+        return Path(self.output_dir)
+
+    @property
+    def ratio_file(self) -> Path:
+        return Path(self.ratio_path) if self.ratio_path else self.out / "ratios.json"
+
+    @property
+    def canonical_path(self) -> Path:
+        return self.out / "canonical.jsonl"
+
+    @property
+    def sampled_path(self) -> Path:
+        return self.out / "sampled.jsonl"
+
+    @property
+    def merged_path(self) -> Path:
+        return self.out / "merged.jsonl"
+
+    @property
+    def tokenized_dir(self) -> Path:
+        return self.out / "tokenized"
+
+    @property
+    def packed_dir(self) -> Path:
+        return self.out / "packed"
+
+    @property
+    def report_path(self) -> Path:
+        return self.out / "report.json"
+
+    @property
+    def pack_max_length(self) -> int:
+        return self.pack.max_length or self.max_length
+
+    @property
+    def effective_overlong(self) -> str:
+        return self.truncation if self.truncation else self.overlong
+
+    @property
+    def workers(self) -> int:
+        return self.num_workers if self.num_workers > 0 else (os.cpu_count() or 1)
+
+    def validate(self) -> None:
+        """Invariants checked before any heavy work."""
+        for st in self.stages:
+            if st not in STAGES:
+                raise ConfigError(f"stages: unknown stage {st!r}; known: {list(STAGES)}")
+        if self.max_length <= 0:
+            raise ConfigError(f"max_length must be positive, got {self.max_length}")
+        if self.pack_max_length > self.max_length and "tokenize" in self.stages:
+            raise ConfigError(
+                f"pack.max_length={self.pack_max_length} exceeds max_length={self.max_length}"
+            )
+        if not 0.0 <= self.merge.probability <= 1.0:
+            raise ConfigError(f"merge.probability must be in [0, 1], got {self.merge.probability}")
+        if self.num_workers < 0:
+            raise ConfigError(f"num_workers must be >= 0, got {self.num_workers}")
+        if "preprocess" in self.stages:
+            for i, spec in enumerate(self.inputs):
+                for pattern in spec.path:
+                    local = pattern.split("@", 1)[1] if _has_split(pattern) else pattern
+                    if not glob.glob(local):
+                        raise ConfigError(f"inputs[{i}].path: no file matches {pattern!r}")
+                if spec.format == "function" and not spec.function:
+                    raise ConfigError(f"inputs[{i}]: format 'function' needs function: 'file.py:name'")
+        needs_tokenizer = {"tokenize", "merge"} & set(self.stages)
+        if needs_tokenizer and not Path(self.tokenizer_path).exists():
+            raise ConfigError(f"tokenizer_path: {self.tokenizer_path} does not exist")
+        if self.chat_template and not Path(self.chat_template).is_file():
+            raise ConfigError(f"chat_template: {self.chat_template} is not a file")
+
+
+def _has_split(pattern: str) -> bool:
+    """`train@data/dir` selects a split; an '@' inside a real path (rare) is taken literally if it exists."""
+    return "@" in pattern and not os.path.exists(pattern) and "/" not in pattern.split("@", 1)[0]
+
+
+def split_spec(pattern: str) -> tuple[str | None, str]:
+    """`split@path` -> (split, path); a plain path -> (None, path)."""
+    if _has_split(pattern):
+        split, path = pattern.split("@", 1)
+        return split, path
+    return None, pattern
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> DataConfig:
+    try:
+        raw = orjson.loads(Path(path).read_bytes())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except orjson.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: invalid JSON: {exc}") from None
+    apply_overrides(raw, overrides or [])
+    cfg = from_dict(DataConfig, raw, where=str(path))
+    return cfg

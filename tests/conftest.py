@@ -1,0 +1,49 @@
+"""Shared test helpers: project root on sys.path, the offline fixtures in ../shared/fixtures."""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+FIXTURES = ROOT.parent / "shared" / "fixtures"
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _require(path: Path) -> Path:
+    if not path.exists():
+        if os.environ.get("CI"):
+            raise FileNotFoundError(f"CI must have the shared fixtures, missing: {path}")
+        pytest.skip(f"needs ../shared/fixtures (absent in this clone): {path}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    return _require(FIXTURES)
+
+
+def fixture_path(*parts: str) -> Path:
+    """Path of a fixture file; skips (or fails in CI) when the shared fixtures are absent."""
+    return _require(FIXTURES.joinpath(*parts))
+
+
+def tokenizer_dir(name: str) -> Path:
+    return fixture_path("tokenizers", name)
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

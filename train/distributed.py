@@ -1,0 +1,86 @@
+"""Process groups for data parallelism (dp) x sequence parallelism (sp), from one device mesh.
+
+Ranks come from torch.distributed, never from accelerate: under `accelerate launch --use_deepspeed` on CPU,
+accelerate reports process_index 0 and num_processes 1 on every rank (see ../shared/NOTES.md).
+Layout: world rank r = dp_rank * sp_size + sp_rank, so the ranks of one sp group are neighbours.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Mesh:
+    world_size: int
+    rank: int
+    dp_size: int
+    dp_rank: int
+    sp_size: int
+    sp_rank: int
+    dp_group: dist.ProcessGroup | None
+    sp_group: dist.ProcessGroup | None
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def sp_ranks(self) -> list[int]:
+        """World ranks of this rank's sp group, in sp order."""
+        return [self.dp_rank * self.sp_size + i for i in range(self.sp_size)]
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed(timeout_minutes: int = 30) -> None:
+    """Initialise torch.distributed from the launcher's environment, once (no-op for a single process)."""
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(default_device())
+    dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
+
+
+def build_mesh(sp_size: int = 1, device: torch.device | None = None) -> Mesh:
+    """Split the world into dp groups of sp_size consecutive ranks. Call after init_distributed()."""
+    device = device or default_device()
+    if not dist.is_initialized():
+        if sp_size != 1:
+            raise ValueError(f"sequence_parallel_size={sp_size} needs {sp_size} processes, got a single process")
+        return Mesh(1, 0, 1, 0, 1, 0, None, None, device)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if sp_size < 1 or world % sp_size:
+        raise ValueError(f"world size {world} is not divisible by sequence_parallel_size={sp_size}")
+    dp_size = world // sp_size
+    mesh = dist.device_mesh.init_device_mesh(
+        device.type, (dp_size, sp_size), mesh_dim_names=("dp", "sp")
+    )
+    return Mesh(
+        world_size=world,
+        rank=rank,
+        dp_size=dp_size,
+        dp_rank=rank // sp_size,
+        sp_size=sp_size,
+        sp_rank=rank % sp_size,
+        dp_group=mesh.get_group("dp"),
+        sp_group=mesh.get_group("sp"),
+        device=device,
+    )
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """In-place sum over `group` (the whole world when None); identity without torch.distributed."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
