@@ -1,0 +1,302 @@
+"""Streaming readers for raw inputs, atomic writers, and a byte-offset index over JSONL files.
+
+Readers yield `(source, row)` with source `"path:line"` (1-based line for .jsonl and .csv, 0-based row index
+for .json arrays, .parquet, .arrow and datasets directories). Memory stays bounded by one batch of rows.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import csv
+import glob
+import multiprocessing
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+import orjson
+
+from data.config import split_spec
+from data.records import RecordError
+
+BATCH_ROWS = 1024
+UTF8_BOM = b"\xef\xbb\xbf"  # some editors and Excel exports start files with it; orjson rejects it
+SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow")
+
+
+# ---------------------------------------------------------------------------------------------- input paths
+def expand_inputs(patterns: list[str] | str) -> list[str]:
+    """Patterns (globs, `split@dir`) -> concrete inputs: list order kept, each glob's matches sorted."""
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    out = []
+    for pattern in patterns:
+        split, path = split_spec(pattern)
+        matches = sorted(glob.glob(path))
+        if not matches:
+            raise FileNotFoundError(f"no file matches {pattern!r}")
+        out.extend(f"{split}@{m}" if split else m for m in matches)
+    return out
+
+
+def iter_rows(path: str) -> Iterator[tuple[str, Any]]:
+    """Rows of one input as `(source, dict)`; an unparsable JSONL line yields `(source, RecordError)` instead,
+    so the caller applies its error policy. `path` may be `split@dir` for a datasets directory."""
+    split, local = split_spec(path)
+    if os.path.isdir(local):
+        yield from _iter_datasets_dir(local, split)
+        return
+    if split is not None:
+        raise ValueError(f"{path}: a split (split@path) only applies to a datasets directory")
+    suffix = Path(local).suffix.lower()
+    readers: dict[str, Callable[[str], Iterator]] = {
+        ".jsonl": _iter_jsonl, ".json": _iter_json, ".parquet": _iter_parquet,
+        ".csv": _iter_csv, ".arrow": _iter_arrow,
+    }
+    if suffix not in readers:
+        raise ValueError(f"{local}: unsupported input type {suffix!r}; supported: {list(readers)} or a "
+                         "datasets directory (save_to_disk)")
+    yield from readers[suffix](local)
+
+
+def read_rows(path: str, on_error: str = "error", dropped: dict | None = None) -> Iterator[tuple[str, dict]]:
+    """`iter_rows` with the error policy applied: raise the RecordError, or count it in `dropped[reason]`."""
+    for source, row in iter_rows(path):
+        if isinstance(row, RecordError):
+            if on_error != "skip":
+                raise row
+            if dropped is not None:
+                dropped[row.reason] = dropped.get(row.reason, 0) + 1
+            continue
+        yield source, row
+
+
+def _iter_jsonl(path: str) -> Iterator[tuple[str, Any]]:
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if lineno == 1:
+                line = line.removeprefix(UTF8_BOM)
+            if not line.strip():
+                continue
+            source = f"{path}:{lineno}"
+            try:
+                row = orjson.loads(line)
+            except orjson.JSONDecodeError as exc:
+                yield source, RecordError(source, "line", f"malformed JSON: {exc}", "malformed_json")
+                continue
+            if not isinstance(row, dict):
+                yield source, RecordError(source, "line", f"expected a JSON object, got {type(row).__name__}",
+                                          "malformed_json")
+                continue
+            yield source, row
+
+
+def _iter_json(path: str) -> Iterator[tuple[str, Any]]:
+    """A JSON array of rows, or an object whose values are arrays of rows (e.g. {"train": [...]}).
+    The one reader that holds a whole file in memory (JSON has no record boundaries); use .jsonl for big data."""
+    try:
+        data = orjson.loads(Path(path).read_bytes().removeprefix(UTF8_BOM))
+    except orjson.JSONDecodeError as exc:
+        raise RecordError(path, "file", f"malformed JSON: {exc}", "malformed_json") from None
+    if isinstance(data, list):
+        groups = [(None, data)]
+    elif isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
+        groups = list(data.items())
+        if not any(isinstance(row, dict) for rows in data.values() for row in rows[:1]):
+            raise RecordError(path, "file", "an object of arrays must map names (e.g. splits) to arrays of row "
+                              "objects; column-oriented JSON is not supported", "malformed_json")
+    else:
+        raise RecordError(path, "file", "expected a JSON array of rows or an object of arrays of rows",
+                          "malformed_json")
+    for key, rows in groups:
+        for i, row in enumerate(rows):
+            source = f"{path}:{i}" if key is None else f"{path}:{key}[{i}]"
+            if not isinstance(row, dict):
+                yield source, RecordError(source, "row", f"expected an object, got {type(row).__name__}",
+                                          "malformed_json")
+            else:
+                yield source, row
+
+
+def _iter_batches(path: str, batches) -> Iterator[tuple[str, dict]]:
+    index = 0
+    for batch in batches:
+        for row in batch.to_pylist():
+            yield f"{path}:{index}", row
+            index += 1
+
+
+def _iter_parquet(path: str) -> Iterator[tuple[str, dict]]:
+    import pyarrow.parquet as pq
+
+    with pq.ParquetFile(path) as pf:
+        yield from _iter_batches(path, pf.iter_batches(batch_size=BATCH_ROWS))
+
+
+def _iter_arrow(path: str) -> Iterator[tuple[str, dict]]:
+    """Arrow IPC, file (random access) or stream format (what `datasets` writes), memory-mapped."""
+    import pyarrow as pa
+
+    with pa.memory_map(path, "r") as source:
+        try:
+            reader = pa.ipc.open_file(source)
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        except pa.ArrowInvalid:
+            source.seek(0)
+            batches = pa.ipc.open_stream(source)
+        yield from _iter_batches(path, batches)
+
+
+def _iter_csv(path: str) -> Iterator[tuple[str, Any]]:
+    """Rows keyed by the header; the source line is where the row starts (quoted fields may span lines)."""
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if header is None:
+            return
+        end = reader.line_num
+        for row in reader:
+            source = f"{path}:{end + 1}"
+            end = reader.line_num
+            if not row:
+                continue
+            if len(row) != len(header):
+                yield source, RecordError(source, "row", f"{len(row)} fields for {len(header)} columns",
+                                          "malformed_csv")
+            else:
+                yield source, dict(zip(header, row))
+
+
+def _iter_datasets_dir(path: str, split: str | None) -> Iterator[tuple[str, dict]]:
+    import datasets
+
+    ds = datasets.load_from_disk(path)
+    name = path
+    if isinstance(ds, datasets.DatasetDict):
+        if split is None:
+            raise ValueError(f"{path} is a DatasetDict with splits {sorted(ds)}; name one as split@{path}")
+        if split not in ds:
+            raise ValueError(f"{path}: no split {split!r}; splits: {sorted(ds)}")
+        ds = ds[split]
+        name = f"{split}@{path}"
+    elif split is not None:
+        raise ValueError(f"{path} is a single Dataset; drop the split prefix {split!r}@")
+    yield from _iter_batches(name, ds.with_format("arrow").iter(batch_size=BATCH_ROWS))
+
+
+# ---------------------------------------------------------------------------------------------- writers
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write a file so readers see the old or the new content, never a partial one."""
+    with atomic_writer(path) as f:
+        f.write(data)
+
+
+@contextlib.contextmanager
+def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """Binary file opened on a temp file next to `path`; renamed over `path` on success, removed on error."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb", buffering=1 << 20) as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def require_stage_input(path: str | os.PathLike, stage: str) -> Path:
+    """The output of an earlier stage, or a FileNotFoundError saying which stage writes it."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; run the {stage} stage first")
+    return path
+
+
+def iter_jsonl(path: str | os.PathLike) -> Iterator[dict]:
+    """Records of a JSONL file this pipeline wrote (no error policy: these files are ours)."""
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                yield orjson.loads(line)
+
+
+# ---------------------------------------------------------------------------------------------- index
+class JsonlIndex:
+    """Byte offsets of the lines of a JSONL file: `index.read(i)` seeks record i without loading the others.
+
+    `offsets[i]` is where line i starts; `offsets[-1]` is the file size. Memory: 8 bytes per record.
+    """
+
+    def __init__(self, path: str | os.PathLike, offsets: np.ndarray):
+        self.path = Path(path)
+        self.offsets = offsets
+        self._file: BinaryIO | None = None
+
+    @classmethod
+    def build(cls, path: str | os.PathLike, visit: Callable[[int, bytes], None] | None = None) -> "JsonlIndex":
+        """Scan the file once; `visit(i, line)` sees every record line (e.g. to collect its category)."""
+        offsets = [0]
+        pos = 0
+        with open(path, "rb") as f:
+            for line in f:
+                if visit is not None:
+                    visit(len(offsets) - 1, line)
+                pos += len(line)
+                offsets.append(pos)
+        return cls(path, np.asarray(offsets, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def read(self, i: int) -> bytes:
+        """Line i, without its trailing newline."""
+        if self._file is None:
+            self._file = open(self.path, "rb")
+        start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+        self._file.seek(start)
+        return self._file.read(end - start).rstrip(b"\n")
+
+    def get(self, i: int) -> dict:
+        return orjson.loads(self.read(i))
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> "JsonlIndex":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------- parallel map
+def ordered_parallel_map(fn: Callable, tasks, workers: int, initializer: Callable | None = None,
+                         initargs: tuple = ()) -> Iterator:
+    """`fn(task)` for every task, results in task order, at most `2 * workers` tasks in flight.
+
+    Unlike `Pool.imap`, whose feeder thread drains the whole task iterator into the queue, this keeps memory
+    bounded when tasks are chunks of a large streamed input. With workers <= 1 everything runs inline (the
+    initializer too), so results are identical whatever the worker count.
+    """
+    if workers <= 1:
+        if initializer is not None:
+            initializer(*initargs)
+        for task in tasks:
+            yield fn(task)
+        return
+    with multiprocessing.get_context().Pool(workers, initializer=initializer, initargs=initargs) as pool:
+        pending: collections.deque = collections.deque()
+        for task in tasks:
+            pending.append(pool.apply_async(fn, (task,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()

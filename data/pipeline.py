@@ -1,0 +1,104 @@
+"""Pipeline driver: `python -m data.pipeline [config.json] [--stages a,b] [key=value ...]`.
+
+Runs the requested stages (default: the config's `stages`) in pipeline order, each through
+`data.<stage>.run(cfg) -> report section`. The last line printed names the packed output directory.
+`cli_main(run, stage)` gives every stage module the same `python -m data.<stage> --config X key=value` CLI.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from collections.abc import Callable
+
+from data.config import STAGES, ConfigError, DataConfig, load_config
+from data.records import RecordError
+
+DEFAULT_CONFIG = "configs/data/example.json"
+
+
+def build_parser(prog: str, stage_option: bool) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("config_pos", nargs="?", metavar="config.json", help=f"data config (default {DEFAULT_CONFIG})")
+    parser.add_argument("--config", help="data config (same as the positional argument)")
+    if stage_option:
+        parser.add_argument("--stages", help=f"comma-separated subset of {','.join(STAGES)}")
+    return parser
+
+
+def parse_args(argv: list[str], prog: str, stage_option: bool = True) -> tuple[argparse.Namespace, list[str]]:
+    """Split argv into options and `key=value` overrides (which may come in any position)."""
+    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+    rest = [a for a in argv if a not in overrides]
+    args = build_parser(prog, stage_option).parse_args(rest)
+    if args.config and args.config_pos:
+        raise ConfigError(f"two configs given: {args.config_pos} and --config {args.config}")
+    args.config = args.config or args.config_pos or DEFAULT_CONFIG
+    return args, overrides
+
+
+def load(args: argparse.Namespace, overrides: list[str], stages: list[str] | None) -> DataConfig:
+    cfg = load_config(args.config, overrides)
+    if stages is not None:
+        unknown = [s for s in stages if s not in STAGES]
+        if unknown:
+            raise ConfigError(f"--stages: unknown stage(s) {unknown}; known: {list(STAGES)}")
+        cfg.stages = stages
+    cfg.validate()
+    return cfg
+
+
+def run_stage(cfg: DataConfig, stage: str, stage_fn: Callable[[DataConfig], dict] | None = None) -> dict:
+    """Run one stage and print a one-line summary of its report section."""
+    fn = stage_fn or importlib.import_module(f"data.{stage}").run
+    start = time.perf_counter()
+    section = fn(cfg)
+    dropped = section.get("dropped") or {}
+    extra = f" dropped={dict(dropped)}" if dropped else ""
+    print(f"[{stage}] in={section.get('in')} out={section.get('out')}{extra} "
+          f"({time.perf_counter() - start:.1f}s)", flush=True)
+    return section
+
+
+def run_pipeline(cfg: DataConfig) -> dict[str, dict]:
+    """Every stage of `cfg.stages`, in pipeline order; returns their report sections."""
+    return {stage: run_stage(cfg, stage) for stage in STAGES if stage in cfg.stages}
+
+
+def _guard(body: Callable[[], None]) -> None:
+    """User errors (config, bad records, missing files) end with one clear line and exit code 2."""
+    try:
+        body()
+    except (ConfigError, RecordError, FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+def cli_main(stage_fn: Callable[[DataConfig], dict], stage: str, argv: list[str] | None = None) -> None:
+    """`python -m data.<stage> --config X key=value`: one stage (the config's other stages are not run)."""
+    argv = sys.argv[1:] if argv is None else argv
+
+    def body() -> None:
+        args, overrides = parse_args(argv, f"python -m data.{stage}", stage_option=False)
+        cfg = load(args, overrides, [stage])
+        run_stage(cfg, stage, stage_fn)
+
+    _guard(body)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+
+    def body() -> None:
+        args, overrides = parse_args(argv, "data_process.sh")
+        stages = [s.strip() for s in args.stages.split(",") if s.strip()] if args.stages else None
+        cfg = load(args, overrides, stages)
+        run_pipeline(cfg)
+        print(f"packed: {cfg.packed_dir}", flush=True)
+
+    _guard(body)
+
+
+if __name__ == "__main__":
+    main()

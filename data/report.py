@@ -1,0 +1,67 @@
+"""report.json: one section per stage, with record accounting that must add up exactly.
+
+Every section has `in`, `out` and `dropped` ({reason: n}); stages that create records (sampling copies)
+also have `added` ({reason: n}). The invariant checked for every stage is
+
+    in + sum(added) == out + sum(dropped)
+
+which for preprocess/tokenize/pack is `in == out + sum(dropped)`, for sample counts extra copies as added and
+unselected records as dropped, and for merge counts records absorbed into a previous one as dropped
+(`merged_into_previous`). A section with per-category rows (`categories`: {name: {before, after}}) must also
+have them sum to `in` and `out`.
+"""
+from __future__ import annotations
+
+import os
+
+import orjson
+
+from data.io import atomic_write_bytes
+
+
+class ReportError(AssertionError):
+    """A stage's counts do not add up: a bug, never a user error."""
+
+
+def check_arithmetic(section: dict) -> dict:
+    """Raise ReportError unless the section's counts add up; returns the section."""
+    for key in ("in", "out", "dropped"):
+        if key not in section:
+            raise ReportError(f"report section lacks {key!r}: {section}")
+    dropped = sum(section["dropped"].values())
+    added = sum(section.get("added", {}).values())
+    if section["in"] + added != section["out"] + dropped:
+        raise ReportError(
+            f"counts do not add up: in {section['in']} + added {added} != out {section['out']} + dropped {dropped}"
+        )
+    cats = section.get("categories")
+    if cats:
+        before = sum(c["before"] for c in cats.values())
+        after = sum(c["after"] for c in cats.values())
+        if before != section["in"] or after != section["out"]:
+            raise ReportError(
+                f"per-category counts ({before} before, {after} after) differ from in={section['in']} "
+                f"out={section['out']}"
+            )
+    return section
+
+
+def read_report(path: str | os.PathLike) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return orjson.loads(f.read())
+    except FileNotFoundError:
+        return {}
+
+
+def update_report(path: str | os.PathLike, stage: str, section: dict) -> dict:
+    """Replace the `stage` section of report.json (read-modify-write, written atomically); returns the report."""
+    report = read_report(path)
+    report[stage] = section
+    atomic_write_bytes(path, orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS) + b"\n")
+    return report
+
+
+def sorted_counts(counts: dict) -> dict:
+    """Reason counts with a stable key order, so report.json bytes do not depend on encounter order."""
+    return {k: counts[k] for k in sorted(counts)}

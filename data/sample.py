@@ -1,0 +1,152 @@
+"""Stage 2: per-category ratio sampling of canonical.jsonl -> sampled.jsonl (seeded, shuffled).
+
+A category of n records with sample_rate r contributes floor(r) full copies of every record plus a seeded
+sample without replacement of round_half_up((r - floor(r)) * n) records: r = 0.5 keeps half, r = 2.5 keeps
+every record twice and half of them a third time, r = 0 drops the category. Copy k (k >= 1) of a record gets
+`meta.copy = k`. The output order is a seeded shuffle of all selected (record, copy) pairs; records are read
+back by byte offset, so memory holds only offsets and categories, never texts.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import orjson
+from tqdm import tqdm
+
+from data.config import DataConfig
+from data.io import JsonlIndex, atomic_writer, require_stage_input
+from data.preprocess import read_ratio_file
+from data.report import ReportError, check_arithmetic, update_report
+
+_SHUFFLE_STREAM = 1  # rng streams: (seed, 0, category_id) picks per category, (seed, 1) shuffles the output
+
+
+class SamplingError(ValueError):
+    """The ratio file does not cover the data or holds an invalid rate."""
+
+
+def fraction_count(rate: float, n: int) -> int:
+    """Records drawn (without replacement) for the fractional part of `rate`; halves round up. The product is
+    rounded to 9 decimals first so that decimal rates behave as written (2.55 * 10 -> 5.5, not 5.4999...)."""
+    return min(n, math.floor(round((rate - math.floor(rate)) * n, 9) + 0.5))
+
+
+def plan(categories: np.ndarray, rates: dict[int, float], seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Which (record index, copy) pairs to emit, in output order.
+
+    `categories[i]` is record i's category id; `rates` maps every id present to its sample rate.
+    """
+    rec_parts, copy_parts = [], []
+    for cid in np.unique(categories):
+        cid = int(cid)
+        members = np.flatnonzero(categories == cid)
+        rate = rates[cid]
+        full = math.floor(rate)
+        for k in range(full):
+            rec_parts.append(members)
+            copy_parts.append(np.full(len(members), k, dtype=np.int64))
+        m = fraction_count(rate, len(members))
+        if m:
+            rng = np.random.default_rng([seed, 0, cid])
+            picked = np.sort(rng.choice(members, size=m, replace=False))
+            rec_parts.append(picked)
+            copy_parts.append(np.full(m, full, dtype=np.int64))
+    if not rec_parts:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    records = np.concatenate(rec_parts)
+    copies = np.concatenate(copy_parts)
+    order = np.random.default_rng([seed, _SHUFFLE_STREAM]).permutation(len(records))
+    return records[order], copies[order]
+
+
+def check_rates(ratio_cats: list[dict], present: dict[int, int], ratio_path) -> dict[int, float]:
+    """Rates by category id; every category in the data must be in the ratio file with a rate >= 0."""
+    by_id = {c["category_id"]: c for c in ratio_cats}
+    missing = sorted(cid for cid in present if cid not in by_id)
+    if missing:
+        raise SamplingError(f"{ratio_path}: categories {missing} of the data have no entry; re-run preprocess "
+                            "(it adds new categories) or add them by hand")
+    rates = {}
+    for cid in present:
+        rate = by_id[cid].get("sample_rate", 1.0)
+        if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not math.isfinite(rate) or rate < 0:
+            raise SamplingError(f"{ratio_path}: category {by_id[cid]['category_name']!r} (id {cid}): sample_rate "
+                                f"must be a finite number >= 0, got {rate!r}")
+        rates[cid] = float(rate)
+    return rates
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'id':>4} {'category':<24} {'rate':>7} {'before':>9} {'after':>9}"]
+    for r in rows:
+        lines.append(f"{r['category_id']:>4} {r['category_name'][:24]:<24} {r['sample_rate']:>7g} {r['before']:>9} "
+                     f"{r['after']:>9}")
+    total_before = sum(r["before"] for r in rows)
+    total_after = sum(r["after"] for r in rows)
+    lines.append(f"{'':>4} {'total':<24} {'':>7} {total_before:>9} {total_after:>9}")
+    return "\n".join(lines)
+
+
+def run(cfg: DataConfig) -> dict:
+    """canonical.jsonl + ratio file -> sampled.jsonl; records the `sample` report section."""
+    cats: list[int] = []
+    names: dict[int, str] = {}
+
+    def visit(i: int, line: bytes) -> None:
+        meta = orjson.loads(line)["meta"]
+        cats.append(meta["category_id"])
+        names.setdefault(meta["category_id"], meta.get("category_name", str(meta["category_id"])))
+
+    index = JsonlIndex.build(require_stage_input(cfg.canonical_path, "preprocess"), visit)
+    categories = np.asarray(cats, dtype=np.int64)
+    present = {int(c): int(n) for c, n in zip(*np.unique(categories, return_counts=True))}
+    rates = check_rates(read_ratio_file(cfg.ratio_file), present, cfg.ratio_file)
+    records, copies = plan(categories, rates, cfg.seed)
+
+    with index, atomic_writer(cfg.sampled_path) as out:
+        for rec_i, copy in tqdm(zip(records.tolist(), copies.tolist()), total=len(records), desc="sample",
+                                unit="rec", mininterval=2.0):
+            line = index.read(rec_i)
+            if copy:
+                rec = orjson.loads(line)
+                rec["meta"]["copy"] = copy
+                line = orjson.dumps(rec)
+            out.write(line + b"\n")
+
+    after = {cid: 0 for cid in present}
+    for cid, n in zip(*np.unique(categories[records], return_counts=True)):
+        after[int(cid)] = int(n)
+    rows = []
+    dropped = {"rate_zero": 0, "not_sampled": 0}
+    added = {"copies": 0}
+    for cid in sorted(present):
+        n, rate = present[cid], rates[cid]
+        full, m = math.floor(rate), fraction_count(rate, n)
+        if after[cid] != full * n + m:
+            raise ReportError(f"category {cid}: {after[cid]} sampled, expected {full} * {n} + {m}")
+        rows.append({"category_id": cid, "category_name": names[cid], "sample_rate": rate, "before": n,
+                     "after": after[cid], "full_copies": full, "sampled": m})
+        if rate == 0:
+            dropped["rate_zero"] += n
+        elif full == 0:
+            dropped["not_sampled"] += n - m
+        else:
+            added["copies"] += (full - 1) * n + m
+    section = {
+        "in": len(categories), "out": len(records),
+        "dropped": {k: v for k, v in dropped.items() if v},
+        "added": {k: v for k, v in added.items() if v},
+        "categories": {r["category_name"]: r for r in rows},
+        "seed": cfg.seed, "ratio_file": str(cfg.ratio_file), "output": str(cfg.sampled_path),
+    }
+    check_arithmetic(section)
+    print(format_table(rows), flush=True)
+    update_report(cfg.report_path, "sample", section)
+    return section
+
+
+if __name__ == "__main__":
+    from data.pipeline import cli_main
+
+    cli_main(run, "sample")

@@ -1,0 +1,175 @@
+"""Readers for every input format, atomic writers, the JSONL byte index and the ordered parallel map."""
+import csv
+import os
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from data.io import (JsonlIndex, atomic_write_bytes, atomic_writer, expand_inputs, iter_rows, ordered_parallel_map,
+                     read_rows)
+from data.records import RecordError
+
+ROWS = [{"question": f"q{i}", "answer": f"a{i}"} for i in range(5)]
+
+
+def _rows(path):
+    return list(iter_rows(str(path)))
+
+
+def test_jsonl_sources_are_one_based_lines_and_blank_lines_are_not_rows(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"a": 1}\n\n{"a": 2}\n')
+    assert _rows(path) == [(f"{path}:1", {"a": 1}), (f"{path}:3", {"a": 2})]
+
+
+def test_jsonl_malformed_line_raises_or_is_counted(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"a": 1}\n{"a": \n[1, 2]\n{"a": 4}\n')
+    with pytest.raises(RecordError) as err:
+        list(read_rows(str(path)))
+    assert str(err.value).startswith(f"{path}:2: line: malformed JSON")
+    assert err.value.reason == "malformed_json"
+    dropped = {}
+    rows = list(read_rows(str(path), on_error="skip", dropped=dropped))
+    assert [r for _, r in rows] == [{"a": 1}, {"a": 4}]
+    assert dropped == {"malformed_json": 2}  # line 2 (bad JSON) and line 3 (not an object)
+
+
+def test_json_array_and_object_of_arrays(tmp_path):
+    arr = tmp_path / "a.json"
+    arr.write_bytes(orjson.dumps(ROWS))
+    assert _rows(arr) == [(f"{arr}:{i}", r) for i, r in enumerate(ROWS)]
+    obj = tmp_path / "o.json"
+    obj.write_bytes(orjson.dumps({"train": ROWS[:2], "extra": ROWS[2:3]}))
+    assert [s for s, _ in _rows(obj)] == [f"{obj}:train[0]", f"{obj}:train[1]", f"{obj}:extra[0]"]
+    bad = tmp_path / "b.json"
+    bad.write_bytes(b'{"a": 1')
+    with pytest.raises(RecordError, match="malformed JSON"):
+        _rows(bad)
+
+
+def test_csv_rows_with_file_line_numbers(tmp_path):
+    path = tmp_path / "d.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["question", "answer"])
+        w.writeheader()
+        w.writerows(ROWS[:2])
+    assert _rows(path) == [(f"{path}:2", ROWS[0]), (f"{path}:3", ROWS[1])]
+
+
+def test_parquet_streams_in_batches(tmp_path, monkeypatch):
+    import data.io
+
+    monkeypatch.setattr(data.io, "BATCH_ROWS", 2)  # several batches, row index continues across them
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist(ROWS), path, row_group_size=2)
+    assert _rows(path) == [(f"{path}:{i}", r) for i, r in enumerate(ROWS)]
+
+
+@pytest.mark.parametrize("kind", ["file", "stream"])
+def test_arrow_ipc_file_and_stream(tmp_path, kind):
+    table = pa.Table.from_pylist(ROWS)
+    path = tmp_path / "d.arrow"
+    with pa.OSFile(str(path), "wb") as sink:
+        new = pa.ipc.new_file if kind == "file" else pa.ipc.new_stream
+        with new(sink, table.schema) as writer:
+            for batch in table.to_batches(max_chunksize=2):
+                writer.write_batch(batch)
+    assert _rows(path) == [(f"{path}:{i}", r) for i, r in enumerate(ROWS)]
+
+
+def test_datasets_dir_with_and_without_split(tmp_path):
+    import datasets
+
+    single = tmp_path / "single"
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(single))
+    assert [r for _, r in _rows(single)] == ROWS
+    multi = tmp_path / "multi"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:3]),
+                          "test": datasets.Dataset.from_list(ROWS[3:])}).save_to_disk(str(multi))
+    rows = list(iter_rows(f"test@{multi}"))
+    assert rows == [(f"test@{multi}:0", ROWS[3]), (f"test@{multi}:1", ROWS[4])]
+    with pytest.raises(ValueError, match="DatasetDict with splits"):
+        list(iter_rows(str(multi)))
+    with pytest.raises(ValueError, match="no split 'dev'"):
+        list(iter_rows(f"dev@{multi}"))
+    assert expand_inputs([f"train@{multi}"]) == [f"train@{multi}"]
+
+
+def test_unsupported_suffix(tmp_path):
+    path = tmp_path / "d.txt"
+    path.write_text("x")
+    with pytest.raises(ValueError, match="unsupported input type"):
+        _rows(path)
+
+
+def test_expand_inputs_sorts_each_glob_and_keeps_list_order(tmp_path):
+    for name in ("b.jsonl", "a.jsonl", "c.json"):
+        (tmp_path / name).write_text("")
+    got = expand_inputs([str(tmp_path / "c.json"), str(tmp_path / "*.jsonl")])
+    assert got == [str(tmp_path / n) for n in ("c.json", "a.jsonl", "b.jsonl")]
+    with pytest.raises(FileNotFoundError, match="no file matches"):
+        expand_inputs(str(tmp_path / "none*.jsonl"))
+
+
+def test_atomic_writer_keeps_old_content_on_error_and_leaves_no_temp(tmp_path):
+    path = tmp_path / "out.jsonl"
+    atomic_write_bytes(path, b"old\n")
+    with pytest.raises(RuntimeError):
+        with atomic_writer(path) as f:
+            f.write(b"half")
+            raise RuntimeError("boom")
+    assert path.read_bytes() == b"old\n"
+    assert os.listdir(tmp_path) == ["out.jsonl"]
+    with atomic_writer(path) as f:
+        f.write(b"new\n")
+    assert path.read_bytes() == b"new\n"
+
+
+def test_jsonl_index_seeks_records(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in ROWS))
+    seen = []
+    with JsonlIndex.build(path, lambda i, line: seen.append(i)) as index:
+        assert len(index) == len(ROWS) and seen == list(range(len(ROWS)))
+        assert index.get(3) == ROWS[3] and index.get(0) == ROWS[0]
+        assert index.read(4) == orjson.dumps(ROWS[4])
+        assert int(index.offsets[-1]) == path.stat().st_size
+
+
+def _square_chunk(task):
+    return [x * x for x in task]
+
+
+def test_ordered_parallel_map_keeps_order_for_any_worker_count():
+    tasks = [list(range(i, i + 3)) for i in range(0, 30, 3)]
+    expected = [_square_chunk(t) for t in tasks]
+    assert list(ordered_parallel_map(_square_chunk, iter(tasks), 1)) == expected
+    assert list(ordered_parallel_map(_square_chunk, iter(tasks), 2)) == expected
+
+
+def test_csv_multiline_field_and_ragged_row(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_text('question,answer\n"two\nlines",a0\nq1\nq2,a2\n')
+    rows = _rows(path)
+    assert rows[0] == (f"{path}:2", {"question": "two\nlines", "answer": "a0"})
+    assert isinstance(rows[1][1], RecordError) and str(rows[1][1]) == f"{path}:4: row: 1 fields for 2 columns"
+    assert rows[2] == (f"{path}:5", {"question": "q2", "answer": "a2"})
+
+
+def test_columnar_json_is_rejected_with_a_clear_message(tmp_path):
+    path = tmp_path / "cols.json"
+    path.write_bytes(orjson.dumps({"question": ["q0", "q1"], "answer": ["a0", "a1"]}))
+    with pytest.raises(RecordError, match="column-oriented JSON is not supported"):
+        _rows(path)
+
+
+def test_utf8_bom_is_ignored(tmp_path):
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "d.jsonl").write_bytes(bom + b'{"a": 1}\n')
+    (tmp_path / "d.json").write_bytes(bom + b'[{"a": 1}]')
+    (tmp_path / "d.csv").write_bytes(bom + b"a\n1\n")
+    for name, value in (("d.jsonl", 1), ("d.json", 1), ("d.csv", "1")):
+        assert [r for _, r in _rows(tmp_path / name)] == [{"a": value}]

@@ -1,0 +1,209 @@
+"""loss_turns and pseudo-multiturn merging: rules, token budget, determinism, per-message categories."""
+import copy
+import itertools
+
+import orjson
+import pytest
+
+from data import merge
+from data.config import DataConfig, MergeConfig
+from data.io import iter_jsonl, iter_rows
+from data.report import check_arithmetic, read_report
+from tests.conftest import fixture_path, tokenizer_dir
+
+
+def rec(uid, cat=1, turns=1, system=None, **extra):
+    messages = [{"role": "system", "content": system}] if system else []
+    for t in range(turns):
+        messages += [{"role": "user", "content": f"question {uid}.{t}"},
+                     {"role": "assistant", "content": f"answer {uid}.{t}"}]
+    labels = [int(m["role"] == "assistant") for m in messages]
+    return {"messages": messages, "labels": labels,
+            "meta": {"category_id": cat, "category_name": f"c{cat}", "uid": uid}, **extra}
+
+
+def setup(tmp_path, records, tokenizer="qwen2_5_instruct", **kw) -> DataConfig:
+    kw.setdefault("num_workers", 1)
+    tok = str(tokenizer_dir(tokenizer)) if tokenizer else "unused"
+    cfg = DataConfig(inputs=[], output_dir=str(tmp_path / "out"), tokenizer_path=tok, **kw)
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    cfg.sampled_path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------- loss_turns
+def test_loss_turns_last_vs_all_on_three_turns(tmp_path):
+    three = rec(0, turns=3, system="sys")
+    assert three["labels"] == [0, 0, 1, 0, 1, 0, 1]
+    r = copy.deepcopy(three)
+    assert merge.apply_loss_turns(r, "all") == 0 and r["labels"] == [0, 0, 1, 0, 1, 0, 1]
+    assert merge.apply_loss_turns(r, "last") == 2 and r["labels"] == [0, 0, 0, 0, 0, 0, 1]
+    # explicit labels: the last LABELLED assistant message keeps its label, not the last assistant message
+    r = copy.deepcopy(three)
+    r["labels"] = [0, 0, 1, 0, 1, 0, 0]
+    merge.apply_loss_turns(r, "last")
+    assert r["labels"] == [0, 0, 0, 0, 1, 0, 0]
+    # probability 0: no tokenizer needed, loss_turns still applied, records otherwise unchanged
+    cfg = setup(tmp_path, [three, rec(1)], tokenizer=None, loss_turns="last")
+    section = merge.run(cfg)
+    out = list(iter_jsonl(cfg.merged_path))
+    assert [o["labels"] for o in out] == [[0, 0, 0, 0, 0, 0, 1], [0, 1]]
+    assert out[1] == rec(1)
+    assert section["labels_zeroed_by_loss_turns"] == 2 and section["in"] == section["out"] == 2
+
+
+def test_loss_turns_last_applies_per_original_record_when_merged(tmp_path):
+    cfg = setup(tmp_path, [rec(0, turns=2), rec(1, turns=3)], loss_turns="last",
+                merge=MergeConfig(probability=1.0, max_tokens=10_000))
+    merge.run(cfg)
+    (merged,) = list(iter_jsonl(cfg.merged_path))
+    assert merged["labels"] == [0, 0, 0, 1] + [0, 0, 0, 0, 0, 1]
+    assert merged["meta"]["uids"] == [0, 1]
+
+
+# ---------------------------------------------------------------------------------------------- pure rules
+def test_merge_records_categories_and_duplicate_system_prompt():
+    a, b, c = rec(0, cat=1, system="S"), rec(1, cat=2, system="S"), rec(2, cat=3)
+    b["messages"][2]["category_id"] = 7  # a message's own category wins
+    merged = merge.merge_records([a, b, c])
+    assert [m["role"] for m in merged["messages"]] == ["system", "user", "assistant", "user", "assistant",
+                                                      "user", "assistant"]
+    assert [m["category_id"] for m in merged["messages"]] == [1, 1, 1, 2, 7, 3, 3]
+    assert merged["labels"] == [0, 0, 1, 0, 1, 0, 1]
+    assert merged["meta"] == {"category_id": 1, "category_name": "c1", "uids": [0, 1, 2]}
+    assert merge.merge_records([a]) is a
+
+
+def test_merge_block_reasons():
+    group = [rec(0, system="S")]
+    assert merge.merge_block_reason(group, 10, rec(1), 5, 100) is None
+    assert merge.merge_block_reason(group, 10, rec(1, system="S"), 5, 100) is None
+    assert merge.merge_block_reason(group, 10, rec(1, system="other"), 5, 100) == "system_prompt"
+    assert merge.merge_block_reason([rec(0)], 10, rec(1, system="S"), 5, 100) == "system_prompt"
+    assert merge.merge_block_reason(group, 10, rec(1, tools=[{"type": "function"}]), 5, 100) == "tools"
+    assert merge.merge_block_reason(group, 10, rec(1, enable_thinking=True), 5, 100) == "enable_thinking"
+    assert merge.merge_block_reason(group, 60, rec(1), 40, 100) is None
+    assert merge.merge_block_reason(group, 61, rec(1), 40, 100) == "token_budget"
+
+
+# ---------------------------------------------------------------------------------------------- stage
+def _fixture_records(name, n):
+    from data.config import InputSpec
+    from data.preprocess import convert_row, detect_format
+
+    path = fixture_path("data", name)
+    out = []
+    for source, raw in itertools.islice(iter_rows(str(path)), n):
+        fmt, spec = detect_format(raw, InputSpec(path=[str(path)]), source)
+        out.append(convert_row(raw, spec, fmt, source)[0])
+    return out
+
+
+@pytest.mark.parametrize("tokenizer,data", [
+    ("qwen2_5_instruct", ["llamafactory_glaive_toolcall_en_demo.json", "llamafactory_reason_tool_use_demo_50.jsonl"]),
+    ("qwen3", ["llamafactory_reason_tool_use_demo_50.jsonl", "skyt1_math500_longcot.messages.jsonl"]),
+    ("llama3_1_instruct", ["fastchat_dummy_conversation.json", "gsm8k_test.jsonl"]),
+    ("phi3_mini_instruct", ["fastchat_dummy_conversation.json", "gsm8k_test.jsonl"]),
+])
+def test_batched_token_counts_equal_apply_chat_template(tokenizer, data):
+    tok = merge._tokenizer((str(tokenizer_dir(tokenizer)), None))  # the per-process cache run() uses
+    records = [r for name in data for r in _fixture_records(name, 6)]
+    expected = [len(tok.apply_chat_template(r["messages"], tools=r.get("tools"), tokenize=True)["input_ids"])
+                for r in records]
+    assert merge.count_tokens_batch(tok, records) == expected
+    if tokenizer == "qwen3":  # enable_thinking reaches the template
+        off = merge.count_tokens_batch(tok, records[:1], default_thinking=False)[0]
+        assert off == len(tok.apply_chat_template(records[0]["messages"], tools=records[0].get("tools"),
+                                                  tokenize=True, enable_thinking=False)["input_ids"])
+
+
+def test_gpt2_without_chat_template_is_a_clear_error():
+    with pytest.raises(ValueError, match="has no chat template; set chat_template"):
+        merge.load_tokenizer(str(tokenizer_dir("gpt2")), None)
+
+
+def test_token_budget_blocks_merges(tmp_path):
+    records = [rec(i) for i in range(6)]
+    tok = merge._tokenizer((str(tokenizer_dir("qwen2_5_instruct")), None))
+    counts = merge.count_tokens_batch(tok, records)
+    n = counts[0]
+    assert counts == [n] * 6
+    cfg = setup(tmp_path, records, merge=MergeConfig(probability=1.0, max_tokens=2 * n + 1))
+    section = merge.run(cfg)
+    out = list(iter_jsonl(cfg.merged_path))
+    assert [o["meta"]["uids"] for o in out] == [[0, 1], [2, 3], [4, 5]]
+    assert section["blocked"] == {"token_budget": 2} and section["group_sizes"] == {"2": 3}
+    assert section["dropped"] == {"merged_into_previous": 3}
+    check_arithmetic(section)
+    assert read_report(cfg.report_path)["merge"] == section
+    # default budget: max_length
+    cfg = setup(tmp_path, records, merge=MergeConfig(probability=1.0), max_length=3 * n)
+    assert merge.run(cfg)["group_sizes"] == {"3": 2}
+
+
+def _mixed_records():
+    out = []
+    for i in range(40):
+        system = ["S", None, "T"][i % 3] if i % 5 else None
+        out.append(rec(i, cat=1 + i % 4, turns=1 + i % 3, system=system))
+    return out
+
+
+def test_merging_is_seeded_and_identical_for_one_or_two_workers(tmp_path, monkeypatch):
+    monkeypatch.setattr(merge, "CHUNK_RECORDS", 4)
+    outputs = []
+    for workers, seed in ((1, 5), (2, 5), (1, 6)):
+        cfg = setup(tmp_path / f"{workers}_{seed}", _mixed_records(), num_workers=workers, seed=seed,
+                    merge=MergeConfig(probability=0.6, max_tokens=120))
+        section = merge.run(cfg)
+        check_arithmetic(section)
+        outputs.append(cfg.merged_path.read_bytes())
+    assert outputs[0] == outputs[1]
+    assert outputs[0] != outputs[2]
+    merged = [orjson.loads(line) for line in outputs[0].splitlines()]
+    assert sum(len(m["meta"].get("uids", [0])) for m in merged) == 40
+    groups = [m for m in merged if "uids" in m["meta"]]
+    assert groups, "probability 0.6 must merge some records"
+    originals = {r["meta"]["uid"]: r for r in _mixed_records()}
+    for g in groups:
+        head = originals[g["meta"]["uids"][0]]
+        # each message carries its original record's category; system prompt only first
+        expected_cats, expected_roles = [], []
+        for k, uid in enumerate(g["meta"]["uids"]):
+            o = originals[uid]
+            msgs = o["messages"][1:] if k and o["messages"][0]["role"] == "system" else o["messages"]
+            if k:
+                assert merge.system_prompt(o) in (None, merge.system_prompt(head))
+            expected_cats += [o["meta"]["category_id"]] * len(msgs)
+            expected_roles += [m["role"] for m in msgs]
+        assert [m["category_id"] for m in g["messages"]] == expected_cats
+        assert [m["role"] for m in g["messages"]] == expected_roles
+
+
+def test_run_matches_a_reference_that_counts_every_record(tmp_path, monkeypatch):
+    """Only records at a drawn merge boundary are counted; the groups equal those of a plain reference."""
+    import random
+
+    records = _mixed_records()
+    tok = merge._tokenizer((str(tokenizer_dir("qwen2_5_instruct")), None))
+    counts = merge.count_tokens_batch(tok, records)
+    p, budget, seed = 0.4, 150, 11
+    rng = random.Random(seed)
+    groups, sizes = [], []
+    for i, r in enumerate(records):
+        if i and rng.random() < p and merge.merge_block_reason(groups[-1], sizes[-1], r, counts[i], budget) is None:
+            groups[-1].append(r)
+            sizes[-1] += counts[i]
+        else:
+            groups.append([r])
+            sizes.append(counts[i])
+    expected = [[r["meta"]["uid"] for r in g] for g in groups]
+
+    counted = []
+    real = merge.count_tokens_batch
+    monkeypatch.setattr(merge, "count_tokens_batch", lambda t, recs, d=None: counted.extend(recs) or real(t, recs, d))
+    cfg = setup(tmp_path, records, seed=seed, merge=MergeConfig(probability=p, max_tokens=budget))
+    merge.run(cfg)
+    got = [o["meta"].get("uids", [o["meta"].get("uid")]) for o in iter_jsonl(cfg.merged_path)]
+    assert got == expected
+    assert any(len(g) > 1 for g in got) and len(counted) < len(records)

@@ -1,0 +1,111 @@
+"""The driver: stage order, --stages and overrides, the last output line, errors, data_process.sh end to end."""
+import subprocess
+import sys
+import types
+
+import orjson
+import pytest
+
+from data import pipeline
+from data.report import check_arithmetic, read_report
+from tests.conftest import ROOT, fixture_path, tokenizer_dir
+
+
+def write_config(tmp_path, **extra):
+    gsm8k = tmp_path / "gsm8k.jsonl"
+    gsm8k.write_bytes(b"".join(fixture_path("data", "gsm8k_test.jsonl").read_bytes().splitlines(True)[:30]))
+    cfg = {
+        "inputs": [{"path": str(gsm8k), "category_name": "math"},
+                   {"path": str(fixture_path("data", "fastchat_dummy_conversation.json")), "category_name": "chat"}],
+        "output_dir": str(tmp_path / "out"),
+        "tokenizer_path": str(tokenizer_dir("qwen2_5_instruct")),
+        "num_workers": 1,
+        **extra,
+    }
+    path = tmp_path / "config.json"
+    path.write_bytes(orjson.dumps(cfg))
+    return path
+
+
+def fake_stage(name, calls):
+    module = types.ModuleType(f"data.{name}")
+
+    def run(cfg):
+        calls.append((name, cfg.max_length))
+        return {"in": 1, "out": 1, "dropped": {}}
+
+    module.run = run
+    return module
+
+
+def test_driver_runs_requested_stages_in_order_and_ends_with_packed_dir(tmp_path, monkeypatch, capsys):
+    config = write_config(tmp_path)
+    calls = []
+    for name in ("tokenize", "pack"):
+        monkeypatch.setitem(sys.modules, f"data.{name}", fake_stage(name, calls))
+    pipeline.main([str(config), "--stages", "pack,preprocess,tokenize", "max_length=4096",
+                   "ratio_path=" + str(tmp_path / "r.json")])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split("]")[0] for line in lines[:3]] == ["[preprocess", "[tokenize", "[pack"]
+    assert lines[0].startswith("[preprocess] in=530 out=530")
+    assert lines[-1] == f"packed: {tmp_path / 'out' / 'packed'}"
+    assert calls == [("tokenize", 4096), ("pack", 4096)]
+    assert (tmp_path / "r.json").exists() and not (tmp_path / "out" / "sampled.jsonl").exists()
+
+
+def test_unknown_stage_and_bad_override_exit_with_a_clear_message(tmp_path, capsys):
+    config = write_config(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        pipeline.main([str(config), "--stages", "preprocess,shuffle"])
+    assert exit_info.value.code == 2
+    assert "unknown stage(s) ['shuffle']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        pipeline.main(["--config", str(config), "merge.probabilty=0.5"])
+    assert "unknown key(s) ['probabilty']" in capsys.readouterr().err
+
+
+def test_bad_record_error_names_file_line(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"messages": [{"role": "user", "content": "x"}]}\n')
+    config = tmp_path / "c.json"
+    config.write_bytes(orjson.dumps({"inputs": [{"path": str(bad)}], "output_dir": str(tmp_path / "o"),
+                                     "tokenizer_path": "unused", "stages": ["preprocess"]}))
+    with pytest.raises(SystemExit):
+        pipeline.main([str(config)])
+    assert f"error: {bad}:1: labels: no assistant message is trained" in capsys.readouterr().err
+
+
+def test_stage_cli_runs_only_its_stage(tmp_path, capsys):
+    from data import preprocess, sample
+
+    config = write_config(tmp_path)
+    pipeline.cli_main(preprocess.run, "preprocess", ["--config", str(config)])
+    pipeline.cli_main(sample.run, "sample", ["--config", str(config), "seed=7"])
+    out = capsys.readouterr().out
+    assert "[preprocess] in=530 out=530" in out and "[sample] in=530 out=530" in out
+    assert read_report(tmp_path / "out" / "report.json")["sample"]["seed"] == 7
+
+
+def test_data_process_sh_end_to_end(tmp_path):
+    config = write_config(tmp_path, merge={"probability": 0.0}, loss_turns="last")
+    result = subprocess.run(["sh", str(ROOT / "data_process.sh"), str(config), "--stages", "preprocess,sample,merge"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines[-1] == f"packed: {tmp_path / 'out' / 'packed'}"
+    report = read_report(tmp_path / "out" / "report.json")
+    assert list(report) == ["preprocess", "sample", "merge"]
+    for section in report.values():
+        check_arithmetic(section)
+    assert report["merge"]["in"] == report["sample"]["out"] == report["preprocess"]["out"] == 530
+    merged = [orjson.loads(x) for x in (tmp_path / "out" / "merged.jsonl").read_bytes().splitlines()]
+    assert all(sum(r["labels"]) == 1 for r in merged)  # loss_turns=last on multi-turn chats
+
+
+def test_stage_without_its_input_names_the_missing_stage(tmp_path, capsys):
+    from data import sample
+
+    config = write_config(tmp_path)
+    with pytest.raises(SystemExit):
+        pipeline.cli_main(sample.run, "sample", ["--config", str(config)])
+    assert "canonical.jsonl does not exist; run the preprocess stage first" in capsys.readouterr().err

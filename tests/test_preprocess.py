@@ -1,0 +1,267 @@
+"""Converters on the real fixtures, canonical validation errors (raised and counted), the ratio file, workers."""
+import itertools
+
+import orjson
+import pytest
+
+from data import preprocess
+from data.config import DataConfig, InputSpec
+from data.io import iter_jsonl, iter_rows
+from data.records import RecordError, validate_canonical
+from data.report import check_arithmetic, read_report
+from tests.conftest import fixture_path
+
+
+def make_cfg(tmp_path, inputs, **kw) -> DataConfig:
+    kw.setdefault("num_workers", 1)
+    return DataConfig(inputs=inputs, output_dir=str(tmp_path / "out"), tokenizer_path="unused", **kw)
+
+
+def first_rows(path, n):
+    return list(itertools.islice(iter_rows(str(path)), n))
+
+
+def convert(path, n=50, **spec):
+    spec = InputSpec(path=[str(path)], **spec)
+    out = []
+    for source, raw in first_rows(path, n):
+        fmt, resolved = preprocess.detect_format(raw, spec, source)
+        out.append((fmt, *preprocess.convert_row(raw, resolved, fmt, source)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- converters
+def test_gsm8k_question_answer_auto_and_explicit():
+    path = fixture_path("data", "gsm8k_test.jsonl")
+    raw = first_rows(path, 1)[0][1]
+    for spec in ({}, {"format": "prompt_response", "prompt_key": "question", "response_key": "answer"}):
+        fmt, rec, cat = convert(path, 1, system="Be brief.", **spec)[0]
+        assert fmt == "prompt_response" and cat == "untracked"
+        assert rec["messages"] == [{"role": "system", "content": "Be brief."},
+                                   {"role": "user", "content": raw["question"]},
+                                   {"role": "assistant", "content": raw["answer"]}]
+        assert rec["labels"] == [0, 0, 1]
+
+
+def test_glaive_sharegpt_function_call_observation_and_tools():
+    path = fixture_path("data", "llamafactory_glaive_toolcall_en_demo.json")
+    converted = convert(path, 300)
+    assert {fmt for fmt, _, _ in converted} == {"sharegpt"}
+    fmt, rec, _ = converted[0]
+    raw = first_rows(path, 1)[0][1]
+    roles = {"human": "user", "gpt": "assistant", "function_call": "assistant", "observation": "tool"}
+    assert [m["role"] for m in rec["messages"]] == [roles[t["from"]] for t in raw["conversations"]]
+    call = rec["messages"][3]
+    assert call["content"] == "" and call["tool_calls"] == [{"type": "function", "function": {
+        "name": "search_recipes", "arguments": {"ingredients": ["chicken", "bell peppers", "rice"]}}}]
+    assert rec["messages"][4]["content"] == raw["conversations"][4]["value"]
+    assert rec["labels"] == [int(m["role"] == "assistant") for m in rec["messages"]]
+    # tools: a JSON string of bare specs -> a list of {"type": "function", "function": spec}
+    assert rec["tools"] == [{"type": "function", "function": t} for t in orjson.loads(raw["tools"])]
+    # rows whose tools string is empty ("" or "[]") have no tools key
+    assert sum("tools" not in r for _, r, _ in converted) == 109
+
+
+def test_reason_tool_use_messages_with_content_parts():
+    path = fixture_path("data", "llamafactory_reason_tool_use_demo_50.jsonl")
+    converted = convert(path, 50)
+    assert {fmt for fmt, _, _ in converted} == {"messages"}
+    raws = [r for _, r in first_rows(path, 50)]
+    n_calls = sum(p["type"] == "tool_call" for r in raws for m in r["messages"] for p in m["content"])
+    assert sum(len(m.get("tool_calls", [])) for _, r, _ in converted for m in r["messages"]) == n_calls
+    for (_, rec, _), raw in zip(converted, raws):
+        for msg, raw_msg in zip(rec["messages"], raw["messages"]):
+            parts = raw_msg["content"]
+            assert msg["content"] == "".join(p["value"] for p in parts if p["type"] == "text")
+            reasoning = [p["value"] for p in parts if p["type"] == "reasoning"]
+            assert msg.get("reasoning_content") == ("".join(reasoning) if reasoning else None)
+        assert rec.get("tools") == (None if raw["tools"] in ("", "[]") else orjson.loads(raw["tools"]))
+    # parallel calls: one assistant message with several tool_calls, answered by a tool message
+    multi = next(r for _, r, _ in converted if any(len(m.get("tool_calls", [])) > 1 for m in r["messages"]))
+    i = next(i for i, m in enumerate(multi["messages"]) if len(m.get("tool_calls", [])) > 1)
+    assert multi["messages"][i + 1]["role"] == "tool" and multi["labels"][i] == 1
+
+
+def test_parallel_r1_verl_parquet():
+    path = fixture_path("data", "parallel_r1_gsm8k_sft_train.parquet")
+    raw = first_rows(path, 1)[0][1]
+    fmt, rec, _ = convert(path, 1)[0]
+    assert fmt == "verl"
+    assert rec["messages"] == [{"role": "user", "content": raw["prompt"][0]["content"]},
+                               {"role": "assistant", "content": raw["output"]}]
+    fmt, rec2, _ = convert(path, 1, format="verl", response_key="output")[0]
+    assert rec2 == rec
+
+
+def test_fastchat_sharegpt_multiturn():
+    path = fixture_path("data", "fastchat_dummy_conversation.json")
+    fmt, rec, _ = convert(path, 1)[0]
+    assert fmt == "sharegpt"
+    assert [m["content"] for m in rec["messages"]] == ["Who are you?", rec["messages"][1]["content"],
+                                                      "Have a nice day!", "You too!"]
+    assert rec["labels"] == [0, 1, 0, 1]
+
+
+def test_user_function_and_category_field(tmp_path):
+    fn_file = tmp_path / "conv.py"
+    fn_file.write_text(
+        "def to_record(row):\n"
+        "    if row['q'] == 'skip':\n"
+        "        return None\n"
+        "    if row['q'] == 'crash':\n"
+        "        raise KeyError('nope')\n"
+        "    return {'messages': [{'role': 'user', 'content': row['q']},\n"
+        "                         {'role': 'assistant', 'content': row['a']}], 'meta': {'origin': row['src']}}\n"
+    )
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in [
+        {"q": "1+1", "a": "2", "src": "x", "kind": "math"},
+        {"q": "skip", "a": "", "src": "y", "kind": "math"},
+        {"q": "hi", "a": "hello", "src": "z", "kind": "chat"},
+        {"q": "crash", "a": "", "src": "w", "kind": "chat"},
+    ]))
+    spec = InputSpec(path=[str(data)], format="function", function=f"{fn_file}:to_record", category_field="kind")
+    with pytest.raises(RecordError, match=r"d.jsonl:4: function: .*conv.py:to_record raised KeyError: 'nope'"):
+        preprocess.run(make_cfg(tmp_path, [spec]))
+    cfg = make_cfg(tmp_path, [spec], on_error="skip")
+    section = preprocess.run(cfg)
+    recs = list(iter_jsonl(cfg.canonical_path))
+    assert [r["meta"] for r in recs] == [
+        {"category_id": 1, "category_name": "math", "uid": 0, "source": f"{data}:1", "origin": "x"},
+        {"category_id": 2, "category_name": "chat", "uid": 1, "source": f"{data}:3", "origin": "z"},
+    ]
+    assert section["dropped"] == {"filtered_by_function": 1, "function_error": 1}
+    assert section["in"] == 4 and section["out"] == 2
+
+
+# ---------------------------------------------------------------------------------------------- validation
+GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+BAD = {
+    "unknown_role": ({"messages": [{"role": "narrator", "content": "x"}, {"role": "assistant", "content": "y"}]},
+                     "messages[0].role: unknown role 'narrator'"),
+    "labels_length": ({**GOOD, "labels": [0, 1, 1]}, "labels: 3 labels for 2 messages"),
+    "empty_conversation": ({"messages": []}, "messages: empty conversation"),
+    "no_trainable_token": ({**GOOD, "labels": [0, 0]}, "labels: no assistant message is trained"),
+    "bad_label": ({**GOOD, "labels": [1, 1]}, "labels[0]: label 1 on a user message"),
+    "system_not_first": ({"messages": GOOD["messages"] + [{"role": "system", "content": "s"}]},
+                         "messages[2].role: a system message is only allowed as the first message"),
+}
+
+
+def test_validate_defaults_and_passthrough():
+    rec = validate_canonical({
+        "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                     {"role": "assistant", "content": None,
+                      "tool_calls": [{"name": "f", "arguments": '{"x": 1}'}]},
+                     {"role": "tool", "content": "1"}, {"role": "tool", "content": "2"},
+                     {"role": "assistant", "content": "done"}],
+        "tools": '[{"name": "f", "parameters": {}}]', "enable_thinking": False}, "f:1")
+    assert rec["labels"] == [0, 0, 1, 0, 0, 1]
+    assert rec["messages"][2] == {"role": "assistant", "content": "",
+                                  "tool_calls": [{"type": "function", "function": {"name": "f",
+                                                                                  "arguments": '{"x": 1}'}}]}
+    assert rec["tools"] == [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    assert rec["enable_thinking"] is False
+
+
+@pytest.mark.parametrize("reason", sorted(BAD))
+def test_validation_error_messages(reason):
+    record, message = BAD[reason]
+    with pytest.raises(RecordError) as err:
+        validate_canonical(record, "data.jsonl:7")
+    assert err.value.reason == reason
+    assert str(err.value).startswith(f"data.jsonl:7: {message}")
+
+
+def _bad_input_file(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    lines = [orjson.dumps(GOOD), b'{"messages": [', *(orjson.dumps(BAD[k][0]) for k in sorted(BAD)),
+             orjson.dumps(GOOD)]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+def test_bad_inputs_error_names_file_line_and_field(tmp_path):
+    path = _bad_input_file(tmp_path)
+    cfg = make_cfg(tmp_path, [InputSpec(path=[str(path)], format="messages")])
+    with pytest.raises(RecordError) as err:
+        preprocess.run(cfg)
+    assert str(err.value).startswith(f"{path}:2: line: malformed JSON")
+    path.write_bytes(b"\n".join(path.read_bytes().split(b"\n")[2:]))  # drop good line + malformed line
+    with pytest.raises(RecordError) as err:
+        preprocess.run(cfg)
+    assert str(err.value).startswith(f"{path}:1: labels[0]: label 1 on a user message")  # first of sorted(BAD)
+    assert not cfg.canonical_path.exists()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_bad_inputs_are_counted_under_skip_and_report_adds_up(tmp_path, workers):
+    path = _bad_input_file(tmp_path)
+    cfg = make_cfg(tmp_path, [InputSpec(path=[str(path)], format="messages")], on_error="skip",
+                   num_workers=workers)
+    section = preprocess.run(cfg)
+    assert section["dropped"] == {"malformed_json": 1, **{k: 1 for k in BAD}}
+    assert section["in"] == 2 + 1 + len(BAD) and section["out"] == 2
+    check_arithmetic(section)
+    assert read_report(cfg.report_path)["preprocess"] == section
+    assert [r["meta"]["uid"] for r in iter_jsonl(cfg.canonical_path)] == [0, 1]
+
+
+# ---------------------------------------------------------------------------------------------- ratio file
+def _jsonl(path, rows):
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    return str(path)
+
+
+def test_ratio_file_update_semantics(tmp_path):
+    qa = [{"question": "q", "answer": "a"}]
+    a = _jsonl(tmp_path / "a.jsonl", qa * 3)
+    b = _jsonl(tmp_path / "b.jsonl", qa * 2)
+    c = _jsonl(tmp_path / "c.jsonl", qa * 4)
+    cfg = make_cfg(tmp_path, [InputSpec(path=[a], category_name="alpha"), InputSpec(path=[b], category_name="beta"),
+                              InputSpec(path=[c])])
+    preprocess.run(cfg)
+    cats = preprocess.read_ratio_file(cfg.ratio_file)
+    assert cats == [
+        {"category_id": 0, "category_name": "untracked", "size": 4, "sample_rate": 1.0},
+        {"category_id": 1, "category_name": "alpha", "size": 3, "sample_rate": 1.0},
+        {"category_id": 2, "category_name": "beta", "size": 2, "sample_rate": 1.0},
+    ]
+    # the user edits a rate; the next run drops beta, adds gamma and changes alpha's size
+    cats[1]["sample_rate"] = 0.25
+    preprocess.write_ratio_file(cfg.ratio_file, cats)
+    _jsonl(tmp_path / "a.jsonl", qa * 5)
+    g = _jsonl(tmp_path / "g.jsonl", qa)
+    cfg.inputs = [InputSpec(path=[g], category_name="gamma"), InputSpec(path=[a], category_name="alpha")]
+    preprocess.run(cfg)
+    assert preprocess.read_ratio_file(cfg.ratio_file) == [
+        {"category_id": 0, "category_name": "untracked", "size": 0, "sample_rate": 1.0},
+        {"category_id": 1, "category_name": "alpha", "size": 5, "sample_rate": 0.25},
+        {"category_id": 2, "category_name": "beta", "size": 0, "sample_rate": 1.0},
+        {"category_id": 3, "category_name": "gamma", "size": 1, "sample_rate": 1.0},
+    ]
+    assert [r["meta"]["category_id"] for r in iter_jsonl(cfg.canonical_path)] == [3] + [1] * 5
+
+
+def test_ratio_file_invalid(tmp_path):
+    path = tmp_path / "r.json"
+    path.write_bytes(orjson.dumps({"categories": [{"category_id": 1, "category_name": "a"},
+                                                  {"category_id": 1, "category_name": "b"}]}))
+    with pytest.raises(ValueError, match="duplicate category id 1"):
+        preprocess.read_ratio_file(path)
+
+
+# ---------------------------------------------------------------------------------------------- workers
+def test_one_and_two_workers_write_identical_bytes(tmp_path, monkeypatch):
+    monkeypatch.setattr(preprocess, "CHUNK_ROWS", 16)  # many chunks in flight
+    inputs = [InputSpec(path=[str(fixture_path("data", "fastchat_dummy_conversation.json"))], category_name="chat"),
+              InputSpec(path=[str(fixture_path("data", "llamafactory_reason_tool_use_demo_50.jsonl"))]),
+              InputSpec(path=[str(fixture_path("data", "parallel_r1_gsm8k_sft_train.parquet"))],
+                        category_name="parallel")]
+    outputs = []
+    for workers in (1, 2):
+        cfg = make_cfg(tmp_path / str(workers), inputs, num_workers=workers)
+        section = preprocess.run(cfg)
+        outputs.append((cfg.canonical_path.read_bytes(), cfg.ratio_file.read_bytes(), section["out"]))
+    assert outputs[0] == outputs[1]
+    assert outputs[0][2] == 500 + 50 + 341
