@@ -1,0 +1,471 @@
+"""Sequence parallelism: one packed micro-batch row split over the ranks of an sp group, exact under any split.
+
+Flow per micro-batch (see docs/ARCHITECTURE.md):
+1. `train.batch.make_batch` builds the FULL row: targets shifted once on the full row and the exact per-token
+   loss weights of the optimizer step, so no supervised token is lost at a shard boundary.
+2. `shard_batch(batch, sp_rank, sp_size, backend, group=...)` pads the row to what the backend needs and keeps
+   this rank's tokens (input ids, positions, targets, weights, categories, ...) plus an `SPContext` that the
+   registered attention function hands to `sp_attention` in every layer.
+3. Each rank computes `weighted_lm_loss` on its local tokens. The step loss is the plain sum over sp ranks, dp
+   ranks and micro-batches (weights are normalised over the whole step), so token losses are never gathered;
+   a rank whose shard holds no loss token contributes exactly zero but must still run forward and backward,
+   because its keys/values feed the other ranks and the collectives' backward needs every rank.
+
+Layouts:
+- contiguous (`torch`, `llama3`): the row is padded at the end to a multiple of sp with one extra padding
+  sequence (weight 0, target -100, attends only to itself) and cut into sp equal slices.
+- zigzag (`zigzag`): every sequence is padded at its end to a multiple of 2*sp and cut into 2*sp chunks; rank i
+  keeps chunks i and 2*sp-1-i of every sequence (balances causal work). The padding tokens follow the real tokens
+  of their sequence, so causality keeps every real token from seeing them.
+
+Backends:
+- `torch`: the reference, CPU or GPU. K/V all-gathered with an autograd-aware collective (whose backward sums the
+  K/V gradients back to their owner), then SDPA with the boolean mask of the local queries against the gathered
+  keys, built from global token indices (works for both layouts; structure mode applies the Parallel-R1 mask).
+- `llama3`: ring-flash-attn's `llama3_flash_attn_varlen_func` (contiguous layout).
+- `zigzag`: ring-flash-attn's `zigzag_ring_flash_attn_varlen_func` (zigzag layout).
+ring-flash-attn needs flash-attn and CUDA; it is imported only when one of its backends is selected.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+SP_BACKENDS = ("torch", "llama3", "zigzag")
+LAYOUTS = ("contiguous", "zigzag")
+BACKEND_LAYOUT = {"torch": "contiguous", "llama3": "contiguous", "zigzag": "zigzag"}
+
+# Per-token batch fields and the value their padding tokens get; position_ids and seq_ids are computed.
+TOKEN_PAD_VALUES: dict[str, int | float] = {
+    "input_ids": 0,
+    "labels": -100,
+    "targets": -100,
+    "weights": 0.0,
+    "target_categories": 0,
+    "category_ids": 0,
+    "turn_ids": 0,
+    "block_ids": 0,
+    "path_ids": 0,
+}
+COMPUTED_TOKEN_FIELDS = ("position_ids", "seq_ids")
+STRUCTURE_FIELDS = ("seq_ids", "block_ids", "path_ids")
+# Row-level fields replaced by the SPContext (their meaning is the full row's).
+ROW_FIELDS = ("cu_seqlens", "max_seqlen")
+
+
+class SPBackendUnavailable(RuntimeError):
+    """The selected sequence-parallel backend cannot run here (missing CUDA, flash-attn or ring-flash-attn)."""
+
+
+def _import_ring_flash_attn(backend: str):
+    if not torch.cuda.is_available():
+        raise SPBackendUnavailable(
+            f"sp_backend={backend!r} needs a CUDA GPU (ring-flash-attn runs flash-attn kernels); "
+            "use sp_backend=torch on CPU"
+        )
+    try:
+        import ring_flash_attn
+    except ImportError as exc:  # ring_flash_attn's __init__ imports flash_attn
+        raise SPBackendUnavailable(
+            f"sp_backend={backend!r} needs flash-attn and ring-flash-attn "
+            f"(pip install flash-attn ring-flash-attn); import failed: {exc}. "
+            "sp_backend=torch works without them"
+        ) from exc
+    return ring_flash_attn
+
+
+def resolve_backend(name: str, half_precision: bool = True) -> str:
+    """`auto` -> `llama3` when CUDA, flash-attn and ring-flash-attn are usable and the model runs in bf16/fp16
+    (`half_precision`; flash kernels have no fp32), else `torch`.
+
+    An explicit `llama3`/`zigzag` fails here, before any model is built, when it cannot run.
+    """
+    if name == "auto":
+        if not half_precision:
+            return "torch"
+        try:
+            _import_ring_flash_attn("llama3")
+        except SPBackendUnavailable:
+            return "torch"
+        return "llama3"
+    if name not in SP_BACKENDS:
+        raise ValueError(f"sp_backend must be one of auto, {', '.join(SP_BACKENDS)}; got {name!r}")
+    if name != "torch":
+        _import_ring_flash_attn(name)
+        if not half_precision:
+            raise SPBackendUnavailable(
+                f"sp_backend={name!r} runs flash-attn kernels, which need bf16/fp16: set bf16: true or use "
+                "sp_backend=torch"
+            )
+    return name
+
+
+@dataclass
+class SPContext:
+    """Everything `sp_attention` needs about this rank's shard of the (padded) row.
+
+    Token indices are positions in the padded row ("global index"); the gathered order is rank-major
+    (rank 0's local tokens, then rank 1's, ...), which is what an all-gather of local tensors produces.
+    """
+
+    group: Any
+    sp_rank: int
+    sp_size: int
+    backend: str
+    layout: str
+    padded_length: int  # tokens of the padded row
+    n_real_tokens: int  # tokens of the row before padding
+    cu_seqlens: torch.Tensor  # [S'+1] int32, padded row (the padding sequence included in contiguous layout)
+    max_seqlen: int
+    seq_ids: torch.Tensor  # [padded_length] int64 sequence of every padded-row token
+    source_index: torch.Tensor  # [padded_length] int64 index in the unpadded row, -1 for padding
+    local_index: torch.Tensor  # [L] int64 global index of this rank's tokens, in local order
+    gathered_index: torch.Tensor  # [padded_length] int64 global index of every token in all-gather order
+    local_range: tuple[int, int] | None  # contiguous layout: [start, end) of this rank in the padded row
+    key_range: tuple[int, int]  # gathered keys any local query can see: [start of first local sequence, end)
+    # llama3 backend (ring-flash-attn's llama3_flash_attn_prepare_cu_seqlens)
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    local_k_slice: slice | None = None
+    heads_k_stride: int | None = None  # None: all kv heads in one all-gather
+    # zigzag backend: cu_seqlens of the local tokens (every sequence contributes 2 chunks)
+    local_cu_seqlens: torch.Tensor | None = None
+    local_max_seqlen: int = 0
+    # structure mode: block_ids / path_ids of every padded-row token (0 for padding) for the Parallel-R1 mask
+    structure: dict[str, torch.Tensor] | None = None
+    _mask: torch.Tensor | None = field(default=None, repr=False)  # torch backend mask, built once per micro-batch
+
+    @property
+    def local_length(self) -> int:
+        return int(self.local_index.numel())
+
+    def to(self, device: torch.device | str) -> "SPContext":
+        """A copy with every tensor on `device` (cu_seqlens for flash-attn must live on the GPU)."""
+        moved = {
+            name: value.to(device)
+            for name, value in vars(self).items()
+            if isinstance(value, torch.Tensor) and name != "_mask"
+        }
+        if self.structure is not None:
+            moved["structure"] = {k: v.to(device) for k, v in self.structure.items()}
+        return replace(self, _mask=None, **moved)
+
+    def attention_mask(self, device: torch.device) -> torch.Tensor:
+        """[L, K] bool: local query i may attend gathered key j (K = key_range width). Cached: same in every layer."""
+        if self._mask is None or self._mask.device != device:
+            self._mask = self._build_mask().to(device)
+        return self._mask
+
+    def _build_mask(self) -> torch.Tensor:
+        q = self.local_index
+        k = self.gathered_index[self.key_range[0] : self.key_range[1]]
+        if self.structure is None:
+            return (self.seq_ids[q][:, None] == self.seq_ids[k][None, :]) & (k[None, :] <= q[:, None])
+        from train.structured_attention import build_mask
+
+        block, path = self.structure["block_ids"], self.structure["path_ids"]
+        return build_mask(self.seq_ids[q], block[q], path[q], q, self.seq_ids[k], block[k], path[k], k)
+
+
+def _row_length(batch: dict) -> int:
+    ids = batch["input_ids"]
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise ValueError(f"shard_batch: input_ids must be [1, T] (one packed micro-batch), got {tuple(ids.shape)}")
+    return int(ids.shape[1])
+
+
+def _token_fields(batch: dict, length: int) -> dict[str, torch.Tensor]:
+    """Per-token tensors of the batch ([T] or [1, T]); an unknown per-token field is an error, not a silent drop."""
+    fields = {}
+    for name, value in batch.items():
+        if name in ROW_FIELDS or not isinstance(value, torch.Tensor):
+            continue
+        if value.dim() in (1, 2) and value.shape[-1] == length and (value.dim() == 1 or value.shape[0] == 1):
+            if name not in TOKEN_PAD_VALUES and name not in COMPUTED_TOKEN_FIELDS:
+                raise ValueError(
+                    f"shard_batch: per-token field {name!r} has no padding rule; "
+                    f"known: {sorted(TOKEN_PAD_VALUES) + list(COMPUTED_TOKEN_FIELDS)}"
+                )
+            fields[name] = value
+    return fields
+
+
+@dataclass
+class _PadPlan:
+    """Where every token of the padded row comes from (all tensors CPU int64 except cu_seqlens)."""
+
+    cu_seqlens: torch.Tensor  # [S'+1] int32
+    seq_ids: torch.Tensor  # [T'] sequence of each padded-row token
+    source_index: torch.Tensor  # [T'] index in the unpadded row, -1 for padding
+    offset_in_seq: torch.Tensor  # [T'] offset of each token in its padded sequence
+    n_real: torch.Tensor  # [S'] real tokens of each padded sequence (0 for the contiguous padding sequence)
+    real_starts: torch.Tensor  # [S'] index in the unpadded row of each sequence's first real token
+
+
+def _pad_plan(cu_seqlens: torch.Tensor, sp_size: int, layout: str) -> _PadPlan:
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
+    total = int(cu_seqlens[-1])
+    if layout == "contiguous":
+        padded_total = -(-total // sp_size) * sp_size
+        pad = padded_total - total
+        padded_lengths = torch.cat([lengths, torch.tensor([pad])]) if pad else lengths
+        n_real = torch.cat([lengths, torch.tensor([0])]) if pad else lengths
+    else:
+        multiple = 2 * sp_size
+        padded_lengths = -(-lengths // multiple) * multiple
+        n_real = lengths
+    padded_cu = torch.zeros(len(padded_lengths) + 1, dtype=torch.int32)
+    padded_cu[1:] = torch.cumsum(padded_lengths, 0)
+    seq_ids = torch.repeat_interleave(torch.arange(len(padded_lengths)), padded_lengths)
+    offset_in_seq = torch.arange(int(padded_cu[-1])) - padded_cu[:-1].to(torch.int64)[seq_ids]
+    real_starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(n_real, 0)[:-1]])
+    source_index = torch.where(
+        offset_in_seq < n_real[seq_ids], real_starts[seq_ids] + offset_in_seq, torch.full_like(seq_ids, -1)
+    )
+    return _PadPlan(padded_cu, seq_ids, source_index, offset_in_seq, n_real, real_starts)
+
+
+def _take(plan: _PadPlan, name: str, value: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Field `name` of the padded-row tokens `index` (padding gets TOKEN_PAD_VALUES; seq_ids and position_ids
+    are derived: padding continues its sequence's positions, or counts from 0 in its own padding sequence)."""
+    flat = value.reshape(-1).cpu()
+    seq = plan.seq_ids[index]
+    if name == "seq_ids":
+        return seq.to(flat.dtype)
+    src = plan.source_index[index]
+    is_pad = src < 0
+    out = flat[src.clamp(min=0)]
+    if name == "position_ids":
+        has_real = plan.n_real > 0
+        last_real = (plan.real_starts + plan.n_real - 1).clamp(min=0)
+        next_position = torch.where(has_real, flat[last_real] + 1, torch.zeros_like(last_real)).to(flat.dtype)
+        pad_positions = next_position[seq] + (plan.offset_in_seq[index] - plan.n_real[seq]).to(flat.dtype)
+        return torch.where(is_pad, pad_positions, out)
+    return out.masked_fill(is_pad, TOKEN_PAD_VALUES[name])
+
+
+def _zigzag_indices(padded_cu: torch.Tensor, sp_size: int, rank: int) -> torch.Tensor:
+    """Global indices of rank's tokens: chunks rank and 2*sp-1-rank of every sequence, in sequence order."""
+    parts = []
+    for start, end in zip(padded_cu[:-1].tolist(), padded_cu[1:].tolist()):
+        chunk = (end - start) // (2 * sp_size)
+        for c in (rank, 2 * sp_size - 1 - rank):
+            parts.append(torch.arange(start + c * chunk, start + (c + 1) * chunk))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def shard_batch(
+    batch: dict,
+    sp_rank: int,
+    sp_size: int,
+    backend: str,
+    *,
+    group: Any = None,
+    layout: str | None = None,
+    heads_k_stride: int | None = None,
+) -> tuple[dict, SPContext]:
+    """This rank's part of a full micro-batch from `train.batch.make_batch`, and the SPContext for attention.
+
+    Call once per micro-batch on the full batch (targets and weights already computed on the full row), on CPU
+    tensors; move the local batch and `ctx.to(device)` to the GPU afterwards. `layout` defaults to the backend's
+    (`zigzag` for zigzag, else contiguous); `backend="torch", layout="zigzag"` is the CPU reference of the zigzag
+    layout. The local batch keeps every per-token field (sliced, [1, L] or [L] as given) and every non-token
+    field; `cu_seqlens`/`max_seqlen` describe the full row and are dropped (the SPContext holds what attention
+    needs). Structure mode (seq/block/path ids present) needs the torch backend.
+    """
+    if backend not in SP_BACKENDS:
+        raise ValueError(f"shard_batch: backend must be one of {SP_BACKENDS} (resolve 'auto' first), got {backend!r}")
+    layout = layout or BACKEND_LAYOUT[backend]
+    if layout not in LAYOUTS:
+        raise ValueError(f"shard_batch: layout must be one of {LAYOUTS}, got {layout!r}")
+    if backend != "torch" and layout != BACKEND_LAYOUT[backend]:
+        raise ValueError(f"shard_batch: backend {backend!r} needs the {BACKEND_LAYOUT[backend]} layout, got {layout!r}")
+    if not 0 <= sp_rank < sp_size:
+        raise ValueError(f"shard_batch: sp_rank {sp_rank} out of range for sp_size {sp_size}")
+    length = _row_length(batch)
+    cu_seqlens = batch["cu_seqlens"].to("cpu", torch.int64)
+    if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != length:
+        raise ValueError(
+            f"shard_batch: cu_seqlens must run from 0 to the row length {length}, got {cu_seqlens.tolist()}"
+        )
+    structured = "block_ids" in batch or "path_ids" in batch
+    if structured and backend != "torch":
+        raise ValueError(
+            f"structure mode (Parallel-R1 mask) needs sp_backend=torch; {backend!r} runs causal flash kernels only"
+        )
+
+    fields = _token_fields(batch, length)
+    plan = _pad_plan(cu_seqlens, sp_size, layout)
+    padded_cu, seq_ids = plan.cu_seqlens, plan.seq_ids
+    padded_length = int(padded_cu[-1])
+
+    if layout == "contiguous":
+        per_rank = padded_length // sp_size
+        local_range = (sp_rank * per_rank, (sp_rank + 1) * per_rank)
+        local_index = torch.arange(*local_range)
+        gathered_index = torch.arange(padded_length)
+        first_seq = int(seq_ids[local_range[0]]) if per_rank else 0
+        key_range = (int(padded_cu[first_seq]), local_range[1])
+    else:
+        local_range = None
+        local_index = _zigzag_indices(padded_cu, sp_size, sp_rank)
+        gathered_index = torch.cat([_zigzag_indices(padded_cu, sp_size, r) for r in range(sp_size)])
+        key_range = (0, padded_length)
+
+    local_batch = {name: value for name, value in batch.items() if name not in ROW_FIELDS and name not in fields}
+    for name, value in fields.items():
+        local = _take(plan, name, value, local_index)
+        local_batch[name] = (local.unsqueeze(0) if value.dim() == 2 else local).to(value.device)
+
+    lengths = padded_cu[1:] - padded_cu[:-1]
+    ctx = SPContext(
+        group=group,
+        sp_rank=sp_rank,
+        sp_size=sp_size,
+        backend=backend,
+        layout=layout,
+        padded_length=padded_length,
+        n_real_tokens=length,
+        cu_seqlens=padded_cu,
+        max_seqlen=int(lengths.max()) if len(lengths) else 0,
+        seq_ids=seq_ids,
+        source_index=plan.source_index,
+        local_index=local_index,
+        gathered_index=gathered_index,
+        local_range=local_range,
+        key_range=key_range,
+        heads_k_stride=heads_k_stride,
+    )
+    if structured:
+        missing = [name for name in STRUCTURE_FIELDS if name not in fields]
+        if missing:
+            raise ValueError(f"shard_batch: structure mode needs per-token {list(STRUCTURE_FIELDS)}, missing {missing}")
+        every = torch.arange(padded_length)
+        ctx.structure = {
+            name: _take(plan, name, fields[name], every).to(torch.int64) for name in ("block_ids", "path_ids")
+        }
+    if backend == "llama3":
+        ring = _import_ring_flash_attn(backend)
+        cu_q, cu_k, max_q, max_k, k_slice = ring.llama3_flash_attn_prepare_cu_seqlens(
+            padded_cu, causal=True, rank=sp_rank, world_size=sp_size
+        )
+        ctx.cu_seqlens_q, ctx.cu_seqlens_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
+        ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.local_k_slice = int(max_q), int(max_k), k_slice
+    if layout == "zigzag":
+        ctx.local_cu_seqlens = (padded_cu // sp_size).to(torch.int32)
+        ctx.local_max_seqlen = ctx.max_seqlen // sp_size
+    return local_batch, ctx
+
+
+# ---------------------------------------------------------------------------------------------------- attention
+class _GatherSequence(torch.autograd.Function):
+    """All-gather equal shards along `dim` over `group`; backward sums every rank's gradient of each shard back to
+    its owner (reduce-scatter on NCCL, all-reduce + slice elsewhere).
+
+    torch.distributed.nn.functional.all_gather is not used: on gloo its backward (all-to-all emulated with
+    scatter) passes group ranks where global ranks are expected and fails for any sp group that does not contain
+    global rank 0..sp-1, i.e. every sp group but the first when dp > 1 (torch 2.13)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor, group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        world, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        if grad.is_cuda and "nccl" in str(dist.get_backend(ctx.group)):
+            chunks = [c.contiguous() for c in grad.chunk(world, dim=ctx.dim)]
+            mine = torch.empty_like(chunks[rank])
+            dist.reduce_scatter(mine, chunks, group=ctx.group)
+        else:
+            total = grad.clone(memory_format=torch.contiguous_format)  # never reduce into autograd's buffer
+            dist.all_reduce(total, group=ctx.group)
+            mine = total.chunk(world, dim=ctx.dim)[rank].contiguous()
+        return mine, None, None
+
+
+def _gather_sequence(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """All-gather [B, H, L, D] along L over the sp group (rank order), differentiable."""
+    return _GatherSequence.apply(tensor, group, 2)
+
+
+def _torch_attention(query, key, value, ctx: SPContext, scaling: float | None, dropout_p: float) -> torch.Tensor:
+    if ctx.sp_size > 1:  # one collective for K and V together
+        n_kv_heads = key.shape[1]
+        key, value = _gather_sequence(torch.cat([key, value], dim=1), ctx.group).split(n_kv_heads, dim=1)
+    start, end = ctx.key_range
+    key, value = key[:, :, start:end], value[:, :, start:end]
+    mask = ctx.attention_mask(query.device)
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scaling,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
+    return out.transpose(1, 2).contiguous()
+
+
+def _flash_layout(tensor: torch.Tensor, backend: str) -> torch.Tensor:
+    """[1, H, L, D] -> [L, H, D] (flash-attn's varlen layout)."""
+    if tensor.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"sp_backend={backend!r} runs flash-attn kernels, which need bf16/fp16 tensors, got {tensor.dtype}; "
+            "train with bf16: true or use sp_backend=torch"
+        )
+    return tensor[0].transpose(0, 1).contiguous()
+
+
+def _llama3_attention(query, key, value, ctx: SPContext, scaling, dropout_p) -> torch.Tensor:
+    ring = _import_ring_flash_attn("llama3")
+    n_kv_heads = key.shape[1]
+    stride = ctx.heads_k_stride or n_kv_heads
+    if n_kv_heads % stride:
+        raise ValueError(f"heads_k_stride={stride} must divide the number of kv heads {n_kv_heads}")
+    out = ring.llama3_flash_attn_varlen_func(
+        _flash_layout(query, "llama3"), _flash_layout(key, "llama3"), _flash_layout(value, "llama3"),
+        ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k, stride, ctx.local_k_slice,
+        dropout_p=dropout_p, softmax_scale=scaling, causal=True, group=ctx.group,
+    )
+    return out.unsqueeze(0)
+
+
+def _zigzag_attention(query, key, value, ctx: SPContext, scaling, dropout_p) -> torch.Tensor:
+    ring = _import_ring_flash_attn("zigzag")
+    out = ring.zigzag_ring_flash_attn_varlen_func(
+        _flash_layout(query, "zigzag"), _flash_layout(key, "zigzag"), _flash_layout(value, "zigzag"),
+        ctx.local_cu_seqlens, ctx.local_max_seqlen,
+        dropout_p=dropout_p, softmax_scale=scaling, causal=True, group=ctx.group,
+    )
+    return out.unsqueeze(0)
+
+
+_ATTENTION = {"torch": _torch_attention, "llama3": _llama3_attention, "zigzag": _zigzag_attention}
+
+
+def sp_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    sp_ctx: SPContext,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Attention of this rank's queries over the whole row. query [1, H, L, D], key/value [1, Hkv, L, D]
+    (transformers' layout, RoPE applied with the global positions); returns [1, L, H, D]."""
+    if query.shape[0] != 1:
+        raise ValueError(f"sequence parallelism expects batch dimension 1 (packed rows), got {tuple(query.shape)}")
+    if query.shape[2] != sp_ctx.local_length:
+        raise ValueError(
+            f"sp_attention: {query.shape[2]} local queries but the SPContext shards {sp_ctx.local_length} tokens; "
+            "feed the model the local batch from shard_batch"
+        )
+    dropout_p = float(getattr(module, "attention_dropout", 0.0)) if module.training else 0.0
+    return _ATTENTION[sp_ctx.backend](query, key, value, sp_ctx, scaling, dropout_p)
