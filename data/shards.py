@@ -1,0 +1,751 @@
+"""Indexed token datasets: the on-disk format shared by tokenized/ (one sequence per row) and packed/ (many).
+
+Layout of a dataset directory:
+    meta.json                  manifest: format version, kind, token fields, counts, per-shard sizes + checksums,
+                               plus what the caller passes (tokenizer path/hash, max_length, config, categories)
+    shard_NNNNN.tokens.bin     flat token records (numpy structured dtype, one record per token, no padding)
+    shard_NNNNN.rows.npy       per row: token_offset, n_tokens, seq_offset, n_seqs, n_loss_tokens,
+                               n_trained_turns, n_samples (offsets local to the shard)
+    shard_NNNNN.seqs.npy       per sequence: length, record_index, n_loss_tokens, n_trained_turns, uid_offset, n_uids
+    shard_NNNNN.uids.npy       flat int64 source-record uids of the sequences
+
+Everything is memory-mapped on read, so opening a dataset costs O(shards) and `ds[i]` is O(1) whatever its size.
+"""
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import shutil
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import orjson
+
+FORMAT_NAME = "packsft-indexed"
+FORMAT_VERSION = 1
+IGNORE_INDEX = -100
+
+# Every token field the format knows, in on-disk order, with its dtype.
+KNOWN_TOKEN_FIELDS: dict[str, str] = {
+    "input_ids": "<i4",
+    "labels": "<i4",
+    "category_ids": "<i2",
+    "turn_ids": "<i2",
+    "block_ids": "<i2",
+    "path_ids": "<i2",
+}
+REQUIRED_TOKEN_FIELDS = ("input_ids", "labels", "category_ids", "turn_ids")
+STRUCTURE_TOKEN_FIELDS = ("block_ids", "path_ids")
+
+ROW_DTYPE = np.dtype(
+    [
+        ("token_offset", "<i8"),
+        ("n_tokens", "<i8"),
+        ("seq_offset", "<i8"),
+        ("n_seqs", "<i8"),
+        ("n_loss_tokens", "<i8"),
+        ("n_trained_turns", "<i8"),
+        ("n_samples", "<i8"),
+    ]
+)
+SEQ_DTYPE = np.dtype(
+    [
+        ("length", "<i8"),
+        ("record_index", "<i8"),
+        ("n_loss_tokens", "<i8"),
+        ("n_trained_turns", "<i8"),
+        ("uid_offset", "<i8"),
+        ("n_uids", "<i8"),
+    ]
+)
+UID_DTYPE = np.dtype("<i8")
+SHARD_FILES = ("tokens", "rows", "seqs", "uids")
+_HASH_CHUNK = 1 << 24
+_IO_BATCH_BYTES = 1 << 22
+
+# Keys of meta.json the writer owns; meta_extra may not replace them.
+RESERVED_META_KEYS = ("format", "format_version", "kind", "token_fields", "counts", "max_token_id", "shards")
+
+TOKENIZER_FILE_NAMES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+class ShardFormatError(ValueError):
+    """An indexed dataset on disk is missing, truncated, corrupt or of an incompatible format version."""
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def token_dtype(fields: Sequence[str]) -> np.dtype:
+    return np.dtype([(name, KNOWN_TOKEN_FIELDS[name]) for name in fields])
+
+
+def normalize_token_fields(token_fields: Iterable[str] | None) -> list[str]:
+    """The canonical on-disk field list: the required four, then block_ids/path_ids when asked for."""
+    if token_fields is None:
+        return list(REQUIRED_TOKEN_FIELDS)
+    requested = list(token_fields)
+    unknown = [f for f in requested if f not in KNOWN_TOKEN_FIELDS]
+    if unknown:
+        raise ValueError(f"token_fields: unknown field(s) {unknown}; known: {list(KNOWN_TOKEN_FIELDS)}")
+    missing = [f for f in REQUIRED_TOKEN_FIELDS if f not in requested]
+    if missing:
+        raise ValueError(f"token_fields: required field(s) {missing} missing")
+    return [f for f in KNOWN_TOKEN_FIELDS if f in requested]
+
+
+def file_blake2b(path: str | os.PathLike) -> str:
+    h = hashlib.blake2b(digest_size=32)
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def tokenizer_hash(tokenizer_dir: str | os.PathLike) -> str:
+    """blake2b over the names and bytes of the tokenizer files (vocab, merges, configs, chat template)."""
+    root = Path(tokenizer_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"tokenizer directory {root} does not exist")
+    files = sorted(p for p in root.iterdir() if p.is_file() and p.name in TOKENIZER_FILE_NAMES)
+    if not files:
+        raise FileNotFoundError(f"{root}: no tokenizer files (looked for {list(TOKENIZER_FILE_NAMES)})")
+    h = hashlib.blake2b(digest_size=32)
+    for p in files:
+        data = p.read_bytes()
+        h.update(p.name.encode())
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
+
+
+def _shard_name(i: int) -> str:
+    return f"shard_{i:05d}"
+
+
+def _shard_file(name: str, kind: str) -> str:
+    return f"{name}.tokens.bin" if kind == "tokens" else f"{name}.{kind}.npy"
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.floating):
+        return float(obj)
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    raise TypeError(f"not JSON serializable: {type(obj).__name__}")
+
+
+def dump_json(obj: Any) -> bytes:
+    return orjson.dumps(
+        obj, default=_json_default, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
+    )
+
+
+# ---------------------------------------------------------------------------------------------- writer
+class _ShardBuffer:
+    """The shard being written: tokens streamed to disk and hashed by a helper thread (hashlib and file writes
+    release the GIL, so this overlaps with preparing the next row), indices kept in memory."""
+
+    def __init__(self, directory: Path, index: int):
+        self.name = _shard_name(index)
+        self.tokens_path = directory / _shard_file(self.name, "tokens")
+        self.file = open(self.tokens_path, "wb")
+        self.hash = hashlib.blake2b(digest_size=32)
+        self.n_tokens = 0
+        self.n_bytes = 0
+        self.rows: list[tuple] = []
+        self.seqs: list[tuple] = []
+        self.uids: list[int] = []
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
+        self._pending: Future | None = None
+        self._batch: list[np.ndarray] = []
+        self._batch_bytes = 0
+
+    def _write(self, batch: list[np.ndarray]) -> None:
+        for data in batch:
+            self.file.write(data)
+            self.hash.update(data)
+
+    def append(self, data: np.ndarray) -> None:
+        """Queue one row's bytes (`data` must not change afterwards). Rows go to the helper thread in batches
+        of >= _IO_BATCH_BYTES, at most one batch in flight."""
+        self._batch.append(data)
+        self._batch_bytes += data.nbytes
+        if self._batch_bytes >= _IO_BATCH_BYTES:
+            self._submit()
+
+    def _submit(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+        self._pending = self._io.submit(self._write, self._batch) if self._batch else None
+        self._batch, self._batch_bytes = [], 0
+
+    def finish(self) -> str:
+        """Flush, close, and return the blake2b of everything appended."""
+        try:
+            self._submit()
+            if self._pending is not None:
+                self._pending.result()
+        finally:
+            self._io.shutdown()
+            self.file.close()
+        return self.hash.hexdigest()
+
+    def discard(self) -> None:
+        self._io.shutdown(wait=True)
+        self.file.close()
+
+
+class ShardWriter:
+    """Write an indexed token dataset row by row; nothing is visible at `out_dir` before `close()`.
+
+    A row is a list of sequences; a sequence is a mapping field -> 1-D integer array, or a structured numpy
+    array with those fields (e.g. `PackedDataset.row_tokens(i)` of another dataset; copied as bytes when its
+    dtype is the writer's). Used as a context manager, a writer that is not closed is aborted.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        token_fields: Iterable[str] | None = None,
+        max_shard_bytes: int = 1 << 30,
+        kind: str = "packed",
+    ):
+        if kind not in ("packed", "tokenized"):
+            raise ValueError(f"kind must be 'packed' or 'tokenized', got {kind!r}")
+        if max_shard_bytes <= 0:
+            raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        self.out_dir = Path(out_dir)
+        self.kind = kind
+        self.token_fields = normalize_token_fields(token_fields)
+        self.dtype = token_dtype(self.token_fields)
+        self.max_shard_bytes = int(max_shard_bytes)
+        self.out_dir.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp_dir = self.out_dir.parent / f".{self.out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.tmp_dir.mkdir()
+        self._shards: list[dict] = []
+        self._current: _ShardBuffer | None = None
+        self._counts = dict(rows=0, sequences=0, tokens=0, loss_tokens=0, trained_turns=0, samples=0, uids=0)
+        self._category_tokens = np.zeros(0, dtype=np.int64)
+        self._category_loss_tokens = np.zeros(0, dtype=np.int64)
+        self._max_token_id = -1
+        self._closed = False
+
+    # ------------------------------------------------------------------ rows
+    def _as_tokens(self, seq: Any, where: str) -> np.ndarray:
+        """One sequence as a contiguous structured array of the writer's dtype (validated)."""
+        if isinstance(seq, np.ndarray) and seq.dtype == self.dtype:
+            if seq.ndim != 1:
+                raise ValueError(f"{where}: expected a 1-D structured array, got shape {seq.shape}")
+            return np.ascontiguousarray(seq)
+        if isinstance(seq, np.ndarray) and seq.dtype.names:
+            names = list(seq.dtype.names)
+        elif isinstance(seq, Mapping):
+            names = list(seq)
+        else:
+            raise TypeError(f"{where}: a sequence must be a dict of arrays or a structured array, got {type(seq).__name__}")
+        missing = [f for f in self.token_fields if f not in names]
+        if missing:
+            raise ValueError(f"{where}: missing token field(s) {missing}")
+        extra = [f for f in names if f not in self.token_fields]
+        if extra:
+            raise ValueError(f"{where}: field(s) {extra} not in this dataset's token_fields {self.token_fields}")
+        length = None
+        out = None
+        for name in self.token_fields:
+            arr = np.asarray(seq[name])
+            if arr.ndim != 1:
+                raise ValueError(f"{where}: {name} must be 1-D, got shape {arr.shape}")
+            if length is None:
+                length = arr.shape[0]
+                out = np.empty(length, dtype=self.dtype)
+            elif arr.shape[0] != length:
+                raise ValueError(f"{where}: {name} has {arr.shape[0]} tokens, input_ids has {length}")
+            if arr.dtype.kind not in "iu":
+                if arr.size:
+                    raise ValueError(f"{where}: {name} must be integers, got dtype {arr.dtype}")
+            target = np.dtype(KNOWN_TOKEN_FIELDS[name])
+            if arr.size and not np.can_cast(arr.dtype, target, casting="safe"):
+                info = np.iinfo(target)
+                lo, hi = int(arr.min()), int(arr.max())
+                if lo < info.min or hi > info.max:
+                    raise ValueError(f"{where}: {name} value out of {target.name} range [{lo}, {hi}]")
+            out[name] = arr
+        return out
+
+    def add_row(
+        self,
+        sequences: Sequence[Any],
+        record_indices: Sequence[int] | None = None,
+        uids: Sequence[Sequence[int]] | None = None,
+    ) -> None:
+        """Append one row made of `sequences` (in order). record_indices default to -1, uids to none."""
+        if self._closed:
+            raise RuntimeError("ShardWriter is closed")
+        n = len(sequences)
+        row_no = self._counts["rows"]
+        if n == 0:
+            raise ValueError(f"row {row_no}: a row needs at least one sequence")
+        if record_indices is not None and len(record_indices) != n:
+            raise ValueError(f"row {row_no}: {len(record_indices)} record_indices for {n} sequences")
+        if uids is not None and len(uids) != n:
+            raise ValueError(f"row {row_no}: {len(uids)} uid lists for {n} sequences")
+        parts = []
+        for k, seq in enumerate(sequences):
+            toks = self._as_tokens(seq, f"row {row_no} sequence {k}")
+            if toks.shape[0] == 0:
+                raise ValueError(f"row {row_no} sequence {k}: empty sequence")
+            parts.append(toks)
+        # copies go through uint8 views: numpy copies structured arrays element by element, ~30x slower
+        if n > 1:
+            row_tokens = np.concatenate([p.view(np.uint8) for p in parts]).view(self.dtype)
+        elif not parts[0].flags.owndata:  # the caller's memory: copy, as it is written after we return
+            row_tokens = parts[0].view(np.uint8).copy().view(self.dtype)
+        else:
+            row_tokens = parts[0]
+        trained = row_tokens["labels"] != IGNORE_INDEX
+        cats = row_tokens["category_ids"]
+        if cats.min() < 0:
+            raise ValueError(f"row {row_no}: negative category_ids")
+        seq_lens = [p.shape[0] for p in parts]
+        starts = np.zeros(n, dtype=np.int64)
+        np.cumsum(seq_lens[:-1], out=starts[1:])
+        seq_loss = np.add.reduceat(trained, starts).tolist() if n > 1 else [int(np.count_nonzero(trained))]
+        seq_turns = []
+        for k, toks in enumerate(parts):
+            turns = toks["turn_ids"]
+            if turns.min() < 0:
+                raise ValueError(f"row {row_no} sequence {k}: negative turn_ids")
+            seq_turns.append(int(np.count_nonzero(np.bincount(turns)[1:])))
+        seq_uids = [[] for _ in range(n)] if uids is None else [[int(u) for u in us] for us in uids]
+        recs = [-1] * n if record_indices is None else [int(r) for r in record_indices]
+
+        # validated: from here on the writer's state changes
+        row_bytes = row_tokens.nbytes
+        shard = self._current
+        if shard is not None and shard.n_bytes > 0 and shard.n_bytes + row_bytes > self.max_shard_bytes:
+            self._finish_shard()
+            shard = None
+        if shard is None:
+            shard = self._current = _ShardBuffer(self.tmp_dir, len(self._shards))
+        seq_offset = len(shard.seqs)
+        for k in range(n):
+            shard.seqs.append((seq_lens[k], recs[k], seq_loss[k], seq_turns[k], len(shard.uids), len(seq_uids[k])))
+            shard.uids.extend(seq_uids[k])
+        n_tok = row_tokens.shape[0]
+        row_loss = sum(seq_loss)
+        row_turns = sum(seq_turns)
+        row_samples = sum(1 for x in seq_loss if x > 0)
+        shard.rows.append((shard.n_tokens, n_tok, seq_offset, n, row_loss, row_turns, row_samples))
+        shard.append(row_tokens.view(np.uint8))
+        shard.n_tokens += n_tok
+        shard.n_bytes += row_bytes
+        self._add_category_counts(cats, trained)
+        self._max_token_id = max(self._max_token_id, int(row_tokens["input_ids"].max()))
+
+        c = self._counts
+        c["rows"] += 1
+        c["sequences"] += n
+        c["tokens"] += n_tok
+        c["loss_tokens"] += row_loss
+        c["trained_turns"] += row_turns
+        c["samples"] += row_samples
+        c["uids"] += sum(len(us) for us in seq_uids)
+
+    def _add_category_counts(self, cats: np.ndarray, trained: np.ndarray) -> None:
+        both = np.bincount(cats.astype(np.intp) * 2 + trained)  # one pass: [c untrained, c trained, ...]
+        if both.shape[0] % 2:
+            both = np.append(both, 0)
+        loss = both[1::2]
+        tok = both[0::2] + loss
+        if tok.shape[0] > self._category_tokens.shape[0]:
+            grow = tok.shape[0] - self._category_tokens.shape[0]
+            self._category_tokens = np.concatenate([self._category_tokens, np.zeros(grow, dtype=np.int64)])
+            self._category_loss_tokens = np.concatenate([self._category_loss_tokens, np.zeros(grow, dtype=np.int64)])
+        self._category_tokens[: tok.shape[0]] += tok
+        self._category_loss_tokens[: loss.shape[0]] += loss
+
+    @property
+    def counts(self) -> dict:
+        """Totals so far: rows, sequences, tokens, loss_tokens, trained_turns, samples, uids, and per category id
+        (only ids that occur) `category_tokens` / `category_loss_tokens`."""
+        present = np.flatnonzero(self._category_tokens)
+        return dict(
+            self._counts,
+            shards=len(self._shards) + (self._current is not None),
+            category_tokens={int(c): int(self._category_tokens[c]) for c in present},
+            category_loss_tokens={int(c): int(self._category_loss_tokens[c]) for c in present},
+        )
+
+    def _finish_shard(self) -> None:
+        shard = self._current
+        if shard is None:
+            return
+        digest = shard.finish()
+        files = {"tokens": {"file": shard.tokens_path.name, "bytes": shard.n_bytes, "blake2b": digest}}
+        arrays = {
+            "rows": np.array(shard.rows, dtype=ROW_DTYPE),
+            "seqs": np.array(shard.seqs, dtype=SEQ_DTYPE),
+            "uids": np.array(shard.uids, dtype=UID_DTYPE),
+        }
+        for kind, arr in arrays.items():
+            path = self.tmp_dir / _shard_file(shard.name, kind)
+            np.save(path, arr, allow_pickle=False)
+            files[kind] = {"file": path.name, "bytes": path.stat().st_size, "blake2b": file_blake2b(path)}
+        self._shards.append(
+            {
+                "name": shard.name,
+                "rows": len(shard.rows),
+                "sequences": len(shard.seqs),
+                "tokens": shard.n_tokens,
+                "uids": len(shard.uids),
+                "files": files,
+            }
+        )
+        self._current = None
+
+    # ------------------------------------------------------------------ close
+    def close(self, meta_extra: Mapping[str, Any] | None = None, extra_files: Mapping[str, bytes] | None = None) -> dict:
+        """Finish the last shard, write meta.json (+ `extra_files`, e.g. stats) and move the dataset into place
+        (replacing an old one). Returns the manifest as written."""
+        if self._closed:
+            raise RuntimeError("ShardWriter is already closed")
+        extra = dict(meta_extra or {})
+        clash = [k for k in extra if k in RESERVED_META_KEYS]
+        if clash:
+            self.abort()
+            raise ValueError(f"meta_extra may not set reserved key(s) {clash}")
+        files = dict(extra_files or {})
+        bad = [n for n in files if n == "meta.json" or n.startswith("shard_") or "/" in n or n.startswith(".")]
+        if bad:
+            self.abort()
+            raise ValueError(f"extra_files may not be named {bad}")
+        self._finish_shard()
+        for name, data in files.items():
+            (self.tmp_dir / name).write_bytes(data)
+        meta = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "kind": self.kind,
+            "token_fields": {name: KNOWN_TOKEN_FIELDS[name] for name in self.token_fields},
+            "counts": self.counts,
+            "max_token_id": self._max_token_id,
+            **extra,
+            "shards": self._shards,
+        }
+        (self.tmp_dir / "meta.json").write_bytes(dump_json(meta))
+        self._closed = True
+        _replace_dir(self.tmp_dir, self.out_dir)
+        return orjson.loads(dump_json(meta))
+
+    def abort(self) -> None:
+        """Drop everything written so far (the temp directory); `out_dir` is left untouched."""
+        if self._current is not None:
+            self._current.discard()
+            self._current = None
+        self._closed = True
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self._closed:
+            self.abort()
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Move `src` to `dst`; an existing `dst` is renamed aside first and deleted after the swap."""
+    old = None
+    if dst.exists():
+        old = dst.parent / f".{dst.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        os.replace(dst, old)
+    os.replace(src, dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- reader
+def read_meta(path: str | os.PathLike) -> dict:
+    """Parse and check `meta.json` of a dataset directory (format name and version)."""
+    meta_path = Path(path) / "meta.json"
+    if not meta_path.is_file():
+        raise ShardFormatError(f"{meta_path}: missing (not an indexed dataset, or it was not closed)")
+    try:
+        meta = orjson.loads(meta_path.read_bytes())
+    except orjson.JSONDecodeError as exc:
+        raise ShardFormatError(f"{meta_path}: manifest does not parse: {exc}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise ShardFormatError(f"{meta_path}: not a {FORMAT_NAME} manifest")
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ShardFormatError(
+            f"{meta_path}: format_version {version!r} is not supported by this code (expects {FORMAT_VERSION}); "
+            "re-run the tokenize/pack stage"
+        )
+    for key in ("kind", "token_fields", "counts", "shards"):
+        if key not in meta:
+            raise ShardFormatError(f"{meta_path}: manifest field {key!r} missing")
+    if meta["kind"] not in ("packed", "tokenized"):
+        raise ShardFormatError(f"{meta_path}: kind {meta['kind']!r} is neither 'packed' nor 'tokenized'")
+    fields = meta["token_fields"]
+    if not isinstance(fields, dict) or any(KNOWN_TOKEN_FIELDS.get(k) != v for k, v in fields.items()):
+        raise ShardFormatError(f"{meta_path}: token_fields {fields!r} do not match the known fields and dtypes "
+                               f"{KNOWN_TOKEN_FIELDS}")
+    if not isinstance(meta["shards"], list):
+        raise ShardFormatError(f"{meta_path}: shards must be a list")
+    for i, shard in enumerate(meta["shards"]):
+        try:
+            ok = all(isinstance(shard[k], int) for k in ("rows", "sequences", "tokens", "uids")) and all(
+                isinstance(shard["files"][kind]["file"], str)
+                and isinstance(shard["files"][kind]["bytes"], int)
+                and isinstance(shard["files"][kind]["blake2b"], str)
+                for kind in SHARD_FILES
+            )
+        except (KeyError, TypeError):
+            ok = False
+        if not ok:
+            raise ShardFormatError(f"{meta_path}: shards[{i}] is malformed: {shard!r}"[:500])
+    return meta
+
+
+class PackedDataset:
+    """Random access to the rows of an indexed dataset (packed/ or tokenized/), all memory-mapped.
+
+    `verify=True` also re-hashes the token files (reads all the data once); index files are always checked.
+    `ds[i]` copies the row out and then drops the mapping of those pages (`release_pages`), so the resident
+    set stays flat while an epoch reads every row; the data stays in the page cache, shared by all readers.
+    """
+
+    def __init__(self, path: str | os.PathLike, verify: bool = False, release_pages: bool = True):
+        self.path = Path(path)
+        self.verify = verify
+        self.release_pages = release_pages and hasattr(mmap, "MADV_DONTNEED")
+        self._open(hash_index=True)
+
+    def _open(self, hash_index: bool) -> None:
+        self.meta = meta = read_meta(self.path)
+        self.kind = meta["kind"]
+        try:
+            self.token_fields = normalize_token_fields(meta["token_fields"])
+        except ValueError as exc:
+            raise ShardFormatError(f"{self.path / 'meta.json'}: {exc}") from None
+        self.dtype = token_dtype(self.token_fields)
+        self._tokens: list[np.ndarray] = []
+        self._maps: list[mmap.mmap | None] = []
+        self._rows: list[np.ndarray] = []
+        self._seqs: list[np.ndarray] = []
+        self._uids: list[np.ndarray] = []
+        for shard in meta["shards"]:
+            files = shard["files"]
+            for kind in SHARD_FILES:
+                entry = files[kind]
+                fpath = self.path / entry["file"]
+                if not fpath.is_file():
+                    raise ShardFormatError(f"{fpath}: shard file missing")
+                size = fpath.stat().st_size
+                if size != entry["bytes"]:
+                    raise ShardFormatError(
+                        f"{fpath}: size {size} bytes, manifest says {entry['bytes']} (truncated or overwritten)"
+                    )
+                hashed = self.verify if kind == "tokens" else hash_index
+                if hashed and file_blake2b(fpath) != entry["blake2b"]:
+                    raise ShardFormatError(f"{fpath}: checksum mismatch (corrupt shard)")
+            tok_path = self.path / files["tokens"]["file"]
+            if files["tokens"]["bytes"] != shard["tokens"] * self.dtype.itemsize:
+                raise ShardFormatError(f"{tok_path}: {files['tokens']['bytes']} bytes for {shard['tokens']} tokens")
+            if shard["tokens"]:
+                with open(tok_path, "rb") as f:
+                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                self._maps.append(mm)
+                self._tokens.append(np.frombuffer(mm, dtype=self.dtype))
+            else:
+                self._maps.append(None)
+                self._tokens.append(np.empty(0, dtype=self.dtype))
+            for kind, dtype, store, count in (
+                ("rows", ROW_DTYPE, self._rows, shard["rows"]),
+                ("seqs", SEQ_DTYPE, self._seqs, shard["sequences"]),
+                ("uids", UID_DTYPE, self._uids, shard["uids"]),
+            ):
+                fpath = self.path / files[kind]["file"]
+                try:
+                    arr = np.load(fpath, mmap_mode="r", allow_pickle=False)
+                except ValueError as exc:
+                    raise ShardFormatError(f"{fpath}: unreadable index: {exc}") from None
+                if arr.dtype != dtype or arr.shape != (count,):
+                    raise ShardFormatError(f"{fpath}: index has dtype {arr.dtype} shape {arr.shape}, expected {count}")
+                store.append(arr)
+        n_rows = [len(r) for r in self._rows]
+        self._row_starts = np.zeros(len(n_rows) + 1, dtype=np.int64)
+        np.cumsum(n_rows, out=self._row_starts[1:])
+        self._n = int(self._row_starts[-1])
+        if self._n != meta["counts"]["rows"]:
+            raise ShardFormatError(f"{self.path}: shards hold {self._n} rows, manifest counts {meta['counts']['rows']}")
+        self.row_n_tokens = self._row_column("n_tokens")
+        self.row_n_seqs = self._row_column("n_seqs")
+        self.row_n_loss_tokens = self._row_column("n_loss_tokens")
+        self.row_n_trained_turns = self._row_column("n_trained_turns")
+        self.row_n_samples = self._row_column("n_samples")
+
+    def _row_column(self, name: str) -> np.ndarray:
+        """One row-index column over all shards: a memmap view for one shard, else a (small) concatenation."""
+        if len(self._rows) == 1:
+            return self._rows[0][name]
+        if not self._rows:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([r[name] for r in self._rows])
+
+    # ------------------------------------------------------------------ pickling (DataLoader workers)
+    def __getstate__(self) -> dict:
+        """Only the path travels; the copy re-maps the files (sizes re-checked, checksums already were)."""
+        return {"path": self.path, "release_pages": self.release_pages}
+
+    def __setstate__(self, state: dict) -> None:
+        self.path = state["path"]
+        self.verify = False
+        self.release_pages = state["release_pages"]
+        self._open(hash_index=False)
+
+    # ------------------------------------------------------------------ access
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def categories(self) -> dict[int, str]:
+        return {int(k): v for k, v in (self.meta.get("categories") or {}).items()}
+
+    def _locate(self, i: int) -> tuple[int, int]:
+        i = int(i)
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(f"row {i} out of range for a dataset of {self._n} rows")
+        shard = int(np.searchsorted(self._row_starts, i, side="right")) - 1
+        return shard, i - int(self._row_starts[shard])
+
+    def row_tokens(self, i: int) -> np.ndarray:
+        """The structured token records of row `i` (a memory-mapped view, nothing copied)."""
+        shard, r = self._locate(i)
+        row = self._rows[shard][r]
+        off, n = int(row["token_offset"]), int(row["n_tokens"])
+        return self._tokens[shard][off : off + n]
+
+    def row_sequences(self, i: int) -> np.ndarray:
+        """The per-sequence index records (SEQ_DTYPE) of row `i`."""
+        shard, r = self._locate(i)
+        row = self._rows[shard][r]
+        off, n = int(row["seq_offset"]), int(row["n_seqs"])
+        return self._seqs[shard][off : off + n]
+
+    def row_uids(self, i: int) -> list[np.ndarray]:
+        """Source-record uids of each sequence of row `i`."""
+        shard, r = self._locate(i)
+        row = self._rows[shard][r]
+        off, n = int(row["seq_offset"]), int(row["n_seqs"])
+        seqs = self._seqs[shard][off : off + n]
+        uids = self._uids[shard]
+        return [np.array(uids[s["uid_offset"] : s["uid_offset"] + s["n_uids"]]) for s in seqs]
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        """Row `i` as numpy arrays: the token fields, `seq_lens` and `record_index` (copies)."""
+        return self.gather([i])
+
+    def gather(self, rows: Iterable[int]) -> dict[str, np.ndarray]:
+        """Rows concatenated in the given order, as one row dict like `ds[i]` (online packing of tokenized rows).
+
+        Each field is copied straight from the mapped shards (one copy); with `release_pages` the pages read are
+        then unmapped from this process."""
+        tokens, seqs = [], []
+        for i in rows:
+            shard, r = self._locate(i)
+            row = self._rows[shard][r]
+            off, n = int(row["token_offset"]), int(row["n_tokens"])
+            so, ns = int(row["seq_offset"]), int(row["n_seqs"])
+            tokens.append((shard, off, n))
+            seqs.append(self._seqs[shard][so : so + ns])
+        views = [self._tokens[shard][off : off + n] for shard, off, n in tokens]
+        if not views:
+            out = {name: np.zeros(0, dtype=self.dtype[name]) for name in self.token_fields}
+            out["seq_lens"] = np.zeros(0, dtype=np.int64)
+            out["record_index"] = np.zeros(0, dtype=np.int64)
+            return out
+        out = {name: np.concatenate([v[name] for v in views]) for name in self.token_fields}
+        out["seq_lens"] = np.concatenate([s["length"] for s in seqs])
+        out["record_index"] = np.concatenate([s["record_index"] for s in seqs])
+        if self.release_pages:
+            size = self.dtype.itemsize
+            for shard, off, n in tokens:
+                start = (off * size) & ~(mmap.PAGESIZE - 1)
+                self._maps[shard].madvise(mmap.MADV_DONTNEED, start, (off + n) * size - start)
+        return out
+
+    def release(self) -> None:
+        """Unmap every token page this process touched (they stay in the page cache): keeps the resident set flat
+        for readers that go through the zero-copy `row_tokens` views. Earlier views stay valid (re-faulted)."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        for mm in self._maps:
+            if mm is not None:
+                mm.madvise(mmap.MADV_DONTNEED)
+
+    def __iter__(self):
+        for i in range(self._n):
+            yield self[i]
+
+    # ------------------------------------------------------------------ whole-dataset views
+    @property
+    def seq_index(self) -> np.ndarray:
+        """All per-sequence index records in row order (concatenated over shards; no token data)."""
+        if len(self._seqs) == 1:
+            return self._seqs[0]
+        if not self._seqs:
+            return np.zeros(0, dtype=SEQ_DTYPE)
+        return np.concatenate(self._seqs)
+
+    @property
+    def all_uids(self) -> np.ndarray:
+        """All uids in sequence order (concatenated over shards)."""
+        if len(self._uids) == 1:
+            return self._uids[0]
+        if not self._uids:
+            return np.zeros(0, dtype=UID_DTYPE)
+        return np.concatenate(self._uids)
+
+    def uid_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """(uids, rows): every source uid of every sequence with the row holding it (the uid -> row trace)."""
+        uids, rows = [], []
+        for k, (row_idx, seqs) in enumerate(zip(self._rows, self._seqs)):
+            row_of_seq = np.repeat(np.arange(len(row_idx), dtype=np.int64) + self._row_starts[k], row_idx["n_seqs"])
+            rows.append(np.repeat(row_of_seq, seqs["n_uids"]))
+            uids.append(np.asarray(self._uids[k]))
+        if not uids:
+            return np.zeros(0, dtype=UID_DTYPE), np.zeros(0, dtype=np.int64)
+        return np.concatenate(uids), np.concatenate(rows)
+
+    def token_chunks(self, chunk_tokens: int = 1 << 24) -> Iterable[np.ndarray]:
+        """Every token record in storage order, in memory-mapped chunks (for whole-dataset statistics)."""
+        for tokens in self._tokens:
+            for start in range(0, tokens.shape[0], chunk_tokens):
+                yield tokens[start : start + chunk_tokens]
+
+    def __repr__(self) -> str:
+        c = self.meta["counts"]
+        return f"PackedDataset({str(self.path)!r}, kind={self.kind}, rows={c['rows']}, tokens={c['tokens']})"

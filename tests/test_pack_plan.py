@@ -1,0 +1,145 @@
+"""The packing planner: a valid partition, deterministic, near the lower bound, and strict about bad lengths."""
+import math
+
+import numpy as np
+import pytest
+
+from data.pack import _decreasing_order, plan
+
+ALGORITHMS = ["best_fit", "first_fit"]
+
+
+def check_partition(rows, lengths, max_length):
+    placed = np.zeros(len(lengths), dtype=np.int64)
+    for row in rows:
+        assert row, "empty row"
+        placed[row] += 1
+        assert sum(lengths[i] for i in row) <= max_length
+    np.testing.assert_array_equal(placed, 1)
+
+
+def brute_force_best_fit(lengths, max_length, order):
+    """Best fit by definition: scan every open row for the least room that fits."""
+    rooms, rows = [], []
+    for i in order:
+        s = lengths[i]
+        fits = [b for b, r in enumerate(rooms) if r >= s]
+        if fits:
+            b = min(fits, key=lambda b: rooms[b])
+            rooms[b] -= s
+            rows[b].append(i)
+        else:
+            rooms.append(max_length - s)
+            rows.append([i])
+    return rows
+
+
+def brute_force_first_fit(lengths, max_length, order):
+    rooms, rows = [], []
+    for i in order:
+        s = lengths[i]
+        b = next((b for b, r in enumerate(rooms) if r >= s), None)
+        if b is None:
+            rooms.append(max_length - s)
+            rows.append([i])
+        else:
+            rooms[b] -= s
+            rows[b].append(i)
+    return rows
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("max_length", [64, 1000, 4096])
+def test_partition_and_bound(algorithm, max_length):
+    rng = np.random.default_rng(max_length)
+    lengths = np.clip(rng.lognormal(np.log(max_length / 10), 1.2, 3000).astype(np.int64), 1, max_length)
+    rows = plan(lengths, max_length, seed=3, algorithm=algorithm)
+    check_partition(rows, lengths, max_length)
+    lower = math.ceil(lengths.sum() / max_length)
+    assert len(rows) >= lower
+    # decreasing-order heuristics never need more than 11/9 OPT + 1 rows (and are far better on such data)
+    assert len(rows) <= 11 / 9 * lower + 1
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_matches_brute_force(algorithm):
+    """Same rows as the O(N * rows) definition processing the same decreasing order. Best fit may choose a
+    different row among rows of equal room, which leaves the multiset of row loads unchanged."""
+    rng = np.random.default_rng(7)
+    max_length = 500
+    lengths = rng.integers(1, max_length + 1, 700)
+    rows = plan(lengths, max_length, seed=0, algorithm=algorithm)
+    order = _decreasing_order(lengths, 0).tolist()
+    ref = (brute_force_best_fit if algorithm == "best_fit" else brute_force_first_fit)(lengths, max_length, order)
+    assert sorted(sum(lengths[r]) for r in rows) == sorted(sum(lengths[r]) for r in ref)
+    if algorithm == "first_fit":
+        # first fit has no ties: identical rows in identical order
+        assert rows == ref
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_deterministic_for_a_seed(algorithm):
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(1, 50, 2000)  # many equal lengths: the seed decides ties
+    a = plan(lengths, 128, seed=5, algorithm=algorithm)
+    b = plan(lengths.tolist(), 128, seed=5, algorithm=algorithm)
+    c = plan(lengths, 128, seed=6, algorithm=algorithm)
+    assert a == b
+    assert a != c
+    check_partition(c, lengths, 128)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_edge_cases(algorithm):
+    assert plan([], 100, algorithm=algorithm) == []
+    assert plan(np.array([], dtype=np.int64), 100, algorithm=algorithm) == []
+    assert plan([100], 100, algorithm=algorithm) == [[0]]
+    # all just over half: no two fit together
+    rows = plan([51] * 9, 100, algorithm=algorithm)
+    assert sorted(map(len, rows)) == [1] * 9
+    check_partition(rows, np.array([51] * 9), 100)
+    # exactly half: two per row
+    rows = plan([50] * 9, 100, algorithm=algorithm)
+    assert sorted(map(len, rows)) == [1, 2, 2, 2, 2]
+    # full rows plus fillers
+    lengths = np.array([100, 1, 99, 60, 40, 30, 70])
+    rows = plan(lengths, 100, algorithm=algorithm)
+    check_partition(rows, lengths, 100)
+    assert len(rows) == 4
+
+
+def test_best_fit_picks_tightest_row():
+    # after 60, 55 and 52 open three rows (rooms 40, 45, 48), a 44 must go to room 45 (best), not 40 or 48
+    rows = plan([60, 55, 52, 44], 100, algorithm="best_fit")
+    assert sorted(sorted(r) for r in rows) == [[0], [1, 3], [2]]
+    rows = plan([60, 55, 52, 44], 100, algorithm="first_fit")
+    assert sorted(sorted(r) for r in rows) == [[0], [1, 3], [2]]  # first row with room >= 44 is the 55's
+    rows = plan([52, 55, 60, 40], 100, algorithm="first_fit")
+    assert sorted(sorted(r) for r in rows) == [[0], [1], [2, 3]]  # oldest = largest item's row (room 40)
+    rows = plan([52, 55, 60, 41], 100, algorithm="best_fit")
+    assert sorted(sorted(r) for r in rows) == [[0], [1, 3], [2]]  # room 45 is the tightest that fits 41
+
+
+def test_first_fit_grows_its_tree():
+    lengths = np.full(3000, 60)  # 3000 rows: more than the initial 1024 leaves
+    rows = plan(lengths, 100, algorithm="first_fit")
+    assert len(rows) == 3000
+    lengths = np.concatenate([np.full(2500, 70), np.full(2500, 30)])
+    rows = plan(lengths, 100, algorithm="first_fit")
+    assert len(rows) == 2500
+    check_partition(rows, lengths, 100)
+
+
+@pytest.mark.parametrize("bad", [[10, 0, 5], [10, -3], [10, 101]])
+def test_bad_lengths(bad):
+    with pytest.raises(ValueError, match="outside 1..max_length=100"):
+        plan(bad, 100)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="algorithm"):
+        plan([1], 10, algorithm="next_fit")
+    with pytest.raises(ValueError, match="max_length"):
+        plan([1], 0)
+    with pytest.raises(ValueError, match="integers"):
+        plan([1.5], 10)

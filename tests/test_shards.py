@@ -1,0 +1,318 @@
+"""The indexed token dataset format: round trip, O(1) access across shards, and clear errors on bad files."""
+import mmap
+import os
+import pickle
+
+import numpy as np
+import orjson
+import pytest
+
+from data.shards import (
+    FORMAT_VERSION,
+    IGNORE_INDEX,
+    PackedDataset,
+    ShardFormatError,
+    ShardWriter,
+    tokenizer_hash,
+)
+from tests.conftest import tokenizer_dir
+
+
+def make_sequence(rng, n, n_turns=2, category=1, structure=False):
+    """A synthetic tokenized sequence: untrained prompt tokens, then `n_turns` trained spans."""
+    ids = rng.integers(0, 150_000, n, dtype=np.int64)
+    turn_ids = np.zeros(n, dtype=np.int16)
+    bounds = np.linspace(n // 3, n, n_turns + 1).astype(int)
+    for k in range(n_turns):
+        turn_ids[bounds[k] : bounds[k + 1]] = k + 1 if bounds[k + 1] > bounds[k] else 0
+    labels = np.where(turn_ids > 0, ids, IGNORE_INDEX)
+    seq = {
+        "input_ids": ids,
+        "labels": labels,
+        "category_ids": np.full(n, category, dtype=np.int16),
+        "turn_ids": turn_ids,
+    }
+    if structure:
+        seq["block_ids"] = rng.integers(0, 5, n).astype(np.int16)
+        seq["path_ids"] = rng.integers(0, 3, n).astype(np.int16)
+    return seq
+
+
+def write_rows(path, rows, **kwargs):
+    """rows: list of lists of sequences; record_index = running sequence number; uids = [1000 + it]."""
+    meta_extra = kwargs.pop("meta_extra", {"categories": {1: "math", 2: "code"}, "max_length": 4096})
+    w = ShardWriter(path, **kwargs)
+    k = 0
+    for seqs in rows:
+        w.add_row(seqs, record_indices=list(range(k, k + len(seqs))), uids=[[1000 + k + j] for j in range(len(seqs))])
+        k += len(seqs)
+    return w.close(meta_extra)
+
+
+@pytest.fixture
+def rows():
+    rng = np.random.default_rng(0)
+    out = []
+    for r in range(23):
+        out.append([make_sequence(rng, int(rng.integers(5, 60)), n_turns=int(rng.integers(0, 3)), category=1 + r % 2)
+                    for _ in range(int(rng.integers(1, 4)))])
+    return out
+
+
+def test_round_trip_small_shards(tmp_path, rows):
+    meta = write_rows(tmp_path / "ds", rows, max_shard_bytes=300)
+    assert meta["counts"]["shards"] > 5  # tiny shards: rows cross many shard boundaries
+    ds = PackedDataset(tmp_path / "ds", verify=True)
+    assert len(ds) == len(rows) == meta["counts"]["rows"]
+    assert ds.categories == {1: "math", 2: "code"}
+    assert ds.meta["max_length"] == 4096
+    k = 0
+    # random order exercises the shard lookup from any position
+    order = np.random.default_rng(1).permutation(len(rows))
+    starts = np.cumsum([0] + [len(r) for r in rows])
+    for i in order:
+        seqs = rows[i]
+        got = ds[int(i)]
+        for name in ("input_ids", "labels", "category_ids", "turn_ids"):
+            np.testing.assert_array_equal(got[name], np.concatenate([s[name] for s in seqs]))
+        assert "block_ids" not in got
+        np.testing.assert_array_equal(got["seq_lens"], [len(s["input_ids"]) for s in seqs])
+        np.testing.assert_array_equal(got["record_index"], np.arange(starts[i], starts[i] + len(seqs)))
+        assert [u.tolist() for u in ds.row_uids(int(i))] == [[1000 + starts[i] + j] for j in range(len(seqs))]
+        n_loss = sum(int((s["labels"] != IGNORE_INDEX).sum()) for s in seqs)
+        n_turns = sum(len(set(s["turn_ids"].tolist()) - {0}) for s in seqs)
+        n_samples = sum(int((s["labels"] != IGNORE_INDEX).any()) for s in seqs)
+        assert ds.row_n_tokens[i] == got["seq_lens"].sum() == len(got["input_ids"])
+        assert (ds.row_n_loss_tokens[i], ds.row_n_trained_turns[i], ds.row_n_samples[i]) == (n_loss, n_turns, n_samples)
+        k += len(seqs)
+    assert ds[-1]["input_ids"].tolist() == ds[len(ds) - 1]["input_ids"].tolist()
+    with pytest.raises(IndexError):
+        ds[len(ds)]
+    assert meta["counts"]["sequences"] == k == len(ds.seq_index)
+    assert meta["counts"]["loss_tokens"] == int(ds.row_n_loss_tokens.sum())
+    # a pickled dataset (DataLoader worker) carries no token data and reopens the same files
+    blob = pickle.dumps(ds)
+    assert len(blob) < 1000
+    np.testing.assert_array_equal(pickle.loads(blob)[5]["input_ids"], ds[5]["input_ids"])
+
+
+def test_single_shard_row_arrays_are_memmapped(tmp_path, rows):
+    write_rows(tmp_path / "ds", rows)
+    ds = PackedDataset(tmp_path / "ds")
+    assert ds.meta["counts"]["shards"] == 1
+    assert isinstance(root_buffer(ds.row_n_tokens), mmap.mmap)
+    assert isinstance(root_buffer(ds.row_tokens(0)), mmap.mmap)
+    # rows read (and their pages released) twice give the same data; views survive release()
+    view = ds.row_tokens(3)
+    before = view["input_ids"].copy()
+    ds.release()
+    np.testing.assert_array_equal(view["input_ids"], before)
+    first = [ds[i]["input_ids"].copy() for i in range(len(ds))]
+    for i in range(len(ds)):
+        np.testing.assert_array_equal(ds[i]["input_ids"], first[i])
+        np.testing.assert_array_equal(ds[i]["input_ids"], np.concatenate([s["input_ids"] for s in rows[i]]))
+
+
+def root_buffer(arr):
+    while isinstance(arr, np.ndarray) and arr.base is not None:
+        arr = arr.base
+    return arr.obj if isinstance(arr, memoryview) else arr
+
+
+def test_structure_fields_and_kind(tmp_path):
+    rng = np.random.default_rng(3)
+    rows = [[make_sequence(rng, 30, structure=True)] for _ in range(4)]
+    meta = write_rows(tmp_path / "ds", rows, token_fields=["input_ids", "labels", "category_ids", "turn_ids",
+                                                            "block_ids", "path_ids"], kind="tokenized")
+    assert list(meta["token_fields"]) == ["input_ids", "labels", "category_ids", "turn_ids", "block_ids", "path_ids"]
+    ds = PackedDataset(tmp_path / "ds")
+    assert ds.kind == "tokenized"
+    np.testing.assert_array_equal(ds[2]["path_ids"], rows[2][0]["path_ids"])
+    np.testing.assert_array_equal(ds[2]["block_ids"], rows[2][0]["block_ids"])
+
+
+def test_writer_rejects_bad_rows(tmp_path):
+    rng = np.random.default_rng(0)
+    w = ShardWriter(tmp_path / "ds")
+    good = make_sequence(rng, 10)
+    with pytest.raises(ValueError, match="at least one sequence"):
+        w.add_row([])
+    with pytest.raises(ValueError, match="missing token field"):
+        w.add_row([{k: v for k, v in good.items() if k != "turn_ids"}])
+    with pytest.raises(ValueError, match="labels has 9 tokens"):
+        w.add_row([dict(good, labels=good["labels"][:9])])
+    with pytest.raises(ValueError, match="category_ids value out of int16 range"):
+        w.add_row([dict(good, category_ids=np.full(10, 40_000))])
+    with pytest.raises(ValueError, match="empty sequence"):
+        w.add_row([{k: v[:0] for k, v in good.items()}])
+    with pytest.raises(ValueError, match="not in this dataset's token_fields"):
+        w.add_row([dict(good, block_ids=np.zeros(10))])
+    with pytest.raises(ValueError, match="reserved"):
+        w.close({"counts": 1})
+    assert not (tmp_path / "ds").exists()
+    assert os.listdir(tmp_path) == []  # the temp dir is gone too
+
+
+def test_writer_is_atomic(tmp_path, rows):
+    write_rows(tmp_path / "ds", rows[:3])
+    w = ShardWriter(tmp_path / "ds")
+    w.add_row(rows[5])
+    assert len(PackedDataset(tmp_path / "ds")) == 3  # nothing visible before close
+    w.close({})
+    assert len(PackedDataset(tmp_path / "ds")) == 1
+    assert sorted(os.listdir(tmp_path)) == ["ds"]
+    with pytest.raises(RuntimeError):
+        with ShardWriter(tmp_path / "other") as w2:
+            w2.add_row(rows[0])
+            raise RuntimeError("stage failed")
+    assert sorted(os.listdir(tmp_path)) == ["ds"]
+
+
+def test_empty_dataset(tmp_path):
+    meta = ShardWriter(tmp_path / "ds").close({})
+    assert meta["counts"]["rows"] == 0
+    ds = PackedDataset(tmp_path / "ds")
+    assert len(ds) == 0 and ds.row_n_tokens.shape == (0,)
+
+
+# ---------------------------------------------------------------------------------------------- bad files
+def _meta(path):
+    return orjson.loads((path / "meta.json").read_bytes())
+
+
+def test_truncated_shard(tmp_path, rows):
+    write_rows(tmp_path / "ds", rows, max_shard_bytes=300)
+    f = tmp_path / "ds" / "shard_00002.tokens.bin"
+    os.truncate(f, f.stat().st_size - 4)
+    with pytest.raises(ShardFormatError, match=r"shard_00002\.tokens\.bin: size .* \(truncated"):
+        PackedDataset(tmp_path / "ds")
+
+
+def test_missing_shard(tmp_path, rows):
+    write_rows(tmp_path / "ds", rows, max_shard_bytes=300)
+    (tmp_path / "ds" / "shard_00001.seqs.npy").unlink()
+    with pytest.raises(ShardFormatError, match=r"shard_00001\.seqs\.npy: shard file missing"):
+        PackedDataset(tmp_path / "ds")
+
+
+def test_corrupt_token_shard_needs_verify(tmp_path, rows):
+    write_rows(tmp_path / "ds", rows, max_shard_bytes=300)
+    f = tmp_path / "ds" / "shard_00003.tokens.bin"
+    data = bytearray(f.read_bytes())
+    data[5] ^= 0xFF  # same size, different bytes
+    f.write_bytes(bytes(data))
+    PackedDataset(tmp_path / "ds")  # sizes match: the cheap open does not read token data
+    with pytest.raises(ShardFormatError, match=r"shard_00003\.tokens\.bin: checksum mismatch"):
+        PackedDataset(tmp_path / "ds", verify=True)
+
+
+def test_corrupt_index_checked_at_open(tmp_path, rows):
+    write_rows(tmp_path / "ds", rows, max_shard_bytes=300)
+    f = tmp_path / "ds" / "shard_00000.rows.npy"
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0x01
+    f.write_bytes(bytes(data))
+    with pytest.raises(ShardFormatError, match=r"shard_00000\.rows\.npy: checksum mismatch"):
+        PackedDataset(tmp_path / "ds")
+
+
+def test_checksum_mismatch_in_manifest(tmp_path, rows):
+    write_rows(tmp_path / "ds", rows)
+    meta = _meta(tmp_path / "ds")
+    meta["shards"][0]["files"]["tokens"]["blake2b"] = "0" * 64
+    (tmp_path / "ds" / "meta.json").write_bytes(orjson.dumps(meta))
+    with pytest.raises(ShardFormatError, match="checksum mismatch"):
+        PackedDataset(tmp_path / "ds", verify=True)
+
+
+def test_version_mismatch(tmp_path, rows):
+    write_rows(tmp_path / "ds", rows)
+    meta = _meta(tmp_path / "ds")
+    meta["format_version"] = FORMAT_VERSION + 1
+    (tmp_path / "ds" / "meta.json").write_bytes(orjson.dumps(meta))
+    with pytest.raises(ShardFormatError, match=f"format_version {FORMAT_VERSION + 1} is not supported"):
+        PackedDataset(tmp_path / "ds")
+
+
+def test_manifest_does_not_parse(tmp_path, rows):
+    write_rows(tmp_path / "ds", rows)
+    (tmp_path / "ds" / "meta.json").write_bytes(b'{"format": "packsft-indexed", ')
+    with pytest.raises(ShardFormatError, match=r"meta\.json: manifest does not parse"):
+        PackedDataset(tmp_path / "ds")
+    with pytest.raises(ShardFormatError, match=r"meta\.json: missing"):
+        PackedDataset(tmp_path / "nothing_here")
+
+
+def test_tokenizer_hash(tmp_path):
+    qwen = tokenizer_hash(tokenizer_dir("qwen2_5_instruct"))
+    assert qwen == tokenizer_hash(tokenizer_dir("qwen2_5_instruct"))
+    assert qwen != tokenizer_hash(tokenizer_dir("qwen3"))
+    with pytest.raises(FileNotFoundError, match="no tokenizer files"):
+        tokenizer_hash(tmp_path)
+
+
+def test_counts_per_category_and_rejected_row_leaves_no_trace(tmp_path):
+    rng = np.random.default_rng(5)
+    a, b = make_sequence(rng, 20, category=3), make_sequence(rng, 9, category=0)
+    w = ShardWriter(tmp_path / "ds")
+    w.add_row([a, b])
+    bad = dict(make_sequence(rng, 7), turn_ids=np.full(7, -1))
+    with pytest.raises(ValueError, match="row 1 sequence 1: negative turn_ids"):
+        w.add_row([make_sequence(rng, 5), bad], uids=[[1], [2]])
+    meta = w.close({})
+    assert meta["counts"]["rows"] == 1 and meta["counts"]["sequences"] == 2 and meta["counts"]["uids"] == 0
+    loss = {c: int(((s["labels"] != IGNORE_INDEX) & (s["category_ids"] == c)).sum()) for s, c in ((a, 3), (b, 0))}
+    assert meta["counts"]["category_tokens"] == {"0": 9, "3": 20}
+    assert meta["counts"]["category_loss_tokens"] == {"0": loss[0], "3": loss[3]}
+    ds = PackedDataset(tmp_path / "ds", verify=True)
+    assert ds[0]["record_index"].tolist() == [-1, -1]  # not given: unknown
+    assert [u.tolist() for u in ds.row_uids(0)] == [[], []]
+    assert len(ds.seq_index) == 2 and ds.all_uids.shape == (0,)
+
+
+def test_structured_sequences_are_converted(tmp_path):
+    """A structured array (e.g. a row slice of another dataset) with other integer widths is accepted."""
+    rng = np.random.default_rng(2)
+    seq = make_sequence(rng, 12)
+    wide = np.zeros(12, dtype=[("turn_ids", "<i8"), ("input_ids", "<i8"), ("labels", "<i8"), ("category_ids", "<u1")])
+    for name in wide.dtype.names:
+        wide[name] = seq[name]
+    w = ShardWriter(tmp_path / "ds")
+    w.add_row([wide, seq])
+    w.close({})
+    row = PackedDataset(tmp_path / "ds")[0]
+    for name in ("input_ids", "labels", "category_ids", "turn_ids"):
+        np.testing.assert_array_equal(row[name], np.concatenate([seq[name], seq[name]]))
+    w = ShardWriter(tmp_path / "ds2")
+    with pytest.raises(ValueError, match="missing token field"):
+        w.add_row([wide[["input_ids", "labels"]]])
+    w.abort()
+
+
+def test_malformed_manifest_entries(tmp_path, rows):
+    write_rows(tmp_path / "ds", rows)
+    meta = _meta(tmp_path / "ds")
+    del meta["shards"][0]["files"]["seqs"]
+    (tmp_path / "ds" / "meta.json").write_bytes(orjson.dumps(meta))
+    with pytest.raises(ShardFormatError, match=r"shards\[0\] is malformed"):
+        PackedDataset(tmp_path / "ds")
+    meta = _meta(tmp_path / "ds")
+    meta["token_fields"]["input_ids"] = "<i8"
+    (tmp_path / "ds" / "meta.json").write_bytes(orjson.dumps(meta))
+    with pytest.raises(ShardFormatError, match="token_fields"):
+        PackedDataset(tmp_path / "ds")
+
+
+def test_gather_concatenates_rows(tmp_path, rows):
+    meta = write_rows(tmp_path / "ds", rows, max_shard_bytes=300)
+    ds = PackedDataset(tmp_path / "ds")
+    assert meta["max_token_id"] == max(int(s["input_ids"].max()) for r in rows for s in r)
+    pick = [7, 0, 22, 7]  # across shards, repeated
+    got = ds.gather(pick)
+    for name in ("input_ids", "labels", "category_ids", "turn_ids"):
+        np.testing.assert_array_equal(got[name], np.concatenate([ds[i][name] for i in pick]))
+        assert got[name].dtype == ds[0][name].dtype
+    np.testing.assert_array_equal(got["seq_lens"], np.concatenate([ds[i]["seq_lens"] for i in pick]))
+    np.testing.assert_array_equal(got["record_index"], np.concatenate([ds[i]["record_index"] for i in pick]))
+    empty = ds.gather([])
+    assert empty["input_ids"].shape == (0,) and empty["input_ids"].dtype == np.int32
