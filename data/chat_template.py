@@ -1,0 +1,158 @@
+"""Chat-template analysis: where a rendered conversation's assistant turns start and end, for any template.
+
+The loss mask is derived from character spans of ONE render of the whole conversation (never from renders of
+prefixes: Qwen3 drops earlier `<think>` blocks and Phi-3's special tokens swallow the following newline, so a
+prefix render is not a prefix of the full render). Two strings are learnt from probe renders:
+
+- `header`: the assistant role header, i.e. the generation prompt (render with `add_generation_prompt=True`
+  minus the render without), cut to the part common to every `enable_thinking` setting (Qwen3 appends an empty
+  `<think></think>` block when thinking is off; that block is part of the trained answer, not of the header);
+- `end_of_turn`: what the template writes right after an assistant message's text, whatever follows
+  (another turn or the end of the conversation), without trailing whitespace (`<|im_end|>`, `<|eot_id|>`,
+  `<|end|>`).
+
+Probe differences are cut back to token boundaries: Phi-3 appends `<|endoftext|>` to a render without the
+generation prompt, which shares the characters `<|` with `<|assistant|>`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from data.config import ConfigError
+
+PROBE_USER = "PackSFT probe question 1"
+PROBE_ANSWER = "PackSFT probe answer 2"
+PROBE_USER_2 = "PackSFT probe question 3"
+THINKING_VARIANTS = ({}, {"enable_thinking": True}, {"enable_thinking": False})
+
+
+class SpanError(ValueError):
+    """A rendered conversation does not show one header ... end-of-turn per assistant message."""
+
+
+@dataclass(frozen=True)
+class TemplateInfo:
+    header: str
+    end_of_turn: str
+
+
+def load_chat_tokenizer(tokenizer_path: str, chat_template: str | None = None):
+    """A fast tokenizer with a chat template (`chat_template`, a Jinja file, replaces the tokenizer's own)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise ConfigError(f"tokenizer_path: {tokenizer_path} has no fast (Rust) tokenizer; offsets need one")
+    if chat_template:
+        path = Path(chat_template)
+        if not path.is_file():
+            raise ConfigError(f"chat_template: {chat_template} is not a file")
+        tokenizer.chat_template = path.read_text(encoding="utf-8")
+    if not tokenizer.chat_template:
+        raise ConfigError(
+            f"tokenizer_path: the tokenizer at {tokenizer_path} has no chat template; "
+            "set chat_template: path/to/template.jinja"
+        )
+    return tokenizer
+
+
+def _render(tokenizer, messages, **kwargs) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+
+
+def _token_starts_ends(tokenizer, text: str) -> tuple[list[int], list[int], list[int]]:
+    enc = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
+    return enc.ids, [s for s, _ in enc.offsets], [e for _, e in enc.offsets]
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _generation_prompt(tokenizer, kwargs: dict) -> str:
+    """Render with the generation prompt minus the render without; when the latter is not a prefix (Phi-3 ends
+    a conversation with eos), split at the first differing TOKEN."""
+    base = [{"role": "user", "content": PROBE_USER}]
+    plain = _render(tokenizer, base, add_generation_prompt=False, **kwargs)
+    with_gen = _render(tokenizer, base, add_generation_prompt=True, **kwargs)
+    if with_gen.startswith(plain):
+        return with_gen[len(plain):]
+    ids_plain, _, _ = _token_starts_ends(tokenizer, plain)
+    ids_gen, starts_gen, _ = _token_starts_ends(tokenizer, with_gen)
+    i = 0
+    while i < min(len(ids_plain), len(ids_gen)) and ids_plain[i] == ids_gen[i]:
+        i += 1
+    if i == len(ids_gen):
+        return ""
+    return with_gen[starts_gen[i]:]
+
+
+def analyze_template(tokenizer) -> TemplateInfo:
+    """Learn the assistant header and end-of-turn marker of the tokenizer's chat template from probe renders."""
+    try:
+        prompts = [_generation_prompt(tokenizer, kw) for kw in THINKING_VARIANTS]
+        header = prompts[0]
+        for other in prompts[1:]:
+            header = header[: _common_prefix_len(header, other)]
+
+        one = [{"role": "user", "content": PROBE_USER}, {"role": "assistant", "content": PROBE_ANSWER}]
+        two = one + [{"role": "user", "content": PROBE_USER_2}]
+        text_one = _render(tokenizer, one)
+        text_two = _render(tokenizer, two)
+    except Exception as exc:  # a template that cannot render a plain user/assistant exchange
+        raise ConfigError(f"chat template cannot render a probe conversation: {type(exc).__name__}: {exc}") from exc
+    if not header.strip():
+        raise ConfigError("chat template adds no generation prompt (add_generation_prompt=True changes nothing); "
+                          "cannot tell where assistant turns start")
+    for text in (text_one, text_two):
+        if PROBE_ANSWER not in text:
+            raise ConfigError("chat template does not render the assistant message's content verbatim")
+    after_one = text_one[text_one.index(PROBE_ANSWER) + len(PROBE_ANSWER):]
+    start_two = text_two.index(PROBE_ANSWER) + len(PROBE_ANSWER)
+    after_two = text_two[start_two:]
+    common = _common_prefix_len(after_one, after_two)
+    # cut back to a token boundary of the longer render, then drop the separator whitespace
+    _, starts, ends = _token_starts_ends(tokenizer, text_two)
+    limit = start_two + common
+    cut = max([e for e in ends if start_two <= e <= limit] + [s for s in starts if start_two <= s <= limit],
+              default=start_two)
+    end_of_turn = text_two[start_two:cut].rstrip()
+    if not end_of_turn:
+        raise ConfigError("chat template writes nothing after an assistant message (no end-of-turn marker); "
+                          "cannot tell where assistant turns end")
+    header_at = text_one.find(header)
+    if header_at < 0 or header_at > text_one.index(PROBE_ANSWER):
+        raise ConfigError(f"chat template: the generation prompt {header!r} does not precede the assistant message")
+    return TemplateInfo(header=header, end_of_turn=end_of_turn)
+
+
+def assistant_spans(text: str, info: TemplateInfo, n_assistant: int) -> list[tuple[int, int]]:
+    """Character spans `[start, end)` of the n assistant turns in a rendered conversation, in order: from just
+    after the assistant header to the end of the end-of-turn marker. Raises SpanError unless the text holds
+    exactly `n_assistant` headers each followed by an end-of-turn marker before the next header."""
+    header, eot = info.header, info.end_of_turn
+    spans = []
+    pos = 0
+    for k in range(n_assistant):
+        h = text.find(header, pos)
+        if h < 0:
+            raise SpanError(f"assistant message {k + 1} of {n_assistant}: header {header!r} not found in the render")
+        body = h + len(header)
+        e = text.find(eot, body)
+        if e < 0:
+            raise SpanError(f"assistant message {k + 1} of {n_assistant}: no end-of-turn {eot!r} after its header")
+        nxt = text.find(header, body)
+        if 0 <= nxt < e:
+            raise SpanError(f"assistant message {k + 1} of {n_assistant}: another header before its end-of-turn")
+        end = e + len(eot)
+        spans.append((body, end))
+        pos = end
+    if text.find(header, pos) >= 0:
+        raise SpanError(f"the render holds more assistant headers {header!r} than the {n_assistant} assistant "
+                        "messages (header text inside a message, or a template that adds turns)")
+    return spans

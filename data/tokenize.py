@@ -1,0 +1,469 @@
+"""Tokenize stage: merged.jsonl -> tokenized/ (one sequence per row) with exact loss masks.
+
+Per record the whole conversation is rendered ONCE with the tokenizer's chat template (text), a batch of
+texts is encoded by the fast tokenizer, and the loss mask comes from character spans of that single render
+(see data/chat_template.py): for every trained assistant message, the tokens that START inside
+`[end of its assistant header, end of its end-of-turn marker)`. The token ids are therefore exactly
+`tokenizer.apply_chat_template(messages, tools=tools, **kwargs)["input_ids"]`.
+
+Per token: `input_ids`, `labels` (= input id where trained, -100 elsewhere), `category_ids` (category of the
+assistant message the token belongs to: its own turn, or the prompt that precedes it; tokens after the last
+assistant turn belong to it), `turn_ids` (k = 1..T on the k-th trained turn, 0 elsewhere), and in structure
+mode `block_ids`/`path_ids` from `data.parallel_thinking.token_structure`.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import multiprocessing
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import orjson
+from tqdm import tqdm
+
+from data.chat_template import SpanError, TemplateInfo, analyze_template, assistant_spans, load_chat_tokenizer
+from data.config import ConfigError, DataConfig, load_config, to_dict
+from data.records import RecordError, message_category, record_uids, validate_canonical
+from data.report import sorted_counts
+from data.shards import REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, ShardWriter, file_blake2b, tokenizer_hash
+
+IGNORE_INDEX = -100
+OVERLONG_POLICIES = ("drop", "error", "truncate", "left", "right")
+CHUNK_RECORDS = 256  # records per batch encode / per worker task
+CHUNK_BYTES = 8 << 20  # ... or fewer when their JSON is this large (bounds memory per task)
+
+
+@dataclass
+class TokenizedSequence:
+    input_ids: np.ndarray  # int32 [n]
+    labels: np.ndarray  # int32 [n]
+    category_ids: np.ndarray  # int16 [n]
+    turn_ids: np.ndarray  # int16 [n]
+    uids: list[int]
+    record_index: int
+    category_id: int  # the record's own category (meta.category_id), for accounting
+    category_name: str | None = None
+    block_ids: np.ndarray | None = None  # int16 [n], structure mode
+    path_ids: np.ndarray | None = None
+    truncated: bool = False
+    structure_kept_plain: bool = False
+
+    @property
+    def n_loss_tokens(self) -> int:
+        return int(np.count_nonzero(self.labels != IGNORE_INDEX))
+
+    def token_fields(self) -> dict[str, np.ndarray]:
+        out = {"input_ids": self.input_ids, "labels": self.labels,
+               "category_ids": self.category_ids, "turn_ids": self.turn_ids}
+        if self.block_ids is not None:
+            out["block_ids"] = self.block_ids
+            out["path_ids"] = self.path_ids
+        return out
+
+
+@dataclass
+class TokenizeContext:
+    """Everything the pure core needs; built once per process (the tokenizer load is the costly part)."""
+
+    tokenizer: Any
+    info: TemplateInfo
+    max_length: int
+    overlong: str = "drop"
+    on_error: str = "error"  # only read in structure mode: keep a malformed record as plain text under skip
+    loss_turns: str = "all"
+    structure: str | None = None
+    enable_thinking: bool | None = None
+    backend: Any = field(init=False, repr=False)
+
+    def __post_init__(self):
+        if self.overlong not in OVERLONG_POLICIES:
+            raise ConfigError(f"overlong must be one of {OVERLONG_POLICIES}, got {self.overlong!r}")
+        self.backend = self.tokenizer.backend_tokenizer
+
+    @classmethod
+    def from_config(cls, cfg: DataConfig) -> "TokenizeContext":
+        tokenizer = load_chat_tokenizer(cfg.tokenizer_path, cfg.chat_template)
+        return cls(tokenizer=tokenizer, info=analyze_template(tokenizer), max_length=cfg.max_length,
+                   overlong=cfg.effective_overlong, on_error=cfg.on_error, loss_turns=cfg.loss_turns,
+                   structure=cfg.structure,
+                   enable_thinking=cfg.enable_thinking)
+
+
+# ---------------------------------------------------------------------------------------------- the pure core
+def template_inputs(record: dict, ctx_enable_thinking: bool | None = None) -> tuple[list[dict], dict]:
+    """The `(messages, kwargs)` given to `apply_chat_template` for a canonical record: messages without the
+    pipeline's `category_id`, `tools` when present, `enable_thinking` (the record's, else the config's) when set."""
+    messages = [{k: v for k, v in m.items() if k != "category_id"} for m in record["messages"]]
+    kwargs: dict[str, Any] = {}
+    if record.get("tools"):
+        kwargs["tools"] = record["tools"]
+    thinking = record.get("enable_thinking", ctx_enable_thinking)
+    if thinking is not None:
+        kwargs["enable_thinking"] = thinking
+    return messages, kwargs
+
+
+def _first_token_at(enc, pos: int, n_tokens: int, text_len: int) -> int:
+    """Index of the first token whose start offset is >= pos (n_tokens if none)."""
+    p = pos
+    t = None
+    while p < text_len:
+        t = enc.char_to_token(p)
+        if t is not None:
+            break
+        p += 1
+    if t is None:
+        return n_tokens
+    while t < n_tokens and enc.token_to_chars(t)[0] < pos:
+        t += 1
+    return t
+
+
+def _renumber_turns(turn_ids: np.ndarray) -> np.ndarray:
+    """Turn ids 1..T in order of appearance (after a cut that removed leading turns)."""
+    present = np.unique(turn_ids[turn_ids > 0])
+    if present.size == 0 or (present[0] == 1 and present[-1] == present.size):
+        return turn_ids
+    lut = np.zeros(int(present[-1]) + 1, dtype=np.int16)
+    lut[present] = np.arange(1, present.size + 1, dtype=np.int16)
+    return lut[turn_ids]
+
+
+def _raw_category(record: Any) -> int:
+    """meta.category_id of a (possibly invalid) record, 0 when there is none."""
+    meta = record.get("meta") if isinstance(record, dict) else None
+    cat = meta.get("category_id") if isinstance(meta, dict) else None
+    return cat if isinstance(cat, int) and not isinstance(cat, bool) and cat >= 0 else 0
+
+
+def _prepare(record: Any, source: str, ctx: TokenizeContext) -> tuple[dict, str]:
+    """Validate one record and render it: (normalized record, rendered text), or RecordError."""
+    if isinstance(record, RecordError):
+        raise record
+    norm = validate_canonical(record, source)
+    messages, kwargs = template_inputs(norm, ctx.enable_thinking)
+    try:
+        text = ctx.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except Exception as exc:  # jinja raise_exception / TemplateError: the template rejects this conversation
+        raise RecordError(source, "messages", f"chat template failed: {type(exc).__name__}: {exc}",
+                          "template_error") from None
+    return norm, text
+
+
+def _build(norm: dict, text: str, enc, source: str, record_index: int, ctx: TokenizeContext) -> TokenizedSequence:
+    ids = np.asarray(enc.ids, dtype=np.int32)
+    n = ids.shape[0]
+    msgs = norm["messages"]
+    labels_in = norm["labels"]
+    assistant = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    try:
+        spans = assistant_spans(text, ctx.info, len(assistant))
+    except SpanError as exc:
+        raise RecordError(source, "messages", str(exc), "template_mismatch") from None
+    trained = [j for j, i in enumerate(assistant) if labels_in[i]]
+    if ctx.loss_turns == "last":
+        trained = trained[-1:]
+    trained_set = set(trained)
+
+    text_len = len(text)
+    labels = np.full(n, IGNORE_INDEX, dtype=np.int32)
+    turn_ids = np.zeros(n, dtype=np.int16)
+    category_ids = np.empty(n, dtype=np.int16)
+    turn_ends: list[int] = []  # token end of each trained turn (for cut-at-turn truncation)
+    prev = 0
+    k = 0
+    for j, i in enumerate(assistant):
+        start_char, end_char = spans[j]
+        end_tok = _first_token_at(enc, end_char, n, text_len)
+        category_ids[prev:end_tok] = message_category(norm, i)
+        prev = end_tok
+        if j in trained_set:
+            start_tok = _first_token_at(enc, start_char, n, text_len)
+            if end_tok > start_tok:
+                k += 1
+                labels[start_tok:end_tok] = ids[start_tok:end_tok]
+                turn_ids[start_tok:end_tok] = k
+                turn_ends.append(end_tok)
+    category_ids[prev:] = message_category(norm, assistant[-1])
+    if k == 0:
+        raise RecordError(source, "labels", "no assistant token is trained", "no_trainable_token")
+
+    where = f"{n} tokens > max_length {ctx.max_length}"
+    if n > ctx.max_length and ctx.overlong in ("drop", "error"):
+        raise RecordError(source, "messages", where, "overlong")
+
+    block_ids = path_ids = None
+    kept_plain = False
+    if ctx.structure == "parallel_thinking":
+        from data.parallel_thinking import StructureError, token_structure
+
+        offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(n, 2)
+        try:
+            block_ids, path_ids = token_structure(text, offsets, [spans[j] for j in trained])
+        except StructureError as exc:
+            if ctx.on_error == "error":
+                raise RecordError(source, "structure", str(exc), "structure") from None
+            block_ids = np.zeros(n, dtype=np.int16)
+            path_ids = np.zeros(n, dtype=np.int16)
+            kept_plain = True
+        block_ids = np.asarray(block_ids, dtype=np.int16)
+        path_ids = np.asarray(path_ids, dtype=np.int16)
+
+    arrays = [ids, labels, category_ids, turn_ids, block_ids, path_ids]
+    truncated = False
+    if n > ctx.max_length:
+        policy = ctx.overlong
+        if policy == "truncate":
+            fitting = [e for e in turn_ends if e <= ctx.max_length]
+            if not fitting:
+                raise RecordError(source, "messages", f"{where} and the first trained turn ends at token "
+                                  f"{turn_ends[0]}", "overlong")
+            sl = slice(0, fitting[-1])
+        elif policy == "left":
+            sl = slice(n - ctx.max_length, n)
+        else:  # right
+            sl = slice(0, ctx.max_length)
+        arrays = [None if a is None else a[sl] for a in arrays]
+        arrays[3] = _renumber_turns(arrays[3])
+        truncated = True
+        if ctx.structure == "parallel_thinking" and not kept_plain and policy != "truncate":
+            from data.parallel_thinking import StructureError, validate_structure
+
+            try:  # a token-level cut may split a <Parallel> block
+                validate_structure(arrays[4], arrays[5])
+            except StructureError as exc:
+                if ctx.on_error == "error":
+                    raise RecordError(source, "structure", f"after {policy} truncation: {exc}", "structure") from None
+                arrays[4] = np.zeros_like(arrays[4])
+                arrays[5] = np.zeros_like(arrays[5])
+                kept_plain = True
+        if not np.any(arrays[1] != IGNORE_INDEX):
+            raise RecordError(source, "messages", f"{where}: no trained token left after {policy} truncation",
+                              "no_trainable_token")
+    ids, labels, category_ids, turn_ids, block_ids, path_ids = arrays
+    meta = norm["meta"]
+    return TokenizedSequence(
+        input_ids=ids, labels=labels, category_ids=category_ids, turn_ids=turn_ids,
+        uids=record_uids(norm), record_index=record_index, category_id=_raw_category(norm),
+        category_name=meta.get("category_name"), block_ids=block_ids, path_ids=path_ids,
+        truncated=truncated, structure_kept_plain=kept_plain,
+    )
+
+
+def tokenize_records(
+    records: list[Any],
+    ctx: TokenizeContext,
+    sources: list[str] | None = None,
+    record_indices: list[int] | None = None,
+) -> list[TokenizedSequence | RecordError]:
+    """Tokenize a batch of canonical records (dicts; a RecordError passes through) with one batch encode.
+
+    Returns, per record in order, a TokenizedSequence or the RecordError that rejects it (reason keys:
+    the validation reasons of data.records, `template_error`, `template_mismatch`, `no_trainable_token`,
+    `overlong`, `structure`). Policies are the caller's: nothing here raises for a bad record.
+    """
+    n = len(records)
+    sources = sources if sources is not None else [f"record {i}" for i in range(n)]
+    record_indices = record_indices if record_indices is not None else list(range(n))
+    out: list[Any] = [None] * n
+    prepared = []
+    for i, rec in enumerate(records):
+        try:
+            prepared.append((i,) + _prepare(rec, sources[i], ctx))
+        except RecordError as exc:
+            exc.category_id = _raw_category(rec)
+            out[i] = exc
+    encodings = ctx.backend.encode_batch([text for _, _, text in prepared], add_special_tokens=False)
+    for (i, norm, text), enc in zip(prepared, encodings):
+        try:
+            out[i] = _build(norm, text, enc, sources[i], record_indices[i], ctx)
+        except RecordError as exc:
+            exc.category_id = _raw_category(norm)  # for per-category accounting
+            out[i] = exc
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- streaming + workers
+def _parse_line(line: bytes, source: str) -> Any:
+    try:
+        row = orjson.loads(line)
+    except orjson.JSONDecodeError as exc:
+        return RecordError(source, "line", f"malformed JSON: {exc}", "malformed_json")
+    return row
+
+
+def _tokenize_chunk(chunk: list[tuple[int, int, bytes]], path: str, ctx: TokenizeContext):
+    """chunk: (record_index, line number, raw line) -> (results, bytes consumed)."""
+    sources = [f"{path}:{lineno}" for _, lineno, _ in chunk]
+    records = [_parse_line(line, src) for (_, _, line), src in zip(chunk, sources)]
+    results = tokenize_records(records, ctx, sources, [idx for idx, _, _ in chunk])
+    return results, sum(len(line) for _, _, line in chunk)
+
+
+_WORKER: dict = {}
+
+
+def _init_worker(cfg_dict: dict) -> None:
+    from data.config import from_dict
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers are the parallelism
+    cfg = from_dict(DataConfig, cfg_dict)
+    _WORKER["ctx"] = TokenizeContext.from_config(cfg)
+    _WORKER["path"] = str(cfg.merged_path)
+
+
+def _worker_chunk(chunk):
+    return _tokenize_chunk(chunk, _WORKER["path"], _WORKER["ctx"])
+
+
+def iter_chunks(path: str | os.PathLike) -> Iterator[list[tuple[int, int, bytes]]]:
+    """Stream a JSONL file as chunks of (record_index, line number, line); blank lines are skipped."""
+    chunk: list[tuple[int, int, bytes]] = []
+    size = 0
+    index = 0
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            chunk.append((index, lineno, line))
+            index += 1
+            size += len(line)
+            if len(chunk) >= CHUNK_RECORDS or size >= CHUNK_BYTES:
+                yield chunk
+                chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def _ordered_results(cfg: DataConfig, ctx: TokenizeContext | None, workers: int) -> Iterator[tuple[list, int]]:
+    """Results chunk by chunk in input order; with workers > 1 at most 2 x workers chunks are in flight."""
+    path = str(cfg.merged_path)
+    if workers <= 1:
+        for chunk in iter_chunks(path):
+            yield _tokenize_chunk(chunk, path, ctx)
+        return
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    mp = multiprocessing.get_context(method)
+    with mp.Pool(workers, initializer=_init_worker, initargs=(to_dict(cfg),)) as pool:
+        pending: collections.deque = collections.deque()
+        for chunk in iter_chunks(path):
+            pending.append(pool.apply_async(_worker_chunk, (chunk,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def run(cfg: DataConfig, workers: int | None = None) -> dict:
+    """Tokenize cfg.merged_path into cfg.tokenized_dir; returns the stage's report section.
+
+    Bad records follow `on_error` (raise, or count under their reason); overlong ones follow
+    `cfg.effective_overlong` (`error` raises whatever on_error says, the others count or truncate).
+    """
+    if not Path(cfg.merged_path).is_file():
+        raise ConfigError(f"tokenize: input {cfg.merged_path} does not exist (run the merge stage first)")
+    ctx = TokenizeContext.from_config(cfg)  # fails early on a tokenizer without template, also when workers > 1
+    workers = workers or cfg.workers
+    fields = list(REQUIRED_TOKEN_FIELDS) + (list(STRUCTURE_TOKEN_FIELDS) if cfg.structure else [])
+    writer = ShardWriter(cfg.tokenized_dir, token_fields=fields, max_shard_bytes=cfg.pack.shard_size_mb << 20,
+                         kind="tokenized")
+    n_in = n_out = n_truncated = n_plain = n_tokens = n_loss = n_turns = 0
+    dropped: dict[str, int] = {}
+    cats: dict[int, dict] = {}
+    names: dict[int, str] = {}
+
+    def cat_row(cid: int) -> dict:
+        return cats.setdefault(cid, {"before": 0, "after": 0, "tokens": 0, "loss_tokens": 0})
+
+    # closing the stream on an error stops the worker pool at once
+    with writer, contextlib.closing(_ordered_results(cfg, ctx, workers)) as stream, \
+            tqdm(total=os.path.getsize(cfg.merged_path), unit="B", unit_scale=True, desc="tokenize",
+                 disable=None) as bar:
+        for results, n_bytes in stream:
+            for res in results:
+                n_in += 1
+                if isinstance(res, RecordError):
+                    fatal = cfg.effective_overlong == "error" if res.reason == "overlong" else cfg.on_error == "error"
+                    if fatal:
+                        raise res
+                    dropped[res.reason] = dropped.get(res.reason, 0) + 1
+                    cat_row(getattr(res, "category_id", 0))["before"] += 1
+                    continue
+                writer.add_row([res.token_fields()], record_indices=[res.record_index], uids=[res.uids])
+                n_out += 1
+                n_truncated += res.truncated
+                n_plain += res.structure_kept_plain
+                n_tokens += res.input_ids.shape[0]
+                loss_mask = res.labels != IGNORE_INDEX
+                n_loss += int(np.count_nonzero(loss_mask))
+                n_turns += int(res.turn_ids.max())
+                row = cat_row(res.category_id)
+                row["before"] += 1
+                row["after"] += 1
+                if res.category_name is not None:
+                    names.setdefault(res.category_id, res.category_name)
+                tok_cats, tok_counts = np.unique(res.category_ids, return_counts=True)
+                loss_counts = np.bincount(res.category_ids[loss_mask], minlength=int(tok_cats.max()) + 1)
+                for c, cnt in zip(tok_cats.tolist(), tok_counts.tolist()):
+                    r = cat_row(c)
+                    r["tokens"] += cnt
+                    r["loss_tokens"] += int(loss_counts[c])
+            bar.update(n_bytes)
+        if n_out == 0:
+            raise ConfigError(f"tokenize: no record of {cfg.merged_path} survived ({n_in} in, dropped "
+                              f"{sorted_counts(dropped)})")
+        categories_meta = {c: names.get(c, str(c)) for c in sorted(cats)}
+        writer.close({
+            "tokenizer_path": str(cfg.tokenizer_path),
+            "tokenizer_hash": tokenizer_hash(cfg.tokenizer_path),
+            "chat_template": cfg.chat_template,
+            "chat_template_hash": file_blake2b(cfg.chat_template) if cfg.chat_template else None,
+            "template": {"header": ctx.info.header, "end_of_turn": ctx.info.end_of_turn},
+            "max_length": cfg.max_length,
+            "config": to_dict(cfg),
+            "categories": categories_meta,
+        })
+    for c, row in cats.items():
+        row["name"] = names.get(c, str(c))
+    return {
+        "in": n_in,
+        "out": n_out,
+        "dropped": sorted_counts(dropped),
+        "truncated": n_truncated,
+        "structure_kept_plain": n_plain,
+        "overlong_policy": cfg.effective_overlong,
+        "max_length": cfg.max_length,
+        "tokens": n_tokens,
+        "loss_tokens": n_loss,
+        "trained_turns": n_turns,
+        "categories": {str(c): cats[c] for c in sorted(cats)},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m data.tokenize", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="data config JSON")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides (e.g. max_length=4096 num_workers=2)")
+    args = parser.parse_args(argv)
+    from data.report import check_arithmetic, update_report
+
+    cfg = load_config(args.config, args.overrides)
+    cfg.validate()
+    try:
+        section = check_arithmetic(run(cfg))
+    except (RecordError, ConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    update_report(cfg.report_path, "tokenize", section)
+    print(orjson.dumps({k: v for k, v in section.items() if k != "categories"}).decode())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""Tokenize stage: run() end to end, error/overlong policies, structure mode, workers, gpt2 / template file."""
+import json
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+
+from tests.conftest import fixture_path, tokenizer_dir
+from tests.test_tokenize_templates import _gsm8k_records, check_turn_text, reference_inputs
+
+from data.chat_template import analyze_template, load_chat_tokenizer
+from data.config import ConfigError, DataConfig
+from data.records import RecordError
+from data.report import check_arithmetic
+from data.shards import PackedDataset
+from data.tokenize import IGNORE_INDEX, TokenizeContext, main, run, tokenize_records
+
+QWEN = "qwen2_5_instruct"
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    tok = load_chat_tokenizer(str(tokenizer_dir(QWEN)))
+    return tok, analyze_template(tok)
+
+
+def _ctx(qwen, **kw):
+    tok, info = qwen
+    return TokenizeContext(tokenizer=tok, info=info, **{"max_length": 10**6, **kw})
+
+
+def _write_merged(out: Path, records, extra_lines=()):
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "merged.jsonl", "wb") as f:
+        for r in records:
+            f.write(orjson.dumps(r) + b"\n")
+        for line in extra_lines:
+            f.write(line + b"\n")
+
+
+def _cfg(tmp: Path, **kw):
+    return DataConfig(inputs=[], output_dir=str(tmp), tokenizer_path=str(tokenizer_dir(QWEN)), **kw)
+
+
+def _many_records(n):
+    recs = _gsm8k_records(n_conv=n, per_conv=2)
+    for i, r in enumerate(recs):
+        r["meta"] = {"uid": i, "category_id": 1 + i % 3, "category_name": f"cat{1 + i % 3}"}
+    return recs
+
+
+# ---------------------------------------------------------------------------------------------- run()
+def test_run_writes_dataset_and_report(tmp_path, qwen):
+    recs = _many_records(12)
+    no_train = {"messages": recs[0]["messages"], "labels": [0] * len(recs[0]["messages"]),
+                "meta": {"uid": 99, "category_id": 1}}
+    _write_merged(tmp_path, recs[:5] + [no_train] + recs[5:], extra_lines=[b"{not json"])
+    section = check_arithmetic(run(_cfg(tmp_path, on_error="skip"), workers=1))
+    assert (section["in"], section["out"]) == (14, 12)
+    assert section["dropped"] == {"malformed_json": 1, "no_trainable_token": 1}
+    ds = PackedDataset(tmp_path / "tokenized")
+    assert len(ds) == 12 and ds.meta["kind"] == "tokenized"
+    assert ds.meta["template"] == {"header": "<|im_start|>assistant\n", "end_of_turn": "<|im_end|>"}
+    tok, _ = qwen
+    seq_index = ds.seq_index
+    total_loss = 0
+    for row, rec in enumerate(recs):
+        messages, kwargs = reference_inputs(rec)
+        item = ds[row]
+        assert item["input_ids"].tolist() == tok.apply_chat_template(messages, **kwargs)["input_ids"]
+        assert int(seq_index[row]["record_index"]) == (row if row < 5 else row + 1)  # line 6 was dropped
+        assert ds.row_uids(row)[0].tolist() == [rec["meta"]["uid"]]
+        total_loss += int(np.count_nonzero(item["labels"] != IGNORE_INDEX))
+    assert section["loss_tokens"] == total_loss == int(ds.row_n_loss_tokens.sum())
+    assert section["tokens"] == int(ds.row_n_tokens.sum())
+    assert sum(c["tokens"] for c in section["categories"].values()) == section["tokens"]
+    assert section["categories"]["2"]["name"] == "cat2"
+    assert section["categories"]["1"]["before"] == section["categories"]["1"]["after"] + 1  # no_train: uid 99
+    assert section["categories"]["0"] == {"before": 1, "after": 0, "tokens": 0, "loss_tokens": 0, "name": "0"}
+    assert ds.categories[2] == "cat2"
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_on_error_raises_with_source(tmp_path, workers):
+    _write_merged(tmp_path, _many_records(2), extra_lines=[b'{"messages": [{"role": "robot", "content": "x"}]}'])
+    with pytest.raises(RecordError) as err:
+        run(_cfg(tmp_path), workers=workers)
+    assert err.value.reason == "unknown_role" and str(err.value).startswith(f"{tmp_path}/merged.jsonl:3: messages[0]")
+    assert not (tmp_path / "tokenized").exists()
+    if workers == 1:  # overlong=error raises even when other errors are skipped
+        with pytest.raises(RecordError, match="max_length 64") as err:
+            run(_cfg(tmp_path, on_error="skip", overlong="error", max_length=64), workers=1)
+        assert err.value.reason == "overlong"
+
+
+def test_workers_output_byte_identical(tmp_path, monkeypatch):
+    import data.tokenize as tk
+
+    monkeypatch.setattr(tk, "CHUNK_RECORDS", 4)  # several chunks in flight across the 2 workers
+    recs = _many_records(14)
+    outs = []
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        _write_merged(out, recs, extra_lines=[b"[1, 2"])
+        outs.append((out, run(_cfg(out, on_error="skip", num_workers=workers))))
+    (a, sec_a), (b, sec_b) = outs
+    assert sec_a == sec_b
+    files = sorted(p.name for p in (a / "tokenized").iterdir())
+    assert files == sorted(p.name for p in (b / "tokenized").iterdir())
+    for name in files:
+        if name != "meta.json":
+            assert (a / "tokenized" / name).read_bytes() == (b / "tokenized" / name).read_bytes(), name
+    meta_a, meta_b = (json.loads((d / "tokenized" / "meta.json").read_bytes()) for d in (a, b))
+    assert meta_a["shards"] == meta_b["shards"]
+
+
+def test_cli_writes_report(tmp_path, capsys):
+    _write_merged(tmp_path, _many_records(3), extra_lines=[b"{oops"])
+    cfg_path = tmp_path / "cfg.json"
+    cfg_path.write_bytes(orjson.dumps({"inputs": [], "output_dir": str(tmp_path), "tokenizer_path": "nowhere",
+                                       "stages": ["tokenize"]}))
+    args = ["--config", str(cfg_path), f"tokenizer_path={tokenizer_dir(QWEN)}", "on_error=skip", "num_workers=1"]
+    assert main(args) == 0
+    report = json.loads((tmp_path / "report.json").read_bytes())
+    assert report["tokenize"]["in"] == 4 and report["tokenize"]["dropped"] == {"malformed_json": 1}
+    assert main(args + ["max_length=64"]) == 1  # every record overlong: a clear error, not an empty dataset
+    assert "dropped {'malformed_json': 1, 'overlong': 3}" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- overlong policies
+def test_overlong_policies(qwen):
+    rec = _gsm8k_records(n_conv=1, per_conv=3)[0]
+    rec["labels"] = [1 if m["role"] == "assistant" else 0 for m in rec["messages"]]
+    full = tokenize_records([rec], _ctx(qwen))[0]
+    n = full.input_ids.shape[0]
+    turn_end = [int(np.flatnonzero(full.turn_ids == k)[-1]) + 1 for k in (1, 2, 3)]
+    eot = qwen[0].convert_tokens_to_ids("<|im_end|>")
+    limit = turn_end[1] + 5  # turn 2 fits, turn 3 does not
+    assert n > limit
+
+    def one(policy, max_length=limit):
+        return tokenize_records([rec], _ctx(qwen, max_length=max_length, overlong=policy))[0]
+
+    for policy in ("drop", "error"):
+        res = one(policy)
+        assert isinstance(res, RecordError) and res.reason == "overlong"
+    cut = one("truncate")
+    assert cut.truncated and cut.input_ids.shape[0] == turn_end[1]
+    assert cut.input_ids[-1] == eot and cut.labels[-1] == eot and int(cut.turn_ids.max()) == 2
+    assert np.array_equal(cut.labels, full.labels[: turn_end[1]])
+    res = one("truncate", max_length=turn_end[0] - 1)  # not even the first turn fits
+    assert isinstance(res, RecordError) and res.reason == "overlong"
+    left = one("left")
+    assert left.input_ids.tolist() == full.input_ids[-limit:].tolist()
+    assert np.array_equal(left.labels, full.labels[-limit:])
+    kept_turns = np.unique(left.turn_ids[left.turn_ids > 0])
+    assert kept_turns.tolist() == list(range(1, kept_turns.size + 1))  # renumbered from 1 after the cut
+    assert np.array_equal(left.turn_ids > 0, full.turn_ids[-limit:] > 0)
+    right = one("right")
+    assert right.input_ids.tolist() == full.input_ids[:limit].tolist() and right.input_ids.shape[0] == limit
+    assert np.array_equal(right.turn_ids, full.turn_ids[:limit])
+    # right-truncation inside the first prompt leaves nothing to train
+    res = one("right", max_length=10)
+    assert isinstance(res, RecordError) and res.reason == "no_trainable_token"
+    within = one("drop", max_length=n)
+    assert not isinstance(within, RecordError) and not within.truncated
+
+
+def test_loss_turns_last(qwen):
+    rec = _gsm8k_records(n_conv=1, per_conv=3)[0]
+    full, last = tokenize_records([rec, rec], _ctx(qwen)), tokenize_records([rec], _ctx(qwen, loss_turns="last"))[0]
+    full = full[0]
+    last_turn = full.turn_ids == full.turn_ids.max()
+    assert int(last.turn_ids.max()) == 1
+    assert np.array_equal(last.labels != IGNORE_INDEX, last_turn)
+
+
+# ---------------------------------------------------------------------------------------------- structure mode
+def test_structure_mode(qwen):
+    rows = [json.loads(line) for line in open(fixture_path("data", "parallel_r1_gsm8k_sft_train.messages.jsonl"), "rb")]
+    recs = [{"messages": rows[i]["messages"], "meta": {"uid": i}} for i in (0, 327)]  # row 327 has an unclosed tag
+    skip = tokenize_records(recs, _ctx(qwen, structure="parallel_thinking", on_error="skip"))
+    good, plain = skip
+    assert good.block_ids.dtype == np.int16 and good.block_ids.max() >= 1 and good.path_ids.max() >= 2
+    assert np.all(good.block_ids[good.labels == IGNORE_INDEX][:10] == 0)
+    assert plain.structure_kept_plain and not plain.block_ids.any() and not plain.path_ids.any()
+    assert plain.n_loss_tokens > 0
+    err = tokenize_records(recs[1:], _ctx(qwen, structure="parallel_thinking", on_error="error"))[0]
+    assert isinstance(err, RecordError) and err.reason == "structure"
+    # a right cut inside the first path of the first block leaves a one-path block: not a valid structure
+    cut = int(np.flatnonzero(good.path_ids == 1)[3]) + 1
+    for on_error in ("skip", "error"):
+        res = tokenize_records(recs[:1], _ctx(qwen, structure="parallel_thinking", on_error=on_error,
+                                              max_length=cut, overlong="right"))[0]
+        if on_error == "skip":
+            assert res.truncated and res.structure_kept_plain and not res.block_ids.any()
+        else:
+            assert isinstance(res, RecordError) and res.reason == "structure" and "right truncation" in str(res)
+
+
+# ---------------------------------------------------------------------------------------------- templates
+def test_gpt2_without_template_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="no chat template.*chat_template"):
+        load_chat_tokenizer(str(tokenizer_dir("gpt2")))
+    _write_merged(tmp_path, _many_records(1))
+    cfg = DataConfig(inputs=[], output_dir=str(tmp_path), tokenizer_path=str(tokenizer_dir("gpt2")))
+    with pytest.raises(ConfigError, match="no chat template"):
+        run(cfg, workers=1)
+
+
+TEMPLATE = """{%- for m in messages -%}
+{%- if m.role == 'assistant' -%}{{ '### Assistant:\\n' + m.content + '\\n### End\\n\\n' }}
+{%- else -%}{{ '### ' + m.role + ':\\n' + m.content + '\\n\\n' }}{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '### Assistant:\\n' }}{%- endif -%}"""
+
+
+def test_chat_template_file_for_gpt2(tmp_path):
+    path = tmp_path / "template.jinja"
+    path.write_text(TEMPLATE)
+    tok = load_chat_tokenizer(str(tokenizer_dir("gpt2")), str(path))
+    info = analyze_template(tok)
+    assert (info.header, info.end_of_turn) == ("### Assistant:\n", "\n### End")
+    recs = _many_records(3)
+    results = tokenize_records(recs, TokenizeContext(tokenizer=tok, info=info, max_length=10**6))
+    for rec, res in zip(recs, results):
+        messages, kwargs = reference_inputs(rec)
+        assert res.input_ids.tolist() == tok.apply_chat_template(messages, **kwargs)["input_ids"]
+        trained = [i for i, lab in enumerate(rec["labels"]) if lab]
+        for k, i in enumerate(trained, 1):
+            decoded = tok.decode(res.input_ids[res.turn_ids == k].tolist())
+            assert decoded == rec["messages"][i]["content"] + "\n### End"
+
+
+def test_turn_check_can_fail():
+    """The acceptance check rejects a mask that leaks the header, misses the marker or holds user text."""
+    msg = {"role": "assistant", "content": "The answer is 4."}
+    check_turn_text(QWEN, "The answer is 4.<|im_end|>", msg, ["What is 2+2? Please"], False)
+    for bad in ("<|im_start|>assistant\nThe answer is 4.<|im_end|>", "The answer is 4.",
+                "The answer is 4.<|im_end|>\n<|im_start|>user", "The answer is 4. What is 2+2? Please<|im_end|>",
+                "answer is 4.<|im_end|>"):
+        with pytest.raises(AssertionError):
+            check_turn_text(QWEN, bad, msg, ["What is 2+2? Please"], False)
+
+
+def test_template_inputs_pass_tools_and_thinking():
+    from data.tokenize import template_inputs
+
+    rec = {"messages": [{"role": "user", "content": "q", "category_id": 2}], "tools": [{"type": "function"}]}
+    messages, kwargs = template_inputs(rec)
+    assert messages == [{"role": "user", "content": "q"}] and kwargs == {"tools": rec["tools"]}
+    assert template_inputs(rec, False)[1] == {"tools": rec["tools"], "enable_thinking": False}
+    assert template_inputs(dict(rec, enable_thinking=True), False)[1]["enable_thinking"] is True  # record wins
+    assert "enable_thinking" not in template_inputs({"messages": []}, None)[1]
