@@ -1,0 +1,73 @@
+"""The packsft attention function: packed sequences never attend to each other (CPU sdpa path)."""
+import pytest
+import torch
+
+from train.attention import AttentionContext, packsft_attention
+
+
+def tiny_qwen2(attn="packsft"):
+    import train.attention  # noqa: F401  (registers "packsft")
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM._from_config(cfg, attn_implementation=attn, dtype=torch.float32).eval()
+
+
+def test_packed_forward_matches_each_sequence_alone():
+    model = tiny_qwen2()
+    ref = tiny_qwen2("sdpa")
+    ref.load_state_dict(model.state_dict())
+    lens = [5, 9, 3]
+    ids = torch.randint(0, 97, (1, sum(lens)))
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32)
+    ctx = AttentionContext(cu_seqlens=cu, max_seqlen=9, backend="sdpa")
+    packed = model(input_ids=ids, position_ids=pos, use_cache=False, packsft=ctx).logits[0]
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        alone = ref(input_ids=ids[:, start:end], use_cache=False).logits[0]
+        torch.testing.assert_close(packed[start:end], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_missing_context_is_a_clear_error():
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(RuntimeError, match="packsft=AttentionContext"):
+        packsft_attention(torch.nn.Module(), q, q, q, None)
+
+
+def test_flash_backend_without_cuda_is_a_clear_error():
+    q = torch.zeros(1, 2, 3, 4)
+    ctx = AttentionContext(cu_seqlens=torch.tensor([0, 3], dtype=torch.int32), max_seqlen=3, backend="flash_varlen")
+    with pytest.raises(RuntimeError, match="attn_backend=sdpa"):
+        packsft_attention(torch.nn.Module(), q, q, q, None, packsft=ctx)
+
+
+@pytest.mark.gpu
+def test_flash_varlen_matches_sdpa_on_gpu():
+    pytest.importorskip("flash_attn")
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 100, 350, 512], dtype=torch.int32, device="cuda")
+    q = torch.randn(1, 8, 512, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 512, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, 2, 512, 64, device="cuda", dtype=torch.bfloat16)
+    module = torch.nn.Module().eval()
+    flash, _ = packsft_attention(module, q, k, v, None, packsft=AttentionContext(cu, 250, "flash_varlen"))
+    sdpa, _ = packsft_attention(module, q.float(), k.float(), v.float(), None,
+                                packsft=AttentionContext(cu, 250, "sdpa"))
+    torch.testing.assert_close(flash.float(), sdpa, rtol=2e-2, atol=2e-2)
+
+
+def test_structure_mode_without_paths_is_plain_packing():
+    """All block/path ids zero: the Parallel-R1 mask reduces to the block-diagonal causal one."""
+    torch.manual_seed(1)
+    q, k, v = torch.randn(1, 4, 12, 8), torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    seq = torch.tensor([0] * 5 + [1] * 7)
+    zeros = torch.zeros(12, dtype=torch.long)
+    module = torch.nn.Module().eval()
+    plain, _ = packsft_attention(module, q, k, v, None, packsft=AttentionContext(cu, 7, "sdpa"))
+    structured, _ = packsft_attention(
+        module, q, k, v, None, packsft=AttentionContext(cu, 7, "sdpa", seq_ids=seq, block_ids=zeros, path_ids=zeros)
+    )
+    torch.testing.assert_close(structured, plain, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,132 @@
+"""Trainer config: YAML + overrides, every invariant checked before the model loads with a clear message, the
+DeepSpeed dict built in code."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from data.config import ConfigError
+from tests._train_helpers import random_rows, save_tiny_model, write_config, write_packed
+from train.config import load_config
+from train.deepspeed_config import build_deepspeed_config
+from train.trainer import lr_lambda_factory
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cfg")
+    data = write_packed(tmp / "data", random_rows(0, 2))
+    model = save_tiny_model(tmp / "model")
+    config = write_config(tmp / "c.yaml", data_path=str(data), model_path=str(model), output_dir=str(tmp / "out"))
+    return tmp, config
+
+
+def test_yaml_and_overrides(setup):
+    _, config = setup
+    cfg = load_config(config, ["lr=3e-4", "deepspeed.stage=3", "deepspeed.offload_optimizer=true",
+                               "log_backends=[\"tensorboard\"]", "launch.num_processes=4"])
+    assert cfg.lr == 3e-4 and cfg.deepspeed.stage == 3 and cfg.deepspeed.offload_optimizer
+    assert cfg.log_backends == ["tensorboard"] and cfg.launch.num_processes == 4
+    cfg.validate(world_size=4)
+
+
+@pytest.mark.parametrize(
+    "overrides,world,message",
+    [
+        (["data_path=/nonexistent/packed"], 1, "data_path: /nonexistent/packed is not a directory"),
+        (["model_path=/nonexistent/model"], 1, "model_path: /nonexistent/model has no config.json"),
+        (["model_config=x.json"], 1, "exactly one of model_path"),
+        (["sequence_parallel_size=2", "launch.num_processes=2"], 3, "world size 3 is not divisible by sequence_parallel_size=2"),
+        (["sequence_parallel_size=2"], 2, "launch.num_processes=1 is not divisible"),
+        (["grad_accum=0"], 1, "grad_accum must be >= 1"),
+        (["min_lr_ratio=2"], 1, "min_lr_ratio must be in [0, 1]"),
+        (["deepspeed.offload_param=true", "deepspeed.stage=2"], 1, "offload_param needs deepspeed.stage 3"),
+        (["bf16=true"], 1, "bf16: true needs a GPU"),
+        (["eval_steps=5"], 1, "eval_steps is set but eval_data_path is not"),
+        (["log_backends=[\"mlflow\"]"], 1, "unknown backend 'mlflow'"),
+        (["resume=/nonexistent/ckpt"], 1, "resume: /nonexistent/ckpt is not a checkpoint directory"),
+        (["launch.num_machines=2", "launch.num_processes=2"], 1, "main_process_ip is required"),
+    ],
+)
+def test_invariant_errors(setup, overrides, world, message):
+    _, config = setup
+    if message == "bf16: true needs a GPU":
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("CUDA present")
+    cfg = load_config(config, overrides)
+    with pytest.raises(ConfigError) as exc:
+        cfg.validate(world_size=world)
+    assert message in str(exc.value)
+
+
+def test_unknown_key_and_bad_type(setup):
+    _, config = setup
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_config(config, ["learning_rate=1"])
+    with pytest.raises(ConfigError, match="loss_reduction"):
+        load_config(config, ["loss_reduction=mean"])
+
+
+def test_token_ids_must_fit_the_vocabulary(setup):
+    tmp, config = setup
+    rows = random_rows(1, 1)
+    rows[0][0]["input_ids"][3] = 500  # the tiny model's vocabulary is 97
+    write_packed(tmp / "big_ids", rows)
+    cfg = load_config(config, [f"data_path={tmp / 'big_ids'}"])
+    with pytest.raises(ConfigError, match=r"data_path: token id 500 .* \(vocab_size=97\)"):
+        cfg.validate()
+
+
+def test_tokenizer_hash_mismatch_error_or_warning(setup, caplog):
+    tmp, config = setup
+    tok = tmp / "tok"
+    tok.mkdir(exist_ok=True)
+    (tok / "tokenizer.json").write_text('{"model": "a"}')
+    write_packed(tmp / "hashed", random_rows(2, 1), {"tokenizer": {"path": str(tok), "hash": "0" * 64}})
+    cfg = load_config(config, [f"data_path={tmp / 'hashed'}", f"tokenizer_path={tok}"])
+    with pytest.raises(ConfigError, match="tokenizer hash"):
+        cfg.validate()
+    cfg = load_config(config, [f"data_path={tmp / 'hashed'}", f"tokenizer_path={tok}", "tokenizer_mismatch=warn"])
+    with caplog.at_level(logging.WARNING):
+        cfg.validate()
+    assert "tokenizer hash" in caplog.text
+
+
+def test_deepspeed_dict_built_in_code(setup, tmp_path):
+    _, config = setup
+    cfg = load_config(config, ["deepspeed.stage=3", "deepspeed.offload_optimizer=true", "grad_accum=4",
+                               "max_grad_norm=0.5", "deepspeed.template=configs/deepspeed/zero3.json"])
+    ds = build_deepspeed_config(cfg)
+    assert ds["zero_optimization"]["stage"] == 3
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds["gradient_accumulation_steps"] == 4 and ds["gradient_clipping"] == 0.5
+    assert ds["zero_optimization"]["stage3_prefetch_bucket_size"] == 50000000  # from the template
+    assert ds["optimizer"]["type"] == "AdamW"
+    cfg = load_config(config, ["deepspeed.stage=2"])
+    assert "optimizer" not in build_deepspeed_config(cfg)
+
+
+def test_lr_schedule():
+    f = lr_lambda_factory(total_steps=10, warmup_steps=2, schedule="cosine", min_ratio=0.1)
+    values = [f(s) for s in range(10)]
+    assert values[0] == pytest.approx(0.5) and values[1] == pytest.approx(1.0) and values[2] == pytest.approx(1.0)
+    assert values[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(values[1:], values[2:]))
+    g = lr_lambda_factory(total_steps=5, warmup_steps=0, schedule="linear", min_ratio=0.0)
+    assert np.allclose([g(s) for s in range(5)], [1.0, 0.75, 0.5, 0.25, 0.0])
+
+
+@pytest.mark.parametrize("path,world", [("configs/train/example.yaml", 1), ("configs/train/example_sp.yaml", 2)])
+def test_shipped_configs_parse(path, world):
+    from tests._train_helpers import ROOT
+    from train.__main__ import launch_args
+
+    cfg = load_config(ROOT / path)
+    cfg.validate_values(world)
+    args = launch_args(cfg)
+    assert args[args.index("--num_processes") + 1] == str(world)
+    assert ("--multi_gpu" in args) == (world > 1)

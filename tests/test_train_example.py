@@ -1,0 +1,71 @@
+"""`sh train.sh` on the embedded example (few steps): loss falls, checkpoint + HF export load and generate."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests._train_helpers import ROOT
+from train.metrics import read_log
+
+
+@pytest.fixture(scope="module")
+def example_data(tmp_path_factory) -> str:
+    """The packed example of `sh data_process.sh` (built into a temp dir when the checkout has none)."""
+    packed = ROOT / "outputs" / "example" / "packed"
+    if (packed / "meta.json").is_file():
+        return str(packed)
+    out = tmp_path_factory.mktemp("example_data")
+    subprocess.run(["sh", "data_process.sh", "configs/data/example.json", f"output_dir={out}"], cwd=ROOT,
+                   check=True, capture_output=True, timeout=600)
+    return str(out / "packed")
+
+
+def _train_sh(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    proc = subprocess.run(["sh", "train.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def test_example_trains_and_exports(example_data, tmp_path):
+    out = tmp_path / "run"
+    _train_sh("configs/train/example.yaml", f"data_path={example_data}", f"output_dir={out}", "max_steps=8",
+              "warmup_steps=2", "save_steps=4", "grad_accum=1", f"eval_data_path={example_data}", "eval_steps=8")
+    log = read_log(out)
+    assert [r["step"] for r in log] == list(range(1, 9))
+    for record in log:
+        for key in ("epoch", "loss", "lr", "grad_norm", "tokens_per_s", "loss_tokens", "category_loss"):
+            assert key in record
+        assert set(record["category_loss"]) <= {"math", "code", "chat", "tools"}
+    assert sum(r["loss"] for r in log[-2:]) / 2 < log[0]["loss"] - 0.5  # from ~ln(2048) = 7.6, visibly falling
+    assert "eval_loss" in log[7] and "eval_loss" not in log[0]
+    assert abs(log[7]["eval_loss"] - log[7]["loss"]) < 1.0  # the same data, one step apart
+    assert (out / "loss.png").is_file() and (out / "tensorboard").is_dir()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-")) == [
+        "step-000004", "step-000008"]
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final = out / "final"
+    assert (final / "model.safetensors").is_file()
+    model = AutoModelForCausalLM.from_pretrained(final)
+    tok = AutoTokenizer.from_pretrained(final)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
+                                     tokenize=True, return_dict=True, return_tensors="pt")
+    with torch.no_grad():
+        gen = model.generate(**prompt, max_new_tokens=8, do_sample=False)
+    assert gen.shape[1] == prompt["input_ids"].shape[1] + 8 or int(gen[0, -1]) == tok.eos_token_id
+    assert isinstance(tok.decode(gen[0, prompt["input_ids"].shape[1]:]), str)
+
+
+def test_config_error_is_reported_before_training(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "train", "configs/train/example.yaml", f"data_path={tmp_path}/missing",
+                           f"output_dir={tmp_path}/out"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert f"config error: data_path: {tmp_path}/missing is not a directory" in proc.stderr
+    assert not (tmp_path / "out").exists()  # failed before anything was written

@@ -1,0 +1,21 @@
+#!/bin/sh
+# Training: sh train.sh [config.yaml] [key=value ...]   (default config: configs/train/example.yaml)
+# Launches `python -m train` through `accelerate launch` with the processes / machines of the config's `launch`
+# section (multi-node: run it on every machine with launch.machine_rank=<i>).
+set -e
+ROOT="$(cd "$(dirname "$0")" && pwd)"
+if [ -f "$ROOT/.venv/bin/activate" ]; then
+    . "$ROOT/.venv/bin/activate"
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export TOKENIZERS_PARALLELISM="${TOKENIZERS_PARALLELISM:-false}"
+CONFIG="configs/train/example.yaml"
+if [ $# -gt 0 ]; then
+    case "$1" in
+        *=*) ;;
+        *) CONFIG="$1"; shift ;;
+    esac
+fi
+LAUNCH_ARGS="$(python -m train --launch-args "$CONFIG" "$@")"
+# shellcheck disable=SC2086  # LAUNCH_ARGS is a list of options
+exec accelerate launch $LAUNCH_ARGS -m train "$CONFIG" "$@"

@@ -1,0 +1,66 @@
+"""`python -m train [config.yaml] [key=value ...]` (normally started by `sh train.sh` through accelerate launch)."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from data.config import ConfigError
+
+DEFAULT_CONFIG = "configs/train/example.yaml"
+
+
+def launch_args(cfg) -> list[str]:
+    """`accelerate launch` options for this config (train.sh). Several processes go through accelerate's
+    multi-process (torchrun) launcher, on CPU too; ranks then come from torch.distributed (gloo on CPU)."""
+    import torch
+
+    launch = cfg.launch
+    args = ["--num_processes", str(launch.num_processes), "--num_machines", str(launch.num_machines),
+            "--machine_rank", str(launch.machine_rank), "--main_process_port", str(launch.main_process_port),
+            "--mixed_precision", "no", "--dynamo_backend", "no"]
+    if launch.main_process_ip:
+        args += ["--main_process_ip", launch.main_process_ip]
+    if launch.num_processes > 1 or launch.num_machines > 1:
+        args.append("--multi_gpu")  # accelerate's torchrun launcher; it also starts CPU processes (gloo)
+    elif not torch.cuda.is_available():
+        args.append("--cpu")  # accelerate's --cpu launcher starts a single process only
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--launch-args":  # train.sh: print the accelerate launch options of the config
+        from train.config import load_config
+
+        argv.pop(0)
+        config_path = argv.pop(0) if argv and "=" not in argv[0] else DEFAULT_CONFIG
+        try:
+            print(" ".join(launch_args(load_config(config_path, argv))))
+        except ConfigError as exc:
+            print(f"config error: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    config_path = argv.pop(0) if argv and "=" not in argv[0] else DEFAULT_CONFIG
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from train.config import load_config
+
+    try:
+        cfg = load_config(config_path, argv)
+        cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))  # before the model (and most imports) load
+        from train.trainer import Trainer
+
+        trainer = Trainer(cfg, validate=False)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    trainer.train()
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

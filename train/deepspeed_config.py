@@ -1,0 +1,76 @@
+"""DeepSpeed's JSON, built in code from TrainConfig (a template file may supply defaults; nothing is written to disk).
+
+Gradient scaling contract (see train/trainer.py): the trainer calls `engine.backward(loss, scale_wrt_gas=False)`,
+so DeepSpeed does not divide by gradient_accumulation_steps; it still averages gradients over its data-parallel
+world (all ranks, dp x sp), which the trainer undoes by multiplying the local loss by the world size.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import orjson
+
+from train.config import TrainConfig
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    """Recursive dict merge: keys of `extra` win, nested sections merged."""
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def build_deepspeed_config(cfg: TrainConfig) -> dict:
+    ds = cfg.deepspeed
+    if ds.stage is None:
+        raise ValueError("build_deepspeed_config: deepspeed.stage is null (no DeepSpeed)")
+    base = orjson.loads(Path(ds.template).read_bytes()) if ds.template else {}
+    zero: dict = {"stage": ds.stage}
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": _pin_memory()}
+    else:
+        zero["offload_optimizer"] = {"device": "none"}
+    if ds.stage == 3:
+        zero["offload_param"] = (
+            {"device": "cpu", "pin_memory": _pin_memory()} if ds.offload_param else {"device": "none"}
+        )
+        zero.setdefault("stage3_gather_16bit_weights_on_model_save", True)
+    built = {
+        # the micro-batch is one varlen sequence (batch dimension 1); DeepSpeed derives train_batch_size
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": cfg.grad_accum,
+        "gradient_clipping": cfg.max_grad_norm,
+        "bf16": {"enabled": cfg.bf16},
+        "fp16": {"enabled": False},
+        "zero_optimization": zero,
+        # the optimizer is torch's AdamW given by the trainer, except with optimizer offload (DeepSpeedCPUAdam)
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if ds.offload_optimizer:
+        built["optimizer"] = {
+            "type": "AdamW",
+            "params": {
+                "lr": cfg.lr,
+                "betas": [cfg.adam_beta1, cfg.adam_beta2],
+                "eps": cfg.adam_eps,
+                "weight_decay": cfg.weight_decay,
+            },
+        }
+    # template values are defaults; what the config decides (stage, gas, clipping, precision) wins
+    for key in ("train_batch_size",):
+        base.pop(key, None)
+    merged = _merge(base, built)
+    return _merge(merged, ds.overrides)
+
+
+def _pin_memory() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,544 @@
+"""The training loop: packed rows -> exact step loss -> DeepSpeed (or plain torch) optimizer step.
+
+Why DeepSpeed is driven directly (`deepspeed.initialize` with the dict built by train/deepspeed_config.py) and
+`accelerate launch` is only the launcher: under `accelerate launch --use_deepspeed` on CPU, accelerate's rank
+bookkeeping is wrong (process_index 0 and num_processes 1 on every rank, see ../shared/NOTES.md), and accelerate's
+DeepSpeed plugin rewrites the JSON and divides the loss by the accumulation steps behind our back. Ranks come from
+torch.distributed through train.distributed.build_mesh.
+
+Exact loss. Every token of a micro-batch carries the weight of the WHOLE optimizer step (train/batch.py), so the
+step loss is the plain sum of the local weighted sums over micro-batches, dp ranks and sp ranks. The gradient to
+apply is therefore the SUM of the local gradients. DeepSpeed averages gradients over its data-parallel world
+(all dp x sp ranks, no mpu is given) and, by default, divides the backward loss by gradient_accumulation_steps;
+we call `engine.backward(local_sum * world_size, scale_wrt_gas=False)`, which turns DeepSpeed's mean back into the
+sum, and `engine.step()` after every micro-batch (DeepSpeed counts micro-batches there and applies the update at
+its accumulation boundary). Without DeepSpeed (deepspeed.stage null) the local gradients are summed with
+all_reduce. The equivalence tests check both against a single process, through the scale-sensitive gradient norm
+as well as the losses (Adam alone would hide a constant gradient factor).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import train.attention  # noqa: F401  (registers attn_implementation="packsft")
+from train.attention import ATTN_IMPLEMENTATION, AttentionContext
+from train.batch import make_batch
+from train.checkpoint import (
+    load_rng,
+    load_trainer_state,
+    resolve_resume,
+    save_checkpoint,
+)
+from train.config import TrainConfig
+from train.data import StepPlan, StepSampler
+from train.distributed import Mesh, all_reduce_sum, build_mesh, init_distributed
+from train.loss import weighted_lm_loss
+from train.metrics import MetricsLogger, plot_losses, truncate_log
+
+logger = logging.getLogger("packsft.train")
+
+
+# ---------------------------------------------------------------------------------------------- model
+def decoder_of(lm: nn.Module) -> nn.Module:
+    """The transformer body (embeddings + layers + final norm) of a causal LM, also through a PEFT wrapper."""
+    if hasattr(lm, "get_base_model"):
+        lm = lm.get_base_model()
+    return getattr(lm, lm.base_model_prefix)
+
+
+class PackedCausalLM(nn.Module):
+    """The module DeepSpeed wraps: the HF causal LM's body plus the chunked weighted loss (no full logits).
+
+    The lm-head weight is used here, outside lm_head.forward; under ZeRO-3 it is registered as an external
+    parameter of this module so DeepSpeed gathers it around this forward (and reduces its gradient).
+    """
+
+    def __init__(self, lm: nn.Module, chunk_size: int, num_categories: int, zero3: bool = False):
+        super().__init__()
+        self.lm = lm
+        self.chunk_size = chunk_size
+        self.num_categories = num_categories
+        if zero3:
+            import deepspeed
+
+            head = lm.get_output_embeddings()
+            for p in (head.weight, getattr(head, "bias", None)):
+                if p is not None:
+                    deepspeed.zero.register_external_parameter(self, p)
+
+    def forward(self, input_ids, position_ids, targets, weights, target_categories, attn: AttentionContext):
+        hidden = decoder_of(self.lm)(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, packsft=attn
+        ).last_hidden_state
+        head = self.lm.get_output_embeddings()
+        return weighted_lm_loss(
+            hidden[0], head.weight, targets, weights, target_categories, self.num_categories, self.chunk_size,
+            lm_head_bias=getattr(head, "bias", None),
+        )
+
+
+def build_lm(cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if cfg.model_path is not None:
+        lm = AutoModelForCausalLM.from_pretrained(cfg.model_path, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype)
+    else:
+        model_cfg = AutoConfig.from_pretrained(cfg.model_config)
+        lm = AutoModelForCausalLM.from_config(model_cfg, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype)
+    lm.config.use_cache = False
+    if cfg.gradient_checkpointing:
+        lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.lora_rank > 0:
+        from train.lora import apply_lora
+
+        lm = apply_lora(lm, cfg)
+    return lm
+
+
+def lr_lambda_factory(total_steps: int, warmup_steps: int, schedule: str, min_ratio: float):
+    """lr multiplier of optimizer step s (0-based): linear warmup to 1 over `warmup_steps`, then cosine or
+    linear decay to `min_ratio` at the last step (constant: stays at 1)."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        span = max(1, total_steps - warmup_steps - 1)
+        progress = min(1.0, (step - warmup_steps) / span)
+        if schedule == "cosine":
+            return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return min_ratio + (1.0 - min_ratio) * (1.0 - progress)
+
+    return factor
+
+
+def _all_reduce_sum_bucketed(tensors: list[torch.Tensor], bucket_elements: int = 1 << 24) -> None:
+    """In-place SUM all-reduce (not mean: the local losses are already parts of the step loss), in flat buckets
+    of same-dtype tensors rather than one collective per parameter."""
+    bucket: list[torch.Tensor] = []
+
+    def flush():
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for t in bucket:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+        bucket.clear()
+
+    size = 0
+    for t in tensors:
+        if bucket and (t.dtype != bucket[0].dtype or size + t.numel() > bucket_elements):
+            flush()
+            size = 0
+        bucket.append(t)
+        size += t.numel()
+    if bucket:
+        flush()
+
+
+def _init_single_process_group() -> None:
+    """A world of one (no launcher environment): rank 0 on a free local port."""
+    import socket
+
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo", world_size=1, rank=0)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+class Trainer:
+    def __init__(self, cfg: TrainConfig, console=None, validate: bool = True):
+        """`validate=False`: the caller already ran cfg.validate(world_size) (python -m train does, before the
+        heavy imports)."""
+        self.cfg = cfg
+        init_distributed()
+        if cfg.uses_deepspeed and not dist.is_initialized():
+            _init_single_process_group()  # DeepSpeed needs a process group, also for one process
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if validate:
+            cfg.validate(world)  # every invariant before the model loads
+        self.mesh: Mesh = build_mesh(cfg.sequence_parallel_size)
+        self.device = self.mesh.device
+        self.console = console or (print if self.mesh.is_main else (lambda *_: None))
+        _seed_everything(cfg.seed)
+
+        from train.online import open_train_dataset
+
+        self.dataset = open_train_dataset(cfg.data_path, cfg.online_max_length, seed=cfg.seed)
+        self.categories = {int(k): v for k, v in (self.dataset.meta.get("categories") or {}).items()}
+        self.num_categories = max([0, *self.categories]) + 1
+        self.structure = "block_ids" in self.dataset.token_fields
+        self.sampler = StepSampler(
+            self.dataset, self.mesh.dp_size, self.mesh.dp_rank, cfg.grad_accum, cfg.micro_batch_rows, cfg.seed,
+            balance=cfg.balance_dp,
+        )
+        self.total_steps = self.sampler.total_steps(cfg.max_steps, cfg.num_epochs)
+        self.warmup_steps = (
+            cfg.warmup_steps if cfg.warmup_steps is not None else int(cfg.warmup_ratio * self.total_steps)
+        )
+        self.sp_backend = None
+        if self.mesh.sp_size > 1:
+            from train.sequence_parallel import resolve_backend
+
+            self.sp_backend = resolve_backend(cfg.sp_backend)
+
+        zero3 = cfg.deepspeed.stage == 3
+        self._hf_ds_config = None
+        if cfg.uses_deepspeed:
+            from train.deepspeed_config import build_deepspeed_config
+
+            self.ds_config = build_deepspeed_config(cfg)
+            if zero3 and cfg.model_path is not None:
+                # from_pretrained then loads straight into partitions (zero.Init) instead of a full copy per rank
+                from transformers.integrations import HfDeepSpeedConfig
+
+                self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
+        dtype = torch.bfloat16 if (cfg.bf16 and cfg.uses_deepspeed) else torch.float32
+        self.lm = build_lm(cfg, dtype)
+        self.model = PackedCausalLM(self.lm, cfg.loss_chunk_size, self.num_categories, zero3=zero3)
+        self.lr_factor = lr_lambda_factory(self.total_steps, self.warmup_steps, cfg.schedule, cfg.min_lr_ratio)
+        self._setup_optimizer()
+        self.step = 0
+        self._maybe_resume()  # before the logger opens log.jsonl: resuming truncates it to the checkpoint's step
+        self.metrics = MetricsLogger(cfg.output_dir, self.mesh.is_main, cfg.log_backends, cfg.to_dict(),
+                                     cfg.wandb_project, write_console=self._console_write)
+
+    # ------------------------------------------------------------------ setup
+    def _param_groups(self):
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            if not p.requires_grad:
+                continue
+            ndim = len(getattr(p, "ds_shape", p.shape))  # ZeRO-3 (zero.Init) partitions are flat: use the full shape
+            (no_decay if ndim < 2 or "norm" in name.lower() else decay).append(p)
+        groups = [{"params": decay, "weight_decay": self.cfg.weight_decay}]
+        if no_decay:
+            groups.append({"params": no_decay, "weight_decay": 0.0})
+        return groups
+
+    def _setup_optimizer(self) -> None:
+        cfg = self.cfg
+        adam = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+        if cfg.uses_deepspeed:
+            import deepspeed
+
+            optimizer = None if cfg.deepspeed.offload_optimizer else torch.optim.AdamW(self._param_groups(), **adam)
+            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                model=self.model,
+                optimizer=optimizer,
+                model_parameters=self._param_groups() if optimizer is None else None,
+                lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, self.lr_factor),
+                config=self.ds_config,
+                dist_init_required=False,
+            )
+            self.backward_scale = float(self.mesh.world_size)
+        else:
+            self.model.to(self.device)
+            self.engine = None
+            self.optimizer = torch.optim.AdamW(self._param_groups(), **adam)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_factor)
+            self.backward_scale = 1.0
+            if dist.is_initialized():  # every rank starts from rank 0's weights
+                for p in self.model.parameters():
+                    dist.broadcast(p.data, src=0)
+
+    def _console_write(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            self.console(text)
+
+    _bar = None
+    grad_hook = None  # callable(trainer) after the gradients of a step are complete (no DeepSpeed); tests use it
+
+    # ------------------------------------------------------------------ one micro-batch
+    def _micro_batch(self, plan: StepPlan, rows: list[int], filler: bool) -> dict:
+        batch = make_batch([self.dataset[r] for r in rows], plan.totals, self.cfg.loss_reduction, structure=self.structure)
+        if filler:  # a rank with no row left in this step: forward/backward for the collectives, contributes 0
+            batch["targets"] = torch.full_like(batch["targets"], -100)
+            batch["weights"] = torch.zeros_like(batch["weights"])
+        return batch
+
+    def forward_micro_batch(self, batch: dict):
+        """(weighted_sum, cat_loss_sum, cat_count) of this rank's part of one full micro-batch."""
+        sp_ctx = None
+        if self.mesh.sp_size > 1:
+            from train.sequence_parallel import shard_batch
+
+            batch, sp_ctx = shard_batch(batch, self.mesh.sp_rank, self.mesh.sp_size, self.sp_backend,
+                                        group=self.mesh.sp_group)
+            sp_ctx = sp_ctx.to(self.device)
+        dev = self.device
+        attn = AttentionContext(
+            cu_seqlens=(sp_ctx.cu_seqlens if sp_ctx is not None else batch["cu_seqlens"]).to(dev),
+            max_seqlen=sp_ctx.max_seqlen if sp_ctx is not None else batch["max_seqlen"],
+            backend=self.cfg.attn_backend,
+            sp=sp_ctx,
+            seq_ids=batch["seq_ids"].to(dev) if self.structure and sp_ctx is None else None,
+            block_ids=batch["block_ids"].to(dev) if self.structure and sp_ctx is None else None,
+            path_ids=batch["path_ids"].to(dev) if self.structure and sp_ctx is None else None,
+        )
+        module = self.engine if self.engine is not None else self.model
+        autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if self.cfg.bf16 and self.engine is None
+            else nullcontext()
+        )
+        with autocast:
+            return module(
+                batch["input_ids"].to(dev).reshape(1, -1),
+                batch["position_ids"].to(dev).reshape(1, -1),
+                batch["targets"].to(dev).reshape(-1),
+                batch["weights"].to(dev).reshape(-1),
+                batch["target_categories"].to(dev).reshape(-1),
+                attn,
+            )
+
+    # ------------------------------------------------------------------ one optimizer step
+    def train_step(self, plan: StepPlan) -> dict:
+        start = time.perf_counter()
+        lr = self.scheduler.get_last_lr()[0]  # the lr this step applies (DeepSpeed steps the scheduler itself)
+        C = self.num_categories
+        # [loss, cat_loss_sum[C], cat_count[C]] on the communication device: no host sync per micro-batch
+        local = torch.zeros(1 + 2 * C, dtype=torch.float64, device=self._comm_device())
+        for mb in plan.micro_batches:
+            batch = self._micro_batch(plan, mb.rows, mb.filler)
+            weighted, cat_sum, cat_count = self.forward_micro_batch(batch)
+            loss = weighted * self.backward_scale
+            if self.engine is not None:
+                self.engine.backward(loss, scale_wrt_gas=False)
+                # DeepSpeed counts micro-batches in step(): it only updates (and steps the lr scheduler) at the
+                # gradient-accumulation boundary, i.e. after the last micro-batch of the optimizer step
+                self.engine.step()
+            else:
+                loss.backward()
+            local[0] += weighted.detach().double()
+            local[1 : 1 + C] += cat_sum.double()
+            local[1 + C :] += cat_count.double()
+        grad_norm = self._optimizer_step()
+        stats = all_reduce_sum(local).cpu()
+        elapsed = time.perf_counter() - start
+        n_tokens = int(np.asarray(self.dataset.row_n_tokens)[plan.step_rows].sum())
+        cat_loss = {}
+        for cid, name in sorted(self.categories.items()):
+            count = float(stats[1 + C + cid])
+            if cid > 0 and count > 0:
+                cat_loss[name] = float(stats[1 + cid]) / count
+        return {
+            "step": plan.step + 1,
+            "epoch": plan.epoch + (plan.step_in_epoch + 1) / self.sampler.steps_in_epoch(plan.epoch),
+            "loss": float(stats[0]),
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": n_tokens / elapsed if elapsed > 0 else 0.0,
+            "loss_tokens": plan.totals.n_loss_tokens,
+            "tokens": n_tokens,
+            "category_loss": cat_loss,
+        }
+
+    def _comm_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    def _optimizer_step(self) -> float:
+        cfg = self.cfg
+        if self.engine is not None:  # already stepped with the last micro-batch (see train_step)
+            if not self.engine.was_step_applied():
+                raise RuntimeError("DeepSpeed did not apply the optimizer step at the accumulation boundary")
+            norm = self.engine.get_global_grad_norm()
+            return float(norm) if norm is not None else float("nan")
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if dist.is_initialized():
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            _all_reduce_sum_bucketed([p.grad for p in params])
+        if self.grad_hook is not None:
+            self.grad_hook(self)
+        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Token-mean loss over the whole eval dataset (every rank its rows; fillers keep ranks in step)."""
+        from data.shards import PackedDataset
+        from train.batch import StepTotals
+
+        ds = PackedDataset(self.cfg.eval_data_path)
+        totals = StepTotals(int(np.sum(ds.row_n_loss_tokens)), int(np.sum(ds.row_n_trained_turns)),
+                            int(np.sum(ds.row_n_samples)))
+        mine = list(range(self.mesh.dp_rank, len(ds), self.mesh.dp_size))
+        n_iter = math.ceil(len(ds) / self.mesh.dp_size)
+        was_training = self.model.training
+        self.model.eval()
+        total = torch.zeros(1, dtype=torch.float64)
+        for k in range(n_iter):
+            row = mine[k] if k < len(mine) else 0
+            batch = make_batch([ds[row]], totals, "token", structure=self.structure)
+            if k >= len(mine):
+                batch["targets"].fill_(-100)
+                batch["weights"].zero_()
+            weighted, _, _ = self.forward_micro_batch(batch)
+            total += weighted.double().cpu()
+        self.model.train(was_training)
+        return float(all_reduce_sum(total.to(self._comm_device())).cpu()[0])
+
+    # ------------------------------------------------------------------ checkpoints and export
+    def _trainer_state(self) -> dict:
+        epoch, in_epoch = self.sampler.position(self.step)
+        return {"step": self.step, "epoch": epoch, "step_in_epoch": in_epoch, "total_steps": self.total_steps,
+                "seed": self.cfg.seed, "world_size": self.mesh.world_size}
+
+    def save(self) -> Path:
+        def save_fn(tmp: Path) -> None:
+            if self.engine is not None:
+                self.engine.save_checkpoint(str(tmp), tag="ds", save_latest=False)
+            elif self.mesh.is_main:
+                torch.save(self.model.state_dict(), tmp / "model.pt")
+                torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+                torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
+
+        return save_checkpoint(self.cfg.output_dir, self.step, self.mesh.rank, save_fn, self._trainer_state(),
+                               self.cfg.save_total_limit)
+
+    def _maybe_resume(self) -> None:
+        path = resolve_resume(self.cfg.resume, self.cfg.output_dir)
+        if path is None:
+            if self.mesh.is_main:  # a new run: no records of an earlier run in the same output_dir
+                truncate_log(self.cfg.output_dir, 0)
+            if self.cfg.resume == "latest":
+                self.console(f"resume=latest: no checkpoint in {self.cfg.output_dir}, starting from step 0")
+            return
+        state = load_trainer_state(path)
+        if self.engine is not None:
+            if not (path / "ds").is_dir():
+                raise RuntimeError(f"{path} was not saved with DeepSpeed; resume with the same deepspeed.stage")
+            self.engine.load_checkpoint(str(path), tag="ds", load_optimizer_states=True, load_lr_scheduler_states=True)
+        else:
+            if not (path / "model.pt").is_file():
+                raise RuntimeError(f"{path} was saved with DeepSpeed; resume with the same deepspeed.stage")
+            self.model.load_state_dict(torch.load(path / "model.pt", map_location=self.device))
+            self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device))
+            self.scheduler.load_state_dict(torch.load(path / "scheduler.pt"))
+        load_rng(path, self.mesh.rank)
+        self.step = int(state["step"])
+        if self.mesh.is_main:
+            truncate_log(self.cfg.output_dir, self.step)
+        self.console(f"resumed from {path} at step {self.step}")
+
+    def export(self, out_dir: Path) -> Path:
+        """HF format (safetensors + config + tokenizer), loadable with AutoModelForCausalLM.from_pretrained.
+        With LoRA: the adapter (train/lora.py), plus the merged model in `merged/` when lora_merge_on_save."""
+        import shutil
+
+        if self.engine is not None and self.cfg.deepspeed.stage == 3:
+            state = self.engine._zero3_consolidated_16bit_state_dict()  # collective; full dict on rank 0 only
+        elif self.cfg.lora_rank > 0:
+            state = None  # save_lora reads the live (full) parameters
+        else:
+            state = self.model.state_dict() if self.mesh.is_main else None
+        if self.mesh.is_main:
+            prefix = "lm."
+            lm_state = None if state is None else {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+            tok_path = self.cfg.resolved_tokenizer_path(self.dataset.meta)
+            tokenizer = None
+            if tok_path:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(tok_path)
+            else:
+                logger.warning("no tokenizer found (tokenizer_path, model_path, shard manifest): exported without one")
+            if self.cfg.lora_rank > 0:
+                from train.lora import save_lora
+
+                save_lora(self.lm, out_dir, merge=self.cfg.lora_merge_on_save, tokenizer=tokenizer, is_main=True,
+                          state_dict=lm_state)
+            else:
+                tmp = out_dir.with_name(f".{out_dir.name}.tmp")
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                self.lm.config.use_cache = True  # generation wants the cache; training turned it off
+                try:
+                    self.lm.save_pretrained(tmp, state_dict=lm_state, safe_serialization=True)
+                finally:
+                    self.lm.config.use_cache = False
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(tmp)
+                if out_dir.exists():
+                    shutil.rmtree(out_dir)
+                os.replace(tmp, out_dir)
+        if dist.is_initialized():
+            dist.barrier()
+        return out_dir
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> list[dict]:
+        """Run to total_steps (or stop after cfg.stop_at_step, checkpointing, as an interrupted job would)."""
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        stop_at_step = cfg.stop_at_step
+        records = []
+        self.model.train()
+        end = self.total_steps if stop_at_step is None else min(self.total_steps, stop_at_step)
+        self._bar = tqdm(total=self.total_steps, initial=self.step, desc="train", dynamic_ncols=True,
+                         disable=not self.mesh.is_main)
+        self.console(
+            f"training {self.total_steps} steps: world {self.mesh.world_size} (dp {self.mesh.dp_size} x sp "
+            f"{self.mesh.sp_size}), {self.sampler.rows_per_step} rows/step, deepspeed stage {cfg.deepspeed.stage}"
+        )
+        try:
+            while self.step < end:
+                plan = self.sampler.plan(self.step)
+                record = self.train_step(plan)
+                self.step += 1
+                if cfg.eval_steps and self.step % cfg.eval_steps == 0:
+                    record["eval_loss"] = self.evaluate()
+                records.append(record)
+                self.metrics.log(record)
+                self._bar.update(1)
+                self._bar.set_postfix(loss=f"{record['loss']:.4f}")
+                if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < end:
+                    self.save()
+        finally:
+            self._bar.close()
+            self._bar = None
+        self.save()  # the end of the run, or the stop point of an interrupted one
+        if self.step >= self.total_steps:
+            path = self.export(cfg.out / "final")
+            self.console(f"exported the final model to {path}")
+            if cfg.plot and self.mesh.is_main:
+                png = plot_losses(cfg.output_dir)
+                if png:
+                    self.console(f"loss curves: {png}")
+        self.metrics.close()
+        return records
