@@ -30,7 +30,7 @@ from tqdm import tqdm
 from data.chat_template import SpanError, TemplateInfo, analyze_template, assistant_spans, load_chat_tokenizer
 from data.config import ConfigError, DataConfig, load_config, to_dict
 from data.records import RecordError, message_category, record_uids, validate_canonical
-from data.report import sorted_counts
+from data.report import check_arithmetic, sorted_counts, update_report
 from data.shards import REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, ShardWriter, file_blake2b, tokenizer_hash
 
 IGNORE_INDEX = -100
@@ -431,7 +431,7 @@ def run(cfg: DataConfig, workers: int | None = None) -> dict:
         })
     for c, row in cats.items():
         row["name"] = names.get(c, str(c))
-    return {
+    section = check_arithmetic({
         "in": n_in,
         "out": n_out,
         "dropped": sorted_counts(dropped),
@@ -443,7 +443,9 @@ def run(cfg: DataConfig, workers: int | None = None) -> dict:
         "loss_tokens": n_loss,
         "trained_turns": n_turns,
         "categories": {str(c): cats[c] for c in sorted(cats)},
-    }
+    })
+    update_report(cfg.report_path, "tokenize", section)
+    return section
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -451,16 +453,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="data config JSON")
     parser.add_argument("overrides", nargs="*", help="key=value overrides (e.g. max_length=4096 num_workers=2)")
     args = parser.parse_args(argv)
-    from data.report import check_arithmetic, update_report
-
     cfg = load_config(args.config, args.overrides)
     cfg.validate()
     try:
-        section = check_arithmetic(run(cfg))
+        section = run(cfg)
     except (RecordError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    update_report(cfg.report_path, "tokenize", section)
     print(orjson.dumps({k: v for k, v in section.items() if k != "categories"}).decode())
     return 0
 
