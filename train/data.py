@@ -60,10 +60,13 @@ class StepSampler:
         self._epoch_steps: dict[int, int] = {}
         self._perm_epoch: int | None = None
         self._perm: np.ndarray | None = None
+        self._costs: np.ndarray | None = None  # attention cost per row (balance), per epoch for online packing
 
     def _use_epoch(self, epoch: int) -> int:
         """Make `epoch` the dataset's current epoch (online packing) and return its row count."""
         if self._replans:
+            if getattr(self.dataset, "epoch", None) != epoch:
+                self._costs = None
             self.dataset.set_epoch(epoch)
             return len(self.dataset)
         return self.n_rows
@@ -116,12 +119,20 @@ class StepSampler:
                 micro.append(MicroBatchPlan(rows=[int(perm[0])], filler=True))
         return StepPlan(step, epoch, in_epoch, step_rows, totals, micro)
 
+    def _row_costs(self) -> np.ndarray:
+        """Σ seq_len² of every row, from the sequence index (no token reads), once per dataset epoch."""
+        if self._costs is None:
+            from train.balance import dataset_row_costs
+
+            self._costs = dataset_row_costs(self.dataset)
+        return self._costs
+
     def _rank_rows(self, step_rows: np.ndarray) -> list[int]:
         if self.dp_size == 1:
             return [int(r) for r in step_rows]
         if self.balance:
-            from train.balance import balance_step, row_cost
+            from train.balance import balance_step
 
-            costs = [row_cost(self.dataset[int(r)]["seq_lens"]) for r in step_rows]
+            costs = self._row_costs()[np.asarray(step_rows, dtype=np.int64)]
             return balance_step(step_rows, costs, self.dp_size)[self.dp_rank]
         return [int(r) for r in step_rows[self.dp_rank :: self.dp_size]]

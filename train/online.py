@@ -155,9 +155,7 @@ class OnlinePackedDataset:
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         members = self.row_members(i)
-        tokens = self.row_tokens(i)
-        out = {name: np.array(tokens[name]) for name in self.token_fields}
-        out["seq_lens"] = self._lengths[members].copy()
+        out = self.source.gather(members)  # one copy per field, pages released after the copy
         out["record_index"] = members.copy()
         return out
 
