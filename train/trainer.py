@@ -205,7 +205,7 @@ class Trainer:
         if self.mesh.sp_size > 1:
             from train.sequence_parallel import resolve_backend
 
-            self.sp_backend = resolve_backend(cfg.sp_backend)
+            self.sp_backend = resolve_backend(cfg.sp_backend, half_precision=cfg.bf16)
 
         zero3 = cfg.deepspeed.stage == 3
         self._hf_ds_config = None
@@ -501,6 +501,15 @@ class Trainer:
         return out_dir
 
     # ------------------------------------------------------------------ the loop
+    def _attention_description(self) -> str:
+        if self.sp_backend is not None:
+            kind = f"sequence-parallel {self.sp_backend}"
+        elif self.structure:
+            kind = "structured (FlexAttention)" if torch.cuda.is_available() else "structured (SDPA per sequence)"
+        else:
+            kind = f"varlen {self.cfg.attn_backend}"
+        return kind + (" + Parallel-R1 mask" if self.structure and self.sp_backend else "")
+
     def train(self) -> list[dict]:
         """Run to total_steps (or stop after cfg.stop_at_step, checkpointing, as an interrupted job would)."""
         from tqdm import tqdm
@@ -514,7 +523,8 @@ class Trainer:
                          disable=not self.mesh.is_main)
         self.console(
             f"training {self.total_steps} steps: world {self.mesh.world_size} (dp {self.mesh.dp_size} x sp "
-            f"{self.mesh.sp_size}), {self.sampler.rows_per_step} rows/step, deepspeed stage {cfg.deepspeed.stage}"
+            f"{self.mesh.sp_size}), {self.sampler.rows_per_step} rows/step, deepspeed stage {cfg.deepspeed.stage}, "
+            f"attention {self._attention_description()}, loss {cfg.loss_reduction}"
         )
         try:
             while self.step < end:
