@@ -229,7 +229,10 @@ def _build(norm: dict, text: str, enc, source: str, record_index: int, ctx: Toke
             sl = slice(n - ctx.max_length, n)
         else:  # right
             sl = slice(0, ctx.max_length)
-        arrays = [None if a is None else a[sl] for a in arrays]
+        arrays = [None if a is None else a[sl].copy() for a in arrays]
+        if arrays[1][0] != IGNORE_INDEX:  # a left cut inside a turn: nothing predicts a row's first token
+            arrays[1][0] = IGNORE_INDEX
+            arrays[3][0] = 0
         arrays[3] = _renumber_turns(arrays[3])
         truncated = True
         if ctx.structure == "parallel_thinking" and not kept_plain and policy != "truncate":

@@ -157,6 +157,19 @@ def test_overlong_policies(qwen):
     kept_turns = np.unique(left.turn_ids[left.turn_ids > 0])
     assert kept_turns.tolist() == list(range(1, kept_turns.size + 1))  # renumbered from 1 after the cut
     assert np.array_equal(left.turn_ids > 0, full.turn_ids[-limit:] > 0)
+    # a left cut that lands inside a trained turn: the row's first token cannot be predicted, so it is not trained
+    inside = int(np.flatnonzero(full.turn_ids == 3)[1])  # keep from the 2nd token of the last turn on
+    mid = one("left", max_length=n - inside)
+    assert full.labels[inside] != IGNORE_INDEX and mid.labels[0] == IGNORE_INDEX and mid.turn_ids[0] == 0
+    assert np.array_equal(mid.labels[1:], full.labels[inside + 1:])
+    assert mid.turn_ids.max() == 1 and mid.turn_ids[1] == 1
+    from train.batch import make_batch, step_totals
+
+    row = {"input_ids": mid.input_ids, "labels": mid.labels, "category_ids": mid.category_ids,
+           "turn_ids": mid.turn_ids, "seq_lens": np.array([mid.input_ids.shape[0]])}
+    meta = {"row_n_loss_tokens": np.array([int((mid.labels != IGNORE_INDEX).sum())]),
+            "row_n_trained_turns": np.array([1]), "row_n_samples": np.array([1])}
+    assert float(make_batch([row], step_totals(meta, [0]), "turn")["weights"].sum()) == pytest.approx(1.0)
     right = one("right")
     assert right.input_ids.tolist() == full.input_ids[:limit].tolist() and right.input_ids.shape[0] == limit
     assert np.array_equal(right.turn_ids, full.turn_ids[:limit])

@@ -1,0 +1,188 @@
+"""Weighted LM loss from final hidden states, chunked over tokens so full-vocabulary logits never exist.
+
+A 128K-token row with a 152K vocabulary has 128K x 152K logits (40 GB in bf16). `weighted_lm_loss` runs the
+lm-head matmul and the cross-entropy `chunk_size` tokens at a time inside one custom autograd function:
+
+- Forward computes, per chunk, the logits (fp32 log-sum-exp), the per-token losses AND, when a gradient is
+  needed, the chunk's gradients: d loss / d logits = w * (softmax - onehot), then grad_hidden for the chunk
+  and an fp32 accumulation of grad_weight (and grad_bias). Only those gradients are saved; the logits of a
+  chunk are freed before the next chunk. Backward only scales the saved gradients by the incoming scalar.
+  This costs 3 matmuls per chunk instead of the 4 of recomputing the logits in backward, and the saved
+  tensors (grad_hidden [T,H], grad_weight [V,H] fp32) have the size of the gradients themselves, so peak
+  memory is bounded by the chunk's logits plus the gradients, whatever the row length.
+- Only positions with a target (!= -100) enter the matmuls.
+- Matmuls run in the autocast dtype when autocast is on at call time (like `F.linear` would), else in the
+  inputs' dtype; log-sum-exp, losses and the weight-gradient accumulation are fp32.
+- Tied embeddings: the function returns an ordinary gradient for the weight; autograd adds it to the
+  embedding's gradient because it is the same Parameter.
+
+`chunk_size` None or 0 is the plain reference path (full logits, autograd), used by the tests and the memory
+benchmark's "unchunked" baseline.
+
+ZeRO-3: the caller must run this inside the forward of a module that owns the lm-head weight or declared it
+with `deepspeed.zero.register_external_parameter` (train/trainer.py's PackedCausalLM does).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def _check_inputs(hidden, weight, targets, weights, target_categories, num_categories):
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be [T, H], got {tuple(hidden.shape)}")
+    n_tok, dim = hidden.shape
+    if weight.dim() != 2 or weight.shape[1] != dim:
+        raise ValueError(f"lm_head weight must be [V, {dim}], got {tuple(weight.shape)}")
+    for name, t in (("targets", targets), ("weights", weights), ("target_categories", target_categories)):
+        if t.shape != (n_tok,):
+            raise ValueError(f"{name} must be [{n_tok}], got {tuple(t.shape)}")
+    if num_categories < 1:
+        raise ValueError(f"num_categories must be >= 1, got {num_categories}")
+
+
+def _category_sums(ce: torch.Tensor, categories: torch.Tensor, num_categories: int):
+    """(sum of ce per category, token count per category) over the given tokens, float32 / int64, no grad."""
+    if categories.numel() and (categories.min() < 0 or categories.max() >= num_categories):
+        raise ValueError(
+            f"target category ids must lie in [0, {num_categories}), got [{int(categories.min())}, "
+            f"{int(categories.max())}]"
+        )
+    loss_sum = torch.zeros(num_categories, dtype=torch.float32, device=ce.device)
+    loss_sum.index_add_(0, categories, ce.detach().float())
+    count = torch.bincount(categories, minlength=num_categories).to(torch.int64)
+    return loss_sum, count
+
+
+class _ChunkedWeightedCE(torch.autograd.Function):
+    """sum_t weights[t] * CE(hidden[t] @ W^T + b, targets[t]), gradients computed chunk by chunk in forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, weights, target_categories, num_categories, chunk_size, need_grad,
+                compute_dtype):
+        # autocast is off inside: matmuls run in `compute_dtype` (the autocast dtype at call time, if any)
+        with torch.autocast(hidden.device.type, enabled=False):
+            return _ChunkedWeightedCE._forward(ctx, hidden, weight, bias, targets, weights, target_categories,
+                                               num_categories, chunk_size, need_grad, compute_dtype)
+
+    @staticmethod
+    def _forward(ctx, hidden, weight, bias, targets, weights, target_categories, num_categories, chunk_size, need_grad,
+                 compute_dtype):
+        valid = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+        n_valid = valid.numel()
+        h_sel = hidden.index_select(0, valid)
+        t_sel = targets.index_select(0, valid)
+        w_sel = weights.index_select(0, valid).float()
+        vocab = weight.shape[0]
+        if n_valid and (t_sel.min() < 0 or t_sel.max() >= vocab):
+            raise ValueError(f"targets must lie in [0, {vocab}) or be -100")
+
+        ce = torch.empty(n_valid, dtype=torch.float32, device=hidden.device)
+        grad_h_sel = torch.empty_like(h_sel) if need_grad else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
+        grad_b = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if need_grad and bias is not None else None
+        w_comp = weight.to(compute_dtype)
+        for lo in range(0, n_valid, chunk_size):
+            hi = min(lo + chunk_size, n_valid)
+            h_c, t_c = h_sel[lo:hi].to(compute_dtype), t_sel[lo:hi]
+            logits = (h_c @ w_comp.t()).float()
+            if bias is not None:
+                logits += bias.float()
+            lse = torch.logsumexp(logits, dim=-1)
+            rows = torch.arange(hi - lo, device=hidden.device)
+            ce[lo:hi] = lse - logits[rows, t_c]
+            if need_grad:
+                probs = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
+                probs[rows, t_c] -= 1.0
+                probs.mul_(w_sel[lo:hi].unsqueeze(1))
+                if bias is not None:
+                    grad_b += probs.sum(0)
+                g = probs.to(compute_dtype)
+                del probs
+                if grad_h_sel.dtype == compute_dtype:
+                    torch.mm(g, w_comp, out=grad_h_sel[lo:hi])
+                else:
+                    grad_h_sel[lo:hi] = g @ w_comp
+                if compute_dtype == torch.float32:
+                    grad_w.addmm_(g.t(), h_c)  # in place: no [V, H] temporary per chunk
+                else:
+                    grad_w += (g.t() @ h_c).float()
+                del g
+            del logits
+
+        weighted_sum = (ce * w_sel).sum()
+        cat_loss_sum, cat_count = _category_sums(ce, target_categories.index_select(0, valid), num_categories)
+        ctx.mark_non_differentiable(cat_loss_sum, cat_count)
+        if need_grad:
+            grad_hidden = torch.zeros_like(hidden)
+            grad_hidden.index_copy_(0, valid, grad_h_sel)
+            ctx.save_for_backward(grad_hidden, grad_w, grad_b)
+        ctx.has_bias = bias is not None
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return weighted_sum, cat_loss_sum, cat_count
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_cat_sum, _grad_cat_count):
+        # Scaled in place: no second [V, H] buffer. A second backward through the same graph then fails loudly
+        # (autograd's saved-tensor version check) instead of reusing scaled gradients.
+        grad_hidden, grad_w, grad_b = ctx.saved_tensors
+        w_dtype, b_dtype = ctx.dtypes
+        scale = grad_out.float()
+        gh = grad_hidden.mul_(scale.to(grad_hidden.dtype)) if ctx.needs_input_grad[0] else None
+        gw = grad_w.mul_(scale).to(w_dtype) if ctx.needs_input_grad[1] else None
+        gb = grad_b.mul_(scale).to(b_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gh, gw, gb, None, None, None, None, None, None, None
+
+
+def _reference_loss(hidden, weight, bias, targets, weights, target_categories, num_categories):
+    """Unchunked path: full [T, V] logits through autograd (the baseline most trainers use)."""
+    logits = F.linear(hidden, weight, bias).float()
+    ce = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="none")
+    valid = targets != IGNORE_INDEX
+    weighted_sum = (ce * weights.float() * valid).sum()
+    cat_loss_sum, cat_count = _category_sums(ce[valid], target_categories[valid], num_categories)
+    return weighted_sum, cat_loss_sum, cat_count
+
+
+def weighted_lm_loss(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
+    target_categories: torch.Tensor,
+    num_categories: int,
+    chunk_size: int | None,
+    lm_head_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weighted_sum, cat_loss_sum [C], cat_count [C]) of one micro-batch (or one sp shard of it).
+
+    hidden [T, H] (final hidden states, any float dtype), lm_head_weight [V, H], targets [T] (-100 ignored),
+    weights [T] (the step weights of `train.batch.make_batch`), target_categories [T] in [0, num_categories).
+    weighted_sum = sum_t weights[t] * ce[t] (fp32 scalar, differentiable wrt hidden, weight and bias);
+    cat_loss_sum[c] = sum of ce over the targets of category c (fp32), cat_count[c] their number (int64);
+    both without gradient. A shard with no target gives exact zeros (and zero gradients), never NaN.
+    chunk_size None/0: unchunked reference path.
+    """
+    _check_inputs(hidden, lm_head_weight, targets, weights, target_categories, num_categories)
+    targets = targets.to(torch.long)
+    target_categories = target_categories.to(torch.long)
+    if not chunk_size:
+        return _reference_loss(hidden, lm_head_weight, lm_head_bias, targets, weights, target_categories, num_categories)
+    if chunk_size < 0:
+        raise ValueError(f"chunk_size must be positive (or 0/None for unchunked), got {chunk_size}")
+    need_grad = torch.is_grad_enabled() and (
+        hidden.requires_grad
+        or lm_head_weight.requires_grad
+        or (lm_head_bias is not None and lm_head_bias.requires_grad)
+    )
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        compute_dtype = torch.get_autocast_dtype(device_type)
+    else:
+        compute_dtype = torch.promote_types(hidden.dtype, lm_head_weight.dtype)
+    return _ChunkedWeightedCE.apply(
+        hidden, lm_head_weight, lm_head_bias, targets, weights, target_categories, num_categories, int(chunk_size),
+        need_grad, compute_dtype,
+    )
