@@ -130,3 +130,15 @@ def test_shipped_configs_parse(path, world):
     args = launch_args(cfg)
     assert args[args.index("--num_processes") + 1] == str(world)
     assert ("--multi_gpu" in args) == (world > 1)
+
+
+def test_activation_checkpointing_auto_follows_row_length(setup):
+    _, config = setup
+    cfg = load_config(config, [])
+    assert cfg.gradient_checkpointing == "auto"
+    assert cfg.checkpointing_enabled(8192) and cfg.checkpointing_enabled(131072)
+    assert not cfg.checkpointing_enabled(4096)
+    assert load_config(config, ["gradient_checkpointing=false"]).checkpointing_enabled(131072) is False
+    assert load_config(config, ["gradient_checkpointing=true"]).checkpointing_enabled(16) is True
+    with pytest.raises(ConfigError, match="gradient_checkpointing"):
+        load_config(config, ["gradient_checkpointing=sometimes"])

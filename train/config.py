@@ -65,7 +65,9 @@ class TrainConfig:
     adam_eps: float = 1e-8
     max_grad_norm: float = 1.0  # 0: no clipping
     bf16: bool = False  # GPU only
-    gradient_checkpointing: bool = False
+    # activation checkpointing: true | false | auto (on when the rows are at least `checkpointing_min_length` long)
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
+    checkpointing_min_length: int = 8192
     seed: int = 42
     save_steps: int = 0  # 0: only the final checkpoint
     save_total_limit: int = 2  # resumable checkpoints kept
@@ -98,6 +100,11 @@ class TrainConfig:
     @property
     def out(self) -> Path:
         return Path(self.output_dir)
+
+    def checkpointing_enabled(self, row_length: int) -> bool:
+        if self.gradient_checkpointing == "auto":
+            return row_length >= self.checkpointing_min_length
+        return bool(self.gradient_checkpointing)
 
     @property
     def uses_deepspeed(self) -> bool:

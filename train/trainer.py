@@ -88,7 +88,7 @@ class PackedCausalLM(nn.Module):
         )
 
 
-def build_lm(cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
+def build_lm(cfg: TrainConfig, dtype: torch.dtype, checkpointing: bool = False) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if cfg.model_path is not None:
@@ -97,7 +97,7 @@ def build_lm(cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
         model_cfg = AutoConfig.from_pretrained(cfg.model_config)
         lm = AutoModelForCausalLM.from_config(model_cfg, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype)
     lm.config.use_cache = False
-    if cfg.gradient_checkpointing:
+    if checkpointing:
         lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora_rank > 0:
         from train.lora import apply_lora
@@ -219,7 +219,9 @@ class Trainer:
 
                 self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
         dtype = torch.bfloat16 if (cfg.bf16 and cfg.uses_deepspeed) else torch.float32
-        self.lm = build_lm(cfg, dtype)
+        row_length = int(self.dataset.meta.get("max_length") or int(np.max(self.dataset.row_n_tokens)))
+        self.checkpointing = cfg.checkpointing_enabled(-(-row_length // self.mesh.sp_size))  # tokens per rank
+        self.lm = build_lm(cfg, dtype, self.checkpointing)
         self.model = PackedCausalLM(self.lm, cfg.loss_chunk_size, self.num_categories, zero3=zero3)
         self.lr_factor = lr_lambda_factory(self.total_steps, self.warmup_steps, cfg.schedule, cfg.min_lr_ratio)
         self._setup_optimizer()
@@ -524,7 +526,8 @@ class Trainer:
         self.console(
             f"training {self.total_steps} steps: world {self.mesh.world_size} (dp {self.mesh.dp_size} x sp "
             f"{self.mesh.sp_size}), {self.sampler.rows_per_step} rows/step, deepspeed stage {cfg.deepspeed.stage}, "
-            f"attention {self._attention_description()}, loss {cfg.loss_reduction}"
+            f"attention {self._attention_description()}, loss {cfg.loss_reduction}, "
+            f"activation checkpointing {'on' if self.checkpointing else 'off'}"
         )
         try:
             while self.step < end:
