@@ -69,3 +69,21 @@ def test_config_error_is_reported_before_training(tmp_path):
     assert proc.returncode == 2
     assert f"config error: data_path: {tmp_path}/missing is not a directory" in proc.stderr
     assert not (tmp_path / "out").exists()  # failed before anything was written
+
+
+@pytest.mark.multiprocess
+def test_sequence_parallel_example_matches_single_process(example_data, tmp_path):
+    """`sh train.sh configs/train/example_sp.yaml`: 2 CPU processes, one row split over an sp group of 2, logs the
+    same losses and gradient norms as the single-process example (labels shifted once on the whole row)."""
+    steps = ["max_steps=3", "save_steps=0", "plot=false", "log_backends=[]", f"data_path={example_data}"]
+    _train_sh("configs/train/example_sp.yaml", f"output_dir={tmp_path / 'sp'}", *steps)
+    _train_sh("configs/train/example.yaml", f"output_dir={tmp_path / 'one'}", *steps)
+    sp, one = read_log(tmp_path / "sp"), read_log(tmp_path / "one")
+    assert [r["step"] for r in sp] == [1, 2, 3]
+    for a, b in zip(sp, one):
+        assert a["loss_tokens"] == b["loss_tokens"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["category_loss"].keys() == b["category_loss"].keys()
+        for name in a["category_loss"]:
+            assert a["category_loss"][name] == pytest.approx(b["category_loss"][name], rel=1e-5)
