@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
         stages = [s.strip() for s in args.stages.split(",") if s.strip()] if args.stages else None
         cfg = load(args, overrides, stages)
         run_pipeline(cfg)
-        print(f"packed: {cfg.packed_dir}", flush=True)
+        if "pack" in cfg.stages:
+            print(f"packed: {cfg.packed_dir}", flush=True)
 
     _guard(body)
 

@@ -76,7 +76,6 @@ class TokenizeContext:
     max_length: int
     overlong: str = "drop"
     on_error: str = "error"  # only read in structure mode: keep a malformed record as plain text under skip
-    loss_turns: str = "all"
     structure: str | None = None
     enable_thinking: bool | None = None
     backend: Any = field(init=False, repr=False)
@@ -90,9 +89,8 @@ class TokenizeContext:
     def from_config(cls, cfg: DataConfig) -> "TokenizeContext":
         tokenizer = load_chat_tokenizer(cfg.tokenizer_path, cfg.chat_template)
         return cls(tokenizer=tokenizer, info=analyze_template(tokenizer), max_length=cfg.max_length,
-                   overlong=cfg.effective_overlong, on_error=cfg.on_error, loss_turns=cfg.loss_turns,
-                   structure=cfg.structure,
-                   enable_thinking=cfg.enable_thinking)
+                   overlong=cfg.effective_overlong, on_error=cfg.on_error,
+                   structure=cfg.structure, enable_thinking=cfg.enable_thinking)
 
 
 # ---------------------------------------------------------------------------------------------- the pure core
@@ -166,9 +164,8 @@ def _build(norm: dict, text: str, enc, source: str, record_index: int, ctx: Toke
         spans = assistant_spans(text, ctx.info, len(assistant))
     except SpanError as exc:
         raise RecordError(source, "messages", str(exc), "template_mismatch") from None
+    # `loss_turns: last` is applied by the merge stage, per original record, through the labels
     trained = [j for j, i in enumerate(assistant) if labels_in[i]]
-    if ctx.loss_turns == "last":
-        trained = trained[-1:]
     trained_set = set(trained)
 
     text_len = len(text)

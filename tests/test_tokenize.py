@@ -181,11 +181,17 @@ def test_overlong_policies(qwen):
 
 
 def test_loss_turns_last(qwen):
+    """Stepwise masks come from the labels the merge stage sets (per original record): only that turn is trained."""
+    from data.merge import apply_loss_turns
+
     rec = _gsm8k_records(n_conv=1, per_conv=3)[0]
-    full, last = tokenize_records([rec, rec], _ctx(qwen)), tokenize_records([rec], _ctx(qwen, loss_turns="last"))[0]
-    full = full[0]
+    rec["labels"] = [1 if m["role"] == "assistant" else 0 for m in rec["messages"]]
+    full = tokenize_records([rec], _ctx(qwen))[0]
+    stepwise = json.loads(json.dumps(rec))
+    assert apply_loss_turns(stepwise, "last") == 2
+    last = tokenize_records([stepwise], _ctx(qwen))[0]
     last_turn = full.turn_ids == full.turn_ids.max()
-    assert int(last.turn_ids.max()) == 1
+    assert int(full.turn_ids.max()) == 3 and int(last.turn_ids.max()) == 1
     assert np.array_equal(last.labels != IGNORE_INDEX, last_turn)
 
 
