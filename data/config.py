@@ -238,6 +238,10 @@ class DataConfig:
             raise ConfigError(f"merge.probability must be in [0, 1], got {self.merge.probability}")
         if self.num_workers < 0:
             raise ConfigError(f"num_workers must be >= 0, got {self.num_workers}")
+        if self.seed < 0:
+            raise ConfigError(f"seed must be >= 0, got {self.seed}")
+        if self.pack.shard_size_mb <= 0:
+            raise ConfigError(f"pack.shard_size_mb must be positive, got {self.pack.shard_size_mb}")
         if "preprocess" in self.stages:
             for i, spec in enumerate(self.inputs):
                 for pattern in spec.path:
@@ -251,6 +255,12 @@ class DataConfig:
             raise ConfigError(f"tokenizer_path: {self.tokenizer_path} does not exist")
         if self.chat_template and not Path(self.chat_template).is_file():
             raise ConfigError(f"chat_template: {self.chat_template} is not a file")
+
+
+def output_config(cfg: DataConfig) -> dict:
+    """The config stored in tokenized/ and packed/ meta.json: without `num_workers` and `stages`, which do not
+    change the output (so meta.json is byte-identical whatever the worker count or the stages run)."""
+    return {k: v for k, v in to_dict(cfg).items() if k not in ("num_workers", "stages")}
 
 
 def _has_split(pattern: str) -> bool:

@@ -24,7 +24,6 @@ from data.records import RecordError
 
 BATCH_ROWS = 1024
 UTF8_BOM = b"\xef\xbb\xbf"  # some editors and Excel exports start files with it; orjson rejects it
-SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow")
 
 
 # ---------------------------------------------------------------------------------------------- input paths
@@ -151,16 +150,37 @@ def _iter_arrow(path: str) -> Iterator[tuple[str, dict]]:
 
 
 def _iter_csv(path: str) -> Iterator[tuple[str, Any]]:
-    """Rows keyed by the header; the source line is where the row starts (quoted fields may span lines)."""
-    with open(path, newline="", encoding="utf-8-sig") as f:
-        reader = csv.reader(f)
+    """Rows keyed by the header; the source line is where the row starts (quoted fields may span lines).
+    A row with invalid UTF-8 is a `malformed_csv` RecordError (the file is decoded line by line for that)."""
+    bad_lines: dict[int, str] = {}  # physical line -> decode error
+
+    def decoded(f: BinaryIO) -> Iterator[str]:
+        for lineno, raw in enumerate(f, 1):
+            if lineno == 1:
+                raw = raw.removeprefix(UTF8_BOM)
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                bad_lines[lineno] = str(exc)
+                yield raw.decode("utf-8", errors="replace")
+
+    with open(path, "rb") as f:
+        reader = csv.reader(decoded(f))
         header = next(reader, None)
         if header is None:
             return
+        if bad_lines:
+            line, error = next(iter(bad_lines.items()))
+            raise RecordError(f"{path}:{line}", "header", f"invalid UTF-8: {error}", "malformed_csv")
         end = reader.line_num
         for row in reader:
             source = f"{path}:{end + 1}"
-            end = reader.line_num
+            start, end = end + 1, reader.line_num
+            bad = [n for n in range(start, end + 1) if n in bad_lines]
+            if bad:
+                yield source, RecordError(source, "row", f"invalid UTF-8 on line {bad[0]}: {bad_lines[bad[0]]}",
+                                          "malformed_csv")
+                continue
             if not row:
                 continue
             if len(row) != len(header):
@@ -194,6 +214,13 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         f.write(data)
 
 
+def _current_umask() -> int:
+    """The process umask (it can only be read by setting it, so set it back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
     """Binary file opened on a temp file next to `path`; renamed over `path` on success, removed on error."""
@@ -201,6 +228,7 @@ def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_current_umask())  # mkstemp creates 0600; give the mode open() would
         with os.fdopen(fd, "wb", buffering=1 << 20) as f:
             yield f
         os.replace(tmp, path)

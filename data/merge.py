@@ -23,12 +23,12 @@ from pathlib import Path
 import orjson
 from tqdm import tqdm
 
+from data.chat_template import load_chat_tokenizer
 from data.config import ConfigError, DataConfig
 from data.io import atomic_writer, ordered_parallel_map, require_stage_input
 from data.report import ReportError, check_arithmetic, sorted_counts, update_report
 
 CHUNK_RECORDS = 64
-BLOCK_REASONS = ("system_prompt", "tools", "enable_thinking", "structure", "token_budget")
 
 
 # ---------------------------------------------------------------------------------------------- pure core
@@ -97,23 +97,11 @@ _TOKENIZER = None
 _TOKENIZER_KEY = None
 
 
-def load_tokenizer(tokenizer_path: str, chat_template: str | None):
-    """AutoTokenizer with the optional chat-template file applied; errors if no template is available."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_path)
-    if chat_template:
-        tok.chat_template = Path(chat_template).read_text(encoding="utf-8")
-    if not getattr(tok, "chat_template", None):
-        raise ConfigError(f"tokenizer {tokenizer_path} has no chat template; set chat_template: path/to/file.jinja")
-    return tok
-
-
 def _tokenizer(key: tuple[str, str | None]):
     """Per-process tokenizer (inherited from the parent under fork, loaded on first use otherwise)."""
     global _TOKENIZER, _TOKENIZER_KEY
     if _TOKENIZER is None or _TOKENIZER_KEY != key:
-        _TOKENIZER, _TOKENIZER_KEY = load_tokenizer(*key), key
+        _TOKENIZER, _TOKENIZER_KEY = load_chat_tokenizer(*key), key
     return _TOKENIZER
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from tqdm import tqdm
 
-from data.config import DataConfig, to_dict
+from data.config import DataConfig, output_config
 from data.shards import RESERVED_META_KEYS, PackedDataset, ShardWriter, dump_json
 
 ALGORITHMS = ("best_fit", "first_fit")
@@ -230,7 +230,7 @@ def run(cfg: DataConfig) -> dict:
         meta_extra = {k: v for k, v in src.meta.items() if k not in RESERVED_META_KEYS}
         meta_extra.update(
             max_length=cap,
-            config=to_dict(cfg),
+            config=output_config(cfg),
             pack={"algorithm": cfg.pack.algorithm, "seed": cfg.seed},
             source={"path": str(cfg.tokenized_dir), "kind": src.kind, "counts": src.meta["counts"]},
         )

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from data.config import DataConfig, InputSpec
 from data.io import atomic_write_bytes, atomic_writer, expand_inputs, ordered_parallel_map, read_rows
-from data.records import RecordError, parse_json_field, validate_canonical
+from data.records import MAX_CATEGORY_ID, RecordError, parse_json_field, validate_canonical
 from data.report import check_arithmetic, sorted_counts, update_report
 
 CHUNK_ROWS = 256
@@ -75,10 +75,12 @@ def _flatten_parts(msg: dict, source: str, field: str) -> dict:
             raise RecordError(source, where, "expected a string or an object", "bad_content")
         kind = part.get("type", "text")
         value = part.get("text", part.get("value"))
+        if kind in ("text", "reasoning", "thinking") and not isinstance(value, str):
+            raise RecordError(source, where, "part has no string text/value", "bad_content")
         if kind == "text":
-            text.append(value if isinstance(value, str) else "")
+            text.append(value)
         elif kind in ("reasoning", "thinking"):
-            reasoning.append(value if isinstance(value, str) else "")
+            reasoning.append(value)
         elif kind == "tool_call":
             calls.extend(_tool_calls_from_text(value, source, where))
         else:
@@ -290,8 +292,9 @@ def read_ratio_file(path: str | Path) -> list[dict]:
         if not isinstance(cat, dict) or not isinstance(cat.get("category_name"), str):
             raise ValueError(f"{where}: needs category_name (a string)")
         cid = cat.get("category_id")
-        if isinstance(cid, bool) or not isinstance(cid, int) or cid < 0:
-            raise ValueError(f"{where}: category_id must be a non-negative integer, got {cid!r}")
+        if isinstance(cid, bool) or not isinstance(cid, int) or not 0 <= cid <= MAX_CATEGORY_ID:
+            raise ValueError(f"{where}: category_id must be an integer in 0..{MAX_CATEGORY_ID} (stored as int16), "
+                             f"got {cid!r}")
         if (cid == 0) != (cat["category_name"] == UNTRACKED):
             raise ValueError(f"{where}: category_id 0 is reserved for {UNTRACKED!r}")
         if cid in seen_ids or cat["category_name"] in seen_names:
@@ -339,6 +342,8 @@ class CategoryIds:
                 cid = 0
             else:
                 cid = self.next_id
+                if cid > MAX_CATEGORY_ID:
+                    raise ValueError(f"category {name!r}: no free category id left (ids are 0..{MAX_CATEGORY_ID})")
                 self.next_id += 1
             self.ids[name] = cid
         return cid
@@ -347,7 +352,7 @@ class CategoryIds:
 # ---------------------------------------------------------------------------------------------- stage
 def _tasks(cfg: DataConfig, stats: list[dict], dropped: dict):
     """Chunks of raw rows for the workers, inputs in order. Unreadable rows get the error policy here; each
-    input's format is detected from its first row."""
+    input's format is detected from its first row (under skip: its first row of a detectable format)."""
     for spec_index, spec in enumerate(cfg.inputs):
         st = stats[spec_index]
         fmt = None
@@ -357,7 +362,14 @@ def _tasks(cfg: DataConfig, stats: list[dict], dropped: dict):
             for source, row in read_rows(path, cfg.on_error, unreadable):
                 st["in"] += 1
                 if fmt is None:
-                    fmt, spec = detect_format(row, spec, source)
+                    try:
+                        fmt, spec = detect_format(row, spec, source)
+                    except RecordError as exc:  # under skip: count the row, detect again on the next one
+                        if cfg.on_error != "skip":
+                            raise
+                        st["dropped"] += 1
+                        dropped[exc.reason] = dropped.get(exc.reason, 0) + 1
+                        continue
                     st["format"] = fmt
                 chunk.append((source, row))
                 if len(chunk) >= CHUNK_ROWS:

@@ -14,6 +14,7 @@ RECORD_KEYS = ("messages", "labels", "meta", "tools", "enable_thinking", "struct
 # message keys written first, in this order; any other message key passes through after them (templates
 # may read e.g. `name` or `tool_call_id`)
 MESSAGE_KEY_ORDER = ("role", "content", "reasoning_content", "tool_calls", "category_id")
+MAX_CATEGORY_ID = 32767  # category ids are stored per token as int16
 
 
 class RecordError(ValueError):
@@ -104,6 +105,8 @@ def _normalize_message(msg: Any, i: int, source: str) -> dict:
                           "system_not_first")
     out: dict = {"role": role}
     tool_calls = msg.get("tool_calls")
+    if tool_calls == []:  # an empty list is how many exporters write "no tool call"
+        tool_calls = None
     if tool_calls is not None:
         if role != "assistant":
             raise RecordError(source, f"{field}.tool_calls", f"tool_calls on a {role} message", "bad_tool_calls")
@@ -124,9 +127,9 @@ def _normalize_message(msg: Any, i: int, source: str) -> dict:
         out["tool_calls"] = tool_calls
     if "category_id" in msg and msg["category_id"] is not None:
         cat = msg["category_id"]
-        if isinstance(cat, bool) or not isinstance(cat, int) or cat < 0:
-            raise RecordError(source, f"{field}.category_id", f"expected a non-negative integer, got {cat!r}",
-                              "bad_category")
+        if isinstance(cat, bool) or not isinstance(cat, int) or not 0 <= cat <= MAX_CATEGORY_ID:
+            raise RecordError(source, f"{field}.category_id", f"expected an integer in 0..{MAX_CATEGORY_ID} "
+                              f"(stored as int16), got {cat!r}", "bad_category")
         out["category_id"] = cat
     for key, value in msg.items():
         if key not in MESSAGE_KEY_ORDER and value is not None:

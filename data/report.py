@@ -16,6 +16,7 @@ import os
 
 import orjson
 
+from data.config import STAGES
 from data.io import atomic_write_bytes
 
 
@@ -55,8 +56,14 @@ def read_report(path: str | os.PathLike) -> dict:
 
 
 def update_report(path: str | os.PathLike, stage: str, section: dict) -> dict:
-    """Replace the `stage` section of report.json (read-modify-write, written atomically); returns the report."""
+    """Replace the `stage` section of report.json (read-modify-write, written atomically); returns the report.
+
+    Sections of the stages after `stage` (pipeline order) are removed: they describe an earlier run's outputs,
+    which this stage's new output invalidates, so the report never mixes runs."""
     report = read_report(path)
+    if stage in STAGES:
+        for later in STAGES[STAGES.index(stage) + 1:]:
+            report.pop(later, None)
     report[stage] = section
     atomic_write_bytes(path, orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS) + b"\n")
     return report

@@ -60,13 +60,16 @@ def plan(categories: np.ndarray, rates: dict[int, float], seed: int) -> tuple[np
     return records[order], copies[order]
 
 
-def check_rates(ratio_cats: list[dict], present: dict[int, int], ratio_path) -> dict[int, float]:
-    """Rates by category id; every category in the data must be in the ratio file with a rate >= 0."""
+def check_rates(ratio_cats: list[dict], present: dict[int, int], ratio_path,
+                names: dict[int, str] | None = None) -> dict[int, float]:
+    """Rates by category id; every category in the data must be in the ratio file with a rate >= 0.
+    `names` (id -> name, from the data) makes the missing-entry error readable."""
     by_id = {c["category_id"]: c for c in ratio_cats}
     missing = sorted(cid for cid in present if cid not in by_id)
     if missing:
-        raise SamplingError(f"{ratio_path}: categories {missing} of the data have no entry; re-run preprocess "
-                            "(it adds new categories) or add them by hand")
+        named = ", ".join(f"{(names or {}).get(cid, '?')!r} (id {cid})" for cid in missing)
+        raise SamplingError(f"{ratio_path}: categories {missing} of the data have no entry: {named}; re-run "
+                            "preprocess (it adds new categories) or add them by hand")
     rates = {}
     for cid in present:
         rate = by_id[cid].get("sample_rate", 1.0)
@@ -101,7 +104,7 @@ def run(cfg: DataConfig) -> dict:
     index = JsonlIndex.build(require_stage_input(cfg.canonical_path, "preprocess"), visit)
     categories = np.asarray(cats, dtype=np.int64)
     present = {int(c): int(n) for c, n in zip(*np.unique(categories, return_counts=True))}
-    rates = check_rates(read_ratio_file(cfg.ratio_file), present, cfg.ratio_file)
+    rates = check_rates(read_ratio_file(cfg.ratio_file), present, cfg.ratio_file, names)
     records, copies = plan(categories, rates, cfg.seed)
 
     with index, atomic_writer(cfg.sampled_path) as out:

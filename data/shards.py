@@ -13,6 +13,7 @@ Everything is memory-mapped on read, so opening a dataset costs O(shards) and `d
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import mmap
 import os
@@ -239,6 +240,9 @@ class ShardWriter:
         self.dtype = token_dtype(self.token_fields)
         self.max_shard_bytes = int(max_shard_bytes)
         self.out_dir.parent.mkdir(parents=True, exist_ok=True)
+        aside = _set_aside(self.out_dir)
+        if len(aside) == 1:  # an earlier run died inside _replace_dir: put the previous output back first
+            os.replace(aside[0], self.out_dir)
         self.tmp_dir = self.out_dir.parent / f".{self.out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.tmp_dir.mkdir()
         self._shards: list[dict] = []
@@ -473,7 +477,10 @@ class ShardWriter:
 
 
 def _replace_dir(src: Path, dst: Path) -> None:
-    """Move `src` to `dst`; an existing `dst` is renamed aside first and deleted after the swap."""
+    """Move `src` to `dst`; an existing `dst` is renamed aside first and deleted after the swap.
+
+    A process killed between the two renames leaves no `dst` and the previous one at `.NAME.old-*`
+    (`_set_aside`): the next ShardWriter for `dst` moves it back, and reading `dst` meanwhile names it."""
     old = None
     if dst.exists():
         old = dst.parent / f".{dst.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -483,10 +490,25 @@ def _replace_dir(src: Path, dst: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _set_aside(dst: Path) -> list[Path]:
+    """When `dst` is missing: the `.NAME.old-*` siblings a `_replace_dir` killed between its renames left."""
+    if dst.exists():
+        return []
+    return sorted(dst.parent.glob(f".{glob.escape(dst.name)}.old-*"))
+
+
 # ---------------------------------------------------------------------------------------------- reader
 def read_meta(path: str | os.PathLike) -> dict:
     """Parse and check `meta.json` of a dataset directory (format name and version)."""
     meta_path = Path(path) / "meta.json"
+    aside = _set_aside(Path(path))
+    if aside:
+        fix = "re-run the stage (it moves it back first) or rename it back" if len(aside) == 1 else \
+            "rename the right one back"
+        raise ShardFormatError(
+            f"{path}: missing, but {', '.join(map(str, aside))} holds the previous output (a run was killed while "
+            f"replacing it): {fix} to {path}"
+        )
     if not meta_path.is_file():
         raise ShardFormatError(f"{meta_path}: missing (not an indexed dataset, or it was not closed)")
     try:

@@ -13,12 +13,10 @@ mode `block_ids`/`path_ids` from `data.parallel_thinking.token_structure`.
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import multiprocessing
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -28,12 +26,12 @@ import orjson
 from tqdm import tqdm
 
 from data.chat_template import SpanError, TemplateInfo, analyze_template, assistant_spans, load_chat_tokenizer
-from data.config import ConfigError, DataConfig, load_config, to_dict
+from data.config import ConfigError, DataConfig, output_config, to_dict
 from data.records import RecordError, message_category, record_uids, validate_canonical
 from data.report import check_arithmetic, sorted_counts, update_report
-from data.shards import REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, ShardWriter, file_blake2b, tokenizer_hash
+from data.shards import (IGNORE_INDEX, REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, ShardWriter, file_blake2b,
+                         tokenizer_hash)
 
-IGNORE_INDEX = -100
 OVERLONG_POLICIES = ("drop", "error", "truncate", "left", "right")
 CHUNK_RECORDS = 256  # records per batch encode / per worker task
 CHUNK_BYTES = 8 << 20  # ... or fewer when their JSON is this large (bounds memory per task)
@@ -426,7 +424,7 @@ def run(cfg: DataConfig, workers: int | None = None) -> dict:
             "chat_template_hash": file_blake2b(cfg.chat_template) if cfg.chat_template else None,
             "template": {"header": ctx.info.header, "end_of_turn": ctx.info.end_of_turn},
             "max_length": cfg.max_length,
-            "config": to_dict(cfg),
+            "config": output_config(cfg),
             "categories": categories_meta,
         })
     for c, row in cats.items():
@@ -448,21 +446,7 @@ def run(cfg: DataConfig, workers: int | None = None) -> dict:
     return section
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m data.tokenize", description=__doc__.split("\n")[0])
-    parser.add_argument("--config", required=True, help="data config JSON")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides (e.g. max_length=4096 num_workers=2)")
-    args = parser.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
-    cfg.validate()
-    try:
-        section = run(cfg)
-    except (RecordError, ConfigError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(orjson.dumps({k: v for k, v in section.items() if k != "categories"}).decode())
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from data.pipeline import cli_main
+
+    cli_main(run, "tokenize")

@@ -159,6 +159,32 @@ def test_csv_multiline_field_and_ragged_row(tmp_path):
     assert rows[2] == (f"{path}:5", {"question": "q2", "answer": "a2"})
 
 
+def test_csv_invalid_utf8_is_a_record_error_naming_the_line(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_bytes(b'question,answer\nq0,a0\nq1,\xff\xfe\n"multi\nli\xffne",a2\nq3,a3\n')
+    rows = _rows(path)
+    assert rows[0] == (f"{path}:2", {"question": "q0", "answer": "a0"})
+    assert isinstance(rows[1][1], RecordError) and rows[1][1].reason == "malformed_csv"
+    assert str(rows[1][1]).startswith(f"{path}:3: row: invalid UTF-8 on line 3")
+    assert isinstance(rows[2][1], RecordError) and str(rows[2][1]).startswith(f"{path}:4: row: invalid UTF-8 on line 5")
+    assert rows[3] == (f"{path}:6", {"question": "q3", "answer": "a3"})
+    dropped = {}
+    assert [src for src, _ in read_rows(str(path), "skip", dropped)] == [f"{path}:2", f"{path}:6"]
+    assert dropped == {"malformed_csv": 2}
+    path.write_bytes(b"quest\xffion,answer\nq,a\n")
+    with pytest.raises(RecordError, match=r":1: header: invalid UTF-8"):
+        _rows(path)
+
+
+def test_atomic_writer_gives_the_umask_mode_not_0600(tmp_path):
+    old = os.umask(0o027)
+    try:
+        atomic_write_bytes(tmp_path / "a.json", b"{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o640
+
+
 def test_columnar_json_is_rejected_with_a_clear_message(tmp_path):
     path = tmp_path / "cols.json"
     path.write_bytes(orjson.dumps({"question": ["q0", "q1"], "answer": ["a0", "a1"]}))

@@ -117,9 +117,10 @@ def test_batched_token_counts_equal_apply_chat_template(tokenizer, data):
                                                   tokenize=True, enable_thinking=False)["input_ids"])
 
 
-def test_gpt2_without_chat_template_is_a_clear_error():
+def test_gpt2_without_chat_template_is_a_clear_error(tmp_path):
+    cfg = setup(tmp_path, [rec(0), rec(1)], tokenizer="gpt2", merge=MergeConfig(probability=1.0))
     with pytest.raises(ValueError, match="has no chat template; set chat_template"):
-        merge.load_tokenizer(str(tokenizer_dir("gpt2")), None)
+        merge.run(cfg)
 
 
 def test_token_budget_blocks_merges(tmp_path):

@@ -109,3 +109,34 @@ def test_stage_without_its_input_names_the_missing_stage(tmp_path, capsys):
     with pytest.raises(SystemExit):
         pipeline.cli_main(sample.run, "sample", ["--config", str(config)])
     assert "canonical.jsonl does not exist; run the preprocess stage first" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override, message", [("seed=-1", "seed must be >= 0, got -1"),
+                                               ("pack.shard_size_mb=0", "pack.shard_size_mb must be positive")])
+def test_negative_seed_and_empty_shard_size_are_config_errors(tmp_path, capsys, override, message):
+    config = write_config(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        pipeline.main([str(config), "--stages", "preprocess", override])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_stage_section_removes_the_sections_of_later_stages(tmp_path):
+    from data.report import update_report
+
+    path = tmp_path / "report.json"
+    for stage in ("preprocess", "sample", "merge", "tokenize", "pack"):
+        update_report(path, stage, {"in": 1, "out": 1, "dropped": {}, "run": 1})
+    update_report(path, "sample", {"in": 2, "out": 2, "dropped": {}, "run": 2})
+    report = read_report(path)
+    assert list(report) == ["preprocess", "sample"]
+    assert report["preprocess"]["run"] == 1 and report["sample"]["run"] == 2
+
+
+def test_tokenize_module_cli_takes_a_positional_config_and_exits_2(tmp_path):
+    config = write_config(tmp_path)
+    result = subprocess.run([sys.executable, "-m", "data.tokenize", str(config), "max_length=4096"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("error: tokenize: input ")
+    assert "run the merge stage first" in result.stderr

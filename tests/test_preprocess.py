@@ -207,6 +207,44 @@ def test_bad_inputs_are_counted_under_skip_and_report_adds_up(tmp_path, workers)
     assert [r["meta"]["uid"] for r in iter_jsonl(cfg.canonical_path)] == [0, 1]
 
 
+@pytest.mark.parametrize("part", [{"type": "text"}, {"type": "text", "text": 3}, {"type": "reasoning", "value": None}])
+def test_content_part_without_string_text_is_bad_content(part):
+    raw = {"messages": [{"role": "user", "content": "q"},
+                        {"role": "assistant", "content": [{"type": "text", "text": "a"}, part]}]}
+    with pytest.raises(RecordError) as err:
+        preprocess.convert_messages(raw, InputSpec(path=["x"]), "d.jsonl:3")
+    assert err.value.reason == "bad_content"
+    assert str(err.value) == "d.jsonl:3: messages[1].content[1]: part has no string text/value"
+
+
+def test_empty_tool_calls_list_is_no_tool_call():
+    rec = validate_canonical({"messages": [{"role": "user", "content": "q", "tool_calls": []},
+                                           {"role": "assistant", "content": "a", "tool_calls": []}]}, "d:1")
+    assert rec["messages"] == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+
+
+def test_message_category_id_beyond_int16_is_rejected():
+    rec = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "category_id": 32768}]}
+    with pytest.raises(RecordError, match=r"d:1: messages\[1\].category_id: expected an integer in 0..32767"):
+        validate_canonical(rec, "d:1")
+    rec["messages"][1]["category_id"] = 32767
+    assert validate_canonical(rec, "d:1")["messages"][1]["category_id"] == 32767
+
+
+def test_unknown_format_first_row_is_counted_under_skip(tmp_path):
+    path = tmp_path / "d.jsonl"
+    rows = [{"foo": 1}, {"bar": 2}, {"question": "q", "answer": "a"}, {"question": "q2", "answer": "a2"}]
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    cfg = make_cfg(tmp_path, [InputSpec(path=[str(path)])])
+    with pytest.raises(RecordError, match=f"{path}:1: format: cannot detect the format"):
+        preprocess.run(cfg)
+    cfg.on_error = "skip"
+    section = preprocess.run(cfg)
+    assert section["dropped"] == {"unknown_format": 2} and section["in"] == 4 and section["out"] == 2
+    assert section["inputs"][0]["format"] == "prompt_response"
+    assert [r["meta"]["source"] for r in iter_jsonl(cfg.canonical_path)] == [f"{path}:3", f"{path}:4"]
+
+
 # ---------------------------------------------------------------------------------------------- ratio file
 def _jsonl(path, rows):
     path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
@@ -248,6 +286,9 @@ def test_ratio_file_invalid(tmp_path):
     path.write_bytes(orjson.dumps({"categories": [{"category_id": 1, "category_name": "a"},
                                                   {"category_id": 1, "category_name": "b"}]}))
     with pytest.raises(ValueError, match="duplicate category id 1"):
+        preprocess.read_ratio_file(path)
+    path.write_bytes(orjson.dumps({"categories": [{"category_id": 40000, "category_name": "big"}]}))
+    with pytest.raises(ValueError, match=r"r.json: categories\[0\]: category_id must be an integer in 0..32767"):
         preprocess.read_ratio_file(path)
 
 

@@ -97,5 +97,5 @@ def test_negative_rate_is_an_error(tmp_path):
 
 def test_category_missing_from_ratio_file_is_an_error(tmp_path):
     cfg = _setup(tmp_path, {"a": 1.0}, {"a": 2, "b": 1})
-    with pytest.raises(sample.SamplingError, match=r"categories \[2\] of the data have no entry"):
+    with pytest.raises(sample.SamplingError, match=r"categories \[2\] of the data have no entry: 'b' \(id 2\)"):
         sample.run(cfg)

@@ -168,6 +168,31 @@ def test_writer_is_atomic(tmp_path, rows):
     assert sorted(os.listdir(tmp_path)) == ["ds"]
 
 
+def test_kill_between_the_two_renames_loses_no_output(tmp_path, rows, monkeypatch):
+    write_rows(tmp_path / "ds", rows[:3])
+    real_replace = os.replace
+
+    def killed_after_first_rename(src, dst):
+        real_replace(src, dst)
+        if ".old-" in str(dst):
+            raise KeyboardInterrupt("killed between the renames")
+
+    w = ShardWriter(tmp_path / "ds")
+    w.add_row(rows[5])
+    monkeypatch.setattr(os, "replace", killed_after_first_rename)
+    with pytest.raises(KeyboardInterrupt):
+        w.close({})
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert not (tmp_path / "ds").exists()
+    with pytest.raises(ShardFormatError, match=r"ds: missing, but .*\.ds\.old-.* holds the previous output"):
+        PackedDataset(tmp_path / "ds")
+    with pytest.raises(RuntimeError):  # the next run puts the previous output back first, then fails
+        with ShardWriter(tmp_path / "ds") as w2:
+            raise RuntimeError("stage failed")
+    assert len(PackedDataset(tmp_path / "ds")) == 3
+    assert [p for p in os.listdir(tmp_path) if ".old-" in p] == []
+
+
 def test_empty_dataset(tmp_path):
     meta = ShardWriter(tmp_path / "ds").close({})
     assert meta["counts"]["rows"] == 0

@@ -14,7 +14,8 @@ from data.config import ConfigError, DataConfig
 from data.records import RecordError
 from data.report import check_arithmetic
 from data.shards import PackedDataset
-from data.tokenize import IGNORE_INDEX, TokenizeContext, main, run, tokenize_records
+from data.pipeline import cli_main
+from data.tokenize import IGNORE_INDEX, TokenizeContext, run, tokenize_records
 
 QWEN = "qwen2_5_instruct"
 
@@ -112,7 +113,10 @@ def test_workers_output_byte_identical(tmp_path, monkeypatch):
         if name != "meta.json":
             assert (a / "tokenized" / name).read_bytes() == (b / "tokenized" / name).read_bytes(), name
     meta_a, meta_b = (json.loads((d / "tokenized" / "meta.json").read_bytes()) for d in (a, b))
-    assert meta_a["shards"] == meta_b["shards"]
+    assert "num_workers" not in meta_a["config"] and "stages" not in meta_a["config"]
+    # output_dir is the only legitimate difference between the two runs
+    meta_b["config"]["output_dir"] = meta_a["config"]["output_dir"]
+    assert meta_a == meta_b
 
 
 def test_cli_writes_report(tmp_path, capsys):
@@ -120,11 +124,14 @@ def test_cli_writes_report(tmp_path, capsys):
     cfg_path = tmp_path / "cfg.json"
     cfg_path.write_bytes(orjson.dumps({"inputs": [], "output_dir": str(tmp_path), "tokenizer_path": "nowhere",
                                        "stages": ["tokenize"]}))
-    args = ["--config", str(cfg_path), f"tokenizer_path={tokenizer_dir(QWEN)}", "on_error=skip", "num_workers=1"]
-    assert main(args) == 0
+    args = [str(cfg_path), f"tokenizer_path={tokenizer_dir(QWEN)}", "on_error=skip", "num_workers=1"]
+    cli_main(run, "tokenize", args)
+    assert capsys.readouterr().out.startswith("[tokenize] in=4 out=3 dropped={'malformed_json': 1}")
     report = json.loads((tmp_path / "report.json").read_bytes())
     assert report["tokenize"]["in"] == 4 and report["tokenize"]["dropped"] == {"malformed_json": 1}
-    assert main(args + ["max_length=64"]) == 1  # every record overlong: a clear error, not an empty dataset
+    with pytest.raises(SystemExit) as exit_info:  # every record overlong: a clear error, not an empty dataset
+        cli_main(run, "tokenize", args + ["max_length=64"])
+    assert exit_info.value.code == 2
     assert "dropped {'malformed_json': 1, 'overlong': 3}" in capsys.readouterr().err
 
 

@@ -27,6 +27,8 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
+from data.shards import _replace_dir
+
 __all__ = ["apply_lora", "save_lora", "merged_state_dict", "adapter_state_dict", "base_causal_lm", "is_peft_model"]
 
 ALL_LINEAR = "all-linear"
@@ -232,16 +234,6 @@ def merged_state_dict(
     if leftover:
         raise ValueError(f"merged_state_dict: cannot fold adapter tensors {leftover[:3]} (only LoRA on linear layers)")
     return out
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    old = None
-    if dst.exists():
-        old = dst.parent / f".{dst.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        os.replace(dst, old)
-    os.replace(src, dst)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def save_lora(
