@@ -138,6 +138,19 @@ def _raw_category(record: Any) -> int:
     return cat if isinstance(cat, int) and not isinstance(cat, bool) and cat >= 0 else 0
 
 
+def _with_origin(source: str, record: Any) -> str:
+    """`merged.jsonl:61 (from raw.parquet:327)`: an error names the raw input record too, not only the line
+    of the stage's own input (merged records name their original uids instead)."""
+    meta = record.get("meta") if isinstance(record, dict) else None
+    if not isinstance(meta, dict):
+        return source
+    if isinstance(meta.get("source"), str):
+        return f"{source} (from {meta['source']})"
+    if isinstance(meta.get("uids"), list):
+        return f"{source} (from input records with uids {meta['uids']})"
+    return source
+
+
 def _prepare(record: Any, source: str, ctx: TokenizeContext) -> tuple[dict, str]:
     """Validate one record and render it: (normalized record, rendered text), or RecordError."""
     if isinstance(record, RecordError):
@@ -269,6 +282,7 @@ def tokenize_records(
     n = len(records)
     sources = sources if sources is not None else [f"record {i}" for i in range(n)]
     record_indices = record_indices if record_indices is not None else list(range(n))
+    sources = [_with_origin(src, rec) for src, rec in zip(sources, records)]
     out: list[Any] = [None] * n
     prepared = []
     for i, rec in enumerate(records):

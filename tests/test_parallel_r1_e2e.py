@@ -150,7 +150,8 @@ def test_on_error_error_names_the_malformed_record(pipeline_cfg, tmp_path):
         with pytest.raises(RecordError) as info:
             tokenize.run(cfg, workers=1)
     message = str(info.value)
-    assert f"merged.jsonl:{line}: structure:" in message, message
+    assert f"merged.jsonl:{line} (from ../shared/fixtures/data/parallel_r1_gsm8k_sft_train.parquet:{MALFORMED_UID}): " \
+           "structure:" in message, message  # names the raw row too
     assert "<Summary>" in message, message
     assert not (tmp_path / "tokenized").exists(), "a failed tokenize stage must not leave an output"
 

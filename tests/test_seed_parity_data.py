@@ -198,17 +198,17 @@ def test_gsm8k_truncation_error_names_the_record(gsm8k_merged, tmp_path):
     first_over = None
     with open(merged_path, "rb") as f:
         for lineno, line in enumerate(f, 1):
-            uid = orjson.loads(line)["meta"]["uid"]
-            if len(refs[uid][0]) > TRUNCATE_AT:
-                first_over = lineno, len(refs[uid][0])
+            meta = orjson.loads(line)["meta"]
+            if len(refs[meta["uid"]][0]) > TRUNCATE_AT:
+                first_over = lineno, len(refs[meta["uid"]][0]), meta["source"]
                 break
-    lineno, n_tokens = first_over
+    lineno, n_tokens, origin = first_over
     for on_error in ("error", "skip"):  # truncation: error is fatal whatever on_error says
         cfg = tokenize_gsm8k(gsm8k_merged, tmp_path / on_error, truncation="error", on_error=on_error)
         with pytest.raises(RecordError) as info:
             tokenize.run(cfg, workers=1)
         message = str(info.value)
-        assert message.startswith(f"{cfg.merged_path}:{lineno}: messages: ")
+        assert message.startswith(f"{cfg.merged_path}:{lineno} (from {origin}): messages: ")  # and the raw row
         assert f"{n_tokens} tokens > max_length {TRUNCATE_AT}" in message
         assert info.value.reason == "overlong"
         assert not cfg.tokenized_dir.exists()  # nothing half-written
