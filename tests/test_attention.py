@@ -71,3 +71,48 @@ def test_structure_mode_without_paths_is_plain_packing():
         module, q, k, v, None, packsft=AttentionContext(cu, 7, "sdpa", seq_ids=seq, block_ids=zeros, path_ids=zeros)
     )
     torch.testing.assert_close(structured, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_autocast_gives_the_backend_one_dtype(monkeypatch):
+    """bf16 without DeepSpeed: fp32 weights under autocast make q/k fp32 (RoPE) and v bf16; the backend must get
+    all three in the autocast dtype (flash-attn and the ring backends need one half-precision dtype)."""
+    import train.attention as attention
+
+    seen = []
+    real = attention._sdpa_varlen
+
+    def spy(query, key, value, *args):
+        seen.append((query.dtype, key.dtype, value.dtype))
+        return real(query, key, value, *args)
+
+    monkeypatch.setattr(attention, "_sdpa_varlen", spy)
+    model = tiny_qwen2()
+    ctx = AttentionContext(cu_seqlens=torch.tensor([0, 4, 12], dtype=torch.int32), max_seqlen=8, backend="sdpa")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model.model(input_ids=torch.randint(0, 97, (1, 12)), position_ids=torch.tensor([[0, 1, 2, 3, *range(8)]]),
+                    use_cache=False, packsft=ctx)
+    assert seen == [(torch.bfloat16,) * 3] * 2  # both layers
+
+
+def test_structured_block_mask_built_once_per_micro_batch(monkeypatch):
+    """FlexAttention's BlockMask (CUDA) is the same for every layer: the context builds it once per device and
+    length (the builder is stubbed: it needs CUDA)."""
+    import train.structured_attention as structured
+
+    built = []
+
+    def fake_builder(*args):
+        built.append(args[-3:])  # (q_len, kv_len, device)
+        return object()
+
+    monkeypatch.setattr(structured, "structured_block_mask", fake_builder)
+    seq = torch.zeros(6, dtype=torch.long)
+    ctx = AttentionContext(torch.tensor([0, 6], dtype=torch.int32), 6, seq_ids=seq, block_ids=seq, path_ids=seq)
+    first = ctx.structured_block_mask(torch.device("cpu"), 6)
+    assert all(ctx.structured_block_mask(torch.device("cpu"), 6) is first for _ in range(3))
+    assert built == [(6, 6, torch.device("cpu"))]
+    assert ctx.structured_block_mask(torch.device("cpu"), 4) is not first  # another length: rebuilt
+    assert len(built) == 2
+    other = AttentionContext(torch.tensor([0, 6], dtype=torch.int32), 6, seq_ids=seq, block_ids=seq, path_ids=seq)
+    other.structured_block_mask(torch.device("cpu"), 6)  # a new micro-batch: its own mask
+    assert len(built) == 3

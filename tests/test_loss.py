@@ -136,6 +136,34 @@ def test_backward_scales_with_the_incoming_gradient():
         s.backward()
 
 
+def test_frozen_head_saves_no_weight_gradient():
+    """LoRA freezes the lm head: no fp32 [V, H] gradient is computed or kept, the hidden gradient is unchanged
+    (and a frozen hidden with a trained head keeps no [T, H] buffer)."""
+    batch = packed_micro_batch("token")
+    hidden, weight, bias = random_inputs(batch, bias=True)
+    _, ref_grads = run(batch, hidden, weight, bias, 6)
+    saved = []
+
+    def loss_saving_shapes(h, w, b):
+        def pack(t):
+            saved.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            s, _, _ = weighted_lm_loss(h, w, batch["targets"], batch["weights"], batch["target_categories"], N_CAT, 6,
+                                       lm_head_bias=b)
+        return s
+
+    hidden.grad = None
+    loss_saving_shapes(hidden, weight.detach(), bias.detach()).backward()
+    assert saved == [tuple(hidden.shape)]  # grad_hidden only: no [V, H] / [V] fp32 buffers
+    assert rel_err(hidden.grad, ref_grads[0]) < 1e-6
+    saved.clear()
+    weight.grad = None
+    loss_saving_shapes(hidden.detach(), weight, bias.detach()).backward()
+    assert saved == [(VOCAB, HIDDEN)] and rel_err(weight.grad, ref_grads[1]) < 1e-6
+
+
 def test_no_grad_mode_computes_values_only():
     batch = packed_micro_batch("token")
     hidden, weight, _ = random_inputs(batch)

@@ -102,6 +102,23 @@ def test_deterministic_for_a_seed_and_epochs_differ(tokenized):
     assert [a.row_members(i).tolist() for i in range(len(a))] == rows_a
 
 
+def test_sampler_replans_once_per_epoch(tokenized, monkeypatch):
+    from train.data import StepSampler
+
+    path, _ = tokenized
+    ds = OnlinePackedDataset(path, MAX_LEN, seed=3)
+    calls = []
+    real = ds.set_epoch
+    monkeypatch.setattr(ds, "set_epoch", lambda epoch: (calls.append(epoch), real(epoch)))
+    sampler = StepSampler(ds, dp_size=2, dp_rank=0, grad_accum=1, micro_batch_rows=2, seed=3, balance=True)
+    total = sampler.total_steps(None, num_epochs=2)
+    calls.clear()  # counting steps per epoch visits both epochs
+    for step in range(total):
+        sampler.plan(step)
+    assert calls == [0, 1]  # back to epoch 0 (built for epoch 0, counted epoch 1 last), then to epoch 1
+    assert sampler.plan(total - 1).epoch == 1 and calls == [0, 1]
+
+
 def test_epoch_plan_is_the_pack_core():
     lengths = np.array([5, 9, 3, 9, 7, 1, 4, 4, 8])
     rows = epoch_plan(lengths, 10, seed=2, epoch=1)

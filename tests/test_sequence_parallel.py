@@ -191,6 +191,21 @@ def test_backend_selection_without_cuda():
         resolve_backend("ring")
 
 
+def test_structure_data_picks_the_torch_backend(monkeypatch):
+    """`auto` on a GPU with ring-flash-attn picks llama3, whose causal kernels cannot apply the Parallel-R1 mask."""
+    import train.sequence_parallel as sequence_parallel
+    from data.config import ConfigError
+    from train.trainer import choose_sp_backend
+
+    monkeypatch.setattr(sequence_parallel, "resolve_backend", lambda name, half_precision=True: "llama3")
+    assert choose_sp_backend("auto", structure=False, half_precision=True) == "llama3"
+    assert choose_sp_backend("auto", structure=True, half_precision=True) == "torch"
+    assert choose_sp_backend("torch", structure=True, half_precision=True) == "torch"
+    for backend in ("llama3", "zigzag"):
+        with pytest.raises(ConfigError, match=f"sp_backend='{backend}'.*structure ids"):
+            choose_sp_backend(backend, structure=True, half_precision=True)
+
+
 def test_bad_inputs_are_named():
     batch = _batches()[0]
     with pytest.raises(ValueError, match="resolve 'auto' first"):

@@ -48,6 +48,10 @@ def test_yaml_and_overrides(setup):
         (["log_backends=[\"mlflow\"]"], 1, "unknown backend 'mlflow'"),
         (["resume=/nonexistent/ckpt"], 1, "resume: /nonexistent/ckpt is not a checkpoint directory"),
         (["launch.num_machines=2", "launch.num_processes=2"], 1, "main_process_ip is required"),
+        (["launch.num_machines=2", "launch.num_processes=3", "launch.main_process_ip=10.0.0.1"], 3,
+         "launch.num_processes=3 is not divisible by launch.num_machines=2"),
+        (["launch.num_machines=2", "launch.num_processes=4", "launch.main_process_ip=10.0.0.1",
+          "sequence_parallel_size=4"], 4, "sequence_parallel_size=4 does not divide the 2 processes per machine"),
     ],
 )
 def test_invariant_errors(setup, overrides, world, message):
@@ -108,6 +112,24 @@ def test_deepspeed_dict_built_in_code(setup, tmp_path):
     assert ds["optimizer"]["type"] == "AdamW"
     cfg = load_config(config, ["deepspeed.stage=2"])
     assert "optimizer" not in build_deepspeed_config(cfg)
+
+
+def test_deepspeed_template_offload_counts(setup):
+    from train.deepspeed_config import offloads_optimizer
+
+    _, config = setup
+    template = "deepspeed.template=configs/deepspeed/zero3_offload.json"
+    ds = build_deepspeed_config(load_config(config, ["deepspeed.stage=3", template]))  # YAML flags false
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert offloads_optimizer(ds) and ds["optimizer"]["type"] == "AdamW"  # DeepSpeed's CPU optimizer, not ours
+    plain = build_deepspeed_config(
+        load_config(config, ["deepspeed.stage=3", "deepspeed.template=configs/deepspeed/zero3.json"])
+    )
+    assert not offloads_optimizer(plain) and "optimizer" not in plain
+    assert plain["zero_optimization"]["offload_param"]["device"] == "none"
+    with pytest.raises(ConfigError, match="offloads parameters.*stage 3"):
+        build_deepspeed_config(load_config(config, ["deepspeed.stage=2", template]))
 
 
 def test_lr_schedule():

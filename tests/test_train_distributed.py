@@ -75,6 +75,7 @@ def test_one_micro_batch_equals_accumulation(setup, reference, one_thread):
     tmp, config = setup
     ref_log, ref_grads = reference
     log, grads = _in_process(config, tmp / "joined", "micro_batch_rows=2")
+    assert len(log) == len(ref_log) == len(grads) == len(ref_grads) == STEPS
     for step in range(STEPS):
         assert _rel(log[step]["loss"], ref_log[step]["loss"]) <= RTOL
         _assert_same_grads(grads[step], ref_grads[step], f"step {step + 1}")
@@ -116,6 +117,7 @@ def test_deepspeed_zero_matches_single_process(setup, reference, tmp_path, stage
     run_train(config, overrides, nproc=2)
     log = read_log(out)
     assert [r["step"] for r in log] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in ref_log] == list(range(1, STEPS + 1))
     for got, ref in zip(log, ref_log):
         assert _rel(got["loss"], ref["loss"]) <= RTOL, (stage, got["step"])
         # the gradient norm is scale-sensitive (Adam is not): it proves the gradient is the exact step gradient
@@ -133,6 +135,8 @@ def test_sequence_parallel_matches_single_process(setup, tmp_path, one_thread):
     out = tmp_path / "sp"
     run_train(config, [f"output_dir={out}", "sequence_parallel_size=2", "launch.num_processes=2"], nproc=2)
     log = read_log(out)
+    assert [r["step"] for r in log] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in ref_log] == list(range(1, STEPS + 1))
     for got, ref in zip(log, ref_log):
         assert _rel(got["loss"], ref["loss"]) <= RTOL, got["step"]
         assert _rel(got["grad_norm"], ref["grad_norm"]) <= RTOL, got["step"]

@@ -150,3 +150,35 @@ def test_gradient_checkpointing_changes_nothing(tmp_path):
     assert ckpt["loss"] == pytest.approx(plain["loss"], rel=RTOL)
     for name in g_plain:
         _rel_close(g_ckpt[name], g_plain[name], name)
+
+
+def test_filler_with_more_loss_tokens_than_the_step(tmp_path):
+    """The last step of an epoch (3 rows, 2 per step): its empty micro-batch runs a filler row (perm[0]) with more
+    loss tokens than the step's only real row; the step must equal that row alone."""
+    rng = np.random.default_rng(0)
+    rows = [[synthetic_sequence(rng, 40, 2, 1)], [synthetic_sequence(rng, 40, 2, 1)],
+            [synthetic_sequence(rng, 8, 1, 1)]]  # 27, 27 and 5 loss tokens
+    seed = next(s for s in range(100) if np.random.default_rng([s, 0]).permutation(3)[2] == 2)
+    from train.config import load_config
+    from train.trainer import Trainer
+
+    data = write_packed(tmp_path / "data_filler", rows)
+    model_dir = save_tiny_model(tmp_path / "model")
+    cfg = write_config(tmp_path / "filler.yaml", data_path=str(data), model_path=str(model_dir),
+                       output_dir=str(tmp_path / "out_filler"), lr=1e-3, max_grad_norm=0.0, loss_chunk_size=8,
+                       plot=False, grad_accum=2, num_epochs=1, seed=seed)
+    trainer = Trainer(load_config(cfg), console=lambda *_: None)
+    grads = {}
+    trainer.grad_hook = lambda tr: grads.update(
+        {n: p.grad.detach().clone() for n, p in tr.model.named_parameters() if p.grad is not None}
+    )
+    plan = trainer.sampler.plan(1)
+    assert [mb.filler for mb in plan.micro_batches] == [False, True]
+    filler_row = plan.micro_batches[1].rows[0]
+    assert trainer.dataset.row_n_loss_tokens[filler_row] > plan.totals.n_loss_tokens
+    with_filler = trainer.train_step(plan)
+    alone, g_alone = _trainer_grads(tmp_path, "alone", [rows[2]], grad_accum=1, max_steps=1)
+    assert with_filler["loss"] == pytest.approx(alone["loss"], rel=RTOL)
+    assert grads.keys() == g_alone.keys()
+    for name in grads:
+        _rel_close(grads[name], g_alone[name], name)

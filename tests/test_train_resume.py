@@ -44,7 +44,7 @@ def test_resume_gives_identical_steps(setup):
     resumed = _train(config, split, "resume=latest")
     assert resumed.step == 6
     a, b = read_log(full), read_log(split)
-    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
     for ra, rb in zip(a, b):
         for key in ("loss", "lr", "grad_norm", "loss_tokens", "category_loss", "epoch"):
             assert ra[key] == rb[key], (ra["step"], key)
@@ -113,3 +113,50 @@ def test_sampler_is_a_pure_function_of_the_step():
     fresh = StepSampler(ds, dp_size=2, dp_rank=0, grad_accum=2, micro_batch_rows=1, seed=3)
     assert fresh.plan(4).step_rows.tolist() == ranks[0].plan(4).step_rows.tolist()
     assert ranks[0].permutation(0).tolist() != ranks[0].permutation(1).tolist()
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_crash_between_the_renames_of_a_resave(setup, monkeypatch):
+    """Re-saving a step moves the old directory aside, then renames the new one in; a kill in between leaves
+    `latest` naming a missing directory: resume=latest uses the moved-aside copy."""
+    import orjson
+
+    import train.checkpoint as checkpoint
+
+    tmp, config = setup
+    out = tmp / "resave"
+    trainer = _train(config, out, "stop_at_step=2")
+    root = checkpoint_root(out)
+
+    def killed_mid_swap(src, dst):
+        dst.rename(dst.parent / f".{dst.name}.old-killed")
+        raise _Killed
+
+    monkeypatch.setattr(checkpoint, "_replace_dir", killed_mid_swap)
+    with pytest.raises(_Killed):
+        trainer.save()
+    monkeypatch.undo()
+    assert not (root / "step-000002").exists()
+    assert resolve_resume("latest", out).name == ".step-000002.old-killed"
+    _train(config, out, "resume=latest", "stop_at_step=2")  # stops at once: re-saves step 2 from the copy
+    assert resolve_resume("latest", out).name == "step-000002"
+    assert not (root / ".step-000002.old-killed").exists()
+    resumed = _train(config, out, "resume=latest", "stop_at_step=3")
+    assert resumed.step == 3
+    assert [r["step"] for r in read_log(out)] == [1, 2, 3]
+    assert resolve_resume("latest", out).name == "step-000003"
+
+    # resuming at the step of the checkpoint and stopping there saves nothing again
+    saves = []
+    monkeypatch.setattr("train.trainer.save_checkpoint", lambda *a, **k: saves.append(a))
+    _train(config, out, "resume=latest", "stop_at_step=3")
+    assert saves == []
+
+    # a checkpoint of another world size is a clear error, not a silently different run
+    state_file = root / "step-000003" / "trainer_state.json"
+    state_file.write_bytes(orjson.dumps({**orjson.loads(state_file.read_bytes()), "world_size": 2}))
+    with pytest.raises(RuntimeError, match="saved by 2 processes"):
+        _train(config, out, "resume=latest")

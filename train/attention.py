@@ -13,7 +13,7 @@ touching transformers' internals. Packed samples never attend to each other:
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,9 +35,24 @@ class AttentionContext:
     block_ids: torch.Tensor | None = None
     path_ids: torch.Tensor | None = None
 
+    # structure mode on CUDA: FlexAttention's BlockMask, built by the first layer and reused by the others
+    _block_mask: Any = field(default=None, init=False, repr=False, compare=False)
+    _block_mask_key: Any = field(default=None, init=False, repr=False, compare=False)
+
     @property
     def structured(self) -> bool:
         return self.block_ids is not None or self.path_ids is not None
+
+    def structured_block_mask(self, device: torch.device, length: int):
+        """The BlockMask of this micro-batch's structured mask over `length` tokens on `device`, built once."""
+        key = (str(device), length)
+        if self._block_mask_key != key:
+            from train.structured_attention import structured_block_mask
+
+            ids = (self.seq_ids, self.block_ids, self.path_ids, torch.arange(length, device=device))
+            self._block_mask = structured_block_mask(*ids, *ids, length, length, device)
+            self._block_mask_key = key
+        return self._block_mask
 
 
 @functools.lru_cache(maxsize=1)
@@ -120,6 +135,12 @@ def packsft_attention(
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects batch dimension 1, got {query.shape[0]}")
     dropout = dropout if module.training else 0.0
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        # bf16 without DeepSpeed: the weights stay fp32 under autocast, so q/k arrive fp32 (RoPE in fp32) and v in
+        # the autocast dtype; flash-attn and the ring backends need one half-precision dtype
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     if ctx.sp is not None:
         from train.sequence_parallel import sp_attention
 
@@ -130,8 +151,10 @@ def packsft_attention(
 
         index = torch.arange(total, device=query.device)
         ids = (ctx.seq_ids, ctx.block_ids, ctx.path_ids, index)
-        fn = flex_structured_attention if query.is_cuda else structured_sdpa_by_sequence
-        return fn(query, key, value, *ids, *ids, scaling), None
+        if query.is_cuda:
+            block_mask = ctx.structured_block_mask(query.device, total)
+            return flex_structured_attention(query, key, value, *ids, *ids, scaling, block_mask=block_mask), None
+        return structured_sdpa_by_sequence(query, key, value, *ids, *ids, scaling), None
     if resolve_backend(ctx.backend, query) == "flash_varlen":
         return _flash_varlen(query, key, value, ctx, scaling, dropout), None
     if int(ctx.cu_seqlens[-1]) != total:

@@ -6,7 +6,9 @@ Layout: `step-000012/` holds the model + optimizer + scheduler (DeepSpeed's own 
 
 Every rank writes into `.step-000012.tmp/`; after a barrier rank 0 renames it to `step-000012/` and then replaces
 the `latest` pointer file (write temp + os.replace). A crash at any point leaves `latest` naming a complete
-checkpoint; half-written `.tmp` directories are ignored and cleaned up by the next save. Only the last
+checkpoint; half-written `.tmp` directories are ignored and cleaned up by the next save. Saving a step that already
+has a directory moves the old one aside (`.step-000012.old-*`) before the swap; a crash between the two renames
+leaves `latest` naming a missing directory, and resume=latest then uses the moved-aside copy. Only the last
 `save_total_limit` checkpoints are kept.
 """
 from __future__ import annotations
@@ -21,6 +23,8 @@ import numpy as np
 import orjson
 import torch
 import torch.distributed as dist
+
+from data.shards import _replace_dir
 
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
@@ -84,10 +88,10 @@ def save_checkpoint(output_dir, step: int, rank: int, save_fn, trainer_state: di
         (tmp / "trainer_state.json").write_bytes(orjson.dumps(trainer_state, option=orjson.OPT_INDENT_2))
     _barrier()
     if rank == 0:
-        if final.exists():  # the same step saved again (e.g. an interrupted run re-saving): replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        _replace_dir(tmp, final)  # the same step saved again (e.g. after resuming from an earlier one): replace it
         write_atomic(root / LATEST, final.name.encode())
+        for stale in root.glob(".step-*.old-*"):  # moved aside by a re-save that was killed mid-swap
+            shutil.rmtree(stale, ignore_errors=True)
         _prune(root, keep)
     _barrier()
     return final
@@ -101,6 +105,19 @@ def _prune(root: Path, keep: int) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def _moved_aside(root: Path) -> Path | None:
+    """The complete moved-aside copy of the checkpoint `latest` names, when a crash in the middle of re-saving that
+    step left it missing (see save_checkpoint); else None."""
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text().strip()
+    if (root / name).exists():
+        return None
+    copies = sorted(p for p in root.glob(f".{name}.old-*") if (p / "trainer_state.json").is_file())
+    return copies[-1] if copies else None
+
+
 def resolve_resume(resume: str, output_dir) -> Path | None:
     """`none` -> None; `latest` -> the checkpoint named by the pointer (None when there is none yet); a path."""
     if resume == "none":
@@ -110,6 +127,8 @@ def resolve_resume(resume: str, output_dir) -> Path | None:
         if not pointer.is_file():
             return None
         path = checkpoint_root(output_dir) / pointer.read_text().strip()
+        if not path.exists():
+            path = _moved_aside(checkpoint_root(output_dir)) or path
         if not (path / "trainer_state.json").is_file():
             raise FileNotFoundError(f"{pointer} names {path}, which is not a complete checkpoint")
         return path
@@ -125,5 +144,6 @@ def load_trainer_state(path: Path) -> dict:
 
 def load_rng(path: Path, rank: int) -> None:
     file = path / "rng" / f"rank_{rank}.pt"
-    if file.is_file():
-        set_rng_state(torch.load(file, weights_only=False))
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: no rng state for rank {rank} (saved with fewer processes?)")
+    set_rng_state(torch.load(file, weights_only=False))

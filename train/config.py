@@ -168,6 +168,18 @@ class TrainConfig:
             raise ConfigError(
                 f"launch: num_processes={self.launch.num_processes} must be >= num_machines={self.launch.num_machines} >= 1"
             )
+        if self.launch.num_processes % self.launch.num_machines:
+            raise ConfigError(
+                f"launch.num_processes={self.launch.num_processes} is not divisible by launch.num_machines="
+                f"{self.launch.num_machines}: every machine runs the same number of processes"
+            )
+        per_machine = self.launch.num_processes // self.launch.num_machines
+        if per_machine % self.sequence_parallel_size:
+            raise ConfigError(
+                f"sequence_parallel_size={self.sequence_parallel_size} does not divide the {per_machine} processes per "
+                f"machine (launch.num_processes={self.launch.num_processes} / launch.num_machines="
+                f"{self.launch.num_machines}): a sequence-parallel group must not span machines"
+            )
         if self.launch.num_machines > 1 and not self.launch.main_process_ip:
             raise ConfigError("launch.main_process_ip is required when launch.num_machines > 1")
         ds = self.deepspeed

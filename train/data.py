@@ -44,7 +44,6 @@ class StepSampler:
         grad_accum: int,
         micro_batch_rows: int,
         seed: int,
-        shuffle: bool = True,
         balance: bool = False,
     ):
         self.dataset = dataset
@@ -53,7 +52,7 @@ class StepSampler:
             raise ValueError("the training dataset has no rows")
         self.dp_size, self.dp_rank = dp_size, dp_rank
         self.grad_accum, self.micro_batch_rows = grad_accum, micro_batch_rows
-        self.seed, self.shuffle, self.balance = seed, shuffle, balance
+        self.seed, self.balance = seed, balance
         self.rows_per_step = dp_size * grad_accum * micro_batch_rows
         # online packing (train/online.py) re-plans its rows per epoch: the row count may change with the epoch
         self._replans = hasattr(dataset, "set_epoch")
@@ -65,9 +64,9 @@ class StepSampler:
     def _use_epoch(self, epoch: int) -> int:
         """Make `epoch` the dataset's current epoch (online packing) and return its row count."""
         if self._replans:
-            if getattr(self.dataset, "epoch", None) != epoch:
+            if getattr(self.dataset, "epoch", None) != epoch:  # re-plan only on an epoch change
                 self._costs = None
-            self.dataset.set_epoch(epoch)
+                self.dataset.set_epoch(epoch)
             return len(self.dataset)
         return self.n_rows
 
@@ -88,10 +87,7 @@ class StepSampler:
     def permutation(self, epoch: int) -> np.ndarray:
         n_rows = self._use_epoch(epoch)
         if self._perm_epoch != epoch:
-            if self.shuffle:
-                self._perm = np.random.default_rng([self.seed, epoch]).permutation(n_rows)
-            else:
-                self._perm = np.arange(n_rows)
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(n_rows)
             self._perm_epoch = epoch
         return self._perm
 

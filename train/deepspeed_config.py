@@ -11,7 +11,7 @@ from pathlib import Path
 
 import orjson
 
-from train.config import TrainConfig
+from train.config import ConfigError, TrainConfig
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -30,16 +30,22 @@ def build_deepspeed_config(cfg: TrainConfig) -> dict:
     if ds.stage is None:
         raise ValueError("build_deepspeed_config: deepspeed.stage is null (no DeepSpeed)")
     base = orjson.loads(Path(ds.template).read_bytes()) if ds.template else {}
+    # offload: on when the YAML flag or the template says so (a template's offload settings are kept as written)
+    base_zero = base.get("zero_optimization") or {}
     zero: dict = {"stage": ds.stage}
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": _pin_memory()}
-    else:
+    elif not _offloads(base_zero.get("offload_optimizer")):
         zero["offload_optimizer"] = {"device": "none"}
     if ds.stage == 3:
-        zero["offload_param"] = (
-            {"device": "cpu", "pin_memory": _pin_memory()} if ds.offload_param else {"device": "none"}
-        )
+        if ds.offload_param:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": _pin_memory()}
+        elif not _offloads(base_zero.get("offload_param")):
+            zero["offload_param"] = {"device": "none"}
         zero.setdefault("stage3_gather_16bit_weights_on_model_save", True)
+    elif _offloads(base_zero.get("offload_param")):
+        raise ConfigError(f"deepspeed.template {ds.template} offloads parameters, which needs deepspeed.stage 3, "
+                          f"got {ds.stage}")
     built = {
         # the micro-batch is one varlen sequence (batch dimension 1); DeepSpeed derives train_batch_size
         "train_micro_batch_size_per_gpu": 1,
@@ -53,7 +59,7 @@ def build_deepspeed_config(cfg: TrainConfig) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    if ds.offload_optimizer:
+    if _offloads(zero.get("offload_optimizer") or base_zero.get("offload_optimizer")):
         built["optimizer"] = {
             "type": "AdamW",
             "params": {
@@ -68,6 +74,16 @@ def build_deepspeed_config(cfg: TrainConfig) -> dict:
         base.pop(key, None)
     merged = _merge(base, built)
     return _merge(merged, ds.overrides)
+
+
+def _offloads(section: dict | None) -> bool:
+    return bool(section) and section.get("device", "none") not in (None, "none")
+
+
+def offloads_optimizer(ds_config: dict) -> bool:
+    """Whether the built config offloads the optimizer states: DeepSpeed then builds its own (CPU) optimizer from
+    the config's `optimizer` section instead of the trainer's torch AdamW."""
+    return _offloads((ds_config.get("zero_optimization") or {}).get("offload_optimizer"))
 
 
 def _pin_memory() -> bool:

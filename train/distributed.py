@@ -30,11 +30,6 @@ class Mesh:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    @property
-    def sp_ranks(self) -> list[int]:
-        """World ranks of this rank's sp group, in sp order."""
-        return [self.dp_rank * self.sp_size + i for i in range(self.sp_size)]
-
 
 def default_device() -> torch.device:
     if torch.cuda.is_available():

@@ -5,7 +5,8 @@ lm-head matmul and the cross-entropy `chunk_size` tokens at a time inside one cu
 
 - Forward computes, per chunk, the logits (fp32 log-sum-exp), the per-token losses AND, when a gradient is
   needed, the chunk's gradients: d loss / d logits = w * (softmax - onehot), then grad_hidden for the chunk
-  and an fp32 accumulation of grad_weight (and grad_bias). Only those gradients are saved; the logits of a
+  and an fp32 accumulation of grad_weight (and grad_bias), each only for an input that requires grad (a frozen
+  LoRA head gets no [V, H] buffer). Only those gradients are saved; the logits of a
   chunk are freed before the next chunk. Backward only scales the saved gradients by the incoming scalar.
   This costs 3 matmuls per chunk instead of the 4 of recomputing the logits in backward, and the saved
   tensors (grad_hidden [T,H], grad_weight [V,H] fp32) have the size of the gradients themselves, so peak
@@ -60,16 +61,20 @@ class _ChunkedWeightedCE(torch.autograd.Function):
     """sum_t weights[t] * CE(hidden[t] @ W^T + b, targets[t]), gradients computed chunk by chunk in forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, weights, target_categories, num_categories, chunk_size, need_grad,
+    def forward(ctx, hidden, weight, bias, targets, weights, target_categories, num_categories, chunk_size, needs,
                 compute_dtype):
         # autocast is off inside: matmuls run in `compute_dtype` (the autocast dtype at call time, if any)
         with torch.autocast(hidden.device.type, enabled=False):
             return _ChunkedWeightedCE._forward(ctx, hidden, weight, bias, targets, weights, target_categories,
-                                               num_categories, chunk_size, need_grad, compute_dtype)
+                                               num_categories, chunk_size, needs, compute_dtype)
 
     @staticmethod
-    def _forward(ctx, hidden, weight, bias, targets, weights, target_categories, num_categories, chunk_size, need_grad,
+    def _forward(ctx, hidden, weight, bias, targets, weights, target_categories, num_categories, chunk_size, needs,
                  compute_dtype):
+        """`needs`: which of (hidden, weight, bias) want a gradient; only those are computed and saved (a frozen
+        lm head, e.g. LoRA, gets no [V, H] fp32 buffer)."""
+        need_h, need_w, need_b = needs
+        need_grad = need_h or need_w or need_b
         valid = (targets != IGNORE_INDEX).nonzero().squeeze(1)
         n_valid = valid.numel()
         h_sel = hidden.index_select(0, valid)
@@ -80,9 +85,9 @@ class _ChunkedWeightedCE(torch.autograd.Function):
             raise ValueError(f"targets must lie in [0, {vocab}) or be -100")
 
         ce = torch.empty(n_valid, dtype=torch.float32, device=hidden.device)
-        grad_h_sel = torch.empty_like(h_sel) if need_grad else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
-        grad_b = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if need_grad and bias is not None else None
+        grad_h_sel = torch.empty_like(h_sel) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if need_b else None
         w_comp = weight.to(compute_dtype)
         for lo in range(0, n_valid, chunk_size):
             hi = min(lo + chunk_size, n_valid)
@@ -97,18 +102,20 @@ class _ChunkedWeightedCE(torch.autograd.Function):
                 probs = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
                 probs[rows, t_c] -= 1.0
                 probs.mul_(w_sel[lo:hi].unsqueeze(1))
-                if bias is not None:
+                if need_b:
                     grad_b += probs.sum(0)
                 g = probs.to(compute_dtype)
                 del probs
-                if grad_h_sel.dtype == compute_dtype:
-                    torch.mm(g, w_comp, out=grad_h_sel[lo:hi])
-                else:
-                    grad_h_sel[lo:hi] = g @ w_comp
-                if compute_dtype == torch.float32:
-                    grad_w.addmm_(g.t(), h_c)  # in place: no [V, H] temporary per chunk
-                else:
-                    grad_w += (g.t() @ h_c).float()
+                if need_h:
+                    if grad_h_sel.dtype == compute_dtype:
+                        torch.mm(g, w_comp, out=grad_h_sel[lo:hi])
+                    else:
+                        grad_h_sel[lo:hi] = g @ w_comp
+                if need_w:
+                    if compute_dtype == torch.float32:
+                        grad_w.addmm_(g.t(), h_c)  # in place: no [V, H] temporary per chunk
+                    else:
+                        grad_w += (g.t() @ h_c).float()
                 del g
             del logits
 
@@ -116,8 +123,10 @@ class _ChunkedWeightedCE(torch.autograd.Function):
         cat_loss_sum, cat_count = _category_sums(ce, target_categories.index_select(0, valid), num_categories)
         ctx.mark_non_differentiable(cat_loss_sum, cat_count)
         if need_grad:
-            grad_hidden = torch.zeros_like(hidden)
-            grad_hidden.index_copy_(0, valid, grad_h_sel)
+            grad_hidden = None
+            if need_h:
+                grad_hidden = torch.zeros_like(hidden)
+                grad_hidden.index_copy_(0, valid, grad_h_sel)
             ctx.save_for_backward(grad_hidden, grad_w, grad_b)
         ctx.has_bias = bias is not None
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
@@ -130,9 +139,11 @@ class _ChunkedWeightedCE(torch.autograd.Function):
         grad_hidden, grad_w, grad_b = ctx.saved_tensors
         w_dtype, b_dtype = ctx.dtypes
         scale = grad_out.float()
-        gh = grad_hidden.mul_(scale.to(grad_hidden.dtype)) if ctx.needs_input_grad[0] else None
-        gw = grad_w.mul_(scale).to(w_dtype) if ctx.needs_input_grad[1] else None
-        gb = grad_b.mul_(scale).to(b_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        gh = None
+        if grad_hidden is not None and ctx.needs_input_grad[0]:
+            gh = grad_hidden.mul_(scale.to(grad_hidden.dtype))
+        gw = grad_w.mul_(scale).to(w_dtype) if grad_w is not None and ctx.needs_input_grad[1] else None
+        gb = grad_b.mul_(scale).to(b_dtype) if grad_b is not None and ctx.needs_input_grad[2] else None
         return gh, gw, gb, None, None, None, None, None, None, None
 
 
@@ -172,10 +183,11 @@ def weighted_lm_loss(
         return _reference_loss(hidden, lm_head_weight, lm_head_bias, targets, weights, target_categories, num_categories)
     if chunk_size < 0:
         raise ValueError(f"chunk_size must be positive (or 0/None for unchunked), got {chunk_size}")
-    need_grad = torch.is_grad_enabled() and (
-        hidden.requires_grad
-        or lm_head_weight.requires_grad
-        or (lm_head_bias is not None and lm_head_bias.requires_grad)
+    grad_on = torch.is_grad_enabled()
+    needs = (
+        grad_on and hidden.requires_grad,
+        grad_on and lm_head_weight.requires_grad,
+        grad_on and lm_head_bias is not None and lm_head_bias.requires_grad,
     )
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
@@ -184,5 +196,5 @@ def weighted_lm_loss(
         compute_dtype = torch.promote_types(hidden.dtype, lm_head_weight.dtype)
     return _ChunkedWeightedCE.apply(
         hidden, lm_head_weight, lm_head_bias, targets, weights, target_categories, num_categories, int(chunk_size),
-        need_grad, compute_dtype,
+        needs, compute_dtype,
     )

@@ -118,7 +118,6 @@ class SPContext:
     backend: str
     layout: str
     padded_length: int  # tokens of the padded row
-    n_real_tokens: int  # tokens of the row before padding
     cu_seqlens: torch.Tensor  # [S'+1] int32, padded row (the padding sequence included in contiguous layout)
     max_seqlen: int
     seq_ids: torch.Tensor  # [padded_length] int64 sequence of every padded-row token
@@ -331,7 +330,6 @@ def shard_batch(
         backend=backend,
         layout=layout,
         padded_length=padded_length,
-        n_real_tokens=length,
         cu_seqlens=padded_cu,
         max_seqlen=int(lengths.max()) if len(lengths) else 0,
         seq_ids=seq_ids,

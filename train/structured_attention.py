@@ -210,23 +210,33 @@ def structure_mask_mod(q_seq, q_block, q_path, q_index, k_seq, k_block, k_path, 
 _compiled_flex = None
 
 
+def structured_block_mask(q_seq, q_block, q_path, q_index, k_seq, k_block, k_path, k_index,
+                          q_len: int, kv_len: int, device: torch.device):
+    """FlexAttention's BlockMask of the structured mask (CUDA). The same for every layer of a forward: build it
+    once per micro-batch (train.attention.AttentionContext caches it)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    ids = [_as_long(t).to(device) for t in (q_seq, q_block, q_path, q_index, k_seq, k_block, k_path, k_index)]
+    return create_block_mask(structure_mask_mod(*ids), B=None, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device,
+                             _compile=True)
+
+
 def flex_structured_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                               q_seq, q_block, q_path, q_index, k_seq, k_block, k_path, k_index,
-                              scaling: float | None) -> torch.Tensor:
-    """FlexAttention with the structured mask on CUDA (same layouts as `structured_sdpa`); SDPA elsewhere."""
+                              scaling: float | None, block_mask=None) -> torch.Tensor:
+    """FlexAttention with the structured mask on CUDA (same layouts as `structured_sdpa`); SDPA elsewhere.
+    `block_mask`: the `structured_block_mask` of these ids, when the caller has it already."""
     if query.device.type != "cuda":
         mask = build_mask(q_seq, q_block, q_path, q_index, k_seq, k_block, k_path, k_index).to(query.device)
         return structured_sdpa(query, key, value, mask, scaling)
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     global _compiled_flex
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention)
-    ids = [_as_long(t).to(query.device) for t in (q_seq, q_block, q_path, q_index, k_seq, k_block, k_path, k_index)]
-    block_mask = create_block_mask(
-        structure_mask_mod(*ids), B=None, H=None, Q_LEN=query.shape[2], KV_LEN=key.shape[2],
-        device=query.device, _compile=True,
-    )
+    if block_mask is None:
+        block_mask = structured_block_mask(q_seq, q_block, q_path, q_index, k_seq, k_block, k_path, k_index,
+                                           query.shape[2], key.shape[2], query.device)
     out = _compiled_flex(query, key, value, block_mask=block_mask, scale=scaling,
                          enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous()

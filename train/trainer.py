@@ -33,14 +33,15 @@ from torch import nn
 
 import train.attention  # noqa: F401  (registers attn_implementation="packsft")
 from train.attention import ATTN_IMPLEMENTATION, AttentionContext
-from train.batch import make_batch
+from train.batch import make_batch, step_totals
 from train.checkpoint import (
+    checkpoint_root,
     load_rng,
     load_trainer_state,
     resolve_resume,
     save_checkpoint,
 )
-from train.config import TrainConfig
+from train.config import ConfigError, TrainConfig
 from train.data import StepPlan, StepSampler
 from train.distributed import Mesh, all_reduce_sum, build_mesh, init_distributed
 from train.loss import weighted_lm_loss
@@ -164,6 +165,21 @@ def _init_single_process_group() -> None:
     dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo", world_size=1, rank=0)
 
 
+def choose_sp_backend(requested: str, structure: bool, half_precision: bool) -> str:
+    """The sequence-parallel backend; structure (Parallel-R1) data needs the mask of the `torch` backend, which
+    `auto` then picks, and an explicit flash backend is a config error (before the model loads)."""
+    if structure:
+        if requested not in ("auto", "torch"):
+            raise ConfigError(
+                f"sp_backend={requested!r} runs causal flash kernels only; the data has structure ids (Parallel-R1 "
+                "mask): use sp_backend=torch or auto"
+            )
+        return "torch"
+    from train.sequence_parallel import resolve_backend
+
+    return resolve_backend(requested, half_precision=half_precision)
+
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -203,9 +219,7 @@ class Trainer:
         )
         self.sp_backend = None
         if self.mesh.sp_size > 1:
-            from train.sequence_parallel import resolve_backend
-
-            self.sp_backend = resolve_backend(cfg.sp_backend, half_precision=cfg.bf16)
+            self.sp_backend = choose_sp_backend(cfg.sp_backend, self.structure, half_precision=cfg.bf16)
 
         zero3 = cfg.deepspeed.stage == 3
         self._hf_ds_config = None
@@ -249,7 +263,10 @@ class Trainer:
         if cfg.uses_deepspeed:
             import deepspeed
 
-            optimizer = None if cfg.deepspeed.offload_optimizer else torch.optim.AdamW(self._param_groups(), **adam)
+            from train.deepspeed_config import offloads_optimizer
+
+            offload = offloads_optimizer(self.ds_config)  # the YAML flag or the template
+            optimizer = None if offload else torch.optim.AdamW(self._param_groups(), **adam)
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=self.model,
                 optimizer=optimizer,
@@ -276,12 +293,16 @@ class Trainer:
             self.console(text)
 
     _bar = None
+    _saved_step: int | None = None  # the step whose checkpoint is in output_dir (saved or resumed from)
     grad_hook = None  # callable(trainer) after the gradients of a step are complete (no DeepSpeed); tests use it
 
     # ------------------------------------------------------------------ one micro-batch
     def _micro_batch(self, plan: StepPlan, rows: list[int], filler: bool) -> dict:
-        batch = make_batch([self.dataset[r] for r in rows], plan.totals, self.cfg.loss_reduction, structure=self.structure)
-        if filler:  # a rank with no row left in this step: forward/backward for the collectives, contributes 0
+        # a filler (a rank with no row left in this step: forward/backward for the collectives, contributes 0) is
+        # not part of the step's totals, which may be smaller than its own: build it with its own, then zero it
+        totals = step_totals(self.dataset, rows) if filler else plan.totals
+        batch = make_batch([self.dataset[r] for r in rows], totals, self.cfg.loss_reduction, structure=self.structure)
+        if filler:
             batch["targets"] = torch.full_like(batch["targets"], -100)
             batch["weights"] = torch.zeros_like(batch["weights"])
         return batch
@@ -429,8 +450,10 @@ class Trainer:
                 torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
                 torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
 
-        return save_checkpoint(self.cfg.output_dir, self.step, self.mesh.rank, save_fn, self._trainer_state(),
+        path = save_checkpoint(self.cfg.output_dir, self.step, self.mesh.rank, save_fn, self._trainer_state(),
                                self.cfg.save_total_limit)
+        self._saved_step = self.step
+        return path
 
     def _maybe_resume(self) -> None:
         path = resolve_resume(self.cfg.resume, self.cfg.output_dir)
@@ -441,6 +464,12 @@ class Trainer:
                 self.console(f"resume=latest: no checkpoint in {self.cfg.output_dir}, starting from step 0")
             return
         state = load_trainer_state(path)
+        saved_world = state.get("world_size")
+        if saved_world is not None and int(saved_world) != self.mesh.world_size:
+            raise RuntimeError(
+                f"{path} was saved by {saved_world} processes, this run has {self.mesh.world_size}: the optimizer "
+                "partitions, rng states and data order are per rank; resume with the same number of processes"
+            )
         if self.engine is not None:
             if not (path / "ds").is_dir():
                 raise RuntimeError(f"{path} was not saved with DeepSpeed; resume with the same deepspeed.stage")
@@ -453,6 +482,8 @@ class Trainer:
             self.scheduler.load_state_dict(torch.load(path / "scheduler.pt"))
         load_rng(path, self.mesh.rank)
         self.step = int(state["step"])
+        if path.resolve().parent == checkpoint_root(self.cfg.output_dir).resolve() and not path.name.startswith("."):
+            self._saved_step = self.step  # this step's checkpoint is already in output_dir (not a moved-aside copy)
         if self.mesh.is_main:
             truncate_log(self.cfg.output_dir, self.step)
         self.console(f"resumed from {path} at step {self.step}")
@@ -461,6 +492,8 @@ class Trainer:
         """HF format (safetensors + config + tokenizer), loadable with AutoModelForCausalLM.from_pretrained.
         With LoRA: the adapter (train/lora.py), plus the merged model in `merged/` when lora_merge_on_save."""
         import shutil
+
+        from data.shards import _replace_dir
 
         if self.engine is not None and self.cfg.deepspeed.stage == 3:
             state = self.engine._zero3_consolidated_16bit_state_dict()  # collective; full dict on rank 0 only
@@ -495,9 +528,7 @@ class Trainer:
                     self.lm.config.use_cache = False
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp)
-                if out_dir.exists():
-                    shutil.rmtree(out_dir)
-                os.replace(tmp, out_dir)
+                _replace_dir(tmp, out_dir)
         if dist.is_initialized():
             dist.barrier()
         return out_dir
@@ -545,7 +576,8 @@ class Trainer:
         finally:
             self._bar.close()
             self._bar = None
-        self.save()  # the end of the run, or the stop point of an interrupted one
+        if self._saved_step != self.step:  # the end of the run, or the stop point of an interrupted one
+            self.save()
         if self.step >= self.total_steps:
             path = self.export(cfg.out / "final")
             self.console(f"exported the final model to {path}")
