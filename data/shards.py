@@ -241,7 +241,7 @@ class ShardWriter:
         self.max_shard_bytes = int(max_shard_bytes)
         self.out_dir.parent.mkdir(parents=True, exist_ok=True)
         aside = _set_aside(self.out_dir)
-        if len(aside) == 1:  # an earlier run died inside _replace_dir: put the previous output back first
+        if len(aside) == 1:  # an earlier run died inside replace_dir: put the previous output back first
             os.replace(aside[0], self.out_dir)
         self.tmp_dir = self.out_dir.parent / f".{self.out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.tmp_dir.mkdir()
@@ -457,7 +457,7 @@ class ShardWriter:
         }
         (self.tmp_dir / "meta.json").write_bytes(dump_json(meta))
         self._closed = True
-        _replace_dir(self.tmp_dir, self.out_dir)
+        replace_dir(self.tmp_dir, self.out_dir)
         return orjson.loads(dump_json(meta))
 
     def abort(self) -> None:
@@ -476,7 +476,7 @@ class ShardWriter:
             self.abort()
 
 
-def _replace_dir(src: Path, dst: Path) -> None:
+def replace_dir(src: Path, dst: Path) -> None:
     """Move `src` to `dst`; an existing `dst` is renamed aside first and deleted after the swap.
 
     A process killed between the two renames leaves no `dst` and the previous one at `.NAME.old-*`
@@ -491,7 +491,7 @@ def _replace_dir(src: Path, dst: Path) -> None:
 
 
 def _set_aside(dst: Path) -> list[Path]:
-    """When `dst` is missing: the `.NAME.old-*` siblings a `_replace_dir` killed between its renames left."""
+    """When `dst` is missing: the `.NAME.old-*` siblings a `replace_dir` killed between its renames left."""
     if dst.exists():
         return []
     return sorted(dst.parent.glob(f".{glob.escape(dst.name)}.old-*"))

@@ -135,7 +135,7 @@ def test_crash_between_the_renames_of_a_resave(setup, monkeypatch):
         dst.rename(dst.parent / f".{dst.name}.old-killed")
         raise _Killed
 
-    monkeypatch.setattr(checkpoint, "_replace_dir", killed_mid_swap)
+    monkeypatch.setattr(checkpoint, "replace_dir", killed_mid_swap)
     with pytest.raises(_Killed):
         trainer.save()
     monkeypatch.undo()

@@ -24,7 +24,7 @@ import orjson
 import torch
 import torch.distributed as dist
 
-from data.shards import _replace_dir
+from data.shards import replace_dir
 
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
@@ -88,7 +88,7 @@ def save_checkpoint(output_dir, step: int, rank: int, save_fn, trainer_state: di
         (tmp / "trainer_state.json").write_bytes(orjson.dumps(trainer_state, option=orjson.OPT_INDENT_2))
     _barrier()
     if rank == 0:
-        _replace_dir(tmp, final)  # the same step saved again (e.g. after resuming from an earlier one): replace it
+        replace_dir(tmp, final)  # the same step saved again (e.g. after resuming from an earlier one): replace it
         write_atomic(root / LATEST, final.name.encode())
         for stale in root.glob(".step-*.old-*"):  # moved aside by a re-save that was killed mid-swap
             shutil.rmtree(stale, ignore_errors=True)

@@ -3,8 +3,7 @@
 `apply_lora` freezes the base model and injects LoRA layers (never into the output head, which the chunked
 loss reads as a plain weight). The wrapped model is called exactly like the base one: peft forwards every
 extra keyword (position_ids, `packsft=AttentionContext`, use_cache) to the transformers model, and the
-trainer can reach the transformers model (for `model.model(...)` + `model.packsft_loss`) with
-`base_causal_lm`. Apply LoRA before `deepspeed.initialize`: ZeRO-2 then only builds optimizer state for the
+trainer reaches the transformers model (its decoder and lm head, for the chunked loss) with `base_causal_lm`. Apply LoRA before `deepspeed.initialize`: ZeRO-2 then only builds optimizer state for the
 adapter, ZeRO-3 partitions the new adapter parameters like any other.
 
 `save_lora` takes a PeftModel or a DeepSpeed engine holding one. Under ZeRO-3 it either gathers the partitioned
@@ -27,7 +26,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from data.shards import _replace_dir
+from data.shards import replace_dir
 
 __all__ = ["apply_lora", "save_lora", "merged_state_dict", "adapter_state_dict", "base_causal_lm", "is_peft_model"]
 
@@ -279,10 +278,9 @@ def save_lora(
             if use_cache is not None:
                 base.config.use_cache = True  # the trainer turns the cache off; generation wants it on
             base.save_pretrained(str(tmp / "merged"), state_dict=merged_sd, safe_serialization=True)
-            _drop_packsft_attention(tmp / "merged" / "config.json")
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(tmp / "merged"))
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -290,16 +288,3 @@ def save_lora(
         if use_cache is not None:
             base.config.use_cache = use_cache
     return out
-
-
-def _drop_packsft_attention(config_file: Path) -> None:
-    """The exported model runs outside the trainer: let it use transformers' default attention."""
-    import orjson
-
-    if not config_file.is_file():
-        return
-    config = orjson.loads(config_file.read_bytes())
-    if "packsft" in (config.get("_attn_implementation"), config.get("attn_implementation")):
-        config.pop("_attn_implementation", None)
-        config.pop("attn_implementation", None)
-        config_file.write_bytes(orjson.dumps(config, option=orjson.OPT_INDENT_2))

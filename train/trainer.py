@@ -493,7 +493,7 @@ class Trainer:
         With LoRA: the adapter (train/lora.py), plus the merged model in `merged/` when lora_merge_on_save."""
         import shutil
 
-        from data.shards import _replace_dir
+        from data.shards import replace_dir
 
         if self.engine is not None and self.cfg.deepspeed.stage == 3:
             state = self.engine._zero3_consolidated_16bit_state_dict()  # collective; full dict on rank 0 only
@@ -528,7 +528,7 @@ class Trainer:
                     self.lm.config.use_cache = False
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp)
-                _replace_dir(tmp, out_dir)
+                replace_dir(tmp, out_dir)
         if dist.is_initialized():
             dist.barrier()
         return out_dir
