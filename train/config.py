@@ -6,6 +6,7 @@ model loading.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass, field
@@ -155,6 +156,8 @@ class TrainConfig:
         for backend in self.log_backends:
             if backend not in ("tensorboard", "wandb"):
                 raise ConfigError(f"log_backends: unknown backend {backend!r}; known: ['tensorboard', 'wandb']")
+            if importlib.util.find_spec(backend if backend == "wandb" else "tensorboard") is None:
+                raise ConfigError(f"log_backends: {backend} is not installed (pip install {backend})")
         if world_size % self.sequence_parallel_size:
             raise ConfigError(
                 f"world size {world_size} is not divisible by sequence_parallel_size={self.sequence_parallel_size}"
@@ -197,6 +200,11 @@ class TrainConfig:
             raise ConfigError(f"data_path: {self.data_path} is not a directory (run sh data_process.sh first?)")
         if not (Path(self.data_path) / "meta.json").is_file():
             raise ConfigError(f"data_path: {self.data_path} has no meta.json: not a packed dataset")
+        if self.online_max_length is not None and read_meta(self.data_path).get("kind") != "tokenized":
+            raise ConfigError(
+                f"online_max_length is set but data_path {self.data_path} is already packed; point data_path at a "
+                "tokenized/ directory for online packing, or drop online_max_length"
+            )
         if self.eval_data_path and not (Path(self.eval_data_path) / "meta.json").is_file():
             raise ConfigError(f"eval_data_path: {self.eval_data_path} is not a packed dataset (no meta.json)")
         if self.model_path is not None and not (Path(self.model_path) / "config.json").is_file():

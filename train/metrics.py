@@ -37,7 +37,7 @@ def truncate_log(output_dir: str | os.PathLike, last_step: int) -> None:
 
 def _format(record: dict) -> str:
     parts = []
-    for key in ("step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "loss_tokens"):
+    for key in ("step", "epoch", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "loss_tokens"):
         value = record.get(key)
         if isinstance(value, float):
             parts.append(f"{key}={value:.4g}")
