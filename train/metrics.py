@@ -121,9 +121,9 @@ def plot_losses(output_dir: str | os.PathLike, path: str | os.PathLike | None = 
     ax.legend()
     if names:
         ax = axes[0][1]
-        for name in names:
-            pts = [(r["step"], r["category_loss"][name]) for r in records if name in (r.get("category_loss") or {})]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name)
+        for name in names:  # NaN where a step had no token of the category: a gap, not an interpolated line
+            values = [(r.get("category_loss") or {}).get(name, float("nan")) for r in records]
+            ax.plot(steps, values, ".-", markersize=3, label=name)
         ax.set_xlabel("step")
         ax.set_title("per-category loss (token mean)")
         ax.legend(fontsize="small")
