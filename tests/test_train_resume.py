@@ -160,3 +160,20 @@ def test_crash_between_the_renames_of_a_resave(setup, monkeypatch):
     state_file.write_bytes(orjson.dumps({**orjson.loads(state_file.read_bytes()), "world_size": 2}))
     with pytest.raises(RuntimeError, match="saved by 2 processes"):
         _train(config, out, "resume=latest")
+
+
+def test_new_run_into_an_output_dir_with_checkpoints(setup):
+    """resume=none where an earlier run left checkpoints is an error (its steps would mix with the new run's);
+    overwrite_output_dir=true starts over and leaves only the new run's checkpoints."""
+    from data.config import ConfigError
+
+    tmp, config = setup
+    out = tmp / "again"
+    _train(config, out, "max_steps=4")
+    assert [p.name for p in sorted(checkpoint_root(out).glob("step-*"))] == ["step-000002", "step-000004"]
+    with pytest.raises(ConfigError, match="holds checkpoints of an earlier run \\(step-000004\\); resume=latest"):
+        Trainer(load_config(config, [f"output_dir={out}", "max_steps=2"]), console=lambda *_: None)
+    _train(config, out, "max_steps=2", "overwrite_output_dir=true")
+    assert [p.name for p in sorted(checkpoint_root(out).glob("step-*"))] == ["step-000002"]
+    assert [r["step"] for r in read_log(out)] == [1, 2]
+    assert resolve_resume("latest", out).name == "step-000002"

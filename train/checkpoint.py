@@ -97,10 +97,24 @@ def save_checkpoint(output_dir, step: int, rank: int, save_fn, trainer_state: di
     return final
 
 
-def _prune(root: Path, keep: int) -> None:
+def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """The complete-or-not `step-N/` directories under output_dir, oldest first."""
+    root = checkpoint_root(output_dir)
+    if not root.is_dir():
+        return []
     steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+    return [p for _, p in steps]
+
+
+def discard_checkpoints(output_dir: str | os.PathLike) -> None:
+    """Start over in output_dir (overwrite_output_dir): remove the earlier run's checkpoints."""
+    shutil.rmtree(checkpoint_root(output_dir), ignore_errors=True)
+
+
+def _prune(root: Path, keep: int) -> None:
+    steps = list_checkpoints(root.parent)
     latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
-    for _, path in steps[:-keep] if keep > 0 else []:
+    for path in steps[:-keep] if keep > 0 else []:
         if path.name != latest:
             shutil.rmtree(path, ignore_errors=True)
 

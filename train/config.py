@@ -81,6 +81,7 @@ class TrainConfig:
     log_backends: list[str] = field(default_factory=list)  # "tensorboard", "wandb" (offline)
     wandb_project: str = "packsft"
     resume: str = "none"  # none | latest | a checkpoint directory
+    overwrite_output_dir: bool = False  # resume=none into an output_dir with checkpoints: start over (else an error)
     stop_at_step: int | None = None  # stop (with a checkpoint) after this step, as a time-limited job would
     tokenizer_mismatch: Literal["warn", "error"] = "error"  # shards' tokenizer hash vs the model's tokenizer
     plot: bool = True  # loss curves PNG at the end
@@ -194,6 +195,15 @@ class TrainConfig:
             raise ConfigError("bf16: true needs a GPU (CUDA is not available); use bf16=false on CPU")
         if self.resume not in ("none", "latest") and not Path(self.resume).is_dir():
             raise ConfigError(f"resume: {self.resume} is not a checkpoint directory (or use none / latest)")
+        if self.resume == "none" and not self.overwrite_output_dir:
+            from train.checkpoint import list_checkpoints
+
+            earlier = list_checkpoints(self.output_dir)
+            if earlier:
+                raise ConfigError(
+                    f"output_dir: {self.output_dir} holds checkpoints of an earlier run ({earlier[-1].name}); "
+                    "resume=latest continues it, overwrite_output_dir=true starts over, or use another output_dir"
+                )
 
     def validate_paths(self) -> None:
         if not Path(self.data_path).is_dir():

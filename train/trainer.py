@@ -36,6 +36,7 @@ from train.attention import ATTN_IMPLEMENTATION, AttentionContext
 from train.batch import make_batch, step_totals
 from train.checkpoint import (
     checkpoint_root,
+    discard_checkpoints,
     load_rng,
     load_trainer_state,
     resolve_resume,
@@ -460,6 +461,8 @@ class Trainer:
         if path is None:
             if self.mesh.is_main:  # a new run: no records of an earlier run in the same output_dir
                 truncate_log(self.cfg.output_dir, 0)
+                if self.cfg.resume == "none" and self.cfg.overwrite_output_dir:
+                    discard_checkpoints(self.cfg.output_dir)
             if self.cfg.resume == "latest":
                 self.console(f"resume=latest: no checkpoint in {self.cfg.output_dir}, starting from step 0")
             return
