@@ -35,8 +35,10 @@ def main(argv: list[str] | None = None) -> int:
 
         argv.pop(0)
         config_path = argv.pop(0) if argv and "=" not in argv[0] else DEFAULT_CONFIG
-        try:
-            print(" ".join(launch_args(load_config(config_path, argv))))
+        try:  # every invariant is checked here, before accelerate starts any process
+            cfg = load_config(config_path, argv)
+            cfg.validate(world_size=cfg.launch.num_processes)
+            print(" ".join(launch_args(cfg)))
         except ConfigError as exc:
             print(f"config error: {exc}", file=sys.stderr)
             return 2
