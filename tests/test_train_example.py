@@ -87,3 +87,14 @@ def test_sequence_parallel_example_matches_single_process(example_data, tmp_path
         assert a["category_loss"].keys() == b["category_loss"].keys()
         for name in a["category_loss"]:
             assert a["category_loss"][name] == pytest.approx(b["category_loss"][name], rel=1e-5)
+
+
+def test_train_sh_reports_config_errors_before_launching(tmp_path):
+    """`sh train.sh` checks the config before `accelerate launch` starts any process: one clear line, exit 2."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(["sh", "train.sh", "configs/train/example_sp.yaml", "launch.num_processes=3",
+                           f"output_dir={tmp_path}/out"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2
+    assert "config error: world size 3 is not divisible by sequence_parallel_size=2" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
