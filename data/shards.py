@@ -549,6 +549,15 @@ def read_meta(path: str | os.PathLike) -> dict:
     return meta
 
 
+def _concat_shards(parts: list[np.ndarray], dtype) -> np.ndarray:
+    """Per-shard arrays as one: the memmap view itself for one shard (no copy), else a concatenation."""
+    if len(parts) == 1:
+        return parts[0]
+    if not parts:
+        return np.zeros(0, dtype=dtype)
+    return np.concatenate(parts)
+
+
 class PackedDataset:
     """Random access to the rows of an indexed dataset (packed/ or tokenized/), all memory-mapped.
 
@@ -629,11 +638,7 @@ class PackedDataset:
 
     def _row_column(self, name: str) -> np.ndarray:
         """One row-index column over all shards: a memmap view for one shard, else a (small) concatenation."""
-        if len(self._rows) == 1:
-            return self._rows[0][name]
-        if not self._rows:
-            return np.zeros(0, dtype=np.int64)
-        return np.concatenate([r[name] for r in self._rows])
+        return _concat_shards([r[name] for r in self._rows], np.int64)
 
     # ------------------------------------------------------------------ pickling (DataLoader workers)
     def __getstate__(self) -> dict:
@@ -736,20 +741,12 @@ class PackedDataset:
     @property
     def seq_index(self) -> np.ndarray:
         """All per-sequence index records in row order (concatenated over shards; no token data)."""
-        if len(self._seqs) == 1:
-            return self._seqs[0]
-        if not self._seqs:
-            return np.zeros(0, dtype=SEQ_DTYPE)
-        return np.concatenate(self._seqs)
+        return _concat_shards(self._seqs, SEQ_DTYPE)
 
     @property
     def all_uids(self) -> np.ndarray:
         """All uids in sequence order (concatenated over shards)."""
-        if len(self._uids) == 1:
-            return self._uids[0]
-        if not self._uids:
-            return np.zeros(0, dtype=UID_DTYPE)
-        return np.concatenate(self._uids)
+        return _concat_shards(self._uids, UID_DTYPE)
 
     def uid_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """(uids, rows): every source uid of every sequence with the row holding it (the uid -> row trace)."""

@@ -135,26 +135,33 @@ def structured_reference_model(model):
     return reference
 
 
-def structured_reference_step(reference, batches) -> dict:
-    from train.structured_attention import build_mask
-
+def _accumulate_reference(reference, batches, hidden_of) -> dict:
+    """Loss, category sums and gradients of `reference` over `batches`, with `hidden_of(batch)` the hidden states."""
     reference.zero_grad(set_to_none=True)
     loss = torch.zeros(())
     cat_sum = torch.zeros(NUM_CATEGORIES)
     cat_count = torch.zeros(NUM_CATEGORIES, dtype=torch.int64)
     for batch in batches:
-        ids = (batch["seq_ids"], batch["block_ids"], batch["path_ids"], torch.arange(batch["seq_ids"].numel()))
-        hidden = reference.model(
-            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
-            structure_mask=build_mask(*ids, *ids),
-        ).last_hidden_state[0]
-        weighted, cs, cc = loss_of(reference, hidden, batch)
+        weighted, cs, cc = loss_of(reference, hidden_of(batch), batch)
         weighted.backward()
         loss += weighted.detach()
         cat_sum += cs
         cat_count += cc
     grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
     return {"loss": loss, "cat_sum": cat_sum, "cat_count": cat_count, "grads": grads}
+
+
+def structured_reference_step(reference, batches) -> dict:
+    from train.structured_attention import build_mask
+
+    def hidden_of(batch):
+        ids = (batch["seq_ids"], batch["block_ids"], batch["path_ids"], torch.arange(batch["seq_ids"].numel()))
+        return reference.model(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
+            structure_mask=build_mask(*ids, *ids),
+        ).last_hidden_state[0]
+
+    return _accumulate_reference(reference, batches, hidden_of)
 
 
 def loss_of(model, hidden, batch):
@@ -166,23 +173,15 @@ def loss_of(model, hidden, batch):
 
 def reference_step(reference, batches) -> dict:
     """Single process, no packing at all: every sequence runs alone through the sdpa model."""
-    reference.zero_grad(set_to_none=True)
-    loss = torch.zeros(())
-    cat_sum = torch.zeros(NUM_CATEGORIES)
-    cat_count = torch.zeros(NUM_CATEGORIES, dtype=torch.int64)
-    for batch in batches:
+
+    def hidden_of(batch):
         cu = batch["cu_seqlens"].tolist()
-        hidden = torch.cat([
+        return torch.cat([
             reference.model(input_ids=batch["input_ids"][:, a:b], use_cache=False).last_hidden_state[0]
             for a, b in zip(cu[:-1], cu[1:])
         ])
-        weighted, cs, cc = loss_of(reference, hidden, batch)
-        weighted.backward()
-        loss += weighted.detach()
-        cat_sum += cs
-        cat_count += cc
-    grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
-    return {"loss": loss, "cat_sum": cat_sum, "cat_count": cat_count, "grads": grads}
+
+    return _accumulate_reference(reference, batches, hidden_of)
 
 
 def sp_step(model, batches, sp_rank, sp_size, group, layout, reduce_group) -> dict:
