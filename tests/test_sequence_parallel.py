@@ -375,6 +375,7 @@ def test_rank_slices_through_varlen_kernel_equal_full_row(kernel, device, sp):
     if reasons := KERNELS[kernel].reasons(torch.empty(0, device=device, dtype=dtype), 0.0):
         pytest.skip(f"{kernel}: {'; '.join(reasons)}")
     tol = dict(rtol=1e-5, atol=1e-6) if device == "cpu" else dict(rtol=2e-2, atol=2e-2)
+    grad_tol = tol if device == "cpu" else dict(rtol=5e-2, atol=5e-2)
     for lengths in ([81], [30, 7, 1, 44, 19], [5, 120, 3]):
         batch = _token_only_batch(lengths)
         contexts = [shard_batch(batch, r, sp, "torch")[1].to(device) for r in range(sp)]
@@ -391,11 +392,11 @@ def test_rank_slices_through_varlen_kernel_equal_full_row(kernel, device, sp):
             out = varlen_attention(kernel, q_local, k_all[key_lo:key_hi], v_all[key_lo:key_hi], ctx.bounds, 0.25)
             torch.testing.assert_close(out.float(), ref[start:end], **tol)
             out.float().backward(grad_out[start:end])
-            torch.testing.assert_close(q_local.grad.float(), ref_grads[0][start:end], **tol)
+            torch.testing.assert_close(q_local.grad.float(), ref_grads[0][start:end], **grad_tol)
             got_dk += k_all.grad.float()
             got_dv += v_all.grad.float()
-        torch.testing.assert_close(got_dk, ref_grads[1], **tol)
-        torch.testing.assert_close(got_dv, ref_grads[2], **tol)
+        torch.testing.assert_close(got_dk, ref_grads[1], **grad_tol)
+        torch.testing.assert_close(got_dv, ref_grads[2], **grad_tol)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -413,9 +414,15 @@ def test_sp_attention_varlen_path_with_local_gather(monkeypatch, device):
     ref = _full_row_attention(q, k, v, contexts[0].cu_seqlens, 0.25)
     full_kv = torch.stack([k, v]).to(dtype)  # [2, T, Hkv, D]: the gathered layout
     module = torch.nn.Module().eval()
-    kernels = []
-    choose = sequence_parallel.choose_sp_kernel
+    kernels, window_bytes = [], []
+    choose, run_kernel = sequence_parallel.choose_sp_kernel, sequence_parallel.varlen_attention
     monkeypatch.setattr(sequence_parallel, "choose_sp_kernel", lambda *a: kernels.append(choose(*a)) or kernels[-1])
+
+    def recording_kernel(name, q, k, v, *args):
+        window_bytes.append((k.untyped_storage().nbytes(), v.untyped_storage().nbytes()))
+        return run_kernel(name, q, k, v, *args)
+
+    monkeypatch.setattr(sequence_parallel, "varlen_attention", recording_kernel)
     for ctx in contexts:
         start, end = ctx.local_range
 
@@ -428,6 +435,9 @@ def test_sp_attention_varlen_path_with_local_gather(monkeypatch, device):
         out = sp_attention(module, as_hf(q), as_hf(k), as_hf(v), ctx, 0.25)
         assert out.shape == (1, end - start, q.shape[1], q.shape[2])
         torch.testing.assert_close(out[0].float(), ref[start:end], **tol)
+        # the kernel holds (for backward) the key window's K/V, never the whole gathered row
+        window = 2 * (ctx.key_range[1] - ctx.key_range[0]) * k[0].numel() * full_kv.element_size()
+        assert window_bytes[-1] == (window, window)
     assert kernels == [choose(torch.empty(0, device=device, dtype=dtype))] * 3
     if device == "cpu":
         assert kernels[0] == "sdpa_loop"

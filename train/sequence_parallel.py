@@ -27,10 +27,12 @@ Backends:
   to its end or the slice end, whichever is first), and the kernels' bottom-right causal alignment supplies the
   offset of every query. The kernel is the first usable of `SP_KERNEL_ORDER` (flash-attn, torch's
   `varlen_attn`, the SDPA loop: the CPU path, which runs the same bounds through the reference kernel). The
-  whole row's K/V are gathered (as llama3 does; one collective, and each rank's later keys are never read) and
-  the kernel reads the key window `key_range`. The zigzag layout and structure mode (Parallel-R1 mask) keep SDPA
-  with the boolean mask of the local queries against the gathered keys, built from global token indices: the
-  CPU reference of the zigzag layout, and the one SP path that applies the Parallel-R1 mask.
+  whole row's K/V are gathered (as llama3 does: one collective of equal shards); only the key window
+  `key_range` (first local sequence's start to the slice end) is kept for the backward pass, so the K/V a rank
+  saves shrink from the row to its window (rank 0: its own slice).
+  The zigzag layout and structure mode (Parallel-R1 mask) keep SDPA with the boolean mask of the local queries
+  against the gathered keys, built from global token indices: the CPU reference of the zigzag layout, and the
+  one SP path that applies the Parallel-R1 mask.
 - `llama3`: ring-flash-attn's `llama3_flash_attn_varlen_func` (contiguous layout).
 - `zigzag`: ring-flash-attn's `zigzag_ring_flash_attn_varlen_func` (zigzag layout).
 ring-flash-attn needs flash-attn and CUDA; it is imported only when one of its backends is selected.
@@ -481,8 +483,11 @@ def _torch_varlen_attention(query, key, value, ctx: SPContext, scaling, dropout_
     if ctx.sp_size > 1:
         kv = _GatherSequence.apply(kv, ctx.group, 1)
     start, end = ctx.key_range
+    # a copy of the key window when it is shorter than the row: the kernel keeps its inputs for backward, and a
+    # view would keep the whole gathered row alive in every layer
+    window = kv[:, start:end].contiguous()
     kernel = choose_sp_kernel(q, dropout_p)
-    out = varlen_attention(kernel, q, kv[0, start:end], kv[1, start:end], ctx.bounds, scaling, dropout_p)
+    out = varlen_attention(kernel, q, window[0], window[1], ctx.bounds, scaling, dropout_p)
     return out.unsqueeze(0)
 
 
