@@ -399,13 +399,36 @@ def test_rank_slices_through_varlen_kernel_equal_full_row(kernel, device, sp):
         torch.testing.assert_close(got_dv, ref_grads[2], **grad_tol)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_sp_attention_varlen_path_with_local_gather(monkeypatch, device):
+def _fake_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+    """torch's varlen_attn (2.11 signature) on CPU: checks the device offsets it is given, computes with the
+    reference kernel from those offsets alone."""
+    from train.varlen_kernels import VarlenBounds, varlen_attention
+
+    assert window_size == (-1, 0) and cu_q.dtype == cu_k.dtype == torch.int32
+    assert q.shape[1] == k.shape[1] == v.shape[1]  # kv heads repeated: no enable_gqa in this signature
+    assert all(t.is_contiguous() for t in (q, k, v))
+    bounds = VarlenBounds.build(cu_q.tolist(), cu_k.tolist())
+    assert (max_q, max_k) == (bounds.max_q, bounds.max_k)
+    return varlen_attention("sdpa_loop", q, k, v, bounds, scale)
+
+
+@pytest.mark.parametrize("device,kernel", [
+    ("cpu", "sdpa_loop"),
+    ("cpu", "torch_varlen"),  # varlen_attn replaced by _fake_varlen_attn: what sp_attention hands the CUDA kernel
+    pytest.param("cuda", None, marks=pytest.mark.gpu),  # whatever kernel this GPU has
+])
+def test_sp_attention_varlen_path_with_local_gather(monkeypatch, device, kernel):
     """sp_attention itself (layouts, the K/V stacking, the gather, the kernel choice) for every rank of sp = 3 in
     one process: the all-gather is replaced by the full row's K/V with this rank's part spliced in."""
     import train.sequence_parallel as sequence_parallel
+    import train.varlen_kernels as varlen_kernels
     from train.sequence_parallel import sp_attention
 
+    if kernel == "torch_varlen":
+        fake_api = varlen_kernels._TorchVarlenAPI(_fake_varlen_attn, {"window_size": (-1, 0)}, False, None)
+        monkeypatch.setattr(varlen_kernels, "torch_varlen_api", lambda: fake_api)
+        monkeypatch.setitem(varlen_kernels.KERNELS, "torch_varlen", varlen_kernels.VarlenKernel(
+            "torch_varlen", lambda q, dropout: [], varlen_kernels.KERNELS["torch_varlen"].fn))
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     tol = dict(rtol=1e-5, atol=1e-6) if device == "cpu" else dict(rtol=2e-2, atol=2e-2)
     batch = _token_only_batch([30, 7, 1, 44, 19])
@@ -439,5 +462,5 @@ def test_sp_attention_varlen_path_with_local_gather(monkeypatch, device):
         window = 2 * (ctx.key_range[1] - ctx.key_range[0]) * k[0].numel() * full_kv.element_size()
         assert window_bytes[-1] == (window, window)
     assert kernels == [choose(torch.empty(0, device=device, dtype=dtype))] * 3
-    if device == "cpu":
-        assert kernels[0] == "sdpa_loop"
+    if kernel is not None:
+        assert kernels[0] == kernel
