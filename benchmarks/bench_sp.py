@@ -75,13 +75,14 @@ def attention_time(total: int, sp: int, rank: int, heads: int, kv_heads: int, di
     torch.manual_seed(0)
     q, k, v = (torch.randn(ctx.padded_length, h, dim) for h in (heads, kv_heads, kv_heads))
     start, end = ctx.local_range
-    full_kv = torch.stack([k, v])
-    full_k = k.transpose(0, 1).unsqueeze(0)
-    full_v = v.transpose(0, 1).unsqueeze(0)
-    sequence_parallel._GatherSequence.apply = staticmethod(  # the row's K/V with this rank's part spliced in
-        lambda kv, group, dim: torch.cat([full_kv[:, :start], kv, full_kv[:, end:]], dim=1) if dim == 1
-        else torch.cat([torch.cat([full_k, full_v], 1)[:, :, :start], kv,
-                        torch.cat([full_k, full_v], 1)[:, :, end:]], dim=2))
+    row_kv = {1: torch.stack([k, v]), 2: torch.cat([k, v], 1).transpose(0, 1).unsqueeze(0)}  # per gather layout
+
+    def local_gather(kv, group, dim):
+        """What the all-gather returns: the row's K/V, this rank's part being its own (autograd) tensor."""
+        row = row_kv[dim]
+        return torch.cat([row.narrow(dim, 0, start), kv, row.narrow(dim, end, row.shape[dim] - end)], dim=dim)
+
+    sequence_parallel._GatherSequence.apply = staticmethod(local_gather)
     module = torch.nn.Module().eval()
     outs = {}
 
