@@ -1,7 +1,8 @@
 """Helpers and the multi-process worker of tests/test_sequence_parallel.py (gloo, CPU, fp32).
 
 One spawned world of 4 processes runs every configuration (sp=4; dp=2 x sp=2, whose sp groups are the sp=2
-checks; contiguous and zigzag layouts through the torch backend) for every loss reduction, and rank 0 writes the
+checks; contiguous (varlen kernel path) and zigzag (mask path) layouts through the torch backend) for every loss
+reduction, and rank 0 writes the
 worst relative errors against the single-process reference to a JSON file the tests read.
 """
 from __future__ import annotations
@@ -196,8 +197,10 @@ def sp_step(model, batches, sp_rank, sp_size, group, layout, reduce_group) -> di
     cat_sum = torch.zeros(NUM_CATEGORIES)
     cat_count = torch.zeros(NUM_CATEGORIES, dtype=torch.int64)
     local_losses = []
+    paths = set()
     for batch in batches:
         local, ctx = shard_batch(batch, sp_rank, sp_size, "torch", group=group, layout=layout)
+        paths.add("varlen" if ctx.bounds is not None else "mask")  # which attention path of the torch backend ran
         attn = AttentionContext(cu_seqlens=ctx.cu_seqlens, max_seqlen=ctx.max_seqlen, sp=ctx)
         hidden = model.model(
             input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False, packsft=attn
@@ -215,7 +218,8 @@ def sp_step(model, batches, sp_rank, sp_size, group, layout, reduce_group) -> di
         g = p.grad.detach().clone()
         dist.all_reduce(g, group=reduce_group)
         grads[name] = g / world_size
-    return {"loss": loss, "cat_sum": cat_sum, "cat_count": cat_count, "grads": grads, "local_losses": local_losses}
+    return {"loss": loss, "cat_sum": cat_sum, "cat_count": cat_count, "grads": grads, "local_losses": local_losses,
+            "path": "+".join(sorted(paths))}
 
 
 def relative_errors(got: dict, want: dict) -> dict:
@@ -227,6 +231,7 @@ def relative_errors(got: dict, want: dict) -> dict:
         "cat_sum": rel(got["cat_sum"], want["cat_sum"]),
         "cat_count_equal": bool(torch.equal(got["cat_count"], want["cat_count"])),
         "grad": max(rel(got["grads"][n], want["grads"][n]) for n in want["grads"]),
+        "path": got["path"],
     }
 
 
@@ -269,7 +274,7 @@ def worker(rank: int, world_size: int, port: int, out_path: str) -> None:
                 worst = torch.tensor([errors["loss"], errors["cat_sum"], errors["grad"]])
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX)
                 results[f"sp2/{layout}/{reduction}"] = {"loss": float(worst[0]), "cat_sum": float(worst[1]),
-                                                        "grad": float(worst[2])}
+                                                        "grad": float(worst[2]), "path": sp_only["path"]}
         # gradient checkpointing (non-reentrant, as the trainer enables it): the K/V all-gather runs again in the
         # recomputation inside backward, in the same order on every rank
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -54,11 +54,14 @@ def test_loss_and_gradients_equal_single_process(sp_results, config, layout, red
     assert result["cat_sum"] < RTOL, result
     assert result["grad"] < RTOL, result  # worst parameter: max |g_sp - g_ref| / max |g_ref|
     assert result.get("cat_count_equal", True), result
+    # the contiguous layout runs one varlen kernel call (SDPA loop on CPU); zigzag is the boolean-mask reference
+    assert result["path"] == ("varlen" if layout == "contiguous" else "mask"), result
 
 
 def test_gradient_checkpointing_under_sp(sp_results):
     result = sp_results["checkpointing-sp4/contiguous/token"]
     assert result["loss"] < RTOL and result["cat_sum"] < RTOL and result["grad"] < RTOL, result
+    assert result["path"] == "varlen", result
 
 
 @pytest.mark.parametrize("config", ["structure-sp4", "structure-dp2sp2"])
@@ -67,6 +70,7 @@ def test_structure_mode_equals_full_row_mask(sp_results, config, layout):
     result = sp_results[f"{config}/{layout}/token"]
     assert result["loss"] < RTOL and result["cat_sum"] < RTOL and result["grad"] < RTOL, result
     assert result["cat_count_equal"], result
+    assert result["path"] == "mask", result  # the Parallel-R1 mask
 
 
 @pytest.mark.parametrize("config", ["sp4", "dp2sp2"])
@@ -142,6 +146,10 @@ def test_contiguous_padding_is_its_own_sequence(sp):
     assert local["position_ids"][0, -pad:].tolist() == list(range(pad))  # a fresh sequence
     moved = ctx.to("cpu")
     assert torch.equal(moved.cu_seqlens, ctx.cu_seqlens) and moved.local_range == ctx.local_range
+    # varlen path: the padding is the last sequence of the last rank, its own queries against its own keys only
+    cu_q, cu_k = ctx.bounds.host_cu_q, ctx.bounds.host_cu_k
+    assert cu_q[-1] - cu_q[-2] == cu_k[-1] - cu_k[-2] == pad
+    # mask path (structure mode uses it in this layout)
     mask = moved.attention_mask(torch.device("cpu"))
     key_index = ctx.gathered_index[ctx.key_range[0]: ctx.key_range[1]]
     pad_keys = ctx.source_index[key_index] < 0
@@ -262,3 +270,198 @@ def test_ring_flash_attn_backends_match_torch_on_one_gpu(backend):
         outputs[name] = (out.float(), q.grad.float(), k.grad.float(), v.grad.float())
     for got, want in zip(outputs[backend], outputs["torch"]):
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+# ------------------------------------------------------------------------------ torch backend: varlen bounds
+def _token_only_batch(lengths: list[int]) -> dict:
+    """The least shard_batch needs: a packed row of these sequence lengths."""
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    return {"input_ids": torch.zeros(1, int(cu[-1]), dtype=torch.int64), "cu_seqlens": cu}
+
+
+def _random_packings(n: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        n_seqs = int(torch.randint(1, 9, (1,), generator=gen))
+        yield torch.randint(1, 40, (n_seqs,), generator=gen).tolist()
+
+
+def _visible_from_bounds(bounds, n_queries: int, n_keys: int) -> torch.Tensor:
+    """[L, K] bool: what a bottom-right aligned causal varlen kernel lets each query see, read off the bounds."""
+    visible = torch.zeros(n_queries, n_keys, dtype=torch.bool)
+    cu_q, cu_k = bounds.host_cu_q, bounds.host_cu_k
+    for qlo, qhi, klo, khi in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]):
+        offset = (khi - klo) - (qhi - qlo)
+        for i in range(qhi - qlo):
+            visible[qlo + i, klo: klo + i + offset + 1] = True
+    return visible
+
+
+@pytest.mark.parametrize("sp", [1, 2, 3, 4, 5])
+def test_varlen_bounds_equal_brute_force(sp):
+    """For random packings, every rank's bounds let each local query see exactly the keys of its own sequence at or
+    before it (padding sequence included), over the key window it reads from the gathered K/V."""
+    for lengths in _random_packings(40, seed=sp):
+        batch = _token_only_batch(lengths)
+        for rank in range(sp):
+            _, ctx = shard_batch(batch, rank, sp, "torch")
+            bounds, (start, end), (key_lo, key_hi) = ctx.bounds, ctx.local_range, ctx.key_range
+            assert end == key_hi and bounds.host_cu_q[-1] == end - start and bounds.host_cu_k[-1] == end - key_lo
+            assert bounds.cu_q.tolist() == list(bounds.host_cu_q) and bounds.cu_k.tolist() == list(bounds.host_cu_k)
+            q_index, k_index = torch.arange(start, end), torch.arange(key_lo, key_hi)
+            seq = ctx.seq_ids
+            want = (seq[q_index][:, None] == seq[k_index][None, :]) & (k_index[None, :] <= q_index[:, None])
+            assert torch.equal(_visible_from_bounds(bounds, end - start, key_hi - key_lo), want), (lengths, rank)
+            # the window starts at the first key any local query sees
+            assert want[:, 0].any()
+
+
+def test_varlen_bounds_only_for_the_varlen_path():
+    batch = _batches()[0]
+    assert shard_batch(batch, 0, 2, "torch", layout="zigzag")[1].bounds is None  # mask reference of the layout
+    assert shard_batch(_batches(structure=True)[0], 0, 2, "torch")[1].bounds is None  # Parallel-R1 mask
+    ctx = shard_batch(batch, 1, 2, "torch")[1]
+    assert ctx.bounds is not None
+    moved = ctx.to("cpu")
+    assert moved.bounds.host_cu_k == ctx.bounds.host_cu_k and torch.equal(moved.bounds.cu_k, ctx.bounds.cu_k)
+
+
+def test_kernel_choice(monkeypatch):
+    """The fastest kernel without reasons: on CPU the SDPA loop; flash-attn first, then torch's varlen_attn."""
+    import train.sequence_parallel as sequence_parallel
+    from train.varlen_kernels import KERNELS, VarlenKernel
+
+    cpu = torch.empty(0)
+    assert sequence_parallel.choose_sp_kernel(cpu) == "sdpa_loop"
+    assert sequence_parallel.choose_sp_kernel(cpu.bfloat16()) == "sdpa_loop"
+    usable = lambda q, dropout: []  # noqa: E731
+    monkeypatch.setitem(KERNELS, "torch_varlen", VarlenKernel("torch_varlen", usable, KERNELS["torch_varlen"].fn))
+    assert sequence_parallel.choose_sp_kernel(cpu) == "torch_varlen"
+    monkeypatch.setitem(KERNELS, "flash_attn", VarlenKernel("flash_attn", usable, KERNELS["flash_attn"].fn))
+    assert sequence_parallel.choose_sp_kernel(cpu) == "flash_attn"
+    assert "one flash_attn varlen call" in sequence_parallel.describe_sp_backend("torch", False, "cpu", torch.float32)
+    assert "boolean mask" in sequence_parallel.describe_sp_backend("torch", True, "cpu", torch.float32)
+
+
+def _full_row_attention(q, k, v, cu, scale):
+    """Reference: the whole padded row through the SDPA loop (fp32), q [T, H, D], k/v [T, Hkv, D]."""
+    from train.varlen_kernels import VarlenBounds, varlen_attention
+
+    return varlen_attention("sdpa_loop", q, k, v, VarlenBounds.build(cu.tolist()), scale)
+
+
+def _row_qkv(total, device, dtype, heads=4, kv_heads=2, seed=0):
+    dim = 16 if device == "cpu" else 64  # a head size every flash build has
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(total, h, dim, generator=gen).to(device, dtype) for h in (heads, kv_heads, kv_heads)]
+
+
+KERNEL_CASES = [
+    pytest.param("sdpa_loop", "cpu", id="sdpa_loop-cpu"),
+    pytest.param("flash_attn", "cuda", marks=pytest.mark.gpu, id="flash_attn-cuda"),
+    pytest.param("torch_varlen", "cuda", marks=pytest.mark.gpu, id="torch_varlen-cuda"),
+]
+
+
+@pytest.mark.parametrize("kernel,device", KERNEL_CASES)
+@pytest.mark.parametrize("sp", [2, 4])
+def test_rank_slices_through_varlen_kernel_equal_full_row(kernel, device, sp):
+    """Each rank's bounds + kernel on its slice of queries against the key window of the (locally built) gathered
+    K/V give the full-row output rows of that slice; the K/V gradients summed over ranks (what the all-gather's
+    backward does) give the full-row gradients. On CUDA: bf16 kernels against the fp32 reference."""
+    from train.varlen_kernels import KERNELS, varlen_attention
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    if reasons := KERNELS[kernel].reasons(torch.empty(0, device=device, dtype=dtype), 0.0):
+        pytest.skip(f"{kernel}: {'; '.join(reasons)}")
+    tol = dict(rtol=1e-5, atol=1e-6) if device == "cpu" else dict(rtol=2e-2, atol=2e-2)
+    grad_tol = tol if device == "cpu" else dict(rtol=5e-2, atol=5e-2)
+    for lengths in ([81], [30, 7, 1, 44, 19], [5, 120, 3]):
+        batch = _token_only_batch(lengths)
+        contexts = [shard_batch(batch, r, sp, "torch")[1].to(device) for r in range(sp)]
+        total = contexts[0].padded_length
+        q, k, v = (t.requires_grad_() for t in _row_qkv(total, device, torch.float32))
+        ref = _full_row_attention(q, k, v, contexts[0].cu_seqlens, 0.25)
+        grad_out = torch.randn_like(ref)
+        ref_grads = torch.autograd.grad(ref, (q, k, v), grad_out)
+        got_dk, got_dv = torch.zeros_like(k), torch.zeros_like(v)
+        for ctx in contexts:
+            (start, end), (key_lo, key_hi) = ctx.local_range, ctx.key_range
+            q_local = q.detach()[start:end].to(dtype).requires_grad_()
+            k_all, v_all = (t.detach().to(dtype).requires_grad_() for t in (k, v))
+            out = varlen_attention(kernel, q_local, k_all[key_lo:key_hi], v_all[key_lo:key_hi], ctx.bounds, 0.25)
+            torch.testing.assert_close(out.float(), ref[start:end], **tol)
+            out.float().backward(grad_out[start:end])
+            torch.testing.assert_close(q_local.grad.float(), ref_grads[0][start:end], **grad_tol)
+            got_dk += k_all.grad.float()
+            got_dv += v_all.grad.float()
+        torch.testing.assert_close(got_dk, ref_grads[1], **grad_tol)
+        torch.testing.assert_close(got_dv, ref_grads[2], **grad_tol)
+
+
+def _fake_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+    """torch's varlen_attn (2.11 signature) on CPU: checks the device offsets it is given, computes with the
+    reference kernel from those offsets alone."""
+    from train.varlen_kernels import VarlenBounds, varlen_attention
+
+    assert window_size == (-1, 0) and cu_q.dtype == cu_k.dtype == torch.int32
+    assert q.shape[1] == k.shape[1] == v.shape[1]  # kv heads repeated: no enable_gqa in this signature
+    assert all(t.is_contiguous() for t in (q, k, v))
+    bounds = VarlenBounds.build(cu_q.tolist(), cu_k.tolist())
+    assert (max_q, max_k) == (bounds.max_q, bounds.max_k)
+    return varlen_attention("sdpa_loop", q, k, v, bounds, scale)
+
+
+@pytest.mark.parametrize("device,kernel", [
+    ("cpu", "sdpa_loop"),
+    ("cpu", "torch_varlen"),  # varlen_attn replaced by _fake_varlen_attn: what sp_attention hands the CUDA kernel
+    pytest.param("cuda", None, marks=pytest.mark.gpu),  # whatever kernel this GPU has
+])
+def test_sp_attention_varlen_path_with_local_gather(monkeypatch, device, kernel):
+    """sp_attention itself (layouts, the K/V stacking, the gather, the kernel choice) for every rank of sp = 3 in
+    one process: the all-gather is replaced by the full row's K/V with this rank's part spliced in."""
+    import train.sequence_parallel as sequence_parallel
+    import train.varlen_kernels as varlen_kernels
+    from train.sequence_parallel import sp_attention
+
+    if kernel == "torch_varlen":
+        fake_api = varlen_kernels._TorchVarlenAPI(_fake_varlen_attn, {"window_size": (-1, 0)}, False, None)
+        monkeypatch.setattr(varlen_kernels, "torch_varlen_api", lambda: fake_api)
+        monkeypatch.setitem(varlen_kernels.KERNELS, "torch_varlen", varlen_kernels.VarlenKernel(
+            "torch_varlen", lambda q, dropout: [], varlen_kernels.KERNELS["torch_varlen"].fn))
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    tol = dict(rtol=1e-5, atol=1e-6) if device == "cpu" else dict(rtol=2e-2, atol=2e-2)
+    batch = _token_only_batch([30, 7, 1, 44, 19])
+    contexts = [shard_batch(batch, r, 3, "torch")[1].to(device) for r in range(3)]
+    q, k, v = _row_qkv(contexts[0].padded_length, device, torch.float32)
+    ref = _full_row_attention(q, k, v, contexts[0].cu_seqlens, 0.25)
+    full_kv = torch.stack([k, v]).to(dtype)  # [2, T, Hkv, D]: the gathered layout
+    module = torch.nn.Module().eval()
+    kernels, window_bytes = [], []
+    choose, run_kernel = sequence_parallel.choose_sp_kernel, sequence_parallel.varlen_attention
+    monkeypatch.setattr(sequence_parallel, "choose_sp_kernel", lambda *a: kernels.append(choose(*a)) or kernels[-1])
+
+    def recording_kernel(name, q, k, v, *args):
+        window_bytes.append((k.untyped_storage().nbytes(), v.untyped_storage().nbytes()))
+        return run_kernel(name, q, k, v, *args)
+
+    monkeypatch.setattr(sequence_parallel, "varlen_attention", recording_kernel)
+    for ctx in contexts:
+        start, end = ctx.local_range
+
+        def local_gather(kv, group, dim, start=start, end=end):
+            assert dim == 1 and torch.equal(kv, full_kv[:, start:end])
+            return torch.cat([full_kv[:, :start], kv, full_kv[:, end:]], dim=1)
+
+        monkeypatch.setattr(sequence_parallel._GatherSequence, "apply", local_gather)
+        as_hf = lambda t: t[start:end].to(dtype).transpose(0, 1).unsqueeze(0)  # noqa: E731  [1, H, L, D]
+        out = sp_attention(module, as_hf(q), as_hf(k), as_hf(v), ctx, 0.25)
+        assert out.shape == (1, end - start, q.shape[1], q.shape[2])
+        torch.testing.assert_close(out[0].float(), ref[start:end], **tol)
+        # the kernel holds (for backward) the key window's K/V, never the whole gathered row
+        window = 2 * (ctx.key_range[1] - ctx.key_range[0]) * k[0].numel() * full_kv.element_size()
+        assert window_bytes[-1] == (window, window)
+    assert kernels == [choose(torch.empty(0, device=device, dtype=dtype))] * 3
+    if kernel is not None:
+        assert kernels[0] == kernel

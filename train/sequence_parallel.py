@@ -19,21 +19,35 @@ Layouts:
   of their sequence, so causality keeps every real token from seeing them.
 
 Backends:
-- `torch`: the reference, CPU or GPU. K/V all-gathered with an autograd-aware collective (whose backward sums the
-  K/V gradients back to their owner), then SDPA with the boolean mask of the local queries against the gathered
-  keys, built from global token indices (works for both layouts; structure mode applies the Parallel-R1 mask).
+- `torch`, any CPU or CUDA torch. K/V are all-gathered over the sp group with an autograd-aware collective (whose
+  backward sums the K/V gradients back to their owner). Then, in the contiguous layout, ONE varlen kernel call
+  (`train/varlen_kernels.py`) runs the local queries against the gathered keys, as ring-flash-attn's llama3
+  variant does: `shard_batch` computes once per micro-batch, on the host, the `VarlenBounds` of this rank's slice
+  (cu_seqlens_q: the parts of the sequences inside the slice; cu_seqlens_k: from the start of each such sequence
+  to its end or the slice end, whichever is first), and the kernels' bottom-right causal alignment supplies the
+  offset of every query. The kernel is the first usable of `SP_KERNEL_ORDER` (flash-attn, torch's
+  `varlen_attn`, the SDPA loop: the CPU path, which runs the same bounds through the reference kernel). The
+  whole row's K/V are gathered (as llama3 does: one collective of equal shards); only the key window
+  `key_range` (first local sequence's start to the slice end) is kept for the backward pass, so the K/V a rank
+  saves shrink from the row to its window (rank 0: its own slice).
+  The zigzag layout and structure mode (Parallel-R1 mask) keep SDPA with the boolean mask of the local queries
+  against the gathered keys, built from global token indices: the CPU reference of the zigzag layout, and the
+  one SP path that applies the Parallel-R1 mask.
 - `llama3`: ring-flash-attn's `llama3_flash_attn_varlen_func` (contiguous layout).
 - `zigzag`: ring-flash-attn's `zigzag_ring_flash_attn_varlen_func` (zigzag layout).
 ring-flash-attn needs flash-attn and CUDA; it is imported only when one of its backends is selected.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from train.varlen_kernels import KERNELS, VarlenBounds, varlen_attention
 
 SP_BACKENDS = ("torch", "llama3", "zigzag")
 LAYOUTS = ("contiguous", "zigzag")
@@ -55,6 +69,8 @@ COMPUTED_TOKEN_FIELDS = ("position_ids", "seq_ids")
 STRUCTURE_FIELDS = ("seq_ids", "block_ids", "path_ids")
 # Row-level fields replaced by the SPContext (their meaning is the full row's).
 ROW_FIELDS = ("cu_seqlens", "max_seqlen")
+# Kernels of the `torch` backend (contiguous layout), fastest first; the first one without reasons runs.
+SP_KERNEL_ORDER = ("flash_attn", "torch_varlen", "sdpa_loop")
 
 
 class SPBackendUnavailable(RuntimeError):
@@ -80,7 +96,8 @@ def _import_ring_flash_attn(backend: str):
 
 def resolve_backend(name: str, half_precision: bool = True) -> str:
     """`auto` -> `llama3` when CUDA, flash-attn and ring-flash-attn are usable and the model runs in bf16/fp16
-    (`half_precision`; flash kernels have no fp32), else `torch`.
+    (`half_precision`; flash kernels have no fp32), else `torch` (which runs a fused varlen kernel on CUDA too,
+    see `choose_sp_kernel`).
 
     An explicit `llama3`/`zigzag` fails here, before any model is built, when it cannot run.
     """
@@ -102,6 +119,23 @@ def resolve_backend(name: str, half_precision: bool = True) -> str:
                 "sp_backend=torch"
             )
     return name
+
+
+def choose_sp_kernel(query: torch.Tensor, dropout: float = 0.0) -> str:
+    """The varlen kernel of the `torch` backend for queries like `query` (device and dtype matter; an empty
+    tensor will do): the first of SP_KERNEL_ORDER with no reasons; `sdpa_loop` always qualifies."""
+    return next(name for name in SP_KERNEL_ORDER if not KERNELS[name].reasons(query, dropout))
+
+
+def describe_sp_backend(backend: str, structure: bool, device: torch.device | str, dtype: torch.dtype,
+                        dropout: float = 0.0) -> str:
+    """What the trainer's start line names: the backend and, for `torch`, how its attention runs."""
+    if backend != "torch":
+        return f"sequence-parallel {backend} (ring-flash-attn)"
+    if structure:
+        return "sequence-parallel torch (all-gathered K/V, SDPA with a boolean mask)"
+    kernel = choose_sp_kernel(torch.empty(0, device=device, dtype=dtype), dropout)
+    return f"sequence-parallel torch (all-gathered K/V, one {kernel} varlen call per layer)"
 
 
 @dataclass
@@ -133,6 +167,9 @@ class SPContext:
     max_seqlen_k: int = 0
     local_k_slice: slice | None = None
     heads_k_stride: int | None = None  # None: all kv heads in one all-gather
+    # torch backend, contiguous layout, no structure: the local queries against the key window, built once per
+    # micro-batch (key offsets relative to key_range[0])
+    bounds: VarlenBounds | None = None
     # zigzag backend: cu_seqlens of the local tokens (every sequence contributes 2 chunks)
     local_cu_seqlens: torch.Tensor | None = None
     local_max_seqlen: int = 0
@@ -153,6 +190,8 @@ class SPContext:
         }
         if self.structure is not None:
             moved["structure"] = {k: v.to(device) for k, v in self.structure.items()}
+        if self.bounds is not None:
+            moved["bounds"] = self.bounds._replace(cu_q=self.bounds.cu_q.to(device), cu_k=self.bounds.cu_k.to(device))
         return replace(self, _mask=None, **moved)
 
     def attention_mask(self, device: torch.device) -> torch.Tensor:
@@ -249,6 +288,26 @@ def _take(plan: _PadPlan, name: str, value: torch.Tensor, index: torch.Tensor) -
     return out.masked_fill(is_pad, TOKEN_PAD_VALUES[name])
 
 
+def slice_varlen_offsets(padded_cu: list[int], start: int, end: int) -> tuple[list[int], list[int], int]:
+    """(cu_q, cu_k, key_start) of the contiguous slice [start, end) of a row with sequence offsets `padded_cu`:
+    per sequence overlapping the slice, its queries inside the slice and its keys from the sequence start to the
+    slice end (or the sequence end), counted from key_start = start of the first such sequence. Bottom-right
+    causal alignment of these spans is exactly "key index <= query index" within each sequence."""
+    if not 0 <= start < end <= padded_cu[-1]:
+        raise ValueError(f"slice [{start}, {end}) is not a non-empty part of a row of {padded_cu[-1]} tokens")
+    first = bisect.bisect_right(padded_cu, start) - 1  # the sequence holding token `start`
+    key_start = padded_cu[first]
+    cu_q, cu_k = [0], [0]
+    for seq_start, seq_end in zip(padded_cu[first:-1], padded_cu[first + 1:]):
+        if seq_start >= end:
+            break
+        if seq_end == seq_start:
+            continue
+        cu_q.append(min(seq_end, end) - start)
+        cu_k.append(min(seq_end, end) - key_start)
+    return cu_q, cu_k, key_start
+
+
 def _zigzag_indices(padded_cu: torch.Tensor, sp_size: int, rank: int) -> torch.Tensor:
     """Global indices of rank's tokens: chunks rank and 2*sp-1-rank of every sequence, in sequence order."""
     parts = []
@@ -288,6 +347,8 @@ def shard_batch(
     if not 0 <= sp_rank < sp_size:
         raise ValueError(f"shard_batch: sp_rank {sp_rank} out of range for sp_size {sp_size}")
     length = _row_length(batch)
+    if length == 0:
+        raise ValueError("shard_batch: the micro-batch has no token")
     cu_seqlens = batch["cu_seqlens"].to("cpu", torch.int64)
     if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != length:
         raise ValueError(
@@ -309,8 +370,8 @@ def shard_batch(
         local_range = (sp_rank * per_rank, (sp_rank + 1) * per_rank)
         local_index = torch.arange(*local_range)
         gathered_index = torch.arange(padded_length)
-        first_seq = int(seq_ids[local_range[0]]) if per_rank else 0
-        key_range = (int(padded_cu[first_seq]), local_range[1])
+        cu_q, cu_k, key_start = slice_varlen_offsets(padded_cu.tolist(), *local_range)
+        key_range = (key_start, local_range[1])
     else:
         local_range = None
         local_index = _zigzag_indices(padded_cu, sp_size, sp_rank)
@@ -340,6 +401,8 @@ def shard_batch(
         key_range=key_range,
         heads_k_stride=heads_k_stride,
     )
+    if backend == "torch" and layout == "contiguous" and not structured:
+        ctx.bounds = VarlenBounds.build(cu_q, cu_k)
     if structured:
         missing = [name for name in STRUCTURE_FIELDS if name not in fields]
         if missing:
@@ -398,6 +461,8 @@ def _gather_sequence(tensor: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 def _torch_attention(query, key, value, ctx: SPContext, scaling: float | None, dropout_p: float) -> torch.Tensor:
+    if ctx.bounds is not None:
+        return _torch_varlen_attention(query, key, value, ctx, scaling, dropout_p)
     if ctx.sp_size > 1:  # one collective for K and V together
         n_kv_heads = key.shape[1]
         key, value = _gather_sequence(torch.cat([key, value], dim=1), ctx.group).split(n_kv_heads, dim=1)
@@ -409,6 +474,21 @@ def _torch_attention(query, key, value, ctx: SPContext, scaling: float | None, d
         enable_gqa=key.shape[1] != query.shape[1],
     )
     return out.transpose(1, 2).contiguous()
+
+
+def _torch_varlen_attention(query, key, value, ctx: SPContext, scaling, dropout_p) -> torch.Tensor:
+    """Contiguous layout: one varlen kernel call of the local queries against the gathered key window."""
+    q = query[0].transpose(0, 1).contiguous()  # [L, H, D]
+    kv = torch.stack([key[0], value[0]]).transpose(1, 2).contiguous()  # [2, L, Hkv, D]: one collective for both
+    if ctx.sp_size > 1:
+        kv = _GatherSequence.apply(kv, ctx.group, 1)
+    start, end = ctx.key_range
+    # a copy of the key window when it is shorter than the row: the kernel keeps its inputs for backward, and a
+    # view would keep the whole gathered row alive in every layer
+    window = kv[:, start:end].contiguous()
+    kernel = choose_sp_kernel(q, dropout_p)
+    out = varlen_attention(kernel, q, window[0], window[1], ctx.bounds, scaling, dropout_p)
+    return out.unsqueeze(0)
 
 
 def _flash_layout(tensor: torch.Tensor, backend: str) -> torch.Tensor:

@@ -539,7 +539,11 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def _attention_description(self) -> str:
         if self.sp_backend is not None:
-            kind = f"sequence-parallel {self.sp_backend}"
+            from train.sequence_parallel import describe_sp_backend
+
+            kind = describe_sp_backend(self.sp_backend, self.structure, self.device,
+                                       torch.bfloat16 if self.cfg.bf16 else torch.float32,
+                                       float(getattr(self.lm.config, "attention_dropout", 0.0)))
         elif self.structure:
             kind = "structured (FlexAttention)" if torch.cuda.is_available() else "structured (SDPA per sequence)"
         else:
