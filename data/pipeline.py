@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from data.config import STAGES, ConfigError, DataConfig, load_config
+from data.io import remove_stale_temporaries
 from data.records import RecordError
 
 DEFAULT_CONFIG = "configs/data/example.json"
@@ -61,8 +62,18 @@ def run_stage(cfg: DataConfig, stage: str, stage_fn: Callable[[DataConfig], dict
     return section
 
 
+def clean_up(cfg: DataConfig) -> None:
+    """Remove the temporaries of killed runs (dead writer pid) and say so in one line."""
+    removed = remove_stale_temporaries(cfg)
+    if removed:
+        mb = sum(size for _, size in removed) / 1e6
+        print(f"[cleanup] removed {len(removed)} temporaries of killed runs ({mb:.1f} MB): "
+              f"{', '.join(str(p) for p, _ in removed)}", flush=True)
+
+
 def run_pipeline(cfg: DataConfig) -> dict[str, dict]:
     """Every stage of `cfg.stages`, in pipeline order; returns their report sections."""
+    clean_up(cfg)
     return {stage: run_stage(cfg, stage) for stage in STAGES if stage in cfg.stages}
 
 
@@ -82,6 +93,7 @@ def cli_main(stage_fn: Callable[[DataConfig], dict], stage: str, argv: list[str]
     def body() -> None:
         args, overrides = parse_args(argv, f"python -m data.{stage}", stage_option=False)
         cfg = load(args, overrides, [stage])
+        clean_up(cfg)
         run_stage(cfg, stage, stage_fn)
 
     _guard(body)

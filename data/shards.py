@@ -18,6 +18,7 @@ import glob
 import hashlib
 import mmap
 import os
+import re
 import shutil
 import uuid
 import zlib
@@ -140,6 +141,60 @@ def tokenizer_hash(tokenizer_dir: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def temp_sibling(dst: Path, kind: str = "tmp") -> Path:
+    """`.NAME.tmp-PID-RANDOM` next to `dst`: the writer's pid in the name lets a later run tell a killed writer's
+    leftovers (`stale_temporaries`) from a live one's. `kind` is `tmp` (being written) or `old` (set aside)."""
+    return dst.parent / f".{dst.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+_TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-[0-9A-Za-z_]+$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def stale_temporaries(directory: str | os.PathLike, names: Iterable[str] | None = None) -> list[Path]:
+    """Temporaries (`temp_sibling` names) in `directory` whose writer process is dead, for the outputs `names`
+    (None: any). A set-aside `.NAME.old-*` whose NAME is missing is not stale: it is the previous output, which
+    the next writer moves back (`_set_aside`). Pids are of this machine: run one pipeline per output directory."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    wanted = None if names is None else set(names)
+    out = []
+    for entry in sorted(directory.iterdir()):
+        m = _TEMP_NAME.match(entry.name)
+        if not m or (wanted is not None and m["name"] not in wanted) or _pid_alive(int(m["pid"])):
+            continue
+        if m["kind"] == "old" and not (directory / m["name"]).exists():
+            continue
+        out.append(entry)
+    return out
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a directory's entries (renames, new files) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _shard_name(i: int) -> str:
     return f"shard_{i:05d}"
 
@@ -211,6 +266,8 @@ class _ShardBuffer:
             self._submit()
             if self._pending is not None:
                 self._pending.result()
+            self.file.flush()
+            os.fsync(self.file.fileno())
         finally:
             self._io.shutdown()
             self.file.close()
@@ -249,7 +306,7 @@ class ShardWriter:
         aside = _set_aside(self.out_dir)
         if len(aside) == 1:  # an earlier run died inside replace_dir: put the previous output back first
             os.replace(aside[0], self.out_dir)
-        self.tmp_dir = self.out_dir.parent / f".{self.out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.tmp_dir = temp_sibling(self.out_dir)
         self.tmp_dir.mkdir()
         self._shards: list[dict] = []
         self._current: _ShardBuffer | None = None
@@ -420,7 +477,10 @@ class ShardWriter:
         }
         for kind, arr in arrays.items():
             path = self.tmp_dir / _shard_file(shard.name, kind)
-            np.save(path, arr, allow_pickle=False)
+            with open(path, "wb") as f:
+                np.save(f, arr, allow_pickle=False)
+                f.flush()
+                os.fsync(f.fileno())
             files[kind] = {"file": path.name, "bytes": path.stat().st_size, "blake2b": file_blake2b(path)}
         self._shards.append(
             {
@@ -452,7 +512,7 @@ class ShardWriter:
             raise ValueError(f"extra_files may not be named {bad}")
         self._finish_shard()
         for name, data in files.items():
-            (self.tmp_dir / name).write_bytes(data)
+            _write_synced(self.tmp_dir / name, data)
         meta = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
@@ -464,7 +524,8 @@ class ShardWriter:
             **extra,
             "shards": self._shards,
         }
-        (self.tmp_dir / "meta.json").write_bytes(dump_json(meta))
+        _write_synced(self.tmp_dir / "meta.json", dump_json(meta))
+        fsync_dir(self.tmp_dir)
         self._closed = True
         replace_dir(self.tmp_dir, self.out_dir)
         return orjson.loads(dump_json(meta))
@@ -489,12 +550,14 @@ def replace_dir(src: Path, dst: Path) -> None:
     """Move `src` to `dst`; an existing `dst` is renamed aside first and deleted after the swap.
 
     A process killed between the two renames leaves no `dst` and the previous one at `.NAME.old-*`
-    (`_set_aside`): the next ShardWriter for `dst` moves it back, and reading `dst` meanwhile names it."""
+    (`_set_aside`): the next ShardWriter for `dst` moves it back, and reading `dst` meanwhile names it.
+    The parent directory is fsynced after the swap (`src`'s content is the caller's to sync before)."""
     old = None
     if dst.exists():
-        old = dst.parent / f".{dst.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        old = temp_sibling(dst, "old")
         os.replace(dst, old)
     os.replace(src, dst)
+    fsync_dir(dst.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -1,0 +1,121 @@
+"""Issue 13, data side: killed stages' temporaries, durable renames, full disks, ratio-file mistakes, template
+overhead, tokenizer consistency, max_length override, progress output."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+
+import numpy as np
+import orjson
+import pytest
+
+from data import pipeline
+from data.shards import PackedDataset, ShardWriter
+from tests.conftest import ROOT
+
+
+def _dead_pid() -> int:
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(proc.stdout)
+
+
+def _fake_stage(name, calls):
+    module = types.ModuleType(f"data.{name}")
+
+    def run(cfg):
+        calls.append(name)
+        return {"in": 0, "out": 0, "dropped": {}}
+
+    module.run = run
+    return module
+
+
+def _minimal_config(tmp_path, **extra):
+    cfg = {"inputs": [], "output_dir": str(tmp_path / "out"), "tokenizer_path": "unused",
+           "ratio_path": str(tmp_path / "ratios.json"), **extra}
+    path = tmp_path / "config.json"
+    path.write_bytes(orjson.dumps(cfg))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- item 6
+def test_killed_writers_leave_temporaries_that_the_next_run_removes(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    killed = subprocess.Popen([sys.executable, "-c", f"""
+import os, numpy as np
+from data.shards import ShardWriter
+from data.io import atomic_writer
+w = ShardWriter({str(out / 'tokenized')!r}, kind="tokenized")
+w.add_row([{{k: np.ones(1000, np.int32) for k in ("input_ids", "labels", "category_ids", "turn_ids")}}])
+with atomic_writer({str(out / 'canonical.jsonl')!r}) as f, atomic_writer({str(tmp_path / 'ratios.json')!r}) as g:
+    f.write(b"x" * 5000)
+    g.write(b"{{}}")
+    f.flush()
+    os.kill(os.getpid(), 9)
+"""], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert killed.wait() == -9
+    left = sorted(p.name for p in out.iterdir()) + sorted(p.name for p in tmp_path.glob(".ratios.json.*"))
+    assert [n.split(".tmp-")[0] for n in left] == [".canonical.jsonl", ".tokenized", ".ratios.json"]
+    assert all(n.split(".tmp-")[1].startswith(f"{killed.pid}-") for n in left)
+    # a live writer's temporary, and the previous output a kill between replace_dir's renames set aside, stay
+    live = out / f".packed.tmp-{os.getpid()}-abcd1234"
+    live.mkdir()
+    aside = out / f".merged.jsonl.old-{_dead_pid()}-abcd1234"
+    aside.write_bytes(b"previous")
+    done_aside = out / f".sampled.jsonl.old-{_dead_pid()}-abcd1234"  # its swap finished: stale
+    done_aside.write_bytes(b"old")
+    (out / "sampled.jsonl").write_bytes(b"new")
+
+    calls = []
+    monkeypatch.setitem(sys.modules, "data.pack", _fake_stage("pack", calls))
+    pipeline.main([str(_minimal_config(tmp_path)), "--stages", "pack"])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("[cleanup] removed 4 temporaries of killed runs (")
+    for name in left[:2]:
+        assert str(out / name) in first
+    assert sorted(p.name for p in out.iterdir()) == sorted([live.name, aside.name, "sampled.jsonl"])
+    assert not list(tmp_path.glob(".ratios.json.*"))
+    assert calls == ["pack"]
+    pipeline.main([str(_minimal_config(tmp_path)), "--stages", "pack"])  # nothing left: no cleanup line
+    assert not capsys.readouterr().out.startswith("[cleanup]")
+
+
+def test_writes_are_fsynced_before_the_renames_that_publish_them(tmp_path, monkeypatch):
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.fspath(src), os.fspath(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    from data.io import atomic_write_bytes
+
+    for _ in range(2):  # the second time replaces an existing dataset
+        with ShardWriter(tmp_path / "ds", max_shard_bytes=100) as w:
+            for n in (30, 30, 30):
+                w.add_row([{k: np.ones(n, np.int32) for k in ("input_ids", "labels", "category_ids", "turn_ids")}])
+            w.close({}, extra_files={"stats.json": b"{}"})
+    atomic_write_bytes(tmp_path / "report.json", b"{}")
+
+    publish = [i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(tmp_path / "ds")]
+    assert len(publish) == 2
+    files = sorted(p.name for p in (tmp_path / "ds").iterdir())
+    assert len(files) == 3 * 4 + 2
+    start = 0
+    for at in publish:
+        tmp_dir = events[at][1]
+        synced = [e[1] for e in events[start:at] if e[0] == "fsync"]
+        assert sorted(os.path.basename(p) for p in synced if os.path.dirname(p) == tmp_dir) == files
+        assert synced[-1] == tmp_dir  # the directory itself, after its files
+        assert events[at + 1] == ("fsync", str(tmp_path))  # the parent, after the swap
+        start = at
+    rename = next(i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(tmp_path / "report.json"))
+    assert events[rename - 1] == ("fsync", events[rename][1]) and events[rename + 1] == ("fsync", str(tmp_path))
