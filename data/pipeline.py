@@ -7,7 +7,9 @@ Runs the requested stages (default: the config's `stages`) in pipeline order, ea
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -15,6 +17,7 @@ from collections.abc import Callable
 from data.config import STAGES, ConfigError, DataConfig, load_config
 from data.io import remove_stale_temporaries
 from data.records import RecordError
+from data.report import record_failure
 
 DEFAULT_CONFIG = "configs/data/example.json"
 
@@ -54,7 +57,17 @@ def run_stage(cfg: DataConfig, stage: str, stage_fn: Callable[[DataConfig], dict
     """Run one stage and print a one-line summary of its report section."""
     fn = stage_fn or importlib.import_module(f"data.{stage}").run
     start = time.perf_counter()
-    section = fn(cfg)
+    try:
+        section = fn(cfg)
+    except OSError as exc:  # a full disk, a permission: the environment, not a bug
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        free = shutil.disk_usage(cfg.out).free if cfg.out.is_dir() else 0
+        message = (f"{stage}: no space left on device writing under {cfg.out} ({free / 1e6:.1f} MB free); its "
+                   f"previous output, if any, is unchanged and report.json lists it under `stale`. Free space, then "
+                   f"re-run: --stages {','.join(s for s in STAGES[STAGES.index(stage):] if s in cfg.stages)}")
+        record_failure(cfg.report_path, stage, message)
+        raise DiskFullError(message) from None
     dropped = section.get("dropped") or {}
     extra = f" dropped={dict(dropped)}" if dropped else ""
     print(f"[{stage}] in={section.get('in')} out={section.get('out')}{extra} "
@@ -77,11 +90,15 @@ def run_pipeline(cfg: DataConfig) -> dict[str, dict]:
     return {stage: run_stage(cfg, stage) for stage in STAGES if stage in cfg.stages}
 
 
+class DiskFullError(OSError):
+    """A stage ran out of disk space (ENOSPC / EDQUOT); the message says where and what to re-run."""
+
+
 def _guard(body: Callable[[], None]) -> None:
-    """User errors (config, bad records, missing files) end with one clear line and exit code 2."""
+    """User errors (config, bad records, missing files, a full disk) end with one clear line and exit code 2."""
     try:
         body()
-    except (ConfigError, RecordError, FileNotFoundError, ValueError) as exc:
+    except (ConfigError, RecordError, FileNotFoundError, ValueError, DiskFullError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
 

@@ -119,3 +119,72 @@ def test_writes_are_fsynced_before_the_renames_that_publish_them(tmp_path, monke
         start = at
     rename = next(i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(tmp_path / "report.json"))
     assert events[rename - 1] == ("fsync", events[rename][1]) and events[rename + 1] == ("fsync", str(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------------- item 7
+def example_config(directory, **extra):
+    """configs/data/example.json with absolute paths, its own output_dir and ratio file, one worker."""
+    raw = orjson.loads((ROOT / "configs/data/example.json").read_bytes())
+    for spec in raw["inputs"]:
+        spec["path"] = str(ROOT / spec["path"])
+    raw.update(output_dir=str(directory / "out"), ratio_path=str(directory / "ratios.json"),
+               tokenizer_path=str(ROOT / raw["tokenizer_path"]), num_workers=1, **extra)
+    path = directory / "config.json"
+    path.write_bytes(orjson.dumps(raw))
+    return path
+
+
+@pytest.fixture(scope="module")
+def example_run(tmp_path_factory):
+    """The example pipeline run once; tests take a copy (`_copy_run`)."""
+    directory = tmp_path_factory.mktemp("example")
+    (directory / "ratios.json").write_bytes((ROOT / "configs/data/example_ratios.json").read_bytes())
+    pipeline.main([str(example_config(directory))])
+    return directory
+
+
+def _copy_run(example_run, tmp_path):
+    import shutil
+
+    shutil.copytree(example_run / "out", tmp_path / "out")
+    shutil.copy(example_run / "ratios.json", tmp_path / "ratios.json")
+    return example_config(tmp_path), tmp_path / "out"
+
+
+def test_disk_full_leaves_a_consistent_report_and_one_line(example_run, tmp_path, monkeypatch, capsys):
+    import errno
+
+    from data import shards
+    from data.report import read_report
+
+    config, out = _copy_run(example_run, tmp_path)
+    before = read_report(out / "report.json")
+    metas = {d: (out / d / "meta.json").read_bytes() for d in ("tokenized", "packed")}
+    capsys.readouterr()
+
+    def full(self, batch):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(shards._ShardBuffer, "_write", full)
+        with pytest.raises(SystemExit) as exit_info:
+            pipeline.main([str(config), "--stages", "merge,tokenize,pack"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: tokenize: no space left on device writing under {out} (") and \
+        err[-1].endswith("re-run: --stages tokenize,pack")
+    assert not any(line.startswith(("Traceback", "OSError")) for line in err)
+    report = read_report(out / "report.json")
+    assert [k for k in report if k in pipeline.STAGES] == ["preprocess", "sample", "merge"]
+    assert report["stale"] == {"tokenize": before["tokenize"], "pack": before["pack"]}  # what is still on disk
+    assert report["failed"]["stage"] == "tokenize" and "no space left" in report["failed"]["error"]
+    for d, meta in metas.items():
+        assert (out / d / "meta.json").read_bytes() == meta
+        assert report["stale"]["tokenize" if d == "tokenized" else "pack"]["out"] == \
+            orjson.loads(meta)["counts"]["sequences"]
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # the aborted writer left nothing
+
+    pipeline.main([str(config), "--stages", "tokenize,pack"])
+    report = read_report(out / "report.json")
+    assert "stale" not in report and "failed" not in report
+    assert [k for k in report] == list(pipeline.STAGES)
