@@ -131,24 +131,31 @@ def _iter_batches(path: str, batches) -> Iterator[tuple[str, dict]]:
 
 
 def _iter_parquet(path: str) -> Iterator[tuple[str, dict]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    with pq.ParquetFile(path) as pf:
-        yield from _iter_batches(path, pf.iter_batches(batch_size=BATCH_ROWS))
+    try:
+        with pq.ParquetFile(path) as pf:
+            yield from _iter_batches(path, pf.iter_batches(batch_size=BATCH_ROWS))
+    except (pa.ArrowException, OSError) as exc:  # empty, truncated or not parquet at all
+        raise RecordError(path, "file", f"not a readable parquet file: {exc}", "malformed_parquet") from None
 
 
 def _iter_arrow(path: str) -> Iterator[tuple[str, dict]]:
     """Arrow IPC, file (random access) or stream format (what `datasets` writes), memory-mapped."""
     import pyarrow as pa
 
-    with pa.memory_map(path, "r") as source:
-        try:
-            reader = pa.ipc.open_file(source)
-            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
-        except pa.ArrowInvalid:
-            source.seek(0)
-            batches = pa.ipc.open_stream(source)
-        yield from _iter_batches(path, batches)
+    try:
+        with pa.memory_map(path, "r") as source:
+            try:
+                reader = pa.ipc.open_file(source)
+                batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            except pa.ArrowInvalid:
+                source.seek(0)
+                batches = pa.ipc.open_stream(source)
+            yield from _iter_batches(path, batches)
+    except (pa.ArrowException, OSError) as exc:
+        raise RecordError(path, "file", f"not a readable Arrow file: {exc}", "malformed_arrow") from None
 
 
 def _iter_csv(path: str) -> Iterator[tuple[str, Any]]:

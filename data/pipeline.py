@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from data.config import STAGES, ConfigError, DataConfig, load_config
 from data.io import remove_stale_temporaries
+from data.preflight import preflight
 from data.records import RecordError
 from data.report import record_failure
 
@@ -50,6 +51,7 @@ def load(args: argparse.Namespace, overrides: list[str], stages: list[str] | Non
             raise ConfigError(f"--stages: unknown stage(s) {unknown}; known: {list(STAGES)}")
         cfg.stages = stages
     cfg.validate()
+    preflight(cfg)
     return cfg
 
 

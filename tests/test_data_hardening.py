@@ -127,8 +127,8 @@ def example_config(directory, **extra):
     raw = orjson.loads((ROOT / "configs/data/example.json").read_bytes())
     for spec in raw["inputs"]:
         spec["path"] = str(ROOT / spec["path"])
-    raw.update(output_dir=str(directory / "out"), ratio_path=str(directory / "ratios.json"),
-               tokenizer_path=str(ROOT / raw["tokenizer_path"]), num_workers=1, **extra)
+    raw.update({"output_dir": str(directory / "out"), "ratio_path": str(directory / "ratios.json"),
+                "tokenizer_path": str(ROOT / raw["tokenizer_path"]), "num_workers": 1, **extra})
     path = directory / "config.json"
     path.write_bytes(orjson.dumps(raw))
     return path
@@ -188,3 +188,76 @@ def test_disk_full_leaves_a_consistent_report_and_one_line(example_run, tmp_path
     report = read_report(out / "report.json")
     assert "stale" not in report and "failed" not in report
     assert [k for k in report] == list(pipeline.STAGES)
+
+
+# ---------------------------------------------------------------------------------------------- item 9
+def test_max_length_below_the_template_overhead_is_refused_before_any_stage(tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "data/example/tokenizer")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": ""}, {"role": "assistant", "content": ""}],
+                                         tokenize=False)
+    overhead = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    assert overhead > 5
+    config = example_config(tmp_path, max_length=overhead, overlong="left")
+    with pytest.raises(SystemExit) as exit_info:
+        pipeline.main([str(config)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: max_length={overhead} leaves no room for a conversation: the chat template of "
+                   f"{ROOT / 'data/example/tokenizer'} alone takes {overhead} tokens (an empty user and assistant "
+                   f"turn); set max_length above {overhead}")
+    assert not (tmp_path / "out").exists()  # no stage ran
+    pipeline.load(*pipeline.parse_args([str(example_config(tmp_path, max_length=overhead + 1))], "x"), None)
+
+
+# ---------------------------------------------------------------------------------------------- item 11
+def test_tokenizer_path_that_is_a_file_or_an_empty_dir_names_the_key(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    for bad, message in ((ROOT / "data/example/tokenizer/tokenizer.json", "is a file; give the tokenizer's directory"),
+                         (tmp_path / "empty", "holds no tokenizer files (looked for tokenizer.json")):
+        with pytest.raises(SystemExit):
+            pipeline.main([str(example_config(tmp_path, tokenizer_path=str(bad)))])
+        assert capsys.readouterr().err.strip().startswith(f"error: tokenizer_path: {bad} {message}")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_bytes(b"{not json")
+    with pytest.raises(SystemExit):
+        pipeline.main([str(example_config(tmp_path, tokenizer_path=str(broken)))])
+    assert capsys.readouterr().err.strip().startswith(f"error: tokenizer_path: cannot load a tokenizer from {broken}")
+
+
+@pytest.mark.parametrize("content", [b"", b"PAR1 this is not parquet"])
+def test_empty_or_corrupt_parquet_names_the_file(tmp_path, capsys, content):
+    bad = tmp_path / "train.parquet"
+    bad.write_bytes(content)
+    config = _minimal_config(tmp_path, inputs=[{"path": str(bad)}], stages=["preprocess"])
+    with pytest.raises(SystemExit):
+        pipeline.main([str(config)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: {bad}: file: not a readable parquet file: ")
+    assert not any("Traceback" in line for line in err)
+
+
+def test_stages_refuse_the_output_of_another_tokenizer(example_run, tmp_path, capsys):
+    import shutil
+
+    config, out = _copy_run(example_run, tmp_path)
+    other = tmp_path / "other_tokenizer"
+    shutil.copytree(ROOT / "data/example/tokenizer", other)
+    config_json = orjson.loads(config.read_bytes())
+    original = config_json["tokenizer_path"]
+    (other / "tokenizer_config.json").write_bytes((other / "tokenizer_config.json").read_bytes() + b"\n")
+    packed_meta = (out / "packed" / "meta.json").read_bytes()
+    for stages, made, rerun in (("pack", out / "tokenized", "tokenize,pack"),
+                                ("tokenize,pack", out / "merged.jsonl", "merge,tokenize,pack")):
+        with pytest.raises(SystemExit):
+            pipeline.main([str(config), "--stages", stages, f"tokenizer_path={other}"])
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: tokenizer_path: {made}") and f"from {original}) than the config's {other}" in err
+        assert err.endswith(f"re-run from that stage with this tokenizer (--stages {rerun}), or set "
+                            "tokenizer_path/chat_template back")
+    assert (out / "packed" / "meta.json").read_bytes() == packed_meta  # nothing ran
+    pipeline.main([str(config), "--stages", "merge,tokenize,pack", f"tokenizer_path={other}"])  # the way out
+    assert orjson.loads((out / "packed" / "meta.json").read_bytes())["tokenizer_path"] == str(other)
+
