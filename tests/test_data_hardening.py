@@ -261,3 +261,15 @@ def test_stages_refuse_the_output_of_another_tokenizer(example_run, tmp_path, ca
     pipeline.main([str(config), "--stages", "merge,tokenize,pack", f"tokenizer_path={other}"])  # the way out
     assert orjson.loads((out / "packed" / "meta.json").read_bytes())["tokenizer_path"] == str(other)
 
+
+
+# ---------------------------------------------------------------------------------------------- item 15
+def test_max_length_override_drives_the_packed_row_capacity(example_run, tmp_path):
+    """The README's `sh data_process.sh configs/data/example.json --stages tokenize,pack max_length=4096`."""
+    config, out = _copy_run(example_run, tmp_path)
+    assert orjson.loads((out / "packed" / "meta.json").read_bytes())["max_length"] == 2048
+    pipeline.main([str(config), "--stages", "tokenize,pack", "max_length=4096"])
+    for d in ("tokenized", "packed"):
+        assert orjson.loads((out / d / "meta.json").read_bytes())["max_length"] == 4096
+    stats = orjson.loads((out / "packed" / "stats.json").read_bytes())
+    assert stats["max_length"] == 4096 and stats["row_tokens"]["max"] > 2048
