@@ -21,12 +21,12 @@ import random
 from pathlib import Path
 
 import orjson
-from tqdm import tqdm
 
 from data.chat_template import load_chat_tokenizer
 from data.config import ConfigError, DataConfig
 from data.io import atomic_writer, ordered_parallel_map, require_stage_input
 from data.preflight import tokenizer_identity
+from data.progress import progress
 from data.report import ReportError, check_arithmetic, sorted_counts, update_report
 
 CHUNK_RECORDS = 64
@@ -200,7 +200,7 @@ def run(cfg: DataConfig) -> dict:
 
     tasks = _tasks(require_stage_input(cfg.sampled_path, "sample"), probability, random.Random(cfg.seed), budget is not None, cfg.loss_turns,
                    tokenizer_key, cfg.enable_thinking)
-    with atomic_writer(cfg.merged_path) as out, tqdm(desc="merge", unit="rec", mininterval=2.0) as bar:
+    with atomic_writer(cfg.merged_path) as out, progress(desc="merge", unit="rec") as bar:
         for results in ordered_parallel_map(_prepare_chunk, tasks, cfg.workers if budget else 1):
             for rec, zeroed, tokens, join in results:
                 n_in += 1

@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import orjson
-from tqdm import tqdm
 
 from data.config import DataConfig, InputSpec
 from data.io import atomic_write_bytes, atomic_writer, expand_inputs, ordered_parallel_map, read_rows
+from data.progress import progress
 from data.records import MAX_CATEGORY_ID, RecordError, parse_json_field, validate_canonical
 
 MAX_SAMPLE_RATE = 1000  # a larger rate is a typo (1e15 copies would exhaust memory), not a weighting
@@ -411,7 +411,7 @@ def run(cfg: DataConfig) -> dict:
     sizes: dict[str, int] = {}
     uid = 0
     tasks = _tasks(cfg, stats, dropped)
-    with atomic_writer(cfg.canonical_path) as out, tqdm(desc="preprocess", unit="rec", mininterval=2.0) as bar:
+    with atomic_writer(cfg.canonical_path) as out, progress(desc="preprocess", unit="rec") as bar:
         for spec_index, results in ordered_parallel_map(_convert_chunk, tasks, cfg.workers):
             st = stats[spec_index]
             for result in results:

@@ -12,11 +12,11 @@ import math
 
 import numpy as np
 import orjson
-from tqdm import tqdm
 
 from data.config import DataConfig
 from data.io import JsonlIndex, atomic_writer, require_stage_input
 from data.preprocess import MAX_SAMPLE_RATE, check_ratio_names, read_ratio_file
+from data.progress import progress
 from data.report import ReportError, check_arithmetic, update_report
 
 _SHUFFLE_STREAM = 1  # rng streams: (seed, 0, category_id) picks per category, (seed, 1) shuffles the output
@@ -118,8 +118,8 @@ def run(cfg: DataConfig) -> dict:
     records, copies = plan(categories, rates, cfg.seed)
 
     with index, atomic_writer(cfg.sampled_path) as out:
-        for rec_i, copy in tqdm(zip(records.tolist(), copies.tolist()), total=len(records), desc="sample",
-                                unit="rec", mininterval=2.0):
+        for rec_i, copy in progress(zip(records.tolist(), copies.tolist()), total=len(records), desc="sample",
+                                    unit="rec"):
             line = index.read(rec_i)
             if copy:
                 rec = orjson.loads(line)
