@@ -234,10 +234,8 @@ def run(cfg: DataConfig) -> dict:
             pack={"algorithm": cfg.pack.algorithm, "seed": cfg.seed},
             source={"path": str(cfg.tokenized_dir), "kind": src.kind, "counts": src.meta["counts"]},
         )
-        writer.close(
-            meta_extra,
-            extra_files={"stats.json": dump_json(stats) + b"\n", "stats.png": plot_stats(lengths, row_n_tokens, cap)},
-        )
+        png = plot_stats(lengths, row_n_tokens, cap, stats["categories"])
+        writer.close(meta_extra, extra_files={"stats.json": dump_json(stats) + b"\n", "stats.png": png})
     print(format_table(stats), flush=True)
 
     packed = PackedDataset(cfg.packed_dir)
