@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from data import pipeline
-from data.shards import PackedDataset, ShardWriter
+from data.shards import ShardWriter
 from tests.conftest import ROOT
 
 
@@ -189,6 +189,24 @@ def test_disk_full_leaves_a_consistent_report_and_one_line(example_run, tmp_path
     assert "stale" not in report and "failed" not in report
     assert [k for k in report] == list(pipeline.STAGES)
 
+
+
+def test_data_process_sh_ends_a_full_disk_with_one_line(example_run, tmp_path):
+    """The shell entry point: a sitecustomize makes every shard write fail with ENOSPC in the child process."""
+    config, out = _copy_run(example_run, tmp_path)
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import errno\nfrom data import shards\n\n"
+        "def full(self, batch):\n    raise OSError(errno.ENOSPC, 'No space left on device')\n\n"
+        "shards._ShardBuffer._write = full\n")
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{hook}", PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
+    result = subprocess.run(["sh", str(ROOT / "data_process.sh"), str(config), "--stages", "pack"], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    err = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr
+    assert err[-1].startswith("error: pack: no space left on device writing under ") and err[-1].endswith("--stages pack")
 
 # ---------------------------------------------------------------------------------------------- item 9
 def test_max_length_below_the_template_overhead_is_refused_before_any_stage(tmp_path, capsys):
