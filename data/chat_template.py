@@ -41,7 +41,11 @@ def load_chat_tokenizer(tokenizer_path: str, chat_template: str | None = None):
     """A fast tokenizer with a chat template (`chat_template`, a Jinja file, replaces the tokenizer's own)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    except Exception as exc:  # transformers raises many types (OSError, ValueError, JSON errors) for a bad directory
+        raise ConfigError(f"tokenizer_path: cannot load a tokenizer from {tokenizer_path}: {type(exc).__name__}: "
+                          f"{exc}") from None
     if getattr(tokenizer, "backend_tokenizer", None) is None:
         raise ConfigError(f"tokenizer_path: {tokenizer_path} has no fast (Rust) tokenizer; offsets need one")
     if chat_template:

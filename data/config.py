@@ -251,10 +251,25 @@ class DataConfig:
                 if spec.format == "function" and not spec.function:
                     raise ConfigError(f"inputs[{i}]: format 'function' needs function: 'file.py:name'")
         needs_tokenizer = {"tokenize", "merge"} & set(self.stages)
-        if needs_tokenizer and not Path(self.tokenizer_path).exists():
-            raise ConfigError(f"tokenizer_path: {self.tokenizer_path} does not exist")
+        if needs_tokenizer:
+            check_tokenizer_dir(self.tokenizer_path)
         if self.chat_template and not Path(self.chat_template).is_file():
             raise ConfigError(f"chat_template: {self.chat_template} is not a file")
+
+
+def check_tokenizer_dir(path: str) -> None:
+    """`tokenizer_path` must be a local directory holding tokenizer files (their hash identifies the tokenizer)."""
+    from data.shards import TOKENIZER_FILE_NAMES
+
+    where = Path(path)
+    if not where.exists():
+        raise ConfigError(f"tokenizer_path: {path} does not exist")
+    if not where.is_dir():
+        raise ConfigError(f"tokenizer_path: {path} is a file; give the tokenizer's directory (the one holding "
+                          "tokenizer.json / tokenizer_config.json)")
+    if not any((where / name).is_file() for name in TOKENIZER_FILE_NAMES):
+        raise ConfigError(f"tokenizer_path: {path} holds no tokenizer files (looked for "
+                          f"{', '.join(TOKENIZER_FILE_NAMES[:3])}, ...)")
 
 
 def output_config(cfg: DataConfig) -> dict:

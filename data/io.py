@@ -11,6 +11,7 @@ import csv
 import glob
 import multiprocessing
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,8 +20,9 @@ from typing import Any, BinaryIO
 import numpy as np
 import orjson
 
-from data.config import split_spec
+from data.config import DataConfig, split_spec
 from data.records import RecordError
+from data.shards import fsync_dir, stale_temporaries
 
 BATCH_ROWS = 1024
 UTF8_BOM = b"\xef\xbb\xbf"  # some editors and Excel exports start files with it; orjson rejects it
@@ -129,24 +131,31 @@ def _iter_batches(path: str, batches) -> Iterator[tuple[str, dict]]:
 
 
 def _iter_parquet(path: str) -> Iterator[tuple[str, dict]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    with pq.ParquetFile(path) as pf:
-        yield from _iter_batches(path, pf.iter_batches(batch_size=BATCH_ROWS))
+    try:
+        with pq.ParquetFile(path) as pf:
+            yield from _iter_batches(path, pf.iter_batches(batch_size=BATCH_ROWS))
+    except (pa.ArrowException, OSError) as exc:  # empty, truncated or not parquet at all
+        raise RecordError(path, "file", f"not a readable parquet file: {exc}", "malformed_parquet") from None
 
 
 def _iter_arrow(path: str) -> Iterator[tuple[str, dict]]:
     """Arrow IPC, file (random access) or stream format (what `datasets` writes), memory-mapped."""
     import pyarrow as pa
 
-    with pa.memory_map(path, "r") as source:
-        try:
-            reader = pa.ipc.open_file(source)
-            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
-        except pa.ArrowInvalid:
-            source.seek(0)
-            batches = pa.ipc.open_stream(source)
-        yield from _iter_batches(path, batches)
+    try:
+        with pa.memory_map(path, "r") as source:
+            try:
+                reader = pa.ipc.open_file(source)
+                batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            except pa.ArrowInvalid:
+                source.seek(0)
+                batches = pa.ipc.open_stream(source)
+            yield from _iter_batches(path, batches)
+    except (pa.ArrowException, OSError) as exc:
+        raise RecordError(path, "file", f"not a readable Arrow file: {exc}", "malformed_arrow") from None
 
 
 def _iter_csv(path: str) -> Iterator[tuple[str, Any]]:
@@ -223,19 +232,39 @@ def _current_umask() -> int:
 
 @contextlib.contextmanager
 def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
-    """Binary file opened on a temp file next to `path`; renamed over `path` on success, removed on error."""
+    """Binary file opened on a temp file next to `path`; fsynced and renamed over `path` on success (the directory
+    fsynced after), removed on error. The temp name carries the pid (`data.shards.stale_temporaries`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_current_umask())  # mkstemp creates 0600; give the mode open() would
         with os.fdopen(fd, "wb", buffering=1 << 20) as f:
             yield f
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def remove_stale_temporaries(cfg: DataConfig) -> list[tuple[Path, int]]:
+    """Delete what killed runs left behind: temporaries in `output_dir` and the ratio file's, whose writer pid is
+    dead. Returns (path, bytes) of each one removed."""
+    found = stale_temporaries(cfg.out) + stale_temporaries(cfg.ratio_file.parent, [cfg.ratio_file.name])
+    removed = []
+    for path in dict.fromkeys(found):
+        if path.is_dir() and not path.is_symlink():
+            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            shutil.rmtree(path)
+        else:
+            size = path.stat().st_size
+            path.unlink()
+        removed.append((path, size))
+    return removed
 
 
 def require_stage_input(path: str | os.PathLike, stage: str) -> Path:

@@ -21,11 +21,12 @@ import random
 from pathlib import Path
 
 import orjson
-from tqdm import tqdm
 
 from data.chat_template import load_chat_tokenizer
 from data.config import ConfigError, DataConfig
 from data.io import atomic_writer, ordered_parallel_map, require_stage_input
+from data.preflight import tokenizer_identity
+from data.progress import progress
 from data.report import ReportError, check_arithmetic, sorted_counts, update_report
 
 CHUNK_RECORDS = 64
@@ -199,7 +200,7 @@ def run(cfg: DataConfig) -> dict:
 
     tasks = _tasks(require_stage_input(cfg.sampled_path, "sample"), probability, random.Random(cfg.seed), budget is not None, cfg.loss_turns,
                    tokenizer_key, cfg.enable_thinking)
-    with atomic_writer(cfg.merged_path) as out, tqdm(desc="merge", unit="rec", mininterval=2.0) as bar:
+    with atomic_writer(cfg.merged_path) as out, progress(desc="merge", unit="rec") as bar:
         for results in ordered_parallel_map(_prepare_chunk, tasks, cfg.workers if budget else 1):
             for rec, zeroed, tokens, join in results:
                 n_in += 1
@@ -226,6 +227,8 @@ def run(cfg: DataConfig) -> dict:
         "loss_turns": cfg.loss_turns, "labels_zeroed_by_loss_turns": zeroed_total,
         "output": str(cfg.merged_path),
     }
+    if tokenizer_key is not None:  # token counts decided the groups: tokenize must use the same tokenizer
+        section.update(tokenizer_path=str(cfg.tokenizer_path), **tokenizer_identity(cfg))
     if sum(k * v for k, v in group_sizes.items()) != n_in:
         raise ReportError(f"merge groups cover {sum(k * v for k, v in group_sizes.items())} of {n_in} records")
     check_arithmetic(section)

@@ -10,9 +10,9 @@ stats.json and stats.png, and returns the stage's report section.
 from __future__ import annotations
 
 import numpy as np
-from tqdm import tqdm
 
 from data.config import DataConfig, output_config
+from data.progress import progress
 from data.shards import RESERVED_META_KEYS, PackedDataset, ShardWriter, dump_json
 
 ALGORITHMS = ("best_fit", "first_fit")
@@ -208,7 +208,7 @@ def run(cfg: DataConfig) -> dict:
     )
     with writer:
         mapped = 0
-        for members in tqdm(rows, desc="pack", unit="row", mininterval=2.0, disable=None):
+        for members in progress(rows, desc="pack", unit="row"):
             writer.add_row(
                 [src.row_tokens(j) for j in members],
                 record_indices=members,
@@ -234,10 +234,8 @@ def run(cfg: DataConfig) -> dict:
             pack={"algorithm": cfg.pack.algorithm, "seed": cfg.seed},
             source={"path": str(cfg.tokenized_dir), "kind": src.kind, "counts": src.meta["counts"]},
         )
-        writer.close(
-            meta_extra,
-            extra_files={"stats.json": dump_json(stats) + b"\n", "stats.png": plot_stats(lengths, row_n_tokens, cap)},
-        )
+        png = plot_stats(lengths, row_n_tokens, cap, stats["categories"])
+        writer.close(meta_extra, extra_files={"stats.json": dump_json(stats) + b"\n", "stats.png": png})
     print(format_table(stats), flush=True)
 
     packed = PackedDataset(cfg.packed_dir)

@@ -7,13 +7,18 @@ Runs the requested stages (default: the config's `stages`) in pipeline order, ea
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import shutil
 import sys
 import time
 from collections.abc import Callable
 
 from data.config import STAGES, ConfigError, DataConfig, load_config
+from data.io import remove_stale_temporaries
+from data.preflight import preflight
 from data.records import RecordError
+from data.report import record_failure
 
 DEFAULT_CONFIG = "configs/data/example.json"
 
@@ -46,6 +51,7 @@ def load(args: argparse.Namespace, overrides: list[str], stages: list[str] | Non
             raise ConfigError(f"--stages: unknown stage(s) {unknown}; known: {list(STAGES)}")
         cfg.stages = stages
     cfg.validate()
+    preflight(cfg)
     return cfg
 
 
@@ -53,7 +59,17 @@ def run_stage(cfg: DataConfig, stage: str, stage_fn: Callable[[DataConfig], dict
     """Run one stage and print a one-line summary of its report section."""
     fn = stage_fn or importlib.import_module(f"data.{stage}").run
     start = time.perf_counter()
-    section = fn(cfg)
+    try:
+        section = fn(cfg)
+    except OSError as exc:  # a full disk, a permission: the environment, not a bug
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        free = shutil.disk_usage(cfg.out).free if cfg.out.is_dir() else 0
+        message = (f"{stage}: no space left on device writing under {cfg.out} ({free / 1e6:.1f} MB free); its "
+                   f"previous output, if any, is unchanged and report.json lists it under `stale`. Free space, then "
+                   f"re-run: --stages {','.join(s for s in STAGES[STAGES.index(stage):] if s in cfg.stages)}")
+        record_failure(cfg.report_path, stage, message)
+        raise DiskFullError(message) from None
     dropped = section.get("dropped") or {}
     extra = f" dropped={dict(dropped)}" if dropped else ""
     print(f"[{stage}] in={section.get('in')} out={section.get('out')}{extra} "
@@ -61,16 +77,30 @@ def run_stage(cfg: DataConfig, stage: str, stage_fn: Callable[[DataConfig], dict
     return section
 
 
+def clean_up(cfg: DataConfig) -> None:
+    """Remove the temporaries of killed runs (dead writer pid) and say so in one line."""
+    removed = remove_stale_temporaries(cfg)
+    if removed:
+        mb = sum(size for _, size in removed) / 1e6
+        print(f"[cleanup] removed {len(removed)} temporaries of killed runs ({mb:.1f} MB): "
+              f"{', '.join(str(p) for p, _ in removed)}", flush=True)
+
+
 def run_pipeline(cfg: DataConfig) -> dict[str, dict]:
     """Every stage of `cfg.stages`, in pipeline order; returns their report sections."""
+    clean_up(cfg)
     return {stage: run_stage(cfg, stage) for stage in STAGES if stage in cfg.stages}
 
 
+class DiskFullError(OSError):
+    """A stage ran out of disk space (ENOSPC / EDQUOT); the message says where and what to re-run."""
+
+
 def _guard(body: Callable[[], None]) -> None:
-    """User errors (config, bad records, missing files) end with one clear line and exit code 2."""
+    """User errors (config, bad records, missing files, a full disk) end with one clear line and exit code 2."""
     try:
         body()
-    except (ConfigError, RecordError, FileNotFoundError, ValueError) as exc:
+    except (ConfigError, RecordError, FileNotFoundError, ValueError, DiskFullError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
 
@@ -82,6 +112,7 @@ def cli_main(stage_fn: Callable[[DataConfig], dict], stage: str, argv: list[str]
     def body() -> None:
         args, overrides = parse_args(argv, f"python -m data.{stage}", stage_option=False)
         cfg = load(args, overrides, [stage])
+        clean_up(cfg)
         run_stage(cfg, stage, stage_fn)
 
     _guard(body)

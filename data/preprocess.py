@@ -21,14 +21,16 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import orjson
-from tqdm import tqdm
 
 from data.config import DataConfig, InputSpec
 from data.io import atomic_write_bytes, atomic_writer, expand_inputs, ordered_parallel_map, read_rows
+from data.progress import progress
 from data.records import MAX_CATEGORY_ID, RecordError, parse_json_field, validate_canonical
+
+MAX_SAMPLE_RATE = 1000  # a larger rate is a typo (1e15 copies would exhaust memory), not a weighting
 from data.report import check_arithmetic, sorted_counts, update_report
 
 CHUNK_ROWS = 256
@@ -300,11 +302,27 @@ def read_ratio_file(path: str | Path) -> list[dict]:
         if cid in seen_ids or cat["category_name"] in seen_names:
             raise ValueError(f"{where}: duplicate category id {cid} or name {cat['category_name']!r}")
         rate = cat.get("sample_rate", 1.0)
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)):
-            raise ValueError(f"{where}: sample_rate must be a number, got {rate!r}")
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= MAX_SAMPLE_RATE:
+            raise ValueError(f"{where} ({cat['category_name']!r}): sample_rate must be a number in 0..{MAX_SAMPLE_RATE} "
+                             f"(copies of each record), got {rate!r}")
         seen_ids.add(cid)
         seen_names.add(cat["category_name"])
     return cats
+
+
+def check_ratio_names(ratio_cats: list[dict], data_names: Iterable[str], ratio_path: str | Path) -> None:
+    """Every entry of the ratio file must name a category of the data (matched by name, never by id): an entry
+    that matches nothing is a renamed or removed category whose rate would silently apply to nothing.
+    `untracked` (id 0, managed by the pipeline) may be absent from the data."""
+    names = set(data_names)
+    orphans = [c for c in ratio_cats if c["category_name"] not in names and c["category_name"] != UNTRACKED]
+    if orphans:
+        listed = ", ".join(f"{c['category_name']!r} (id {c['category_id']}, sample_rate {c.get('sample_rate', 1.0)})"
+                           for c in orphans)
+        one = len(orphans) == 1
+        raise ValueError(f"{ratio_path}: {'entry' if one else 'entries'} {listed} {'matches' if one else 'match'} no "
+                         f"category of the data (categories: {sorted(names)}); categories are matched by name: put back the data's "
+                         "name if you renamed one, delete the entry if the category is gone")
 
 
 def merge_ratio_categories(existing: list[dict], ids: dict[str, int], sizes: dict[str, int]) -> list[dict]:
@@ -393,7 +411,7 @@ def run(cfg: DataConfig) -> dict:
     sizes: dict[str, int] = {}
     uid = 0
     tasks = _tasks(cfg, stats, dropped)
-    with atomic_writer(cfg.canonical_path) as out, tqdm(desc="preprocess", unit="rec", mininterval=2.0) as bar:
+    with atomic_writer(cfg.canonical_path) as out, progress(desc="preprocess", unit="rec") as bar:
         for spec_index, results in ordered_parallel_map(_convert_chunk, tasks, cfg.workers):
             st = stats[spec_index]
             for result in results:
@@ -417,6 +435,7 @@ def run(cfg: DataConfig) -> dict:
                 st["dropped"] += 1
                 dropped[reason] = dropped.get(reason, 0) + 1
             bar.update(len(results))
+        check_ratio_names(existing, sizes, ratio_path)  # before canonical.jsonl is replaced
     write_ratio_file(ratio_path, merge_ratio_categories(existing, category_ids.ids, sizes))
     section = {
         "in": sum(st["in"] for st in stats), "out": uid, "dropped": sorted_counts(dropped),

@@ -55,18 +55,41 @@ def read_report(path: str | os.PathLike) -> dict:
         return {}
 
 
+def _write_report(path: str | os.PathLike, report: dict) -> None:
+    atomic_write_bytes(path, orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS) + b"\n")
+
+
 def update_report(path: str | os.PathLike, stage: str, section: dict) -> dict:
     """Replace the `stage` section of report.json (read-modify-write, written atomically); returns the report.
 
-    Sections of the stages after `stage` (pipeline order) are removed: they describe an earlier run's outputs,
-    which this stage's new output invalidates, so the report never mixes runs."""
+    Sections of the stages after `stage` (pipeline order) move under `stale`: their outputs, still on disk, come
+    from an earlier run that this stage's new output invalidates. Re-running such a stage takes its section back
+    out of `stale`; a successful stage also clears the `failed` record of an earlier stage failure. So report.json
+    always says what every output on disk is, whichever stage stops a run."""
     report = read_report(path)
+    stale = report.pop("stale", {})
+    report.pop("failed", None)
     if stage in STAGES:
         for later in STAGES[STAGES.index(stage) + 1:]:
-            report.pop(later, None)
+            if later in report:
+                stale[later] = report.pop(later)
+    stale.pop(stage, None)
     report[stage] = section
-    atomic_write_bytes(path, orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS) + b"\n")
+    if stale:
+        report["stale"] = {k: stale[k] for k in STAGES if k in stale}
+    _write_report(path, report)
     return report
+
+
+def record_failure(path: str | os.PathLike, stage: str, error: str) -> None:
+    """Note in report.json that `stage` failed (its output, if any, is the earlier run's: see `stale`). Best
+    effort: on a full disk this write may fail too, and report.json then stays as it was (still consistent)."""
+    report = read_report(path)
+    report["failed"] = {"stage": stage, "error": error}
+    try:
+        _write_report(path, report)
+    except OSError:
+        pass
 
 
 def sorted_counts(counts: dict) -> dict:

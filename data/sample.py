@@ -12,11 +12,11 @@ import math
 
 import numpy as np
 import orjson
-from tqdm import tqdm
 
 from data.config import DataConfig
 from data.io import JsonlIndex, atomic_writer, require_stage_input
-from data.preprocess import read_ratio_file
+from data.preprocess import MAX_SAMPLE_RATE, check_ratio_names, read_ratio_file
+from data.progress import progress
 from data.report import ReportError, check_arithmetic, update_report
 
 _SHUFFLE_STREAM = 1  # rng streams: (seed, 0, category_id) picks per category, (seed, 1) shuffles the output
@@ -61,21 +61,31 @@ def plan(categories: np.ndarray, rates: dict[int, float], seed: int) -> tuple[np
 
 
 def check_rates(ratio_cats: list[dict], present: dict[int, int], ratio_path,
-                names: dict[int, str] | None = None) -> dict[int, float]:
-    """Rates by category id; every category in the data must be in the ratio file with a rate >= 0.
-    `names` (id -> name, from the data) makes the missing-entry error readable."""
-    by_id = {c["category_id"]: c for c in ratio_cats}
-    missing = sorted(cid for cid in present if cid not in by_id)
+                names: dict[int, str]) -> dict[int, float]:
+    """Rates by category id of the data. Entries are matched by name (`names`: id -> name, from the data), as
+    preprocess does: every category of the data needs an entry, every entry a category (`check_ratio_names`),
+    and an entry's id must be the one preprocess gave the data (else the file changed since preprocess)."""
+    by_name = {c["category_name"]: c for c in ratio_cats}
+    missing = sorted(cid for cid in present if names[cid] not in by_name)
     if missing:
-        named = ", ".join(f"{(names or {}).get(cid, '?')!r} (id {cid})" for cid in missing)
+        named = ", ".join(f"{names[cid]!r} (id {cid})" for cid in missing)
         raise SamplingError(f"{ratio_path}: categories {missing} of the data have no entry: {named}; re-run "
                             "preprocess (it adds new categories) or add them by hand")
+    try:
+        check_ratio_names(ratio_cats, [names[cid] for cid in present], ratio_path)
+    except ValueError as exc:
+        raise SamplingError(str(exc)) from None
     rates = {}
     for cid in present:
-        rate = by_id[cid].get("sample_rate", 1.0)
-        if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not math.isfinite(rate) or rate < 0:
-            raise SamplingError(f"{ratio_path}: category {by_id[cid]['category_name']!r} (id {cid}): sample_rate "
-                                f"must be a finite number >= 0, got {rate!r}")
+        entry = by_name[names[cid]]
+        if entry["category_id"] != cid:
+            raise SamplingError(f"{ratio_path}: entry {names[cid]!r} has id {entry['category_id']}, but "
+                                f"canonical.jsonl gives that category id {cid}: the ratio file changed after "
+                                "preprocess; re-run from preprocess")
+        rate = entry.get("sample_rate", 1.0)
+        if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 <= rate <= MAX_SAMPLE_RATE:
+            raise SamplingError(f"{ratio_path}: category {names[cid]!r} (id {cid}): sample_rate must be a number "
+                                f"in 0..{MAX_SAMPLE_RATE}, got {rate!r}")
         rates[cid] = float(rate)
     return rates
 
@@ -108,8 +118,8 @@ def run(cfg: DataConfig) -> dict:
     records, copies = plan(categories, rates, cfg.seed)
 
     with index, atomic_writer(cfg.sampled_path) as out:
-        for rec_i, copy in tqdm(zip(records.tolist(), copies.tolist()), total=len(records), desc="sample",
-                                unit="rec", mininterval=2.0):
+        for rec_i, copy in progress(zip(records.tolist(), copies.tolist()), total=len(records), desc="sample",
+                                    unit="rec"):
             line = index.read(rec_i)
             if copy:
                 rec = orjson.loads(line)

@@ -5,7 +5,8 @@ Layout of a dataset directory:
                                plus what the caller passes (tokenizer path/hash, max_length, config, categories)
     shard_NNNNN.tokens.bin     flat token records (numpy structured dtype, one record per token, no padding)
     shard_NNNNN.rows.npy       per row: token_offset, n_tokens, seq_offset, n_seqs, n_loss_tokens,
-                               n_trained_turns, n_samples (offsets local to the shard)
+                               n_trained_turns, n_samples (offsets local to the shard), checksum (zlib crc32 of
+                               the row's token records, checked on every read: meta.json `row_checksum`)
     shard_NNNNN.seqs.npy       per sequence: length, record_index, n_loss_tokens, n_trained_turns, uid_offset, n_uids
     shard_NNNNN.uids.npy       flat int64 source-record uids of the sequences
 
@@ -17,8 +18,10 @@ import glob
 import hashlib
 import mmap
 import os
+import re
 import shutil
 import uuid
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -27,7 +30,9 @@ import numpy as np
 import orjson
 
 FORMAT_NAME = "packsft-indexed"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-row checksums in rows.npy
+ROW_CHECKSUM = "crc32"  # zlib.crc32 over the bytes of a row's token records, as stored in tokens.bin
+VERIFY_MODES = ("full", "rows", "off")  # PackedDataset(verify=...): + token-file hashes at open | per row | none
 IGNORE_INDEX = -100
 
 # Every token field the format knows, in on-disk order, with its dtype.
@@ -51,6 +56,7 @@ ROW_DTYPE = np.dtype(
         ("n_loss_tokens", "<i8"),
         ("n_trained_turns", "<i8"),
         ("n_samples", "<i8"),
+        ("checksum", "<u4"),
     ]
 )
 SEQ_DTYPE = np.dtype(
@@ -69,7 +75,8 @@ _HASH_CHUNK = 1 << 24
 _IO_BATCH_BYTES = 1 << 22
 
 # Keys of meta.json the writer owns; meta_extra may not replace them.
-RESERVED_META_KEYS = ("format", "format_version", "kind", "token_fields", "counts", "max_token_id", "shards")
+RESERVED_META_KEYS = ("format", "format_version", "row_checksum", "kind", "token_fields", "counts", "max_token_id",
+                      "shards")
 
 TOKENIZER_FILE_NAMES = (
     "tokenizer.json",
@@ -132,6 +139,60 @@ def tokenizer_hash(tokenizer_dir: str | os.PathLike) -> str:
         h.update(len(data).to_bytes(8, "little"))
         h.update(data)
     return h.hexdigest()
+
+
+def temp_sibling(dst: Path, kind: str = "tmp") -> Path:
+    """`.NAME.tmp-PID-RANDOM` next to `dst`: the writer's pid in the name lets a later run tell a killed writer's
+    leftovers (`stale_temporaries`) from a live one's. `kind` is `tmp` (being written) or `old` (set aside)."""
+    return dst.parent / f".{dst.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+_TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-[0-9A-Za-z_]+$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def stale_temporaries(directory: str | os.PathLike, names: Iterable[str] | None = None) -> list[Path]:
+    """Temporaries (`temp_sibling` names) in `directory` whose writer process is dead, for the outputs `names`
+    (None: any). A set-aside `.NAME.old-*` whose NAME is missing is not stale: it is the previous output, which
+    the next writer moves back (`_set_aside`). Pids are of this machine: run one pipeline per output directory."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    wanted = None if names is None else set(names)
+    out = []
+    for entry in sorted(directory.iterdir()):
+        m = _TEMP_NAME.match(entry.name)
+        if not m or (wanted is not None and m["name"] not in wanted) or _pid_alive(int(m["pid"])):
+            continue
+        if m["kind"] == "old" and not (directory / m["name"]).exists():
+            continue
+        out.append(entry)
+    return out
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a directory's entries (renames, new files) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _shard_name(i: int) -> str:
@@ -205,6 +266,8 @@ class _ShardBuffer:
             self._submit()
             if self._pending is not None:
                 self._pending.result()
+            self.file.flush()
+            os.fsync(self.file.fileno())
         finally:
             self._io.shutdown()
             self.file.close()
@@ -243,7 +306,7 @@ class ShardWriter:
         aside = _set_aside(self.out_dir)
         if len(aside) == 1:  # an earlier run died inside replace_dir: put the previous output back first
             os.replace(aside[0], self.out_dir)
-        self.tmp_dir = self.out_dir.parent / f".{self.out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.tmp_dir = temp_sibling(self.out_dir)
         self.tmp_dir.mkdir()
         self._shards: list[dict] = []
         self._current: _ShardBuffer | None = None
@@ -358,8 +421,10 @@ class ShardWriter:
         row_loss = sum(seq_loss)
         row_turns = sum(seq_turns)
         row_samples = sum(1 for x in seq_loss if x > 0)
-        shard.rows.append((shard.n_tokens, n_tok, seq_offset, n, row_loss, row_turns, row_samples))
-        shard.append(row_tokens.view(np.uint8))
+        row_data = row_tokens.view(np.uint8)
+        shard.rows.append((shard.n_tokens, n_tok, seq_offset, n, row_loss, row_turns, row_samples,
+                           zlib.crc32(row_data)))
+        shard.append(row_data)
         shard.n_tokens += n_tok
         shard.n_bytes += row_bytes
         self._add_category_counts(cats, trained)
@@ -412,7 +477,10 @@ class ShardWriter:
         }
         for kind, arr in arrays.items():
             path = self.tmp_dir / _shard_file(shard.name, kind)
-            np.save(path, arr, allow_pickle=False)
+            with open(path, "wb") as f:
+                np.save(f, arr, allow_pickle=False)
+                f.flush()
+                os.fsync(f.fileno())
             files[kind] = {"file": path.name, "bytes": path.stat().st_size, "blake2b": file_blake2b(path)}
         self._shards.append(
             {
@@ -444,10 +512,11 @@ class ShardWriter:
             raise ValueError(f"extra_files may not be named {bad}")
         self._finish_shard()
         for name, data in files.items():
-            (self.tmp_dir / name).write_bytes(data)
+            _write_synced(self.tmp_dir / name, data)
         meta = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
+            "row_checksum": ROW_CHECKSUM,
             "kind": self.kind,
             "token_fields": {name: KNOWN_TOKEN_FIELDS[name] for name in self.token_fields},
             "counts": self.counts,
@@ -455,7 +524,8 @@ class ShardWriter:
             **extra,
             "shards": self._shards,
         }
-        (self.tmp_dir / "meta.json").write_bytes(dump_json(meta))
+        _write_synced(self.tmp_dir / "meta.json", dump_json(meta))
+        fsync_dir(self.tmp_dir)
         self._closed = True
         replace_dir(self.tmp_dir, self.out_dir)
         return orjson.loads(dump_json(meta))
@@ -480,12 +550,14 @@ def replace_dir(src: Path, dst: Path) -> None:
     """Move `src` to `dst`; an existing `dst` is renamed aside first and deleted after the swap.
 
     A process killed between the two renames leaves no `dst` and the previous one at `.NAME.old-*`
-    (`_set_aside`): the next ShardWriter for `dst` moves it back, and reading `dst` meanwhile names it."""
+    (`_set_aside`): the next ShardWriter for `dst` moves it back, and reading `dst` meanwhile names it.
+    The parent directory is fsynced after the swap (`src`'s content is the caller's to sync before)."""
     old = None
     if dst.exists():
-        old = dst.parent / f".{dst.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        old = temp_sibling(dst, "old")
         os.replace(dst, old)
     os.replace(src, dst)
+    fsync_dir(dst.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -518,10 +590,21 @@ def read_meta(path: str | os.PathLike) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise ShardFormatError(f"{meta_path}: not a {FORMAT_NAME} manifest")
     version = meta.get("format_version")
+    if isinstance(version, int) and not isinstance(version, bool) and version < FORMAT_VERSION:
+        raise ShardFormatError(
+            f"{meta_path}: format_version {version} was written by an older PackSFT (this code reads version "
+            f"{FORMAT_VERSION}, which adds per-row checksums); rewrite the dataset by re-running the stage that made "
+            "it: sh data_process.sh CONFIG --stages tokenize,pack"
+        )
     if version != FORMAT_VERSION:
         raise ShardFormatError(
             f"{meta_path}: format_version {version!r} is not supported by this code (expects {FORMAT_VERSION}); "
-            "re-run the tokenize/pack stage"
+            "re-run the tokenize/pack stage with this code, or update PackSFT"
+        )
+    if meta.get("row_checksum") != ROW_CHECKSUM:
+        raise ShardFormatError(
+            f"{meta_path}: row_checksum {meta.get('row_checksum')!r} is not supported (this code checks "
+            f"{ROW_CHECKSUM!r}); re-run the tokenize/pack stage with this code"
         )
     for key in ("kind", "token_fields", "counts", "shards"):
         if key not in meta:
@@ -561,14 +644,18 @@ def _concat_shards(parts: list[np.ndarray], dtype) -> np.ndarray:
 class PackedDataset:
     """Random access to the rows of an indexed dataset (packed/ or tokenized/), all memory-mapped.
 
-    `verify=True` also re-hashes the token files (reads all the data once); index files are always checked.
+    `verify` (VERIFY_MODES): `rows` (default) checks each row's crc32 whenever its tokens are read (`ds[i]`,
+    `gather`, `row_tokens`), also in DataLoader workers; `full` also re-hashes the token files at open (reads all
+    the data once); `off` checks neither (True / False mean `full` / `off`). Index files are always hashed.
     `ds[i]` copies the row out and then drops the mapping of those pages (`release_pages`), so the resident
     set stays flat while an epoch reads every row; the data stays in the page cache, shared by all readers.
     """
 
-    def __init__(self, path: str | os.PathLike, verify: bool = False, release_pages: bool = True):
+    def __init__(self, path: str | os.PathLike, verify: str | bool = "rows", release_pages: bool = True):
         self.path = Path(path)
-        self.verify = verify
+        self.verify = {True: "full", False: "off"}.get(verify, verify) if isinstance(verify, bool) else verify
+        if self.verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         self.release_pages = release_pages and hasattr(mmap, "MADV_DONTNEED")
         self._open(hash_index=True)
 
@@ -597,7 +684,7 @@ class PackedDataset:
                     raise ShardFormatError(
                         f"{fpath}: size {size} bytes, manifest says {entry['bytes']} (truncated or overwritten)"
                     )
-                hashed = self.verify if kind == "tokens" else hash_index
+                hashed = self.verify == "full" if kind == "tokens" else hash_index
                 if hashed and file_blake2b(fpath) != entry["blake2b"]:
                     raise ShardFormatError(f"{fpath}: checksum mismatch (corrupt shard)")
             tok_path = self.path / files["tokens"]["file"]
@@ -642,12 +729,14 @@ class PackedDataset:
 
     # ------------------------------------------------------------------ pickling (DataLoader workers)
     def __getstate__(self) -> dict:
-        """Only the path travels; the copy re-maps the files (sizes re-checked, checksums already were)."""
-        return {"path": self.path, "release_pages": self.release_pages}
+        """Only the path travels; the copy re-maps the files (sizes re-checked, file hashes already were) and keeps
+        checking rows unless verification is off."""
+        return {"path": self.path, "release_pages": self.release_pages,
+                "verify": "off" if self.verify == "off" else "rows"}
 
     def __setstate__(self, state: dict) -> None:
         self.path = state["path"]
-        self.verify = False
+        self.verify = state["verify"]
         self.release_pages = state["release_pages"]
         self._open(hash_index=False)
 
@@ -668,12 +757,33 @@ class PackedDataset:
         shard = int(np.searchsorted(self._row_starts, i, side="right")) - 1
         return shard, i - int(self._row_starts[shard])
 
-    def row_tokens(self, i: int) -> np.ndarray:
-        """The structured token records of row `i` (a memory-mapped view, nothing copied)."""
-        shard, r = self._locate(i)
+    def _checked_view(self, shard: int, r: int) -> np.ndarray:
+        """The token records of row `r` of `shard` (a memory-mapped view), checked against the row's crc32."""
         row = self._rows[shard][r]
         off, n = int(row["token_offset"]), int(row["n_tokens"])
-        return self._tokens[shard][off : off + n]
+        view = self._tokens[shard][off : off + n]
+        if self.verify == "off":
+            return view
+        if off < 0 or view.shape[0] != n:
+            self._corrupt(shard, r, f"the index places it at tokens {off}..{off + n}, outside the shard")
+        actual = zlib.crc32(view.view(np.uint8))
+        if actual != int(row["checksum"]):
+            self._corrupt(shard, r, f"{ROW_CHECKSUM} of its {n} token records is {actual:#010x}, the index says "
+                          f"{int(row['checksum']):#010x}")
+        return view
+
+    def _corrupt(self, shard: int, r: int, what: str) -> None:
+        name = self.meta["shards"][shard]["files"]["tokens"]["file"]
+        stage = "tokenize,pack" if self.kind == "tokenized" else "pack"
+        raise ShardFormatError(
+            f"{self.path / name}: row {int(self._row_starts[shard]) + r} (row {r} of the shard) is corrupt: {what}; "
+            f"the file changed after it was written: re-create {self.path} (sh data_process.sh CONFIG --stages "
+            f"{stage}) and check the disk"
+        )
+
+    def row_tokens(self, i: int) -> np.ndarray:
+        """The structured token records of row `i` (a memory-mapped view, nothing copied; checked per `verify`)."""
+        return self._checked_view(*self._locate(i))
 
     def row_sequences(self, i: int) -> np.ndarray:
         """The per-sequence index records (SEQ_DTYPE) of row `i`."""
@@ -700,15 +810,14 @@ class PackedDataset:
 
         Each field is copied straight from the mapped shards (one copy); with `release_pages` the pages read are
         then unmapped from this process."""
-        tokens, seqs = [], []
+        tokens, seqs, views = [], [], []
         for i in rows:
             shard, r = self._locate(i)
             row = self._rows[shard][r]
-            off, n = int(row["token_offset"]), int(row["n_tokens"])
             so, ns = int(row["seq_offset"]), int(row["n_seqs"])
-            tokens.append((shard, off, n))
+            tokens.append((shard, int(row["token_offset"]), int(row["n_tokens"])))
             seqs.append(self._seqs[shard][so : so + ns])
-        views = [self._tokens[shard][off : off + n] for shard, off, n in tokens]
+            views.append(self._checked_view(shard, r))
         if not views:
             out = {name: np.zeros(0, dtype=self.dtype[name]) for name in self.token_fields}
             out["seq_lens"] = np.zeros(0, dtype=np.int64)

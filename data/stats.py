@@ -1,4 +1,5 @@
-"""Packing statistics: stats.json content, the printed table and stats.png (length histogram, row fill)."""
+"""Packing statistics: stats.json content, the printed table and stats.png (length histogram, row fill,
+per-category shares)."""
 from __future__ import annotations
 
 import io
@@ -92,8 +93,19 @@ def format_table(stats: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_stats(seq_lengths: np.ndarray, row_n_tokens: np.ndarray, max_length: int) -> bytes:
-    """stats.png: sequence-length histogram (log-spaced bins, log counts) and the histogram of row fill."""
+def category_shares(categories: Mapping[int, dict]) -> tuple[list[str], list[float], list[float]]:
+    """(labels, token shares, loss-token shares) per category of stats.json's `categories`, in id order."""
+    labels = [f"{cid}:{c['name']}" for cid, c in categories.items()]
+    tokens = sum(c["tokens"] for c in categories.values())
+    loss = sum(c["loss_tokens"] for c in categories.values())
+    return (labels, [c["tokens"] / tokens if tokens else 0.0 for c in categories.values()],
+            [c["loss_tokens"] / loss if loss else 0.0 for c in categories.values()])
+
+
+def stats_figure(seq_lengths: np.ndarray, row_n_tokens: np.ndarray, max_length: int,
+                 categories: Mapping[int, dict] | None = None):
+    """The stats.png figure: sequence-length histogram (log-spaced bins, log counts), the histogram of row fill,
+    and each category's share of the tokens and of the loss tokens (`categories`: stats.json's)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -101,8 +113,8 @@ def plot_stats(seq_lengths: np.ndarray, row_n_tokens: np.ndarray, max_length: in
 
     seq_lengths = np.asarray(seq_lengths)
     fill = np.asarray(row_n_tokens) / max_length
-    fig = Figure(figsize=(11, 4), dpi=100)
-    ax1, ax2 = fig.subplots(1, 2)
+    fig = Figure(figsize=(16, 4), dpi=100)
+    ax1, ax2, ax3 = fig.subplots(1, 3)
     if seq_lengths.size:
         hi = max(int(seq_lengths.max()), 2)
         bins = np.unique(np.geomspace(1, hi + 1, 60).astype(np.int64))
@@ -121,7 +133,25 @@ def plot_stats(seq_lengths: np.ndarray, row_n_tokens: np.ndarray, max_length: in
     ax2.set_xlabel("row fill (tokens / max_length)")
     ax2.set_ylabel("rows")
     ax2.set_title(f"{fill.size:,} rows, mean fill {mean_fill:.2%}")
-    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.13, top=0.92, wspace=0.22)  # fixed: tight_layout is slow
+    labels, token_share, loss_share = category_shares(categories or {})
+    y = np.arange(len(labels))
+    ax3.barh(y - 0.2, token_share, height=0.4, color="#3b75af", label="tokens")
+    ax3.barh(y + 0.2, loss_share, height=0.4, color="#dd8452", label="loss tokens")
+    ax3.set_yticks(y, [label[:20] for label in labels])
+    ax3.invert_yaxis()
+    ax3.set_xlim(0, 1)
+    ax3.set_xlabel("share")
+    ax3.set_title("per-category shares")
+    if labels:
+        ax3.legend(loc="lower right")
+    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.13, top=0.92, wspace=0.3)  # fixed: tight_layout is slow
+    return fig
+
+
+def plot_stats(seq_lengths: np.ndarray, row_n_tokens: np.ndarray, max_length: int,
+               categories: Mapping[int, dict] | None = None) -> bytes:
+    """stats.png (`stats_figure`) as PNG bytes, without a timestamp (so it is deterministic)."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", metadata={"Software": None})
+    stats_figure(seq_lengths, row_n_tokens, max_length, categories).savefig(buf, format="png",
+                                                                            metadata={"Software": None})
     return buf.getvalue()

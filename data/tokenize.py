@@ -23,10 +23,10 @@ from typing import Any, Iterator
 
 import numpy as np
 import orjson
-from tqdm import tqdm
 
 from data.chat_template import SpanError, TemplateInfo, analyze_template, assistant_spans, load_chat_tokenizer
 from data.config import ConfigError, DataConfig, output_config, to_dict
+from data.progress import progress
 from data.records import RecordError, message_category, record_uids, validate_canonical
 from data.report import check_arithmetic, sorted_counts, update_report
 from data.shards import (IGNORE_INDEX, REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, ShardWriter, file_blake2b,
@@ -395,8 +395,7 @@ def run(cfg: DataConfig, workers: int | None = None) -> dict:
 
     # closing the stream on an error stops the worker pool at once
     with writer, contextlib.closing(_ordered_results(cfg, ctx, workers)) as stream, \
-            tqdm(total=os.path.getsize(cfg.merged_path), unit="B", unit_scale=True, desc="tokenize",
-                 disable=None) as bar:
+            progress(total=os.path.getsize(cfg.merged_path), unit="B", unit_scale=True, desc="tokenize") as bar:
         for results, n_bytes in stream:
             for res in results:
                 n_in += 1

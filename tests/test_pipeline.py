@@ -121,7 +121,7 @@ def test_negative_seed_and_empty_shard_size_are_config_errors(tmp_path, capsys, 
     assert message in capsys.readouterr().err
 
 
-def test_a_stage_section_removes_the_sections_of_later_stages(tmp_path):
+def test_a_stage_section_moves_the_sections_of_later_stages_to_stale(tmp_path):
     from data.report import update_report
 
     path = tmp_path / "report.json"
@@ -129,8 +129,13 @@ def test_a_stage_section_removes_the_sections_of_later_stages(tmp_path):
         update_report(path, stage, {"in": 1, "out": 1, "dropped": {}, "run": 1})
     update_report(path, "sample", {"in": 2, "out": 2, "dropped": {}, "run": 2})
     report = read_report(path)
-    assert list(report) == ["preprocess", "sample"]
+    assert list(report) == ["preprocess", "sample", "stale"]
     assert report["preprocess"]["run"] == 1 and report["sample"]["run"] == 2
+    assert list(report["stale"]) == ["merge", "tokenize", "pack"]
+    assert all(section["run"] == 1 for section in report["stale"].values())
+    for stage in ("merge", "tokenize", "pack"):
+        update_report(path, stage, {"in": 2, "out": 2, "dropped": {}, "run": 2})
+    assert list(read_report(path)) == ["preprocess", "sample", "merge", "tokenize", "pack"]
 
 
 def test_tokenize_module_cli_takes_a_positional_config_and_exits_2(tmp_path):

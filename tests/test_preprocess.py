@@ -271,14 +271,19 @@ def test_ratio_file_update_semantics(tmp_path):
     _jsonl(tmp_path / "a.jsonl", qa * 5)
     g = _jsonl(tmp_path / "g.jsonl", qa)
     cfg.inputs = [InputSpec(path=[g], category_name="gamma"), InputSpec(path=[a], category_name="alpha")]
+    before = cfg.canonical_path.read_bytes()
+    with pytest.raises(ValueError, match=r"ratios.json: entry 'beta' \(id 2, sample_rate 1.0\) matches no category of the "
+                       r"data \(categories: \['alpha', 'gamma'\]\); .*delete the entry if the category is gone"):
+        preprocess.run(cfg)  # an entry without data is an error (untracked, managed by the pipeline, may go)
+    assert cfg.canonical_path.read_bytes() == before
+    preprocess.write_ratio_file(cfg.ratio_file, [c for c in cats if c["category_name"] != "beta"])
     preprocess.run(cfg)
     assert preprocess.read_ratio_file(cfg.ratio_file) == [
         {"category_id": 0, "category_name": "untracked", "size": 0, "sample_rate": 1.0},
         {"category_id": 1, "category_name": "alpha", "size": 5, "sample_rate": 0.25},
-        {"category_id": 2, "category_name": "beta", "size": 0, "sample_rate": 1.0},
-        {"category_id": 3, "category_name": "gamma", "size": 1, "sample_rate": 1.0},
+        {"category_id": 2, "category_name": "gamma", "size": 1, "sample_rate": 1.0},  # beta's id was freed
     ]
-    assert [r["meta"]["category_id"] for r in iter_jsonl(cfg.canonical_path)] == [3] + [1] * 5
+    assert [r["meta"]["category_id"] for r in iter_jsonl(cfg.canonical_path)] == [2] + [1] * 5
 
 
 def test_ratio_file_invalid(tmp_path):
@@ -290,6 +295,32 @@ def test_ratio_file_invalid(tmp_path):
     path.write_bytes(orjson.dumps({"categories": [{"category_id": 40000, "category_name": "big"}]}))
     with pytest.raises(ValueError, match=r"r.json: categories\[0\]: category_id must be an integer in 0..32767"):
         preprocess.read_ratio_file(path)
+    for rate in (-0.5, 1e15, True, "2"):
+        path.write_bytes(orjson.dumps({"categories": [{"category_id": 1, "category_name": "a", "sample_rate": rate}]}))
+        with pytest.raises(ValueError, match=r"r.json: categories\[0\] \('a'\): sample_rate must be a number in "
+                           r"0..1000 \(copies of each record\), got "):
+            preprocess.read_ratio_file(path)
+    path.write_bytes(b'{"categories": [{"category_id": 1, "category_name": "a", "sample_rate": NaN}]}')
+    with pytest.raises(ValueError, match="r.json: invalid JSON"):
+        preprocess.read_ratio_file(path)
+
+
+def test_renamed_ratio_entry_is_an_error_not_a_new_category(tmp_path):
+    """Renaming `math` to `maths` (rate 0.5) in the ratio file used to re-id the data's `math` and drop the rate."""
+    qa = [{"question": "q", "answer": "a"}]
+    cfg = make_cfg(tmp_path, [InputSpec(path=[_jsonl(tmp_path / "m.jsonl", qa * 4)], category_name="math"),
+                              InputSpec(path=[_jsonl(tmp_path / "c.jsonl", qa * 2)], category_name="chat")])
+    preprocess.run(cfg)
+    cats = preprocess.read_ratio_file(cfg.ratio_file)
+    cats[0].update(category_name="maths", sample_rate=0.5)
+    preprocess.write_ratio_file(cfg.ratio_file, cats)
+    message = r"entry 'maths' \(id 1, sample_rate 0.5\) matches no category of the data \(categories: \['chat', 'math'\]\)"
+    with pytest.raises(ValueError, match=message):
+        preprocess.run(cfg)
+    from data import sample
+
+    with pytest.raises(sample.SamplingError, match=r"categories \[1\] of the data have no entry: 'math' \(id 1\)"):
+        sample.run(cfg)  # sample matches by name too (it matched by id: `maths` got math's rate)
 
 
 # ---------------------------------------------------------------------------------------------- workers

@@ -89,9 +89,30 @@ def test_run_writes_sampled_records_with_copies_and_report(tmp_path, capsys):
     assert cfg.sampled_path.read_bytes() == first
 
 
-def test_negative_rate_is_an_error(tmp_path):
+def test_bad_rates_are_errors(tmp_path):
     cfg = _setup(tmp_path, {"a": -0.5}, {"a": 2})
-    with pytest.raises(sample.SamplingError, match=r"category 'a' \(id 1\): sample_rate must be a finite number >= 0"):
+    with pytest.raises(ValueError, match=r"\('a'\): sample_rate must be a number in 0..1000 \(copies of each "
+                       r"record\), got -0.5"):
+        sample.run(cfg)
+    for rate in (-0.5, float("nan"), float("inf"), 1e15):
+        with pytest.raises(sample.SamplingError, match=r"category 'a' \(id 1\): sample_rate must be a number in "
+                           r"0..1000, got "):
+            sample.check_rates([{"category_id": 1, "category_name": "a", "sample_rate": rate}], {1: 2}, "r.json",
+                               {1: "a"})
+
+
+def test_ratio_entries_are_matched_by_name(tmp_path):
+    cfg = _setup(tmp_path, {"a": 1.0, "b": 0.5}, {"a": 2, "b": 2})
+    cats = [{"category_id": 2, "category_name": "a", "sample_rate": 1.0},
+            {"category_id": 1, "category_name": "b", "sample_rate": 0.5}]
+    write_ratio_file(cfg.ratio_file, cats)  # ids swapped by hand: matching by id would give `a` the rate 0.5
+    with pytest.raises(sample.SamplingError, match=r"entry 'a' has id 2, but canonical.jsonl gives that category id "
+                       r"1: the ratio file changed after preprocess; re-run from preprocess"):
+        sample.run(cfg)
+    write_ratio_file(cfg.ratio_file, [{"category_id": 1, "category_name": "a", "sample_rate": 1.0},
+                                      {"category_id": 2, "category_name": "b", "sample_rate": 1.0},
+                                      {"category_id": 3, "category_name": "c", "sample_rate": 2.0}])
+    with pytest.raises(sample.SamplingError, match=r"entry 'c' \(id 3, sample_rate 2.0\) matches no category"):
         sample.run(cfg)
 
 

@@ -226,7 +226,7 @@ def test_corrupt_token_shard_needs_verify(tmp_path, rows):
     data = bytearray(f.read_bytes())
     data[5] ^= 0xFF  # same size, different bytes
     f.write_bytes(bytes(data))
-    PackedDataset(tmp_path / "ds")  # sizes match: the cheap open does not read token data
+    PackedDataset(tmp_path / "ds")  # sizes match: the cheap open does not read token data (rows are checked on read)
     with pytest.raises(ShardFormatError, match=r"shard_00003\.tokens\.bin: checksum mismatch"):
         PackedDataset(tmp_path / "ds", verify=True)
 
@@ -257,6 +257,82 @@ def test_version_mismatch(tmp_path, rows):
     (tmp_path / "ds" / "meta.json").write_bytes(orjson.dumps(meta))
     with pytest.raises(ShardFormatError, match=f"format_version {FORMAT_VERSION + 1} is not supported"):
         PackedDataset(tmp_path / "ds")
+
+
+def test_older_format_version_says_what_to_do(tmp_path, rows):
+    write_rows(tmp_path / "ds", rows)
+    meta = _meta(tmp_path / "ds")
+    meta["format_version"] = 1
+    (tmp_path / "ds" / "meta.json").write_bytes(orjson.dumps(meta))
+    with pytest.raises(ShardFormatError, match=r"format_version 1 was written by an older PackSFT .* per-row "
+                       r"checksums.*--stages tokenize,pack"):
+        PackedDataset(tmp_path / "ds")
+
+
+def test_unknown_row_checksum_algorithm(tmp_path, rows):
+    write_rows(tmp_path / "ds", rows)
+    meta = _meta(tmp_path / "ds")
+    assert meta["row_checksum"] == "crc32"
+    meta["row_checksum"] = "xxh3"
+    (tmp_path / "ds" / "meta.json").write_bytes(orjson.dumps(meta))
+    with pytest.raises(ShardFormatError, match="row_checksum 'xxh3' is not supported"):
+        PackedDataset(tmp_path / "ds")
+
+
+def _flip_token_field(path, row, field, token=1):
+    """Flip one bit of `field` of token `token` of row `row` in place (one-shard dataset)."""
+    ds = PackedDataset(path, verify="off")
+    assert row < len(ds._rows[0])
+    rec = ds._rows[0][row]
+    byte = (int(rec["token_offset"]) + token) * ds.dtype.itemsize + ds.dtype.fields[field][1]
+    f = path / "shard_00000.tokens.bin"
+    data = bytearray(f.read_bytes())
+    data[byte] ^= 0x01
+    f.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("field", ["input_ids", "labels", "turn_ids"])
+def test_one_flipped_byte_stops_the_read_of_its_row(tmp_path, rows, field):
+    write_rows(tmp_path / "ds", rows)
+    _flip_token_field(tmp_path / "ds", 2, field)
+    ds = PackedDataset(tmp_path / "ds")  # default verify="rows": the open stays cheap
+    ds[0], ds[1], ds[3]  # the other rows read fine
+    expected = (r"shard_00000\.tokens\.bin: row 2 \(row 2 of the shard\) is corrupt: crc32 of its \d+ token records "
+                r"is 0x[0-9a-f]{8}, the index says 0x[0-9a-f]{8}; .*re-create .* --stages pack")
+    for read in (lambda: ds[2], lambda: ds.gather([0, 2]), lambda: ds.row_tokens(2)):
+        with pytest.raises(ShardFormatError, match=expected):
+            read()
+    copy = pickle.loads(pickle.dumps(ds))  # what a DataLoader worker gets
+    with pytest.raises(ShardFormatError, match=expected):
+        copy[2]
+    unchecked = PackedDataset(tmp_path / "ds", verify="off")
+    assert unchecked[2]["input_ids"].shape[0] == ds.row_n_tokens[2]
+    with pytest.raises(ShardFormatError, match="checksum mismatch"):
+        PackedDataset(tmp_path / "ds", verify="full")
+
+
+def test_corrupt_row_stops_a_dataloader_worker(tmp_path, rows):
+    torch = pytest.importorskip("torch")
+    write_rows(tmp_path / "ds", rows)
+    _flip_token_field(tmp_path / "ds", 4, "labels")
+    loader = torch.utils.data.DataLoader(PackedDataset(tmp_path / "ds"), batch_size=None, num_workers=1,
+                                         collate_fn=lambda row: row)
+    with pytest.raises(ShardFormatError, match=r"row 4 \(row 4 of the shard\) is corrupt"):
+        for _ in loader:
+            pass
+
+
+def test_tokenized_corruption_names_tokenize_and_pack(tmp_path, rows):
+    write_rows(tmp_path / "ds", [r[:1] for r in rows], kind="tokenized")
+    _flip_token_field(tmp_path / "ds", 0, "input_ids", token=0)
+    with pytest.raises(ShardFormatError, match="--stages tokenize,pack"):
+        PackedDataset(tmp_path / "ds")[0]
+
+
+def test_verify_mode_is_checked(tmp_path, rows):
+    write_rows(tmp_path / "ds", rows)
+    with pytest.raises(ValueError, match=r"verify must be one of \('full', 'rows', 'off'\), got 'yes'"):
+        PackedDataset(tmp_path / "ds", verify="yes")
 
 
 def test_manifest_does_not_parse(tmp_path, rows):

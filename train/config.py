@@ -51,6 +51,8 @@ class TrainConfig:
     model_config: str | None = None  # or: an HF config.json, random init (the CPU example)
     tokenizer_path: str | None = None  # exported with the model; default: model_path, then the shards' tokenizer
     eval_data_path: str | None = None
+    # per-row crc32 of the shards checked on every read (rows), + whole-file hashes at start (full), or none (off)
+    verify_data: Literal["full", "rows", "off"] = "rows"
     max_steps: int | None = None  # optimizer steps; None: num_epochs over the data
     num_epochs: int = 1
     micro_batch_rows: int = 1  # packed rows concatenated into one micro-batch

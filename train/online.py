@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from data.pack import ALGORITHMS, plan
-from data.shards import SEQ_DTYPE, PackedDataset, ShardFormatError
+from data.shards import SEQ_DTYPE, PackedDataset, ShardFormatError, read_meta
 
 __all__ = ["OnlinePackedDataset", "epoch_plan", "open_train_dataset"]
 
@@ -45,12 +45,13 @@ class OnlinePackedDataset:
         seed: int = 0,
         algorithm: str = "best_fit",
         epoch: int = 0,
+        verify: str = "rows",
     ):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)) or max_length <= 0:
             raise ValueError(f"max_length must be a positive integer, got {max_length!r}")
-        self.source = PackedDataset(tokenized_dir)
+        self.source = PackedDataset(tokenized_dir, verify=verify)
         self.path = Path(tokenized_dir)
         self.max_length = int(max_length)
         self.seed = int(seed)
@@ -178,17 +179,19 @@ class OnlinePackedDataset:
 
 
 def open_train_dataset(
-    path: str | os.PathLike, max_length: int | None = None, seed: int = 0, algorithm: str = "best_fit"
+    path: str | os.PathLike, max_length: int | None = None, seed: int = 0, algorithm: str = "best_fit",
+    verify: str = "rows",
 ):
     """A packed/ directory as a PackedDataset; a tokenized/ directory as an OnlinePackedDataset.
 
     For tokenized data `max_length` is the row capacity (default: the `max_length` in its meta.json).
+    `verify` is PackedDataset's (data.shards.VERIFY_MODES): the trainer's `verify_data`.
     """
-    ds = PackedDataset(path)
-    if ds.kind != "tokenized":
-        return ds
+    meta = read_meta(path)
+    if meta["kind"] != "tokenized":
+        return PackedDataset(path, verify=verify)
     if max_length is None:
-        max_length = ds.meta.get("max_length")
+        max_length = meta.get("max_length")
         if max_length is None:
             raise ValueError(f"{path}: tokenized data without max_length in meta.json; pass max_length")
-    return OnlinePackedDataset(path, int(max_length), seed=seed, algorithm=algorithm)
+    return OnlinePackedDataset(path, int(max_length), seed=seed, algorithm=algorithm, verify=verify)

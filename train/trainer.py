@@ -206,7 +206,7 @@ class Trainer:
 
         from train.online import open_train_dataset
 
-        self.dataset = open_train_dataset(cfg.data_path, cfg.online_max_length, seed=cfg.seed)
+        self.dataset = open_train_dataset(cfg.data_path, cfg.online_max_length, seed=cfg.seed, verify=cfg.verify_data)
         self.categories = {int(k): v for k, v in (self.dataset.meta.get("categories") or {}).items()}
         self.num_categories = max([0, *self.categories]) + 1
         self.structure = "block_ids" in self.dataset.token_fields
