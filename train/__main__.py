@@ -30,6 +30,11 @@ def launch_args(cfg) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        from train.config import help_text
+
+        print(help_text())
+        return 0
     if argv and argv[0] == "--launch-args":  # train.sh: print the accelerate launch options of the config
         from train.config import load_config
 
