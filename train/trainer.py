@@ -35,11 +35,17 @@ import train.attention  # noqa: F401  (registers attn_implementation="packsft")
 from train.attention import ATTN_IMPLEMENTATION, AttentionContext
 from train.batch import make_batch, step_totals
 from train.checkpoint import (
+    CheckpointError,
     checkpoint_root,
+    choose_checkpoint,
+    data_mismatch,
+    dataset_identity,
     discard_checkpoints,
     load_rng,
     load_trainer_state,
-    resolve_resume,
+    remove_stale_temporaries,
+    resume_candidates,
+    safe_load,
     save_checkpoint,
 )
 from train.config import ConfigError, TrainConfig
@@ -287,6 +293,10 @@ class Trainer:
                 for p in self.model.parameters():
                     dist.broadcast(p.data, src=0)
 
+    def _warn(self, text: str) -> None:
+        if self.mesh.is_main:
+            logger.warning(text)
+
     def _console_write(self, text: str) -> None:
         if self._bar is not None:
             self._bar.write(text)
@@ -440,7 +450,18 @@ class Trainer:
     def _trainer_state(self) -> dict:
         epoch, in_epoch = self.sampler.position(self.step)
         return {"step": self.step, "epoch": epoch, "step_in_epoch": in_epoch, "total_steps": self.total_steps,
-                "seed": self.cfg.seed, "world_size": self.mesh.world_size}
+                "seed": self.cfg.seed, "world_size": self.mesh.world_size, "data": self._data_identity()}
+
+    def _data_identity(self) -> dict:
+        return dataset_identity(self.cfg.data_path, len(self.dataset))
+
+    def _state_bytes_estimate(self) -> int:
+        """Size of a first checkpoint: the weights plus two fp32 Adam moments per trainable parameter."""
+        total = 0
+        for p in self.model.parameters():
+            numel = getattr(p, "ds_numel", p.numel())  # ZeRO-3 partitions: the full size
+            total += numel * p.element_size() + (8 * numel if p.requires_grad else 0)
+        return total
 
     def save(self) -> Path:
         def save_fn(tmp: Path) -> None:
@@ -452,13 +473,16 @@ class Trainer:
                 torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
 
         path = save_checkpoint(self.cfg.output_dir, self.step, self.mesh.rank, save_fn, self._trainer_state(),
-                               self.cfg.save_total_limit)
+                               self.cfg.save_total_limit, estimate_bytes=self._state_bytes_estimate())
         self._saved_step = self.step
         return path
 
     def _maybe_resume(self) -> None:
-        path = resolve_resume(self.cfg.resume, self.cfg.output_dir)
-        if path is None:
+        if self.mesh.is_main:
+            for stale in remove_stale_temporaries(self.cfg.output_dir):  # a killed save's partial files
+                logger.warning("removed %s, left by a save that did not finish", stale)
+        candidates = resume_candidates(self.cfg.resume, self.cfg.output_dir)
+        if not candidates:
             if self.mesh.is_main:  # a new run: no records of an earlier run in the same output_dir
                 truncate_log(self.cfg.output_dir, 0)
                 if self.cfg.resume == "none" and self.cfg.overwrite_output_dir:
@@ -466,7 +490,16 @@ class Trainer:
             if self.cfg.resume == "latest":
                 self.console(f"resume=latest: no checkpoint in {self.cfg.output_dir}, starting from step 0")
             return
+        path = choose_checkpoint(candidates, self.cfg.resume_corrupt, warn=self._warn)
         state = load_trainer_state(path)
+        mismatch = data_mismatch(state.get("data"), self._data_identity())
+        if mismatch:
+            if self.cfg.resume_data_mismatch == "error":
+                raise CheckpointError(
+                    f"resume from {path}: {mismatch}; resume with the same data_path, or set "
+                    "resume_data_mismatch=allow to continue on the new data (the sampler order then differs)"
+                )
+            self._warn(f"resume from {path}: {mismatch} (resume_data_mismatch=allow: continuing)")
         saved_world = state.get("world_size")
         if saved_world is not None and int(saved_world) != self.mesh.world_size:
             raise RuntimeError(
@@ -480,9 +513,9 @@ class Trainer:
         else:
             if not (path / "model.pt").is_file():
                 raise RuntimeError(f"{path} was saved with DeepSpeed; resume with the same deepspeed.stage")
-            self.model.load_state_dict(torch.load(path / "model.pt", map_location=self.device))
-            self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device))
-            self.scheduler.load_state_dict(torch.load(path / "scheduler.pt"))
+            self.model.load_state_dict(safe_load(path / "model.pt"))
+            self.optimizer.load_state_dict(safe_load(path / "optimizer.pt"))  # moves the state to the params' device
+            self.scheduler.load_state_dict(safe_load(path / "scheduler.pt"))
         load_rng(path, self.mesh.rank)
         self.step = int(state["step"])
         if path.resolve().parent == checkpoint_root(self.cfg.output_dir).resolve() and not path.name.startswith("."):
