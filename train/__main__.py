@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import sys
 
 from data.config import ConfigError
@@ -28,6 +29,19 @@ def launch_args(cfg) -> list[str]:
     return args
 
 
+def resume_command(config_path: str, overrides: list[str]) -> str:
+    """The command that continues a run stopped by stop_at_step: the same config and overrides with resume=latest
+    (and stop_at_step=null when the YAML file sets one)."""
+    from train.config import load_config
+
+    own = ("resume", "stop_at_step")
+    kept = [o for o in overrides if o.split("=", 1)[0].strip() not in own]
+    extra = ["resume=latest"]
+    if load_config(config_path, kept).stop_at_step is not None:
+        extra.append("stop_at_step=null")
+    return "sh train.sh " + shlex.join([config_path, *kept, *extra])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
@@ -49,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     config_path = argv.pop(0) if argv and "=" not in argv[0] else DEFAULT_CONFIG
+    overrides = list(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from train.config import load_config
 
@@ -57,11 +72,22 @@ def main(argv: list[str] | None = None) -> int:
         cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))  # before the model (and most imports) load
         from train.trainer import Trainer
 
+        from train.checkpoint import CheckpointError
+
         trainer = Trainer(cfg, validate=False)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    trainer.train()
+    except CheckpointError as exc:  # resume: no usable checkpoint, other data
+        print(f"checkpoint error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        trainer.train()
+    except CheckpointError as exc:  # a save: full disk, write error
+        print(f"checkpoint error: {exc}", file=sys.stderr)
+        return 1
+    if trainer.step < trainer.total_steps and trainer.mesh.is_main:
+        print(f"resume with: {resume_command(config_path, overrides)}", flush=True)
     import torch.distributed as dist
 
     if dist.is_initialized():

@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import random
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -208,6 +209,11 @@ class Trainer:
         self.mesh: Mesh = build_mesh(cfg.sequence_parallel_size)
         self.device = self.mesh.device
         self.console = console or (print if self.mesh.is_main else (lambda *_: None))
+        self.progress_bar = sys.stderr.isatty()  # redirected output: plain step lines, no tqdm fragments
+        if not self.progress_bar:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars
         _seed_everything(cfg.seed)
 
         from train.online import open_train_dataset
@@ -305,6 +311,7 @@ class Trainer:
 
     _bar = None
     _saved_step: int | None = None  # the step whose checkpoint is in output_dir (saved or resumed from)
+    _saved_path: Path | None = None  # and its directory
     grad_hook = None  # callable(trainer) after the gradients of a step are complete (no DeepSpeed); tests use it
 
     # ------------------------------------------------------------------ one micro-batch
@@ -474,7 +481,7 @@ class Trainer:
 
         path = save_checkpoint(self.cfg.output_dir, self.step, self.mesh.rank, save_fn, self._trainer_state(),
                                self.cfg.save_total_limit, estimate_bytes=self._state_bytes_estimate())
-        self._saved_step = self.step
+        self._saved_step, self._saved_path = self.step, path
         return path
 
     def _maybe_resume(self) -> None:
@@ -519,7 +526,8 @@ class Trainer:
         load_rng(path, self.mesh.rank)
         self.step = int(state["step"])
         if path.resolve().parent == checkpoint_root(self.cfg.output_dir).resolve() and not path.name.startswith("."):
-            self._saved_step = self.step  # this step's checkpoint is already in output_dir (not a moved-aside copy)
+            # this step's checkpoint is already in output_dir (not a moved-aside copy)
+            self._saved_step, self._saved_path = self.step, path
         if self.mesh.is_main:
             truncate_log(self.cfg.output_dir, self.step)
         self.console(f"resumed from {path} at step {self.step}")
@@ -588,8 +596,8 @@ class Trainer:
         records = []
         self.model.train()
         end = self.total_steps if stop_at_step is None else min(self.total_steps, stop_at_step)
-        self._bar = tqdm(total=self.total_steps, initial=self.step, desc="train", dynamic_ncols=True,
-                         disable=not self.mesh.is_main)
+        if self.progress_bar and self.mesh.is_main:
+            self._bar = tqdm(total=self.total_steps, initial=self.step, desc="train", dynamic_ncols=True)
         self.console(
             f"training {self.total_steps} steps: world {self.mesh.world_size} (dp {self.mesh.dp_size} x sp "
             f"{self.mesh.sp_size}), {self.sampler.rows_per_step} rows/step, deepspeed stage {cfg.deepspeed.stage}, "
@@ -605,15 +613,20 @@ class Trainer:
                     record["eval_loss"] = self.evaluate()
                 records.append(record)
                 self.metrics.log(record)
-                self._bar.update(1)
-                self._bar.set_postfix(loss=f"{record['loss']:.4f}")
+                if self._bar is not None:
+                    self._bar.update(1)
+                    self._bar.set_postfix(loss=f"{record['loss']:.4f}")
                 if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < end:
                     self.save()
         finally:
-            self._bar.close()
+            if self._bar is not None:
+                self._bar.close()
             self._bar = None
         if self._saved_step != self.step:  # the end of the run, or the stop point of an interrupted one
             self.save()
+        if self.step < self.total_steps:
+            self.console(f"stopped at step {self.step} of {self.total_steps} (stop_at_step={stop_at_step}); "
+                         f"checkpoint: {self._saved_path}")
         if self.step >= self.total_steps:
             path = self.export(cfg.out / "final")
             self.console(f"exported the final model to {path}")
