@@ -179,3 +179,19 @@ def test_resume_on_other_data_is_refused_unless_allowed(setup, tmp_path, caplog)
     with caplog.at_level(logging.WARNING, logger="packsft.train"):
         trainer = _trainer(config, out, "resume=latest", f"data_path={other}", "resume_data_mismatch=allow")
     assert trainer.step == 2 and "resume_data_mismatch=allow: continuing" in caplog.text
+
+
+def test_cli_reports_a_checkpoint_error_in_one_line(setup, tmp_path):
+    import subprocess
+    import sys
+
+    _, config, other = setup
+    out = tmp_path / "run"
+    _run(config, out, "stop_at_step=2")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "train", str(config), f"output_dir={out}", "resume=latest",
+                           f"data_path={other}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert f"checkpoint error: resume from {checkpoint_root(out) / 'step-000002'}: the checkpoint was trained on" \
+        in proc.stderr
+    assert "Traceback" not in proc.stderr

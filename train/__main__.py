@@ -63,17 +63,19 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     config_path = argv.pop(0) if argv and "=" not in argv[0] else DEFAULT_CONFIG
-    overrides = list(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from train.config import load_config
 
     try:
         cfg = load_config(config_path, argv)
         cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))  # before the model (and most imports) load
-        from train.trainer import Trainer
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    from train.checkpoint import CheckpointError
+    from train.trainer import Trainer
 
-        from train.checkpoint import CheckpointError
-
+    try:
         trainer = Trainer(cfg, validate=False)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"checkpoint error: {exc}", file=sys.stderr)
         return 1
     if trainer.step < trainer.total_steps and trainer.mesh.is_main:
-        print(f"resume with: {resume_command(config_path, overrides)}", flush=True)
+        print(f"resume with: {resume_command(config_path, argv)}", flush=True)
     import torch.distributed as dist
 
     if dist.is_initialized():

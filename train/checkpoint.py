@@ -75,6 +75,15 @@ def _from_main(value: Any) -> Any:
     return box[0]
 
 
+def _gather(value: Any) -> list:
+    """`value` of every rank, on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 def checkpoint_root(output_dir: str | os.PathLike) -> Path:
     return Path(output_dir) / CHECKPOINT_DIR
 
@@ -291,19 +300,22 @@ def save_checkpoint(output_dir, step: int, rank: int, save_fn, trainer_state: di
     if problem is not None:
         raise CheckpointError(problem)
     _barrier()
+    error = None
     try:
         save_fn(tmp)
         save_rng(tmp, rank)
         if rank == 0:
             (tmp / "trainer_state.json").write_bytes(orjson.dumps(trainer_state, option=orjson.OPT_INDENT_2))
-    except OSError as exc:
+    except OSError as exc:  # ENOSPC, quota, permissions
+        error = f"rank {rank}: {exc}"
+    errors = _gather(error)  # in place of a barrier: every rank learns of any rank's failure and raises
+    if any(errors):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(
-            f"checkpoint directory {root}: writing step {step} failed ({exc}); the partial {tmp.name} was removed, "
-            "the last complete checkpoint is intact (resume=latest continues from it)"
-        ) from exc
-    _barrier()
+            f"checkpoint directory {root}: writing step {step} failed ({'; '.join(e for e in errors if e)}); the "
+            f"partial {tmp.name} was removed, the last complete checkpoint is intact (resume=latest continues from it)"
+        )
     if rank == 0:
         write_manifest(tmp, step)
         replace_dir(tmp, final)  # the same step saved again (e.g. after resuming from an earlier one): replace it
