@@ -195,3 +195,20 @@ def test_cli_reports_a_checkpoint_error_in_one_line(setup, tmp_path):
     assert f"checkpoint error: resume from {checkpoint_root(out) / 'step-000002'}: the checkpoint was trained on" \
         in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.multiprocess
+def test_two_processes_fall_back_together(setup, tmp_path):
+    """Rank 0 verifies the manifest and every rank gets its verdict: both resume from the previous checkpoint."""
+    from tests._train_helpers import run_train
+
+    _, config, _ = setup
+    out = tmp_path / "run"
+    common = [f"output_dir={out}", "save_steps=1", "max_steps=3", "launch.num_processes=2"]
+    run_train(config, [*common, "stop_at_step=2"], nproc=2)
+    bad = checkpoint_root(out) / "step-000002" / "rng" / "rank_1.safetensors"
+    bad.write_bytes(bad.read_bytes()[:10])
+    proc = run_train(config, [*common, "resume=latest"], nproc=2)
+    assert f"{bad}: truncated" in proc.stderr and "Falling back to" in proc.stderr
+    assert f"resumed from {checkpoint_root(out) / 'step-000001'} at step 1" in proc.stdout
+    assert [r["step"] for r in read_log(out)] == [1, 2, 3]
