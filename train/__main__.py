@@ -47,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         from train.config import help_text
 
-        print(help_text())
+        try:
+            print(help_text(), flush=True)
+        except BrokenPipeError:  # `--help | head`: the reader left; silence the flush at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     if argv and argv[0] == "--launch-args":  # train.sh: print the accelerate launch options of the config
         from train.config import load_config
