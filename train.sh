@@ -1,5 +1,6 @@
 #!/bin/sh
 # Training: sh train.sh [config.yaml] [key=value ...]   (default config: configs/train/example.yaml)
+# sh train.sh --help lists every config key with its type, default and meaning.
 # Launches `python -m train` through `accelerate launch` with the processes / machines of the config's `launch`
 # section (multi-node: run it on every machine with launch.machine_rank=<i>).
 set -e
@@ -12,6 +13,7 @@ export TOKENIZERS_PARALLELISM="${TOKENIZERS_PARALLELISM:-false}"
 CONFIG="configs/train/example.yaml"
 if [ $# -gt 0 ]; then
     case "$1" in
+        -h|--help) exec python -m train --help ;;  # every key with its type, default and help
         *=*) ;;
         *) CONFIG="$1"; shift ;;
     esac

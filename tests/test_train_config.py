@@ -36,7 +36,7 @@ def test_yaml_and_overrides(setup):
     "overrides,world,message",
     [
         (["data_path=/nonexistent/packed"], 1, "data_path: /nonexistent/packed is not a directory"),
-        (["model_path=/nonexistent/model"], 1, "model_path: /nonexistent/model has no config.json"),
+        (["model_path=/nonexistent/model"], 1, "model_path: /nonexistent/model does not exist"),
         (["model_config=x.json"], 1, "exactly one of model_path"),
         (["sequence_parallel_size=2", "launch.num_processes=2"], 3, "world size 3 is not divisible by sequence_parallel_size=2"),
         (["sequence_parallel_size=2"], 2, "launch.num_processes=1 is not divisible"),

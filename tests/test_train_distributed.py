@@ -22,6 +22,7 @@ from tests._train_helpers import (  # noqa: F401  (one_thread is a fixture)
     write_config,
     write_packed,
 )
+from train.checkpoint import safe_load
 from train.config import load_config
 from train.metrics import read_log
 from train.trainer import Trainer
@@ -96,7 +97,7 @@ def test_data_parallel_equals_accumulation(setup, reference, tmp_path):
     for step in range(STEPS):
         assert _rel(log[step]["loss"], ref_log[step]["loss"]) <= RTOL
         assert log[step]["category_loss"] == pytest.approx(ref_log[step]["category_loss"], rel=RTOL)
-        grads = torch.load(tmp_path / "grads" / f"step_{step + 1}.pt")
+        grads = safe_load(tmp_path / "grads" / f"step_{step + 1}.pt")
         _assert_same_grads(grads, ref_grads[step], f"step {step + 1}")
 
 

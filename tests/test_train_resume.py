@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests._train_helpers import one_thread, random_rows, save_tiny_model, write_config, write_packed  # noqa: F401
-from train.checkpoint import checkpoint_root, resolve_resume
+from train.checkpoint import checkpoint_root, resolve_resume, safe_load
 from train.config import load_config
 from train.metrics import read_log
 from train.trainer import Trainer
@@ -48,8 +48,8 @@ def test_resume_gives_identical_steps(setup):
     for ra, rb in zip(a, b):
         for key in ("loss", "lr", "grad_norm", "loss_tokens", "category_loss", "epoch"):
             assert ra[key] == rb[key], (ra["step"], key)
-    sa = torch.load(checkpoint_root(full) / "step-000006" / "model.pt")
-    sb = torch.load(checkpoint_root(split) / "step-000006" / "model.pt")
+    sa = safe_load(checkpoint_root(full) / "step-000006" / "model.pt")
+    sb = safe_load(checkpoint_root(split) / "step-000006" / "model.pt")
     for name in sa:
         assert torch.equal(sa[name], sb[name]), name
     # rotation: only the last 2 checkpoints stay, `latest` names the newest
@@ -69,12 +69,14 @@ def test_crash_mid_save_keeps_previous_checkpoint(setup):
     # a save that died before its rename: a half-written temp dir, `latest` untouched
     half = root / ".step-000004.tmp"
     shutil.copytree(root / "step-000002", half)
-    (half / "trainer_state.json").unlink()
+    (half / "manifest.json").unlink()
     assert resolve_resume("latest", out).name == "step-000002"
-    # resuming cleans the leftover on its next save and continues from step 2
-    trainer = _train(config, out, "resume=latest", "stop_at_step=4")
-    assert trainer.step == 4
+    # resuming removes the leftover at start and continues from step 2
+    trainer = Trainer(load_config(config, [f"output_dir={out}", "resume=latest", "stop_at_step=4"]),
+                      console=lambda *_: None)
     assert not half.exists()
+    trainer.train()
+    assert trainer.step == 4
     assert [r["step"] for r in read_log(out)] == [1, 2, 3, 4]
 
 
@@ -158,6 +160,7 @@ def test_crash_between_the_renames_of_a_resave(setup, monkeypatch):
     # a checkpoint of another world size is a clear error, not a silently different run
     state_file = root / "step-000003" / "trainer_state.json"
     state_file.write_bytes(orjson.dumps({**orjson.loads(state_file.read_bytes()), "world_size": 2}))
+    checkpoint.write_manifest(state_file.parent, 3)  # re-seal: this is about the world size, not corruption
     with pytest.raises(RuntimeError, match="saved by 2 processes"):
         _train(config, out, "resume=latest")
 

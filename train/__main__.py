@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import sys
 
 from data.config import ConfigError
@@ -28,8 +29,29 @@ def launch_args(cfg) -> list[str]:
     return args
 
 
+def resume_command(config_path: str, overrides: list[str]) -> str:
+    """The command that continues a run stopped by stop_at_step: the same config and overrides with resume=latest
+    (and stop_at_step=null when the YAML file sets one)."""
+    from train.config import load_config
+
+    own = ("resume", "stop_at_step")
+    kept = [o for o in overrides if o.split("=", 1)[0].strip() not in own]
+    extra = ["resume=latest"]
+    if load_config(config_path, kept).stop_at_step is not None:
+        extra.append("stop_at_step=null")
+    return "sh train.sh " + shlex.join([config_path, *kept, *extra])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        from train.config import help_text
+
+        try:
+            print(help_text(), flush=True)
+        except BrokenPipeError:  # `--help | head`: the reader left; silence the flush at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     if argv and argv[0] == "--launch-args":  # train.sh: print the accelerate launch options of the config
         from train.config import load_config
 
@@ -50,13 +72,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(config_path, argv)
         cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))  # before the model (and most imports) load
-        from train.trainer import Trainer
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    from train.checkpoint import CheckpointError
+    from train.trainer import Trainer
 
+    try:
         trainer = Trainer(cfg, validate=False)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    trainer.train()
+    except CheckpointError as exc:  # resume: no usable checkpoint, other data
+        print(f"checkpoint error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        trainer.train()
+    except CheckpointError as exc:  # a save: full disk, write error
+        print(f"checkpoint error: {exc}", file=sys.stderr)
+        return 1
+    if trainer.step < trainer.total_steps and trainer.mesh.is_main:
+        print(f"resume with: {resume_command(config_path, argv)}", flush=True)
     import torch.distributed as dist
 
     if dist.is_initialized():

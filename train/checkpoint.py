@@ -1,23 +1,40 @@
-"""Resumable checkpoints under <output_dir>/checkpoints/, crash-safe.
+"""Resumable checkpoints under <output_dir>/checkpoints/, crash-safe and loadable without unpickling code.
 
-Layout: `step-000012/` holds the model + optimizer + scheduler (DeepSpeed's own per-rank files under `ds/`, or
-`model.pt`, `optimizer.pt`, `scheduler.pt` without DeepSpeed), `trainer_state.json` (step, sampler position) and
-`rng/rank_<r>.pt` (python, numpy, torch and CUDA generator states of every rank).
+Layout of `step-000012/`:
+    ds/ (DeepSpeed's per-rank files) or model.pt, optimizer.pt, scheduler.pt   model, optimizer, lr scheduler
+    trainer_state.json        step, sampler position, world size, the dataset's identity (`data`)
+    rng/rank_<r>.json         python `random` and numpy generator states of rank r (plain ints)
+    rng/rank_<r>.safetensors  torch CPU and CUDA generator states of rank r (uint8 tensors)
+    manifest.json             written last: size and blake2b of every other file (the commit marker)
 
-Every rank writes into `.step-000012.tmp/`; after a barrier rank 0 renames it to `step-000012/` and then replaces
-the `latest` pointer file (write temp + os.replace). A crash at any point leaves `latest` naming a complete
-checkpoint; half-written `.tmp` directories are ignored and cleaned up by the next save. Saving a step that already
-has a directory moves the old one aside (`.step-000012.old-*`) before the swap; a crash between the two renames
-leaves `latest` naming a missing directory, and resume=latest then uses the moved-aside copy. Only the last
+Every load of a `.pt` file goes through `safe_load` (weights_only=True, map_location cpu): a crafted pickle in a
+checkpoint is refused instead of run. DeepSpeed reads its own `ds/` files with `weights_only=False`; PackSFT verifies
+`ds/` against the manifest before handing it over, but a manifest can be rewritten too: resume only from
+checkpoint directories you trust (docs/TRAINING.md).
+
+Saving: every rank writes into `.step-000012.tmp/`; after a barrier rank 0 writes the manifest (fsyncing every
+file), renames the directory to `step-000012/` and then replaces the `latest` pointer file (write temp + os.replace).
+A crash at any point leaves `latest` naming a complete checkpoint. Before writing, rank 0 checks the free space
+against the size of the last checkpoint and stops with the directory named when it is short. Saving a step that
+already has a directory moves the old one aside (`.step-000012.old-*`) before the swap; a crash between the two
+renames leaves `latest` naming a missing directory, and resume=latest then uses the moved-aside copy. Only the last
 `save_total_limit` checkpoints are kept.
+
+Resuming: a checkpoint is complete when its manifest exists, and usable when every file matches it. resume=latest
+tries the checkpoint `latest` names, then (resume_corrupt=fallback) each older complete one, with a warning naming
+the file that failed.
 """
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
+import pickle
 import random
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
@@ -26,14 +43,45 @@ import torch.distributed as dist
 
 from data.shards import replace_dir
 
+logger = logging.getLogger("packsft.train")
+
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+RNG_FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_ASIDE_DIR = re.compile(r"^\.step-(\d+)\.old-.+$")
+FREE_SPACE_MARGIN = 1.05  # the next checkpoint may be a little larger than the last one (optimizer state fills in)
+
+disk_usage = shutil.disk_usage  # module attribute so tests can simulate a full disk
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read; the message names the file or directory and what to do."""
 
 
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _from_main(value: Any) -> Any:
+    """Rank 0's `value` on every rank, so all ranks raise together instead of some waiting at a barrier."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather(value: Any) -> list:
+    """`value` of every rank, on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
 
 
 def checkpoint_root(output_dir: str | os.PathLike) -> Path:
@@ -46,48 +94,230 @@ def step_dir_name(step: int) -> str:
 
 def write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
-def rng_state() -> dict:
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
+# ---------------------------------------------------------------------------------------------- loading .pt files
+def safe_load(path: str | os.PathLike) -> Any:
+    """The repo's only `torch.load`: tensors and plain containers only (weights_only=True), onto the CPU."""
+    path = Path(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"{path}: refused to load: the file holds Python objects other than tensors and plain containers "
+            f"(weights_only=True; {first_line}). PackSFT never writes such files: it was replaced or crafted"
+        ) from None
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except Exception as exc:  # zip / storage errors of a truncated or overwritten file
+        size = path.stat().st_size if path.exists() else 0
+        raise CheckpointError(f"{path}: cannot be read ({size} bytes; truncated or corrupt): {exc}") from None
+
+
+# ---------------------------------------------------------------------------------------------- rng states
+def _rng_files(directory: Path, rank: int) -> tuple[Path, Path]:
+    return directory / "rng" / f"rank_{rank}.json", directory / "rng" / f"rank_{rank}.safetensors"
+
+
+def save_rng(directory: Path, rank: int) -> None:
+    """This rank's generator states: python and numpy as JSON, torch and CUDA as uint8 tensors (safetensors)."""
+    from safetensors.torch import save_file
+
+    version, internal, gauss_next = random.getstate()
+    np_state = np.random.get_state(legacy=False)
+    plain = {
+        "format_version": RNG_FORMAT,
+        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
+        "numpy": {**np_state, "state": {"key": np_state["state"]["key"].tolist(), "pos": np_state["state"]["pos"]}},
     }
+    tensors = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+        tensors.update({f"cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    json_file, tensor_file = _rng_files(directory, rank)
+    json_file.write_bytes(orjson.dumps(plain))
+    save_file(tensors, str(tensor_file), metadata={"format_version": str(RNG_FORMAT)})
 
 
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+def load_rng(directory: Path, rank: int) -> None:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    json_file, tensor_file = _rng_files(directory, rank)
+    for file in (json_file, tensor_file):
+        if not file.is_file():
+            raise CheckpointError(f"{file}: no rng state for rank {rank} (saved with fewer processes?)")
+    try:
+        plain = orjson.loads(json_file.read_bytes())
+        py, npy = plain["python"], plain["numpy"]
+        python_state = (py["version"], tuple(py["internal"]), py["gauss_next"])
+        numpy_state = {**npy, "state": {"key": np.asarray(npy["state"]["key"], dtype=np.uint32),
+                                        "pos": npy["state"]["pos"]}}
+    except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{json_file}: not a PackSFT rng state ({type(exc).__name__}: {exc})") from None
+    try:
+        tensors = load_file(str(tensor_file))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{tensor_file}: not a safetensors file ({exc})") from None
+    random.setstate(python_state)
+    np.random.set_state(numpy_state)
+    torch.set_rng_state(tensors["torch"])
+    cuda = [tensors[f"cuda_{i}"] for i in range(len(tensors) - 1) if f"cuda_{i}" in tensors]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
 
 
-def save_checkpoint(output_dir, step: int, rank: int, save_fn, trainer_state: dict, keep: int) -> Path:
+# ---------------------------------------------------------------------------------------------- manifest
+def _files_under(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def _blake2b(path: Path, sync: bool = False) -> str:
+    digest = hashlib.blake2b(digest_size=32)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+        if sync:
+            os.fsync(f.fileno())
+    return digest.hexdigest()
+
+
+def write_manifest(directory: Path, step: int) -> dict:
+    """The commit marker: size + blake2b of every file, written (atomically) after all of them are on disk."""
+    files = {p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "blake2b": _blake2b(p, sync=True)}
+             for p in _files_under(directory)}
+    manifest = {"format_version": MANIFEST_FORMAT, "algorithm": "blake2b-256", "step": step, "files": files}
+    for sub in sorted({p.parent for p in _files_under(directory)} | {directory}):
+        _fsync_dir(sub)
+    write_atomic(directory / MANIFEST, orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
+    return manifest
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def verify_checkpoint(directory: Path) -> list[str]:
+    """Every problem of `directory` against its manifest (empty: usable), each naming the file."""
+    manifest_file = directory / MANIFEST
+    if not manifest_file.is_file():
+        return [f"{manifest_file}: missing (an incomplete checkpoint, or one written before PackSFT had manifests)"]
+    try:
+        files = orjson.loads(manifest_file.read_bytes())["files"]
+    except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        return [f"{manifest_file}: unreadable ({exc})"]
+    problems = []
+    for name, expected in files.items():
+        path = directory / name
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+            continue
+        size = path.stat().st_size
+        if size != expected["size"]:
+            kind = "empty" if size == 0 else "truncated" if size < expected["size"] else "larger than written"
+            problems.append(f"{path}: {kind} ({size} bytes, {expected['size']} written)")
+        elif _blake2b(path) != expected["blake2b"]:
+            problems.append(f"{path}: content changed since it was written (blake2b mismatch)")
+    return problems
+
+
+def is_complete(directory: Path) -> bool:
+    return (directory / MANIFEST).is_file()
+
+
+def checkpoint_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+# ---------------------------------------------------------------------------------------------- saving
+def remove_stale_temporaries(output_dir: str | os.PathLike) -> list[Path]:
+    """Half-written `.step-N.tmp/` directories and pointer temporaries of a crashed or killed save (one run per
+    output_dir, so nothing else is writing them). Returns what was removed."""
+    root = checkpoint_root(output_dir)
+    if not root.is_dir():
+        return []
+    stale = sorted([*root.glob(".step-*.tmp"), *root.glob(f".{LATEST}.tmp-*")])
+    for path in stale:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return stale
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def free_space_problem(root: Path, step: int, estimate_bytes: int | None, keep: int) -> str | None:
+    """None when `root` has room for the next checkpoint: the size of the newest complete one there, else
+    `estimate_bytes` (before the first save), plus a margin."""
+    previous = [p for p in reversed(list_checkpoints(root.parent)) if is_complete(p)]
+    if previous:
+        need, source = checkpoint_bytes(previous[0]), f"the size of {previous[0].name}"
+    elif estimate_bytes:
+        need, source = estimate_bytes, "the model and optimizer state"
+    else:
+        return None
+    need = int(need * FREE_SPACE_MARGIN)
+    free = disk_usage(root).free
+    if free >= need:
+        return None
+    return (
+        f"checkpoint directory {root}: {_gib(free)} free, the checkpoint of step {step} needs about {_gib(need)} "
+        f"(estimated from {source}); nothing was written. Free space there: save_total_limit={keep} keeps {keep} "
+        f"checkpoint(s) and the next one is written before the oldest is removed. resume=latest continues from the "
+        "last complete checkpoint"
+    )
+
+
+def save_checkpoint(output_dir, step: int, rank: int, save_fn, trainer_state: dict, keep: int,
+                    estimate_bytes: int | None = None) -> Path:
     """Collective: every rank calls it. `save_fn(tmp_dir)` writes the model/optimizer/scheduler state (each rank
-    its part). Returns the final directory."""
+    its part). `estimate_bytes`: the expected size when there is no earlier checkpoint to measure. Returns the
+    final directory."""
     root = checkpoint_root(output_dir)
     final = root / step_dir_name(step)
     tmp = root / f".{final.name}.tmp"
+    problem = None
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".step-*.tmp"):  # leftovers of a crashed save
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-        (tmp / "rng").mkdir()
+        remove_stale_temporaries(output_dir)  # leftovers of a crashed save
+        problem = free_space_problem(root, step, estimate_bytes, keep)
+        if problem is None:
+            tmp.mkdir()
+            (tmp / "rng").mkdir()
+    problem = _from_main(problem)
+    if problem is not None:
+        raise CheckpointError(problem)
     _barrier()
-    save_fn(tmp)
-    torch.save(rng_state(), tmp / "rng" / f"rank_{rank}.pt")
+    error = None
+    try:
+        save_fn(tmp)
+        save_rng(tmp, rank)
+        if rank == 0:
+            (tmp / "trainer_state.json").write_bytes(orjson.dumps(trainer_state, option=orjson.OPT_INDENT_2))
+    except OSError as exc:  # ENOSPC, quota, permissions
+        error = f"rank {rank}: {exc}"
+    errors = _gather(error)  # in place of a barrier: every rank learns of any rank's failure and raises
+    if any(errors):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"checkpoint directory {root}: writing step {step} failed ({'; '.join(e for e in errors if e)}); the "
+            f"partial {tmp.name} was removed, the last complete checkpoint is intact (resume=latest continues from it)"
+        )
     if rank == 0:
-        (tmp / "trainer_state.json").write_bytes(orjson.dumps(trainer_state, option=orjson.OPT_INDENT_2))
-    _barrier()
-    if rank == 0:
+        write_manifest(tmp, step)
         replace_dir(tmp, final)  # the same step saved again (e.g. after resuming from an earlier one): replace it
         write_atomic(root / LATEST, final.name.encode())
         for stale in root.glob(".step-*.old-*"):  # moved aside by a re-save that was killed mid-swap
@@ -119,45 +349,93 @@ def _prune(root: Path, keep: int) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _moved_aside(root: Path) -> Path | None:
-    """The complete moved-aside copy of the checkpoint `latest` names, when a crash in the middle of re-saving that
-    step left it missing (see save_checkpoint); else None."""
-    pointer = root / LATEST
-    if not pointer.is_file():
-        return None
-    name = pointer.read_text().strip()
+# ---------------------------------------------------------------------------------------------- resuming
+def _step_of(path: Path) -> int:
+    m = _STEP_DIR.match(path.name) or _ASIDE_DIR.match(path.name)
+    return int(m.group(1)) if m else -1
+
+
+def _moved_aside(root: Path, name: str) -> Path | None:
+    """The complete moved-aside copy of checkpoint `name`, when a crash in the middle of re-saving that step left
+    it missing (see save_checkpoint); else None."""
     if (root / name).exists():
         return None
-    copies = sorted(p for p in root.glob(f".{name}.old-*") if (p / "trainer_state.json").is_file())
+    copies = sorted(p for p in root.glob(f".{name}.old-*") if is_complete(p))
     return copies[-1] if copies else None
 
 
-def resolve_resume(resume: str, output_dir) -> Path | None:
-    """`none` -> None; `latest` -> the checkpoint named by the pointer (None when there is none yet); a path."""
+def resume_candidates(resume: str, output_dir) -> list[Path]:
+    """The checkpoints to try, in order. `none`: none. A path: that one. `latest`: the one the pointer names (or
+    its moved-aside copy), then every older complete checkpoint, newest first (the fallbacks)."""
     if resume == "none":
-        return None
-    if resume == "latest":
-        pointer = checkpoint_root(output_dir) / LATEST
-        if not pointer.is_file():
-            return None
-        path = checkpoint_root(output_dir) / pointer.read_text().strip()
-        if not path.exists():
-            path = _moved_aside(checkpoint_root(output_dir)) or path
-        if not (path / "trainer_state.json").is_file():
-            raise FileNotFoundError(f"{pointer} names {path}, which is not a complete checkpoint")
-        return path
-    path = Path(resume)
-    if not (path / "trainer_state.json").is_file():
-        raise FileNotFoundError(f"resume: {path} is not a checkpoint directory (no trainer_state.json)")
-    return path
+        return []
+    if resume != "latest":
+        path = Path(resume)
+        if not path.is_dir():
+            raise CheckpointError(f"resume: {path} is not a checkpoint directory")
+        return [path]
+    root = checkpoint_root(output_dir)
+    pointer = root / LATEST
+    first = None
+    if pointer.is_file():
+        name = pointer.read_text().strip()
+        first = _moved_aside(root, name) or root / name
+    complete = [p for p in reversed(list_checkpoints(output_dir)) if is_complete(p)]
+    if first is None:
+        if not complete and list_checkpoints(output_dir):
+            raise CheckpointError(f"{root}: no complete checkpoint (none has {MANIFEST}); resume=none starts over")
+        return complete
+    return [first, *(p for p in complete if _step_of(p) < _step_of(first))]
+
+
+def resolve_resume(resume: str, output_dir) -> Path | None:
+    """The first checkpoint resume=`resume` tries (None: start from step 0)."""
+    candidates = resume_candidates(resume, output_dir)
+    return candidates[0] if candidates else None
+
+
+def choose_checkpoint(candidates: list[Path], on_corrupt: str, warn=logger.warning) -> Path:
+    """The first candidate that matches its manifest (rank 0 checks, every rank gets the answer). A bad one is
+    an error naming its files, or (on_corrupt="fallback") a warning and the next candidate."""
+    for i, path in enumerate(candidates):
+        problems = _from_main(verify_checkpoint(path) if not dist.is_initialized() or dist.get_rank() == 0 else None)
+        if not problems:
+            return path
+        listing = "; ".join(problems)
+        if on_corrupt == "fallback" and i + 1 < len(candidates):
+            warn(f"checkpoint {path} is not usable: {listing}. Falling back to {candidates[i + 1]}")
+            continue
+        hint = " (no earlier complete checkpoint to fall back to)" if on_corrupt == "fallback" else (
+            " (resume_corrupt=fallback resumes from the previous complete checkpoint instead)")
+        raise CheckpointError(f"checkpoint {path} is not usable: {listing}{hint}")
+    raise CheckpointError("no checkpoint to resume from")
 
 
 def load_trainer_state(path: Path) -> dict:
-    return orjson.loads((path / "trainer_state.json").read_bytes())
+    file = path / "trainer_state.json"
+    try:
+        return orjson.loads(file.read_bytes())
+    except (OSError, orjson.JSONDecodeError) as exc:
+        raise CheckpointError(f"{file}: unreadable ({exc})") from None
 
 
-def load_rng(path: Path, rank: int) -> None:
-    file = path / "rng" / f"rank_{rank}.pt"
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: no rng state for rank {rank} (saved with fewer processes?)")
-    set_rng_state(torch.load(file, weights_only=False))
+def dataset_identity(data_path: str | os.PathLike, rows: int) -> dict:
+    """What a checkpoint remembers of its training data: the manifest's checksum (it holds every shard's
+    checksum) and the row count."""
+    meta = Path(data_path) / "meta.json"
+    return {"path": str(data_path), "meta_blake2b": _blake2b(meta), "rows": int(rows)}
+
+
+def data_mismatch(saved: dict | None, current: dict) -> str | None:
+    """Why the checkpoint's data differs from this run's (None: the same, or an old checkpoint without it)."""
+    if not saved:
+        return None
+    diffs = []
+    if saved.get("rows") != current["rows"]:
+        diffs.append(f"{saved.get('rows')} rows then, {current['rows']} now")
+    if saved.get("meta_blake2b") != current["meta_blake2b"]:
+        diffs.append("a different meta.json (other shards or settings)")
+    if not diffs:
+        return None
+    return (f"the checkpoint was trained on {saved.get('path')}, this run reads {current['path']}: "
+            + ", ".join(diffs))

@@ -6,9 +6,19 @@ model loading.
 """
 from __future__ import annotations
 
+import ast
+import dataclasses
+import difflib
+import functools
 import importlib.util
+import inspect
+import io
 import logging
+import math
 import os
+import re
+import tokenize
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -25,7 +35,7 @@ logger = logging.getLogger(__name__)
 class DeepSpeedSection:
     """stage None: no DeepSpeed (plain torch optimizer, gradients summed over ranks with all_reduce)."""
 
-    stage: Literal[0, 1, 2, 3] | None = None
+    stage: Literal[0, 1, 2, 3] | None = None  # ZeRO stage; null: no DeepSpeed (plain torch AdamW)
     offload_optimizer: bool = False  # ZeRO-Offload of optimizer states to CPU (stage 2 or 3)
     offload_param: bool = False  # parameters too (stage 3 only)
     template: str | None = None  # a JSON file (e.g. configs/deepspeed/zero2.json) whose keys are the defaults
@@ -37,68 +47,69 @@ class LaunchSection:
     """Settings `train.sh` passes to `accelerate launch` (multi-node: one launch per machine)."""
 
     num_processes: int = 1  # total over all machines
-    num_machines: int = 1
-    machine_rank: int = 0
-    main_process_ip: str | None = None
-    main_process_port: int = 29500
+    num_machines: int = 1  # machines (one `sh train.sh` per machine)
+    machine_rank: int = 0  # this machine's index, 0 .. num_machines-1
+    main_process_ip: str | None = None  # rank 0's address (required with num_machines > 1)
+    main_process_port: int = 29500  # rank 0's port
 
 
 @dataclass
 class TrainConfig:
     data_path: str  # a packed dataset directory (data.shards format)
-    output_dir: str
-    model_path: str | None = None  # HF model directory (weights loaded)
+    output_dir: str  # logs, checkpoints/, final/ (the exported model)
+    model_path: str | None = None  # pretrained HF model: a local directory or a Hub id (org/name), weights loaded
     model_config: str | None = None  # or: an HF config.json, random init (the CPU example)
-    tokenizer_path: str | None = None  # exported with the model; default: model_path, then the shards' tokenizer
-    eval_data_path: str | None = None
-    # per-row crc32 of the shards checked on every read (rows), + whole-file hashes at start (full), or none (off)
-    verify_data: Literal["full", "rows", "off"] = "rows"
-    max_steps: int | None = None  # optimizer steps; None: num_epochs over the data
-    num_epochs: int = 1
+    tokenizer_path: str | None = None  # dir or Hub id, exported with the model; default: model_path, then the shards'
+    eval_data_path: str | None = None  # a packed dataset evaluated every eval_steps (token-mean loss)
+    verify_data: Literal["full", "rows", "off"] = "rows"  # shard checks: per-row crc32 on read, + file hashes at start, none
+    max_steps: int | None = None  # optimizer steps; null: num_epochs over the data
+    num_epochs: int = 1  # passes over the data when max_steps is null
     micro_batch_rows: int = 1  # packed rows concatenated into one micro-batch
-    grad_accum: int = 1
-    lr: float = 1e-5
-    warmup_steps: int | None = None  # None: warmup_ratio * total steps
-    warmup_ratio: float = 0.0
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    grad_accum: int = 1  # micro-batches per optimizer step per data-parallel rank
+    lr: float = 1e-5  # peak learning rate (AdamW), > 0
+    warmup_steps: int | None = None  # linear warmup steps; null: warmup_ratio * total steps
+    warmup_ratio: float = 0.0  # warmup as a fraction of the total steps, in [0, 1)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"  # lr decay after warmup
     min_lr_ratio: float = 0.0  # cosine / linear decay to lr * min_lr_ratio
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    max_grad_norm: float = 1.0  # 0: no clipping
-    bf16: bool = False  # GPU only
+    weight_decay: float = 0.0  # AdamW, >= 0; not applied to 1-D parameters and norms
+    adam_beta1: float = 0.9  # AdamW, in [0, 1)
+    adam_beta2: float = 0.95  # AdamW, in [0, 1)
+    adam_eps: float = 1e-8  # AdamW, > 0
+    max_grad_norm: float = 1.0  # clip the global gradient norm to this; 0: no clipping
+    bf16: bool = False  # bf16 weights (DeepSpeed) or autocast; GPU only
     # activation checkpointing: true | false | auto (on when the rows are at least `checkpointing_min_length` long)
     gradient_checkpointing: bool | Literal["auto"] = "auto"
-    checkpointing_min_length: int = 8192
-    seed: int = 42
-    save_steps: int = 0  # 0: only the final checkpoint
+    checkpointing_min_length: int = 8192  # tokens per rank from which gradient_checkpointing=auto turns on
+    seed: int = 42  # data order, online packing plan, random init
+    save_steps: int = 0  # checkpoint every N steps; 0: only the final checkpoint
     save_total_limit: int = 2  # resumable checkpoints kept
-    eval_steps: int = 0  # 0: no evaluation (needs eval_data_path)
-    loss_reduction: Literal["token", "turn", "sample"] = "token"
+    eval_steps: int = 0  # evaluate every N steps; 0: never (needs eval_data_path)
+    loss_reduction: Literal["token", "turn", "sample"] = "token"  # mean over tokens, turns or samples of a step
     loss_chunk_size: int = 4096  # tokens per lm-head chunk
-    attn_backend: Literal["auto", "sdpa", "flash_varlen"] = "auto"
-    sequence_parallel_size: int = 1
-    sp_backend: Literal["auto", "torch", "llama3", "zigzag"] = "auto"
+    attn_backend: Literal["auto", "sdpa", "flash_varlen"] = "auto"  # attention kernel over packed sequences
+    sequence_parallel_size: int = 1  # ranks sharing one row
+    sp_backend: Literal["auto", "torch", "llama3", "zigzag"] = "auto"  # sequence-parallel attention kernel
     log_backends: list[str] = field(default_factory=list)  # "tensorboard", "wandb" (offline)
-    wandb_project: str = "packsft"
+    wandb_project: str = "packsft"  # wandb project (offline mode)
     resume: str = "none"  # none | latest | a checkpoint directory
+    resume_corrupt: Literal["fallback", "error"] = "fallback"  # a checkpoint failing its manifest: use the previous one
+    resume_data_mismatch: Literal["error", "allow"] = "error"  # data_path differs from the checkpoint's data
     overwrite_output_dir: bool = False  # resume=none into an output_dir with checkpoints: start over (else an error)
     stop_at_step: int | None = None  # stop (with a checkpoint) after this step, as a time-limited job would
     tokenizer_mismatch: Literal["warn", "error"] = "error"  # shards' tokenizer hash vs the model's tokenizer
     plot: bool = True  # loss curves PNG at the end
     # LoRA (train/lora.py); lora_rank 0 = full fine-tuning
     lora_rank: int = 0
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.0
-    target_modules: list[str] = field(
+    lora_alpha: float = 16.0  # LoRA scaling alpha / rank, > 0
+    lora_dropout: float = 0.0  # LoRA dropout, in [0, 1)
+    target_modules: list[str] = field(  # LoRA: module name suffixes, or all-linear
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
-    lora_merge_on_save: bool = True
+    lora_merge_on_save: bool = True  # LoRA: also export the merged model to final/merged/
     balance_dp: bool = False  # train/balance.py: balance the step's rows over dp ranks by tokens
     online_max_length: int | None = None  # data_path is a tokenized dataset packed on the fly (train/online.py)
-    deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
-    launch: LaunchSection = field(default_factory=LaunchSection)
+    deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)  # DeepSpeed ZeRO settings
+    launch: LaunchSection = field(default_factory=LaunchSection)  # accelerate launch layout (train.sh)
 
     # ------------------------------------------------------------------ derived
     @property
@@ -124,7 +135,38 @@ class TrainConfig:
         self.validate_paths()
         self.validate_data()
 
+    def validate_numbers(self) -> None:
+        """Finite floats in their ranges (a NaN passes every `<` test, so it is checked first)."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{f.name} must be a finite number, got {value}")
+        ranges = [
+            ("lr", self.lr > 0, "> 0"),
+            ("adam_beta1", 0.0 <= self.adam_beta1 < 1.0, "in [0, 1)"),
+            ("adam_beta2", 0.0 <= self.adam_beta2 < 1.0, "in [0, 1)"),
+            ("adam_eps", self.adam_eps > 0, "> 0"),
+            ("weight_decay", self.weight_decay >= 0, ">= 0"),
+            ("max_grad_norm", self.max_grad_norm >= 0, ">= 0 (0: no clipping)"),
+            ("min_lr_ratio", 0.0 <= self.min_lr_ratio <= 1.0, "in [0, 1]"),
+            ("warmup_ratio", 0.0 <= self.warmup_ratio < 1.0, "in [0, 1)"),
+            ("lora_alpha", self.lora_alpha > 0, "> 0"),
+            ("lora_dropout", 0.0 <= self.lora_dropout < 1.0, "in [0, 1)"),
+            ("checkpointing_min_length", self.checkpointing_min_length >= 1, ">= 1"),
+            ("seed", self.seed >= 0, ">= 0"),
+            ("stop_at_step", self.stop_at_step is None or self.stop_at_step >= 1, ">= 1 (or null)"),
+            ("online_max_length", self.online_max_length is None or self.online_max_length >= 1, ">= 1 (or null)"),
+            ("launch.main_process_port", 0 < self.launch.main_process_port < 65536, "in [1, 65535]"),
+            ("launch.machine_rank", 0 <= self.launch.machine_rank < max(1, self.launch.num_machines),
+             f"in [0, launch.num_machines={self.launch.num_machines})"),
+        ]
+        for name, ok, expected in ranges:
+            if not ok:
+                value = getattr(self.launch, name.split(".")[1]) if name.startswith("launch.") else getattr(self, name)
+                raise ConfigError(f"{name} must be {expected}, got {value}")
+
     def validate_values(self, world_size: int = 1) -> None:
+        self.validate_numbers()
         if (self.model_path is None) == (self.model_config is None):
             raise ConfigError("exactly one of model_path (pretrained) and model_config (random init) must be set")
         positive = {
@@ -139,12 +181,6 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"max_steps must be >= 1 (or null for num_epochs), got {self.max_steps}")
-        if self.lr <= 0:
-            raise ConfigError(f"lr must be positive, got {self.lr}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if not 0.0 <= self.warmup_ratio < 1.0:
-            raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.warmup_steps is not None and self.warmup_steps < 0:
             raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         for name in ("save_steps", "eval_steps", "lora_rank"):
@@ -152,8 +188,6 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.save_total_limit < 1:
             raise ConfigError(f"save_total_limit must be >= 1, got {self.save_total_limit}")
-        if self.max_grad_norm < 0:
-            raise ConfigError(f"max_grad_norm must be >= 0, got {self.max_grad_norm}")
         if self.eval_steps and not self.eval_data_path:
             raise ConfigError("eval_steps is set but eval_data_path is not")
         for backend in self.log_backends:
@@ -219,56 +253,115 @@ class TrainConfig:
             )
         if self.eval_data_path and not (Path(self.eval_data_path) / "meta.json").is_file():
             raise ConfigError(f"eval_data_path: {self.eval_data_path} is not a packed dataset (no meta.json)")
-        if self.model_path is not None and not (Path(self.model_path) / "config.json").is_file():
+        model_dir = pretrained_dir(self.model_path, "model_path") if self.model_path is not None else None
+        if model_dir is not None and not (model_dir / "config.json").is_file():
             raise ConfigError(f"model_path: {self.model_path} has no config.json")
         if self.model_config is not None and not Path(self.model_config).is_file():
             raise ConfigError(f"model_config: {self.model_config} does not exist")
-        if self.tokenizer_path is not None and not Path(self.tokenizer_path).exists():
-            raise ConfigError(f"tokenizer_path: {self.tokenizer_path} does not exist")
+        if self.tokenizer_path is not None:
+            pretrained_dir(self.tokenizer_path, "tokenizer_path")
         if self.deepspeed.template is not None and not Path(self.deepspeed.template).is_file():
             raise ConfigError(f"deepspeed.template: {self.deepspeed.template} does not exist")
 
     def validate_data(self) -> None:
-        """Token ids below the model's vocabulary; the shards' tokenizer hash equal to the model tokenizer's."""
+        """Token ids below the model's vocabulary; the shards' tokenizer hash equal to the model tokenizer's. Both
+        problems of a dataset are reported together, each with the key that fixes it."""
         vocab_size = model_vocab_size(self)
         for name in ("data_path", "eval_data_path"):
             path = getattr(self, name)
             if path is None:
                 continue
             meta = read_meta(path)
+            data_tok = _meta_tokenizer_path(meta) or "an unrecorded tokenizer"
+            problems = []
             max_id = max_token_id(path, meta)
             if max_id >= vocab_size:
-                raise ConfigError(
-                    f"{name}: token id {max_id} in {path} does not fit the model's vocabulary "
-                    f"(vocab_size={vocab_size}); the data was tokenized for another model"
+                key = "model_path" if self.model_path else "model_config"
+                problems.append(
+                    f"token id {max_id} in {path} does not fit the vocabulary of {key}={getattr(self, key)} "
+                    f"(vocab_size={vocab_size}): the data was tokenized with {data_tok}, for another model. Set "
+                    "model_path to a pretrained model of that tokenizer (a directory or a Hub id), or model_config to "
+                    f"a config.json with vocab_size > {max_id} (configs/train/qwen2_5_tiny.yaml does this for Qwen2.5 "
+                    "tokenizers)"
                 )
-            self._check_tokenizer_hash(name, meta)
+            mismatch = self._tokenizer_hash_mismatch(meta, data_tok)
+            if mismatch and (problems or self.tokenizer_mismatch == "error"):
+                problems.append(mismatch + " (tokenizer_mismatch=warn trains anyway: only when both give the same ids)")
+            elif mismatch:
+                logger.warning(f"{name}: {mismatch}")
+            if problems:
+                raise ConfigError(f"{name}: " + "; and ".join(problems))
 
-    def _check_tokenizer_hash(self, name: str, meta: dict) -> None:
-        tok_path = self.resolved_tokenizer_path(meta)
+    def _tokenizer_hash_mismatch(self, meta: dict, data_tok: str) -> str | None:
+        tok_path, key = self._resolved_tokenizer(meta)
         data_hash = _meta_tokenizer_hash(meta)
         if tok_path is None or data_hash is None:
-            return
+            return None
         model_hash = tokenizer_hash(tok_path)
         if model_hash is None or model_hash == data_hash:
-            return
-        message = (
-            f"{name}: the shards were tokenized with tokenizer hash {data_hash} but the model's tokenizer "
-            f"{tok_path} has hash {model_hash}"
+            return None
+        return (
+            f"the shards were tokenized with {data_tok} (tokenizer hash {data_hash}) but the tokenizer exported with "
+            f"the model, {tok_path} (from {key}), has hash {model_hash}: set tokenizer_path to the tokenizer the data "
+            "was tokenized with"
         )
-        if self.tokenizer_mismatch == "error":
-            raise ConfigError(message + " (set tokenizer_mismatch=warn to train anyway)")
-        logger.warning(message)
 
     def resolved_tokenizer_path(self, meta: dict | None = None) -> str | None:
         """tokenizer_path, else model_path when it holds a tokenizer, else the shards' tokenizer."""
+        return self._resolved_tokenizer(meta)[0]
+
+    def _resolved_tokenizer(self, meta: dict | None = None) -> tuple[str | None, str]:
+        """(path, the key it came from)."""
         if self.tokenizer_path:
-            return self.tokenizer_path
-        if self.model_path and any((Path(self.model_path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-            return self.model_path
+            return str(pretrained_dir(self.tokenizer_path, "tokenizer_path")), "tokenizer_path"
+        if self.model_path:
+            model_dir = pretrained_dir(self.model_path, "model_path")
+            if any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+                return str(model_dir), "model_path"
         meta = meta if meta is not None else read_meta(self.data_path)
-        tok = meta.get("tokenizer_path") or (meta.get("tokenizer") or {}).get("path")
-        return tok if tok and Path(tok).exists() else None
+        tok = _meta_tokenizer_path(meta)
+        return (tok, "the shards' meta.json") if tok and Path(tok).exists() else (None, "")
+
+
+def _meta_tokenizer_path(meta: dict) -> str | None:
+    tok = meta.get("tokenizer")
+    return meta.get("tokenizer_path") or (tok.get("path") if isinstance(tok, dict) else None)
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_HUB_FILES = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja"]  # configs and tokenizers, not the weights
+
+
+@functools.lru_cache(maxsize=None)
+def pretrained_dir(name: str, key: str) -> Path:
+    """A local directory as is; else a Hugging Face Hub id (`org/name`), resolved to its local snapshot of config
+    and tokenizer files (from the cache when offline). The weights are fetched later by from_pretrained."""
+    path = Path(name)
+    if path.exists():
+        if not path.is_dir():
+            raise ConfigError(f"{key}: {name} is a file; give the directory that holds it (or a Hub id org/name)")
+        return path
+    if not _HUB_ID.fullmatch(name) or name.startswith("."):
+        raise ConfigError(f"{key}: {name} does not exist (a local directory, or a Hugging Face Hub id org/name)")
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(name, allow_patterns=_HUB_FILES))
+    except LocalEntryNotFoundError as exc:
+        offline = " (HF_HUB_OFFLINE=1)" if constants.HF_HUB_OFFLINE else ""
+        raise ConfigError(
+            f"{key}: {name} is not a local directory, and the Hugging Face Hub is unreachable{offline} with no cached "
+            f"copy: download it where the Hub is reachable (huggingface-cli download {name}) or give a local "
+            f"directory ({type(exc).__name__})"
+        ) from None
+    except RepositoryNotFoundError:
+        raise ConfigError(
+            f"{key}: {name} is neither a local directory nor a Hugging Face Hub model id (not found, or gated: log in "
+            "with huggingface-cli login)"
+        ) from None
+    except OSError as exc:  # network errors after retries
+        raise ConfigError(f"{key}: {name} is not a local directory, and the Hugging Face Hub failed: {exc}") from None
 
 
 def _cuda_available() -> bool:
@@ -322,7 +415,7 @@ def max_token_id(path: str | os.PathLike, meta: dict | None = None) -> int:
 def model_vocab_size(cfg: TrainConfig) -> int:
     from transformers import AutoConfig
 
-    source = cfg.model_path if cfg.model_path is not None else cfg.model_config
+    source = pretrained_dir(cfg.model_path, "model_path") if cfg.model_path is not None else cfg.model_config
     try:
         model_cfg = AutoConfig.from_pretrained(source)
     except Exception as exc:  # transformers raises several types for a malformed config
@@ -336,10 +429,118 @@ def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> 
     try:
         raw = yaml.safe_load(Path(path).read_text()) or {}
     except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
+        raise ConfigError(f"config file {path} does not exist (sh train.sh --help lists the keys)") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: invalid YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
+    check_keys(raw, TrainConfig, f"config file {path}")
+    for item in overrides or []:
+        key = item.split("=", 1)[0].strip() if "=" in item else None
+        if key is not None:
+            check_keys(_nested(key.split(".")), TrainConfig, f"override {item!r}")
     apply_overrides(raw, overrides or [])
     return from_dict(TrainConfig, raw, where=str(path))
+
+
+# ---------------------------------------------------------------------------------------------- keys and --help
+def _nested(parts: list[str]) -> dict:
+    node: dict = {}
+    for part in reversed(parts):
+        node = {part: node} if node else {part: None}
+    return node
+
+
+def check_keys(raw: dict, cls, origin: str, prefix: str = "") -> None:
+    """Unknown keys name where they came from (the YAML file or an override) and the closest known key."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key, value in raw.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+            raise ConfigError(f"{origin}: unknown key '{prefix}{key}'{hint} (sh train.sh --help lists every key)")
+        if dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
+            check_keys(value, hints[key], origin, f"{prefix}{key}.")
+
+
+def field_help(cls) -> dict[str, str]:
+    """One line of help per field: the comment on its line, else the comment lines right above it, else (for a
+    section) its class docstring. The source comments are the documentation, so they cannot drift apart."""
+    source = inspect.getsource(cls)
+    comments: dict[int, str] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+    lines = source.splitlines()
+    hints = typing.get_type_hints(cls)
+    helps = {}
+    for node in ast.parse(source).body[0].body:
+        if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
+            continue
+        name = node.target.id
+        text = comments.get(node.lineno) or comments.get(node.end_lineno)
+        if not text:
+            above, line = [], node.lineno - 1
+            while line >= 1 and lines[line - 1].strip().startswith("#"):
+                above.insert(0, comments.get(line, ""))
+                line -= 1
+            text = " ".join(above)
+        if not text and dataclasses.is_dataclass(hints.get(name)):
+            text = (inspect.getdoc(hints[name]) or "").splitlines()[0]
+        helps[name] = text
+    return helps
+
+
+def type_name(tp) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return "|".join("null" if a is None else str(a).lower() if isinstance(a, bool) else str(a) for a in args)
+    if origin is typing.Union or (origin is not None and str(origin) == "<class 'types.UnionType'>"):
+        names = [type_name(a) for a in args if a is not type(None)]
+        return "|".join(names + (["null"] if type(None) in args else []))
+    if origin in (list, tuple):
+        return f"list[{type_name(args[0]) if args else 'any'}]"
+    if origin is dict or tp is dict:
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return "required"
+    if dataclasses.is_dataclass(value):
+        return "section"
+    return yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("...").strip()
+
+
+def help_text() -> str:
+    """`sh train.sh --help`: every key of TrainConfig with its type, default and help, sections flattened."""
+    out = [
+        "usage: sh train.sh [config.yaml] [key=value ...]   (default config: configs/train/example.yaml)",
+        "",
+        "Trains a causal LM on packed shards. Every key below can be set in the YAML file or overridden as",
+        "key=value (sections with dots: deepspeed.stage=3). Values parse as JSON when they can (numbers,",
+        "true/false/null, lists). Full reference: docs/TRAINING.md.",
+        "",
+    ]
+
+    def add(cls, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        helps = field_help(cls)
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                out.append(f"{prefix}{f.name}.*: {helps.get(f.name, '')}")
+                add(hints[f.name], f"{prefix}{f.name}.")
+                continue
+            out.append(f"  {prefix}{f.name} ({type_name(hints[f.name])}, default {_default_text(f)})")
+            out.append(f"      {helps.get(f.name, '')}")
+
+    add(TrainConfig, "")
+    return "\n".join(out)

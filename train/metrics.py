@@ -97,37 +97,92 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def plot_losses(output_dir: str | os.PathLike, path: str | os.PathLike | None = None) -> Path | None:
-    """PNG of the loss and every category's loss per step, from log.jsonl (None when there is nothing to plot)."""
-    records = [r for r in read_log(output_dir) if "loss" in r]
-    if not records:
-        return None
+def ema_weight(n_points: int) -> float:
+    """Smoothing of a curve of n points: an exponential moving average spanning about n/20 points (none up to 20
+    points), so a long run's per-category noise is smoothed and a short run's curve stays as measured."""
+    return min(0.98, max(0.0, 1.0 - 20.0 / n_points)) if n_points else 0.0
+
+
+def smoothed(values: list[float], weight: float) -> list[float]:
+    """Bias-corrected exponential moving average over the given points only (a step without a value is not a
+    point, so it leaves no gap and does not pull the curve)."""
+    out, avg, norm = [], 0.0, 0.0
+    for v in values:
+        avg = weight * avg + (1.0 - weight) * v
+        norm = weight * norm + (1.0 - weight)
+        out.append(avg / norm)
+    return out
+
+
+def loss_curves(records: list[dict]) -> dict:
+    """What loss.png shows, as data: train/eval loss, per-category (raw and smoothed, each over the steps where
+    the category had loss tokens), lr and grad norm."""
+    records = [r for r in records if "loss" in r]
+    curves = {
+        "loss": ([r["step"] for r in records], [r["loss"] for r in records]),
+        "eval_loss": ([r["step"] for r in records if "eval_loss" in r],
+                      [r["eval_loss"] for r in records if "eval_loss" in r]),
+        "lr": ([r["step"] for r in records if "lr" in r], [r["lr"] for r in records if "lr" in r]),
+        "grad_norm": ([r["step"] for r in records if r.get("grad_norm") is not None],
+                      [r["grad_norm"] for r in records if r.get("grad_norm") is not None]),
+        "category": {},
+    }
+    names = sorted({name for r in records for name in (r.get("category_loss") or {})})
+    for name in names:
+        present = [r for r in records if name in (r.get("category_loss") or {})]
+        steps = [r["step"] for r in present]
+        raw = [r["category_loss"][name] for r in present]
+        curves["category"][name] = (steps, raw, smoothed(raw, ema_weight(len(records))))
+    return curves
+
+
+def loss_figure(records: list[dict]):
+    """Panels: loss (train, eval); per-category loss (smoothed lines over faint raw points); lr and grad norm."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = sorted({name for r in records for name in (r.get("category_loss") or {})})
-    fig, axes = plt.subplots(1, 2 if names else 1, figsize=(12 if names else 6, 4), squeeze=False)
-    steps = [r["step"] for r in records]
+    curves = loss_curves(records)
+    cats = curves["category"]
+    n = 3 if cats else 2
+    fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 4), squeeze=False)
     ax = axes[0][0]
-    ax.plot(steps, [r["loss"] for r in records], label="train loss")
-    evals = [r for r in records if "eval_loss" in r]
-    if evals:
-        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
+    ax.plot(*curves["loss"], label="train loss")
+    if curves["eval_loss"][0]:
+        ax.plot(*curves["eval_loss"], "o-", label="eval loss")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title("loss")
     ax.legend()
-    if names:
+    if cats:
         ax = axes[0][1]
-        for name in names:  # NaN where a step had no token of the category: a gap, not an interpolated line
-            values = [(r.get("category_loss") or {}).get(name, float("nan")) for r in records]
-            ax.plot(steps, values, ".-", markersize=3, label=name)
+        for name, (steps, raw, smooth) in cats.items():
+            (line,) = ax.plot(steps, smooth, "-", label=name)
+            ax.plot(steps, raw, ".", markersize=2, alpha=0.3, color=line.get_color())
         ax.set_xlabel("step")
-        ax.set_title("per-category loss (token mean)")
+        ax.set_title(f"per-category loss (token mean, EMA {ema_weight(len(curves['loss'][0])):.2f})")
         ax.legend(fontsize="small")
+    ax = axes[0][n - 1]
+    ax.plot(*curves["lr"], color="tab:blue", label="lr")
+    ax.set_xlabel("step")
+    ax.set_ylabel("lr", color="tab:blue")
+    ax.set_title("learning rate and gradient norm")
+    norm_ax = ax.twinx()
+    norm_ax.plot(*curves["grad_norm"], color="tab:red", linewidth=0.8, label="grad norm (before clipping)")
+    norm_ax.set_ylabel("grad norm", color="tab:red")
     fig.tight_layout()
+    return fig
+
+
+def plot_losses(output_dir: str | os.PathLike, path: str | os.PathLike | None = None) -> Path | None:
+    """loss.png from log.jsonl (None when there is nothing to plot), written atomically."""
+    records = [r for r in read_log(output_dir) if "loss" in r]
+    if not records:
+        return None
+    import matplotlib.pyplot as plt
+
+    fig = loss_figure(records)
     target = Path(path) if path else Path(output_dir) / "loss.png"
     tmp = target.with_name(f".{target.name}.tmp.png")
     fig.savefig(tmp, dpi=100)

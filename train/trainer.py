@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import random
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -35,11 +36,17 @@ import train.attention  # noqa: F401  (registers attn_implementation="packsft")
 from train.attention import ATTN_IMPLEMENTATION, AttentionContext
 from train.batch import make_batch, step_totals
 from train.checkpoint import (
+    CheckpointError,
     checkpoint_root,
+    choose_checkpoint,
+    data_mismatch,
+    dataset_identity,
     discard_checkpoints,
     load_rng,
     load_trainer_state,
-    resolve_resume,
+    remove_stale_temporaries,
+    resume_candidates,
+    safe_load,
     save_checkpoint,
 )
 from train.config import ConfigError, TrainConfig
@@ -202,6 +209,11 @@ class Trainer:
         self.mesh: Mesh = build_mesh(cfg.sequence_parallel_size)
         self.device = self.mesh.device
         self.console = console or (print if self.mesh.is_main else (lambda *_: None))
+        self.progress_bar = sys.stderr.isatty()  # redirected output: plain step lines, no tqdm fragments
+        if not self.progress_bar:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars
         _seed_everything(cfg.seed)
 
         from train.online import open_train_dataset
@@ -287,6 +299,10 @@ class Trainer:
                 for p in self.model.parameters():
                     dist.broadcast(p.data, src=0)
 
+    def _warn(self, text: str) -> None:
+        if self.mesh.is_main:
+            logger.warning(text)
+
     def _console_write(self, text: str) -> None:
         if self._bar is not None:
             self._bar.write(text)
@@ -295,6 +311,7 @@ class Trainer:
 
     _bar = None
     _saved_step: int | None = None  # the step whose checkpoint is in output_dir (saved or resumed from)
+    _saved_path: Path | None = None  # and its directory
     grad_hook = None  # callable(trainer) after the gradients of a step are complete (no DeepSpeed); tests use it
 
     # ------------------------------------------------------------------ one micro-batch
@@ -440,7 +457,18 @@ class Trainer:
     def _trainer_state(self) -> dict:
         epoch, in_epoch = self.sampler.position(self.step)
         return {"step": self.step, "epoch": epoch, "step_in_epoch": in_epoch, "total_steps": self.total_steps,
-                "seed": self.cfg.seed, "world_size": self.mesh.world_size}
+                "seed": self.cfg.seed, "world_size": self.mesh.world_size, "data": self._data_identity()}
+
+    def _data_identity(self) -> dict:
+        return dataset_identity(self.cfg.data_path, len(self.dataset))
+
+    def _state_bytes_estimate(self) -> int:
+        """Size of a first checkpoint: the weights plus two fp32 Adam moments per trainable parameter."""
+        total = 0
+        for p in self.model.parameters():
+            numel = getattr(p, "ds_numel", p.numel())  # ZeRO-3 partitions: the full size
+            total += numel * p.element_size() + (8 * numel if p.requires_grad else 0)
+        return total
 
     def save(self) -> Path:
         def save_fn(tmp: Path) -> None:
@@ -452,13 +480,16 @@ class Trainer:
                 torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
 
         path = save_checkpoint(self.cfg.output_dir, self.step, self.mesh.rank, save_fn, self._trainer_state(),
-                               self.cfg.save_total_limit)
-        self._saved_step = self.step
+                               self.cfg.save_total_limit, estimate_bytes=self._state_bytes_estimate())
+        self._saved_step, self._saved_path = self.step, path
         return path
 
     def _maybe_resume(self) -> None:
-        path = resolve_resume(self.cfg.resume, self.cfg.output_dir)
-        if path is None:
+        if self.mesh.is_main:
+            for stale in remove_stale_temporaries(self.cfg.output_dir):  # a killed save's partial files
+                logger.warning("removed %s, left by a save that did not finish", stale)
+        candidates = resume_candidates(self.cfg.resume, self.cfg.output_dir)
+        if not candidates:
             if self.mesh.is_main:  # a new run: no records of an earlier run in the same output_dir
                 truncate_log(self.cfg.output_dir, 0)
                 if self.cfg.resume == "none" and self.cfg.overwrite_output_dir:
@@ -466,7 +497,16 @@ class Trainer:
             if self.cfg.resume == "latest":
                 self.console(f"resume=latest: no checkpoint in {self.cfg.output_dir}, starting from step 0")
             return
+        path = choose_checkpoint(candidates, self.cfg.resume_corrupt, warn=self._warn)
         state = load_trainer_state(path)
+        mismatch = data_mismatch(state.get("data"), self._data_identity())
+        if mismatch:
+            if self.cfg.resume_data_mismatch == "error":
+                raise CheckpointError(
+                    f"resume from {path}: {mismatch}; resume with the same data_path, or set "
+                    "resume_data_mismatch=allow to continue on the new data (the sampler order then differs)"
+                )
+            self._warn(f"resume from {path}: {mismatch} (resume_data_mismatch=allow: continuing)")
         saved_world = state.get("world_size")
         if saved_world is not None and int(saved_world) != self.mesh.world_size:
             raise RuntimeError(
@@ -480,13 +520,14 @@ class Trainer:
         else:
             if not (path / "model.pt").is_file():
                 raise RuntimeError(f"{path} was saved with DeepSpeed; resume with the same deepspeed.stage")
-            self.model.load_state_dict(torch.load(path / "model.pt", map_location=self.device))
-            self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device))
-            self.scheduler.load_state_dict(torch.load(path / "scheduler.pt"))
+            self.model.load_state_dict(safe_load(path / "model.pt"))
+            self.optimizer.load_state_dict(safe_load(path / "optimizer.pt"))  # moves the state to the params' device
+            self.scheduler.load_state_dict(safe_load(path / "scheduler.pt"))
         load_rng(path, self.mesh.rank)
         self.step = int(state["step"])
         if path.resolve().parent == checkpoint_root(self.cfg.output_dir).resolve() and not path.name.startswith("."):
-            self._saved_step = self.step  # this step's checkpoint is already in output_dir (not a moved-aside copy)
+            # this step's checkpoint is already in output_dir (not a moved-aside copy)
+            self._saved_step, self._saved_path = self.step, path
         if self.mesh.is_main:
             truncate_log(self.cfg.output_dir, self.step)
         self.console(f"resumed from {path} at step {self.step}")
@@ -559,8 +600,8 @@ class Trainer:
         records = []
         self.model.train()
         end = self.total_steps if stop_at_step is None else min(self.total_steps, stop_at_step)
-        self._bar = tqdm(total=self.total_steps, initial=self.step, desc="train", dynamic_ncols=True,
-                         disable=not self.mesh.is_main)
+        if self.progress_bar and self.mesh.is_main:
+            self._bar = tqdm(total=self.total_steps, initial=self.step, desc="train", dynamic_ncols=True)
         self.console(
             f"training {self.total_steps} steps: world {self.mesh.world_size} (dp {self.mesh.dp_size} x sp "
             f"{self.mesh.sp_size}), {self.sampler.rows_per_step} rows/step, deepspeed stage {cfg.deepspeed.stage}, "
@@ -576,15 +617,20 @@ class Trainer:
                     record["eval_loss"] = self.evaluate()
                 records.append(record)
                 self.metrics.log(record)
-                self._bar.update(1)
-                self._bar.set_postfix(loss=f"{record['loss']:.4f}")
+                if self._bar is not None:
+                    self._bar.update(1)
+                    self._bar.set_postfix(loss=f"{record['loss']:.4f}")
                 if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < end:
                     self.save()
         finally:
-            self._bar.close()
+            if self._bar is not None:
+                self._bar.close()
             self._bar = None
         if self._saved_step != self.step:  # the end of the run, or the stop point of an interrupted one
             self.save()
+        if self.step < self.total_steps:
+            self.console(f"stopped at step {self.step} of {self.total_steps} (stop_at_step={stop_at_step}); "
+                         f"checkpoint: {self._saved_path}")
         if self.step >= self.total_steps:
             path = self.export(cfg.out / "final")
             self.console(f"exported the final model to {path}")
