@@ -219,8 +219,8 @@ def test_ids_and_masks_match_template(name, canonical_records):
             check_turn_text(name, decoded, msg, others, rendered_reasoning)
             assert np.all(res.category_ids[pos] == msg.get("category_id", rec["meta"].get("category_id", 0)))
             n_turns_checked += 1
-    assert n_checked >= len(canonical_records) - 6 - n_dropped and n_checked >= 10 and n_turns_checked > 30
-    assert bool(n_dropped) == (name in TEMPLATE_DROPS)
+    assert n_checked >= len(canonical_records) - 6 - n_dropped and n_checked >= 10 and n_turns_checked > 20
+    assert (n_dropped >= 9) == (name == "phi3_mini_instruct")  # its tool records
 
 
 def test_label_zero_turn_has_no_loss():
