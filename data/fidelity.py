@@ -6,8 +6,9 @@ A canonical record is rendered by `render_record` (one chat-template render in t
    (`tool_arguments: parse`), and the `reasoning_content` of every TRAINED assistant message handled by the
    `reasoning` policy: `drop` removes it; `auto` inlines it into the content as
    `open + reasoning.strip("\\n") + close + content.lstrip("\\n")` (the shape Qwen3 renders natively) when the
-   template never renders reasoning, and re-renders once with the turns whose reasoning the template stripped
-   (Qwen3 keeps only the turns after the last user query) inlined; `template` and `error` keep it as given;
+   template never renders reasoning; a turn whose reasoning the template still strips because it is not the
+   last turn (Qwen3 before the last user query) gets its text from a render of the conversation up to that
+   turn; `template` and `error` keep the reasoning as given;
 2. the conservation check: inside the trained span of every labelled assistant message its content, its
    reasoning (unless dropped) and every tool call (name and arguments, as JSON) must appear, and every tool
    message must appear in the render. A missing piece is a RecordError (`template_drops_content`,
@@ -173,10 +174,6 @@ def _spans(text: str, info: TemplateInfo, n: int, source: str) -> list[tuple[int
         raise RecordError(source, "messages", str(exc), "template_mismatch") from None
 
 
-def _lost_reasoning(body: str, msg: dict) -> bool:
-    return _has_reasoning(msg) and msg["reasoning_content"].strip() not in body
-
-
 def render_record(tokenizer, info: TemplateInfo, record: dict, opts: FidelityOptions, renders_reasoning: bool,
                   source: str, index_map: list[int] | None = None) -> Rendered:
     """Render one normalized (validated) record, apply the policies and check conservation; RecordError when
@@ -208,17 +205,19 @@ def render_record(tokenizer, info: TemplateInfo, record: dict, opts: FidelityOpt
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     text = _render(tokenizer, messages, kwargs, source)
     spans = _spans(text, info, len(assistant), source)
+    if opts.reasoning == "auto":
+        # a template may strip reasoning from turns that are not the last one (Qwen3 before the last user
+        # query, natively or inlined as <think>): such a turn is rendered as the last turn of its prefix, one
+        # more render per turn, and its text replaces the stripped one
+        replace = {}
+        for j, i in enumerate(assistant):
+            if i in reasoning_of and reasoning_of[i].strip() not in text[slice(*spans[j])]:
+                prefix = _render(tokenizer, messages[: i + 1], kwargs, source)
+                a, b = _spans(prefix, info, j + 1, source)[j]
+                replace[j] = prefix[a:b]
+        if replace:
+            text, spans = splice(text, spans, replace)
     span_of = dict(zip(assistant, spans))
-    if opts.reasoning == "auto" and renders_reasoning:
-        stripped = [i for i in trained if i in reasoning_of and i not in inlined
-                    and _lost_reasoning(text[slice(*span_of[i])], messages[i])]
-        if stripped:  # e.g. Qwen3: turns before the last user query; a second render, only for these records
-            for i in stripped:
-                messages[i] = _inline(messages[i], opts.reasoning_tags)
-                inlined.add(i)
-            text = _render(tokenizer, messages, kwargs, source)
-            spans = _spans(text, info, len(assistant), source)
-            span_of = dict(zip(assistant, spans))
     for i in trained:
         _check_turn(text[slice(*span_of[i])], asked[i], reasoning_of.get(i), i in inlined, opts, stats,
                     source, f"messages[{index_map[i]}]")
@@ -280,6 +279,21 @@ def asked_chars(record: dict) -> int:
     return total
 
 
+# ---------------------------------------------------------------------------------------------- splicing
+def splice(text: str, spans: list[tuple[int, int]], bodies: dict[int, str]) -> tuple[str, list[tuple[int, int]]]:
+    """`text` with the span of assistant turn j replaced by `bodies[j]`; returns the new text and spans."""
+    pieces, new_spans, prev, length = [], [], 0, 0
+    for j, (a, b) in enumerate(spans):
+        body = bodies.get(j, text[a:b])
+        pieces += [text[prev:a], body]
+        length += a - prev
+        new_spans.append((length, length + len(body)))
+        length += len(body)
+        prev = b
+    pieces.append(text[prev:])
+    return "".join(pieces), new_spans
+
+
 # ---------------------------------------------------------------------------------------------- merged records
 def split_parts(record: dict) -> list[tuple[dict, list[int]]]:
     """The original records of a merged record (`meta.parts`: [{"start": first message, "system": shown the
@@ -319,19 +333,9 @@ def render_merged(tokenizer, info: TemplateInfo, record: dict, opts: FidelityOpt
     if opts.tool_arguments == "parse":
         messages = parse_tool_arguments(messages, source, list(range(len(messages))), dict(tool_arguments_parsed=0))
     text = _render(tokenizer, messages, _template_kwargs(record, opts), source)
-    spans = _spans(text, info, len(bodies), source)
-    pieces, new_spans, prev = [], [], 0
-    length = 0
-    for (a, b), body in zip(spans, bodies):
-        pieces.append(text[prev:a])
-        length += a - prev
-        pieces.append(body)
-        new_spans.append((length, length + len(body)))
-        length += len(body)
-        prev = b
-    pieces.append(text[prev:])
+    text, spans = splice(text, _spans(text, info, len(bodies), source), dict(enumerate(bodies)))
     stats = dict.fromkeys(STAT_KEYS, 0)
     for rendered in alone:
         for key, value in rendered.stats.items():
             stats[key] += value
-    return Rendered(text="".join(pieces), spans=new_spans, stats=stats)
+    return Rendered(text=text, spans=spans, stats=stats)
