@@ -221,3 +221,18 @@ def test_report_counts_reasoning_tools_and_losses(tmp_path, capsys):
             assert section["reasoning"]["not_rendered"] == {"messages": 4, "chars": reasoning_chars}
             assert section["loss_tokens"] < auto_loss / 2
             assert f"reasoning_not_rendered 4 records / {reasoning_chars:,} chars" in printed
+
+
+def test_config_keys_are_checked_before_any_work(tmp_path):
+    from data.config import ConfigError, DataConfig, from_dict
+
+    base = {"inputs": [], "output_dir": str(tmp_path), "tokenizer_path": str(tokenizer_dir("qwen3")),
+            "stages": ["tokenize"]}
+    cfg = from_dict(DataConfig, base)
+    assert (cfg.reasoning, cfg.reasoning_tags, cfg.tool_arguments) == ("auto", ["<think>\n", "\n</think>\n\n"], "parse")
+    with pytest.raises(ConfigError, match=r"config.reasoning: 'inline' is not one of"):
+        from_dict(DataConfig, {**base, "reasoning": "inline"})
+    with pytest.raises(ConfigError, match=r"config.tool_arguments: 'json' is not one of"):
+        from_dict(DataConfig, {**base, "tool_arguments": "json"})
+    with pytest.raises(ConfigError, match=r"reasoning_tags must be two non-empty strings"):
+        from_dict(DataConfig, {**base, "reasoning_tags": ["<think>"]}).validate()
