@@ -6,13 +6,16 @@ row must train, for each original record, exactly the token ids that record trai
 records must be dropped (with the same reasons) and the total loss tokens must be equal.
 """
 import shutil
+import unicodedata
 
 import numpy as np
+import orjson
 import pytest
 
 from tests.conftest import fixture_path, tokenizer_dir
 
 from data import merge, preprocess, sample, tokenize
+from data.chat_template import load_chat_tokenizer
 from data.config import DataConfig, from_dict
 from data.report import check_arithmetic
 from data.shards import PackedDataset
@@ -86,3 +89,35 @@ def test_merged_rows_train_exactly_what_their_records_train_alone(sampled, tmp_p
         assert {"template_error", "template_drops_content"} <= reasons
     if tokenizer in ("qwen2_5_instruct", "qwen3"):
         assert not reasons and alone["lost"] == {}
+    check_pieces_are_trained(sampled, tokenizer, ds_alone, by_uid)
+
+
+def _squash(text: str) -> str:
+    """Whitespace-free NFC text: decoders differ in spaces around special tokens and in normalization."""
+    return "".join(unicodedata.normalize("NFC", text).split())
+
+
+def check_pieces_are_trained(sampled_path, tokenizer, ds, by_uid) -> None:
+    """Independently of the conservation check: the decoded loss tokens of every kept record hold the content,
+    reasoning and tool-call names of each of its trained assistant messages."""
+    tok = load_chat_tokenizer(str(tokenizer_dir(tokenizer)))
+    records = {}
+    with open(sampled_path, "rb") as f:
+        for line in f:
+            rec = orjson.loads(line)
+            records[rec["meta"]["uid"]] = rec
+    n_reasoning = n_calls = 0
+    for uid, ids in by_uid.items():
+        trained = _squash(tok.decode(ids.tolist()))
+        rec = records[uid]
+        labels = rec.get("labels") or [int(m["role"] == "assistant") for m in rec["messages"]]
+        for msg, label in zip(rec["messages"], labels):
+            if not label:
+                continue
+            for piece in (msg.get("content") or "", msg.get("reasoning_content") or ""):
+                assert _squash(piece[-300:]) in trained, (tokenizer, uid, piece[-100:])
+            n_reasoning += bool(msg.get("reasoning_content"))
+            for call in msg.get("tool_calls") or ():
+                assert _squash(call["function"]["name"]) in trained, (tokenizer, uid, call)
+                n_calls += 1
+    assert n_reasoning > 150 and (n_calls > 50 or tokenizer == "phi3_mini_instruct")  # Phi-3: none kept
