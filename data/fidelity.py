@@ -209,14 +209,14 @@ def render_record(tokenizer, info: TemplateInfo, record: dict, opts: FidelityOpt
         # a template may strip reasoning from turns that are not the last one (Qwen3 before the last user
         # query, natively or inlined as <think>): such a turn is rendered as the last turn of its prefix, one
         # more render per turn, and its text replaces the stripped one
-        replace = {}
+        last_turn_bodies = {}
         for j, i in enumerate(assistant):
             if i in reasoning_of and reasoning_of[i].strip() not in text[slice(*spans[j])]:
                 prefix = _render(tokenizer, messages[: i + 1], kwargs, source)
                 a, b = _spans(prefix, info, j + 1, source)[j]
-                replace[j] = prefix[a:b]
-        if replace:
-            text, spans = splice(text, spans, replace)
+                last_turn_bodies[j] = prefix[a:b]
+        if last_turn_bodies:
+            text, spans = splice(text, spans, last_turn_bodies)
     span_of = dict(zip(assistant, spans))
     for i in trained:
         _check_turn(text[slice(*span_of[i])], asked[i], reasoning_of.get(i), i in inlined, opts, stats,
