@@ -295,14 +295,18 @@ def splice(text: str, spans: list[tuple[int, int]], bodies: dict[int, str]) -> t
 
 
 # ---------------------------------------------------------------------------------------------- merged records
-def split_parts(record: dict) -> list[tuple[dict, list[int]]]:
+def split_parts(record: dict, source: str) -> list[tuple[dict, list[int]]]:
     """The original records of a merged record (`meta.parts`: [{"start": first message, "system": shown the
     system prompt alone}]), each with the positions of its messages in the merged record."""
     parts = record["meta"].get("parts")
     messages, labels = record["messages"], record["labels"]
     if not parts or len(parts) < 2:
         return [(record, list(range(len(messages))))]
-    starts = [p["start"] for p in parts] + [len(messages)]
+    starts = [p.get("start") if isinstance(p, dict) else None for p in parts] + [len(messages)]
+    if starts[0] != 0 or not all(isinstance(a, int) and not isinstance(a, bool) and a < b
+                                 for a, b in zip(starts, starts[1:])):
+        raise RecordError(source, "meta.parts", f"expected [{{start, system}}] with increasing starts from 0 "
+                          f"below {len(messages)}, got {parts!r}", "bad_record")
     out = []
     for k, part in enumerate(parts):
         idx = list(range(starts[k], starts[k + 1]))
@@ -321,7 +325,7 @@ def render_merged(tokenizer, info: TemplateInfo, record: dict, opts: FidelityOpt
     """A (possibly merged) record: one render of the whole conversation, each assistant turn's text replaced by
     its text in its original record rendered alone (see the module docstring). A record with one part is
     `render_record` itself."""
-    parts = split_parts(record)
+    parts = split_parts(record, source)
     if len(parts) == 1:
         return render_record(tokenizer, info, record, opts, renders_reasoning, source)
     alone = [render_record(tokenizer, info, sub, opts, renders_reasoning, f"{source} part {k + 1}", idx)

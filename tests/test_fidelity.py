@@ -236,3 +236,15 @@ def test_config_keys_are_checked_before_any_work(tmp_path):
         from_dict(DataConfig, {**base, "tool_arguments": "json"})
     with pytest.raises(ConfigError, match=r"reasoning_tags must be two non-empty strings"):
         from_dict(DataConfig, {**base, "reasoning_tags": ["<think>"]}).validate()
+
+
+def test_merged_record_with_bad_parts_is_a_record_error():
+    rec = _two_query_record()
+    rec["meta"]["parts"] = [{"start": 0}, {"start": 9}]
+    (err,) = tokenize_records([rec], ctx_for("qwen2_5_instruct"), sources=["merged.jsonl:2"])
+    assert err.reason == "bad_record" and str(err).startswith("merged.jsonl:2: meta.parts: expected")
+    rec["meta"]["parts"] = [{"start": 0, "system": False}, {"start": 2, "system": False}]
+    (res,) = tokenize_records([rec], ctx_for("qwen3"))
+    (alone,) = tokenize_records([dict(rec, meta={"uid": 7})], ctx_for("qwen3"))
+    # Qwen3 alone: turn 1 is before the last query; as part 1 of a merged record it is its record's last turn
+    assert res.n_loss_tokens == alone.n_loss_tokens
