@@ -207,11 +207,14 @@ def render_record(tokenizer, info: TemplateInfo, record: dict, opts: FidelityOpt
     spans = _spans(text, info, len(assistant), source)
     if opts.reasoning == "auto":
         # a template may strip reasoning from turns that are not the last one (Qwen3 before the last user
-        # query, natively or inlined as <think>): such a turn is rendered as the last turn of its prefix, one
-        # more render per turn, and its text replaces the stripped one
+        # query, natively or as <think> in the content): such a turn is rendered as the last turn of its
+        # prefix, one more render per turn, and its text replaces the stripped one
+        trained_set = set(trained)
         last_turn_bodies = {}
         for j, i in enumerate(assistant):
-            if i in reasoning_of and reasoning_of[i].strip() not in text[slice(*spans[j])]:
+            body = text[slice(*spans[j])]
+            if i in trained_set and ((i in reasoning_of and reasoning_of[i].strip() not in body)
+                                     or messages[i]["content"].strip() not in body):
                 prefix = _render(tokenizer, messages[: i + 1], kwargs, source)
                 a, b = _spans(prefix, info, j + 1, source)[j]
                 last_turn_bodies[j] = prefix[a:b]

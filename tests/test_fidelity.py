@@ -248,3 +248,15 @@ def test_merged_record_with_bad_parts_is_a_record_error():
     (alone,) = tokenize_records([dict(rec, meta={"uid": 7})], ctx_for("qwen3"))
     # Qwen3 alone: turn 1 is before the last query; as part 1 of a merged record it is its record's last turn
     assert res.n_loss_tokens == alone.n_loss_tokens
+
+
+def test_qwen3_think_block_inside_earlier_content_is_kept():
+    """Content that already holds a <think> block: Qwen3 strips it from turns before the last query."""
+    tok, _ = _tok("qwen3")
+    rec = _two_query_record()
+    for m in rec["messages"][1::2]:
+        m["content"] = inline(m.pop("reasoning_content"), m["content"])
+    (res,) = tokenize_records([rec], ctx_for("qwen3"))
+    assert trained_text(tok, res, 1) == inline("Two plus three is five.", "5") + "<|im_end|>"
+    (err,) = tokenize_records([rec], ctx_for("qwen3", reasoning="template"))
+    assert err.reason == "template_drops_content" and str(err).startswith("record 0: messages[1].content:")
