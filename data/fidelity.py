@@ -97,14 +97,20 @@ def _tool_call_chars(call: dict) -> int:
     return len(call["function"]["name"]) + len(text)
 
 
-def _arguments_in(body: str, args: Any) -> bool:
-    """The arguments appear in the render as JSON: `tojson` (`json.dumps`) or compact; a kept string as given or
-    as `tojson` writes it (double-encoded)."""
+def squash(text: str) -> str:
+    """Text without whitespace: the conservation check compares modulo whitespace, which templates trim or
+    reformat (Llama 3.1 trims content, Qwen3 rewrites the newlines around <think>, `tojson` separators)."""
+    return "".join(text.split())
+
+
+def _arguments_in(squashed_body: str, args: Any) -> bool:
+    """The arguments appear in the render as JSON (`tojson`, i.e. `json.dumps`, with any separators); a kept
+    string as given or as `tojson` writes it (double-encoded)."""
     if isinstance(args, str):
-        return args.strip() in body or json.dumps(args, ensure_ascii=False) in body
-    forms = (json.dumps(args, ensure_ascii=False), json.dumps(args, ensure_ascii=False, separators=(",", ":")),
-             json.dumps(args, ensure_ascii=True))
-    return any(f in body for f in forms)
+        forms = (args, json.dumps(args, ensure_ascii=False))
+    else:
+        forms = (json.dumps(args, ensure_ascii=False), json.dumps(args, ensure_ascii=True))
+    return any(squash(f) in squashed_body for f in forms)
 
 
 def parse_tool_arguments(messages: list[dict], source: str, index_map: list[int], stats: dict) -> list[dict]:
@@ -212,9 +218,9 @@ def render_record(tokenizer, info: TemplateInfo, record: dict, opts: FidelityOpt
         trained_set = set(trained)
         last_turn_bodies = {}
         for j, i in enumerate(assistant):
-            body = text[slice(*spans[j])]
-            if i in trained_set and ((i in reasoning_of and reasoning_of[i].strip() not in body)
-                                     or messages[i]["content"].strip() not in body):
+            body = squash(text[slice(*spans[j])])
+            if i in trained_set and ((i in reasoning_of and squash(reasoning_of[i]) not in body)
+                                     or squash(messages[i]["content"]) not in body):
                 prefix = _render(tokenizer, messages[: i + 1], kwargs, source)
                 a, b = _spans(prefix, info, j + 1, source)[j]
                 last_turn_bodies[j] = prefix[a:b]
@@ -222,12 +228,16 @@ def render_record(tokenizer, info: TemplateInfo, record: dict, opts: FidelityOpt
             text, spans = splice(text, spans, last_turn_bodies)
     span_of = dict(zip(assistant, spans))
     for i in trained:
-        _check_turn(text[slice(*span_of[i])], asked[i], reasoning_of.get(i), i in inlined, opts, stats,
+        _check_turn(squash(text[slice(*span_of[i])]), asked[i], reasoning_of.get(i), i in inlined, opts, stats,
                     source, f"messages[{index_map[i]}]")
     stats["trained_chars"] = stats["content_chars"] + stats["reasoning_chars"] + stats["tool_call_chars"]
+    squashed_text = None
     for i, msg in enumerate(messages):
-        if msg["role"] == "tool" and msg["content"].strip() and msg["content"].strip() not in text \
-                and json.dumps(msg["content"], ensure_ascii=False) not in text:
+        if msg["role"] != "tool" or not msg["content"].strip():
+            continue
+        squashed_text = squashed_text if squashed_text is not None else squash(text)
+        if squash(msg["content"]) not in squashed_text \
+                and squash(json.dumps(msg["content"], ensure_ascii=False)) not in squashed_text:
             raise RecordError(source, f"messages[{index_map[i]}]", "the chat template does not render tool "
                               "messages", "template_drops_tools")
     return Rendered(text=text, spans=spans, stats=stats)
@@ -235,11 +245,11 @@ def render_record(tokenizer, info: TemplateInfo, record: dict, opts: FidelityOpt
 
 def _check_turn(body: str, msg: dict, reasoning: str | None, inlined: bool, opts: FidelityOptions,
                 stats: dict, source: str, field_name: str) -> None:
-    """The conservation check of one trained assistant turn (`body`: its rendered span)."""
+    """The conservation check of one trained assistant turn (`body`: its rendered span, squashed)."""
     content = msg["content"]
     stats["trained_messages"] += 1
     stats["content_chars"] += len(content)
-    if content.strip() and content.strip() not in body:
+    if content.strip() and squash(content) not in body:
         raise RecordError(source, f"{field_name}.content", f"the chat template does not render this content "
                           f"(tool-call turns of some templates render only the call): {content.strip()[:60]!r}",
                           "template_drops_content")
@@ -247,7 +257,7 @@ def _check_turn(body: str, msg: dict, reasoning: str | None, inlined: bool, opts
         stats["reasoning_messages"] += 1
         stats["reasoning_chars"] += len(reasoning)
         if opts.reasoning != "drop":
-            present = reasoning.strip() in body
+            present = squash(reasoning) in body
             if inlined and not present:
                 raise RecordError(source, f"{field_name}.content", "the chat template does not render the content "
                                   "the reasoning was inlined into", "template_drops_content")
@@ -266,7 +276,7 @@ def _check_turn(body: str, msg: dict, reasoning: str | None, inlined: bool, opts
     for j, call in enumerate(msg.get("tool_calls") or ()):
         stats["tool_calls"] += 1
         stats["tool_call_chars"] += _tool_call_chars(call)
-        if call["function"]["name"] not in body or not _arguments_in(body, _call_arguments(call)):
+        if squash(call["function"]["name"]) not in body or not _arguments_in(body, _call_arguments(call)):
             raise RecordError(source, f"{field_name}.tool_calls[{j}]", "the chat template does not render this "
                               "tool call", "template_drops_tools")
 

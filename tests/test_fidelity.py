@@ -260,3 +260,11 @@ def test_qwen3_think_block_inside_earlier_content_is_kept():
     assert trained_text(tok, res, 1) == inline("Two plus three is five.", "5") + "<|im_end|>"
     (err,) = tokenize_records([rec], ctx_for("qwen3", reasoning="template"))
     assert err.reason == "template_drops_content" and str(err).startswith("record 0: messages[1].content:")
+
+
+def test_whitespace_a_template_rewrites_is_not_a_loss():
+    """Qwen3 rewrites `<think>r</think>a` as `<think>\\nr\\n</think>\\n\\na`: the same text, kept."""
+    tok, _ = _tok("qwen3")
+    rec = {"messages": [{"role": "user", "content": "2 + 3?"}, {"role": "assistant", "content": "<think>add</think>5"}]}
+    (res,) = tokenize_records([rec], ctx_for("qwen3", reasoning="template"))
+    assert trained_text(tok, res, 1) == "<think>\nadd\n</think>\n\n5<|im_end|>"
