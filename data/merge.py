@@ -143,7 +143,8 @@ def count_tokens_batch(tokenizer, records: list[dict], opts: FidelityOptions) ->
 def _prepare_chunk(task: tuple) -> list[tuple[dict, int, int | None, bool]]:
     """Worker: parse lines, apply loss_turns, count tokens of the records a merge decision needs.
 
-    Returns (record, labels zeroed, token count or None, joins previous) per line.
+    Returns (record, labels zeroed, token count, joins previous) per line; the count is None when it was not
+    needed, or when the record fails on its own (then it is never merged: `merge_block_reason`).
     """
     lines, joins, needs_count, loss_turns, tokenizer_key, opts = task
     records = [orjson.loads(line) for line in lines]
