@@ -109,8 +109,9 @@ class TokenizeContext:
 
 # ---------------------------------------------------------------------------------------------- the pure core
 def template_inputs(record: dict, ctx_enable_thinking: bool | None = None) -> tuple[list[dict], dict]:
-    """The `(messages, kwargs)` given to `apply_chat_template` for a canonical record: messages without the
-    pipeline's `category_id`, `tools` when present, `enable_thinking` (the record's, else the config's) when set."""
+    """The `(messages, kwargs)` of a canonical record as given, before the fidelity policies (data/fidelity.py):
+    messages without the pipeline's `category_id`, `tools` when present, `enable_thinking` (the record's, else
+    the config's) when set. The template's own view of a record, for tests and benchmarks."""
     messages = [{k: v for k, v in m.items() if k != "category_id"} for m in record["messages"]]
     kwargs: dict[str, Any] = {}
     if record.get("tools"):
