@@ -198,7 +198,7 @@ def run(cfg: DataConfig) -> dict:
     if budget is not None:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         tokenizer_key = (str(cfg.tokenizer_path), cfg.chat_template)
-        _tokenizer(tokenizer_key)  # fail early in the parent; forked workers inherit it
+        _template(_tokenizer(tokenizer_key))  # fail early in the parent; forked workers inherit both
     n_in = n_out = zeroed_total = 0
     blocked: dict[str, int] = {}
     group_sizes: dict[int, int] = {}

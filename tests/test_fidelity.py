@@ -268,3 +268,26 @@ def test_whitespace_a_template_rewrites_is_not_a_loss():
     rec = {"messages": [{"role": "user", "content": "2 + 3?"}, {"role": "assistant", "content": "<think>add</think>5"}]}
     (res,) = tokenize_records([rec], ctx_for("qwen3", reasoning="template"))
     assert trained_text(tok, res, 1) == "<think>\nadd\n</think>\n\n5<|im_end|>"
+
+
+def test_a_record_that_fails_alone_is_never_merged(tmp_path):
+    from data import merge
+    from data.config import DataConfig, MergeConfig
+    from data.io import iter_jsonl
+
+    def rec(uid, answer):
+        return {"messages": [{"role": "user", "content": f"q{uid}"}, {"role": "assistant", "content": answer}],
+                "labels": [0, 1], "meta": {"uid": uid, "category_id": 1}}
+
+    bad = _tool_record("{not json")
+    bad["meta"] = {"uid": 2, "category_id": 1}
+    bad["labels"] = [0, 1, 0, 1]
+    records = [rec(0, "a0"), rec(1, "a1"), bad, rec(3, "a3"), rec(4, "a4")]
+    cfg = DataConfig(inputs=[], output_dir=str(tmp_path), tokenizer_path=str(tokenizer_dir("qwen2_5_instruct")),
+                     num_workers=1, merge=MergeConfig(probability=1.0, max_tokens=10_000))
+    cfg.sampled_path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
+    section = merge.run(cfg)
+    assert [o["meta"].get("uids", [o["meta"].get("uid")]) for o in iter_jsonl(cfg.merged_path)] == [[0, 1], [2], [3, 4]]
+    assert section["blocked"] == {"record_error": 2}  # it joins nothing, and nothing joins it
+    first = next(iter_jsonl(cfg.merged_path))
+    assert first["meta"]["parts"] == [{"start": 0, "system": False}, {"start": 2, "system": False}]
