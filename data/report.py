@@ -88,7 +88,8 @@ def format_tokenize_summary(section: dict) -> str:
     reasoning, tools = section["reasoning"], section["tool_calls"]
     lines.append(f"reasoning ({reasoning['policy']}): {reasoning['messages']:,} trained messages, "
                  f"{reasoning['chars']:,} chars; by template {reasoning['by_template']['messages']:,}, "
-                 f"inlined {reasoning['inlined']['messages']:,}, not rendered {reasoning['not_rendered']['messages']:,}, "
+                 f"inlined {reasoning['inlined']['messages']:,}, "
+                 f"not rendered {reasoning['not_rendered']['messages']:,}, "
                  f"dropped {reasoning['dropped']['messages']:,}")
     lines.append(f"tool calls ({tools['arguments']}): {tools['calls']:,} trained, "
                  f"{tools['arguments_parsed']:,} JSON-string arguments parsed")

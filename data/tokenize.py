@@ -273,7 +273,8 @@ def _build(norm: dict, rendered: Rendered, enc, source: str, record_index: int,
                     validate_structure(arrays[4], arrays[5])
                 except StructureError as exc:
                     if ctx.on_error == "error":
-                        raise RecordError(source, "structure", f"after {policy} truncation: {exc}", "structure") from None
+                        raise RecordError(source, "structure", f"after {policy} truncation: {exc}",
+                                          "structure") from None
                     arrays[4] = np.zeros_like(arrays[4])
                     arrays[5] = np.zeros_like(arrays[5])
                     kept_plain = True

@@ -7,7 +7,6 @@ come from `apply_chat_template` on those hand-built messages.
 import json
 from functools import lru_cache
 
-import numpy as np
 import orjson
 import pytest
 
@@ -16,9 +15,8 @@ from tests.conftest import fixture_path, tokenizer_dir
 from data.chat_template import analyze_template, load_chat_tokenizer
 from data.records import RecordError, validate_canonical
 from data.report import check_arithmetic
-from data.tokenize import IGNORE_INDEX, TokenizeContext, tokenize_records
+from data.tokenize import TokenizeContext, tokenize_records
 
-TEMPLATED = ("qwen2_5_instruct", "qwen3", "llama3_1_instruct", "phi3_mini_instruct")
 EOT = {"qwen2_5_instruct": "<|im_end|>", "qwen3": "<|im_end|>", "llama3_1_instruct": "<|eot_id|>",
        "phi3_mini_instruct": "<|end|>"}
 
