@@ -16,6 +16,7 @@ from typing import Any, Literal
 import orjson
 
 STAGES = ("preprocess", "sample", "merge", "tokenize", "pack")
+DEFAULT_REASONING_TAGS = ("<think>\n", "\n</think>\n\n")
 
 
 class ConfigError(ValueError):
@@ -175,6 +176,12 @@ class DataConfig:
     structure: Literal["parallel_thinking"] | None = None
     enable_thinking: bool | None = None  # default for records without their own `enable_thinking`
     merge: MergeConfig = field(default_factory=MergeConfig)
+    # ---- fidelity: what a record asks to train reaches the loss (docs/DATA.md, "What is trained")
+    # reasoning_content of trained turns: auto (template renders it, else inline with reasoning_tags) |
+    # template (the template's behaviour, losses counted) | drop | error (a turn whose reasoning would be lost)
+    reasoning: Literal["auto", "template", "drop", "error"] = "auto"
+    reasoning_tags: list[str] = field(default_factory=lambda: list(DEFAULT_REASONING_TAGS))  # [open, close]
+    tool_arguments: Literal["parse", "keep"] = "parse"  # JSON-string tool-call arguments parsed to an object
     pack: PackConfig = field(default_factory=PackConfig)
     stages: list[str] = field(default_factory=lambda: list(STAGES))
 
@@ -255,6 +262,12 @@ class DataConfig:
             check_tokenizer_dir(self.tokenizer_path)
         if self.chat_template and not Path(self.chat_template).is_file():
             raise ConfigError(f"chat_template: {self.chat_template} is not a file")
+        self._validate_fidelity()
+
+    def _validate_fidelity(self) -> None:
+        tags = self.reasoning_tags
+        if len(tags) != 2 or not all(tags):
+            raise ConfigError(f"reasoning_tags must be two non-empty strings [open, close], got {tags!r}")
 
 
 def check_tokenizer_dir(path: str) -> None:

@@ -63,8 +63,8 @@ def normalize_tools(tools: Any, source: str) -> list | None:
 
 def normalize_tool_calls(calls: Any, source: str, field: str) -> list:
     """`tool_calls` in OpenAI shape `{"type": "function", "function": {"name", "arguments"}}` (a bare
-    `{"name", "arguments"}` is wrapped). `arguments` is kept as given (JSON string or object): templates
-    differ in which they expect and the user's data decides."""
+    `{"name", "arguments"}` is wrapped). `arguments` is kept as given (JSON string or object); the tokenize stage
+    parses a JSON string under `tool_arguments: parse` (data/fidelity.py), as chat templates expect an object."""
     calls = parse_json_field(calls, source, field, "bad_tool_calls")
     if isinstance(calls, dict):
         calls = [calls]
@@ -141,7 +141,8 @@ def validate_canonical(record: Any, source: str) -> dict:
     """Check a record against the canonical contract and return its normalized form (new dict).
 
     Raises RecordError with reasons: bad_record, unknown_key, empty_conversation, bad_message, unknown_role,
-    system_not_first, bad_content, bad_tool_calls, bad_tools, labels_length, bad_label, no_trainable_token.
+    system_not_first, bad_content, bad_tool_calls, bad_tools, labels_length, bad_label, no_trainable_token,
+    empty_assistant (a trained assistant message with no content, reasoning or tool call).
     """
     if not isinstance(record, dict):
         raise RecordError(source, "record", f"expected an object, got {type(record).__name__}", "bad_record")
@@ -175,6 +176,11 @@ def validate_canonical(record: Any, source: str) -> dict:
     if not any(labels):
         raise RecordError(source, "labels", "no assistant message is trained (no trainable token)",
                           "no_trainable_token")
+    for i, (lab, msg) in enumerate(zip(labels, norm_messages)):
+        if lab and not msg["content"].strip() and not (msg.get("reasoning_content") or "").strip() \
+                and not msg.get("tool_calls"):
+            raise RecordError(source, f"messages[{i}]", "trained assistant message has no content, reasoning or "
+                              "tool call (it would train only the end-of-turn marker)", "empty_assistant")
 
     meta = record.get("meta")
     if meta is None:

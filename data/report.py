@@ -95,3 +95,28 @@ def record_failure(path: str | os.PathLike, stage: str, error: str) -> None:
 def sorted_counts(counts: dict) -> dict:
     """Reason counts with a stable key order, so report.json bytes do not depend on encounter order."""
     return {k: counts[k] for k in sorted(counts)}
+
+
+def format_tokenize_summary(section: dict) -> str:
+    """The table printed by the tokenize stage: per category records, tokens and loss tokens before and after
+    the stage, then what is trained of reasoning and tool calls and what is lost (by reason)."""
+    rows = [("category", "records in", "out", "tokens in", "out", "loss tokens in", "out")]
+    for row in section["categories"].values():
+        rows.append((row["name"], row["before"], row["after"], row["tokens_before"], row["tokens"],
+                     row["loss_tokens_before"], row["loss_tokens"]))
+    cells = [[f"{v:,}" if isinstance(v, int) else str(v) for v in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in cells]
+    reasoning, tools = section["reasoning"], section["tool_calls"]
+    lines.append(f"reasoning ({reasoning['policy']}): {reasoning['messages']:,} trained messages, "
+                 f"{reasoning['chars']:,} chars; by template {reasoning['by_template']['messages']:,}, "
+                 f"inlined {reasoning['inlined']['messages']:,}, "
+                 f"not rendered {reasoning['not_rendered']['messages']:,}, "
+                 f"dropped {reasoning['dropped']['messages']:,}")
+    lines.append(f"tool calls ({tools['arguments']}): {tools['calls']:,} trained, "
+                 f"{tools['arguments_parsed']:,} JSON-string arguments parsed")
+    lost = section["lost"]
+    lines.append("not trained: " + (", ".join(f"{reason} {v['records']:,} records / {v['chars']:,} chars"
+                                              for reason, v in lost.items()) or "nothing"))
+    return "\n".join(lines)

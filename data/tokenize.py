@@ -1,10 +1,14 @@
 """Tokenize stage: merged.jsonl -> tokenized/ (one sequence per row) with exact loss masks.
 
-Per record the whole conversation is rendered ONCE with the tokenizer's chat template (text), a batch of
-texts is encoded by the fast tokenizer, and the loss mask comes from character spans of that single render
-(see data/chat_template.py): for every trained assistant message, the tokens that START inside
-`[end of its assistant header, end of its end-of-turn marker)`. The token ids are therefore exactly
-`tokenizer.apply_chat_template(messages, tools=tools, **kwargs)["input_ids"]`.
+Per record the whole conversation is rendered with the tokenizer's chat template (text; once in the common
+case), a batch of texts is encoded by the fast tokenizer, and the loss mask comes from character spans of that
+render (see data/chat_template.py): for every trained assistant message, the tokens that START inside
+`[end of its assistant header, end of its end-of-turn marker)`. The messages given to the template are those of
+the record after the `reasoning` and `tool_arguments` policies, and every trained turn passes the conservation
+check (data/fidelity.py); for an unmerged record whose reasoning the template renders (or which has none) and
+whose tool arguments are objects, the token ids are exactly
+`tokenizer.apply_chat_template(messages, tools=tools, **kwargs)["input_ids"]`. A merged record's assistant turns
+are rendered as in their original records alone (data/fidelity.py, `render_merged`).
 
 Per token: `input_ids`, `labels` (= input id where trained, -100 elsewhere), `category_ids` (category of the
 assistant message the token belongs to: its own turn, or the prompt that precedes it; tokens after the last
@@ -24,11 +28,12 @@ from typing import Any, Iterator
 import numpy as np
 import orjson
 
-from data.chat_template import SpanError, TemplateInfo, analyze_template, assistant_spans, load_chat_tokenizer
+from data.chat_template import TemplateInfo, analyze_template, load_chat_tokenizer
 from data.config import ConfigError, DataConfig, output_config, to_dict
+from data.fidelity import STAT_KEYS, FidelityOptions, Rendered, asked_chars, render_merged, template_renders_reasoning
 from data.progress import progress
 from data.records import RecordError, message_category, record_uids, validate_canonical
-from data.report import check_arithmetic, sorted_counts, update_report
+from data.report import check_arithmetic, format_tokenize_summary, sorted_counts, update_report
 from data.shards import (IGNORE_INDEX, REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, ShardWriter, file_blake2b,
                          tokenizer_hash)
 
@@ -51,6 +56,8 @@ class TokenizedSequence:
     path_ids: np.ndarray | None = None
     truncated: bool = False
     structure_kept_plain: bool = False
+    fidelity: dict = field(default_factory=dict)  # per-record counters of data.fidelity.STAT_KEYS
+    counts_before: dict = field(default_factory=dict)  # {category: [tokens, loss tokens]} before truncation
 
     @property
     def n_loss_tokens(self) -> int:
@@ -76,25 +83,35 @@ class TokenizeContext:
     on_error: str = "error"  # only read in structure mode: keep a malformed record as plain text under skip
     structure: str | None = None
     enable_thinking: bool | None = None
+    reasoning: str = "auto"
+    reasoning_tags: tuple[str, str] = FidelityOptions.reasoning_tags
+    tool_arguments: str = "parse"
     backend: Any = field(init=False, repr=False)
+    fidelity: FidelityOptions = field(init=False, repr=False)
+    renders_reasoning: bool = field(init=False, repr=False)
 
     def __post_init__(self):
         if self.overlong not in OVERLONG_POLICIES:
             raise ConfigError(f"overlong must be one of {OVERLONG_POLICIES}, got {self.overlong!r}")
         self.backend = self.tokenizer.backend_tokenizer
+        self.fidelity = FidelityOptions(reasoning=self.reasoning, reasoning_tags=tuple(self.reasoning_tags),
+                                        tool_arguments=self.tool_arguments, enable_thinking=self.enable_thinking)
+        self.renders_reasoning = template_renders_reasoning(self.tokenizer)
 
     @classmethod
     def from_config(cls, cfg: DataConfig) -> "TokenizeContext":
         tokenizer = load_chat_tokenizer(cfg.tokenizer_path, cfg.chat_template)
         return cls(tokenizer=tokenizer, info=analyze_template(tokenizer), max_length=cfg.max_length,
                    overlong=cfg.effective_overlong, on_error=cfg.on_error,
-                   structure=cfg.structure, enable_thinking=cfg.enable_thinking)
+                   structure=cfg.structure, enable_thinking=cfg.enable_thinking, reasoning=cfg.reasoning,
+                   reasoning_tags=tuple(cfg.reasoning_tags), tool_arguments=cfg.tool_arguments)
 
 
 # ---------------------------------------------------------------------------------------------- the pure core
 def template_inputs(record: dict, ctx_enable_thinking: bool | None = None) -> tuple[list[dict], dict]:
-    """The `(messages, kwargs)` given to `apply_chat_template` for a canonical record: messages without the
-    pipeline's `category_id`, `tools` when present, `enable_thinking` (the record's, else the config's) when set."""
+    """The `(messages, kwargs)` of a canonical record as given, before the fidelity policies (data/fidelity.py):
+    messages without the pipeline's `category_id`, `tools` when present, `enable_thinking` (the record's, else
+    the config's) when set. The template's own view of a record, for tests and benchmarks."""
     messages = [{k: v for k, v in m.items() if k != "category_id"} for m in record["messages"]]
     kwargs: dict[str, Any] = {}
     if record.get("tools"):
@@ -151,30 +168,34 @@ def _with_origin(source: str, record: Any) -> str:
     return source
 
 
-def _prepare(record: Any, source: str, ctx: TokenizeContext) -> tuple[dict, str]:
-    """Validate one record and render it: (normalized record, rendered text), or RecordError."""
+def _prepare(record: Any, source: str, ctx: TokenizeContext) -> tuple[dict, Rendered]:
+    """Validate one record and render it under the fidelity policies: (normalized record, render), or
+    RecordError (carrying `asked_chars`, what the record asked to train, when it validated)."""
     if isinstance(record, RecordError):
         raise record
     norm = validate_canonical(record, source)
-    messages, kwargs = template_inputs(norm, ctx.enable_thinking)
     try:
-        text = ctx.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
-    except Exception as exc:  # jinja raise_exception / TemplateError: the template rejects this conversation
-        raise RecordError(source, "messages", f"chat template failed: {type(exc).__name__}: {exc}",
-                          "template_error") from None
-    return norm, text
+        return norm, render_merged(ctx.tokenizer, ctx.info, norm, ctx.fidelity, ctx.renders_reasoning, source)
+    except RecordError as exc:
+        exc.asked_chars = asked_chars(norm)
+        raise
 
 
-def _build(norm: dict, text: str, enc, source: str, record_index: int, ctx: TokenizeContext) -> TokenizedSequence:
+def _category_counts(category_ids: np.ndarray, loss_mask: np.ndarray) -> dict[int, list[int]]:
+    """{category: [tokens, loss tokens]} of one sequence."""
+    cats, counts = np.unique(category_ids, return_counts=True)
+    loss = np.bincount(category_ids[loss_mask], minlength=int(cats.max()) + 1)
+    return {c: [n, int(loss[c])] for c, n in zip(cats.tolist(), counts.tolist())}
+
+
+def _build(norm: dict, rendered: Rendered, enc, source: str, record_index: int,
+           ctx: TokenizeContext) -> TokenizedSequence:
+    text, spans = rendered.text, rendered.spans
     ids = np.asarray(enc.ids, dtype=np.int32)
     n = ids.shape[0]
     msgs = norm["messages"]
     labels_in = norm["labels"]
     assistant = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
-    try:
-        spans = assistant_spans(text, ctx.info, len(assistant))
-    except SpanError as exc:
-        raise RecordError(source, "messages", str(exc), "template_mismatch") from None
     # `loss_turns: last` is applied by the merge stage, per original record, through the labels
     trained = [j for j, i in enumerate(assistant) if labels_in[i]]
     trained_set = set(trained)
@@ -199,72 +220,79 @@ def _build(norm: dict, text: str, enc, source: str, record_index: int, ctx: Toke
                 turn_ids[start_tok:end_tok] = k
                 turn_ends.append(end_tok)
     category_ids[prev:] = message_category(norm, assistant[-1])
-    if k == 0:
-        raise RecordError(source, "labels", "no assistant token is trained", "no_trainable_token")
+    counts_before = _category_counts(category_ids, labels != IGNORE_INDEX)
+    try:  # a record dropped from here on still counts its tokens in the "before" figures
+        if k == 0:
+            raise RecordError(source, "labels", "no assistant token is trained", "no_trainable_token")
 
-    where = f"{n} tokens > max_length {ctx.max_length}"
-    if n > ctx.max_length and ctx.overlong in ("drop", "error"):
-        raise RecordError(source, "messages", where, "overlong")
+        where = f"{n} tokens > max_length {ctx.max_length}"
+        if n > ctx.max_length and ctx.overlong in ("drop", "error"):
+            raise RecordError(source, "messages", where, "overlong")
 
-    block_ids = path_ids = None
-    kept_plain = False
-    if ctx.structure == "parallel_thinking":
-        from data.parallel_thinking import StructureError, token_structure
+        block_ids = path_ids = None
+        kept_plain = False
+        if ctx.structure == "parallel_thinking":
+            from data.parallel_thinking import StructureError, token_structure
 
-        offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(n, 2)
-        try:
-            block_ids, path_ids = token_structure(text, offsets, [spans[j] for j in trained])
-        except StructureError as exc:
-            if ctx.on_error == "error":
-                raise RecordError(source, "structure", str(exc), "structure") from None
-            block_ids = np.zeros(n, dtype=np.int16)
-            path_ids = np.zeros(n, dtype=np.int16)
-            kept_plain = True
-        block_ids = np.asarray(block_ids, dtype=np.int16)
-        path_ids = np.asarray(path_ids, dtype=np.int16)
-
-    arrays = [ids, labels, category_ids, turn_ids, block_ids, path_ids]
-    truncated = False
-    if n > ctx.max_length:
-        policy = ctx.overlong
-        if policy == "truncate":
-            fitting = [e for e in turn_ends if e <= ctx.max_length]
-            if not fitting:
-                raise RecordError(source, "messages", f"{where} and the first trained turn ends at token "
-                                  f"{turn_ends[0]}", "overlong")
-            sl = slice(0, fitting[-1])
-        elif policy == "left":
-            sl = slice(n - ctx.max_length, n)
-        else:  # right
-            sl = slice(0, ctx.max_length)
-        arrays = [None if a is None else a[sl].copy() for a in arrays]
-        if arrays[1][0] != IGNORE_INDEX:  # a left cut inside a turn: nothing predicts a row's first token
-            arrays[1][0] = IGNORE_INDEX
-            arrays[3][0] = 0
-        arrays[3] = _renumber_turns(arrays[3])
-        truncated = True
-        if ctx.structure == "parallel_thinking" and not kept_plain and policy != "truncate":
-            from data.parallel_thinking import StructureError, validate_structure
-
-            try:  # a token-level cut may split a <Parallel> block
-                validate_structure(arrays[4], arrays[5])
+            offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(n, 2)
+            try:
+                block_ids, path_ids = token_structure(text, offsets, [spans[j] for j in trained])
             except StructureError as exc:
                 if ctx.on_error == "error":
-                    raise RecordError(source, "structure", f"after {policy} truncation: {exc}", "structure") from None
-                arrays[4] = np.zeros_like(arrays[4])
-                arrays[5] = np.zeros_like(arrays[5])
+                    raise RecordError(source, "structure", str(exc), "structure") from None
+                block_ids = np.zeros(n, dtype=np.int16)
+                path_ids = np.zeros(n, dtype=np.int16)
                 kept_plain = True
-        if not np.any(arrays[1] != IGNORE_INDEX):
-            raise RecordError(source, "messages", f"{where}: no trained token left after {policy} truncation",
-                              "no_trainable_token")
-    ids, labels, category_ids, turn_ids, block_ids, path_ids = arrays
-    meta = norm["meta"]
-    return TokenizedSequence(
-        input_ids=ids, labels=labels, category_ids=category_ids, turn_ids=turn_ids,
-        uids=record_uids(norm), record_index=record_index, category_id=_raw_category(norm),
-        category_name=meta.get("category_name"), block_ids=block_ids, path_ids=path_ids,
-        truncated=truncated, structure_kept_plain=kept_plain,
-    )
+            block_ids = np.asarray(block_ids, dtype=np.int16)
+            path_ids = np.asarray(path_ids, dtype=np.int16)
+
+        arrays = [ids, labels, category_ids, turn_ids, block_ids, path_ids]
+        truncated = False
+        if n > ctx.max_length:
+            policy = ctx.overlong
+            if policy == "truncate":
+                fitting = [e for e in turn_ends if e <= ctx.max_length]
+                if not fitting:
+                    raise RecordError(source, "messages", f"{where} and the first trained turn ends at token "
+                                      f"{turn_ends[0]}", "overlong")
+                sl = slice(0, fitting[-1])
+            elif policy == "left":
+                sl = slice(n - ctx.max_length, n)
+            else:  # right
+                sl = slice(0, ctx.max_length)
+            arrays = [None if a is None else a[sl].copy() for a in arrays]
+            if arrays[1][0] != IGNORE_INDEX:  # a left cut inside a turn: nothing predicts a row's first token
+                arrays[1][0] = IGNORE_INDEX
+                arrays[3][0] = 0
+            arrays[3] = _renumber_turns(arrays[3])
+            truncated = True
+            if ctx.structure == "parallel_thinking" and not kept_plain and policy != "truncate":
+                from data.parallel_thinking import StructureError, validate_structure
+
+                try:  # a token-level cut may split a <Parallel> block
+                    validate_structure(arrays[4], arrays[5])
+                except StructureError as exc:
+                    if ctx.on_error == "error":
+                        raise RecordError(source, "structure", f"after {policy} truncation: {exc}",
+                                          "structure") from None
+                    arrays[4] = np.zeros_like(arrays[4])
+                    arrays[5] = np.zeros_like(arrays[5])
+                    kept_plain = True
+            if not np.any(arrays[1] != IGNORE_INDEX):
+                raise RecordError(source, "messages", f"{where}: no trained token left after {policy} truncation",
+                                  "no_trainable_token")
+        ids, labels, category_ids, turn_ids, block_ids, path_ids = arrays
+        meta = norm["meta"]
+        return TokenizedSequence(
+            input_ids=ids, labels=labels, category_ids=category_ids, turn_ids=turn_ids,
+            uids=record_uids(norm), record_index=record_index, category_id=_raw_category(norm),
+            category_name=meta.get("category_name"), block_ids=block_ids, path_ids=path_ids,
+            truncated=truncated, structure_kept_plain=kept_plain, fidelity=rendered.stats,
+            counts_before=counts_before,
+        )
+    except RecordError as exc:
+        exc.counts_before = counts_before
+        raise
 
 
 def tokenize_records(
@@ -291,12 +319,13 @@ def tokenize_records(
         except RecordError as exc:
             exc.category_id = _raw_category(rec)
             out[i] = exc
-    encodings = ctx.backend.encode_batch([text for _, _, text in prepared], add_special_tokens=False)
-    for (i, norm, text), enc in zip(prepared, encodings):
+    encodings = ctx.backend.encode_batch([rendered.text for _, _, rendered in prepared], add_special_tokens=False)
+    for (i, norm, rendered), enc in zip(prepared, encodings):
         try:
-            out[i] = _build(norm, text, enc, sources[i], record_indices[i], ctx)
+            out[i] = _build(norm, rendered, enc, sources[i], record_indices[i], ctx)
         except RecordError as exc:
             exc.category_id = _raw_category(norm)  # for per-category accounting
+            exc.asked_chars = asked_chars(norm)
             out[i] = exc
     return out
 
@@ -389,9 +418,23 @@ def run(cfg: DataConfig, workers: int | None = None) -> dict:
     dropped: dict[str, int] = {}
     cats: dict[int, dict] = {}
     names: dict[int, str] = {}
+    stats = dict.fromkeys(STAT_KEYS, 0)  # fidelity counters of the kept records
+    lost: dict[str, list[int]] = {}  # reason -> [records, characters asked to train and not trained]
 
     def cat_row(cid: int) -> dict:
-        return cats.setdefault(cid, {"before": 0, "after": 0, "tokens": 0, "loss_tokens": 0})
+        return cats.setdefault(cid, {"before": 0, "after": 0, "tokens_before": 0, "loss_tokens_before": 0,
+                                     "tokens": 0, "loss_tokens": 0})
+
+    def count_before(counts_before: dict) -> None:
+        for c, (tokens, loss) in counts_before.items():
+            row = cat_row(c)
+            row["tokens_before"] += tokens
+            row["loss_tokens_before"] += loss
+
+    def count_lost(reason: str, chars: int) -> None:
+        entry = lost.setdefault(reason, [0, 0])
+        entry[0] += 1
+        entry[1] += chars
 
     # closing the stream on an error stops the worker pool at once
     with writer, contextlib.closing(_ordered_results(cfg, ctx, workers)) as stream, \
@@ -405,6 +448,8 @@ def run(cfg: DataConfig, workers: int | None = None) -> dict:
                         raise res
                     dropped[res.reason] = dropped.get(res.reason, 0) + 1
                     cat_row(getattr(res, "category_id", 0))["before"] += 1
+                    count_before(getattr(res, "counts_before", {}))
+                    count_lost(res.reason, getattr(res, "asked_chars", 0))
                     continue
                 writer.add_row([res.token_fields()], record_indices=[res.record_index], uids=[res.uids])
                 n_out += 1
@@ -419,12 +464,17 @@ def run(cfg: DataConfig, workers: int | None = None) -> dict:
                 row["after"] += 1
                 if res.category_name is not None:
                     names.setdefault(res.category_id, res.category_name)
-                tok_cats, tok_counts = np.unique(res.category_ids, return_counts=True)
-                loss_counts = np.bincount(res.category_ids[loss_mask], minlength=int(tok_cats.max()) + 1)
-                for c, cnt in zip(tok_cats.tolist(), tok_counts.tolist()):
+                count_before(res.counts_before)
+                after = _category_counts(res.category_ids, loss_mask) if res.truncated else res.counts_before
+                for c, (tokens, loss) in after.items():
                     r = cat_row(c)
-                    r["tokens"] += cnt
-                    r["loss_tokens"] += int(loss_counts[c])
+                    r["tokens"] += tokens
+                    r["loss_tokens"] += loss
+                for key, value in res.fidelity.items():
+                    stats[key] += value
+                for reason in ("reasoning_not_rendered", "reasoning_dropped"):  # kept records, pieces not trained
+                    if res.fidelity.get(reason):
+                        count_lost(reason, res.fidelity[f"{reason}_chars"])
             bar.update(n_bytes)
         if n_out == 0:
             raise ConfigError(f"tokenize: no record of {cfg.merged_path} survived ({n_in} in, dropped "
@@ -454,9 +504,32 @@ def run(cfg: DataConfig, workers: int | None = None) -> dict:
         "loss_tokens": n_loss,
         "trained_turns": n_turns,
         "categories": {str(c): cats[c] for c in sorted(cats)},
+        **fidelity_section(stats, lost, ctx),
     })
+    print(format_tokenize_summary(section), flush=True)
     update_report(cfg.report_path, "tokenize", section)
     return section
+
+
+def fidelity_section(stats: dict, lost: dict, ctx: TokenizeContext) -> dict:
+    """report.json keys for what the kept records train (`reasoning`, `tool_calls`, `trained_chars`) and what
+    the input asked to train but is not trained (`lost`: per reason, records and characters)."""
+    def pair(key: str) -> dict:
+        return {"messages": stats[key], "chars": stats[f"{key}_chars"]}
+
+    return {
+        "trained_chars": {"messages": stats["trained_messages"], "content": stats["content_chars"],
+                          "reasoning": stats["reasoning_chars"] - stats["reasoning_not_rendered_chars"]
+                          - stats["reasoning_dropped_chars"], "tool_calls": stats["tool_call_chars"]},
+        "reasoning": {"policy": ctx.reasoning, "tags": list(ctx.reasoning_tags),
+                      "template_renders_reasoning": ctx.renders_reasoning,
+                      "messages": stats["reasoning_messages"], "chars": stats["reasoning_chars"],
+                      "by_template": pair("reasoning_by_template"), "inlined": pair("reasoning_inlined"),
+                      "not_rendered": pair("reasoning_not_rendered"), "dropped": pair("reasoning_dropped")},
+        "tool_calls": {"arguments": ctx.tool_arguments, "calls": stats["tool_calls"],
+                       "arguments_parsed": stats["tool_arguments_parsed"]},
+        "lost": {reason: {"records": lost[reason][0], "chars": lost[reason][1]} for reason in sorted(lost)},
+    }
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """loss_turns and pseudo-multiturn merging: rules, token budget, determinism, per-message categories."""
 import copy
 import itertools
+from dataclasses import replace
 
 import orjson
 import pytest
 
 from data import merge
 from data.config import DataConfig, MergeConfig
+from data.fidelity import FidelityOptions
 from data.io import iter_jsonl, iter_rows
 from data.report import check_arithmetic, read_report
 from tests.conftest import fixture_path, tokenizer_dir
@@ -70,7 +72,9 @@ def test_merge_records_categories_and_duplicate_system_prompt():
                                                       "user", "assistant"]
     assert [m["category_id"] for m in merged["messages"]] == [1, 1, 1, 2, 7, 3, 3]
     assert merged["labels"] == [0, 0, 1, 0, 1, 0, 1]
-    assert merged["meta"] == {"category_id": 1, "category_name": "c1", "uids": [0, 1, 2]}
+    assert merged["meta"] == {"category_id": 1, "category_name": "c1", "uids": [0, 1, 2],
+                              "parts": [{"start": 0, "system": True}, {"start": 3, "system": True},
+                                        {"start": 5, "system": False}]}
     assert merge.merge_records([a]) is a
 
 
@@ -110,9 +114,10 @@ def test_batched_token_counts_equal_apply_chat_template(tokenizer, data):
     records = [r for name in data for r in _fixture_records(name, 6)]
     expected = [len(tok.apply_chat_template(r["messages"], tools=r.get("tools"), tokenize=True)["input_ids"])
                 for r in records]
-    assert merge.count_tokens_batch(tok, records) == expected
+    as_given = FidelityOptions(reasoning="template", tool_arguments="keep")  # the template's own behaviour
+    assert merge.count_tokens_batch(tok, records, as_given) == expected
     if tokenizer == "qwen3":  # enable_thinking reaches the template
-        off = merge.count_tokens_batch(tok, records[:1], default_thinking=False)[0]
+        off = merge.count_tokens_batch(tok, records[:1], replace(as_given, enable_thinking=False))[0]
         assert off == len(tok.apply_chat_template(records[0]["messages"], tools=records[0].get("tools"),
                                                   tokenize=True, enable_thinking=False)["input_ids"])
 
@@ -126,7 +131,7 @@ def test_gpt2_without_chat_template_is_a_clear_error(tmp_path):
 def test_token_budget_blocks_merges(tmp_path):
     records = [rec(i) for i in range(6)]
     tok = merge._tokenizer((str(tokenizer_dir("qwen2_5_instruct")), None))
-    counts = merge.count_tokens_batch(tok, records)
+    counts = merge.count_tokens_batch(tok, records, FidelityOptions())
     n = counts[0]
     assert counts == [n] * 6
     cfg = setup(tmp_path, records, merge=MergeConfig(probability=1.0, max_tokens=2 * n + 1))
@@ -187,7 +192,7 @@ def test_run_matches_a_reference_that_counts_every_record(tmp_path, monkeypatch)
 
     records = _mixed_records()
     tok = merge._tokenizer((str(tokenizer_dir("qwen2_5_instruct")), None))
-    counts = merge.count_tokens_batch(tok, records)
+    counts = merge.count_tokens_batch(tok, records, FidelityOptions())
     p, budget, seed = 0.4, 150, 11
     rng = random.Random(seed)
     groups, sizes = [], []
@@ -202,7 +207,7 @@ def test_run_matches_a_reference_that_counts_every_record(tmp_path, monkeypatch)
 
     counted = []
     real = merge.count_tokens_batch
-    monkeypatch.setattr(merge, "count_tokens_batch", lambda t, recs, d=None: counted.extend(recs) or real(t, recs, d))
+    monkeypatch.setattr(merge, "count_tokens_batch", lambda t, recs, o: counted.extend(recs) or real(t, recs, o))
     cfg = setup(tmp_path, records, seed=seed, merge=MergeConfig(probability=p, max_tokens=budget))
     merge.run(cfg)
     got = [o["meta"].get("uids", [o["meta"].get("uid")]) for o in iter_jsonl(cfg.merged_path)]

@@ -277,8 +277,9 @@ def mixed(tmp_path_factory, tok):
             for p in m["content"]:
                 parts[p["type"]].append(p["value"])
             msg = {"role": m["role"], "content": "".join(parts["text"])}
-            if parts["reasoning"]:
-                msg["reasoning_content"] = "".join(parts["reasoning"])
+            if parts["reasoning"]:  # Qwen2.5 does not render reasoning: `reasoning: auto` inlines it (issue 12)
+                msg["content"] = ("<think>\n" + "".join(parts["reasoning"]).strip("\n") + "\n</think>\n\n"
+                                  + msg["content"].lstrip("\n"))
             if parts["tool_call"]:
                 msg["tool_calls"] = [{"type": "function", "function": orjson.loads(c)} for c in parts["tool_call"]]
             msgs.append(msg)

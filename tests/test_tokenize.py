@@ -78,7 +78,8 @@ def test_run_writes_dataset_and_report(tmp_path, qwen):
     assert sum(c["tokens"] for c in section["categories"].values()) == section["tokens"]
     assert section["categories"]["2"]["name"] == "cat2"
     assert section["categories"]["1"]["before"] == section["categories"]["1"]["after"] + 1  # no_train: uid 99
-    assert section["categories"]["0"] == {"before": 1, "after": 0, "tokens": 0, "loss_tokens": 0, "name": "0"}
+    assert section["categories"]["0"] == {"before": 1, "after": 0, "tokens_before": 0, "loss_tokens_before": 0,
+                                          "tokens": 0, "loss_tokens": 0, "name": "0"}
     assert ds.categories[2] == "cat2"
 
 
@@ -126,7 +127,9 @@ def test_cli_writes_report(tmp_path, capsys):
                                        "stages": ["tokenize"]}))
     args = [str(cfg_path), f"tokenizer_path={tokenizer_dir(QWEN)}", "on_error=skip", "num_workers=1"]
     cli_main(run, "tokenize", args)
-    assert capsys.readouterr().out.startswith("[tokenize] in=4 out=3 dropped={'malformed_json': 1}")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["category", "records", "in", "out", "tokens", "in", "out", "loss", "tokens", "in", "out"]
+    assert out[-1].startswith("[tokenize] in=4 out=3 dropped={'malformed_json': 1}")
     report = json.loads((tmp_path / "report.json").read_bytes())
     assert report["tokenize"]["in"] == 4 and report["tokenize"]["dropped"] == {"malformed_json": 1}
     with pytest.raises(SystemExit) as exit_info:  # every record overlong: a clear error, not an empty dataset

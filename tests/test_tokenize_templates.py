@@ -166,20 +166,30 @@ def check_turn_text(name, decoded, msg, other_texts, reasoning_rendered):
     assert body.strip() == content, (name, body, content)
 
 
+# what the conservation check rejects when the template is left to itself (data/fidelity.py)
+TEMPLATE_DROPS = {"phi3_mini_instruct": {"template_drops_tools"},  # no tool calls, no tool messages
+                  "llama3_1_instruct": {"template_drops_content"}}  # a tool-call turn renders only the call
+
+
 @pytest.mark.parametrize("name", list(TEMPLATES))
 def test_ids_and_masks_match_template(name, canonical_records):
+    """The template's own behaviour (reasoning: template, tool_arguments: keep): ids == apply_chat_template."""
     tok = load_chat_tokenizer(str(tokenizer_dir(name)))
     info = analyze_template(tok)
     assert (info.header, info.end_of_turn) == TEMPLATES[name]
-    ctx = TokenizeContext(tokenizer=tok, info=info, max_length=10**6)
+    ctx = TokenizeContext(tokenizer=tok, info=info, max_length=10**6, reasoning="template", tool_arguments="keep")
     results = tokenize_records(canonical_records, ctx)
-    n_checked = n_turns_checked = 0
+    n_checked = n_turns_checked = n_dropped = 0
     for rec, res in zip(canonical_records, results):
         messages, kwargs = reference_inputs(rec)
         try:
             ref = tok.apply_chat_template(messages, **kwargs)["input_ids"]
         except Exception:
             assert isinstance(res, RecordError) and res.reason == "template_error", res
+            continue
+        if isinstance(res, RecordError) and res.reason in TEMPLATE_DROPS.get(name, ()):
+            assert any(m.get("tool_calls") or m["role"] == "tool" for m in messages), res
+            n_dropped += 1
             continue
         assert not isinstance(res, RecordError), res
         n_checked += 1
@@ -209,7 +219,8 @@ def test_ids_and_masks_match_template(name, canonical_records):
             check_turn_text(name, decoded, msg, others, rendered_reasoning)
             assert np.all(res.category_ids[pos] == msg.get("category_id", rec["meta"].get("category_id", 0)))
             n_turns_checked += 1
-    assert n_checked >= len(canonical_records) - 6 and n_turns_checked > 30
+    assert n_checked >= len(canonical_records) - 6 - n_dropped and n_checked >= 10 and n_turns_checked > 20
+    assert (n_dropped >= 9) == (name == "phi3_mini_instruct")  # its tool records
 
 
 def test_label_zero_turn_has_no_loss():
