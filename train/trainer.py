@@ -273,7 +273,9 @@ class Trainer:
         per_rank_row = -(-row_length // self.mesh.sp_size)
         if cfg.gradient_checkpointing != "auto" or self.device.type != "cuda":
             enabled = cfg.checkpointing_enabled(per_rank_row)
-            why = "set" if cfg.gradient_checkpointing != "auto" else f"auto: rows of {per_rank_row} tokens per rank"
+            why = "set" if cfg.gradient_checkpointing != "auto" else (
+                f"auto: {per_rank_row} tokens per rank {'>=' if enabled else '<'} checkpointing_min_length="
+                f"{cfg.checkpointing_min_length}")
             return enabled, f"{'on' if enabled else 'off'} ({why})"
         from transformers import AutoConfig
 
