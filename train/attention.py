@@ -194,7 +194,9 @@ def _kernel_reasons(kernel: str) -> Callable[[torch.Tensor, float], list[str]]:
 
 
 def _flex_backend(query, key, value, ctx: AttentionContext, scaling, dropout):
-    return flex_document_attention(query, key, value, ctx, scaling)
+    # q/k/v already share one dtype (packsft_attention casts them under autocast): the compiled kernel runs as is
+    with torch.autocast(query.device.type, enabled=False):
+        return flex_document_attention(query, key, value, ctx, scaling)
 
 
 BACKENDS: dict[str, AttentionBackend] = {
