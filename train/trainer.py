@@ -47,6 +47,7 @@ from train.data import StepPlan, StepSampler
 from train.distributed import Mesh, all_reduce_sum, build_mesh, init_distributed
 from train.loss import weighted_lm_loss
 from train.metrics import MetricsLogger, plot_losses, truncate_log
+from train.varlen_kernels import queued_copy
 
 logger = logging.getLogger("packsft.train")
 
@@ -376,7 +377,10 @@ class Trainer:
                                         group=self.mesh.sp_group)
             sp_ctx = sp_ctx.to(self.device)
         dev = self.device
-        to_dev = self._to_device
+
+        def to_dev(tensor: torch.Tensor) -> torch.Tensor:  # queued (pinned, non-blocking) on a GPU
+            return queued_copy(tensor, dev)
+
         if sp_ctx is not None:
             attn = AttentionContext(cu_seqlens=sp_ctx.cu_seqlens.to(dev), max_seqlen=sp_ctx.max_seqlen,
                                     backend=self.attn_backend, sp=sp_ctx)
@@ -398,13 +402,6 @@ class Trainer:
                 to_dev(batch["target_categories"]).reshape(-1),
                 attn,
             )
-
-    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Host → GPU without stalling the host: a copy from pageable memory waits for the GPU to reach it (the
-        previous micro-batch's backward); from pinned memory it is queued and the host builds the next batch."""
-        if self.device.type != "cuda":
-            return tensor.to(self.device)
-        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     # ------------------------------------------------------------------ one optimizer step
     def train_step(self, plan: StepPlan) -> dict:
