@@ -233,15 +233,10 @@ def test_flex_document_mask_matches_sdpa_loop_on_cpu(monkeypatch):
 # ---------------------------------------------------------------------------------------------- GPU
 @pytest.fixture(scope="module")
 def example_packed(tmp_path_factory) -> str:
-    """Real packed rows: the embedded example (chat, math, code, tool records) through `sh data_process.sh`."""
-    import subprocess
+    """Real packed rows: the embedded example (chat, math, code, tool records, 2K rows) through the pipeline."""
+    from benchmarks.bench_train_gpu import build_packed
 
-    from tests._train_helpers import ROOT
-
-    out = tmp_path_factory.mktemp("example_data")
-    subprocess.run(["sh", "data_process.sh", "configs/data/example.json", f"output_dir={out}"], cwd=ROOT,
-                   check=True, capture_output=True, timeout=600)
-    return str(out / "packed")
+    return str(build_packed(tmp_path_factory.mktemp("example_data"), 2048, fixtures=None, smoke=True))
 
 
 @pytest.mark.gpu

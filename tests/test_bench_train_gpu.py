@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from benchmarks.bench_train_gpu import step_flops
@@ -24,6 +25,7 @@ def test_step_flops_formula():
     assert step_flops(shape, seq_lens) == expected
 
 
+@pytest.mark.slow
 def test_smoke_mode_runs_the_real_trainer(tmp_path):
     out = tmp_path / "smoke"
     env = dict(os.environ, PYTHONPATH=str(ROOT), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
