@@ -16,9 +16,11 @@ per_layer: what autograd keeps for a Qwen2/Llama decoder layer with a fused atte
 token: the normed input (h), q/k/v after RoPE (h + 2·kv_dim), the attention output (h), the second normed input
 (h), the two RMSNorm outputs before their weight (2·h), gate, up, act(gate) and act·up (4·intermediate), all in the
 activation dtype, plus the fp32 inputs of the two RMSNorms (8·h bytes): 6·h + 2·kv_dim + 4·intermediate elements.
-The h and kv_dim terms are doubled as a margin for autograd temporaries. It errs on the high side (an estimate,
-not a measurement): checkpointing then turns on a little early rather than a step running out of memory. The
-decision keeps `headroom` (default 10%) of the free memory for the allocator's fragmentation and workspaces.
+The h and kv_dim terms are doubled for autograd temporaries (dtype casts, residual copies). Checked against a
+measurement: in benchmarks/results/memory.md (small-152k shape, fp32, chunked loss, no checkpointing, CPU) the
+peak grows by 0.77 GiB from 4,096 to 16,384 tokens, 67.3 KB per token; the formula gives 2 · 32,768 + 2,048 =
+67.6 KB. Under bf16 autocast it is unmeasured (no GPU lent). The decision keeps `headroom` (default 10%) of the
+free memory for the allocator's fragmentation and the kernels' workspaces.
 """
 from __future__ import annotations
 
