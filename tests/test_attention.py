@@ -76,16 +76,18 @@ def test_structure_mode_without_paths_is_plain_packing():
 def test_autocast_gives_the_backend_one_dtype(monkeypatch):
     """bf16 without DeepSpeed: fp32 weights under autocast make q/k fp32 (RoPE) and v bf16; the backend must get
     all three in the autocast dtype (flash-attn and the ring backends need one half-precision dtype)."""
+    import dataclasses
+
     import train.attention as attention
 
     seen = []
-    real = attention._sdpa_varlen
+    real = attention.BACKENDS["sdpa"]
 
     def spy(query, key, value, *args):
         seen.append((query.dtype, key.dtype, value.dtype))
-        return real(query, key, value, *args)
+        return real.fn(query, key, value, *args)
 
-    monkeypatch.setattr(attention, "_sdpa_varlen", spy)
+    monkeypatch.setitem(attention.BACKENDS, "sdpa", dataclasses.replace(real, fn=spy))
     model = tiny_qwen2()
     ctx = AttentionContext(cu_seqlens=torch.tensor([0, 4, 12], dtype=torch.int32), max_seqlen=8, backend="sdpa")
     with torch.autocast("cpu", dtype=torch.bfloat16):

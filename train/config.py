@@ -77,16 +77,19 @@ class TrainConfig:
     adam_eps: float = 1e-8  # AdamW, > 0
     max_grad_norm: float = 1.0  # clip the global gradient norm to this; 0: no clipping
     bf16: bool = False  # bf16 weights (DeepSpeed) or autocast; GPU only
-    # activation checkpointing: true | false | auto (on when the rows are at least `checkpointing_min_length` long)
+    # activation checkpointing: true | false | auto (GPU: on when the estimated memory of a micro-batch without it
+    # exceeds the free memory, train/memory_plan.py; CPU: on when the rows are at least `checkpointing_min_length` long)
     gradient_checkpointing: bool | Literal["auto"] = "auto"
-    checkpointing_min_length: int = 8192  # tokens per rank from which gradient_checkpointing=auto turns on
+    checkpointing_min_length: int = 8192  # tokens per rank from which gradient_checkpointing=auto turns on (CPU)
+    compile_layers: bool = False  # torch.compile each decoder layer (the attention call stays eager)
+    liger: bool = False  # Liger-Kernel's fused RMSNorm / SwiGLU / RoPE (needs CUDA and liger-kernel)
     seed: int = 42  # data order, online packing plan, random init
     save_steps: int = 0  # checkpoint every N steps; 0: only the final checkpoint
     save_total_limit: int = 2  # resumable checkpoints kept
     eval_steps: int = 0  # evaluate every N steps; 0: never (needs eval_data_path)
     loss_reduction: Literal["token", "turn", "sample"] = "token"  # mean over tokens, turns or samples of a step
     loss_chunk_size: int = 4096  # tokens per lm-head chunk
-    attn_backend: Literal["auto", "sdpa", "flash_varlen"] = "auto"  # attention kernel over packed sequences
+    attn_backend: Literal["auto", "flash_varlen", "torch_varlen", "flex", "sdpa"] = "auto"  # attention kernel over packed sequences (train/attention.py)
     sequence_parallel_size: int = 1  # ranks sharing one row
     sp_backend: Literal["auto", "torch", "llama3", "zigzag"] = "auto"  # sequence-parallel attention kernel
     log_backends: list[str] = field(default_factory=list)  # "tensorboard", "wandb" (offline)
@@ -229,6 +232,11 @@ class TrainConfig:
             raise ConfigError(f"deepspeed.offload_optimizer needs deepspeed.stage 2 or 3, got {ds.stage}")
         if self.bf16 and not _cuda_available():
             raise ConfigError("bf16: true needs a GPU (CUDA is not available); use bf16=false on CPU")
+        if self.liger:
+            if not _cuda_available():
+                raise ConfigError("liger: true needs a GPU (Liger-Kernel runs Triton kernels); use liger=false on CPU")
+            if importlib.util.find_spec("liger_kernel") is None:
+                raise ConfigError("liger: true needs liger-kernel (pip install liger-kernel), or set liger=false")
         if self.resume not in ("none", "latest") and not Path(self.resume).is_dir():
             raise ConfigError(f"resume: {self.resume} is not a checkpoint directory (or use none / latest)")
         if self.resume == "none" and not self.overwrite_output_dir:

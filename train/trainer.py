@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 import train.attention  # noqa: F401  (registers attn_implementation="packsft")
-from train.attention import ATTN_IMPLEMENTATION, AttentionContext
+from train.attention import ATTN_IMPLEMENTATION, AttentionContext, resolve_backend
 from train.batch import make_batch, step_totals
 from train.checkpoint import (
     CheckpointError,
@@ -54,6 +54,7 @@ from train.data import StepPlan, StepSampler
 from train.distributed import Mesh, all_reduce_sum, build_mesh, init_distributed
 from train.loss import weighted_lm_loss
 from train.metrics import MetricsLogger, plot_losses, truncate_log
+from train.varlen_kernels import queued_copy
 
 logger = logging.getLogger("packsft.train")
 
@@ -98,6 +99,8 @@ class PackedCausalLM(nn.Module):
 
 
 def build_lm(cfg: TrainConfig, dtype: torch.dtype, checkpointing: bool = False) -> nn.Module:
+    """The HF causal LM with the packsft attention; optional Liger kernels, activation checkpointing, LoRA and
+    compiled decoder layers (in that order: compile wraps the patched, checkpointed layers)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if cfg.model_path is not None:
@@ -106,13 +109,30 @@ def build_lm(cfg: TrainConfig, dtype: torch.dtype, checkpointing: bool = False) 
         model_cfg = AutoConfig.from_pretrained(cfg.model_config)
         lm = AutoModelForCausalLM.from_config(model_cfg, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype)
     lm.config.use_cache = False
+    if cfg.liger:
+        # fused RMSNorm / SwiGLU / RoPE (Triton); the loss stays PackSFT's chunked weighted loss, so Liger's cross
+        # entropy kernels are not used
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=lm, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                        fused_linear_cross_entropy=False)
     if checkpointing:
         lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora_rank > 0:
         from train.lora import apply_lora
 
         lm = apply_lora(lm, cfg)
+    if cfg.compile_layers:
+        compile_decoder_layers(lm)
     return lm
+
+
+def compile_decoder_layers(lm: nn.Module) -> None:
+    """torch.compile every decoder layer in place. The attention function runs outside the compiled graphs
+    (packsft_attention is marked `torch.compiler.disable`: its per-micro-batch host bounds would otherwise be
+    guarded on and recompile every step); the projections, RoPE, norms and MLP around it are fused."""
+    for layer in decoder_of(lm).layers:
+        layer.compile()
 
 
 def lr_lambda_factory(total_steps: int, warmup_steps: int, schedule: str, min_ratio: float):
@@ -247,8 +267,9 @@ class Trainer:
                 self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
         dtype = torch.bfloat16 if (cfg.bf16 and cfg.uses_deepspeed) else torch.float32
         row_length = int(self.dataset.meta.get("max_length") or int(np.max(self.dataset.row_n_tokens)))
-        self.checkpointing = cfg.checkpointing_enabled(-(-row_length // self.mesh.sp_size))  # tokens per rank
+        self.checkpointing, self.checkpointing_reason = self._choose_checkpointing(row_length)
         self.lm = build_lm(cfg, dtype, self.checkpointing)
+        self.attn_backend = self._resolve_attention()
         self.model = PackedCausalLM(self.lm, cfg.loss_chunk_size, self.num_categories, zero3=zero3)
         self.lr_factor = lr_lambda_factory(self.total_steps, self.warmup_steps, cfg.schedule, cfg.min_lr_ratio)
         self._setup_optimizer()
@@ -258,6 +279,44 @@ class Trainer:
                                      cfg.wandb_project, write_console=self._console_write)
 
     # ------------------------------------------------------------------ setup
+    def _choose_checkpointing(self, row_length: int) -> tuple[bool, str]:
+        """gradient_checkpointing auto: on a GPU from the memory estimate of train/memory_plan.py (a micro-batch's
+        activations without checkpointing vs the free memory less the model state); on CPU by row length."""
+        cfg = self.cfg
+        per_rank_row = -(-row_length // self.mesh.sp_size)
+        if cfg.gradient_checkpointing != "auto" or self.device.type != "cuda":
+            enabled = cfg.checkpointing_enabled(per_rank_row)
+            why = "set" if cfg.gradient_checkpointing != "auto" else (
+                f"auto: {per_rank_row} tokens per rank {'>=' if enabled else '<'} checkpointing_min_length="
+                f"{cfg.checkpointing_min_length}")
+            return enabled, f"{'on' if enabled else 'off'} ({why})"
+        from transformers import AutoConfig
+
+        from train.deepspeed_config import offloads_optimizer
+        from train.memory_plan import ModelShape, choose_checkpointing, model_state_bytes
+
+        shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(cfg.model_path or cfg.model_config))
+        n_trainable = shape.n_params if cfg.lora_rank == 0 else 0  # LoRA adapters: negligible next to the model
+        state = model_state_bytes(
+            shape.n_params, n_trainable, cfg.deepspeed.stage, self.mesh.world_size,
+            offload_optimizer=cfg.uses_deepspeed and offloads_optimizer(self.ds_config), bf16=cfg.bf16,
+        )
+        tokens = -(-row_length * cfg.micro_batch_rows // self.mesh.sp_size)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        decision = choose_checkpointing(shape, tokens, free, state, act_bytes=2 if cfg.bf16 else 4,
+                                        loss_chunk=cfg.loss_chunk_size)
+        return decision.enabled, decision.describe()
+
+    def _resolve_attention(self) -> str:
+        """The attention backend every micro-batch uses (resolved once, from the device, dtype and dropout); an
+        explicitly named backend that cannot run here fails now, before the first step."""
+        if self.sp_backend is not None or self.structure:
+            return self.cfg.attn_backend  # dispatched before the backend table (train/attention.py)
+        dtype = torch.bfloat16 if self.cfg.bf16 else torch.float32
+        probe = torch.empty((1, 1, 0, 1), device=self.device, dtype=dtype)
+        dropout = float(getattr(self.lm.config, "attention_dropout", 0.0) or 0.0)
+        return resolve_backend(self.cfg.attn_backend, probe, dropout).name
+
     def _param_groups(self):
         decay, no_decay = [], []
         for name, p in self.model.named_parameters():
@@ -335,15 +394,16 @@ class Trainer:
                                         group=self.mesh.sp_group)
             sp_ctx = sp_ctx.to(self.device)
         dev = self.device
-        attn = AttentionContext(
-            cu_seqlens=(sp_ctx.cu_seqlens if sp_ctx is not None else batch["cu_seqlens"]).to(dev),
-            max_seqlen=sp_ctx.max_seqlen if sp_ctx is not None else batch["max_seqlen"],
-            backend=self.cfg.attn_backend,
-            sp=sp_ctx,
-            seq_ids=batch["seq_ids"].to(dev) if self.structure and sp_ctx is None else None,
-            block_ids=batch["block_ids"].to(dev) if self.structure and sp_ctx is None else None,
-            path_ids=batch["path_ids"].to(dev) if self.structure and sp_ctx is None else None,
-        )
+
+        def to_dev(tensor: torch.Tensor) -> torch.Tensor:  # queued (pinned, non-blocking) on a GPU
+            return queued_copy(tensor, dev)
+
+        if sp_ctx is not None:
+            attn = AttentionContext(cu_seqlens=sp_ctx.cu_seqlens.to(dev), max_seqlen=sp_ctx.max_seqlen,
+                                    backend=self.attn_backend, sp=sp_ctx)
+        else:  # the varlen bounds go to the device once here, never inside a layer
+            structure = {k: to_dev(batch[k]) for k in ("seq_ids", "block_ids", "path_ids")} if self.structure else {}
+            attn = AttentionContext.for_micro_batch(batch["cu_seqlens"], dev, backend=self.attn_backend, **structure)
         module = self.engine if self.engine is not None else self.model
         autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16)
@@ -352,11 +412,11 @@ class Trainer:
         )
         with autocast:
             return module(
-                batch["input_ids"].to(dev).reshape(1, -1),
-                batch["position_ids"].to(dev).reshape(1, -1),
-                batch["targets"].to(dev).reshape(-1),
-                batch["weights"].to(dev).reshape(-1),
-                batch["target_categories"].to(dev).reshape(-1),
+                to_dev(batch["input_ids"]).reshape(1, -1),
+                to_dev(batch["position_ids"]).reshape(1, -1),
+                to_dev(batch["targets"]).reshape(-1),
+                to_dev(batch["weights"]).reshape(-1),
+                to_dev(batch["target_categories"]).reshape(-1),
                 attn,
             )
 
@@ -588,7 +648,8 @@ class Trainer:
         elif self.structure:
             kind = "structured (FlexAttention)" if torch.cuda.is_available() else "structured (SDPA per sequence)"
         else:
-            kind = f"varlen {self.cfg.attn_backend}"
+            requested = "" if self.cfg.attn_backend == self.attn_backend else f" (attn_backend={self.cfg.attn_backend})"
+            kind = f"varlen {self.attn_backend}{requested}"
         return kind + (" + Parallel-R1 mask" if self.structure and self.sp_backend else "")
 
     def train(self) -> list[dict]:
@@ -606,7 +667,8 @@ class Trainer:
             f"training {self.total_steps} steps: world {self.mesh.world_size} (dp {self.mesh.dp_size} x sp "
             f"{self.mesh.sp_size}), {self.sampler.rows_per_step} rows/step, deepspeed stage {cfg.deepspeed.stage}, "
             f"attention {self._attention_description()}, loss {cfg.loss_reduction}, "
-            f"activation checkpointing {'on' if self.checkpointing else 'off'}"
+            f"activation checkpointing {self.checkpointing_reason}"
+            + (", compiled decoder layers" if cfg.compile_layers else "") + (", Liger kernels" if cfg.liger else "")
         )
         try:
             while self.step < end:

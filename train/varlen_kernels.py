@@ -50,9 +50,18 @@ class VarlenBounds(NamedTuple):
         lens_k = [hi - lo for lo, hi in zip(host_k[:-1], host_k[1:])]
         if min(lens_q) < 0 or any(lk < lq for lq, lk in zip(lens_q, lens_k)):
             raise ValueError("every sequence needs at least as many keys as queries (bottom-right causal alignment)")
-        cu_q_dev = torch.tensor(host_q, dtype=torch.int32, device=device)
-        cu_k_dev = cu_q_dev if cu_k is None else torch.tensor(host_k, dtype=torch.int32, device=device)
+        cu_q_dev = queued_copy(torch.tensor(host_q, dtype=torch.int32), device)
+        cu_k_dev = cu_q_dev if cu_k is None else queued_copy(torch.tensor(host_k, dtype=torch.int32), device)
         return cls(cu_q_dev, cu_k_dev, max(lens_q), max(lens_k), host_q, host_k)
+
+
+def queued_copy(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`host` on `device` without stalling the host: a blocking host→GPU copy synchronizes the stream (waits for
+    the previous micro-batch's backward); from pinned memory it is queued and the host builds the next batch."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
