@@ -63,6 +63,10 @@ def run_stage(cfg: DataConfig, stage: str, stage_fn: Callable[[DataConfig], dict
 
 def run_pipeline(cfg: DataConfig) -> dict[str, dict]:
     """Every stage of `cfg.stages`, in pipeline order; returns their report sections."""
+    if cfg.engine == "ray":
+        from data.engine_ray import run_pipeline as run_on_ray
+
+        return run_on_ray(cfg)
     return {stage: run_stage(cfg, stage) for stage in STAGES if stage in cfg.stages}
 
 
@@ -82,7 +86,10 @@ def cli_main(stage_fn: Callable[[DataConfig], dict], stage: str, argv: list[str]
     def body() -> None:
         args, overrides = parse_args(argv, f"python -m data.{stage}", stage_option=False)
         cfg = load(args, overrides, [stage])
-        run_stage(cfg, stage, stage_fn)
+        if cfg.engine == "ray":
+            run_pipeline(cfg)
+        else:
+            run_stage(cfg, stage, stage_fn)
 
     _guard(body)
 

@@ -19,7 +19,7 @@ import multiprocessing
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import orjson
@@ -372,8 +372,12 @@ def _ordered_results(cfg: DataConfig, ctx: TokenizeContext | None, workers: int)
             yield pending.popleft().get()
 
 
-def run(cfg: DataConfig, workers: int | None = None) -> dict:
+def run(cfg: DataConfig, workers: int | None = None,
+        ordered_results: Callable[[DataConfig, TokenizeContext, int], Iterator[tuple[list, int]]] | None = None) -> dict:
     """Tokenize cfg.merged_path into cfg.tokenized_dir; returns the stage's report section.
+
+    `ordered_results` yields each chunk's `_tokenize_chunk` result in input order (default `_ordered_results`
+    over local processes; the Ray engine passes its own).
 
     Bad records follow `on_error` (raise, or count under their reason); overlong ones follow
     `cfg.effective_overlong` (`error` raises whatever on_error says, the others count or truncate).
@@ -394,7 +398,7 @@ def run(cfg: DataConfig, workers: int | None = None) -> dict:
         return cats.setdefault(cid, {"before": 0, "after": 0, "tokens": 0, "loss_tokens": 0})
 
     # closing the stream on an error stops the worker pool at once
-    with writer, contextlib.closing(_ordered_results(cfg, ctx, workers)) as stream, \
+    with writer, contextlib.closing((ordered_results or _ordered_results)(cfg, ctx, workers)) as stream, \
             tqdm(total=os.path.getsize(cfg.merged_path), unit="B", unit_scale=True, desc="tokenize",
                  disable=None) as bar:
         for results, n_bytes in stream:
