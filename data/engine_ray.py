@@ -95,14 +95,18 @@ class RayChunkMap:
             compute=ray.data.TaskPoolStrategy(size=self.workers))
         buffer: dict[int, bytes] = {}  # results that came before an earlier chunk's (at most the window)
         expected = first
-        for row in dataset.iter_rows():
-            index = int(row["index"])
-            if not first <= index < first + len(items) or index in buffer or index < expected:
-                raise RuntimeError(f"Ray returned chunk {index} unexpectedly (window {first}..{first + len(items) - 1})")
-            buffer[index] = row["result"]
-            while expected in buffer:
-                yield pickle.loads(buffer.pop(expected))
-                expected += 1
+        rows = iter(dataset.iter_rows())
+        try:
+            for row in rows:
+                index = int(row["index"])
+                if not first <= index < first + len(items) or index in buffer or index < expected:
+                    raise RuntimeError(f"Ray returned chunk {index} unexpectedly (window {first}..{first + len(items) - 1})")
+                buffer[index] = row["result"]
+                while expected in buffer:
+                    yield pickle.loads(buffer.pop(expected))
+                    expected += 1
+        finally:
+            rows.close()  # a consumer that stops early (a record error) stops the execution now
         if expected != first + len(items):
             raise RuntimeError(f"Ray returned chunks {first}..{expected - 1} of {first}..{first + len(items) - 1}")
 
@@ -148,8 +152,9 @@ def write_rows_on_workers(parallel_map: RayChunkMap, writer: ShardWriter, src: P
     parts.mkdir()
     tasks = ((str(src.path), writer.token_fields, writer.max_shard_bytes, writer.kind, str(parts / f"part_{k:05d}"),
               rows[start:end]) for k, (start, end) in enumerate(shard_ranges(row_nbytes, writer.max_shard_bytes)))
-    for part_dir in parallel_map(_write_part, tasks):
-        writer.append_dataset(part_dir)
+    with contextlib.closing(parallel_map(_write_part, tasks)) as part_dirs:
+        for part_dir in part_dirs:
+            writer.append_dataset(part_dir)
     shutil.rmtree(parts)  # empty, or the temp dirs of attempts Ray retried
 
 
