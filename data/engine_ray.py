@@ -4,7 +4,7 @@ The stage modules do not know the engine: this module hands them Ray-backed vers
 run in parallel, and every stage's own core, accounting and writers do the rest.
 - preprocess, merge (token counts), tokenize: the project's own chunks (the same generators and readers as
   the local run, so `path:line` sources and error policies are unchanged) go, each with its chunk index, to
-  Ray Data `map_batches` in windows of `WINDOW_CHUNKS_PER_WORKER` x workers chunks. The driver puts the
+  Ray Data `map_batches` in windows of max(`MIN_WINDOW_CHUNKS`, `WINDOW_CHUNKS_PER_WORKER` x workers) chunks. The driver puts the
   results back in chunk order with a buffer bounded by the window, then writes as locally. Ray's
   `preserve_order` is set too, never relied on alone.
 - sample: on the driver (the local core: a byte-offset index, a seeded plan, line copies).
@@ -31,7 +31,10 @@ from data import merge, pack, preprocess, sample, tokenize
 from data.config import STAGES, DataConfig, to_dict
 from data.shards import PackedDataset, ShardWriter, shard_ranges
 
-WINDOW_CHUNKS_PER_WORKER = 4  # chunks per Ray Data execution: bounds driver memory, amortizes its start-up
+# chunks per Ray Data execution: bounds the driver's memory (chunks are <= 256 records), amortizes the ~0.3 s
+# an execution costs to start, and gives Ray enough tasks to balance
+WINDOW_CHUNKS_PER_WORKER = 4
+MIN_WINDOW_CHUNKS = 32
 
 
 # ---------------------------------------------------------------------------------------------- session
@@ -74,7 +77,7 @@ class RayChunkMap:
 
     def __init__(self, workers: int, window: int | None = None):
         self.workers = workers
-        self.window = window or WINDOW_CHUNKS_PER_WORKER * workers
+        self.window = window or max(MIN_WINDOW_CHUNKS, WINDOW_CHUNKS_PER_WORKER * workers)
 
     def __call__(self, fn: Callable, chunks: Iterable) -> Iterator:
         items: list[dict] = []
