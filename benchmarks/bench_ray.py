@@ -60,7 +60,8 @@ class RssSampler(threading.Thread):
             self.driver = max(self.driver, me.memory_info().rss)
             for proc in me.children(recursive=True):
                 try:
-                    if "default_worker.py" in " ".join(proc.cmdline()):
+                    cmdline = " ".join(proc.cmdline())  # a worker's title becomes ray::<task> once it runs one
+                    if cmdline.startswith("ray::") or "default_worker.py" in cmdline:
                         self.workers[proc.pid] = max(self.workers.get(proc.pid, 0), proc.memory_info().rss)
                 except psutil.Error:
                     pass

@@ -4,8 +4,9 @@ The stage modules do not know the engine: this module hands them Ray-backed vers
 run in parallel, and every stage's own core, accounting and writers do the rest.
 - preprocess, merge (token counts), tokenize: the project's own chunks (the same generators and readers as
   the local run, so `path:line` sources and error policies are unchanged) go, each with its chunk index, to
-  Ray Data `map_batches` in windows of max(`MIN_WINDOW_CHUNKS`, `WINDOW_CHUNKS_PER_WORKER` x workers) chunks. The driver puts the
-  results back in chunk order with a buffer bounded by the window, then writes as locally. Ray's
+  Ray Data `map_batches` in windows of max(`MIN_WINDOW_CHUNKS`, `WINDOW_CHUNKS_PER_WORKER` x workers) chunks,
+  several chunks per task; the next window runs while the driver consumes the current one. The driver puts
+  each window's results back in chunk order (so it holds at most two windows), then writes as locally. Ray's
   `preserve_order` is set too, never relied on alone.
 - sample: on the driver (the local core: a byte-offset index, a seeded plan, line copies).
 - pack: the global best-fit plan on the driver from the length array; the rows are written by the workers,
@@ -17,6 +18,7 @@ Data would otherwise infer Arrow types from our nested Python values) between th
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -31,10 +33,12 @@ from data import merge, pack, preprocess, sample, tokenize
 from data.config import STAGES, DataConfig, to_dict
 from data.shards import PackedDataset, ShardWriter, shard_ranges
 
-# chunks per Ray Data execution: bounds the driver's memory (chunks are <= 256 records), amortizes the ~0.3 s
-# an execution costs to start, and gives Ray enough tasks to balance
-WINDOW_CHUNKS_PER_WORKER = 4
-MIN_WINDOW_CHUNKS = 32
+# Chunks per Ray Data execution (a window): bounds the driver's memory (a chunk is <= 256 records) and amortizes
+# the 0.3-1 s an execution takes to start. A task takes several chunks (a Ray task costs ~10-30 ms more than a
+# local pool's): TASKS_PER_WORKER tasks per worker and window keep the workers balanced.
+WINDOW_CHUNKS_PER_WORKER = 8
+MIN_WINDOW_CHUNKS = 64
+TASKS_PER_WORKER = 2
 
 
 # ---------------------------------------------------------------------------------------------- session
@@ -72,46 +76,54 @@ def _apply(batch: dict, fn: Callable) -> dict:
 class RayChunkMap:
     """`parallel_map(fn, chunks)` on Ray Data: `fn(chunk)` for every chunk, yielded in chunk order.
 
-    `fn` must be picklable (a module-level function or a partial of one). Chunks are read from the iterator a
-    window at a time, so at most one window of chunks and results is held on the driver."""
+    `fn` must be picklable (a module-level function or a partial of one). Chunks are read a window at a time;
+    while the caller consumes one window's results, the next window runs on the workers, so the driver holds at
+    most two windows of chunks and results."""
 
     def __init__(self, workers: int, window: int | None = None):
         self.workers = workers
         self.window = window or max(MIN_WINDOW_CHUNKS, WINDOW_CHUNKS_PER_WORKER * workers)
 
     def __call__(self, fn: Callable, chunks: Iterable) -> Iterator:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ray-window") as runner:
+            running = None
+            for items in self._windows(chunks):
+                following = runner.submit(self._run_window, fn, items)
+                if running is not None:
+                    yield from map(pickle.loads, running.result())
+                running = following
+            if running is not None:
+                yield from map(pickle.loads, running.result())
+
+    def _windows(self, chunks: Iterable) -> Iterator[list[dict]]:
         items: list[dict] = []
         for index, chunk in enumerate(chunks):
             items.append({"index": index, "chunk": pickle.dumps(chunk, protocol=pickle.HIGHEST_PROTOCOL)})
             if len(items) >= self.window:
-                yield from self._run_window(fn, items)
+                yield items
                 items = []
         if items:
-            yield from self._run_window(fn, items)
+            yield items
 
-    def _run_window(self, fn: Callable, items: list[dict]) -> Iterator:
+    def _run_window(self, fn: Callable, items: list[dict]) -> list[bytes]:
+        """One Ray Data execution over a window; the pickled results in chunk order, whatever order Ray used."""
         import ray.data
 
         first = items[0]["index"]
+        chunks_per_task = max(1, len(items) // (TASKS_PER_WORKER * self.workers))
         dataset = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-            _apply, fn_args=(fn,), batch_size=1, batch_format="numpy",
+            _apply, fn_args=(fn,), batch_size=chunks_per_task, batch_format="numpy",
             compute=ray.data.TaskPoolStrategy(size=self.workers))
-        buffer: dict[int, bytes] = {}  # results that came before an earlier chunk's (at most the window)
-        expected = first
-        rows = iter(dataset.iter_rows())
-        try:
-            for row in rows:
-                index = int(row["index"])
-                if not first <= index < first + len(items) or index in buffer or index < expected:
-                    raise RuntimeError(f"Ray returned chunk {index} unexpectedly (window {first}..{first + len(items) - 1})")
-                buffer[index] = row["result"]
-                while expected in buffer:
-                    yield pickle.loads(buffer.pop(expected))
-                    expected += 1
-        finally:
-            rows.close()  # a consumer that stops early (a record error) stops the execution now
-        if expected != first + len(items):
-            raise RuntimeError(f"Ray returned chunks {first}..{expected - 1} of {first}..{first + len(items) - 1}")
+        results: list[bytes | None] = [None] * len(items)
+        for row in dataset.iter_rows():
+            k = int(row["index"]) - first
+            if not 0 <= k < len(items) or results[k] is not None:
+                raise RuntimeError(f"Ray returned chunk {first + k} unexpectedly (window {first}..{first + len(items) - 1})")
+            results[k] = row["result"]
+        missing = [first + k for k, r in enumerate(results) if r is None]
+        if missing:
+            raise RuntimeError(f"Ray returned no result for chunks {missing[:10]} (window {first}..{first + len(items) - 1})")
+        return results
 
 
 # ---------------------------------------------------------------------------------------------- tokenize

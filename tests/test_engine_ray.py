@@ -170,6 +170,27 @@ def test_pack_shards_written_by_workers_equal_one_writer(fault_dir, local_exampl
     assert outputs["ray"] == outputs["local"]
 
 
+def test_chunk_map_yields_chunk_order_when_ray_does_not(fault_dir):
+    """The driver's reorder buffer alone restores chunk order: Ray's preserve_order off, tasks of random length."""
+    def sleepy_square(x):
+        import random
+        import time
+
+        time.sleep(random.random() * 0.05)
+        return x * x
+
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    preserve = context.execution_options.preserve_order
+    context.execution_options.preserve_order = False
+    try:
+        out = list(engine_ray.RayChunkMap(2, window=16)(sleepy_square, iter(range(40))))
+    finally:
+        context.execution_options.preserve_order = preserve
+    assert out == [x * x for x in range(40)]
+
+
 BAD_CODE_RECORD = {"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}]}
 
 
