@@ -4,9 +4,10 @@ Input: GSM8K train (../shared/fixtures) repeated `--copies` times as one prompt/
 long-CoT messages file once, the example tokenizer, merge probability 0.2 (so merge counts tokens on the
 workers), max_length 4096. For every (engine, workers) pair it runs all stages in this process (Ray: a fresh
 local instance with num_cpus = workers), timing each stage and sampling every 0.2 s the RSS of the driver and
-of each Ray worker process (peak of the largest worker). Every run must write the same tokenized/ and packed/
-meta.json (checksums included). Prints a Markdown table, an Amdahl fit per stage from the two Ray runs
-(t(w) = serial + parallel / w) and the projection of a 1 TB input to 8 and 64 nodes of `--cores-per-node`.
+of each Ray worker process (peak of the largest worker), the driver's CPU seconds and the Ray workers' CPU
+seconds per stage. Every run must write the same tokenized/ and packed/ meta.json (checksums included).
+Prints a Markdown table and, from the CPU seconds of the largest Ray run, the projection of a 1 TB input to 8
+and 64 nodes of `--cores-per-node` cores: per stage max(driver CPU, workers CPU / cores), scaled.
 
     python benchmarks/bench_ray.py --copies 4 --workers 1 2
 """
@@ -45,26 +46,33 @@ def write_input(workdir: Path, copies: int) -> list[dict]:
              "category_name": "longcot"}]
 
 
-class RssSampler(threading.Thread):
-    """Peak RSS of this process and of each Ray worker process (a descendant running default_worker.py)."""
+class ProcessSampler(threading.Thread):
+    """Every 0.2 s: peak RSS of this process and of each Ray worker process (a descendant whose command line is
+    default_worker.py or, once it ran a task, `ray::<task>`), and each worker's CPU seconds so far."""
 
     def __init__(self):
         super().__init__(daemon=True)
         self.stop = threading.Event()
         self.driver = 0
         self.workers: dict[int, int] = {}
+        self.worker_cpu: dict[int, float] = {}
+
+    def sample(self):
+        me = psutil.Process()
+        self.driver = max(self.driver, me.memory_info().rss)
+        for proc in me.children(recursive=True):
+            try:
+                cmdline = " ".join(proc.cmdline())
+                if cmdline.startswith("ray::") or "default_worker.py" in cmdline:
+                    self.workers[proc.pid] = max(self.workers.get(proc.pid, 0), proc.memory_info().rss)
+                    cpu = proc.cpu_times()
+                    self.worker_cpu[proc.pid] = cpu.user + cpu.system
+            except psutil.Error:
+                pass
 
     def run(self):
-        me = psutil.Process()
         while not self.stop.wait(0.2):
-            self.driver = max(self.driver, me.memory_info().rss)
-            for proc in me.children(recursive=True):
-                try:
-                    cmdline = " ".join(proc.cmdline())  # a worker's title becomes ray::<task> once it runs one
-                    if cmdline.startswith("ray::") or "default_worker.py" in cmdline:
-                        self.workers[proc.pid] = max(self.workers.get(proc.pid, 0), proc.memory_info().rss)
-                except psutil.Error:
-                    pass
+            self.sample()
 
 
 def _import_stages(_: int) -> None:
@@ -72,35 +80,41 @@ def _import_stages(_: int) -> None:
     import data.tokenize  # noqa: F401  (transformers, tokenizers)
 
 
-def run_once(cfg: DataConfig, engine: str, workers: int) -> tuple[dict[str, float], RssSampler]:
+def run_once(cfg: DataConfig, engine: str, workers: int) -> tuple[dict, dict, dict, ProcessSampler]:
+    """Wall seconds, driver CPU seconds and Ray workers' CPU seconds per stage, and the process sampler."""
     cfg.engine, cfg.num_workers = engine, workers
     if cfg.out.exists():
         shutil.rmtree(cfg.out)
-    sampler = RssSampler()
+    sampler = ProcessSampler()
     sampler.start()
-    times = {}
+    wall, driver_cpu, worker_cpu = {}, {}, {}
+
+    def timed(stage, fn):
+        sampler.sample()
+        start, cpu, wcpu = time.perf_counter(), time.process_time(), sum(sampler.worker_cpu.values())
+        fn(cfg)
+        sampler.sample()
+        wall[stage] = time.perf_counter() - start
+        driver_cpu[stage] = time.process_time() - cpu
+        worker_cpu[stage] = sum(sampler.worker_cpu.values()) - wcpu
+
     try:
         if engine == "ray":
             from data.engine_ray import RayChunkMap, ray_session, stage_runners
 
             with ray_session(cfg) as n:  # starts a local instance with num_cpus = workers, shuts it down after
-                start = time.perf_counter()  # worker processes start and import the stage modules once
-                list(RayChunkMap(n)(_import_stages, range(4 * n)))
-                times["startup"] = time.perf_counter() - start
+                # worker processes start and import the stage modules once
+                timed("startup", lambda _: list(RayChunkMap(n)(_import_stages, range(4 * n))))
                 runners = stage_runners(RayChunkMap(n))
                 for stage in STAGES:
-                    start = time.perf_counter()
-                    runners[stage](cfg)
-                    times[stage] = time.perf_counter() - start
+                    timed(stage, runners[stage])
         else:
             for stage in STAGES:
-                start = time.perf_counter()
-                LOCAL_RUNNERS[stage](cfg)
-                times[stage] = time.perf_counter() - start
+                timed(stage, LOCAL_RUNNERS[stage])
     finally:
         sampler.stop.set()
         sampler.join()
-    return times, sampler
+    return wall, driver_cpu, worker_cpu, sampler
 
 
 def digest(cfg: DataConfig) -> str:
@@ -127,16 +141,17 @@ def main() -> None:
     cfg.validate()
     print(f"input: {input_bytes / 2**20:.1f} MiB, workdir {workdir}", flush=True)
 
-    rows, digests, ray_times = [], set(), {}
+    rows, digests, ray_cpu = [], set(), None
     for engine in ("local", "ray"):
         for w in args.workers:
-            times, sampler = run_once(cfg, engine, w)
+            times, driver_cpu, worker_cpu, sampler = run_once(cfg, engine, w)
             digests.add(digest(cfg))
-            if engine == "ray":
-                ray_times[w] = times
+            if engine == "ray" and w == max(args.workers):
+                ray_cpu = (driver_cpu, worker_cpu)
             worker_peak = max(sampler.workers.values(), default=0)
             rows.append((engine, w, times, sampler.driver, worker_peak, len(sampler.workers)))
-            print(f"{engine} w={w}: " + ", ".join(f"{s} {t:.1f}s" for s, t in times.items()), flush=True)
+            print(f"{engine} w={w}: " + ", ".join(f"{s} {t:.1f}s (driver CPU {driver_cpu[s]:.1f}s, Ray workers CPU "
+                                                  f"{worker_cpu[s]:.1f}s)" for s, t in times.items()), flush=True)
     if len(digests) != 1:
         raise SystemExit(f"outputs differ between runs: {digests}")
 
@@ -152,21 +167,24 @@ def main() -> None:
         print(f"| {engine} | {w} | {startup} | {cells} | {sum(times[s] for s in STAGES):.1f} | {driver / 2**20:.0f} "
               f"| {wcell} |")
 
-    if 1 in ray_times and 2 in ray_times:
+    if ray_cpu is not None:
+        # A stage's driver part runs in one process; its worker part spreads over nodes x cores. With the next
+        # window running while the driver consumes one, a stage takes about the larger of the two.
+        driver_cpu, worker_cpu = ray_cpu
         scale = 2**40 / input_bytes
-        print(f"\nAmdahl fit from the Ray runs, t(w) = serial + parallel / w, and 1 TB ({scale:,.0f} x this input):\n")
-        print("| stage | serial s | parallel s | 1 TB, 8 nodes (h) | 1 TB, 64 nodes (h) |")
+        print(f"\nCPU seconds per GiB of input (Ray, {max(args.workers)} workers) and 1 TB ({scale:,.0f} x this "
+              f"input) projected as max(driver, workers / (nodes x {args.cores_per_node} cores)):\n")
+        print("| stage | driver CPU s/GiB | workers CPU s/GiB | 1 TB, 8 nodes (h) | 1 TB, 64 nodes (h) |")
         print("|---|---:|---:|---:|---:|")
         totals = {8: 0.0, 64: 0.0}
+        gib = input_bytes / 2**30
         for s in STAGES:
-            t1, t2 = ray_times[1][s], ray_times[2][s]
-            parallel = max(2 * (t1 - t2), 0.0)
-            serial = max(t1 - parallel, 0.0)
             proj = {}
             for nodes in totals:
-                proj[nodes] = (serial + parallel / (nodes * args.cores_per_node)) * scale / 3600
+                cores = nodes * args.cores_per_node
+                proj[nodes] = max(driver_cpu[s], worker_cpu[s] / cores) * scale / 3600
                 totals[nodes] += proj[nodes]
-            print(f"| {s} | {serial:.2f} | {parallel:.2f} | {proj[8]:.1f} | {proj[64]:.1f} |")
+            print(f"| {s} | {driver_cpu[s] / gib:,.0f} | {worker_cpu[s] / gib:,.0f} | {proj[8]:.1f} | {proj[64]:.1f} |")
         print(f"| total | | | {totals[8]:.1f} | {totals[64]:.1f} |")
     shutil.rmtree(workdir)
 
