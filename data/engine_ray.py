@@ -80,9 +80,10 @@ class RayChunkMap:
     while the caller consumes one window's results, the next window runs on the workers, so the driver holds at
     most two windows of chunks and results."""
 
-    def __init__(self, workers: int, window: int | None = None):
+    def __init__(self, workers: int, window: int | None = None, chunks_per_task: int | None = None):
         self.workers = workers
         self.window = window or max(MIN_WINDOW_CHUNKS, WINDOW_CHUNKS_PER_WORKER * workers)
+        self.chunks_per_task = chunks_per_task  # None: the window spread as TASKS_PER_WORKER tasks per worker
 
     def __call__(self, fn: Callable, chunks: Iterable) -> Iterator:
         with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ray-window") as runner:
@@ -110,7 +111,7 @@ class RayChunkMap:
         import ray.data
 
         first = items[0]["index"]
-        chunks_per_task = max(1, len(items) // (TASKS_PER_WORKER * self.workers))
+        chunks_per_task = self.chunks_per_task or max(1, len(items) // (TASKS_PER_WORKER * self.workers))
         dataset = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
             _apply, fn_args=(fn,), batch_size=chunks_per_task, batch_format="numpy",
             compute=ray.data.TaskPoolStrategy(size=self.workers))
@@ -175,13 +176,15 @@ def write_rows_on_workers(parallel_map: RayChunkMap, writer: ShardWriter, src: P
 
 # ---------------------------------------------------------------------------------------------- pipeline
 def stage_runners(parallel_map: RayChunkMap) -> dict[str, Callable[[DataConfig], dict]]:
-    """Each stage's `run` with its parallel part on Ray (sample runs on the driver)."""
+    """Each stage's `run` with its parallel part on Ray (sample runs on the driver). Pack's chunks are whole
+    output shards (up to pack.shard_size_mb each): one per task."""
+    shard_map = RayChunkMap(parallel_map.workers, chunks_per_task=1)
     return {
         "preprocess": functools.partial(preprocess.run, parallel_map=parallel_map),
         "sample": sample.run,
         "merge": functools.partial(merge.run, parallel_map=parallel_map),
         "tokenize": functools.partial(tokenize.run, ordered_results=functools.partial(tokenize_results, parallel_map)),
-        "pack": functools.partial(pack.run, write=functools.partial(write_rows_on_workers, parallel_map)),
+        "pack": functools.partial(pack.run, write=functools.partial(write_rows_on_workers, shard_map)),
     }
 
 

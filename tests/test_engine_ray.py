@@ -11,7 +11,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -r requirements-ray.txt)")
 pytestmark = pytest.mark.timeout(300)  # a worker that cannot start is retried by Ray forever: fail instead
 
-from data import engine_ray, pack, pipeline  # noqa: E402
+from data import engine_ray, pack, pipeline, tokenize  # noqa: E402
 from data.config import STAGES, load_config  # noqa: E402
 from data.records import RecordError  # noqa: E402
 from data.shards import PackedDataset, ShardWriter  # noqa: E402
@@ -155,13 +155,29 @@ def test_worker_killed_mid_tokenize_is_retried_and_output_identical(fault_dir, l
         (fault_dir / "killed").unlink(missing_ok=True)
 
 
+def test_stage_module_cli_runs_its_stage_on_ray(fault_dir, local_example, tmp_path, capsys):
+    """`python -m data.tokenize config.json engine=ray` (cli_main) runs that one stage on Ray, same bytes."""
+    snapshot = tmp_path / "local"
+    shutil.copytree(local_example.out, snapshot)
+    config = tmp_path / "config.json"
+    config.write_bytes(orjson.dumps(dataclasses.asdict(local_example)))
+    try:
+        pipeline.cli_main(tokenize.run, "tokenize", [str(config), "engine=ray"])
+        assert_same_outputs(snapshot, local_example.out, ["tokenized"])
+    finally:
+        shutil.rmtree(local_example.out)
+        shutil.copytree(snapshot, local_example.out)
+    assert "[tokenize] in=323 out=323" in capsys.readouterr().out
+
+
 def test_pack_shards_written_by_workers_equal_one_writer(fault_dir, local_example, tmp_path):
     src = PackedDataset(local_example.tokenized_dir)
     lengths = np.asarray(src.row_n_tokens, dtype=np.int64)
     rows = pack._row_layout(pack.plan(lengths, 2048, seed=7), 7)
     outputs = {}
+    shard_map = engine_ray.RayChunkMap(2, chunks_per_task=1)
     for name, write in (("local", pack.write_rows),
-                        ("ray", lambda *a: engine_ray.write_rows_on_workers(engine_ray.RayChunkMap(2), *a))):
+                        ("ray", lambda *a: engine_ray.write_rows_on_workers(shard_map, *a))):
         with ShardWriter(tmp_path / name, token_fields=src.token_fields, max_shard_bytes=50_000) as writer:
             write(writer, src, rows, lengths)
             meta = writer.close({"max_length": 2048})
