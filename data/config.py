@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import importlib.util
 import os
 import types
 import typing
@@ -17,6 +18,7 @@ import orjson
 
 STAGES = ("preprocess", "sample", "merge", "tokenize", "pack")
 DEFAULT_REASONING_TAGS = ("<think>\n", "\n</think>\n\n")
+EXECUTION_KEYS = ("num_workers", "stages", "engine", "ray_address")  # how a run executes, not what it outputs
 
 
 class ConfigError(ValueError):
@@ -184,6 +186,9 @@ class DataConfig:
     tool_arguments: Literal["parse", "keep"] = "parse"  # JSON-string tool-call arguments parsed to an object
     pack: PackConfig = field(default_factory=PackConfig)
     stages: list[str] = field(default_factory=lambda: list(STAGES))
+    # ---- execution engine (data/engine_ray.py): the output is byte-identical whichever engine runs it
+    engine: Literal["local", "ray"] = "local"  # local: processes on this machine; ray: Ray Data (optional dep)
+    ray_address: str | None = None  # ray: None starts a local instance; "auto" or "ray://host:10001" joins one
 
     # ------------------------------------------------------------------ derived paths
     @property
@@ -263,11 +268,20 @@ class DataConfig:
         if self.chat_template and not Path(self.chat_template).is_file():
             raise ConfigError(f"chat_template: {self.chat_template} is not a file")
         self._validate_fidelity()
+        self._validate_engine()
 
     def _validate_fidelity(self) -> None:
         tags = self.reasoning_tags
         if len(tags) != 2 or not all(tags):
             raise ConfigError(f"reasoning_tags must be two non-empty strings [open, close], got {tags!r}")
+
+    def _validate_engine(self) -> None:
+        """`engine: ray` needs Ray importable (an optional dependency); `ray_address` is only read by it."""
+        if self.engine == "ray" and importlib.util.find_spec("ray") is None:
+            raise ConfigError("engine: ray needs Ray installed: pip install -r requirements-ray.txt")
+        if self.ray_address is not None and self.engine != "ray":
+            raise ConfigError(f"ray_address={self.ray_address!r} is only used with engine: ray (engine is "
+                              f"{self.engine!r})")
 
 
 def check_tokenizer_dir(path: str) -> None:
@@ -286,9 +300,10 @@ def check_tokenizer_dir(path: str) -> None:
 
 
 def output_config(cfg: DataConfig) -> dict:
-    """The config stored in tokenized/ and packed/ meta.json: without `num_workers` and `stages`, which do not
-    change the output (so meta.json is byte-identical whatever the worker count or the stages run)."""
-    return {k: v for k, v in to_dict(cfg).items() if k not in ("num_workers", "stages")}
+    """The config stored in tokenized/ and packed/ meta.json: without the keys that do not change the output
+    (`num_workers`, `stages`, `engine`, `ray_address`), so meta.json is byte-identical whatever the worker
+    count, the stages run or the engine."""
+    return {k: v for k, v in to_dict(cfg).items() if k not in EXECUTION_KEYS}
 
 
 def _has_split(pattern: str) -> bool:

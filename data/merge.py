@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import os
 import random
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import orjson
@@ -189,8 +190,11 @@ def _tasks(path: Path, probability: float, rng: random.Random, budget_active: bo
 
 
 # ---------------------------------------------------------------------------------------------- stage
-def run(cfg: DataConfig) -> dict:
-    """sampled.jsonl -> merged.jsonl; records the `merge` report section."""
+def run(cfg: DataConfig, parallel_map: Callable[[Callable, Iterable], Iterator] | None = None) -> dict:
+    """sampled.jsonl -> merged.jsonl; records the `merge` report section.
+
+    `parallel_map(fn, chunks)` yields `fn(chunk)` in chunk order and counts the tokens (default:
+    `ordered_parallel_map` over `num_workers` local processes; the Ray engine passes its own)."""
     probability = cfg.merge.probability
     budget = (cfg.merge.max_tokens or cfg.max_length) if probability > 0 else None
     if budget is not None and budget <= 0:
@@ -215,7 +219,13 @@ def run(cfg: DataConfig) -> dict:
     tasks = _tasks(require_stage_input(cfg.sampled_path, "sample"), probability, random.Random(cfg.seed), budget is not None, cfg.loss_turns,
                    tokenizer_key, FidelityOptions.from_config(cfg))
     with atomic_writer(cfg.merged_path) as out, progress(desc="merge", unit="rec") as bar:
-        for results in ordered_parallel_map(_prepare_chunk, tasks, cfg.workers if budget else 1):
+        if budget is None:  # nothing to count: parsing in this process is cheaper than shipping the lines
+            chunk_results = ordered_parallel_map(_prepare_chunk, tasks, 1)
+        elif parallel_map is not None:
+            chunk_results = parallel_map(_prepare_chunk, tasks)
+        else:
+            chunk_results = ordered_parallel_map(_prepare_chunk, tasks, cfg.workers)
+        for results in chunk_results:
             for rec, zeroed, tokens, join in results:
                 n_in += 1
                 zeroed_total += zeroed

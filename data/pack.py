@@ -9,6 +9,8 @@ stats.json and stats.png, and returns the stage's report section.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from data.config import DataConfig, output_config
@@ -182,8 +184,28 @@ def _check_accounting(src: PackedDataset, packed: PackedDataset) -> dict:
     return {"uids_in": int(uids_in.shape[0]), "uids_out": int(uids_out.shape[0]), "every_record_once": True}
 
 
-def run(cfg: DataConfig) -> dict:
-    """tokenized/ -> packed/ (+ stats.json, stats.png); records and returns the `pack` report section."""
+def write_rows(writer: ShardWriter, src: PackedDataset, rows: list[list[int]], lengths: np.ndarray) -> None:
+    """Add the packed rows (lists of tokenized row indices) to `writer`, copying the tokens from `src`."""
+    mapped = 0
+    for members in progress(rows, desc="pack", unit="row"):
+        writer.add_row(
+            [src.row_tokens(j) for j in members],
+            record_indices=members,
+            uids=[src.row_uids(j)[0] for j in members],
+        )
+        mapped += int(lengths[members].sum())
+        if mapped * src.dtype.itemsize > RELEASE_BYTES:
+            src.release()  # the rows were copied: keep the mapped tokenized data out of our resident set
+            mapped = 0
+    src.release()
+
+
+def run(cfg: DataConfig, write: Callable[[ShardWriter, PackedDataset, list[list[int]], np.ndarray], None] | None = None
+        ) -> dict:
+    """tokenized/ -> packed/ (+ stats.json, stats.png); records and returns the `pack` report section.
+
+    `write` adds the planned rows to the writer (default `write_rows`, in this process; the Ray engine passes
+    one that spreads the shards over its workers)."""
     from data.report import check_arithmetic, update_report
     from data.stats import format_table, pack_statistics, plot_stats
 
@@ -207,18 +229,7 @@ def run(cfg: DataConfig) -> dict:
         cfg.packed_dir, token_fields=src.token_fields, max_shard_bytes=cfg.pack.shard_size_mb << 20, kind="packed"
     )
     with writer:
-        mapped = 0
-        for members in progress(rows, desc="pack", unit="row"):
-            writer.add_row(
-                [src.row_tokens(j) for j in members],
-                record_indices=members,
-                uids=[src.row_uids(j)[0] for j in members],
-            )
-            mapped += int(lengths[members].sum())
-            if mapped * src.dtype.itemsize > RELEASE_BYTES:
-                src.release()  # the rows were copied: keep the mapped tokenized data out of our resident set
-                mapped = 0
-        src.release()
+        (write or write_rows)(writer, src, rows, lengths)
         counts = writer.counts
         row_n_tokens = np.fromiter((int(lengths[m].sum()) for m in rows), dtype=np.int64, count=len(rows))
         row_n_seqs = np.fromiter((len(m) for m in rows), dtype=np.int64, count=len(rows))

@@ -89,6 +89,10 @@ def clean_up(cfg: DataConfig) -> None:
 def run_pipeline(cfg: DataConfig) -> dict[str, dict]:
     """Every stage of `cfg.stages`, in pipeline order; returns their report sections."""
     clean_up(cfg)
+    if cfg.engine == "ray":
+        from data.engine_ray import run_pipeline as run_on_ray
+
+        return run_on_ray(cfg)
     return {stage: run_stage(cfg, stage) for stage in STAGES if stage in cfg.stages}
 
 
@@ -112,8 +116,11 @@ def cli_main(stage_fn: Callable[[DataConfig], dict], stage: str, argv: list[str]
     def body() -> None:
         args, overrides = parse_args(argv, f"python -m data.{stage}", stage_option=False)
         cfg = load(args, overrides, [stage])
-        clean_up(cfg)
-        run_stage(cfg, stage, stage_fn)
+        if cfg.engine == "ray":
+            run_pipeline(cfg)  # cleans up first, like the local path below
+        else:
+            clean_up(cfg)
+            run_stage(cfg, stage, stage_fn)
 
     _guard(body)
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import orjson
 
@@ -401,8 +402,11 @@ def _tasks(cfg: DataConfig, stats: list[dict], dropped: dict):
             yield (spec_index, spec, fmt, chunk)
 
 
-def run(cfg: DataConfig) -> dict:
-    """Convert every input to canonical.jsonl, update the ratio file, record the `preprocess` report section."""
+def run(cfg: DataConfig, parallel_map: Callable[[Callable, Iterable], Iterator] | None = None) -> dict:
+    """Convert every input to canonical.jsonl, update the ratio file, record the `preprocess` report section.
+
+    `parallel_map(fn, chunks)` yields `fn(chunk)` in chunk order (default: `ordered_parallel_map` over
+    `num_workers` local processes; the Ray engine passes its own)."""
     ratio_path = cfg.ratio_file
     existing = read_ratio_file(ratio_path)
     category_ids = CategoryIds(existing)
@@ -412,7 +416,9 @@ def run(cfg: DataConfig) -> dict:
     uid = 0
     tasks = _tasks(cfg, stats, dropped)
     with atomic_writer(cfg.canonical_path) as out, progress(desc="preprocess", unit="rec") as bar:
-        for spec_index, results in ordered_parallel_map(_convert_chunk, tasks, cfg.workers):
+        chunk_results = (parallel_map(_convert_chunk, tasks) if parallel_map
+                         else ordered_parallel_map(_convert_chunk, tasks, cfg.workers))
+        for spec_index, results in chunk_results:
             st = stats[spec_index]
             for result in results:
                 kind, source = result[0], result[1]

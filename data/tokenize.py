@@ -23,7 +23,7 @@ import multiprocessing
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import orjson
@@ -401,8 +401,12 @@ def _ordered_results(cfg: DataConfig, ctx: TokenizeContext | None, workers: int)
             yield pending.popleft().get()
 
 
-def run(cfg: DataConfig, workers: int | None = None) -> dict:
+def run(cfg: DataConfig, workers: int | None = None,
+        ordered_results: Callable[[DataConfig, TokenizeContext, int], Iterator[tuple[list, int]]] | None = None) -> dict:
     """Tokenize cfg.merged_path into cfg.tokenized_dir; returns the stage's report section.
+
+    `ordered_results` yields each chunk's `_tokenize_chunk` result in input order (default `_ordered_results`
+    over local processes; the Ray engine passes its own).
 
     Bad records follow `on_error` (raise, or count under their reason); overlong ones follow
     `cfg.effective_overlong` (`error` raises whatever on_error says, the others count or truncate).
@@ -437,7 +441,7 @@ def run(cfg: DataConfig, workers: int | None = None) -> dict:
         entry[1] += chars
 
     # closing the stream on an error stops the worker pool at once
-    with writer, contextlib.closing(_ordered_results(cfg, ctx, workers)) as stream, \
+    with writer, contextlib.closing((ordered_results or _ordered_results)(cfg, ctx, workers)) as stream, \
             progress(total=os.path.getsize(cfg.merged_path), unit="B", unit_scale=True, desc="tokenize") as bar:
         for results, n_bytes in stream:
             for res in results:

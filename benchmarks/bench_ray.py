@@ -1,0 +1,193 @@
+"""Throughput of each pipeline stage on engine ray vs the number of Ray workers, with engine local beside it.
+
+Input: GSM8K train (../shared/fixtures) repeated `--copies` times as one prompt/response .jsonl plus the
+long-CoT messages file once, the example tokenizer, merge probability 0.2 (so merge counts tokens on the
+workers), max_length 4096. For every (engine, workers) pair it runs all stages in this process (Ray: a fresh
+local instance with num_cpus = workers), timing each stage and sampling every 0.2 s the RSS of the driver and
+of each Ray worker process (peak of the largest worker), the driver's CPU seconds and the Ray workers' CPU
+seconds per stage. Every run must write the same tokenized/ and packed/ meta.json (checksums included).
+Prints a Markdown table and, from the CPU seconds of the largest Ray run, the projection of a 1 TB input to 8
+and 64 nodes of `--cores-per-node` cores: per stage max(driver CPU, workers CPU / cores), scaled.
+
+    python benchmarks/bench_ray.py --copies 4 --workers 1 2
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import orjson
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from data import merge, pack, preprocess, sample, tokenize  # noqa: E402
+from data.config import STAGES, DataConfig, from_dict  # noqa: E402
+
+FIXTURES = ROOT.parent / "shared" / "fixtures" / "data"
+LOCAL_RUNNERS = {"preprocess": preprocess.run, "sample": sample.run, "merge": merge.run, "tokenize": tokenize.run,
+                 "pack": pack.run}
+
+
+def write_input(workdir: Path, copies: int) -> list[dict]:
+    gsm8k = workdir / "gsm8k_x.jsonl"
+    data = (FIXTURES / "gsm8k_train.jsonl").read_bytes()
+    gsm8k.write_bytes(data * copies)
+    return [{"path": str(gsm8k), "format": "prompt_response", "prompt_key": "question", "response_key": "answer",
+             "category_name": "math"},
+            {"path": str(FIXTURES / "skyt1_math500_longcot.messages.jsonl"), "format": "messages",
+             "category_name": "longcot"}]
+
+
+class ProcessSampler(threading.Thread):
+    """Every 0.2 s: peak RSS of this process and of each Ray worker process (a descendant whose command line is
+    default_worker.py or, once it ran a task, `ray::<task>`), and each worker's CPU seconds so far."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.stop = threading.Event()
+        self.driver = 0
+        self.workers: dict[int, int] = {}
+        self.worker_cpu: dict[int, float] = {}
+
+    def sample(self):
+        me = psutil.Process()
+        self.driver = max(self.driver, me.memory_info().rss)
+        for proc in me.children(recursive=True):
+            try:
+                cmdline = " ".join(proc.cmdline())
+                if cmdline.startswith("ray::") or "default_worker.py" in cmdline:
+                    self.workers[proc.pid] = max(self.workers.get(proc.pid, 0), proc.memory_info().rss)
+                    cpu = proc.cpu_times()
+                    self.worker_cpu[proc.pid] = cpu.user + cpu.system
+            except psutil.Error:
+                pass
+
+    def run(self):
+        while not self.stop.wait(0.2):
+            self.sample()
+
+
+def _import_stages(_: int) -> None:
+    import data.merge
+    import data.tokenize  # noqa: F401  (transformers, tokenizers)
+
+
+def run_once(cfg: DataConfig, engine: str, workers: int) -> tuple[dict, dict, dict, ProcessSampler]:
+    """Wall seconds, driver CPU seconds and Ray workers' CPU seconds per stage, and the process sampler."""
+    cfg.engine, cfg.num_workers = engine, workers
+    if cfg.out.exists():
+        shutil.rmtree(cfg.out)
+    sampler = ProcessSampler()
+    sampler.start()
+    wall, driver_cpu, worker_cpu = {}, {}, {}
+
+    def timed(stage, fn):
+        sampler.sample()
+        start, cpu, wcpu = time.perf_counter(), time.process_time(), sum(sampler.worker_cpu.values())
+        fn(cfg)
+        sampler.sample()
+        wall[stage] = time.perf_counter() - start
+        driver_cpu[stage] = time.process_time() - cpu
+        worker_cpu[stage] = sum(sampler.worker_cpu.values()) - wcpu
+
+    try:
+        if engine == "ray":
+            from data.engine_ray import RayChunkMap, ray_session, stage_runners
+
+            with ray_session(cfg) as n:  # starts a local instance with num_cpus = workers, shuts it down after
+                # worker processes start and import the stage modules once
+                timed("startup", lambda _: list(RayChunkMap(n)(_import_stages, range(4 * n))))
+                runners = stage_runners(RayChunkMap(n))
+                for stage in STAGES:
+                    timed(stage, runners[stage])
+        else:
+            for stage in STAGES:
+                timed(stage, LOCAL_RUNNERS[stage])
+    finally:
+        sampler.stop.set()
+        sampler.join()
+    return wall, driver_cpu, worker_cpu, sampler
+
+
+def digest(cfg: DataConfig) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    for name in ("tokenized/meta.json", "packed/meta.json", "report.json"):
+        h.update((cfg.out / name).read_bytes())
+    return h.hexdigest()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--copies", type=int, default=4, help="GSM8K train repeats in the input")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--cores-per-node", type=int, default=16)
+    args = parser.parse_args()
+
+    workdir = Path(tempfile.mkdtemp(prefix="bench_ray_"))
+    inputs = write_input(workdir, args.copies)
+    input_bytes = sum(Path(spec["path"]).stat().st_size for spec in inputs)
+    cfg = from_dict(DataConfig, {
+        "inputs": inputs, "output_dir": str(workdir / "out"), "tokenizer_path": str(ROOT / "data/example/tokenizer"),
+        "ratio_path": str(workdir / "ratios.json"), "max_length": 4096, "seed": 42, "merge": {"probability": 0.2},
+    })
+    cfg.validate()
+    print(f"input: {input_bytes / 2**20:.1f} MiB, workdir {workdir}", flush=True)
+
+    rows, digests, ray_cpu = [], set(), None
+    for engine in ("local", "ray"):
+        for w in args.workers:
+            times, driver_cpu, worker_cpu, sampler = run_once(cfg, engine, w)
+            digests.add(digest(cfg))
+            if engine == "ray" and w == max(args.workers):
+                ray_cpu = (driver_cpu, worker_cpu)
+            worker_peak = max(sampler.workers.values(), default=0)
+            rows.append((engine, w, times, sampler.driver, worker_peak, len(sampler.workers)))
+            print(f"{engine} w={w}: " + ", ".join(f"{s} {t:.1f}s (driver CPU {driver_cpu[s]:.1f}s, Ray workers CPU "
+                                                  f"{worker_cpu[s]:.1f}s)" for s, t in times.items()), flush=True)
+    if len(digests) != 1:
+        raise SystemExit(f"outputs differ between runs: {digests}")
+
+    mib = input_bytes / 2**20
+    print(f"\nInput {mib:.1f} MiB; every run wrote the same tokenized/packed meta.json and report.json.\n")
+    print("| engine | workers | Ray start-up s | " + " | ".join(f"{s} s (MiB/s)" for s in STAGES) +
+          " | stages total s | driver peak RSS MiB | largest Ray worker peak RSS MiB (workers seen) |")
+    print("|---|---:|---:|" + "---:|" * (len(STAGES) + 3))
+    for engine, w, times, driver, worker, n_workers in rows:
+        cells = " | ".join(f"{times[s]:.1f} ({mib / times[s]:.1f})" for s in STAGES)
+        wcell = f"{worker / 2**20:.0f} ({n_workers})" if engine == "ray" else "—"
+        startup = f"{times['startup']:.1f}" if engine == "ray" else "—"
+        print(f"| {engine} | {w} | {startup} | {cells} | {sum(times[s] for s in STAGES):.1f} | {driver / 2**20:.0f} "
+              f"| {wcell} |")
+
+    if ray_cpu is not None:
+        # A stage's driver part runs in one process; its worker part spreads over nodes x cores. With the next
+        # window running while the driver consumes one, a stage takes about the larger of the two.
+        driver_cpu, worker_cpu = ray_cpu
+        scale = 2**40 / input_bytes
+        print(f"\nCPU seconds per GiB of input (Ray, {max(args.workers)} workers) and 1 TB ({scale:,.0f} x this "
+              f"input) projected as max(driver, workers / (nodes x {args.cores_per_node} cores)):\n")
+        print("| stage | driver CPU s/GiB | workers CPU s/GiB | 1 TB, 8 nodes (h) | 1 TB, 64 nodes (h) |")
+        print("|---|---:|---:|---:|---:|")
+        totals = {8: 0.0, 64: 0.0}
+        gib = input_bytes / 2**30
+        for s in STAGES:
+            proj = {}
+            for nodes in totals:
+                cores = nodes * args.cores_per_node
+                proj[nodes] = max(driver_cpu[s], worker_cpu[s] / cores) * scale / 3600
+                totals[nodes] += proj[nodes]
+            print(f"| {s} | {driver_cpu[s] / gib:,.0f} | {worker_cpu[s] / gib:,.0f} | {proj[8]:.1f} | {proj[64]:.1f} |")
+        print(f"| total | | | {totals[8]:.1f} | {totals[64]:.1f} |")
+    shutil.rmtree(workdir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""engine: ray gives the bytes of engine: local (one small Ray instance for the module, 2 CPUs), also when the
+results come back out of order, when a worker is killed mid-stage, and for bad records."""
+import dataclasses
+import shutil
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -r requirements-ray.txt)")
+pytestmark = pytest.mark.timeout(300)  # a worker that cannot start is retried by Ray forever: fail instead
+
+from data import engine_ray, pack, pipeline, tokenize  # noqa: E402
+from data.config import STAGES, load_config  # noqa: E402
+from data.records import RecordError  # noqa: E402
+from data.shards import PackedDataset, ShardWriter  # noqa: E402
+from tests.conftest import ROOT  # noqa: E402
+
+OUTPUTS = ("canonical.jsonl", "sampled.jsonl", "merged.jsonl", "tokenized", "packed", "report.json")
+
+
+def fault_hooks(fault_dir: Path):
+    """A Ray worker start-up hook (a closure, so Ray ships it by value: workers cannot import tests/) that wraps
+    the tokenize chunk function to misbehave when the test arms it. `sleep`: a random delay per chunk (results
+    finish out of order); `kill`: the first chunk to run after arming kills its worker process (os._exit, as an
+    OOM kill would), once. Every chunk also leaves `node-<id>` naming the Ray node that ran it."""
+
+    root = str(ROOT)
+
+    def install():
+        import os
+        import random
+        import sys
+        import time
+
+        sys.path.insert(0, root)  # the hook runs before Ray puts the driver's sys.path on the worker's
+        from data import tokenize
+
+        real = tokenize._worker_chunk
+
+        def chunk_with_faults(chunk):
+            import ray
+
+            (fault_dir / f"node-{ray.get_runtime_context().get_node_id()}").touch()
+            if (fault_dir / "sleep").exists():
+                time.sleep(random.random() * 0.2)
+            if (fault_dir / "kill").exists():
+                try:
+                    os.close(os.open(fault_dir / "killed", os.O_CREAT | os.O_EXCL))  # one attempt claims it
+                except FileExistsError:
+                    pass
+                else:
+                    os._exit(1)
+            return real(chunk)
+
+        tokenize._worker_chunk = chunk_with_faults
+
+    return install
+
+
+@pytest.fixture(scope="module")
+def fault_dir(tmp_path_factory):
+    """One Ray instance for the module (2 CPUs, no dashboard), shut down at the end: only if this module
+    started it."""
+    if ray.is_initialized():
+        pytest.skip("Ray is already initialized in this process; these tests start their own instance")
+    fault_dir = tmp_path_factory.mktemp("faults")
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"},
+                          "worker_process_setup_hook": fault_hooks(fault_dir)})
+    yield fault_dir
+    ray.shutdown()
+
+
+def example_config(tmp_path, name, *overrides):
+    """configs/data/example.json with absolute paths, its own copy of the ratio file, output in tmp_path/name."""
+    raw = orjson.loads((ROOT / "configs/data/example.json").read_bytes())
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    ratios = tmp_path / "ratios.json"
+    if not ratios.exists():
+        shutil.copy(ROOT / raw["ratio_path"], ratios)
+    args = [f"output_dir={tmp_path / name}", f"ratio_path={ratios}", f"tokenizer_path={ROOT / raw['tokenizer_path']}",
+            "inputs=" + orjson.dumps([{**spec, "path": str(ROOT / spec["path"])} for spec in raw["inputs"]]).decode()]
+    cfg = load_config(ROOT / "configs/data/example.json", args + list(overrides))
+    cfg.validate()
+    return cfg
+
+
+def tree(path: Path) -> dict[str, bytes]:
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def assert_same_outputs(local_dir: Path, ray_dir: Path, names=OUTPUTS):
+    for name in names:
+        a, b = local_dir / name, ray_dir / name
+        if a.is_dir():
+            assert tree(a) == tree(b), f"{name}/ differs"
+        else:
+            assert a.read_bytes() == b.read_bytes(), f"{name} differs"
+
+
+def run_local_then_ray(tmp_path, *overrides, stages=None):
+    """The same config run by both engines into the same output_dir (meta.json records it); the local output
+    is moved to tmp_path/local first. Returns (local dir, ray dir)."""
+    cfg = example_config(tmp_path, "out", "num_workers=2", *overrides)
+    if stages:
+        cfg.stages = stages
+    pipeline.run_pipeline(cfg)
+    shutil.move(cfg.out, tmp_path / "local")
+    pipeline.run_pipeline(dataclasses.replace(cfg, engine="ray"))
+    return tmp_path / "local", cfg.out
+
+
+@pytest.fixture(scope="module")
+def local_example(tmp_path_factory):
+    """The whole local pipeline on the example config, once for the module."""
+    tmp = tmp_path_factory.mktemp("local")
+    cfg = example_config(tmp, "out", "num_workers=2")
+    pipeline.run_pipeline(cfg)
+    return cfg
+
+
+def rerun_on_ray(local_cfg, tmp_path, stages):
+    """Run `stages` with engine: ray over the local run's output_dir (meta.json records the path), assert the
+    outputs are byte-identical to the local ones, then put the local run back."""
+    snapshot = tmp_path / "local"
+    shutil.copytree(local_cfg.out, snapshot)
+    try:
+        pipeline.run_pipeline(dataclasses.replace(local_cfg, engine="ray", stages=stages))
+        assert_same_outputs(snapshot, local_cfg.out)
+    finally:
+        shutil.rmtree(local_cfg.out)
+        shutil.copytree(snapshot, local_cfg.out)
+
+
+def test_ray_output_is_byte_identical_to_local_with_results_out_of_order(fault_dir, local_example, tmp_path):
+    (fault_dir / "sleep").touch()
+    try:
+        rerun_on_ray(local_example, tmp_path, list(STAGES))
+    finally:
+        (fault_dir / "sleep").unlink()
+    report = orjson.loads(local_example.report_path.read_bytes())
+    assert list(report) == list(STAGES)
+    assert report["merge"]["dropped"]["merged_into_previous"] > 0  # pseudo-multiturn merging took place
+
+
+def test_worker_killed_mid_tokenize_is_retried_and_output_identical(fault_dir, local_example, tmp_path):
+    (fault_dir / "kill").touch()
+    try:
+        rerun_on_ray(local_example, tmp_path, ["tokenize", "pack"])
+        assert (fault_dir / "killed").exists(), "the fault did not fire"
+    finally:
+        (fault_dir / "kill").unlink()
+        (fault_dir / "killed").unlink(missing_ok=True)
+
+
+def test_stage_module_cli_runs_its_stage_on_ray(fault_dir, local_example, tmp_path, capsys):
+    """`python -m data.tokenize config.json engine=ray` (cli_main) runs that one stage on Ray, same bytes."""
+    snapshot = tmp_path / "local"
+    shutil.copytree(local_example.out, snapshot)
+    config = tmp_path / "config.json"
+    config.write_bytes(orjson.dumps(dataclasses.asdict(local_example)))
+    try:
+        pipeline.cli_main(tokenize.run, "tokenize", [str(config), "engine=ray"])
+        assert_same_outputs(snapshot, local_example.out, ["tokenized"])
+    finally:
+        shutil.rmtree(local_example.out)
+        shutil.copytree(snapshot, local_example.out)
+    assert "[tokenize] in=323 out=323" in capsys.readouterr().out
+
+
+def test_pack_shards_written_by_workers_equal_one_writer(fault_dir, local_example, tmp_path):
+    src = PackedDataset(local_example.tokenized_dir)
+    lengths = np.asarray(src.row_n_tokens, dtype=np.int64)
+    rows = pack._row_layout(pack.plan(lengths, 2048, seed=7), 7)
+    outputs = {}
+    shard_map = engine_ray.RayChunkMap(2, chunks_per_task=1)
+    for name, write in (("local", pack.write_rows),
+                        ("ray", lambda *a: engine_ray.write_rows_on_workers(shard_map, *a))):
+        with ShardWriter(tmp_path / name, token_fields=src.token_fields, max_shard_bytes=50_000) as writer:
+            write(writer, src, rows, lengths)
+            meta = writer.close({"max_length": 2048})
+        outputs[name] = tree(tmp_path / name)
+    assert len(meta["shards"]) > 5
+    assert outputs["ray"] == outputs["local"]
+
+
+def test_chunk_map_yields_chunk_order_when_ray_does_not(fault_dir):
+    """The driver's reorder buffer alone restores chunk order: Ray's preserve_order off, tasks of random length."""
+    def sleepy_square(x):
+        import random
+        import time
+
+        time.sleep(random.random() * 0.05)
+        return x * x
+
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    preserve = context.execution_options.preserve_order
+    context.execution_options.preserve_order = False
+    try:
+        out = list(engine_ray.RayChunkMap(2, window=16)(sleepy_square, iter(range(40))))
+    finally:
+        context.execution_options.preserve_order = preserve
+    assert out == [x * x for x in range(40)]
+
+
+BAD_CODE_RECORD = {"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}]}
+
+
+def _with_bad_record(tmp_path):
+    """The example's code.jsonl with a record of unknown role on line 3."""
+    lines = (ROOT / "data/example/raw/code.jsonl").read_bytes().splitlines(True)
+    bad = tmp_path / "code.jsonl"
+    bad.write_bytes(b"".join(lines[:2] + [orjson.dumps(BAD_CODE_RECORD) + b"\n"] + lines[2:]))
+    raw = orjson.loads((ROOT / "configs/data/example.json").read_bytes())
+    inputs = [{**spec, "path": str(bad if spec["path"].endswith("code.jsonl") else ROOT / spec["path"])}
+              for spec in raw["inputs"]]
+    return "inputs=" + orjson.dumps(inputs).decode(), f"{bad}:3: messages[1].role: unknown role 'robot'"
+
+
+def _error_of(cfg) -> str:
+    with pytest.raises(RecordError) as info:
+        pipeline.run_pipeline(cfg)
+    return str(info.value)
+
+
+def test_bad_record_gives_the_same_error_and_the_same_skip_count(fault_dir, tmp_path):
+    inputs, where = _with_bad_record(tmp_path)
+    # one worker: the local engine runs inline (a local Pool ended early by the error, forked from a process
+    # that runs Ray's threads, can hang in Pool.terminate)
+    cfg = example_config(tmp_path, "out", "num_workers=1", inputs)
+    cfg.stages = ["preprocess"]
+    local_error = _error_of(cfg)
+    assert local_error.startswith(where)
+    cfg.engine = "ray"
+    assert _error_of(cfg) == local_error
+
+    local_dir, ray_dir = run_local_then_ray(tmp_path / "skip", inputs, "on_error=skip", stages=["preprocess"])
+    assert_same_outputs(local_dir, ray_dir, ["canonical.jsonl", "report.json"])
+    assert orjson.loads((ray_dir / "report.json").read_bytes())["preprocess"]["dropped"] == {"unknown_role": 1}
+
+
+def test_a_record_rejected_in_a_worker_raises_the_same_error(fault_dir, local_example, tmp_path):
+    """tokenize: the RecordError is made in the Ray worker and raised by the driver, as with local processes."""
+    cfg = example_config(tmp_path, "out", "num_workers=1", "max_length=300", "pack.max_length=300",
+                         "overlong=error")  # one worker: see test_bad_record_gives_the_same_error...
+    cfg.stages = ["tokenize"]
+    shutil.copytree(local_example.out, cfg.out, ignore=shutil.ignore_patterns("tokenized", "packed"))
+    local_error = _error_of(cfg)
+    assert "tokens > max_length 300" in local_error and "merged.jsonl:" in local_error
+    cfg.engine = "ray"
+    assert _error_of(cfg) == local_error

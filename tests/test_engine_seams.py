@@ -1,0 +1,100 @@
+"""What the Ray engine relies on, checked without Ray: shard cuts and shards written elsewhere give the bytes of
+one writer, and the engine keys are validated and stay out of meta.json."""
+import importlib.util
+
+import numpy as np
+import pytest
+
+from data.config import ConfigError, DataConfig, InputSpec, output_config
+from data.shards import ShardWriter, shard_ranges
+from tests.test_shards import make_sequence
+
+
+def _rows(n_rows=31, seed=3):
+    rng = np.random.default_rng(seed)
+    return [[make_sequence(rng, int(rng.integers(5, 90)), n_turns=int(rng.integers(0, 3)), category=1 + r % 3)
+             for _ in range(int(rng.integers(1, 4)))] for r in range(n_rows)]
+
+
+def _add(writer, rows, first_record=0):
+    k = first_record
+    for seqs in rows:
+        writer.add_row(seqs, record_indices=list(range(k, k + len(seqs))), uids=[[500 + k + j] for j in range(len(seqs))])
+        k += len(seqs)
+    return k
+
+
+def _tree(path):
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("max_shard_bytes", [1, 700, 2000, 1 << 30])
+def test_shard_ranges_are_the_cuts_of_the_writer(tmp_path, max_shard_bytes):
+    rows = _rows()
+    writer = ShardWriter(tmp_path / "one", max_shard_bytes=max_shard_bytes)
+    _add(writer, rows)
+    meta = writer.close()
+    itemsize = writer.dtype.itemsize
+    nbytes = [sum(len(s["input_ids"]) for s in seqs) * itemsize for seqs in rows]
+    ranges = shard_ranges(nbytes, max_shard_bytes)
+    assert [end - start for start, end in ranges] == [s["rows"] for s in meta["shards"]]
+    assert ranges[0][0] == 0 and ranges[-1][1] == len(rows)
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert shard_ranges([], max_shard_bytes) == []
+
+
+@pytest.mark.parametrize("max_shard_bytes", [700, 3000])
+def test_shards_written_as_parts_are_byte_identical_to_one_writer(tmp_path, max_shard_bytes):
+    rows = _rows()
+    extra = {"categories": {1: "a", 2: "b", 3: "c"}, "max_length": 4096}
+    one = ShardWriter(tmp_path / "one", max_shard_bytes=max_shard_bytes)
+    _add(one, rows)
+    one.close(extra)
+
+    nbytes = [sum(len(s["input_ids"]) for s in seqs) * one.dtype.itemsize for seqs in rows]
+    ranges = shard_ranges(nbytes, max_shard_bytes)
+    assert len(ranges) > 2
+    assembled = ShardWriter(tmp_path / "assembled", max_shard_bytes=max_shard_bytes)
+    record = 0
+    for k, (start, end) in enumerate(ranges):  # each part as another process would write it
+        part = ShardWriter(tmp_path / f"part_{k}", max_shard_bytes=max_shard_bytes)
+        record = _add(part, rows[start:end], record)
+        part.close()
+        assembled.append_dataset(tmp_path / f"part_{k}")
+        assert not (tmp_path / f"part_{k}").exists()
+    assembled.close(extra)
+    assert _tree(tmp_path / "assembled") == _tree(tmp_path / "one")
+
+
+def test_append_dataset_refuses_other_token_fields(tmp_path):
+    rng = np.random.default_rng(0)
+    part = ShardWriter(tmp_path / "part", token_fields=["input_ids", "labels", "category_ids", "turn_ids",
+                                                         "block_ids", "path_ids"])
+    part.add_row([make_sequence(rng, 10, structure=True)])
+    part.close()
+    with ShardWriter(tmp_path / "out") as writer, pytest.raises(ValueError, match="token fields"):
+        writer.append_dataset(tmp_path / "part")
+
+
+def _config(tmp_path, **kw):
+    src = tmp_path / "in.jsonl"
+    src.write_text("{}\n")
+    return DataConfig(inputs=[InputSpec(path=[str(src)])], output_dir=str(tmp_path / "out"),
+                      tokenizer_path=str(tmp_path), stages=["preprocess"], **kw)
+
+
+def test_engine_keys_are_validated(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match="ray_address='auto' is only used with engine: ray"):
+        _config(tmp_path, ray_address="auto").validate()
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real_find_spec(name, *a))
+    with pytest.raises(ConfigError, match="requirements-ray.txt"):
+        _config(tmp_path, engine="ray").validate()
+    _config(tmp_path).validate()  # engine: local needs no Ray
+
+
+def test_engine_keys_stay_out_of_the_output_config(tmp_path):
+    local = output_config(_config(tmp_path))
+    ray = output_config(_config(tmp_path, engine="ray", ray_address="auto", num_workers=7))
+    assert local == ray
+    assert not {"engine", "ray_address", "num_workers", "stages"} & set(local)
