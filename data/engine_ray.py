@@ -46,6 +46,7 @@ WINDOW_CHUNKS_PER_WORKER = 8
 MIN_WINDOW_CHUNKS = 64
 TASKS_PER_WORKER = 2
 RANGE_BYTES = 1 << 20  # .jsonl bytes per preprocess range (several ranges go to one task)
+MAX_ROW_GROUP_BYTES = 16 << 20  # larger .parquet row groups: the file is read on the driver
 PART_SHARD_BYTES = 1 << 40  # a tokenize part is one shard, whatever its size: the parts are re-cut anyway
 
 
@@ -145,6 +146,13 @@ def _preprocess_task(task: tuple) -> tuple:
     if task[0] == "rows":
         _, spec_index, spec, fmt, rows = task
         return "rows", spec_index, None, None, 0, len(rows), preprocess._convert_chunk((spec_index, spec, fmt, rows))[1]
+    if task[0] == "row_group":
+        import pyarrow.parquet as pq
+
+        _, spec_index, spec, fmt, path, group, first_row = task
+        with pq.ParquetFile(path) as pf:
+            rows = [(f"{path}:{first_row + i}", row) for i, row in enumerate(pf.read_row_group(group).to_pylist())]
+        return "rows", spec_index, None, None, 0, len(rows), preprocess._convert_chunk((spec_index, spec, fmt, rows))[1]
     _, spec_index, spec, fmt, path, start, end, lines_before = task
     n_lines, rows = iter_jsonl_range(path, start, end)
     readable = [(row_or_error.source if isinstance(row_or_error, RecordError) else f"{path}:+{n}", row_or_error)
@@ -189,9 +197,30 @@ def _detect_in_jsonl(path: str, spec, cfg: DataConfig, st: dict, dropped: dict):
     return None
 
 
+def _parquet_row_groups(path: str) -> list[int] | None:
+    """Rows per row group of a readable .parquet file (its footer only); None for any other input, for a file
+    pyarrow cannot open (read here then, so it fails as locally) and for one with a row group over
+    `MAX_ROW_GROUP_BYTES` (a worker reads a row group whole and its rows come back as one result)."""
+    if not (path.lower().endswith(".parquet") and os.path.isfile(path)):
+        return None
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        with pq.ParquetFile(path) as pf:
+            groups = [pf.metadata.row_group(k) for k in range(pf.num_row_groups)]
+    except (pa.ArrowException, OSError):
+        return None
+    if any(group.total_byte_size > MAX_ROW_GROUP_BYTES for group in groups):
+        return None
+    return [group.num_rows for group in groups]
+
+
 def _preprocess_tasks(cfg: DataConfig, stats: list[dict], dropped: dict) -> Iterator[tuple]:
-    """`preprocess._tasks` with .jsonl inputs cut into byte ranges read by the workers (once the input's format
-    is known); other inputs (.json, .csv, .parquet, .arrow, datasets directories) are read here, as locally."""
+    """`preprocess._tasks` with the reading moved to the workers where an input splits cheaply: .jsonl into
+    byte ranges (once the input's format is known: a set one, or detected here from its first rows), .parquet
+    into row groups (when the input's format is set; `auto` needs a row). Other inputs (.json arrays, .csv,
+    .arrow, datasets directories) are read here in chunks of rows, as locally."""
     for spec_index, spec in enumerate(cfg.inputs):
         st = stats[spec_index]
         fmt = None
@@ -211,6 +240,19 @@ def _preprocess_tasks(cfg: DataConfig, stats: list[dict], dropped: dict) -> Iter
                     chunk = []
                 for k, (a, b) in enumerate(jsonl_byte_ranges(path, start, RANGE_BYTES)):
                     yield "range", spec_index, spec, fmt, path, a, b, lines_before if k == 0 else None
+                continue
+            known = fmt is not None or spec.format != "auto"  # a set format needs no row to detect it
+            row_groups = _parquet_row_groups(local) if split is None and known else None
+            if row_groups is not None:
+                fmt = fmt or spec.format
+                st["format"] = fmt
+                if chunk:
+                    yield "rows", spec_index, spec, fmt, chunk
+                    chunk = []
+                first_row = 0
+                for group, n_rows in enumerate(row_groups):
+                    yield "row_group", spec_index, spec, fmt, path, group, first_row
+                    first_row += n_rows
                 continue
             unreadable: dict[str, int] = {}
             for source, row in read_rows(path, cfg.on_error, unreadable):

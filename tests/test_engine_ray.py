@@ -329,3 +329,30 @@ def test_input_byte_ranges_give_the_errors_and_skips_of_local(fault_dir, tmp_pat
     report = orjson.loads((ray_dir / "report.json").read_bytes())["preprocess"]
     assert report["dropped"] == {"malformed_json": 2, "unknown_role": 1}
     assert f'"source":"{path}:{bad_line + 1}"'.encode() in (ray_dir / "canonical.jsonl").read_bytes()
+
+
+def test_parquet_row_groups_give_the_errors_and_skips_of_local(fault_dir, tmp_path):
+    """preprocess on Ray: a .parquet input of a set format is read one row group per task by the workers; row
+    indices (`path:row`) of errors and of every record's `meta.source`, and the counts, are the local ones."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"q": f"question {i}", "a": None if i == 37 else f"answer {i}"} for i in range(60)]
+    path = tmp_path / "qa.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=7)
+    assert engine_ray._parquet_row_groups(str(path)) == [7] * 8 + [4]
+    spec = {"path": str(path), "format": "prompt_response", "prompt_key": "q", "response_key": "a",
+            "category_name": "qa"}
+    overrides = ("inputs=" + orjson.dumps([spec]).decode(), f"ratio_path={tmp_path / 'qa_ratios.json'}")
+    cfg = example_config(tmp_path, "out", "num_workers=1", *overrides)
+    cfg.stages = ["preprocess"]
+    local_error = _error_of(cfg)
+    assert local_error.startswith(f"{path}:37: a: missing field 'a'")
+    cfg.engine = "ray"
+    assert _error_of(cfg) == local_error
+
+    (tmp_path / "qa_ratios.json").unlink(missing_ok=True)
+    local_dir, ray_dir = run_local_then_ray(tmp_path / "skip", *overrides, "on_error=skip", stages=["preprocess"])
+    assert_same_outputs(local_dir, ray_dir, ["canonical.jsonl", "report.json"])
+    assert orjson.loads((ray_dir / "report.json").read_bytes())["preprocess"]["dropped"] == {"missing_field": 1}
+    assert f'"source":"{path}:59"'.encode() in (ray_dir / "canonical.jsonl").read_bytes()
