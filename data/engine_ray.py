@@ -1,18 +1,24 @@
 """`engine: ray`: the pipeline's stages on Ray Data, byte-identical to `engine: local`.
 
-The stage modules do not know the engine: this module hands them Ray-backed versions of the only parts that
-run in parallel, and every stage's own core, accounting and writers do the rest.
-- preprocess, merge (token counts), tokenize: the project's own chunks (the same generators and readers as
-  the local run, so `path:line` sources and error policies are unchanged) go, each with its chunk index, to
-  Ray Data `map_batches` in windows of max(`MIN_WINDOW_CHUNKS`, `WINDOW_CHUNKS_PER_WORKER` x workers) chunks,
-  several chunks per task; the next window runs while the driver consumes the current one. The driver puts
-  each window's results back in chunk order (so it holds at most two windows), then writes as locally. Ray's
-  `preserve_order` is set too, never relied on alone.
+The stage modules do not know the engine: this module hands them Ray-backed versions of their parallel parts,
+and every stage's own core, accounting and writers do the rest.
+- Ordered map: chunks (each with its index) go to Ray Data `map_batches` in windows of
+  max(`MIN_WINDOW_CHUNKS`, `WINDOW_CHUNKS_PER_WORKER` x workers) chunks, several chunks per task; the next
+  window runs while the driver consumes the current one. The driver puts each window's results back in chunk
+  order (so it holds at most two windows). Ray's `preserve_order` is set too, never relied on alone.
+- preprocess: the workers read the inputs that split cheaply (.jsonl byte ranges cut on newlines, .parquet
+  row groups) and convert them; each range's line numbers are shifted by the driver, which adds up the line
+  counts of the ranges before it, so `path:line` sources and errors are the local ones. Other formats are read
+  by the driver as locally. The driver assigns uids and category ids and writes canonical.jsonl.
 - sample: on the driver (the local core: a byte-offset index, a seeded plan, line copies).
+- merge: the local chunks, parsed and token-counted by the workers; the seeded decisions on the driver.
+- tokenize: each chunk is tokenized, counted (`TokenizeTally`) and written as a part by a worker, which returns
+  only the tally and the rows' lengths; the driver adds the tallies up in chunk order, cuts tokenized/'s
+  shards from the lengths (`shards.shard_ranges`, the writer's own rule) and workers copy the parts' rows into
+  those shards, appended in order (`ShardWriter.append_dataset`): meta.json and checksums match the local run.
 - pack: the global best-fit plan on the driver from the length array; the rows are written by the workers,
-  one task per output shard (cut by `shards.shard_ranges`, the writer's own rule), and the finished shards
-  are appended in order (`ShardWriter.append_dataset`), so meta.json and checksums match the local run.
-Workers read and write `output_dir` and `tokenizer_path` themselves: on a cluster every node must see them at
+  one task per output shard, appended the same way.
+Workers read the inputs, `output_dir` and `tokenizer_path` themselves: on a cluster every node must see them at
 the same path (a shared filesystem). Chunks and results travel as pickled bytes (opaque binary columns; Ray
 Data would otherwise infer Arrow types from our nested Python values) between this driver and its own workers.
 """
