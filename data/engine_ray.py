@@ -328,7 +328,7 @@ def _tokenize_part(cfg_dict: dict, parts_dir: str, task: tuple[int, list]) -> tu
         if not tally.n_out:
             return tally, n_bytes, None
         writer.close()
-    tally.row_tokens = np.asarray(tally.row_tokens, dtype=np.int64)
+    tally.row_tokens = np.asarray(tally.row_tokens, dtype=np.int32)  # 4 bytes per row on the driver
     return tally, n_bytes, str(part)
 
 
@@ -357,7 +357,8 @@ def assemble_parts(shard_map: RayChunkMap, writer: ShardWriter, parts: list[tupl
     out.mkdir()
 
     def tasks():
-        for k, (start, end) in enumerate(shard_ranges((lengths * writer.dtype.itemsize).tolist(), writer.max_shard_bytes)):
+        row_nbytes = lengths.astype(np.int64) * writer.dtype.itemsize
+        for k, (start, end) in enumerate(shard_ranges(row_nbytes, writer.max_shard_bytes)):
             first = int(np.searchsorted(bounds, start, side="right")) - 1
             segments = []
             for p in range(first, len(parts)):
