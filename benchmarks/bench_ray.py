@@ -9,7 +9,10 @@ seconds per stage. Every run must write the same tokenized/ and packed/ meta.jso
 Prints a Markdown table and, from the CPU seconds of the largest Ray run, the projection of a 1 TB input to 8
 and 64 nodes of `--cores-per-node` cores: per stage max(driver CPU, workers CPU / cores), scaled.
 
-    python benchmarks/bench_ray.py --copies 4 --workers 1 2
+With `--marginal-copies N` engine ray also runs on N copies, and a second projection uses the difference of
+CPU seconds between the two sizes (the per-GiB cost, without the fixed costs a small input inflates).
+
+    python benchmarks/bench_ray.py --copies 6 --workers 1 2 --marginal-copies 2
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from data import merge, pack, preprocess, sample, tokenize  # noqa: E402
-from data.config import STAGES, DataConfig, from_dict  # noqa: E402
+from data.config import STAGES, DataConfig, from_dict, to_dict  # noqa: E402
 
 FIXTURES = ROOT.parent / "shared" / "fixtures" / "data"
 LOCAL_RUNNERS = {"preprocess": preprocess.run, "sample": sample.run, "merge": merge.run, "tokenize": tokenize.run,
@@ -129,6 +132,9 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=4, help="GSM8K train repeats in the input")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--cores-per-node", type=int, default=16)
+    parser.add_argument("--marginal-copies", type=int, default=0,
+                        help="also run engine ray on this many copies and project from the difference of the "
+                             "driver's CPU between the two sizes (its per-GiB cost without fixed costs)")
     args = parser.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="bench_ray_"))
@@ -166,6 +172,32 @@ def main() -> None:
         startup = f"{times['startup']:.1f}" if engine == "ray" else "—"
         print(f"| {engine} | {w} | {startup} | {cells} | {sum(times[s] for s in STAGES):.1f} | {driver / 2**20:.0f} "
               f"| {wcell} |")
+
+    if ray_cpu is not None and args.marginal_copies:
+        # Fixed costs (tokenizer loads, a Ray Data execution's start, meta/report writing, pack's plot) are paid
+        # once per stage: the slope between two input sizes is what the driver spends per GiB.
+        small = Path(tempfile.mkdtemp(prefix="bench_ray_small_"))
+        small_inputs = write_input(small, args.marginal_copies)
+        small_bytes = sum(Path(spec["path"]).stat().st_size for spec in small_inputs)
+        small_cfg = from_dict(DataConfig, {**to_dict(cfg), "inputs": small_inputs, "output_dir": str(small / "out"),
+                                           "ratio_path": str(small / "ratios.json")})
+        _, small_driver, small_workers, _ = run_once(small_cfg, "ray", max(args.workers))
+        shutil.rmtree(small)
+        driver_cpu, worker_cpu = ray_cpu
+        gib = (input_bytes - small_bytes) / 2**30
+        print(f"\nMarginal CPU seconds per GiB (Ray, {max(args.workers)} workers, {small_bytes / 2**20:.1f} MiB vs "
+              f"{input_bytes / 2**20:.1f} MiB) and 1 TB projected as max(driver, workers / (nodes x "
+              f"{args.cores_per_node} cores)):\n")
+        print("| stage | driver CPU s/GiB | workers CPU s/GiB | 1 TB, 8 nodes (h) | 1 TB, 64 nodes (h) |")
+        print("|---|---:|---:|---:|---:|")
+        totals = {8: 0.0, 64: 0.0}
+        for s in STAGES:
+            d, w = (driver_cpu[s] - small_driver[s]) / gib, (worker_cpu[s] - small_workers[s]) / gib
+            proj = {nodes: max(d, w / (nodes * args.cores_per_node)) * 1024 / 3600 for nodes in totals}
+            for nodes in totals:
+                totals[nodes] += proj[nodes]
+            print(f"| {s} | {d:,.0f} | {w:,.0f} | {proj[8]:.1f} | {proj[64]:.1f} |")
+        print(f"| total | | | {totals[8]:.1f} | {totals[64]:.1f} |")
 
     if ray_cpu is not None:
         # A stage's driver part runs in one process; its worker part spreads over nodes x cores. With the next

@@ -1,18 +1,24 @@
 """`engine: ray`: the pipeline's stages on Ray Data, byte-identical to `engine: local`.
 
-The stage modules do not know the engine: this module hands them Ray-backed versions of the only parts that
-run in parallel, and every stage's own core, accounting and writers do the rest.
-- preprocess, merge (token counts), tokenize: the project's own chunks (the same generators and readers as
-  the local run, so `path:line` sources and error policies are unchanged) go, each with its chunk index, to
-  Ray Data `map_batches` in windows of max(`MIN_WINDOW_CHUNKS`, `WINDOW_CHUNKS_PER_WORKER` x workers) chunks,
-  several chunks per task; the next window runs while the driver consumes the current one. The driver puts
-  each window's results back in chunk order (so it holds at most two windows), then writes as locally. Ray's
-  `preserve_order` is set too, never relied on alone.
+The stage modules do not know the engine: this module hands them Ray-backed versions of their parallel parts,
+and every stage's own core, accounting and writers do the rest.
+- Ordered map: chunks (each with its index) go to Ray Data `map_batches` in windows of
+  max(`MIN_WINDOW_CHUNKS`, `WINDOW_CHUNKS_PER_WORKER` x workers) chunks, several chunks per task; the next
+  window runs while the driver consumes the current one. The driver puts each window's results back in chunk
+  order (so it holds at most two windows). Ray's `preserve_order` is set too, never relied on alone.
+- preprocess: the workers read the inputs that split cheaply (.jsonl byte ranges cut on newlines, .parquet
+  row groups) and convert them; each range's line numbers are shifted by the driver, which adds up the line
+  counts of the ranges before it, so `path:line` sources and errors are the local ones. Other formats are read
+  by the driver as locally. The driver assigns uids and category ids and writes canonical.jsonl.
 - sample: on the driver (the local core: a byte-offset index, a seeded plan, line copies).
+- merge: the local chunks, parsed and token-counted by the workers; the seeded decisions on the driver.
+- tokenize: each chunk is tokenized, counted (`TokenizeTally`) and written as a part by a worker, which returns
+  only the tally and the rows' lengths; the driver adds the tallies up in chunk order, cuts tokenized/'s
+  shards from the lengths (`shards.shard_ranges`, the writer's own rule) and workers copy the parts' rows into
+  those shards, appended in order (`ShardWriter.append_dataset`): meta.json and checksums match the local run.
 - pack: the global best-fit plan on the driver from the length array; the rows are written by the workers,
-  one task per output shard (cut by `shards.shard_ranges`, the writer's own rule), and the finished shards
-  are appended in order (`ShardWriter.append_dataset`), so meta.json and checksums match the local run.
-Workers read and write `output_dir` and `tokenizer_path` themselves: on a cluster every node must see them at
+  one task per output shard, appended the same way.
+Workers read the inputs, `output_dir` and `tokenizer_path` themselves: on a cluster every node must see them at
 the same path (a shared filesystem). Chunks and results travel as pickled bytes (opaque binary columns; Ray
 Data would otherwise infer Arrow types from our nested Python values) between this driver and its own workers.
 """
@@ -22,16 +28,22 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
+import os
 import pickle
 import shutil
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 
 import numpy as np
 import orjson
 
 from data import merge, pack, preprocess, sample, tokenize
-from data.config import STAGES, DataConfig, to_dict
-from data.shards import PackedDataset, ShardWriter, shard_ranges
+from data.config import STAGES, DataConfig, from_dict, split_spec, to_dict
+from data.io import (UTF8_BOM, expand_inputs, iter_jsonl_range, jsonl_byte_ranges, parse_jsonl_line,
+                     read_rows)
+from data.records import RecordError
+from data.shards import REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, PackedDataset, ShardWriter, shard_ranges
+from data.tokenize import TokenizeTally
 
 # Chunks per Ray Data execution (a window): bounds the driver's memory (a chunk is <= 256 records) and amortizes
 # the 0.3-1 s an execution takes to start. A task takes several chunks (a Ray task costs ~10-30 ms more than a
@@ -39,6 +51,9 @@ from data.shards import PackedDataset, ShardWriter, shard_ranges
 WINDOW_CHUNKS_PER_WORKER = 8
 MIN_WINDOW_CHUNKS = 64
 TASKS_PER_WORKER = 2
+RANGE_BYTES = 1 << 20  # .jsonl bytes per preprocess range (several ranges go to one task)
+MAX_ROW_GROUP_BYTES = 16 << 20  # larger .parquet row groups: the file is read on the driver
+PART_SHARD_BYTES = 1 << 40  # a tokenize part is one shard, whatever its size: the parts are re-cut anyway
 
 
 # ---------------------------------------------------------------------------------------------- session
@@ -127,24 +142,256 @@ class RayChunkMap:
         return results
 
 
+# ---------------------------------------------------------------------------------------------- preprocess
+def _preprocess_task(task: tuple) -> tuple:
+    """Worker: `("rows", spec_index, spec, fmt, rows)` converts rows the driver read (as locally);
+    `("range", spec_index, spec, fmt, path, start, end, lines_before)` reads and converts the lines of a .jsonl
+    byte range. Returns (kind, spec_index, path, lines_before, lines in the range, rows read, results) with
+    `_convert_chunk`'s results; a range's sources are `path:+n` (n: line within the range) until the driver,
+    which knows where the range starts, rewrites them."""
+    if task[0] == "rows":
+        _, spec_index, spec, fmt, rows = task
+        return "rows", spec_index, None, None, 0, len(rows), preprocess._convert_chunk((spec_index, spec, fmt, rows))[1]
+    if task[0] == "row_group":
+        import pyarrow.parquet as pq
+
+        _, spec_index, spec, fmt, path, group, first_row = task
+        with pq.ParquetFile(path) as pf:
+            rows = [(f"{path}:{first_row + i}", row) for i, row in enumerate(pf.read_row_group(group).to_pylist())]
+        return "rows", spec_index, None, None, 0, len(rows), preprocess._convert_chunk((spec_index, spec, fmt, rows))[1]
+    _, spec_index, spec, fmt, path, start, end, lines_before = task
+    n_lines, rows = iter_jsonl_range(path, start, end)
+    readable = [(row_or_error.source if isinstance(row_or_error, RecordError) else f"{path}:+{n}", row_or_error)
+                for n, row_or_error in rows]
+    converted = iter(preprocess._convert_chunk(
+        (spec_index, spec, fmt, [(src, row) for src, row in readable if not isinstance(row, RecordError)]))[1])
+    results = [("err", row.source, row.field, row.message, row.reason) if isinstance(row, RecordError)
+               else next(converted) for _, row in readable]
+    return "range", spec_index, path, lines_before, n_lines, len(rows), results
+
+
+def _count_dropped(st: dict, dropped: dict, reason: str) -> None:
+    st["in"] += 1
+    st["dropped"] += 1
+    dropped[reason] = dropped.get(reason, 0) + 1
+
+
+def _detect_in_jsonl(path: str, spec, cfg: DataConfig, st: dict, dropped: dict):
+    """The format of a .jsonl input from its first row of a detectable format, read here as `preprocess._tasks`
+    reads it (rows before it count as dropped under skip): (format, spec, its byte offset, lines before it), or
+    None when no row of the file has one."""
+    offset = 0
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            start, offset = offset, offset + len(line)
+            if lineno == 1:
+                line = line.removeprefix(UTF8_BOM)
+            if not line.strip():
+                continue
+            source = f"{path}:{lineno}"
+            row = parse_jsonl_line(line, source)
+            try:
+                if isinstance(row, RecordError):
+                    raise row
+                fmt, resolved = preprocess.detect_format(row, spec, source)
+            except RecordError as exc:
+                if cfg.on_error != "skip":
+                    raise
+                _count_dropped(st, dropped, exc.reason)
+                continue
+            return fmt, resolved, start, lineno - 1
+    return None
+
+
+def _parquet_row_groups(path: str) -> list[int] | None:
+    """Rows per row group of a readable .parquet file (its footer only); None for any other input, for a file
+    pyarrow cannot open (read here then, so it fails as locally) and for one with a row group over
+    `MAX_ROW_GROUP_BYTES` (a worker reads a row group whole and its rows come back as one result)."""
+    if not (path.lower().endswith(".parquet") and os.path.isfile(path)):
+        return None
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        with pq.ParquetFile(path) as pf:
+            groups = [pf.metadata.row_group(k) for k in range(pf.num_row_groups)]
+    except (pa.ArrowException, OSError):
+        return None
+    if any(group.total_byte_size > MAX_ROW_GROUP_BYTES for group in groups):
+        return None
+    return [group.num_rows for group in groups]
+
+
+def _preprocess_tasks(cfg: DataConfig, stats: list[dict], dropped: dict) -> Iterator[tuple]:
+    """`preprocess._tasks` with the reading moved to the workers where an input splits cheaply: .jsonl into
+    byte ranges (once the input's format is known: a set one, or detected here from its first rows), .parquet
+    into row groups (when the input's format is set; `auto` needs a row). Other inputs (.json arrays, .csv,
+    .arrow, datasets directories) are read here in chunks of rows, as locally."""
+    for spec_index, spec in enumerate(cfg.inputs):
+        st = stats[spec_index]
+        fmt = None
+        chunk: list = []
+        for path in expand_inputs(spec.path):
+            split, local = split_spec(path)
+            if split is None and local.lower().endswith(".jsonl") and os.path.isfile(local):
+                start, lines_before = 0, 0
+                if fmt is None:
+                    found = _detect_in_jsonl(path, spec, cfg, st, dropped)
+                    if found is None:
+                        continue
+                    fmt, spec, start, lines_before = found
+                    st["format"] = fmt
+                if chunk:
+                    yield "rows", spec_index, spec, fmt, chunk
+                    chunk = []
+                for k, (a, b) in enumerate(jsonl_byte_ranges(path, start, RANGE_BYTES)):
+                    yield "range", spec_index, spec, fmt, path, a, b, lines_before if k == 0 else None
+                continue
+            known = fmt is not None or spec.format != "auto"  # a set format needs no row to detect it
+            row_groups = _parquet_row_groups(local) if split is None and known else None
+            if row_groups is not None:
+                fmt = fmt or spec.format
+                st["format"] = fmt
+                if chunk:
+                    yield "rows", spec_index, spec, fmt, chunk
+                    chunk = []
+                first_row = 0
+                for group, n_rows in enumerate(row_groups):
+                    yield "row_group", spec_index, spec, fmt, path, group, first_row
+                    first_row += n_rows
+                continue
+            unreadable: dict[str, int] = {}
+            for source, row in read_rows(path, cfg.on_error, unreadable):
+                if fmt is None:
+                    try:
+                        fmt, spec = preprocess.detect_format(row, spec, source)
+                    except RecordError as exc:
+                        if cfg.on_error != "skip":
+                            raise
+                        _count_dropped(st, dropped, exc.reason)
+                        continue
+                    st["format"] = fmt
+                chunk.append((source, row))
+                if len(chunk) >= preprocess.CHUNK_ROWS:
+                    yield "rows", spec_index, spec, fmt, chunk
+                    chunk = []
+            for reason, n in unreadable.items():
+                st["in"] += n
+                st["dropped"] += n
+                dropped[reason] = dropped.get(reason, 0) + n
+        if chunk:
+            yield "rows", spec_index, spec, fmt, chunk
+
+
+def preprocess_results(parallel_map: RayChunkMap, cfg: DataConfig, stats: list[dict], dropped: dict
+                       ) -> Iterator[tuple[int, list]]:
+    """`preprocess.run`'s chunk results in input order, the workers reading .jsonl ranges: each range's line
+    numbers are shifted by the lines of the ranges before it (added up here, in range order), so sources and
+    errors read `path:line` exactly as locally."""
+    next_line: dict[str, int] = {}
+    with contextlib.closing(parallel_map(_preprocess_task, _preprocess_tasks(cfg, stats, dropped))) as done:
+        for kind, spec_index, path, lines_before, n_lines, n_rows, results in done:
+            stats[spec_index]["in"] += n_rows
+            if kind == "range":
+                base = lines_before if lines_before is not None else next_line[path]
+                next_line[path] = base + n_lines
+                cut = len(path) + 2  # the `path:+` of a range's sources
+                results = [(r[0], f"{path}:{base + int(r[1][cut:])}", *r[2:]) for r in results]
+            yield spec_index, results
+
+
 # ---------------------------------------------------------------------------------------------- tokenize
-_TOKENIZE_CONFIG: bytes | None = None  # the config the worker's TokenizeContext was built from
+_TOKENIZE_CONFIG: tuple[bytes, DataConfig] | None = None  # the config the worker's TokenizeContext was built from
 
 
-def _tokenize_in_worker(cfg_dict: dict, chunk: list) -> tuple[list, int]:
-    """`tokenize._tokenize_chunk` with the worker process's context, built once per config (Ray reuses
-    worker processes across tasks, as a local pool does)."""
+def _tokenize_part(cfg_dict: dict, parts_dir: str, task: tuple[int, list]) -> tuple[TokenizeTally, int, str | None]:
+    """Worker: tokenize chunk `index` and write its kept sequences as a dataset of their own (a part) under
+    `parts_dir`; returns the chunk's tally (with each row's token count), its input bytes and the part (None
+    when nothing was kept). A fatal bad record comes back as the tally's `fatal`, raised by the driver in chunk
+    order. The context is built once per config (Ray reuses worker processes across tasks)."""
     global _TOKENIZE_CONFIG
     key = orjson.dumps(cfg_dict)
-    if _TOKENIZE_CONFIG != key:
+    if _TOKENIZE_CONFIG is None or _TOKENIZE_CONFIG[0] != key:
         tokenize._init_worker(cfg_dict)
-        _TOKENIZE_CONFIG = key
-    return tokenize._worker_chunk(chunk)
+        _TOKENIZE_CONFIG = (key, from_dict(DataConfig, cfg_dict))
+    cfg = _TOKENIZE_CONFIG[1]
+    index, chunk = task
+    results, n_bytes = tokenize._worker_chunk(chunk)
+    fields = list(REQUIRED_TOKEN_FIELDS) + (list(STRUCTURE_TOKEN_FIELDS) if cfg.structure else [])
+    part = Path(parts_dir) / f"chunk_{index:08d}"
+    tally = TokenizeTally()
+    with ShardWriter(part, token_fields=fields, max_shard_bytes=PART_SHARD_BYTES, kind="tokenized") as writer:
+        try:
+            tally.add_results(results, writer, cfg)
+        except RecordError as exc:
+            return exc, n_bytes, None
+        if not tally.n_out:
+            return tally, n_bytes, None
+        writer.close()
+    tally.row_tokens = np.asarray(tally.row_tokens, dtype=np.int32)  # 4 bytes per row on the driver
+    return tally, n_bytes, str(part)
 
 
-def tokenize_results(parallel_map: RayChunkMap, cfg: DataConfig, ctx, workers: int) -> Iterator[tuple[list, int]]:
-    """`tokenize.run`'s ordered results: the local chunks of merged.jsonl, tokenized by the Ray workers."""
-    return parallel_map(functools.partial(_tokenize_in_worker, to_dict(cfg)), tokenize.iter_chunks(cfg.merged_path))
+def _copy_rows(task: tuple[list[str], int, str, list[tuple[str, int, int]]]) -> str:
+    """Worker: one output shard of tokenized/, its rows copied from the parts' `[start, end)` row segments,
+    as a dataset of its own at `out_dir` (added as `tokenize.run` adds a row)."""
+    token_fields, max_shard_bytes, out_dir, segments = task
+    with ShardWriter(out_dir, token_fields=token_fields, max_shard_bytes=max_shard_bytes, kind="tokenized") as writer:
+        for part_dir, start, end in segments:
+            src = PackedDataset(part_dir)
+            for i in range(start, end):
+                writer.add_row([src.row_tokens(i)], record_indices=[int(src.row_sequences(i)["record_index"][0])],
+                               uids=[src.row_uids(i)[0]])
+        writer.close()
+    return out_dir
+
+
+def assemble_parts(shard_map: RayChunkMap, writer: ShardWriter, parts: list[tuple[str, np.ndarray]]) -> None:
+    """Re-cut the per-chunk parts (dir, tokens of each row) into the shards one writer would have cut
+    (`shard_ranges`), one Ray task per shard, and append those to `writer` in order."""
+    if not parts:
+        return
+    lengths = np.concatenate([n for _, n in parts])
+    bounds = np.concatenate([[0], np.cumsum([len(n) for _, n in parts])])  # part k holds rows bounds[k]..bounds[k+1]
+    out = writer.tmp_dir / "ray-shards"
+    out.mkdir()
+
+    def tasks():
+        row_nbytes = lengths.astype(np.int64) * writer.dtype.itemsize
+        for k, (start, end) in enumerate(shard_ranges(row_nbytes, writer.max_shard_bytes)):
+            first = int(np.searchsorted(bounds, start, side="right")) - 1
+            segments = []
+            for p in range(first, len(parts)):
+                if bounds[p] >= end:
+                    break
+                segments.append((parts[p][0], max(start, int(bounds[p])) - int(bounds[p]),
+                                 min(end, int(bounds[p + 1])) - int(bounds[p])))
+            yield writer.token_fields, writer.max_shard_bytes, str(out / f"shard_{k:05d}"), segments
+
+    with contextlib.closing(shard_map(_copy_rows, tasks())) as shard_dirs:
+        for shard_dir in shard_dirs:
+            writer.append_dataset(shard_dir)
+    shutil.rmtree(out)  # empty, or the temp dirs of attempts Ray retried
+
+
+def tokenize_tallies(parallel_map: RayChunkMap, shard_map: RayChunkMap, cfg: DataConfig, ctx, workers: int,
+                     writer: ShardWriter) -> Iterator[tuple[TokenizeTally, int]]:
+    """`tokenize.run`'s chunk tallies: the workers tokenize the local chunks of merged.jsonl and write each as a
+    part; the driver adds up their tallies in chunk order, then the parts are re-cut into `writer`'s shards."""
+    parts_dir = writer.tmp_dir / "ray-parts"  # inside the writer's temp dir: an aborted writer removes it too
+    parts_dir.mkdir()
+    parts: list[tuple[str, np.ndarray]] = []
+    fn = functools.partial(_tokenize_part, to_dict(cfg), str(parts_dir))
+    with contextlib.closing(parallel_map(fn, enumerate(tokenize.iter_chunks(cfg.merged_path)))) as results:
+        for tally, n_bytes, part in results:
+            if isinstance(tally, RecordError):
+                raise tally
+            if part is not None:
+                parts.append((part, tally.row_tokens))
+            tally.row_tokens = []
+            yield tally, n_bytes
+    assemble_parts(shard_map, writer, parts)
+    shutil.rmtree(parts_dir)
 
 
 # ---------------------------------------------------------------------------------------------- pack
@@ -180,10 +427,12 @@ def stage_runners(parallel_map: RayChunkMap) -> dict[str, Callable[[DataConfig],
     output shards (up to pack.shard_size_mb each): one per task."""
     shard_map = RayChunkMap(parallel_map.workers, chunks_per_task=1)
     return {
-        "preprocess": functools.partial(preprocess.run, parallel_map=parallel_map),
+        "preprocess": functools.partial(preprocess.run, chunk_results=functools.partial(preprocess_results,
+                                                                                         parallel_map)),
         "sample": sample.run,
         "merge": functools.partial(merge.run, parallel_map=parallel_map),
-        "tokenize": functools.partial(tokenize.run, ordered_results=functools.partial(tokenize_results, parallel_map)),
+        "tokenize": functools.partial(tokenize.run, chunk_tallies=functools.partial(tokenize_tallies, parallel_map,
+                                                                                     shard_map)),
         "pack": functools.partial(pack.run, write=functools.partial(write_rows_on_workers, shard_map)),
     }
 

@@ -80,19 +80,55 @@ def _iter_jsonl(path: str) -> Iterator[tuple[str, Any]]:
         for lineno, line in enumerate(f, 1):
             if lineno == 1:
                 line = line.removeprefix(UTF8_BOM)
-            if not line.strip():
-                continue
-            source = f"{path}:{lineno}"
-            try:
-                row = orjson.loads(line)
-            except orjson.JSONDecodeError as exc:
-                yield source, RecordError(source, "line", f"malformed JSON: {exc}", "malformed_json")
-                continue
-            if not isinstance(row, dict):
-                yield source, RecordError(source, "line", f"expected a JSON object, got {type(row).__name__}",
-                                          "malformed_json")
-                continue
-            yield source, row
+            if line.strip():
+                source = f"{path}:{lineno}"
+                yield source, parse_jsonl_line(line, source)
+
+
+def parse_jsonl_line(line: bytes, source: str) -> dict | RecordError:
+    """One non-blank input line: the row object, or the RecordError that rejects it (`malformed_json`)."""
+    try:
+        row = orjson.loads(line)
+    except orjson.JSONDecodeError as exc:
+        return RecordError(source, "line", f"malformed JSON: {exc}", "malformed_json")
+    if not isinstance(row, dict):
+        return RecordError(source, "line", f"expected a JSON object, got {type(row).__name__}", "malformed_json")
+    return row
+
+
+def jsonl_byte_ranges(path: str, start: int, target_bytes: int) -> Iterator[tuple[int, int]]:
+    """`[start, end)` byte ranges from `start` to the end of the file, each about `target_bytes` and ending
+    just after a newline (or at the end of the file): ranges hold whole lines, so they can be read apart."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        while start < size:
+            end = start + max(1, target_bytes)
+            if end < size:
+                f.seek(end - 1)
+                f.readline()  # to the end of the line holding byte end - 1
+                end = f.tell()
+            end = min(end, size)
+            yield start, end
+            start = end
+
+
+def iter_jsonl_range(path: str, start: int, end: int) -> tuple[int, list[tuple[int, dict | RecordError]]]:
+    """The lines of `[start, end)` (from `jsonl_byte_ranges`) as `_iter_jsonl` reads them: (lines in the range,
+    [(line number within the range, 1-based; row or RecordError)] for the non-blank lines). The RecordErrors
+    name `path:+n` (n within the range): the caller knows where the range starts and rewrites the source."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = f.read(end - start)
+    if start == 0:
+        data = data.removeprefix(UTF8_BOM)
+    pieces = data.split(b"\n")  # as iterating a binary file: lines end at b"\n" only, and keep it
+    last = pieces.pop()  # after the last newline: b"", or a final line without one
+    lines = [piece + b"\n" for piece in pieces] + ([last] if last else [])
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            rows.append((n, parse_jsonl_line(line, f"{path}:+{n}")))
+    return len(lines), rows
 
 
 def _iter_json(path: str) -> Iterator[tuple[str, Any]]:

@@ -402,11 +402,14 @@ def _tasks(cfg: DataConfig, stats: list[dict], dropped: dict):
             yield (spec_index, spec, fmt, chunk)
 
 
-def run(cfg: DataConfig, parallel_map: Callable[[Callable, Iterable], Iterator] | None = None) -> dict:
+def run(cfg: DataConfig, parallel_map: Callable[[Callable, Iterable], Iterator] | None = None,
+        chunk_results: Callable[[DataConfig, list[dict], dict], Iterator[tuple[int, list]]] | None = None) -> dict:
     """Convert every input to canonical.jsonl, update the ratio file, record the `preprocess` report section.
 
     `parallel_map(fn, chunks)` yields `fn(chunk)` in chunk order (default: `ordered_parallel_map` over
-    `num_workers` local processes; the Ray engine passes its own)."""
+    `num_workers` local processes). `chunk_results(cfg, stats, dropped)` replaces the reading too: it yields
+    `_convert_chunk`'s results in input order and counts each input's rows in `stats` as `_tasks` does (the
+    Ray engine's workers read byte ranges of the inputs)."""
     ratio_path = cfg.ratio_file
     existing = read_ratio_file(ratio_path)
     category_ids = CategoryIds(existing)
@@ -416,9 +419,13 @@ def run(cfg: DataConfig, parallel_map: Callable[[Callable, Iterable], Iterator] 
     uid = 0
     tasks = _tasks(cfg, stats, dropped)
     with atomic_writer(cfg.canonical_path) as out, progress(desc="preprocess", unit="rec") as bar:
-        chunk_results = (parallel_map(_convert_chunk, tasks) if parallel_map
-                         else ordered_parallel_map(_convert_chunk, tasks, cfg.workers))
-        for spec_index, results in chunk_results:
+        if chunk_results is not None:
+            results_in_order = chunk_results(cfg, stats, dropped)
+        elif parallel_map is not None:
+            results_in_order = parallel_map(_convert_chunk, tasks)
+        else:
+            results_in_order = ordered_parallel_map(_convert_chunk, tasks, cfg.workers)
+        for spec_index, results in results_in_order:
             st = stats[spec_index]
             for result in results:
                 kind, source = result[0], result[1]

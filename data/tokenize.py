@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import multiprocessing
 import os
 from dataclasses import dataclass, field
@@ -401,12 +402,121 @@ def _ordered_results(cfg: DataConfig, ctx: TokenizeContext | None, workers: int)
             yield pending.popleft().get()
 
 
+@dataclass
+class TokenizeTally:
+    """The stage's accounting of a run of chunks: mergeable, so a chunk can be counted where it was tokenized
+    (a Ray worker) and the driver adds the tallies up in chunk order."""
+
+    n_in: int = 0
+    n_out: int = 0
+    n_truncated: int = 0
+    n_plain: int = 0
+    n_tokens: int = 0
+    n_loss: int = 0
+    n_turns: int = 0
+    dropped: dict = field(default_factory=dict)
+    cats: dict = field(default_factory=dict)  # category id -> counters
+    names: dict = field(default_factory=dict)  # category id -> name, first seen
+    stats: dict = field(default_factory=lambda: dict.fromkeys(STAT_KEYS, 0))  # fidelity counters of kept records
+    lost: dict = field(default_factory=dict)  # reason -> [records, characters asked to train and not trained]
+    row_tokens: list = field(default_factory=list)  # tokens of each row written, in order
+
+    def _cat_row(self, cid: int) -> dict:
+        return self.cats.setdefault(cid, {"before": 0, "after": 0, "tokens_before": 0, "loss_tokens_before": 0,
+                                          "tokens": 0, "loss_tokens": 0})
+
+    def _count_before(self, counts_before: dict) -> None:
+        for c, (tokens, loss) in counts_before.items():
+            row = self._cat_row(c)
+            row["tokens_before"] += tokens
+            row["loss_tokens_before"] += loss
+
+    def _count_lost(self, reason: str, records: int, chars: int) -> None:
+        entry = self.lost.setdefault(reason, [0, 0])
+        entry[0] += records
+        entry[1] += chars
+
+    def add_results(self, results: list, writer: ShardWriter, cfg: DataConfig) -> None:
+        """Count one chunk's `tokenize_records` results and add its kept sequences to `writer`; a bad record
+        raises its RecordError when the policy says so (`on_error`, `overlong: error`)."""
+        for res in results:
+            self.n_in += 1
+            if isinstance(res, RecordError):
+                fatal = cfg.effective_overlong == "error" if res.reason == "overlong" else cfg.on_error == "error"
+                if fatal:
+                    raise res
+                self.dropped[res.reason] = self.dropped.get(res.reason, 0) + 1
+                self._cat_row(getattr(res, "category_id", 0))["before"] += 1
+                self._count_before(getattr(res, "counts_before", {}))
+                self._count_lost(res.reason, 1, getattr(res, "asked_chars", 0))
+                continue
+            writer.add_row([res.token_fields()], record_indices=[res.record_index], uids=[res.uids])
+            n = res.input_ids.shape[0]
+            self.row_tokens.append(n)
+            self.n_out += 1
+            self.n_truncated += res.truncated
+            self.n_plain += res.structure_kept_plain
+            self.n_tokens += n
+            loss_mask = res.labels != IGNORE_INDEX
+            self.n_loss += int(np.count_nonzero(loss_mask))
+            self.n_turns += int(res.turn_ids.max())
+            row = self._cat_row(res.category_id)
+            row["before"] += 1
+            row["after"] += 1
+            if res.category_name is not None:
+                self.names.setdefault(res.category_id, res.category_name)
+            self._count_before(res.counts_before)
+            after = _category_counts(res.category_ids, loss_mask) if res.truncated else res.counts_before
+            for c, (tokens, loss) in after.items():
+                r = self._cat_row(c)
+                r["tokens"] += tokens
+                r["loss_tokens"] += loss
+            for key, value in res.fidelity.items():
+                self.stats[key] += value
+            for reason in ("reasoning_not_rendered", "reasoning_dropped"):  # kept records, pieces not trained
+                if res.fidelity.get(reason):
+                    self._count_lost(reason, 1, res.fidelity[f"{reason}_chars"])
+
+    def merge(self, other: "TokenizeTally") -> None:
+        """Add the tally of the chunks that follow this one's."""
+        for key in ("n_in", "n_out", "n_truncated", "n_plain", "n_tokens", "n_loss", "n_turns"):
+            setattr(self, key, getattr(self, key) + getattr(other, key))
+        for reason, n in other.dropped.items():
+            self.dropped[reason] = self.dropped.get(reason, 0) + n
+        for c, counters in other.cats.items():
+            row = self._cat_row(c)
+            for key, value in counters.items():
+                row[key] += value
+        for c, name in other.names.items():
+            self.names.setdefault(c, name)
+        for key, value in other.stats.items():
+            self.stats[key] += value
+        for reason, (records, chars) in other.lost.items():
+            self._count_lost(reason, records, chars)
+        self.row_tokens.extend(other.row_tokens)
+
+
+def _local_chunk_tallies(cfg: DataConfig, ctx: TokenizeContext, workers: int, writer: ShardWriter,
+                         ordered_results: Callable | None = None) -> Iterator[tuple[TokenizeTally, int]]:
+    """Each chunk's tally in input order, its rows written by this process."""
+    with contextlib.closing((ordered_results or _ordered_results)(cfg, ctx, workers)) as stream:
+        for results, n_bytes in stream:
+            tally = TokenizeTally()
+            tally.add_results(results, writer, cfg)
+            tally.row_tokens.clear()  # only engines that re-cut shards need the lengths
+            yield tally, n_bytes
+
+
 def run(cfg: DataConfig, workers: int | None = None,
-        ordered_results: Callable[[DataConfig, TokenizeContext, int], Iterator[tuple[list, int]]] | None = None) -> dict:
+        ordered_results: Callable[[DataConfig, TokenizeContext, int], Iterator[tuple[list, int]]] | None = None,
+        chunk_tallies: Callable[[DataConfig, TokenizeContext, int, ShardWriter],
+                                Iterator[tuple[TokenizeTally, int]]] | None = None) -> dict:
     """Tokenize cfg.merged_path into cfg.tokenized_dir; returns the stage's report section.
 
     `ordered_results` yields each chunk's `_tokenize_chunk` result in input order (default `_ordered_results`
-    over local processes; the Ray engine passes its own).
+    over local processes). `chunk_tallies(cfg, ctx, workers, writer)` replaces the whole row writing: it
+    yields each chunk's `TokenizeTally` in input order and has put every row into `writer` when it ends (the
+    Ray engine's workers write the rows; default: this process writes the rows of `ordered_results`).
 
     Bad records follow `on_error` (raise, or count under their reason); overlong ones follow
     `cfg.effective_overlong` (`error` raises whatever on_error says, the others count or truncate).
@@ -418,71 +528,20 @@ def run(cfg: DataConfig, workers: int | None = None,
     fields = list(REQUIRED_TOKEN_FIELDS) + (list(STRUCTURE_TOKEN_FIELDS) if cfg.structure else [])
     writer = ShardWriter(cfg.tokenized_dir, token_fields=fields, max_shard_bytes=cfg.pack.shard_size_mb << 20,
                          kind="tokenized")
-    n_in = n_out = n_truncated = n_plain = n_tokens = n_loss = n_turns = 0
-    dropped: dict[str, int] = {}
-    cats: dict[int, dict] = {}
-    names: dict[int, str] = {}
-    stats = dict.fromkeys(STAT_KEYS, 0)  # fidelity counters of the kept records
-    lost: dict[str, list[int]] = {}  # reason -> [records, characters asked to train and not trained]
+    tally = TokenizeTally()
+    if chunk_tallies is None:
+        chunk_tallies = functools.partial(_local_chunk_tallies, ordered_results=ordered_results)
 
-    def cat_row(cid: int) -> dict:
-        return cats.setdefault(cid, {"before": 0, "after": 0, "tokens_before": 0, "loss_tokens_before": 0,
-                                     "tokens": 0, "loss_tokens": 0})
-
-    def count_before(counts_before: dict) -> None:
-        for c, (tokens, loss) in counts_before.items():
-            row = cat_row(c)
-            row["tokens_before"] += tokens
-            row["loss_tokens_before"] += loss
-
-    def count_lost(reason: str, chars: int) -> None:
-        entry = lost.setdefault(reason, [0, 0])
-        entry[0] += 1
-        entry[1] += chars
-
-    # closing the stream on an error stops the worker pool at once
-    with writer, contextlib.closing((ordered_results or _ordered_results)(cfg, ctx, workers)) as stream, \
+    # closing the stream on an error stops the workers at once
+    with writer, contextlib.closing(chunk_tallies(cfg, ctx, workers, writer)) as stream, \
             progress(total=os.path.getsize(cfg.merged_path), unit="B", unit_scale=True, desc="tokenize") as bar:
-        for results, n_bytes in stream:
-            for res in results:
-                n_in += 1
-                if isinstance(res, RecordError):
-                    fatal = cfg.effective_overlong == "error" if res.reason == "overlong" else cfg.on_error == "error"
-                    if fatal:
-                        raise res
-                    dropped[res.reason] = dropped.get(res.reason, 0) + 1
-                    cat_row(getattr(res, "category_id", 0))["before"] += 1
-                    count_before(getattr(res, "counts_before", {}))
-                    count_lost(res.reason, getattr(res, "asked_chars", 0))
-                    continue
-                writer.add_row([res.token_fields()], record_indices=[res.record_index], uids=[res.uids])
-                n_out += 1
-                n_truncated += res.truncated
-                n_plain += res.structure_kept_plain
-                n_tokens += res.input_ids.shape[0]
-                loss_mask = res.labels != IGNORE_INDEX
-                n_loss += int(np.count_nonzero(loss_mask))
-                n_turns += int(res.turn_ids.max())
-                row = cat_row(res.category_id)
-                row["before"] += 1
-                row["after"] += 1
-                if res.category_name is not None:
-                    names.setdefault(res.category_id, res.category_name)
-                count_before(res.counts_before)
-                after = _category_counts(res.category_ids, loss_mask) if res.truncated else res.counts_before
-                for c, (tokens, loss) in after.items():
-                    r = cat_row(c)
-                    r["tokens"] += tokens
-                    r["loss_tokens"] += loss
-                for key, value in res.fidelity.items():
-                    stats[key] += value
-                for reason in ("reasoning_not_rendered", "reasoning_dropped"):  # kept records, pieces not trained
-                    if res.fidelity.get(reason):
-                        count_lost(reason, res.fidelity[f"{reason}_chars"])
+        for chunk_tally, n_bytes in stream:
+            tally.merge(chunk_tally)
             bar.update(n_bytes)
-        if n_out == 0:
-            raise ConfigError(f"tokenize: no record of {cfg.merged_path} survived ({n_in} in, dropped "
-                              f"{sorted_counts(dropped)})")
+        if tally.n_out == 0:
+            raise ConfigError(f"tokenize: no record of {cfg.merged_path} survived ({tally.n_in} in, dropped "
+                              f"{sorted_counts(tally.dropped)})")
+        cats, names = tally.cats, tally.names
         categories_meta = {c: names.get(c, str(c)) for c in sorted(cats)}
         writer.close({
             "tokenizer_path": str(cfg.tokenizer_path),
@@ -497,18 +556,18 @@ def run(cfg: DataConfig, workers: int | None = None,
     for c, row in cats.items():
         row["name"] = names.get(c, str(c))
     section = check_arithmetic({
-        "in": n_in,
-        "out": n_out,
-        "dropped": sorted_counts(dropped),
-        "truncated": n_truncated,
-        "structure_kept_plain": n_plain,
+        "in": tally.n_in,
+        "out": tally.n_out,
+        "dropped": sorted_counts(tally.dropped),
+        "truncated": tally.n_truncated,
+        "structure_kept_plain": tally.n_plain,
         "overlong_policy": cfg.effective_overlong,
         "max_length": cfg.max_length,
-        "tokens": n_tokens,
-        "loss_tokens": n_loss,
-        "trained_turns": n_turns,
+        "tokens": tally.n_tokens,
+        "loss_tokens": tally.n_loss,
+        "trained_turns": tally.n_turns,
         "categories": {str(c): cats[c] for c in sorted(cats)},
-        **fidelity_section(stats, lost, ctx),
+        **fidelity_section(tally.stats, tally.lost, ctx),
     })
     print(format_tokenize_summary(section), flush=True)
     update_report(cfg.report_path, "tokenize", section)

@@ -253,3 +253,106 @@ def test_a_record_rejected_in_a_worker_raises_the_same_error(fault_dir, local_ex
     assert "tokens > max_length 300" in local_error and "merged.jsonl:" in local_error
     cfg.engine = "ray"
     assert _error_of(cfg) == local_error
+
+
+
+def test_tokenize_rows_are_written_by_the_workers_not_the_driver(fault_dir, local_example, tmp_path, monkeypatch):
+    """engine ray: the driver adds no tokenized row itself (the workers write a part per chunk, and the parts are
+    re-cut into the writer's shards on the workers too), and tokenized/ has the bytes of one local writer, also
+    when shard boundaries fall inside parts (20 kB shards, 16-record chunks)."""
+    real_init, real_add_row = ShardWriter.__init__, ShardWriter.add_row
+
+    def small_shards(self, *args, max_shard_bytes=1 << 30, **kwargs):
+        real_init(self, *args, max_shard_bytes=min(max_shard_bytes, 20_000), **kwargs)
+
+    monkeypatch.setattr(ShardWriter, "__init__", small_shards)  # this process only: Ray workers are others
+    monkeypatch.setattr(tokenize, "CHUNK_RECORDS", 16)  # chunks are cut by the driver
+    cfg = example_config(tmp_path, "out", "num_workers=1")
+    cfg.stages = ["tokenize"]
+    shutil.copytree(local_example.out, cfg.out, ignore=shutil.ignore_patterns("tokenized", "packed"))
+    pipeline.run_pipeline(cfg)
+    shutil.move(cfg.tokenized_dir, tmp_path / "local")
+
+    driver_rows = []
+
+    def counted_add_row(self, *args, **kwargs):
+        driver_rows.append(self.out_dir)
+        return real_add_row(self, *args, **kwargs)
+
+    monkeypatch.setattr(ShardWriter, "add_row", counted_add_row)
+    pipeline.run_pipeline(dataclasses.replace(cfg, engine="ray"))
+    assert driver_rows == []
+    assert tree(cfg.tokenized_dir) == tree(tmp_path / "local")
+    meta = orjson.loads((cfg.tokenized_dir / "meta.json").read_bytes())
+    assert len(meta["shards"]) > 3 and meta["counts"]["rows"] == 323
+    assert not list(cfg.out.glob(".tokenized*")), "parts or temp dirs left behind"
+
+
+def _deep_bad_input(tmp_path, *extra_lines):
+    """The example's code.jsonl 4 times (so byte ranges of a few hundred bytes cut it into many), with a record
+    of unknown role deep in it and `extra_lines` (line number, bytes) put in before; returns (inputs override,
+    path, line of the bad record)."""
+    lines = (ROOT / "data/example/raw/code.jsonl").read_bytes().splitlines(True) * 4
+    lines.insert(len(lines) - 3, orjson.dumps(BAD_CODE_RECORD) + b"\n")
+    bad_line = len(lines) - 3
+    for lineno, line in extra_lines:
+        lines.insert(lineno - 1, line)
+        bad_line += 1
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "code.jsonl"
+    path.write_bytes(b"".join(lines))
+    raw = orjson.loads((ROOT / "configs/data/example.json").read_bytes())
+    inputs = [{**spec, "path": str(path if spec["path"].endswith("code.jsonl") else ROOT / spec["path"])}
+              for spec in raw["inputs"]]
+    return "inputs=" + orjson.dumps(inputs).decode(), path, bad_line
+
+
+def test_input_byte_ranges_give_the_errors_and_skips_of_local(fault_dir, tmp_path, monkeypatch):
+    """preprocess on Ray: workers read .jsonl byte ranges (here ~300 bytes: many per file); a bad record deep in
+    a multi-range file gives the local `file:line` error, and under skip every record's `meta.source` line
+    (canonical.jsonl) and every count are those of the local run."""
+    from data.io import jsonl_byte_ranges
+
+    monkeypatch.setattr(engine_ray, "RANGE_BYTES", 300)
+    inputs, path, bad_line = _deep_bad_input(tmp_path / "error")
+    assert len(list(jsonl_byte_ranges(str(path), 0, 300))) > 5
+    cfg = example_config(tmp_path / "error", "out", "num_workers=1", inputs)
+    cfg.stages = ["preprocess"]
+    local_error = _error_of(cfg)
+    assert local_error.startswith(f"{path}:{bad_line}: messages[1].role: unknown role 'robot'")
+    cfg.engine = "ray"
+    assert _error_of(cfg) == local_error
+
+    inputs, path, bad_line = _deep_bad_input(tmp_path / "skip", (3, b"\n"), (9, b'{"messages": [\n'), (12, b"[1]\n"))
+    local_dir, ray_dir = run_local_then_ray(tmp_path / "skip", inputs, "on_error=skip", stages=["preprocess"])
+    assert_same_outputs(local_dir, ray_dir, ["canonical.jsonl", "report.json"])
+    report = orjson.loads((ray_dir / "report.json").read_bytes())["preprocess"]
+    assert report["dropped"] == {"malformed_json": 2, "unknown_role": 1}
+    assert f'"source":"{path}:{bad_line + 1}"'.encode() in (ray_dir / "canonical.jsonl").read_bytes()
+
+
+def test_parquet_row_groups_give_the_errors_and_skips_of_local(fault_dir, tmp_path):
+    """preprocess on Ray: a .parquet input of a set format is read one row group per task by the workers; row
+    indices (`path:row`) of errors and of every record's `meta.source`, and the counts, are the local ones."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"q": f"question {i}", "a": None if i == 37 else f"answer {i}"} for i in range(60)]
+    path = tmp_path / "qa.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=7)
+    assert engine_ray._parquet_row_groups(str(path)) == [7] * 8 + [4]
+    spec = {"path": str(path), "format": "prompt_response", "prompt_key": "q", "response_key": "a",
+            "category_name": "qa"}
+    overrides = ("inputs=" + orjson.dumps([spec]).decode(), f"ratio_path={tmp_path / 'qa_ratios.json'}")
+    cfg = example_config(tmp_path, "out", "num_workers=1", *overrides)
+    cfg.stages = ["preprocess"]
+    local_error = _error_of(cfg)
+    assert local_error.startswith(f"{path}:37: a: missing field 'a'")
+    cfg.engine = "ray"
+    assert _error_of(cfg) == local_error
+
+    (tmp_path / "qa_ratios.json").unlink(missing_ok=True)
+    local_dir, ray_dir = run_local_then_ray(tmp_path / "skip", *overrides, "on_error=skip", stages=["preprocess"])
+    assert_same_outputs(local_dir, ray_dir, ["canonical.jsonl", "report.json"])
+    assert orjson.loads((ray_dir / "report.json").read_bytes())["preprocess"]["dropped"] == {"missing_field": 1}
+    assert f'"source":"{path}:59"'.encode() in (ray_dir / "canonical.jsonl").read_bytes()

@@ -98,3 +98,31 @@ def test_engine_keys_stay_out_of_the_output_config(tmp_path):
     ray = output_config(_config(tmp_path, engine="ray", ray_address="auto", num_workers=7))
     assert local == ray
     assert not {"engine", "ray_address", "num_workers", "stages"} & set(local)
+
+
+@pytest.mark.parametrize("target_bytes", [1, 7, 40, 1 << 20])
+def test_jsonl_byte_ranges_read_the_lines_of_the_whole_file_reader(tmp_path, target_bytes):
+    """Ranges cut on newlines, read apart and their line numbers shifted by the lines before them, give the rows,
+    errors and `path:line` sources of `iter_rows` (BOM, blank and CRLF lines, malformed JSON, no final newline)."""
+    from data.io import iter_jsonl_range, iter_rows, jsonl_byte_ranges
+    from data.records import RecordError
+
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"a": 1}\n\n{"a": 2}\r\n  \n{"a": \n[1]\n{"b": "x\\ny"}\n\n{"a": 3}')
+    expected = [(src, row if isinstance(row, dict) else str(row)) for src, row in iter_rows(str(path))]
+    got, lines_before, ranges = [], 0, list(jsonl_byte_ranges(str(path), 0, target_bytes))
+    assert ranges[0][0] == 0 and ranges[-1][1] == path.stat().st_size
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    for start, end in ranges:
+        n_lines, rows = iter_jsonl_range(str(path), start, end)
+        for n, row in rows:
+            source = f"{path}:{lines_before + n}"
+            if isinstance(row, RecordError):
+                assert row.source == f"{path}:+{n}"
+                row = str(RecordError(source, row.field, row.message, row.reason))
+            got.append((source, row))
+        lines_before += n_lines
+    assert got == expected
+    assert len(expected) == 6 and lines_before == 9
+    if target_bytes == 1:
+        assert len(ranges) == 9  # one line per range
