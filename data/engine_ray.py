@@ -11,7 +11,10 @@ and every stage's own core, accounting and writers do the rest.
   counts of the ranges before it, so `path:line` sources and errors are the local ones. Other formats are read
   by the driver as locally. The driver assigns uids and category ids and writes canonical.jsonl.
 - sample: on the driver (the local core: a byte-offset index, a seeded plan, line copies).
-- merge: the local chunks, parsed and token-counted by the workers; the seeded decisions on the driver.
+- merge: the workers read sampled.jsonl by byte ranges and return only the decision's inputs (token counts and
+  `merge.merge_key` digests); the driver runs the local decision (`merge.GroupDecider`, the same seeded draws)
+  over them; the workers write the groups starting in their range as parts (reading on past the range's end
+  for a group that straddles it), which the driver concatenates into merged.jsonl.
 - tokenize: each chunk is tokenized, counted (`TokenizeTally`) and written as a part by a worker, which returns
   only the tally and the rows' lengths; the driver adds the tallies up in chunk order, cuts tokenized/'s
   shards from the lengths (`shards.shard_ranges`, the writer's own rule) and workers copy the parts' rows into
@@ -24,13 +27,17 @@ Data would otherwise infer Arrow types from our nested Python values) between th
 """
 from __future__ import annotations
 
+import array
+import collections
 import concurrent.futures
 import contextlib
 import functools
 import logging
 import os
 import pickle
+import random
 import shutil
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -39,8 +46,8 @@ import orjson
 
 from data import merge, pack, preprocess, sample, tokenize
 from data.config import STAGES, DataConfig, from_dict, split_spec, to_dict
-from data.io import (UTF8_BOM, expand_inputs, iter_jsonl_range, jsonl_byte_ranges, parse_jsonl_line,
-                     read_rows)
+from data.io import (UTF8_BOM, atomic_writer, expand_inputs, iter_jsonl_range, jsonl_byte_ranges,
+                     parse_jsonl_line, read_rows, require_stage_input)
 from data.records import RecordError
 from data.shards import REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, PackedDataset, ShardWriter, shard_ranges
 from data.tokenize import TokenizeTally
@@ -52,6 +59,7 @@ WINDOW_CHUNKS_PER_WORKER = 8
 MIN_WINDOW_CHUNKS = 64
 TASKS_PER_WORKER = 2
 RANGE_BYTES = 1 << 20  # .jsonl bytes per preprocess range (several ranges go to one task)
+MERGE_RANGE_BYTES = 1 << 20  # sampled.jsonl bytes per merge range
 MAX_ROW_GROUP_BYTES = 16 << 20  # larger .parquet row groups: the file is read on the driver
 PART_SHARD_BYTES = 1 << 40  # a tokenize part is one shard, whatever its size: the parts are re-cut anyway
 
@@ -300,6 +308,116 @@ def preprocess_results(parallel_map: RayChunkMap, cfg: DataConfig, stats: list[d
             yield spec_index, results
 
 
+# ---------------------------------------------------------------------------------------------- merge
+def _count_records(task: tuple[str, int, int]) -> int:
+    """Worker: the non-blank lines (records) of a byte range of sampled.jsonl."""
+    path, start, end = task
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = f.read(end - start)
+    return sum(1 for line in data.split(b"\n") if line.strip())
+
+
+def _merge_inputs(task: tuple) -> tuple[int, np.ndarray, np.ndarray]:
+    """Worker: the merge decision's inputs for the records of a byte range of sampled.jsonl, `merge.prepare_records`
+    on them: (labels zeroed, token counts as int32 with -1 for None, merge keys as (n, 4) uint64)."""
+    path, start, end, joins, budget_active, loss_turns, tokenizer_key, opts = task
+    _, rows = iter_jsonl_range(path, start, end)
+    records = []
+    for _, row in rows:
+        if isinstance(row, RecordError):
+            raise row
+        records.append(row)
+    joins = joins.tolist()
+    needs = merge.needs_counts(joins[:-1], joins[-1], budget_active)
+    zeroed, counts, keys = merge.prepare_records(records, needs, loss_turns, tokenizer_key, opts, True)
+    return (sum(zeroed), np.array([-1 if n is None else n for n in counts], dtype=np.int32),
+            np.array(keys, dtype=np.uint64).reshape(len(records), len(merge.MERGE_KEYS)))
+
+
+def _write_groups(task: tuple[str, int, int, np.ndarray, str, str]) -> tuple[str, int]:
+    """Worker: the merged records of the groups that start in one byte range of sampled.jsonl, written as a
+    part (atomically: a retried task rewrites it). The range's first `skip` records belong to a group of an
+    earlier range; the last group may run on past the range's end, so lines are read on until it is complete.
+    Returns (part, labels zeroed by loss_turns in these groups)."""
+    path, start, skip, sizes, loss_turns, part = task
+    zeroed = 0
+    with open(path, "rb") as f, atomic_writer(part) as out:
+        f.seek(start)
+        lines = (line for line in f if line.strip())
+        for _ in range(skip):
+            next(lines)
+        for size in sizes.tolist():
+            group = [orjson.loads(next(lines)) for _ in range(size)]
+            zeroed += sum(merge.apply_loss_turns(rec, loss_turns) for rec in group)
+            out.write(orjson.dumps(merge.merge_records(group)) + b"\n")
+    return part, zeroed
+
+
+def merge_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, budget: int | None, tokenizer_key,
+                     opts) -> merge.MergeTotals:
+    """`merge.run` with the records off the driver, in three passes over byte ranges of sampled.jsonl: the
+    workers count each range's records; with the seeded draws (`merge.join_draws`, in file order) they return
+    the decision's inputs (token counts, merge keys: 36 bytes a record), on which the driver runs the local
+    decision (`merge.GroupDecider`); then they write the groups starting in their range as parts, which the
+    driver concatenates into merged.jsonl (a byte copy)."""
+    path = str(require_stage_input(cfg.sampled_path, "sample"))
+    ranges = list(jsonl_byte_ranges(path, 0, MERGE_RANGE_BYTES))
+    with contextlib.closing(parallel_map(_count_records, ((path, a, b) for a, b in ranges))) as done:
+        counts = list(done)
+    first_record = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+    n_in = int(first_record[-1])
+    starts = array.array("q")  # record index where each group starts, in order
+    decider = merge.GroupDecider(budget)
+    if budget is None:  # no draws: every record is a group of its own
+        starts.extend(range(n_in))
+    else:
+        draws = merge.join_draws(random.Random(cfg.seed), cfg.merge.probability)
+        joins_of: collections.deque[np.ndarray] = collections.deque()  # draws of the ranges in flight
+
+        def tasks():
+            ahead = next(draws)
+            for (a, b), n in zip(ranges, counts):
+                if not n:
+                    continue
+                joins = [ahead] + [next(draws) for _ in range(n)]  # ..., and the next record's draw
+                ahead = joins[-1]
+                joins_of.append(np.array(joins[:-1]))
+                yield path, a, b, np.array(joins, dtype=bool), True, cfg.loss_turns, tokenizer_key, opts
+
+        index = 0
+        with contextlib.closing(parallel_map(_merge_inputs, tasks())) as done:
+            for _, tokens, keys in done:
+                joins = joins_of.popleft().tolist()
+                for join, n, key in zip(joins, tokens.tolist(), map(tuple, keys.tolist())):
+                    if decider.starts_group(join, None if n < 0 else n, key):
+                        starts.append(index)
+                    index += 1
+    group_starts = np.frombuffer(starts, dtype=np.int64) if starts else np.zeros(0, dtype=np.int64)
+    sizes = np.diff(np.append(group_starts, n_in))
+    group_sizes = {int(k): int(v) for k, v in zip(*np.unique(sizes, return_counts=True))}
+    parts_dir = Path(tempfile.mkdtemp(prefix=f".merge-parts-{os.getpid()}-", dir=Path(cfg.merged_path).parent))
+    try:
+        def write_tasks():
+            for k, (a, _) in enumerate(ranges):
+                lo, hi = np.searchsorted(group_starts, first_record[k:k + 2])
+                if lo < hi:  # groups start in this range
+                    yield (path, a, int(group_starts[lo] - first_record[k]), sizes[lo:hi], cfg.loss_turns,
+                           str(parts_dir / f"part_{k:08d}.jsonl"))
+
+        zeroed = 0
+        with atomic_writer(cfg.merged_path) as out, \
+                contextlib.closing(parallel_map(_write_groups, write_tasks())) as done:
+            for part, part_zeroed in done:
+                zeroed += part_zeroed
+                with open(part, "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 20)
+                os.remove(part)
+    finally:
+        shutil.rmtree(parts_dir, ignore_errors=True)
+    return merge.MergeTotals(n_in, zeroed, decider.blocked, group_sizes)
+
+
 # ---------------------------------------------------------------------------------------------- tokenize
 _TOKENIZE_CONFIG: tuple[bytes, DataConfig] | None = None  # the config the worker's TokenizeContext was built from
 
@@ -430,7 +548,7 @@ def stage_runners(parallel_map: RayChunkMap) -> dict[str, Callable[[DataConfig],
         "preprocess": functools.partial(preprocess.run, chunk_results=functools.partial(preprocess_results,
                                                                                          parallel_map)),
         "sample": sample.run,
-        "merge": functools.partial(merge.run, parallel_map=parallel_map),
+        "merge": functools.partial(merge.run, merge_all=functools.partial(merge_on_workers, parallel_map)),
         "tokenize": functools.partial(tokenize.run, chunk_tallies=functools.partial(tokenize_tallies, parallel_map,
                                                                                      shard_map)),
         "pack": functools.partial(pack.run, write=functools.partial(write_rows_on_workers, shard_map)),

@@ -356,3 +356,45 @@ def test_parquet_row_groups_give_the_errors_and_skips_of_local(fault_dir, tmp_pa
     assert_same_outputs(local_dir, ray_dir, ["canonical.jsonl", "report.json"])
     assert orjson.loads((ray_dir / "report.json").read_bytes())["preprocess"]["dropped"] == {"missing_field": 1}
     assert f'"source":"{path}:59"'.encode() in (ray_dir / "canonical.jsonl").read_bytes()
+
+
+def rerun_merge_on_ray(local_cfg, tmp_path) -> list[str]:
+    """Only the merge stage with engine: ray over the local run: merged.jsonl and the report's merge section must
+    equal the local ones (a rerun of merge alone marks the later sections stale); the local run is put back.
+    Returns the names of the temp files left in output_dir."""
+    snapshot = tmp_path / "local"
+    shutil.copytree(local_cfg.out, snapshot)
+    try:
+        pipeline.run_pipeline(dataclasses.replace(local_cfg, engine="ray", stages=["merge"]))
+        assert local_cfg.merged_path.read_bytes() == (snapshot / "merged.jsonl").read_bytes()
+        report = orjson.loads(local_cfg.report_path.read_bytes())["merge"]
+        assert report == orjson.loads((snapshot / "report.json").read_bytes())["merge"]
+        return [p.name for p in local_cfg.out.glob(".*")]
+    finally:
+        shutil.rmtree(local_cfg.out)
+        shutil.copytree(snapshot, local_cfg.out)
+
+
+def test_merge_records_are_built_by_the_workers_not_the_driver(fault_dir, local_example, tmp_path, monkeypatch):
+    """engine ray: the driver builds no merged record (it decides the groups from the workers' token counts
+    and merge keys, and concatenates the parts they write), and merged.jsonl has the local bytes."""
+    from data import merge
+
+    built = []
+    real = merge.merge_records
+    monkeypatch.setattr(merge, "merge_records", lambda group: built.append(len(group)) or real(group))
+    left = rerun_merge_on_ray(local_example, tmp_path)
+    assert built == []
+    assert left == [], "parts or temp files left behind"
+
+
+@pytest.mark.parametrize("range_bytes", [1, 3000])
+def test_merge_groups_straddling_range_boundaries_give_the_local_bytes(fault_dir, local_example, tmp_path,
+                                                                       monkeypatch, range_bytes):
+    """Ranges of one record (1 byte: every merged group straddles) or a few records: groups that start in one
+    range and run on into the next ones are written whole by the worker of their first record."""
+    monkeypatch.setattr(engine_ray, "MERGE_RANGE_BYTES", range_bytes)
+    lines = local_example.sampled_path.read_bytes().count(b"\n")
+    merged = orjson.loads(local_example.report_path.read_bytes())["merge"]
+    assert lines > 50 and merged["in"] - merged["out"] > 10  # many groups of several records
+    rerun_merge_on_ray(local_example, tmp_path)
