@@ -15,7 +15,8 @@ and every stage's own core, accounting and writers do the rest.
   `merge.merge_key` digests); the driver runs the local decision (`merge.GroupDecider`, the same seeded draws)
   over them; the workers write the groups starting in their range as parts (reading on past the range's end
   for a group that straddles it), which the driver concatenates into merged.jsonl.
-- tokenize: each chunk is tokenized, counted (`TokenizeTally`) and written as a part by a worker, which returns
+- tokenize: the workers count the lines of byte ranges of merged.jsonl (so that record indices and line numbers
+  are the local ones), then each range is tokenized, counted (`TokenizeTally`) and written as a part by a worker, which returns
   only the tally and the rows' lengths; the driver adds the tallies up in chunk order, cuts tokenized/'s
   shards from the lengths (`shards.shard_ranges`, the writer's own rule) and workers copy the parts' rows into
   those shards, appended in order (`ShardWriter.append_dataset`): meta.json and checksums match the local run.
@@ -60,6 +61,7 @@ MIN_WINDOW_CHUNKS = 64
 TASKS_PER_WORKER = 2
 RANGE_BYTES = 1 << 20  # .jsonl bytes per preprocess range (several ranges go to one task)
 MERGE_RANGE_BYTES = 1 << 20  # sampled.jsonl bytes per merge range
+TOKENIZE_RANGE_BYTES = 256 << 10  # merged.jsonl bytes per tokenize range (a part; ~local's 256-record chunk)
 MAX_ROW_GROUP_BYTES = 16 << 20  # larger .parquet row groups: the file is read on the driver
 PART_SHARD_BYTES = 1 << 40  # a tokenize part is one shard, whatever its size: the parts are re-cut anyway
 
@@ -309,13 +311,14 @@ def preprocess_results(parallel_map: RayChunkMap, cfg: DataConfig, stats: list[d
 
 
 # ---------------------------------------------------------------------------------------------- merge
-def _count_records(task: tuple[str, int, int]) -> int:
-    """Worker: the non-blank lines (records) of a byte range of sampled.jsonl."""
+def _count_lines(task: tuple[str, int, int]) -> tuple[int, int]:
+    """Worker: (lines, non-blank lines) of a byte range of a .jsonl file, split as iterating the file splits it."""
     path, start, end = task
     with open(path, "rb") as f:
         f.seek(start)
-        data = f.read(end - start)
-    return sum(1 for line in data.split(b"\n") if line.strip())
+        lines = f.read(end - start).split(b"\n")
+    last = lines.pop()  # after the last newline: b"", or a final line without one
+    return len(lines) + bool(last), sum(1 for line in lines if line.strip()) + bool(last.strip())
 
 
 def _merge_inputs(task: tuple) -> tuple[int, np.ndarray, np.ndarray]:
@@ -363,8 +366,8 @@ def merge_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, budget: int | N
     driver concatenates into merged.jsonl (a byte copy)."""
     path = str(require_stage_input(cfg.sampled_path, "sample"))
     ranges = list(jsonl_byte_ranges(path, 0, MERGE_RANGE_BYTES))
-    with contextlib.closing(parallel_map(_count_records, ((path, a, b) for a, b in ranges))) as done:
-        counts = list(done)
+    with contextlib.closing(parallel_map(_count_lines, ((path, a, b) for a, b in ranges))) as done:
+        counts = [n_records for _, n_records in done]
     first_record = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
     n_in = int(first_record[-1])
     starts = array.array("q")  # record index where each group starts, in order
@@ -422,18 +425,30 @@ def merge_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, budget: int | N
 _TOKENIZE_CONFIG: tuple[bytes, DataConfig] | None = None  # the config the worker's TokenizeContext was built from
 
 
-def _tokenize_part(cfg_dict: dict, parts_dir: str, task: tuple[int, list]) -> tuple[TokenizeTally, int, str | None]:
-    """Worker: tokenize chunk `index` and write its kept sequences as a dataset of their own (a part) under
-    `parts_dir`; returns the chunk's tally (with each row's token count), its input bytes and the part (None
-    when nothing was kept). A fatal bad record comes back as the tally's `fatal`, raised by the driver in chunk
-    order. The context is built once per config (Ray reuses worker processes across tasks)."""
+def _tokenize_part(cfg_dict: dict, parts_dir: str, task: tuple[int, int, int, int, int]
+                   ) -> tuple[TokenizeTally, int, str | None]:
+    """Worker: tokenize the records of byte range `index` of merged.jsonl (`[start, end)`, after
+    `records_before` records in `lines_before` lines: `tokenize.iter_chunks`'s record indices and line numbers)
+    and write its kept sequences as a dataset of their own (a part) under `parts_dir`; returns the range's tally
+    (with each row's token count), its input bytes and the part (None when nothing was kept). A fatal bad record
+    comes back as the tally's `fatal`, raised by the driver in range order. The context is built once per
+    config (Ray reuses worker processes across tasks)."""
     global _TOKENIZE_CONFIG
     key = orjson.dumps(cfg_dict)
     if _TOKENIZE_CONFIG is None or _TOKENIZE_CONFIG[0] != key:
         tokenize._init_worker(cfg_dict)
         _TOKENIZE_CONFIG = (key, from_dict(DataConfig, cfg_dict))
     cfg = _TOKENIZE_CONFIG[1]
-    index, chunk = task
+    index, start, end, records_before, lines_before = task
+    with open(cfg.merged_path, "rb") as f:
+        f.seek(start)
+        pieces = f.read(end - start).split(b"\n")  # lines as iterating the file gives them
+    last = pieces.pop()
+    lines = [piece + b"\n" for piece in pieces] + ([last] if last else [])
+    chunk = []
+    for lineno, line in enumerate(lines, lines_before + 1):
+        if line.strip():
+            chunk.append((records_before + len(chunk), lineno, line))
     results, n_bytes = tokenize._worker_chunk(chunk)
     fields = list(REQUIRED_TOKEN_FIELDS) + (list(STRUCTURE_TOKEN_FIELDS) if cfg.structure else [])
     part = Path(parts_dir) / f"chunk_{index:08d}"
@@ -494,13 +509,27 @@ def assemble_parts(shard_map: RayChunkMap, writer: ShardWriter, parts: list[tupl
 
 def tokenize_tallies(parallel_map: RayChunkMap, shard_map: RayChunkMap, cfg: DataConfig, ctx, workers: int,
                      writer: ShardWriter) -> Iterator[tuple[TokenizeTally, int]]:
-    """`tokenize.run`'s chunk tallies: the workers tokenize the local chunks of merged.jsonl and write each as a
-    part; the driver adds up their tallies in chunk order, then the parts are re-cut into `writer`'s shards."""
+    """`tokenize.run`'s chunk tallies: the workers count the lines of byte ranges of merged.jsonl, then tokenize
+    each range and write it as a part; the driver adds up their tallies in range order (the lines in file
+    order), then the parts are re-cut into `writer`'s shards."""
     parts_dir = writer.tmp_dir / "ray-parts"  # inside the writer's temp dir: an aborted writer removes it too
     parts_dir.mkdir()
     parts: list[tuple[str, np.ndarray]] = []
+    path = str(cfg.merged_path)
+    ranges = list(jsonl_byte_ranges(path, 0, TOKENIZE_RANGE_BYTES))
+    with contextlib.closing(parallel_map(_count_lines, ((path, a, b) for a, b in ranges))) as done:
+        counts = list(done)
+
+    def tasks():
+        records_before = lines_before = 0
+        for k, ((a, b), (n_lines, n_records)) in enumerate(zip(ranges, counts)):
+            if n_records:
+                yield k, a, b, records_before, lines_before
+            records_before += n_records
+            lines_before += n_lines
+
     fn = functools.partial(_tokenize_part, to_dict(cfg), str(parts_dir))
-    with contextlib.closing(parallel_map(fn, enumerate(tokenize.iter_chunks(cfg.merged_path)))) as results:
+    with contextlib.closing(parallel_map(fn, tasks())) as results:
         for tally, n_bytes, part in results:
             if isinstance(tally, RecordError):
                 raise tally
