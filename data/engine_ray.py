@@ -15,9 +15,10 @@ and every stage's own core, accounting and writers do the rest.
   `merge.merge_key` digests); the driver runs the local decision (`merge.GroupDecider`, the same seeded draws)
   over them; the workers write the groups starting in their range as parts (reading on past the range's end
   for a group that straddles it), which the driver concatenates into merged.jsonl.
-- tokenize: the workers count the lines of byte ranges of merged.jsonl (so that record indices and line numbers
-  are the local ones), then each range is tokenized, counted (`TokenizeTally`) and written as a part by a worker, which returns
-  only the tally and the rows' lengths; the driver adds the tallies up in chunk order, cuts tokenized/'s
+- tokenize: the workers count the lines of byte ranges of merged.jsonl (so that record indices and line
+  numbers are the local ones), then each range is tokenized, counted (`TokenizeTally`) and written as a part
+  by a worker, which returns only the tally and the rows' lengths; the driver adds the tallies up in range
+  order, cuts tokenized/'s
   shards from the lengths (`shards.shard_ranges`, the writer's own rule) and workers copy the parts' rows into
   those shards, appended in order (`ShardWriter.append_dataset`): meta.json and checksums match the local run.
 - pack: the global best-fit plan on the driver from the length array; the rows are written by the workers,
