@@ -11,9 +11,14 @@ and every stage's own core, accounting and writers do the rest.
   counts of the ranges before it, so `path:line` sources and errors are the local ones. Other formats are read
   by the driver as locally. The driver assigns uids and category ids and writes canonical.jsonl.
 - sample: on the driver (the local core: a byte-offset index, a seeded plan, line copies).
-- merge: the local chunks, parsed and token-counted by the workers; the seeded decisions on the driver.
-- tokenize: each chunk is tokenized, counted (`TokenizeTally`) and written as a part by a worker, which returns
-  only the tally and the rows' lengths; the driver adds the tallies up in chunk order, cuts tokenized/'s
+- merge: the workers read sampled.jsonl by byte ranges and return only the decision's inputs (token counts and
+  `merge.merge_key` digests); the driver runs the local decision (`merge.GroupDecider`, the same seeded draws)
+  over them; the workers write the groups starting in their range as parts (reading on past the range's end
+  for a group that straddles it), which the driver concatenates into merged.jsonl.
+- tokenize: the workers count the lines of byte ranges of merged.jsonl (so that record indices and line
+  numbers are the local ones), then each range is tokenized, counted (`TokenizeTally`) and written as a part
+  by a worker, which returns only the tally and the rows' lengths; the driver adds the tallies up in range
+  order, cuts tokenized/'s
   shards from the lengths (`shards.shard_ranges`, the writer's own rule) and workers copy the parts' rows into
   those shards, appended in order (`ShardWriter.append_dataset`): meta.json and checksums match the local run.
 - pack: the global best-fit plan on the driver from the length array; the rows are written by the workers,
@@ -24,13 +29,17 @@ Data would otherwise infer Arrow types from our nested Python values) between th
 """
 from __future__ import annotations
 
+import array
+import collections
 import concurrent.futures
 import contextlib
 import functools
 import logging
 import os
 import pickle
+import random
 import shutil
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -39,8 +48,8 @@ import orjson
 
 from data import merge, pack, preprocess, sample, tokenize
 from data.config import STAGES, DataConfig, from_dict, split_spec, to_dict
-from data.io import (UTF8_BOM, expand_inputs, iter_jsonl_range, jsonl_byte_ranges, parse_jsonl_line,
-                     read_rows)
+from data.io import (UTF8_BOM, atomic_writer, expand_inputs, iter_jsonl_range, jsonl_byte_ranges,
+                     parse_jsonl_line, read_rows, require_stage_input)
 from data.records import RecordError
 from data.shards import REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, PackedDataset, ShardWriter, shard_ranges
 from data.tokenize import TokenizeTally
@@ -52,6 +61,8 @@ WINDOW_CHUNKS_PER_WORKER = 8
 MIN_WINDOW_CHUNKS = 64
 TASKS_PER_WORKER = 2
 RANGE_BYTES = 1 << 20  # .jsonl bytes per preprocess range (several ranges go to one task)
+MERGE_RANGE_BYTES = 1 << 20  # sampled.jsonl bytes per merge range
+TOKENIZE_RANGE_BYTES = 256 << 10  # merged.jsonl bytes per tokenize range (a part; ~local's 256-record chunk)
 MAX_ROW_GROUP_BYTES = 16 << 20  # larger .parquet row groups: the file is read on the driver
 PART_SHARD_BYTES = 1 << 40  # a tokenize part is one shard, whatever its size: the parts are re-cut anyway
 
@@ -300,22 +311,145 @@ def preprocess_results(parallel_map: RayChunkMap, cfg: DataConfig, stats: list[d
             yield spec_index, results
 
 
+# ---------------------------------------------------------------------------------------------- merge
+def _count_lines(task: tuple[str, int, int]) -> tuple[int, int]:
+    """Worker: (lines, non-blank lines) of a byte range of a .jsonl file, split as iterating the file splits it."""
+    path, start, end = task
+    with open(path, "rb") as f:
+        f.seek(start)
+        lines = f.read(end - start).split(b"\n")
+    last = lines.pop()  # after the last newline: b"", or a final line without one
+    return len(lines) + bool(last), sum(1 for line in lines if line.strip()) + bool(last.strip())
+
+
+def _merge_inputs(task: tuple) -> tuple[int, np.ndarray, np.ndarray]:
+    """Worker: the merge decision's inputs for the records of a byte range of sampled.jsonl, `merge.prepare_records`
+    on them: (labels zeroed, token counts as int32 with -1 for None, merge keys as (n, 4) uint64)."""
+    path, start, end, joins, budget_active, loss_turns, tokenizer_key, opts = task
+    _, rows = iter_jsonl_range(path, start, end)
+    records = []
+    for _, row in rows:
+        if isinstance(row, RecordError):
+            raise row
+        records.append(row)
+    joins = joins.tolist()
+    needs = merge.needs_counts(joins[:-1], joins[-1], budget_active)
+    zeroed, counts, keys = merge.prepare_records(records, needs, loss_turns, tokenizer_key, opts, True)
+    return (sum(zeroed), np.array([-1 if n is None else n for n in counts], dtype=np.int32),
+            np.array(keys, dtype=np.uint64).reshape(len(records), len(merge.MERGE_KEYS)))
+
+
+def _write_groups(task: tuple[str, int, int, np.ndarray, str, str]) -> tuple[str, int]:
+    """Worker: the merged records of the groups that start in one byte range of sampled.jsonl, written as a
+    part (atomically: a retried task rewrites it). The range's first `skip` records belong to a group of an
+    earlier range; the last group may run on past the range's end, so lines are read on until it is complete.
+    Returns (part, labels zeroed by loss_turns in these groups)."""
+    path, start, skip, sizes, loss_turns, part = task
+    zeroed = 0
+    with open(path, "rb") as f, atomic_writer(part) as out:
+        f.seek(start)
+        lines = (line for line in f if line.strip())
+        for _ in range(skip):
+            next(lines)
+        for size in sizes.tolist():
+            group = [orjson.loads(next(lines)) for _ in range(size)]
+            zeroed += sum(merge.apply_loss_turns(rec, loss_turns) for rec in group)
+            out.write(orjson.dumps(merge.merge_records(group)) + b"\n")
+    return part, zeroed
+
+
+def merge_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, budget: int | None, tokenizer_key,
+                     opts) -> merge.MergeTotals:
+    """`merge.run` with the records off the driver, in three passes over byte ranges of sampled.jsonl: the
+    workers count each range's records; with the seeded draws (`merge.join_draws`, in file order) they return
+    the decision's inputs (token counts, merge keys: 36 bytes a record), on which the driver runs the local
+    decision (`merge.GroupDecider`); then they write the groups starting in their range as parts, which the
+    driver concatenates into merged.jsonl (a byte copy)."""
+    path = str(require_stage_input(cfg.sampled_path, "sample"))
+    ranges = list(jsonl_byte_ranges(path, 0, MERGE_RANGE_BYTES))
+    with contextlib.closing(parallel_map(_count_lines, ((path, a, b) for a, b in ranges))) as done:
+        counts = [n_records for _, n_records in done]
+    first_record = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+    n_in = int(first_record[-1])
+    starts = array.array("q")  # record index where each group starts, in order
+    decider = merge.GroupDecider(budget)
+    if budget is None:  # no draws: every record is a group of its own
+        starts.extend(range(n_in))
+    else:
+        draws = merge.join_draws(random.Random(cfg.seed), cfg.merge.probability)
+        joins_of: collections.deque[np.ndarray] = collections.deque()  # draws of the ranges in flight
+
+        def tasks():
+            ahead = next(draws)
+            for (a, b), n in zip(ranges, counts):
+                if not n:
+                    continue
+                joins = [ahead] + [next(draws) for _ in range(n)]  # ..., and the next record's draw
+                ahead = joins[-1]
+                joins_of.append(np.array(joins[:-1]))
+                yield path, a, b, np.array(joins, dtype=bool), True, cfg.loss_turns, tokenizer_key, opts
+
+        index = 0
+        with contextlib.closing(parallel_map(_merge_inputs, tasks())) as done:
+            for _, tokens, keys in done:
+                joins = joins_of.popleft().tolist()
+                for join, n, key in zip(joins, tokens.tolist(), map(tuple, keys.tolist())):
+                    if decider.starts_group(join, None if n < 0 else n, key):
+                        starts.append(index)
+                    index += 1
+    group_starts = np.frombuffer(starts, dtype=np.int64) if starts else np.zeros(0, dtype=np.int64)
+    sizes = np.diff(np.append(group_starts, n_in))
+    group_sizes = {int(k): int(v) for k, v in zip(*np.unique(sizes, return_counts=True))}
+    parts_dir = Path(tempfile.mkdtemp(prefix=f".merge-parts-{os.getpid()}-", dir=Path(cfg.merged_path).parent))
+    try:
+        def write_tasks():
+            for k, (a, _) in enumerate(ranges):
+                lo, hi = np.searchsorted(group_starts, first_record[k:k + 2])
+                if lo < hi:  # groups start in this range
+                    yield (path, a, int(group_starts[lo] - first_record[k]), sizes[lo:hi], cfg.loss_turns,
+                           str(parts_dir / f"part_{k:08d}.jsonl"))
+
+        zeroed = 0
+        with atomic_writer(cfg.merged_path) as out, \
+                contextlib.closing(parallel_map(_write_groups, write_tasks())) as done:
+            for part, part_zeroed in done:
+                zeroed += part_zeroed
+                with open(part, "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 20)
+                os.remove(part)
+    finally:
+        shutil.rmtree(parts_dir, ignore_errors=True)
+    return merge.MergeTotals(n_in, zeroed, decider.blocked, group_sizes)
+
+
 # ---------------------------------------------------------------------------------------------- tokenize
 _TOKENIZE_CONFIG: tuple[bytes, DataConfig] | None = None  # the config the worker's TokenizeContext was built from
 
 
-def _tokenize_part(cfg_dict: dict, parts_dir: str, task: tuple[int, list]) -> tuple[TokenizeTally, int, str | None]:
-    """Worker: tokenize chunk `index` and write its kept sequences as a dataset of their own (a part) under
-    `parts_dir`; returns the chunk's tally (with each row's token count), its input bytes and the part (None
-    when nothing was kept). A fatal bad record comes back as the tally's `fatal`, raised by the driver in chunk
-    order. The context is built once per config (Ray reuses worker processes across tasks)."""
+def _tokenize_part(cfg_dict: dict, parts_dir: str, task: tuple[int, int, int, int, int]
+                   ) -> tuple[TokenizeTally, int, str | None]:
+    """Worker: tokenize the records of byte range `index` of merged.jsonl (`[start, end)`, after
+    `records_before` records in `lines_before` lines: `tokenize.iter_chunks`'s record indices and line numbers)
+    and write its kept sequences as a dataset of their own (a part) under `parts_dir`; returns the range's tally
+    (with each row's token count), its input bytes and the part (None when nothing was kept). A fatal bad record
+    comes back as the tally's `fatal`, raised by the driver in range order. The context is built once per
+    config (Ray reuses worker processes across tasks)."""
     global _TOKENIZE_CONFIG
     key = orjson.dumps(cfg_dict)
     if _TOKENIZE_CONFIG is None or _TOKENIZE_CONFIG[0] != key:
         tokenize._init_worker(cfg_dict)
         _TOKENIZE_CONFIG = (key, from_dict(DataConfig, cfg_dict))
     cfg = _TOKENIZE_CONFIG[1]
-    index, chunk = task
+    index, start, end, records_before, lines_before = task
+    with open(cfg.merged_path, "rb") as f:
+        f.seek(start)
+        pieces = f.read(end - start).split(b"\n")  # lines as iterating the file gives them
+    last = pieces.pop()
+    lines = [piece + b"\n" for piece in pieces] + ([last] if last else [])
+    chunk = []
+    for lineno, line in enumerate(lines, lines_before + 1):
+        if line.strip():
+            chunk.append((records_before + len(chunk), lineno, line))
     results, n_bytes = tokenize._worker_chunk(chunk)
     fields = list(REQUIRED_TOKEN_FIELDS) + (list(STRUCTURE_TOKEN_FIELDS) if cfg.structure else [])
     part = Path(parts_dir) / f"chunk_{index:08d}"
@@ -376,13 +510,27 @@ def assemble_parts(shard_map: RayChunkMap, writer: ShardWriter, parts: list[tupl
 
 def tokenize_tallies(parallel_map: RayChunkMap, shard_map: RayChunkMap, cfg: DataConfig, ctx, workers: int,
                      writer: ShardWriter) -> Iterator[tuple[TokenizeTally, int]]:
-    """`tokenize.run`'s chunk tallies: the workers tokenize the local chunks of merged.jsonl and write each as a
-    part; the driver adds up their tallies in chunk order, then the parts are re-cut into `writer`'s shards."""
+    """`tokenize.run`'s chunk tallies: the workers count the lines of byte ranges of merged.jsonl, then tokenize
+    each range and write it as a part; the driver adds up their tallies in range order (the lines in file
+    order), then the parts are re-cut into `writer`'s shards."""
     parts_dir = writer.tmp_dir / "ray-parts"  # inside the writer's temp dir: an aborted writer removes it too
     parts_dir.mkdir()
     parts: list[tuple[str, np.ndarray]] = []
+    path = str(cfg.merged_path)
+    ranges = list(jsonl_byte_ranges(path, 0, TOKENIZE_RANGE_BYTES))
+    with contextlib.closing(parallel_map(_count_lines, ((path, a, b) for a, b in ranges))) as done:
+        counts = list(done)
+
+    def tasks():
+        records_before = lines_before = 0
+        for k, ((a, b), (n_lines, n_records)) in enumerate(zip(ranges, counts)):
+            if n_records:
+                yield k, a, b, records_before, lines_before
+            records_before += n_records
+            lines_before += n_lines
+
     fn = functools.partial(_tokenize_part, to_dict(cfg), str(parts_dir))
-    with contextlib.closing(parallel_map(fn, enumerate(tokenize.iter_chunks(cfg.merged_path)))) as results:
+    with contextlib.closing(parallel_map(fn, tasks())) as results:
         for tally, n_bytes, part in results:
             if isinstance(tally, RecordError):
                 raise tally
@@ -430,7 +578,7 @@ def stage_runners(parallel_map: RayChunkMap) -> dict[str, Callable[[DataConfig],
         "preprocess": functools.partial(preprocess.run, chunk_results=functools.partial(preprocess_results,
                                                                                          parallel_map)),
         "sample": sample.run,
-        "merge": functools.partial(merge.run, parallel_map=parallel_map),
+        "merge": functools.partial(merge.run, merge_all=functools.partial(merge_on_workers, parallel_map)),
         "tokenize": functools.partial(tokenize.run, chunk_tallies=functools.partial(tokenize_tallies, parallel_map,
                                                                                      shard_map)),
         "pack": functools.partial(pack.run, write=functools.partial(write_rows_on_workers, shard_map)),

@@ -21,10 +21,12 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 import os
 import random
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import orjson
@@ -60,22 +62,74 @@ def system_prompt(record: dict) -> str | None:
     return first["content"] if first["role"] == "system" else None
 
 
-def merge_block_reason(group: list[dict], group_tokens: int, record: dict, tokens: int | None,
-                       budget: int | None) -> str | None:
-    """Why `record` may not join `group` (None: it may); see the module docstring for the rules. A token count
-    of None marks a record that fails on its own (the group's count is None when its head does)."""
+MERGE_KEYS = ("system_prompt", "tools", "enable_thinking", "structure")
+
+
+def _canonical(value):
+    """A JSON value whose canonical serialization is equal exactly when the values are == in Python: bools as
+    ints, integral floats as ints, object keys sorted at serialization."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2 ** 63:
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _canonical(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_canonical(v) for v in value]
+    return value
+
+
+def _digest(value) -> int:
+    encoded = orjson.dumps(_canonical(value), option=orjson.OPT_SORT_KEYS)
+    return int.from_bytes(hashlib.blake2b(encoded, digest_size=8).digest(), "little")
+
+
+def merge_key(record: dict) -> tuple[int, int, int, int]:
+    """What the merge rules compare of a record (`MERGE_KEYS`), as 64-bit digests of canonical JSON (equal when
+    the values are ==; a collision is a 2^-64 event), so that engines can ship 32 bytes instead of the record.
+    The system prompt's digest is 0 when the record has none (never otherwise)."""
+    sys = system_prompt(record)
+    return ((_digest(sys) | 1) if sys is not None else 0, _digest(record.get("tools")),
+            _digest(record.get("enable_thinking")), _digest(record.get("structure")))
+
+
+def block_reason(head_key: tuple, group_tokens: int | None, key: tuple, tokens: int | None,
+                 budget: int | None) -> str | None:
+    """Why a record (its `merge_key` and token count) may not join the group with head `head_key` (None: it
+    may); see the module docstring for the rules. A token count of None marks a record that fails on its own
+    (the group's count is None when its head does)."""
     if budget is not None and (tokens is None or group_tokens is None):
         return "record_error"
-    head = group[0]
-    sys_head, sys_rec = system_prompt(head), system_prompt(record)
-    if sys_rec is not None and sys_rec != sys_head:
+    if key[0] and key[0] != head_key[0]:
         return "system_prompt"
-    for key in ("tools", "enable_thinking", "structure"):
-        if head.get(key) != record.get(key):
-            return key
+    for name, a, b in zip(MERGE_KEYS[1:], head_key[1:], key[1:]):
+        if a != b:
+            return name
     if budget is not None and group_tokens + tokens > budget:
         return "token_budget"
     return None
+
+
+class GroupDecider:
+    """The merge decision, record by record in file order, of every engine: `starts_group(join draw, token count,
+    merge_key)` says whether the record starts a new group (else it joins the current one); `blocked` counts
+    why joins were refused."""
+
+    def __init__(self, budget: int | None):
+        self.budget = budget
+        self.blocked: dict[str, int] = {}
+        self.head_key: tuple | None = None
+        self.group_tokens: int | None = 0
+
+    def starts_group(self, join: bool, tokens: int | None, key: tuple | None) -> bool:
+        if join:
+            reason = block_reason(self.head_key, self.group_tokens, key, tokens, self.budget)
+            if reason is None:
+                self.group_tokens += tokens
+                return False
+            self.blocked[reason] = self.blocked.get(reason, 0) + 1
+        self.head_key, self.group_tokens = key, tokens
+        return True
 
 
 def merge_records(group: list[dict]) -> dict:
@@ -142,14 +196,11 @@ def count_tokens_batch(tokenizer, records: list[dict], opts: FidelityOptions) ->
     return [None if t is None else next(lengths) for t in texts]
 
 
-def _prepare_chunk(task: tuple) -> list[tuple[dict, int, int | None, bool]]:
-    """Worker: parse lines, apply loss_turns, count tokens of the records a merge decision needs.
-
-    Returns (record, labels zeroed, token count, joins previous) per line; the count is None when it was not
-    needed, or when the record fails on its own (then it is never merged: `merge_block_reason`).
-    """
-    lines, joins, needs_count, loss_turns, tokenizer_key, opts = task
-    records = [orjson.loads(line) for line in lines]
+def prepare_records(records: list[dict], needs_count: list[bool], loss_turns: str, tokenizer_key,
+                    opts: FidelityOptions, keyed: bool) -> tuple[list[int], list[int | None], list[tuple | None]]:
+    """Apply loss_turns (in place) and compute what the merge decision needs of each record: (labels zeroed,
+    token count, `merge_key`) lists. A count is None when it was not needed, or when the record fails on its own
+    (then it is never merged: `block_reason`); keys are None when nothing merges (`keyed` false)."""
     zeroed = [apply_loss_turns(rec, loss_turns) for rec in records]
     counts: list[int | None] = [None] * len(records)
     wanted = [i for i, need in enumerate(needs_count) if need]
@@ -157,29 +208,51 @@ def _prepare_chunk(task: tuple) -> list[tuple[dict, int, int | None, bool]]:
         tok = _tokenizer(tokenizer_key)
         for i, n in zip(wanted, count_tokens_batch(tok, [records[i] for i in wanted], opts)):
             counts[i] = n
-    return list(zip(records, zeroed, counts, joins))
+    keys = [merge_key(rec) for rec in records] if keyed else [None] * len(records)
+    return zeroed, counts, keys
+
+
+def needs_counts(joins: list[bool], next_join: bool, budget_active: bool) -> list[bool]:
+    """A record's token count is needed only when it tries to join the previous group or the next record tries
+    to join it (`next_join`: the draw of the record after the last one)."""
+    following = joins[1:] + [next_join]
+    return [budget_active and (j or nj) for j, nj in zip(joins, following)]
+
+
+def join_draws(rng: random.Random, probability: float) -> Iterator[bool]:
+    """The seeded merge draws, one per record in file order (none for the first record, and none at all when
+    `probability` is 0): whether the record tries to join the previous group. Endless: callers stop."""
+    yield False
+    while True:
+        yield probability > 0 and rng.random() < probability
+
+
+def _prepare_chunk(task: tuple) -> list[tuple[dict, int, int | None, tuple | None, bool]]:
+    """Worker: parse lines, then `prepare_records`. Returns (record, labels zeroed, token count, merge key,
+    joins previous) per line."""
+    lines, joins, needs_count, loss_turns, tokenizer_key, opts = task
+    records = [orjson.loads(line) for line in lines]
+    zeroed, counts, keys = prepare_records(records, needs_count, loss_turns, tokenizer_key, opts,
+                                           any(needs_count))
+    return list(zip(records, zeroed, counts, keys, joins))
 
 
 def _tasks(path: Path, probability: float, rng: random.Random, budget_active: bool, loss_turns: str,
            tokenizer_key, opts: FidelityOptions):
-    """Chunks of lines with their seeded merge draws (one per record after the first, drawn in file order, so
-    independent of chunking and workers). A record's token count is needed only when it tries to join the
-    previous group or the next record tries to join it; the draw of the record after a chunk is read ahead."""
+    """Chunks of lines with their seeded merge draws (`join_draws`, drawn in file order, so independent of
+    chunking and workers); the draw of the record after a chunk is read ahead."""
     lines: list[bytes] = []
     joins: list[bool] = []
+    draws = join_draws(rng, probability)
 
     def task(next_join: bool) -> tuple:
-        following = joins[1:] + [next_join]
-        needs = [budget_active and (j or nj) for j, nj in zip(joins, following)]
-        return lines, joins, needs, loss_turns, tokenizer_key, opts
+        return lines, joins, needs_counts(joins, next_join, budget_active), loss_turns, tokenizer_key, opts
 
-    first = True
     with open(path, "rb") as f:
         for line in f:
             if not line.strip():
                 continue
-            join = not first and probability > 0 and rng.random() < probability
-            first = False
+            join = next(draws)
             if len(lines) >= CHUNK_RECORDS:
                 yield task(join)
                 lines, joins = [], []
@@ -190,11 +263,55 @@ def _tasks(path: Path, probability: float, rng: random.Random, budget_active: bo
 
 
 # ---------------------------------------------------------------------------------------------- stage
-def run(cfg: DataConfig, parallel_map: Callable[[Callable, Iterable], Iterator] | None = None) -> dict:
+@dataclasses.dataclass
+class MergeTotals:
+    """What an engine's merge reports back: records in, labels zeroed by loss_turns, blocked joins by reason,
+    groups by size."""
+    n_in: int
+    zeroed: int
+    blocked: dict[str, int]
+    group_sizes: dict[int, int]
+
+
+def _merge_local(cfg: DataConfig, budget: int | None, tokenizer_key, opts: FidelityOptions) -> MergeTotals:
+    """Local engine: chunks parsed and token-counted by `num_workers` processes, decided and written here."""
+    n_in = zeroed_total = 0
+    group_sizes: dict[int, int] = {}
+    group: list[dict] = []
+    decider = GroupDecider(budget)
+
+    def flush(out) -> None:
+        out.write(orjson.dumps(merge_records(group)) + b"\n")
+        group_sizes[len(group)] = group_sizes.get(len(group), 0) + 1
+
+    tasks = _tasks(require_stage_input(cfg.sampled_path, "sample"), cfg.merge.probability, random.Random(cfg.seed),
+                   budget is not None, cfg.loss_turns, tokenizer_key, opts)
+    with atomic_writer(cfg.merged_path) as out, progress(desc="merge", unit="rec") as bar:
+        # nothing to count: parsing in this process is cheaper than shipping the lines
+        workers = 1 if budget is None else cfg.workers
+        for results in ordered_parallel_map(_prepare_chunk, tasks, workers):
+            for rec, zeroed, tokens, key, join in results:
+                n_in += 1
+                zeroed_total += zeroed
+                if decider.starts_group(join, tokens, key):
+                    if group:
+                        flush(out)
+                    group = [rec]
+                else:
+                    group.append(rec)
+            bar.update(len(results))
+        if group:
+            flush(out)
+    return MergeTotals(n_in, zeroed_total, decider.blocked, group_sizes)
+
+
+def run(cfg: DataConfig,
+        merge_all: Callable[[DataConfig, int | None, tuple | None, FidelityOptions], MergeTotals] | None = None
+        ) -> dict:
     """sampled.jsonl -> merged.jsonl; records the `merge` report section.
 
-    `parallel_map(fn, chunks)` yields `fn(chunk)` in chunk order and counts the tokens (default:
-    `ordered_parallel_map` over `num_workers` local processes; the Ray engine passes its own)."""
+    `merge_all(cfg, budget, tokenizer_key, opts)` decides the groups with `GroupDecider` and writes merged.jsonl
+    (default: `_merge_local`; the Ray engine passes its own)."""
     probability = cfg.merge.probability
     budget = (cfg.merge.max_tokens or cfg.max_length) if probability > 0 else None
     if budget is not None and budget <= 0:
@@ -204,51 +321,16 @@ def run(cfg: DataConfig, parallel_map: Callable[[Callable, Iterable], Iterator] 
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         tokenizer_key = (str(cfg.tokenizer_path), cfg.chat_template)
         _template(_tokenizer(tokenizer_key))  # fail early in the parent; forked workers inherit both
-    n_in = n_out = zeroed_total = 0
-    blocked: dict[str, int] = {}
-    group_sizes: dict[int, int] = {}
-    group: list[dict] = []
-    group_tokens = 0
-
-    def flush(out) -> None:
-        nonlocal n_out
-        out.write(orjson.dumps(merge_records(group)) + b"\n")
-        group_sizes[len(group)] = group_sizes.get(len(group), 0) + 1
-        n_out += 1
-
-    tasks = _tasks(require_stage_input(cfg.sampled_path, "sample"), probability, random.Random(cfg.seed), budget is not None, cfg.loss_turns,
-                   tokenizer_key, FidelityOptions.from_config(cfg))
-    with atomic_writer(cfg.merged_path) as out, progress(desc="merge", unit="rec") as bar:
-        if budget is None:  # nothing to count: parsing in this process is cheaper than shipping the lines
-            chunk_results = ordered_parallel_map(_prepare_chunk, tasks, 1)
-        elif parallel_map is not None:
-            chunk_results = parallel_map(_prepare_chunk, tasks)
-        else:
-            chunk_results = ordered_parallel_map(_prepare_chunk, tasks, cfg.workers)
-        for results in chunk_results:
-            for rec, zeroed, tokens, join in results:
-                n_in += 1
-                zeroed_total += zeroed
-                if join:
-                    reason = merge_block_reason(group, group_tokens, rec, tokens, budget)
-                    if reason is None:
-                        group.append(rec)
-                        group_tokens += tokens
-                        continue
-                    blocked[reason] = blocked.get(reason, 0) + 1
-                if group:
-                    flush(out)
-                group, group_tokens = [rec], tokens
-            bar.update(len(results))
-        if group:
-            flush(out)
+    totals = (merge_all or _merge_local)(cfg, budget, tokenizer_key, FidelityOptions.from_config(cfg))
+    n_in, group_sizes = totals.n_in, totals.group_sizes
+    n_out = sum(group_sizes.values())
     section = {
         "in": n_in, "out": n_out,
         "dropped": {"merged_into_previous": n_in - n_out} if n_in > n_out else {},
         "probability": probability, "max_tokens": budget, "seed": cfg.seed,
-        "blocked": sorted_counts(blocked),
+        "blocked": sorted_counts(totals.blocked),
         "group_sizes": {str(k): group_sizes[k] for k in sorted(group_sizes)},
-        "loss_turns": cfg.loss_turns, "labels_zeroed_by_loss_turns": zeroed_total,
+        "loss_turns": cfg.loss_turns, "labels_zeroed_by_loss_turns": totals.zeroed,
         "output": str(cfg.merged_path),
     }
     if tokenizer_key is not None:  # token counts decided the groups: tokenize must use the same tokenizer

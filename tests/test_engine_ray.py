@@ -243,8 +243,10 @@ def test_bad_record_gives_the_same_error_and_the_same_skip_count(fault_dir, tmp_
     assert orjson.loads((ray_dir / "report.json").read_bytes())["preprocess"]["dropped"] == {"unknown_role": 1}
 
 
-def test_a_record_rejected_in_a_worker_raises_the_same_error(fault_dir, local_example, tmp_path):
-    """tokenize: the RecordError is made in the Ray worker and raised by the driver, as with local processes."""
+def test_a_record_rejected_in_a_worker_raises_the_same_error(fault_dir, local_example, tmp_path, monkeypatch):
+    """tokenize: the RecordError is made in the Ray worker and raised by the driver, as with local processes,
+    naming the same merged.jsonl line although the worker read a byte range of ~1 record (500 bytes)."""
+    monkeypatch.setattr(engine_ray, "TOKENIZE_RANGE_BYTES", 500)
     cfg = example_config(tmp_path, "out", "num_workers=1", "max_length=300", "pack.max_length=300",
                          "overlong=error")  # one worker: see test_bad_record_gives_the_same_error...
     cfg.stages = ["tokenize"]
@@ -259,14 +261,15 @@ def test_a_record_rejected_in_a_worker_raises_the_same_error(fault_dir, local_ex
 def test_tokenize_rows_are_written_by_the_workers_not_the_driver(fault_dir, local_example, tmp_path, monkeypatch):
     """engine ray: the driver adds no tokenized row itself (the workers write a part per chunk, and the parts are
     re-cut into the writer's shards on the workers too), and tokenized/ has the bytes of one local writer, also
-    when shard boundaries fall inside parts (20 kB shards, 16-record chunks)."""
+    when shard boundaries fall inside parts (20 kB shards, 16 kB ranges of merged.jsonl). The driver reads no
+    line of merged.jsonl (`tokenize.iter_chunks`): the workers read their byte ranges."""
     real_init, real_add_row = ShardWriter.__init__, ShardWriter.add_row
 
     def small_shards(self, *args, max_shard_bytes=1 << 30, **kwargs):
         real_init(self, *args, max_shard_bytes=min(max_shard_bytes, 20_000), **kwargs)
 
     monkeypatch.setattr(ShardWriter, "__init__", small_shards)  # this process only: Ray workers are others
-    monkeypatch.setattr(tokenize, "CHUNK_RECORDS", 16)  # chunks are cut by the driver
+    monkeypatch.setattr(engine_ray, "TOKENIZE_RANGE_BYTES", 16_000)  # ranges are cut by the driver
     cfg = example_config(tmp_path, "out", "num_workers=1")
     cfg.stages = ["tokenize"]
     shutil.copytree(local_example.out, cfg.out, ignore=shutil.ignore_patterns("tokenized", "packed"))
@@ -280,8 +283,10 @@ def test_tokenize_rows_are_written_by_the_workers_not_the_driver(fault_dir, loca
         return real_add_row(self, *args, **kwargs)
 
     monkeypatch.setattr(ShardWriter, "add_row", counted_add_row)
+    driver_chunks = []
+    monkeypatch.setattr(tokenize, "iter_chunks", lambda path: driver_chunks.append(path) or iter(()))
     pipeline.run_pipeline(dataclasses.replace(cfg, engine="ray"))
-    assert driver_rows == []
+    assert driver_rows == [] and driver_chunks == []
     assert tree(cfg.tokenized_dir) == tree(tmp_path / "local")
     meta = orjson.loads((cfg.tokenized_dir / "meta.json").read_bytes())
     assert len(meta["shards"]) > 3 and meta["counts"]["rows"] == 323
@@ -356,3 +361,45 @@ def test_parquet_row_groups_give_the_errors_and_skips_of_local(fault_dir, tmp_pa
     assert_same_outputs(local_dir, ray_dir, ["canonical.jsonl", "report.json"])
     assert orjson.loads((ray_dir / "report.json").read_bytes())["preprocess"]["dropped"] == {"missing_field": 1}
     assert f'"source":"{path}:59"'.encode() in (ray_dir / "canonical.jsonl").read_bytes()
+
+
+def rerun_merge_on_ray(local_cfg, tmp_path) -> list[str]:
+    """Only the merge stage with engine: ray over the local run: merged.jsonl and the report's merge section must
+    equal the local ones (a rerun of merge alone marks the later sections stale); the local run is put back.
+    Returns the names of the temp files left in output_dir."""
+    snapshot = tmp_path / "local"
+    shutil.copytree(local_cfg.out, snapshot)
+    try:
+        pipeline.run_pipeline(dataclasses.replace(local_cfg, engine="ray", stages=["merge"]))
+        assert local_cfg.merged_path.read_bytes() == (snapshot / "merged.jsonl").read_bytes()
+        report = orjson.loads(local_cfg.report_path.read_bytes())["merge"]
+        assert report == orjson.loads((snapshot / "report.json").read_bytes())["merge"]
+        return [p.name for p in local_cfg.out.glob(".*")]
+    finally:
+        shutil.rmtree(local_cfg.out)
+        shutil.copytree(snapshot, local_cfg.out)
+
+
+def test_merge_records_are_built_by_the_workers_not_the_driver(fault_dir, local_example, tmp_path, monkeypatch):
+    """engine ray: the driver builds no merged record (it decides the groups from the workers' token counts
+    and merge keys, and concatenates the parts they write), and merged.jsonl has the local bytes."""
+    from data import merge
+
+    built = []
+    real = merge.merge_records
+    monkeypatch.setattr(merge, "merge_records", lambda group: built.append(len(group)) or real(group))
+    left = rerun_merge_on_ray(local_example, tmp_path)
+    assert built == []
+    assert left == [], "parts or temp files left behind"
+
+
+@pytest.mark.parametrize("range_bytes", [1, 3000])
+def test_merge_groups_straddling_range_boundaries_give_the_local_bytes(fault_dir, local_example, tmp_path,
+                                                                       monkeypatch, range_bytes):
+    """Ranges of one record (1 byte: every merged group straddles) or a few records: groups that start in one
+    range and run on into the next ones are written whole by the worker of their first record."""
+    monkeypatch.setattr(engine_ray, "MERGE_RANGE_BYTES", range_bytes)
+    lines = local_example.sampled_path.read_bytes().count(b"\n")
+    merged = orjson.loads(local_example.report_path.read_bytes())["merge"]
+    assert lines > 50 and merged["in"] - merged["out"] > 10  # many groups of several records
+    rerun_merge_on_ray(local_example, tmp_path)

@@ -78,16 +78,33 @@ def test_merge_records_categories_and_duplicate_system_prompt():
     assert merge.merge_records([a]) is a
 
 
+def block_reason(group, group_tokens, record, tokens, budget):
+    return merge.block_reason(merge.merge_key(group[0]), group_tokens, merge.merge_key(record), tokens, budget)
+
+
 def test_merge_block_reasons():
     group = [rec(0, system="S")]
-    assert merge.merge_block_reason(group, 10, rec(1), 5, 100) is None
-    assert merge.merge_block_reason(group, 10, rec(1, system="S"), 5, 100) is None
-    assert merge.merge_block_reason(group, 10, rec(1, system="other"), 5, 100) == "system_prompt"
-    assert merge.merge_block_reason([rec(0)], 10, rec(1, system="S"), 5, 100) == "system_prompt"
-    assert merge.merge_block_reason(group, 10, rec(1, tools=[{"type": "function"}]), 5, 100) == "tools"
-    assert merge.merge_block_reason(group, 10, rec(1, enable_thinking=True), 5, 100) == "enable_thinking"
-    assert merge.merge_block_reason(group, 60, rec(1), 40, 100) is None
-    assert merge.merge_block_reason(group, 61, rec(1), 40, 100) == "token_budget"
+    assert block_reason(group, 10, rec(1), 5, 100) is None
+    assert block_reason(group, 10, rec(1, system="S"), 5, 100) is None
+    assert block_reason(group, 10, rec(1, system="other"), 5, 100) == "system_prompt"
+    assert block_reason([rec(0)], 10, rec(1, system="S"), 5, 100) == "system_prompt"
+    assert block_reason(group, 10, rec(1, tools=[{"type": "function"}]), 5, 100) == "tools"
+    assert block_reason(group, 10, rec(1, enable_thinking=True), 5, 100) == "enable_thinking"
+    assert block_reason(group, 60, rec(1), 40, 100) is None
+    assert block_reason(group, 61, rec(1), 40, 100) == "token_budget"
+    assert block_reason(group, None, rec(1), 40, 100) == "record_error"
+    assert block_reason(group, 10, rec(1), None, 100) == "record_error"
+
+
+@pytest.mark.parametrize("a, b, equal", [
+    ([{"x": 1, "y": True}], [{"y": 1, "x": 1.0}], True),  # == in Python: key order, bool/int/float
+    ([{"x": 1}], [{"x": 1.5}], False), ([{"x": 1}], [{"x": "1"}], False), ([1, 2], [2, 1], False),
+    (None, [], False), ({"a": [0.0]}, {"a": [-0]}, True)])
+def test_merge_keys_are_equal_exactly_when_the_values_are(a, b, equal):
+    """The merge rules compare records through `merge_key` digests; they must agree with Python's ==."""
+    assert (a == b) is equal
+    assert (merge.merge_key(rec(0, tools=a)) == merge.merge_key(rec(0, tools=b))) is equal
+    assert merge.merge_key(rec(0))[0] == 0 and merge.merge_key(rec(0, system="S"))[0] != 0
 
 
 # ---------------------------------------------------------------------------------------------- stage
@@ -197,7 +214,7 @@ def test_run_matches_a_reference_that_counts_every_record(tmp_path, monkeypatch)
     rng = random.Random(seed)
     groups, sizes = [], []
     for i, r in enumerate(records):
-        if i and rng.random() < p and merge.merge_block_reason(groups[-1], sizes[-1], r, counts[i], budget) is None:
+        if i and rng.random() < p and block_reason(groups[-1], sizes[-1], r, counts[i], budget) is None:
             groups[-1].append(r)
             sizes[-1] += counts[i]
         else:
