@@ -49,7 +49,7 @@ import orjson
 from data import merge, pack, preprocess, sample, tokenize
 from data.config import STAGES, DataConfig, from_dict, split_spec, to_dict
 from data.io import (UTF8_BOM, atomic_writer, expand_inputs, iter_jsonl_range, jsonl_byte_ranges,
-                     parse_jsonl_line, read_rows, require_stage_input)
+                     parse_jsonl_line, require_stage_input)
 from data.records import RecordError
 from data.shards import REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, PackedDataset, ShardWriter, shard_ranges
 from data.tokenize import TokenizeTally
@@ -240,58 +240,38 @@ def _preprocess_tasks(cfg: DataConfig, stats: list[dict], dropped: dict) -> Iter
     .arrow, datasets directories) are read here in chunks of rows, as locally."""
     for spec_index, spec in enumerate(cfg.inputs):
         st = stats[spec_index]
-        fmt = None
-        chunk: list = []
+        rows = preprocess.RowChunker(cfg, spec, st, dropped, count_kept=False)  # kept rows: counted from results
         for path in expand_inputs(spec.path):
             split, local = split_spec(path)
             if split is None and local.lower().endswith(".jsonl") and os.path.isfile(local):
                 start, lines_before = 0, 0
-                if fmt is None:
-                    found = _detect_in_jsonl(path, spec, cfg, st, dropped)
+                if rows.fmt is None:
+                    found = _detect_in_jsonl(path, rows.spec, cfg, st, dropped)
                     if found is None:
                         continue
-                    fmt, spec, start, lines_before = found
-                    st["format"] = fmt
-                if chunk:
-                    yield "rows", spec_index, spec, fmt, chunk
-                    chunk = []
+                    rows.fmt, rows.spec, start, lines_before = found
+                    st["format"] = rows.fmt
+                for chunk_spec, fmt, chunk in rows.flush():
+                    yield "rows", spec_index, chunk_spec, fmt, chunk
                 for k, (a, b) in enumerate(jsonl_byte_ranges(path, start, RANGE_BYTES)):
-                    yield "range", spec_index, spec, fmt, path, a, b, lines_before if k == 0 else None
+                    yield "range", spec_index, rows.spec, rows.fmt, path, a, b, lines_before if k == 0 else None
                 continue
-            known = fmt is not None or spec.format != "auto"  # a set format needs no row to detect it
+            known = rows.fmt is not None or rows.spec.format != "auto"  # a set format needs no row to detect it
             row_groups = _parquet_row_groups(local) if split is None and known else None
             if row_groups is not None:
-                fmt = fmt or spec.format
-                st["format"] = fmt
-                if chunk:
-                    yield "rows", spec_index, spec, fmt, chunk
-                    chunk = []
+                rows.fmt = rows.fmt or rows.spec.format
+                st["format"] = rows.fmt
+                for chunk_spec, fmt, chunk in rows.flush():
+                    yield "rows", spec_index, chunk_spec, fmt, chunk
                 first_row = 0
                 for group, n_rows in enumerate(row_groups):
-                    yield "row_group", spec_index, spec, fmt, path, group, first_row
+                    yield "row_group", spec_index, rows.spec, rows.fmt, path, group, first_row
                     first_row += n_rows
                 continue
-            unreadable: dict[str, int] = {}
-            for source, row in read_rows(path, cfg.on_error, unreadable):
-                if fmt is None:
-                    try:
-                        fmt, spec = preprocess.detect_format(row, spec, source)
-                    except RecordError as exc:
-                        if cfg.on_error != "skip":
-                            raise
-                        _count_dropped(st, dropped, exc.reason)
-                        continue
-                    st["format"] = fmt
-                chunk.append((source, row))
-                if len(chunk) >= preprocess.CHUNK_ROWS:
-                    yield "rows", spec_index, spec, fmt, chunk
-                    chunk = []
-            for reason, n in unreadable.items():
-                st["in"] += n
-                st["dropped"] += n
-                dropped[reason] = dropped.get(reason, 0) + n
-        if chunk:
-            yield "rows", spec_index, spec, fmt, chunk
+            for chunk_spec, fmt, chunk in rows.add_rows(path):
+                yield "rows", spec_index, chunk_spec, fmt, chunk
+        for chunk_spec, fmt, chunk in rows.flush():
+            yield "rows", spec_index, chunk_spec, fmt, chunk
 
 
 def preprocess_results(parallel_map: RayChunkMap, cfg: DataConfig, stats: list[dict], dropped: dict

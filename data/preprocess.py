@@ -369,37 +369,57 @@ class CategoryIds:
 
 
 # ---------------------------------------------------------------------------------------------- stage
+class RowChunker:
+    """Chunks of raw rows of one input spec, read in this process, its format detected from its first row (under
+    skip: its first row of a detectable format). Unreadable rows and undetectable first rows get the error policy
+    here and are counted in `st` / `dropped`; kept rows are counted in `st["in"]` here when `count_kept` (the Ray
+    engine counts them from its workers' results instead). `fmt` / `spec` may be set from outside (an input whose
+    format was found another way); `add_rows(path)` and `flush()` yield `(spec, fmt, chunk)`."""
+
+    def __init__(self, cfg: DataConfig, spec: InputSpec, st: dict, dropped: dict, count_kept: bool = True):
+        self.cfg, self.spec, self.st, self.dropped, self.count_kept = cfg, spec, st, dropped, count_kept
+        self.fmt: str | None = None
+        self.chunk: list = []
+
+    def add_rows(self, path: str) -> Iterator[tuple[InputSpec, str, list]]:
+        st, dropped = self.st, self.dropped
+        unreadable: dict[str, int] = {}
+        for source, row in read_rows(path, self.cfg.on_error, unreadable):
+            if self.fmt is None:
+                try:
+                    self.fmt, self.spec = detect_format(row, self.spec, source)
+                except RecordError as exc:  # under skip: count the row, detect again on the next one
+                    if self.cfg.on_error != "skip":
+                        raise
+                    st["in"] += 1
+                    st["dropped"] += 1
+                    dropped[exc.reason] = dropped.get(exc.reason, 0) + 1
+                    continue
+                st["format"] = self.fmt
+            st["in"] += self.count_kept
+            self.chunk.append((source, row))
+            if len(self.chunk) >= CHUNK_ROWS:
+                yield from self.flush()
+        for reason, n in unreadable.items():
+            st["in"] += n
+            st["dropped"] += n
+            dropped[reason] = dropped.get(reason, 0) + n
+
+    def flush(self) -> Iterator[tuple[InputSpec, str, list]]:
+        if self.chunk:
+            yield self.spec, self.fmt, self.chunk
+            self.chunk = []
+
+
 def _tasks(cfg: DataConfig, stats: list[dict], dropped: dict):
-    """Chunks of raw rows for the workers, inputs in order. Unreadable rows get the error policy here; each
-    input's format is detected from its first row (under skip: its first row of a detectable format)."""
+    """Chunks of raw rows for the workers, inputs in order (`RowChunker`)."""
     for spec_index, spec in enumerate(cfg.inputs):
-        st = stats[spec_index]
-        fmt = None
-        chunk: list = []
+        chunker = RowChunker(cfg, spec, stats[spec_index], dropped)
         for path in expand_inputs(spec.path):
-            unreadable: dict[str, int] = {}
-            for source, row in read_rows(path, cfg.on_error, unreadable):
-                st["in"] += 1
-                if fmt is None:
-                    try:
-                        fmt, spec = detect_format(row, spec, source)
-                    except RecordError as exc:  # under skip: count the row, detect again on the next one
-                        if cfg.on_error != "skip":
-                            raise
-                        st["dropped"] += 1
-                        dropped[exc.reason] = dropped.get(exc.reason, 0) + 1
-                        continue
-                    st["format"] = fmt
-                chunk.append((source, row))
-                if len(chunk) >= CHUNK_ROWS:
-                    yield (spec_index, spec, fmt, chunk)
-                    chunk = []
-            for reason, n in unreadable.items():
-                st["in"] += n
-                st["dropped"] += n
-                dropped[reason] = dropped.get(reason, 0) + n
-        if chunk:
-            yield (spec_index, spec, fmt, chunk)
+            for chunk_spec, fmt, chunk in chunker.add_rows(path):
+                yield (spec_index, chunk_spec, fmt, chunk)
+        for chunk_spec, fmt, chunk in chunker.flush():
+            yield (spec_index, chunk_spec, fmt, chunk)
 
 
 def run(cfg: DataConfig, parallel_map: Callable[[Callable, Iterable], Iterator] | None = None,
