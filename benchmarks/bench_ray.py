@@ -4,7 +4,8 @@ Input: GSM8K train (../shared/fixtures) repeated `--copies` times as one prompt/
 long-CoT messages file once, the example tokenizer, merge probability 0.2 (so merge counts tokens on the
 workers), max_length 4096. For every (engine, workers) pair it runs all stages in this process (Ray: a fresh
 local instance with num_cpus = workers), timing each stage and sampling every 0.2 s the RSS of the driver and
-of each Ray worker process (peak of the largest worker), the driver's CPU seconds and the Ray workers' CPU
+of each Ray worker process (peak of the largest worker), the driver's CPU seconds (and those of its main thread
+alone: the rest are Ray Data's executor threads) and the Ray workers' CPU
 seconds per stage. Every run must write the same tokenized/ and packed/ meta.json (checksums included).
 Prints a Markdown table and, from the CPU seconds of the largest Ray run, the projection of a 1 TB input to 8
 and 64 nodes of `--cores-per-node` cores: per stage max(driver CPU, workers CPU / cores), scaled.
@@ -25,7 +26,6 @@ import threading
 import time
 from pathlib import Path
 
-import orjson
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,6 +83,9 @@ def _import_stages(_: int) -> None:
     import data.tokenize  # noqa: F401  (transformers, tokenizers)
 
 
+main_cpu: dict[str, float] = {}  # the last run's driver CPU seconds per stage in its main thread alone
+
+
 def run_once(cfg: DataConfig, engine: str, workers: int) -> tuple[dict, dict, dict, ProcessSampler]:
     """Wall seconds, driver CPU seconds and Ray workers' CPU seconds per stage, and the process sampler."""
     cfg.engine, cfg.num_workers = engine, workers
@@ -91,14 +94,17 @@ def run_once(cfg: DataConfig, engine: str, workers: int) -> tuple[dict, dict, di
     sampler = ProcessSampler()
     sampler.start()
     wall, driver_cpu, worker_cpu = {}, {}, {}
+    main_cpu.clear()
 
     def timed(stage, fn):
         sampler.sample()
         start, cpu, wcpu = time.perf_counter(), time.process_time(), sum(sampler.worker_cpu.values())
+        main = time.thread_time()
         fn(cfg)
         sampler.sample()
         wall[stage] = time.perf_counter() - start
         driver_cpu[stage] = time.process_time() - cpu
+        main_cpu[stage] = time.thread_time() - main
         worker_cpu[stage] = sum(sampler.worker_cpu.values()) - wcpu
 
     try:
@@ -131,6 +137,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--copies", type=int, default=4, help="GSM8K train repeats in the input")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--engines", nargs="+", choices=["local", "ray"], default=["local", "ray"])
     parser.add_argument("--cores-per-node", type=int, default=16)
     parser.add_argument("--marginal-copies", type=int, default=0,
                         help="also run engine ray on this many copies and project from the difference of the "
@@ -148,7 +155,7 @@ def main() -> None:
     print(f"input: {input_bytes / 2**20:.1f} MiB, workdir {workdir}", flush=True)
 
     rows, digests, ray_cpu = [], set(), None
-    for engine in ("local", "ray"):
+    for engine in args.engines:
         for w in args.workers:
             times, driver_cpu, worker_cpu, sampler = run_once(cfg, engine, w)
             digests.add(digest(cfg))
@@ -156,8 +163,9 @@ def main() -> None:
                 ray_cpu = (driver_cpu, worker_cpu)
             worker_peak = max(sampler.workers.values(), default=0)
             rows.append((engine, w, times, sampler.driver, worker_peak, len(sampler.workers)))
-            print(f"{engine} w={w}: " + ", ".join(f"{s} {t:.1f}s (driver CPU {driver_cpu[s]:.1f}s, Ray workers CPU "
-                                                  f"{worker_cpu[s]:.1f}s)" for s, t in times.items()), flush=True)
+            print(f"{engine} w={w}: " + ", ".join(f"{s} {t:.1f}s (driver CPU {driver_cpu[s]:.1f}s, of it main thread "
+                                                  f"{main_cpu[s]:.1f}s; Ray workers CPU {worker_cpu[s]:.1f}s)"
+                                                  for s, t in times.items()), flush=True)
     if len(digests) != 1:
         raise SystemExit(f"outputs differ between runs: {digests}")
 

@@ -37,6 +37,7 @@ import functools
 import logging
 import os
 import pickle
+import queue
 import random
 import shutil
 import tempfile
@@ -48,8 +49,9 @@ import orjson
 
 from data import merge, pack, preprocess, sample, tokenize
 from data.config import STAGES, DataConfig, from_dict, split_spec, to_dict
-from data.io import (UTF8_BOM, atomic_writer, expand_inputs, iter_jsonl_range, jsonl_byte_ranges,
+from data.io import (UTF8_BOM, append_file, atomic_writer, expand_inputs, iter_jsonl_range, jsonl_byte_ranges,
                      parse_jsonl_line, require_stage_input)
+from data.progress import progress
 from data.records import RecordError
 from data.shards import REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, PackedDataset, ShardWriter, shard_ranges
 from data.tokenize import TokenizeTally
@@ -62,7 +64,9 @@ MIN_WINDOW_CHUNKS = 64
 TASKS_PER_WORKER = 2
 RANGE_BYTES = 1 << 20  # .jsonl bytes per preprocess range (several ranges go to one task)
 MERGE_RANGE_BYTES = 1 << 20  # sampled.jsonl bytes per merge range
-TOKENIZE_RANGE_BYTES = 256 << 10  # merged.jsonl bytes per tokenize range (a part; ~local's 256-record chunk)
+TOKENIZE_RANGE_BYTES = 1 << 20  # merged.jsonl bytes per tokenize range (a part)
+RANGE_WINDOW_CHUNKS = 1024  # chunks per window of the maps over byte ranges (~1 GiB of input a Ray Data execution)
+RANGE_CHUNKS_PER_TASK = 2
 MAX_ROW_GROUP_BYTES = 16 << 20  # larger .parquet row groups: the file is read on the driver
 PART_SHARD_BYTES = 1 << 40  # a tokenize part is one shard, whatever its size: the parts are re-cut anyway
 
@@ -100,11 +104,12 @@ def _apply(batch: dict, fn: Callable) -> dict:
 
 
 class RayChunkMap:
-    """`parallel_map(fn, chunks)` on Ray Data: `fn(chunk)` for every chunk, yielded in chunk order.
+    """`parallel_map(fn, chunks)` on Ray Data: `fn(chunk)` for every chunk, yielded in chunk order as they arrive.
 
-    `fn` must be picklable (a module-level function or a partial of one). Chunks are read a window at a time;
-    while the caller consumes one window's results, the next window runs on the workers, so the driver holds at
-    most two windows of chunks and results."""
+    `fn` must be picklable (a module-level function or a partial of one). Chunks are read a window at a time
+    (one Ray Data execution each); while the caller consumes one window's results, the next window runs on the
+    workers, so the driver holds at most two windows of chunks and results. A window's start costs the driver
+    ~0.5 s of CPU, so maps over small task descriptors (byte ranges) use large windows (`RANGE_WINDOW_CHUNKS`)."""
 
     def __init__(self, workers: int, window: int | None = None, chunks_per_task: int | None = None):
         self.workers = workers
@@ -112,45 +117,74 @@ class RayChunkMap:
         self.chunks_per_task = chunks_per_task  # None: the window spread as TASKS_PER_WORKER tasks per worker
 
     def __call__(self, fn: Callable, chunks: Iterable) -> Iterator:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ray-window") as runner:
+        runner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ray-window")
+        failed: list[Exception] = []  # an error of `chunks` itself: raised after the chunks before it are yielded
+        try:
             running = None
-            for items in self._windows(chunks):
-                following = runner.submit(self._run_window, fn, items)
+            for first, items in self._windows(chunks, failed):
+                arrived: queue.SimpleQueue = queue.SimpleQueue()
+                following = (first, len(items), arrived, runner.submit(self._run_window, fn, items, arrived))
                 if running is not None:
-                    yield from map(pickle.loads, running.result())
+                    yield from self._in_order(*running)
                 running = following
             if running is not None:
-                yield from map(pickle.loads, running.result())
+                yield from self._in_order(*running)
+            if failed:
+                raise failed[0]
+        finally:  # stopped early (an error, or the caller closed us): a window not started yet never starts
+            runner.shutdown(wait=True, cancel_futures=True)
 
-    def _windows(self, chunks: Iterable) -> Iterator[list[dict]]:
+    def for_ranges(self) -> "RayChunkMap":
+        """The map for chunks that are task descriptors (byte ranges, slices of a plan): the driver holds little
+        per chunk, so windows are large (few executions to start) and tasks small (results stream back)."""
+        return RayChunkMap(self.workers, max(self.window, RANGE_WINDOW_CHUNKS), RANGE_CHUNKS_PER_TASK)
+
+    def _windows(self, chunks: Iterable, failed: list[Exception]) -> Iterator[tuple[int, list[dict]]]:
+        """Windows of pickled chunks. An error raised by `chunks` ends them (the chunks read so far still go out)
+        and is put in `failed`: the caller raises it after the results of the chunks before it, so that an
+        error found by a worker in an earlier chunk comes first, as in chunk order."""
         items: list[dict] = []
-        for index, chunk in enumerate(chunks):
-            items.append({"index": index, "chunk": pickle.dumps(chunk, protocol=pickle.HIGHEST_PROTOCOL)})
-            if len(items) >= self.window:
-                yield items
-                items = []
+        try:
+            for index, chunk in enumerate(chunks):
+                items.append({"index": index, "chunk": pickle.dumps(chunk, protocol=pickle.HIGHEST_PROTOCOL)})
+                if len(items) >= self.window:
+                    yield items[0]["index"], items
+                    items = []
+        except Exception as exc:
+            failed.append(exc)
         if items:
-            yield items
+            yield items[0]["index"], items
 
-    def _run_window(self, fn: Callable, items: list[dict]) -> list[bytes]:
-        """One Ray Data execution over a window; the pickled results in chunk order, whatever order Ray used."""
+    @staticmethod
+    def _in_order(first: int, n: int, arrived: queue.SimpleQueue, done: concurrent.futures.Future) -> Iterator:
+        """A window's results in chunk order, each as soon as it and every chunk before it have arrived."""
+        waiting: dict[int, bytes] = {}
+        for k in range(first, first + n):
+            while k not in waiting:
+                index, result = arrived.get()
+                if index is None:  # the execution ended: raises its error, or reports the chunks it never returned
+                    done.result()
+                    raise RuntimeError(f"Ray returned no result for chunk {k} (window {first}..{first + n - 1})")
+                if not first <= index < first + n or index in waiting:
+                    raise RuntimeError(f"Ray returned chunk {index} unexpectedly (window {first}..{first + n - 1})")
+                waiting[index] = result
+            yield pickle.loads(waiting.pop(k))
+        done.result()
+
+    def _run_window(self, fn: Callable, items: list[dict], arrived: queue.SimpleQueue) -> None:
+        """One Ray Data execution over a window: each (chunk index, pickled result) onto `arrived` as Ray yields
+        it, then (None, None)."""
         import ray.data
 
-        first = items[0]["index"]
-        chunks_per_task = self.chunks_per_task or max(1, len(items) // (TASKS_PER_WORKER * self.workers))
-        dataset = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-            _apply, fn_args=(fn,), batch_size=chunks_per_task, batch_format="numpy",
-            compute=ray.data.TaskPoolStrategy(size=self.workers))
-        results: list[bytes | None] = [None] * len(items)
-        for row in dataset.iter_rows():
-            k = int(row["index"]) - first
-            if not 0 <= k < len(items) or results[k] is not None:
-                raise RuntimeError(f"Ray returned chunk {first + k} unexpectedly (window {first}..{first + len(items) - 1})")
-            results[k] = row["result"]
-        missing = [first + k for k, r in enumerate(results) if r is None]
-        if missing:
-            raise RuntimeError(f"Ray returned no result for chunks {missing[:10]} (window {first}..{first + len(items) - 1})")
-        return results
+        try:
+            chunks_per_task = self.chunks_per_task or max(1, len(items) // (TASKS_PER_WORKER * self.workers))
+            dataset = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+                _apply, fn_args=(fn,), batch_size=chunks_per_task, batch_format="numpy",
+                compute=ray.data.TaskPoolStrategy(size=self.workers))
+            for row in dataset.iter_rows():
+                arrived.put((int(row["index"]), row["result"]))
+        finally:
+            arrived.put((None, None))
 
 
 # ---------------------------------------------------------------------------------------------- preprocess
@@ -274,21 +308,167 @@ def _preprocess_tasks(cfg: DataConfig, stats: list[dict], dropped: dict) -> Iter
             yield "rows", spec_index, chunk_spec, fmt, chunk
 
 
-def preprocess_results(parallel_map: RayChunkMap, cfg: DataConfig, stats: list[dict], dropped: dict
-                       ) -> Iterator[tuple[int, list]]:
-    """`preprocess.run`'s chunk results in input order, the workers reading .jsonl ranges: each range's line
-    numbers are shifted by the lines of the ranges before it (added up here, in range order), so sources and
-    errors read `path:line` exactly as locally."""
+def _convert_to_part(parts_dir: str, numbered: tuple[int, tuple]) -> tuple:
+    """Worker, preprocess's first pass: task `k`'s rows converted (`_preprocess_task`) and its kept records
+    written to a part as `[category, source, record]` lines; returns what the driver's accounting needs:
+    (kind, spec_index, path, lines_before, lines, rows, kept, {category: kept, in order of first appearance},
+    {drop reason: count}, the first error as (source, field, message, reason) or None, part)."""
+    k, task = numbered
+    kind, spec_index, path, lines_before, n_lines, n_rows, results = _preprocess_task(task)
+    part = os.path.join(parts_dir, f"converted_{k:08d}.jsonl")
+    categories: dict[str, int] = {}
+    dropped: dict[str, int] = {}
+    first_error = None
+    with atomic_writer(part) as out:
+        for result in results:
+            if result[0] == "ok":
+                _, source, rec, category = result
+                out.write(orjson.dumps([category, source, rec]) + b"\n")
+                categories[category] = categories.get(category, 0) + 1
+                continue
+            if result[0] == "filtered":
+                reason = "filtered_by_function"
+            else:
+                _, source, field, message, reason = result
+                first_error = first_error or (source, field, message, reason)
+            dropped[reason] = dropped.get(reason, 0) + 1
+    return (kind, spec_index, path, lines_before, n_lines, n_rows, sum(categories.values()), categories, dropped,
+            first_error, part)
+
+
+def _finish_part(task: tuple[str, str, int, dict[str, int], tuple[int, int] | None]) -> str:
+    """Worker, preprocess's second pass: a first-pass part's records as canonical.jsonl lines (`canonical_line`),
+    uids from `uid`, category ids from `ids`; a range's `path:+n` sources become `path:(base + n)` (`shift`:
+    (length of `path:+`, base)). Returns the finished part."""
+    part, finished, uid, ids, shift = task
+    with open(part, "rb") as f, atomic_writer(finished) as out:
+        for uid, line in enumerate(f, uid):
+            category, source, rec = orjson.loads(line)
+            if shift is not None:
+                source = f"{source[:shift[0] - 1]}{shift[1] + int(source[shift[0]:])}"
+            out.write(preprocess.canonical_line(rec, category, ids[category], uid, source))
+    return finished
+
+
+def convert_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, stats: list[dict], dropped: dict,
+                       category_ids: preprocess.CategoryIds, sizes: dict, out, bar) -> int:
+    """`preprocess.run`'s reading, converting and writing on the workers, in two passes. First the workers
+    convert their tasks (`.jsonl` byte ranges, `.parquet` row groups, or rows the driver read) and write the kept
+    records as parts; the driver does the accounting from their summaries in task order: line numbers (each
+    range's lines shifted by those of the ranges before it, so sources and errors read `path:line` as locally),
+    the first error, drop counts, category ids in order of first appearance, each part's first uid. Then the
+    workers write each part's canonical.jsonl lines and the driver appends the parts to `out` (a kernel copy)."""
     next_line: dict[str, int] = {}
-    with contextlib.closing(parallel_map(_preprocess_task, _preprocess_tasks(cfg, stats, dropped))) as done:
-        for kind, spec_index, path, lines_before, n_lines, n_rows, results in done:
-            stats[spec_index]["in"] += n_rows
-            if kind == "range":
-                base = lines_before if lines_before is not None else next_line[path]
-                next_line[path] = base + n_lines
-                cut = len(path) + 2  # the `path:+` of a range's sources
-                results = [(r[0], f"{path}:{base + int(r[1][cut:])}", *r[2:]) for r in results]
-            yield spec_index, results
+    finish: list[tuple] = []
+    uid = 0
+    parts_dir = Path(tempfile.mkdtemp(prefix=f".preprocess-parts.tmp-{os.getpid()}-",
+                                      dir=Path(cfg.canonical_path).parent))
+    try:
+        numbered = enumerate(_preprocess_tasks(cfg, stats, dropped))
+        fn = functools.partial(_convert_to_part, str(parts_dir))
+        with contextlib.closing(parallel_map(fn, numbered)) as done:
+            for (kind, spec_index, path, lines_before, n_lines, n_rows, n_kept, categories, part_dropped,
+                 first_error, part) in done:
+                st = stats[spec_index]
+                st["in"] += n_rows
+                shift = None
+                if kind == "range":
+                    base = lines_before if lines_before is not None else next_line[path]
+                    next_line[path] = base + n_lines
+                    shift = (len(path) + 2, base)  # a range's sources are `path:+n`
+                if first_error is not None and cfg.on_error != "skip":
+                    source, field, message, reason = first_error
+                    if shift is not None:
+                        source = f"{path}:{base + int(source[shift[0]:])}"
+                    raise RecordError(source, field, message, reason)
+                for reason, n in part_dropped.items():
+                    st["dropped"] += n
+                    dropped[reason] = dropped.get(reason, 0) + n
+                for category, n in categories.items():
+                    category_ids(category)
+                    sizes[category] = sizes.get(category, 0) + n
+                st["out"] += n_kept
+                if n_kept:
+                    finish.append((part, uid, shift))
+                uid += n_kept
+                bar.update(n_rows)
+        tasks = ((part, part[:-len(".jsonl")] + ".canonical.jsonl", first_uid, category_ids.ids, shift)
+                 for part, first_uid, shift in finish)
+        with contextlib.closing(parallel_map.for_ranges()(_finish_part, tasks)) as finished:
+            for part in finished:
+                append_file(out, part)
+                os.remove(part)
+    finally:
+        shutil.rmtree(parts_dir, ignore_errors=True)
+    return uid
+
+
+# ---------------------------------------------------------------------------------------------- sample
+def _scan_range(task: tuple[str, int, int]) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
+    """Worker: each line's length and category id in a byte range of canonical.jsonl, and the category names
+    (`sample.scan` over the range)."""
+    path, start, end = task
+    with open(path, "rb") as f:
+        f.seek(start)
+        lines = f.read(end - start).split(b"\n")  # lines as iterating the file gives them (`JsonlIndex`)
+    last = lines.pop()  # after the last newline: b"", or a last line without one
+    lengths = np.fromiter((len(line) + 1 for line in lines), dtype=np.int64, count=len(lines))
+    if last:
+        lines.append(last)
+        lengths = np.append(lengths, len(last))
+    categories = np.empty(len(lines), dtype=np.int64)
+    names: dict[int, str] = {}
+    for i, line in enumerate(lines):
+        meta = orjson.loads(line)["meta"]
+        categories[i] = cid = meta["category_id"]
+        names.setdefault(cid, meta.get("category_name", str(cid)))
+    return lengths, categories, names
+
+
+def scan_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, path: Path
+                    ) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
+    """`sample.scan` with the records read by the workers, by byte ranges; the driver keeps 16 bytes a record."""
+    ranges = list(jsonl_byte_ranges(str(path), 0, RANGE_BYTES))
+    lengths, categories, names = [np.zeros(1, dtype=np.int64)], [np.zeros(0, dtype=np.int64)], {}
+    with contextlib.closing(parallel_map(_scan_range, ((str(path), a, b) for a, b in ranges))) as done:
+        for range_lengths, range_categories, range_names in done:
+            lengths.append(range_lengths)
+            categories.append(range_categories)
+            for cid, name in range_names.items():
+                names.setdefault(cid, name)
+    return np.cumsum(np.concatenate(lengths)), np.concatenate(categories), names
+
+
+def _write_sampled(task: tuple[str, np.ndarray, np.ndarray, np.ndarray, str]) -> tuple[str, int]:
+    """Worker: a slice of the sample plan, its records read from canonical.jsonl by offset and written as a part
+    (`sample.sampled_line`). Returns (part, records)."""
+    path, starts, ends, copies, part = task
+    with open(path, "rb") as f, atomic_writer(part) as out:
+        for start, end, copy in zip(starts.tolist(), ends.tolist(), copies.tolist()):
+            f.seek(start)
+            out.write(sample.sampled_line(f.read(end - start).rstrip(b"\n"), copy))
+    return part, len(starts)
+
+
+def write_sampled_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, offsets: np.ndarray, records: np.ndarray,
+                             copies: np.ndarray, out) -> None:
+    """`sample.write` on the workers: the plan cut into slices of about `RANGE_BYTES` of output, each written
+    as a part by a worker, the parts appended to `out` in order (a kernel copy)."""
+    starts, ends = offsets[records], offsets[records + 1]
+    cuts = np.searchsorted(np.cumsum(ends - starts), np.arange(RANGE_BYTES, int((ends - starts).sum()), RANGE_BYTES))
+    bounds = np.unique(np.concatenate([[0], cuts, [len(records)]]))
+    parts_dir = Path(tempfile.mkdtemp(prefix=f".sample-parts.tmp-{os.getpid()}-", dir=Path(cfg.sampled_path).parent))
+    try:
+        tasks = ((str(cfg.canonical_path), starts[a:b], ends[a:b], copies[a:b], str(parts_dir / f"part_{k:08d}.jsonl"))
+                 for k, (a, b) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())))
+        with progress(total=len(records), desc="sample", unit="rec") as bar, \
+                contextlib.closing(parallel_map(_write_sampled, tasks)) as done:
+            for part, n in done:
+                append_file(out, part)
+                os.remove(part)
+                bar.update(n)
+    finally:
+        shutil.rmtree(parts_dir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------- merge
@@ -380,7 +560,7 @@ def merge_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, budget: int | N
     group_starts = np.frombuffer(starts, dtype=np.int64) if starts else np.zeros(0, dtype=np.int64)
     sizes = np.diff(np.append(group_starts, n_in))
     group_sizes = {int(k): int(v) for k, v in zip(*np.unique(sizes, return_counts=True))}
-    parts_dir = Path(tempfile.mkdtemp(prefix=f".merge-parts-{os.getpid()}-", dir=Path(cfg.merged_path).parent))
+    parts_dir = Path(tempfile.mkdtemp(prefix=f".merge-parts.tmp-{os.getpid()}-", dir=Path(cfg.merged_path).parent))
     try:
         def write_tasks():
             for k, (a, _) in enumerate(ranges):
@@ -394,8 +574,7 @@ def merge_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, budget: int | N
                 contextlib.closing(parallel_map(_write_groups, write_tasks())) as done:
             for part, part_zeroed in done:
                 zeroed += part_zeroed
-                with open(part, "rb") as f:
-                    shutil.copyfileobj(f, out, 1 << 20)
+                append_file(out, part)
                 os.remove(part)
     finally:
         shutil.rmtree(parts_dir, ignore_errors=True)
@@ -551,15 +730,17 @@ def write_rows_on_workers(parallel_map: RayChunkMap, writer: ShardWriter, src: P
 
 # ---------------------------------------------------------------------------------------------- pipeline
 def stage_runners(parallel_map: RayChunkMap) -> dict[str, Callable[[DataConfig], dict]]:
-    """Each stage's `run` with its parallel part on Ray (sample runs on the driver). Pack's chunks are whole
-    output shards (up to pack.shard_size_mb each): one per task."""
+    """Each stage's `run` with its parallel parts on Ray. Maps over byte ranges and plan slices use
+    `for_ranges`; pack's chunks are whole output shards (up to pack.shard_size_mb each): one per task."""
+    range_map = parallel_map.for_ranges()
     shard_map = RayChunkMap(parallel_map.workers, chunks_per_task=1)
     return {
-        "preprocess": functools.partial(preprocess.run, chunk_results=functools.partial(preprocess_results,
-                                                                                         parallel_map)),
-        "sample": sample.run,
-        "merge": functools.partial(merge.run, merge_all=functools.partial(merge_on_workers, parallel_map)),
-        "tokenize": functools.partial(tokenize.run, chunk_tallies=functools.partial(tokenize_tallies, parallel_map,
+        "preprocess": functools.partial(preprocess.run, convert_all=functools.partial(convert_on_workers,
+                                                                                       parallel_map)),
+        "sample": functools.partial(sample.run, scan_all=functools.partial(scan_on_workers, range_map),
+                                    write_all=functools.partial(write_sampled_on_workers, range_map)),
+        "merge": functools.partial(merge.run, merge_all=functools.partial(merge_on_workers, range_map)),
+        "tokenize": functools.partial(tokenize.run, chunk_tallies=functools.partial(tokenize_tallies, range_map,
                                                                                      shard_map)),
         "pack": functools.partial(pack.run, write=functools.partial(write_rows_on_workers, shard_map)),
     }

@@ -287,6 +287,26 @@ def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
         raise
 
 
+def append_file(out: BinaryIO, path: str | os.PathLike) -> None:
+    """Append the bytes of file `path` to `out` (a binary file being written), copied by the kernel where it can
+    (`os.copy_file_range`: no pass through this process, and server-side on filesystems that offer it)."""
+    out.flush()
+    with open(path, "rb") as src:
+        remaining = os.fstat(src.fileno()).st_size
+        try:
+            while remaining > 0:
+                copied = os.copy_file_range(src.fileno(), out.fileno(), remaining)
+                if copied == 0:
+                    break
+                remaining -= copied
+        except OSError:  # not offered here (another filesystem, an old kernel): copy through this process
+            shutil.copyfileobj(src, out, 1 << 20)
+        else:
+            if remaining:
+                shutil.copyfileobj(src, out, 1 << 20)
+    out.seek(0, os.SEEK_END)  # the buffered writer learns where the kernel left the file
+
+
 def remove_stale_temporaries(cfg: DataConfig) -> list[tuple[Path, int]]:
     """Delete what killed runs left behind: temporaries in `output_dir` and the ratio file's, whose writer pid is
     dead. Returns (path, bytes) of each one removed."""

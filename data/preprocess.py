@@ -422,14 +422,21 @@ def _tasks(cfg: DataConfig, stats: list[dict], dropped: dict):
             yield (spec_index, chunk_spec, fmt, chunk)
 
 
+def canonical_line(rec: dict, category: str, category_id: int, uid: int, source: str) -> bytes:
+    """A converted record's line of canonical.jsonl: its meta set here (user-function keys kept after ours)."""
+    extra = {k: v for k, v in rec["meta"].items() if k not in META_KEYS}
+    rec["meta"] = {"category_id": category_id, "category_name": category, "uid": uid, "source": source, **extra}
+    return orjson.dumps(rec) + b"\n"
+
+
 def run(cfg: DataConfig, parallel_map: Callable[[Callable, Iterable], Iterator] | None = None,
-        chunk_results: Callable[[DataConfig, list[dict], dict], Iterator[tuple[int, list]]] | None = None) -> dict:
+        convert_all: Callable[..., int] | None = None) -> dict:
     """Convert every input to canonical.jsonl, update the ratio file, record the `preprocess` report section.
 
     `parallel_map(fn, chunks)` yields `fn(chunk)` in chunk order (default: `ordered_parallel_map` over
-    `num_workers` local processes). `chunk_results(cfg, stats, dropped)` replaces the reading too: it yields
-    `_convert_chunk`'s results in input order and counts each input's rows in `stats` as `_tasks` does (the
-    Ray engine's workers read byte ranges of the inputs)."""
+    `num_workers` local processes). `convert_all(cfg, stats, dropped, category_ids, sizes, out, bar)` replaces
+    reading, converting and writing (the Ray engine's workers do all three): it writes canonical.jsonl's lines to
+    `out` in input order, does this loop's accounting and returns the records written."""
     ratio_path = cfg.ratio_file
     existing = read_ratio_file(ratio_path)
     category_ids = CategoryIds(existing)
@@ -437,37 +444,33 @@ def run(cfg: DataConfig, parallel_map: Callable[[Callable, Iterable], Iterator] 
     dropped: dict[str, int] = {}
     sizes: dict[str, int] = {}
     uid = 0
-    tasks = _tasks(cfg, stats, dropped)
     with atomic_writer(cfg.canonical_path) as out, progress(desc="preprocess", unit="rec") as bar:
-        if chunk_results is not None:
-            results_in_order = chunk_results(cfg, stats, dropped)
-        elif parallel_map is not None:
-            results_in_order = parallel_map(_convert_chunk, tasks)
+        if convert_all is not None:
+            uid = convert_all(cfg, stats, dropped, category_ids, sizes, out, bar)
         else:
-            results_in_order = ordered_parallel_map(_convert_chunk, tasks, cfg.workers)
-        for spec_index, results in results_in_order:
-            st = stats[spec_index]
-            for result in results:
-                kind, source = result[0], result[1]
-                if kind == "ok":
-                    rec, category = result[2], result[3]
-                    extra = {k: v for k, v in rec["meta"].items() if k not in META_KEYS}
-                    rec["meta"] = {"category_id": category_ids(category), "category_name": category, "uid": uid,
-                                   "source": source, **extra}
-                    out.write(orjson.dumps(rec) + b"\n")
-                    sizes[category] = sizes.get(category, 0) + 1
-                    st["out"] += 1
-                    uid += 1
-                    continue
-                if kind == "filtered":
-                    reason = "filtered_by_function"
-                else:
-                    _, source, field, message, reason = result
-                    if cfg.on_error != "skip":
-                        raise RecordError(source, field, message, reason)
-                st["dropped"] += 1
-                dropped[reason] = dropped.get(reason, 0) + 1
-            bar.update(len(results))
+            tasks = _tasks(cfg, stats, dropped)
+            results_in_order = (parallel_map(_convert_chunk, tasks) if parallel_map is not None
+                                else ordered_parallel_map(_convert_chunk, tasks, cfg.workers))
+            for spec_index, results in results_in_order:
+                st = stats[spec_index]
+                for result in results:
+                    kind, source = result[0], result[1]
+                    if kind == "ok":
+                        rec, category = result[2], result[3]
+                        out.write(canonical_line(rec, category, category_ids(category), uid, source))
+                        sizes[category] = sizes.get(category, 0) + 1
+                        st["out"] += 1
+                        uid += 1
+                        continue
+                    if kind == "filtered":
+                        reason = "filtered_by_function"
+                    else:
+                        _, source, field, message, reason = result
+                        if cfg.on_error != "skip":
+                            raise RecordError(source, field, message, reason)
+                    st["dropped"] += 1
+                    dropped[reason] = dropped.get(reason, 0) + 1
+                bar.update(len(results))
         check_ratio_names(existing, sizes, ratio_path)  # before canonical.jsonl is replaced
     write_ratio_file(ratio_path, merge_ratio_categories(existing, category_ids.ids, sizes))
     section = {

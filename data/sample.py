@@ -9,6 +9,9 @@ back by byte offset, so memory holds only offsets and categories, never texts.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import orjson
@@ -101,8 +104,18 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run(cfg: DataConfig) -> dict:
-    """canonical.jsonl + ratio file -> sampled.jsonl; records the `sample` report section."""
+def sampled_line(line: bytes, copy: int) -> bytes:
+    """A canonical.jsonl line (without its newline) as sampled.jsonl holds copy `copy` of it."""
+    if copy:
+        rec = orjson.loads(line)
+        rec["meta"]["copy"] = copy
+        line = orjson.dumps(rec)
+    return line + b"\n"
+
+
+def scan(path: str | Path) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
+    """canonical.jsonl's line offsets (n + 1, the last one its size), each record's category id, and the
+    category names by id (as the records give them)."""
     cats: list[int] = []
     names: dict[int, str] = {}
 
@@ -111,21 +124,30 @@ def run(cfg: DataConfig) -> dict:
         cats.append(meta["category_id"])
         names.setdefault(meta["category_id"], meta.get("category_name", str(meta["category_id"])))
 
-    index = JsonlIndex.build(require_stage_input(cfg.canonical_path, "preprocess"), visit)
-    categories = np.asarray(cats, dtype=np.int64)
+    index = JsonlIndex.build(path, visit)
+    return index.offsets, np.asarray(cats, dtype=np.int64), names
+
+
+def write(cfg: DataConfig, offsets: np.ndarray, records: np.ndarray, copies: np.ndarray, out: BinaryIO) -> None:
+    """The planned (record, copy) pairs' lines, in order, read back from canonical.jsonl by byte offset."""
+    with JsonlIndex(cfg.canonical_path, offsets) as index:
+        for rec_i, copy in progress(zip(records.tolist(), copies.tolist()), total=len(records), desc="sample",
+                                    unit="rec"):
+            out.write(sampled_line(index.read(rec_i), copy))
+
+
+def run(cfg: DataConfig, scan_all: Callable | None = None, write_all: Callable | None = None) -> dict:
+    """canonical.jsonl + ratio file -> sampled.jsonl; records the `sample` report section.
+
+    `scan_all(cfg, path)` and `write_all(cfg, offsets, records, copies, out)` replace `scan` and `write` (the Ray
+    engine's workers read and write the records; the plan stays here)."""
+    offsets, categories, names = (scan_all or (lambda _, path: scan(path)))(
+        cfg, require_stage_input(cfg.canonical_path, "preprocess"))
     present = {int(c): int(n) for c, n in zip(*np.unique(categories, return_counts=True))}
     rates = check_rates(read_ratio_file(cfg.ratio_file), present, cfg.ratio_file, names)
     records, copies = plan(categories, rates, cfg.seed)
-
-    with index, atomic_writer(cfg.sampled_path) as out:
-        for rec_i, copy in progress(zip(records.tolist(), copies.tolist()), total=len(records), desc="sample",
-                                    unit="rec"):
-            line = index.read(rec_i)
-            if copy:
-                rec = orjson.loads(line)
-                rec["meta"]["copy"] = copy
-                line = orjson.dumps(rec)
-            out.write(line + b"\n")
+    with atomic_writer(cfg.sampled_path) as out:
+        (write_all or write)(cfg, offsets, records, copies, out)
 
     after = {cid: 0 for cid in present}
     for cid, n in zip(*np.unique(categories[records], return_counts=True)):

@@ -403,3 +403,36 @@ def test_merge_groups_straddling_range_boundaries_give_the_local_bytes(fault_dir
     merged = orjson.loads(local_example.report_path.read_bytes())["merge"]
     assert lines > 50 and merged["in"] - merged["out"] > 10  # many groups of several records
     rerun_merge_on_ray(local_example, tmp_path)
+
+
+def test_preprocess_and_sample_lines_are_written_by_the_workers(fault_dir, tmp_path, monkeypatch):
+    """preprocess and sample on Ray, over many byte ranges (~2 KB) and with rates that copy and subsample
+    (2.5, 0.4, 0): the driver writes no canonical.jsonl or sampled.jsonl line itself (the workers write parts it
+    appends) and both files, the ratio file and the report equal the local ones."""
+    from data import preprocess, sample
+
+    ratios = tmp_path / "ratios.json"
+    categories = orjson.loads((ROOT / "configs/data/example_ratios.json").read_bytes())["categories"]
+    for cat, rate in zip(categories, [2.5, 0.4, 0, 1.3, 1]):
+        cat["sample_rate"] = rate
+    ratios.write_bytes(orjson.dumps({"categories": categories}))
+    monkeypatch.setattr(engine_ray, "RANGE_BYTES", 2000)
+    written = []
+    for module, name in ((preprocess, "canonical_line"), (sample, "sampled_line")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, name=name: written.append(name) or real(*a))
+    cfg = example_config(tmp_path, "out", "num_workers=2", f"ratio_path={ratios}")
+    cfg.stages = ["preprocess", "sample"]
+    pipeline.run_pipeline(cfg)
+    assert written, "the local run writes through the module functions"
+    shutil.move(cfg.out, tmp_path / "local")
+    local_ratios = ratios.read_bytes()
+    written.clear()
+    pipeline.run_pipeline(dataclasses.replace(cfg, engine="ray"))
+    assert written == []
+    assert ratios.read_bytes() == local_ratios
+    assert_same_outputs(tmp_path / "local", cfg.out, ["canonical.jsonl", "sampled.jsonl", "report.json"])
+    report = orjson.loads((cfg.out / "report.json").read_bytes())["sample"]
+    assert report["added"]["copies"] > 0 and report["dropped"]["rate_zero"] > 0
+    assert cfg.canonical_path.stat().st_size > 20 * 2000  # many ranges
+    assert [p.name for p in cfg.out.glob(".*")] == [], "parts or temp files left behind"
