@@ -2,25 +2,31 @@
 
 The stage modules do not know the engine: this module hands them Ray-backed versions of their parallel parts,
 and every stage's own core, accounting and writers do the rest.
-- Ordered map: chunks (each with its index) go to Ray Data `map_batches` in windows of
-  max(`MIN_WINDOW_CHUNKS`, `WINDOW_CHUNKS_PER_WORKER` x workers) chunks, several chunks per task; the next
-  window runs while the driver consumes the current one. The driver puts each window's results back in chunk
-  order (so it holds at most two windows). Ray's `preserve_order` is set too, never relied on alone.
+- Ordered map: chunks (each with its index) go to Ray Data `map_batches` in windows (one execution each) of
+  max(`MIN_WINDOW_CHUNKS`, `WINDOW_CHUNKS_PER_WORKER` x workers) chunks, or at least `RANGE_WINDOW_CHUNKS` for
+  chunks that are task descriptors (byte ranges, plan slices); the next window runs beside the current one.
+  The driver yields results in chunk order as they arrive (it holds at most two windows). Ray's
+  `preserve_order` is set too, never relied on alone. An exception raised by a chunk's function comes back as
+  that chunk's result and is raised in chunk order, with its own type and message.
 - preprocess: the workers read the inputs that split cheaply (.jsonl byte ranges cut on newlines, .parquet
-  row groups) and convert them; each range's line numbers are shifted by the driver, which adds up the line
-  counts of the ranges before it, so `path:line` sources and errors are the local ones. Other formats are read
-  by the driver as locally. The driver assigns uids and category ids and writes canonical.jsonl.
-- sample: on the driver (the local core: a byte-offset index, a seeded plan, line copies).
+  row groups) and convert them (other formats are read by the driver as locally, converted by the workers),
+  writing the kept records as parts and returning summaries; the driver shifts each range's line numbers by
+  the lines of the ranges before it (so `path:line` sources and errors are the local ones), assigns uids and
+  category ids from the summaries, and the workers then write each part's canonical.jsonl lines, which the
+  driver appends to canonical.jsonl (`io.append_file`, a kernel copy).
+- sample: the workers read canonical.jsonl by byte ranges (line lengths and category ids); the driver makes
+  the local seeded plan (`sample.plan`); the workers write slices of it as parts, appended in order.
 - merge: the workers read sampled.jsonl by byte ranges and return only the decision's inputs (token counts and
   `merge.merge_key` digests); the driver runs the local decision (`merge.GroupDecider`, the same seeded draws)
-  over them; the workers write the groups starting in their range as parts (reading on past the range's end
-  for a group that straddles it), which the driver concatenates into merged.jsonl.
+  over them (`decide_range`: only the records that try to join, and the one before each run of them); the
+  workers write the groups starting in their range as parts (reading on past the range's end
+  for a group that straddles it), which the driver appends to merged.jsonl.
 - tokenize: the workers count the lines of byte ranges of merged.jsonl (so that record indices and line
   numbers are the local ones), then each range is tokenized, counted (`TokenizeTally`) and written as a part
   by a worker, which returns only the tally and the rows' lengths; the driver adds the tallies up in range
-  order, cuts tokenized/'s
-  shards from the lengths (`shards.shard_ranges`, the writer's own rule) and workers copy the parts' rows into
-  those shards, appended in order (`ShardWriter.append_dataset`): meta.json and checksums match the local run.
+  order, cuts tokenized/'s shards from the lengths (`shards.shard_ranges`, the writer's own rule) and
+  workers copy the parts' rows into those shards, appended in order (`ShardWriter.append_dataset`): meta.json
+  and checksums match the local run.
 - pack: the global best-fit plan on the driver from the length array; the rows are written by the workers,
   one task per output shard, appended the same way.
 Workers read the inputs, `output_dir` and `tokenizer_path` themselves: on a cluster every node must see them at
@@ -41,6 +47,7 @@ import queue
 import random
 import shutil
 import tempfile
+import traceback
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -97,9 +104,29 @@ def ray_session(cfg: DataConfig) -> Iterator[int]:
 
 
 # ---------------------------------------------------------------------------------------------- ordered map
+class _ChunkFailure:
+    """An exception `fn` raised on a worker, sent back as its chunk's result: the driver raises it in chunk order,
+    with its own type and message, as the local engine would (Ray would wrap it in a `RayTaskError`). Crashes of
+    the worker process itself are not caught here: Ray retries those tasks."""
+
+    def __init__(self, exc: Exception):
+        self.exc = exc
+
+
+def _run_chunk(fn: Callable, chunk: bytes) -> bytes:
+    try:
+        return pickle.dumps(fn(pickle.loads(chunk)), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        exc.add_note(f"(raised in a Ray worker)\n{traceback.format_exc()}")
+        try:
+            return pickle.dumps(_ChunkFailure(exc), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # an exception that does not pickle: its type, message and traceback as text
+            return pickle.dumps(_ChunkFailure(RuntimeError(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")))
+
+
 def _apply(batch: dict, fn: Callable) -> dict:
     """The Ray Data UDF: `fn` on each pickled chunk of the batch, the chunk index passed through."""
-    results = [pickle.dumps(fn(pickle.loads(chunk)), protocol=pickle.HIGHEST_PROTOCOL) for chunk in batch["chunk"]]
+    results = [_run_chunk(fn, chunk) for chunk in batch["chunk"]]
     return {"index": batch["index"], "result": np.array(results, dtype=object)}
 
 
@@ -107,8 +134,9 @@ class RayChunkMap:
     """`parallel_map(fn, chunks)` on Ray Data: `fn(chunk)` for every chunk, yielded in chunk order as they arrive.
 
     `fn` must be picklable (a module-level function or a partial of one). Chunks are read a window at a time
-    (one Ray Data execution each); while the caller consumes one window's results, the next window runs on the
-    workers, so the driver holds at most two windows of chunks and results. A window's start costs the driver
+    (one Ray Data execution each); the next window is submitted while the caller consumes one, and runs beside
+    it (its tasks fill the workers the current window's last tasks leave idle), so the driver holds at most two
+    windows of chunks and results. A window's start costs the driver
     ~0.5 s of CPU, so maps over small task descriptors (byte ranges) use large windows (`RANGE_WINDOW_CHUNKS`)."""
 
     def __init__(self, workers: int, window: int | None = None, chunks_per_task: int | None = None):
@@ -117,7 +145,7 @@ class RayChunkMap:
         self.chunks_per_task = chunks_per_task  # None: the window spread as TASKS_PER_WORKER tasks per worker
 
     def __call__(self, fn: Callable, chunks: Iterable) -> Iterator:
-        runner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ray-window")
+        runner = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ray-window")
         failed: list[Exception] = []  # an error of `chunks` itself: raised after the chunks before it are yielded
         try:
             running = None
@@ -168,7 +196,10 @@ class RayChunkMap:
                 if not first <= index < first + n or index in waiting:
                     raise RuntimeError(f"Ray returned chunk {index} unexpectedly (window {first}..{first + n - 1})")
                 waiting[index] = result
-            yield pickle.loads(waiting.pop(k))
+            result = pickle.loads(waiting.pop(k))
+            if isinstance(result, _ChunkFailure):
+                raise result.exc
+            yield result
         done.result()
 
     def _run_window(self, fn: Callable, items: list[dict], arrived: queue.SimpleQueue) -> None:
@@ -336,18 +367,19 @@ def _convert_to_part(parts_dir: str, numbered: tuple[int, tuple]) -> tuple:
             first_error, part)
 
 
-def _finish_part(task: tuple[str, str, int, dict[str, int], tuple[int, int] | None]) -> str:
+def _finish_part(task: tuple[str, str, int, dict[str, int], tuple[int, int] | None]) -> tuple[str, int]:
     """Worker, preprocess's second pass: a first-pass part's records as canonical.jsonl lines (`canonical_line`),
-    uids from `uid`, category ids from `ids`; a range's `path:+n` sources become `path:(base + n)` (`shift`:
-    (length of `path:+`, base)). Returns the finished part."""
-    part, finished, uid, ids, shift = task
+    uids from `first_uid`, category ids from `ids`; a range's `path:+n` sources become `path:(base + n)` (`shift`:
+    (length of `path:+`, base)). Returns (the finished part, its records)."""
+    part, finished, first_uid, ids, shift = task
+    n = 0
     with open(part, "rb") as f, atomic_writer(finished) as out:
-        for uid, line in enumerate(f, uid):
+        for n, line in enumerate(f, 1):
             category, source, rec = orjson.loads(line)
             if shift is not None:
                 source = f"{source[:shift[0] - 1]}{shift[1] + int(source[shift[0]:])}"
-            out.write(preprocess.canonical_line(rec, category, ids[category], uid, source))
-    return finished
+            out.write(preprocess.canonical_line(rec, category, ids[category], first_uid + n - 1, source))
+    return finished, n
 
 
 def convert_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, stats: list[dict], dropped: dict,
@@ -394,10 +426,12 @@ def convert_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, stats: list[d
                 bar.update(n_rows)
         tasks = ((part, part[:-len(".jsonl")] + ".canonical.jsonl", first_uid, category_ids.ids, shift)
                  for part, first_uid, shift in finish)
-        with contextlib.closing(parallel_map.for_ranges()(_finish_part, tasks)) as finished:
-            for part in finished:
+        with progress(total=uid, desc="preprocess: canonical lines", unit="rec") as written, \
+                contextlib.closing(parallel_map.for_ranges()(_finish_part, tasks)) as finished:
+            for part, n in finished:
                 append_file(out, part)
                 os.remove(part)
+                written.update(n)
     finally:
         shutil.rmtree(parts_dir, ignore_errors=True)
     return uid
@@ -499,11 +533,11 @@ def _merge_inputs(task: tuple) -> tuple[int, np.ndarray, np.ndarray]:
             np.array(keys, dtype=np.uint64).reshape(len(records), len(merge.MERGE_KEYS)))
 
 
-def _write_groups(task: tuple[str, int, int, np.ndarray, str, str]) -> tuple[str, int]:
+def _write_groups(task: tuple[str, int, int, np.ndarray, str, str]) -> tuple[str, int, int]:
     """Worker: the merged records of the groups that start in one byte range of sampled.jsonl, written as a
     part (atomically: a retried task rewrites it). The range's first `skip` records belong to a group of an
     earlier range; the last group may run on past the range's end, so lines are read on until it is complete.
-    Returns (part, labels zeroed by loss_turns in these groups)."""
+    Returns (part, labels zeroed by loss_turns in these groups, groups)."""
     path, start, skip, sizes, loss_turns, part = task
     zeroed = 0
     with open(path, "rb") as f, atomic_writer(part) as out:
@@ -515,7 +549,25 @@ def _write_groups(task: tuple[str, int, int, np.ndarray, str, str]) -> tuple[str
             group = [orjson.loads(next(lines)) for _ in range(size)]
             zeroed += sum(merge.apply_loss_turns(rec, loss_turns) for rec in group)
             out.write(orjson.dumps(merge.merge_records(group)) + b"\n")
-    return part, zeroed
+    return part, zeroed, len(sizes)
+
+
+def decide_range(decider: merge.GroupDecider, joins: np.ndarray, tokens: np.ndarray, keys: np.ndarray
+                 ) -> np.ndarray:
+    """`decider.starts_group` over one range's records (draws, token counts with -1 for None, merge keys), in
+    order; returns the indices in the range of the records that start a group. A record that does not try to
+    join starts a group and sets the decider's state from itself alone, so only the records that try to join,
+    and the record just before each run of them, go through the decider (~2.5x fewer calls at probability 0.2);
+    the decider's state carries on into the next range."""
+    starts = ~joins
+    before = np.flatnonzero(joins[1:] & ~joins[:-1])  # the non-joining record before each run of joins
+    tried = np.flatnonzero(joins)
+    calls = np.concatenate([before, tried, [len(joins) - 1]] if len(joins) and not joins[-1] else [before, tried])
+    for i in np.unique(calls).tolist():  # in record order
+        n = int(tokens[i])
+        started = decider.starts_group(bool(joins[i]), None if n < 0 else n, tuple(keys[i].tolist()))
+        starts[i] = started
+    return np.flatnonzero(starts)
 
 
 def merge_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, budget: int | None, tokenizer_key,
@@ -550,13 +602,12 @@ def merge_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, budget: int | N
                 yield path, a, b, np.array(joins, dtype=bool), True, cfg.loss_turns, tokenizer_key, opts
 
         index = 0
-        with contextlib.closing(parallel_map(_merge_inputs, tasks())) as done:
+        with progress(total=n_in, desc="merge: decisions", unit="rec") as bar, \
+                contextlib.closing(parallel_map(_merge_inputs, tasks())) as done:
             for _, tokens, keys in done:
-                joins = joins_of.popleft().tolist()
-                for join, n, key in zip(joins, tokens.tolist(), map(tuple, keys.tolist())):
-                    if decider.starts_group(join, None if n < 0 else n, key):
-                        starts.append(index)
-                    index += 1
+                bar.update(len(tokens))
+                starts.extend((index + decide_range(decider, joins_of.popleft(), tokens, keys)).tolist())
+                index += len(tokens)
     group_starts = np.frombuffer(starts, dtype=np.int64) if starts else np.zeros(0, dtype=np.int64)
     sizes = np.diff(np.append(group_starts, n_in))
     group_sizes = {int(k): int(v) for k, v in zip(*np.unique(sizes, return_counts=True))}
@@ -570,9 +621,10 @@ def merge_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, budget: int | N
                            str(parts_dir / f"part_{k:08d}.jsonl"))
 
         zeroed = 0
-        with atomic_writer(cfg.merged_path) as out, \
+        with atomic_writer(cfg.merged_path) as out, progress(total=len(sizes), desc="merge", unit="group") as bar, \
                 contextlib.closing(parallel_map(_write_groups, write_tasks())) as done:
-            for part, part_zeroed in done:
+            for part, part_zeroed, n_groups in done:
+                bar.update(n_groups)
                 zeroed += part_zeroed
                 append_file(out, part)
                 os.remove(part)
@@ -591,8 +643,8 @@ def _tokenize_part(cfg_dict: dict, parts_dir: str, task: tuple[int, int, int, in
     `records_before` records in `lines_before` lines: `tokenize.iter_chunks`'s record indices and line numbers)
     and write its kept sequences as a dataset of their own (a part) under `parts_dir`; returns the range's tally
     (with each row's token count), its input bytes and the part (None when nothing was kept). A fatal bad record
-    comes back as the tally's `fatal`, raised by the driver in range order. The context is built once per
-    config (Ray reuses worker processes across tasks)."""
+    is raised (and raised again by the driver, in range order). The context is built once per config (Ray reuses
+    worker processes across tasks)."""
     global _TOKENIZE_CONFIG
     key = orjson.dumps(cfg_dict)
     if _TOKENIZE_CONFIG is None or _TOKENIZE_CONFIG[0] != key:
@@ -614,10 +666,7 @@ def _tokenize_part(cfg_dict: dict, parts_dir: str, task: tuple[int, int, int, in
     part = Path(parts_dir) / f"chunk_{index:08d}"
     tally = TokenizeTally()
     with ShardWriter(part, token_fields=fields, max_shard_bytes=PART_SHARD_BYTES, kind="tokenized") as writer:
-        try:
-            tally.add_results(results, writer, cfg)
-        except RecordError as exc:
-            return exc, n_bytes, None
+        tally.add_results(results, writer, cfg)
         if not tally.n_out:
             return tally, n_bytes, None
         writer.close()
@@ -691,8 +740,6 @@ def tokenize_tallies(parallel_map: RayChunkMap, shard_map: RayChunkMap, cfg: Dat
     fn = functools.partial(_tokenize_part, to_dict(cfg), str(parts_dir))
     with contextlib.closing(parallel_map(fn, tasks())) as results:
         for tally, n_bytes, part in results:
-            if isinstance(tally, RecordError):
-                raise tally
             if part is not None:
                 parts.append((part, tally.row_tokens))
             tally.row_tokens = []

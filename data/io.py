@@ -289,22 +289,17 @@ def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
 
 def append_file(out: BinaryIO, path: str | os.PathLike) -> None:
     """Append the bytes of file `path` to `out` (a binary file being written), copied by the kernel where it can
-    (`os.copy_file_range`: no pass through this process, and server-side on filesystems that offer it)."""
+    (`os.copy_file_range`: no pass through this process, and server-side on filesystems that offer it). `out`'s
+    position follows the file descriptor's, so writes through it after this land after the appended bytes."""
     out.flush()
     with open(path, "rb") as src:
         remaining = os.fstat(src.fileno()).st_size
         try:
-            while remaining > 0:
-                copied = os.copy_file_range(src.fileno(), out.fileno(), remaining)
-                if copied == 0:
-                    break
+            while remaining > 0 and (copied := os.copy_file_range(src.fileno(), out.fileno(), remaining)):
                 remaining -= copied
-        except OSError:  # not offered here (another filesystem, an old kernel): copy through this process
-            shutil.copyfileobj(src, out, 1 << 20)
-        else:
-            if remaining:
-                shutil.copyfileobj(src, out, 1 << 20)
-    out.seek(0, os.SEEK_END)  # the buffered writer learns where the kernel left the file
+        except OSError:  # not offered here (another filesystem, an old kernel)
+            pass
+        shutil.copyfileobj(src, out, 1 << 20)  # what the kernel did not copy (from where it stopped)
 
 
 def remove_stale_temporaries(cfg: DataConfig) -> list[tuple[Path, int]]:

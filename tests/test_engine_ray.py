@@ -207,6 +207,31 @@ def test_chunk_map_yields_chunk_order_when_ray_does_not(fault_dir):
     assert out == [x * x for x in range(40)]
 
 
+def _fails_on_seven(x):
+    if x == 7:
+        raise ValueError("chunk 7")
+    return x
+
+
+def test_chunk_map_raises_the_first_error_in_chunk_order(fault_dir):
+    """An error of the chunk source itself (the driver reading a later input) comes after the results of the
+    chunks before it, so a worker's error in an earlier chunk is raised first, as in chunk order; results stream
+    out of a window before the window ends."""
+    def chunks(n):
+        yield from range(n)
+        raise RecordError("later.jsonl:1", "line", "unreadable", "malformed_json")
+
+    out = []
+    with pytest.raises(RecordError, match="later.jsonl:1"):
+        for x in engine_ray.RayChunkMap(2, window=4)(_fails_on_seven, chunks(6)):
+            out.append(x)
+    assert out == list(range(6))
+    with pytest.raises(ValueError, match="chunk 7"):
+        list(engine_ray.RayChunkMap(2, window=4)(_fails_on_seven, chunks(10)))
+    with pytest.raises(ValueError, match="chunk 7"):  # the source fails inside the window holding chunk 7
+        list(engine_ray.RayChunkMap(2, window=16)(_fails_on_seven, chunks(10)))
+
+
 BAD_CODE_RECORD = {"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}]}
 
 

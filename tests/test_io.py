@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data.io import (JsonlIndex, atomic_write_bytes, atomic_writer, expand_inputs, iter_rows, ordered_parallel_map,
+from data.io import (JsonlIndex, append_file, atomic_write_bytes, atomic_writer, expand_inputs, iter_rows, ordered_parallel_map,
                      read_rows)
 from data.records import RecordError
 
@@ -199,3 +199,27 @@ def test_utf8_bom_is_ignored(tmp_path):
     (tmp_path / "d.csv").write_bytes(bom + b"a\n1\n")
     for name, value in (("d.jsonl", 1), ("d.json", 1), ("d.csv", "1")):
         assert [r for _, r in _rows(tmp_path / name)] == [{"a": value}]
+
+
+@pytest.mark.parametrize("kernel_copy", [True, False])
+def test_append_file_adds_parts_between_buffered_writes(tmp_path, monkeypatch, kernel_copy):
+    """Parts appended by the kernel (or through this process where `os.copy_file_range` fails) land after what
+    was written before, in order, and writes through the buffered file after them follow them."""
+    if not kernel_copy:
+        def unsupported(*args):
+            raise OSError(18, "Invalid cross-device link")
+        monkeypatch.setattr(os, "copy_file_range", unsupported)
+    parts = []
+    for k, size in enumerate([0, 1, 5000, 3 << 20]):
+        part = tmp_path / f"part{k}"
+        part.write_bytes(os.urandom(size))
+        parts.append(part)
+    out_path = tmp_path / "out.bin"
+    with atomic_writer(out_path) as out:
+        out.write(b"head")
+        for part in parts:
+            end = out.tell() + part.stat().st_size
+            append_file(out, part)
+            assert out.tell() == end  # the file object knows where the kernel's copy ended
+            out.write(b"|")
+    assert out_path.read_bytes() == b"head" + b"".join(p.read_bytes() + b"|" for p in parts)
