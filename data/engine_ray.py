@@ -72,8 +72,13 @@ TASKS_PER_WORKER = 2
 RANGE_BYTES = 1 << 20  # .jsonl bytes per preprocess range (several ranges go to one task)
 MERGE_RANGE_BYTES = 1 << 20  # sampled.jsonl bytes per merge range
 TOKENIZE_RANGE_BYTES = 1 << 20  # merged.jsonl bytes per tokenize range (a part)
-RANGE_WINDOW_CHUNKS = 1024  # chunks per window of the maps over byte ranges (~1 GiB of input a Ray Data execution)
-RANGE_CHUNKS_PER_TASK = 2
+# Maps over byte ranges and plan slices (`RayChunkMap.for_ranges`): Ray Data's driver spends ~15-20 ms of CPU per
+# task and ~3 ms per block (measured, BENCHMARKS.md), so their windows are large (max(RANGE_WINDOW_CHUNKS,
+# RANGE_WINDOW_CHUNKS_PER_WORKER x workers) chunks of ~1 MiB) and cut into RANGE_TASKS_PER_WORKER tasks per
+# worker, one block each: >= 32 MiB a task, and ~1 s of driver CPU per GiB and pass whatever the worker count.
+RANGE_WINDOW_CHUNKS = 1024
+RANGE_WINDOW_CHUNKS_PER_WORKER = 256
+RANGE_TASKS_PER_WORKER = 8
 MAX_ROW_GROUP_BYTES = 16 << 20  # larger .parquet row groups: the file is read on the driver
 PART_SHARD_BYTES = 1 << 40  # a tokenize part is one shard, whatever its size: the parts are re-cut anyway
 
@@ -139,10 +144,12 @@ class RayChunkMap:
     windows of chunks and results. A window's start costs the driver
     ~0.5 s of CPU, so maps over small task descriptors (byte ranges) use large windows (`RANGE_WINDOW_CHUNKS`)."""
 
-    def __init__(self, workers: int, window: int | None = None, chunks_per_task: int | None = None):
+    def __init__(self, workers: int, window: int | None = None, chunks_per_task: int | None = None,
+                 tasks_per_worker: int = TASKS_PER_WORKER):
         self.workers = workers
         self.window = window or max(MIN_WINDOW_CHUNKS, WINDOW_CHUNKS_PER_WORKER * workers)
-        self.chunks_per_task = chunks_per_task  # None: the window spread as TASKS_PER_WORKER tasks per worker
+        self.chunks_per_task = chunks_per_task  # None: the window spread as `tasks_per_worker` tasks per worker
+        self.tasks_per_worker = tasks_per_worker
 
     def __call__(self, fn: Callable, chunks: Iterable) -> Iterator:
         runner = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ray-window")
@@ -163,9 +170,11 @@ class RayChunkMap:
             runner.shutdown(wait=True, cancel_futures=True)
 
     def for_ranges(self) -> "RayChunkMap":
-        """The map for chunks that are task descriptors (byte ranges, slices of a plan): the driver holds little
-        per chunk, so windows are large (few executions to start) and tasks small (results stream back)."""
-        return RayChunkMap(self.workers, max(self.window, RANGE_WINDOW_CHUNKS), RANGE_CHUNKS_PER_TASK)
+        """The map for chunks that are task descriptors (~1 MiB byte ranges, slices of a plan): the driver holds
+        little per chunk, so windows are large and tasks hold many chunks (few executions, tasks and blocks for
+        the driver to handle; `RANGE_WINDOW_CHUNKS`)."""
+        window = max(self.window, RANGE_WINDOW_CHUNKS, RANGE_WINDOW_CHUNKS_PER_WORKER * self.workers)
+        return RayChunkMap(self.workers, window, tasks_per_worker=RANGE_TASKS_PER_WORKER)
 
     def _windows(self, chunks: Iterable, failed: list[Exception]) -> Iterator[tuple[int, list[dict]]]:
         """Windows of pickled chunks. An error raised by `chunks` ends them (the chunks read so far still go out)
@@ -208,8 +217,9 @@ class RayChunkMap:
         import ray.data
 
         try:
-            chunks_per_task = self.chunks_per_task or max(1, len(items) // (TASKS_PER_WORKER * self.workers))
-            dataset = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+            chunks_per_task = self.chunks_per_task or max(1, len(items) // (self.tasks_per_worker * self.workers))
+            blocks = -(-len(items) // chunks_per_task)  # one block a task: the driver's cost is per block too
+            dataset = ray.data.from_items(items, override_num_blocks=blocks).map_batches(
                 _apply, fn_args=(fn,), batch_size=chunks_per_task, batch_format="numpy",
                 compute=ray.data.TaskPoolStrategy(size=self.workers))
             for row in dataset.iter_rows():
