@@ -69,7 +69,8 @@ from data.tokenize import TokenizeTally
 WINDOW_CHUNKS_PER_WORKER = 8
 MIN_WINDOW_CHUNKS = 64
 TASKS_PER_WORKER = 2
-RANGE_BYTES = 1 << 20  # .jsonl bytes per preprocess range (several ranges go to one task)
+INPUT_RANGE_BYTES = 16 << 20  # .jsonl input bytes per preprocess range (a worker holds its rows at once)
+RANGE_BYTES = 1 << 20  # canonical.jsonl bytes per sample range, and sampled.jsonl bytes per sample plan slice
 MERGE_RANGE_BYTES = 1 << 20  # sampled.jsonl bytes per merge range
 TOKENIZE_RANGE_BYTES = 1 << 20  # merged.jsonl bytes per tokenize range (a part)
 # Maps over byte ranges and plan slices (`RayChunkMap.for_ranges`): Ray Data's driver spends ~15-20 ms of CPU per
@@ -328,7 +329,7 @@ def _preprocess_tasks(cfg: DataConfig, stats: list[dict], dropped: dict) -> Iter
                     st["format"] = rows.fmt
                 for chunk_spec, fmt, chunk in rows.flush():
                     yield "rows", spec_index, chunk_spec, fmt, chunk
-                for k, (a, b) in enumerate(jsonl_byte_ranges(path, start, RANGE_BYTES)):
+                for k, (a, b) in enumerate(jsonl_byte_ranges(path, start, INPUT_RANGE_BYTES)):
                     yield "range", spec_index, rows.spec, rows.fmt, path, a, b, lines_before if k == 0 else None
                 continue
             known = rows.fmt is not None or rows.spec.format != "auto"  # a set format needs no row to detect it

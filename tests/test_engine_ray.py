@@ -343,7 +343,7 @@ def test_input_byte_ranges_give_the_errors_and_skips_of_local(fault_dir, tmp_pat
     (canonical.jsonl) and every count are those of the local run."""
     from data.io import jsonl_byte_ranges
 
-    monkeypatch.setattr(engine_ray, "RANGE_BYTES", 300)
+    monkeypatch.setattr(engine_ray, "INPUT_RANGE_BYTES", 300)
     inputs, path, bad_line = _deep_bad_input(tmp_path / "error")
     assert len(list(jsonl_byte_ranges(str(path), 0, 300))) > 5
     cfg = example_config(tmp_path / "error", "out", "num_workers=1", inputs)
@@ -441,6 +441,7 @@ def test_preprocess_and_sample_lines_are_written_by_the_workers(fault_dir, tmp_p
     for cat, rate in zip(categories, [2.5, 0.4, 0, 1.3, 1]):
         cat["sample_rate"] = rate
     ratios.write_bytes(orjson.dumps({"categories": categories}))
+    monkeypatch.setattr(engine_ray, "INPUT_RANGE_BYTES", 2000)
     monkeypatch.setattr(engine_ray, "RANGE_BYTES", 2000)
     written = []
     for module, name in ((preprocess, "canonical_line"), (sample, "sampled_line")):
