@@ -229,6 +229,18 @@ class RayChunkMap:
             arrived.put((None, None))
 
 
+def append_parts(out, results: Iterable[tuple], bar) -> list[list]:
+    """For each worker result `(part, records, *rest)` in order: append the part to `out` (`io.append_file`, a
+    kernel copy), remove it, advance `bar` by its records. Returns the `rest` of each."""
+    rests = []
+    for part, n, *rest in results:
+        append_file(out, part)
+        os.remove(part)
+        bar.update(n)
+        rests.append(rest)
+    return rests
+
+
 # ---------------------------------------------------------------------------------------------- preprocess
 def _preprocess_task(task: tuple) -> tuple:
     """Worker: `("rows", spec_index, spec, fmt, rows)` converts rows the driver read (as locally);
@@ -439,10 +451,7 @@ def convert_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, stats: list[d
                  for part, first_uid, shift in finish)
         with progress(total=uid, desc="preprocess: canonical lines", unit="rec") as written, \
                 contextlib.closing(parallel_map.for_ranges()(_finish_part, tasks)) as finished:
-            for part, n in finished:
-                append_file(out, part)
-                os.remove(part)
-                written.update(n)
+            append_parts(out, finished, written)
     finally:
         shutil.rmtree(parts_dir, ignore_errors=True)
     return uid
@@ -508,10 +517,7 @@ def write_sampled_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, offsets
                  for k, (a, b) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())))
         with progress(total=len(records), desc="sample", unit="rec") as bar, \
                 contextlib.closing(parallel_map(_write_sampled, tasks)) as done:
-            for part, n in done:
-                append_file(out, part)
-                os.remove(part)
-                bar.update(n)
+            append_parts(out, done, bar)
     finally:
         shutil.rmtree(parts_dir, ignore_errors=True)
 
@@ -548,7 +554,7 @@ def _write_groups(task: tuple[str, int, int, np.ndarray, str, str]) -> tuple[str
     """Worker: the merged records of the groups that start in one byte range of sampled.jsonl, written as a
     part (atomically: a retried task rewrites it). The range's first `skip` records belong to a group of an
     earlier range; the last group may run on past the range's end, so lines are read on until it is complete.
-    Returns (part, labels zeroed by loss_turns in these groups, groups)."""
+    Returns (part, groups, labels zeroed by loss_turns in these groups)."""
     path, start, skip, sizes, loss_turns, part = task
     zeroed = 0
     with open(path, "rb") as f, atomic_writer(part) as out:
@@ -560,7 +566,7 @@ def _write_groups(task: tuple[str, int, int, np.ndarray, str, str]) -> tuple[str
             group = [orjson.loads(next(lines)) for _ in range(size)]
             zeroed += sum(merge.apply_loss_turns(rec, loss_turns) for rec in group)
             out.write(orjson.dumps(merge.merge_records(group)) + b"\n")
-    return part, zeroed, len(sizes)
+    return part, len(sizes), zeroed
 
 
 def decide_range(decider: merge.GroupDecider, joins: np.ndarray, tokens: np.ndarray, keys: np.ndarray
@@ -631,14 +637,9 @@ def merge_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, budget: int | N
                     yield (path, a, int(group_starts[lo] - first_record[k]), sizes[lo:hi], cfg.loss_turns,
                            str(parts_dir / f"part_{k:08d}.jsonl"))
 
-        zeroed = 0
         with atomic_writer(cfg.merged_path) as out, progress(total=len(sizes), desc="merge", unit="group") as bar, \
                 contextlib.closing(parallel_map(_write_groups, write_tasks())) as done:
-            for part, part_zeroed, n_groups in done:
-                bar.update(n_groups)
-                zeroed += part_zeroed
-                append_file(out, part)
-                os.remove(part)
+            zeroed = sum(part_zeroed for part_zeroed, in append_parts(out, done, bar))
     finally:
         shutil.rmtree(parts_dir, ignore_errors=True)
     return merge.MergeTotals(n_in, zeroed, decider.blocked, group_sizes)
