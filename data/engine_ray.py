@@ -479,8 +479,7 @@ def _scan_range(task: tuple[str, int, int]) -> tuple[np.ndarray, np.ndarray, dic
     return lengths, categories, names
 
 
-def scan_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, path: Path
-                    ) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
+def scan_on_workers(parallel_map: RayChunkMap, path: Path) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
     """`sample.scan` with the records read by the workers, by byte ranges; the driver keeps 16 bytes a record."""
     ranges = list(jsonl_byte_ranges(str(path), 0, RANGE_BYTES))
     lengths, categories, names = [np.zeros(1, dtype=np.int64)], [np.zeros(0, dtype=np.int64)], {}

@@ -139,10 +139,9 @@ def write(cfg: DataConfig, offsets: np.ndarray, records: np.ndarray, copies: np.
 def run(cfg: DataConfig, scan_all: Callable | None = None, write_all: Callable | None = None) -> dict:
     """canonical.jsonl + ratio file -> sampled.jsonl; records the `sample` report section.
 
-    `scan_all(cfg, path)` and `write_all(cfg, offsets, records, copies, out)` replace `scan` and `write` (the Ray
+    `scan_all(path)` and `write_all(cfg, offsets, records, copies, out)` replace `scan` and `write` (the Ray
     engine's workers read and write the records; the plan stays here)."""
-    offsets, categories, names = (scan_all or (lambda _, path: scan(path)))(
-        cfg, require_stage_input(cfg.canonical_path, "preprocess"))
+    offsets, categories, names = (scan_all or scan)(require_stage_input(cfg.canonical_path, "preprocess"))
     present = {int(c): int(n) for c, n in zip(*np.unique(categories, return_counts=True))}
     rates = check_rates(read_ratio_file(cfg.ratio_file), present, cfg.ratio_file, names)
     records, copies = plan(categories, rates, cfg.seed)
