@@ -73,10 +73,10 @@ INPUT_RANGE_BYTES = 16 << 20  # .jsonl input bytes per preprocess range (a worke
 RANGE_BYTES = 1 << 20  # canonical.jsonl bytes per sample range, and sampled.jsonl bytes per sample plan slice
 MERGE_RANGE_BYTES = 1 << 20  # sampled.jsonl bytes per merge range
 TOKENIZE_RANGE_BYTES = 1 << 20  # merged.jsonl bytes per tokenize range (a part)
-# Maps over byte ranges and plan slices (`RayChunkMap.for_ranges`): Ray Data's driver spends ~15-20 ms of CPU per
-# task and ~3 ms per block (measured, BENCHMARKS.md), so their windows are large (max(RANGE_WINDOW_CHUNKS,
+# Maps over byte ranges and plan slices (`RayChunkMap.for_ranges`): Ray Data's driver spends ~20-30 ms of CPU per
+# task and block (BENCHMARKS.md, bench_ray_overhead.py), so their windows are large (max(RANGE_WINDOW_CHUNKS,
 # RANGE_WINDOW_CHUNKS_PER_WORKER x workers) chunks of ~1 MiB) and cut into RANGE_TASKS_PER_WORKER tasks per
-# worker, one block each: >= 32 MiB a task, and ~1 s of driver CPU per GiB and pass whatever the worker count.
+# worker, one block each: >= 32 MiB a task, whatever the worker count.
 RANGE_WINDOW_CHUNKS = 1024
 RANGE_WINDOW_CHUNKS_PER_WORKER = 256
 RANGE_TASKS_PER_WORKER = 8
@@ -142,8 +142,8 @@ class RayChunkMap:
     `fn` must be picklable (a module-level function or a partial of one). Chunks are read a window at a time
     (one Ray Data execution each); the next window is submitted while the caller consumes one, and runs beside
     it (its tasks fill the workers the current window's last tasks leave idle), so the driver holds at most two
-    windows of chunks and results. A window's start costs the driver
-    ~0.5 s of CPU, so maps over small task descriptors (byte ranges) use large windows (`RANGE_WINDOW_CHUNKS`)."""
+    windows of chunks and results. Ray Data's driver pays per execution, task and block, so maps over small task
+    descriptors (byte ranges) use large windows (`for_ranges`)."""
 
     def __init__(self, workers: int, window: int | None = None, chunks_per_task: int | None = None,
                  tasks_per_worker: int = TASKS_PER_WORKER):
@@ -573,8 +573,8 @@ def decide_range(decider: merge.GroupDecider, joins: np.ndarray, tokens: np.ndar
     """`decider.starts_group` over one range's records (draws, token counts with -1 for None, merge keys), in
     order; returns the indices in the range of the records that start a group. A record that does not try to
     join starts a group and sets the decider's state from itself alone, so only the records that try to join,
-    and the record just before each run of them, go through the decider (~2.5x fewer calls at probability 0.2);
-    the decider's state carries on into the next range."""
+    and the record just before each run of them, go through the decider; its state carries on into the next
+    range."""
     starts = ~joins
     before = np.flatnonzero(joins[1:] & ~joins[:-1])  # the non-joining record before each run of joins
     tried = np.flatnonzero(joins)
