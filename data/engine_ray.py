@@ -507,12 +507,16 @@ def write_sampled_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, offsets
                              copies: np.ndarray, out) -> None:
     """`sample.write` on the workers: the plan cut into slices of about `RANGE_BYTES` of output, each written
     as a part by a worker, the parts appended to `out` in order (a kernel copy)."""
-    starts, ends = offsets[records], offsets[records + 1]
-    cuts = np.searchsorted(np.cumsum(ends - starts), np.arange(RANGE_BYTES, int((ends - starts).sum()), RANGE_BYTES))
+    output_ends = np.diff(offsets)[records]  # each planned line's bytes, then (in place) where it ends in the output
+    np.cumsum(output_ends, out=output_ends)
+    total = int(output_ends[-1]) if len(output_ends) else 0
+    cuts = np.searchsorted(output_ends, np.arange(RANGE_BYTES, total, RANGE_BYTES))
+    del output_ends
     bounds = np.unique(np.concatenate([[0], cuts, [len(records)]]))
     parts_dir = Path(tempfile.mkdtemp(prefix=f".sample-parts.tmp-{os.getpid()}-", dir=Path(cfg.sampled_path).parent))
     try:
-        tasks = ((str(cfg.canonical_path), starts[a:b], ends[a:b], copies[a:b], str(parts_dir / f"part_{k:08d}.jsonl"))
+        tasks = ((str(cfg.canonical_path), offsets[records[a:b]], offsets[records[a:b] + 1], copies[a:b],
+                  str(parts_dir / f"part_{k:08d}.jsonl"))
                  for k, (a, b) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())))
         with progress(total=len(records), desc="sample", unit="rec") as bar, \
                 contextlib.closing(parallel_map(_write_sampled, tasks)) as done:
@@ -760,29 +764,32 @@ def tokenize_tallies(parallel_map: RayChunkMap, shard_map: RayChunkMap, cfg: Dat
 
 
 # ---------------------------------------------------------------------------------------------- pack
-def _write_part(task: tuple[str, list[str], int, str, str, list[list[int]]]) -> str:
+def _write_part(task: tuple[str, list[str], int, str, str, pack.RowPlan]) -> str:
     """Worker: one output shard, `rows` copied from the tokenized dataset by `pack.write_rows`, as a dataset
-    of its own at `part_dir`."""
+    of its own at `part_dir` (the driver shows the progress, by shard)."""
     src_path, token_fields, max_shard_bytes, kind, part_dir, rows = task
     src = PackedDataset(src_path)
     writer = ShardWriter(part_dir, token_fields=token_fields, max_shard_bytes=max_shard_bytes, kind=kind)
     with writer:
-        pack.write_rows(writer, src, rows, np.asarray(src.row_n_tokens, dtype=np.int64))
+        pack.write_rows(writer, src, rows, np.asarray(src.row_n_tokens, dtype=np.int64), show_progress=False)
         writer.close()
     return part_dir
 
 
 def write_rows_on_workers(parallel_map: RayChunkMap, writer: ShardWriter, src: PackedDataset,
-                          rows: list[list[int]], lengths: np.ndarray) -> None:
+                          rows: pack.RowPlan, lengths: np.ndarray) -> None:
     """`pack.run`'s row writer: one Ray task per output shard, the shards appended to `writer` in order."""
-    row_nbytes = [int(lengths[members].sum()) * writer.dtype.itemsize for members in rows]
+    row_nbytes = (rows.sums(lengths) * writer.dtype.itemsize).tolist()
+    shards = shard_ranges(row_nbytes, writer.max_shard_bytes)
     parts = writer.tmp_dir / "ray-parts"  # inside the writer's temp dir: an aborted writer removes it too
     parts.mkdir()
     tasks = ((str(src.path), writer.token_fields, writer.max_shard_bytes, writer.kind, str(parts / f"part_{k:05d}"),
-              rows[start:end]) for k, (start, end) in enumerate(shard_ranges(row_nbytes, writer.max_shard_bytes)))
-    with contextlib.closing(parallel_map(_write_part, tasks)) as part_dirs:
-        for part_dir in part_dirs:
+              rows.slice(start, end)) for k, (start, end) in enumerate(shards))
+    with progress(total=len(rows), desc="pack", unit="row") as bar, \
+            contextlib.closing(parallel_map(_write_part, tasks)) as part_dirs:
+        for part_dir, (start, end) in zip(part_dirs, shards):
             writer.append_dataset(part_dir)
+            bar.update(end - start)
     shutil.rmtree(parts)  # empty, or the temp dirs of attempts Ray retried
 
 

@@ -1,15 +1,19 @@
 """Pack stage: assign tokenized sequences to fixed-capacity rows (bin packing) and write packed/.
 
-`plan()` is the pure core: best-fit decreasing or first-fit decreasing over the whole dataset. After an
+`plan_rows()` is the pure core: best-fit decreasing or first-fit decreasing over the whole dataset. After an
 O(N log N) sort, best fit finds the tightest row with a two-level bitset over room values (a few operations on
 small Python ints per item), first fit descends a max segment tree over rows (O(log rows) per item):
-about 1-2 CPU seconds per million lengths (benchmarks/results/pack.md).
-`run()` reads tokenized/, writes packed/ (rows and the sequences inside each row in seeded random order),
-stats.json and stats.png, and returns the stage's report section.
+about 1-2 CPU seconds per million lengths (benchmarks/results/pack.md). Its result is a `RowPlan`, flat
+arrays (16 bytes per sequence), so that planning a billion sequences on one driver is a matter of gigabytes;
+`plan()` gives the same rows as lists.
+`run()` reads tokenized/, writes packed/ (rows and the sequences inside each row in seeded random order,
+`layout`), stats.json and stats.png, and returns the stage's report section.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import array
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -19,6 +23,54 @@ from data.shards import RESERVED_META_KEYS, PackedDataset, ShardWriter, dump_jso
 
 ALGORITHMS = ("best_fit", "first_fit")
 RELEASE_BYTES = 16 << 20  # unmap the source's pages after copying this much (page faults map ~2-3x as much)
+PLAN_CHUNK = 1 << 16  # lengths handed to the planning loop as Python ints at a time (bounds its memory)
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """Rows of item indices as flat arrays: row r holds `members[starts[r]:starts[r + 1]]` (never empty)."""
+
+    members: np.ndarray  # int64, the items of row 0, then of row 1, ...
+    starts: np.ndarray  # int64 [rows + 1], starts[0] = 0, starts[-1] = len(members)
+
+    def __len__(self) -> int:
+        return self.starts.shape[0] - 1
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        members = self.members
+        bounds = self.starts.tolist()
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            yield members[lo:hi]
+
+    def row(self, r: int) -> np.ndarray:
+        return self.members[self.starts[r]:self.starts[r + 1]]
+
+    def slice(self, first: int, end: int) -> "RowPlan":
+        """Rows first..end-1 as a plan of their own (what one writer task needs)."""
+        lo, hi = int(self.starts[first]), int(self.starts[end])
+        return RowPlan(self.members[lo:hi], self.starts[first:end + 1] - lo)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Items per row."""
+        return np.diff(self.starts)
+
+    def sums(self, values: np.ndarray) -> np.ndarray:
+        """Per row, the sum of `values` over its items (e.g. tokens per row from the items' lengths)."""
+        if not len(self):
+            return np.zeros(0, dtype=np.int64)
+        return np.add.reduceat(np.asarray(values, dtype=np.int64)[self.members], self.starts[:-1])
+
+    def tolist(self) -> list[list[int]]:
+        return [row.tolist() for row in self]
+
+    @classmethod
+    def from_assignment(cls, items: np.ndarray, row_of: np.ndarray, n_rows: int) -> "RowPlan":
+        """`items[k]` goes to row `row_of[k]`; within a row, items keep their order in `items`."""
+        members = items[np.argsort(row_of, kind="stable")]
+        starts = np.zeros(n_rows + 1, dtype=np.int64)
+        np.cumsum(np.bincount(row_of, minlength=n_rows), out=starts[1:])
+        return cls(members, starts)
 
 
 # ---------------------------------------------------------------------------------------------- planning
@@ -49,26 +101,38 @@ def _check_lengths(lengths, max_length: int) -> np.ndarray:
     return arr
 
 
-def plan(lengths, max_length: int, seed: int = 0, algorithm: str = "best_fit") -> list[list[int]]:
+def plan_rows(lengths, max_length: int, seed: int = 0, algorithm: str = "best_fit") -> RowPlan:
     """Group item indices into rows of total length <= max_length, each index exactly once.
 
     Items are placed in decreasing length; `best_fit` puts each into the open row with the least room that
-    still fits it, `first_fit` into the oldest such row; a new row is opened when none fits.
+    still fits it, `first_fit` into the oldest such row; a new row is opened when none fits. Rows are numbered
+    in the order they are opened, and a row's items are in the order they were placed.
     The result is a deterministic function of (lengths, max_length, seed, algorithm).
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     arr = _check_lengths(lengths, max_length)
     if arr.size == 0:
-        return []
+        return RowPlan(np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64))
     order = _decreasing_order(arr, seed)
-    if algorithm == "best_fit":
-        return _best_fit(order.tolist(), arr[order].tolist(), int(max_length))
-    return _first_fit(order.tolist(), arr[order].tolist(), int(max_length))
+    place = _best_fit if algorithm == "best_fit" else _first_fit
+    row_of, n_rows = place(arr[order], int(max_length))
+    return RowPlan.from_assignment(order, row_of, n_rows)
 
 
-def _best_fit(order: list[int], sizes: list[int], cap: int) -> list[list[int]]:
-    """Best-fit over rows bucketed by remaining room.
+def plan(lengths, max_length: int, seed: int = 0, algorithm: str = "best_fit") -> list[list[int]]:
+    """`plan_rows` as a list of rows, each a list of item indices."""
+    return plan_rows(lengths, max_length, seed, algorithm).tolist()
+
+
+def _chunks_as_ints(sizes: np.ndarray) -> Iterator[int]:
+    """The sizes as Python ints, converted `PLAN_CHUNK` at a time (not all at once: 36 bytes each)."""
+    for lo in range(0, sizes.shape[0], PLAN_CHUNK):
+        yield from sizes[lo:lo + PLAN_CHUNK].tolist()
+
+
+def _best_fit(sizes: np.ndarray, cap: int) -> tuple[np.ndarray, int]:
+    """Best fit of `sizes` in the given order: (the row of each item, the number of rows).
 
     `buckets[r]` is a stack of the rows with exactly r tokens of room. The non-empty buckets are a bitset in
     two levels: `words[w]` holds bits r = 64w..64w+63 and bit w of `summary` says words[w] is non-zero, so
@@ -78,9 +142,11 @@ def _best_fit(order: list[int], sizes: list[int], cap: int) -> list[list[int]]:
     words = [0] * n_words
     summary = 0
     buckets: list[list[int] | None] = [None] * (cap + 1)
-    rows: list[list[int]] = []
+    row_of = array.array("q")
+    assign = row_of.append
+    n_rows = 0
     half = cap // 2
-    for idx, s in zip(order, sizes):
+    for s in _chunks_as_ints(sizes):
         r = -1
         if s <= half:  # in decreasing order nothing larger than half the room can share a row
             w = s >> 6
@@ -94,8 +160,8 @@ def _best_fit(order: list[int], sizes: list[int], cap: int) -> list[list[int]]:
                     word = words[w]
                     r = (w << 6) + (word & -word).bit_length() - 1
         if r < 0:
-            b = len(rows)
-            rows.append([idx])
+            b = n_rows
+            n_rows += 1
             left = cap - s
         else:
             stack = buckets[r]
@@ -105,8 +171,8 @@ def _best_fit(order: list[int], sizes: list[int], cap: int) -> list[list[int]]:
                 words[w] &= ~(1 << (r & 63))
                 if not words[w]:
                     summary &= ~(1 << w)
-            rows[b].append(idx)
             left = r - s
+        assign(b)
         if left:
             stack = buckets[left]
             if stack:
@@ -117,15 +183,18 @@ def _best_fit(order: list[int], sizes: list[int], cap: int) -> list[list[int]]:
                 if not words[w]:
                     summary |= 1 << w
                 words[w] |= 1 << (left & 63)
-    return rows
+    return np.frombuffer(row_of, dtype=np.int64), n_rows
 
 
-def _first_fit(order: list[int], sizes: list[int], cap: int) -> list[list[int]]:
-    """First-fit over a max segment tree of the rows' remaining room (leaves in row order)."""
+def _first_fit(sizes: np.ndarray, cap: int) -> tuple[np.ndarray, int]:
+    """First fit of `sizes` in the given order over a max segment tree of the rows' remaining room (leaves in
+    row order): (the row of each item, the number of rows)."""
     size = 1024
     tree = [0] * (2 * size)  # tree[1] is the root; leaves at size..2*size-1; unopened rows have room 0
-    rows: list[list[int]] = []
-    for idx, s in zip(order, sizes):
+    row_of = array.array("q")
+    assign = row_of.append
+    n_rows = 0
+    for s in _chunks_as_ints(sizes):
         if tree[1] >= s:
             i = 1
             while i < size:
@@ -133,19 +202,19 @@ def _first_fit(order: list[int], sizes: list[int], cap: int) -> list[list[int]]:
                 if tree[i] < s:
                     i += 1
             b = i - size
-            rows[b].append(idx)
             tree[i] -= s
         else:
-            b = len(rows)
+            b = n_rows
+            n_rows += 1
             if b == size:  # grow: double the leaves and rebuild the inner nodes
                 leaves = tree[size:] + [0] * size
                 size *= 2
                 tree = [0] * size + leaves
                 for j in range(size - 1, 0, -1):
                     tree[j] = max(tree[2 * j], tree[2 * j + 1])
-            rows.append([idx])
             i = size + b
             tree[i] = cap - s
+        assign(b)
         i >>= 1
         while i:
             a, c = tree[2 * i], tree[2 * i + 1]
@@ -154,29 +223,36 @@ def _first_fit(order: list[int], sizes: list[int], cap: int) -> list[list[int]]:
                 break
             tree[i] = m
             i >>= 1
-    return rows
+    return np.frombuffer(row_of, dtype=np.int64), n_rows
 
 
 # ---------------------------------------------------------------------------------------------- the stage
-def _row_layout(rows: list[list[int]], seed: int) -> list[list[int]]:
-    """Packed rows in seeded random order, the sequences inside each row in seeded random order too."""
+def layout(rows: RowPlan, seed: int) -> RowPlan:
+    """The rows in seeded random order, the sequences inside each row in seeded random order too (a stream
+    distinct from `plan_rows`' tie-breaking one)."""
     rng = np.random.default_rng([seed, 1])
     order = rng.permutation(len(rows))
-    out = []
+    sizes = rows.sizes
+    starts = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(sizes[order], out=starts[1:])
+    members = np.empty_like(rows.members)
+    bounds = rows.starts.tolist()
+    at = 0
     for b in order.tolist():
-        members = rows[b]
-        out.append([members[j] for j in rng.permutation(len(members)).tolist()] if len(members) > 1 else members)
-    return out
+        lo, hi = bounds[b], bounds[b + 1]
+        n = hi - lo
+        members[at:at + n] = rows.members[lo:hi] if n == 1 else rows.members[lo:hi][rng.permutation(n)]
+        at += n
+    return RowPlan(members, starts)
 
 
 def _check_accounting(src: PackedDataset, packed: PackedDataset) -> dict:
     """Every tokenized row is in exactly one packed row, with the same length and uids. Raises on a mismatch."""
     n_in = len(src)
-    seqs = packed.seq_index
-    rec = np.asarray(seqs["record_index"])
-    if rec.shape[0] != n_in or not np.array_equal(np.bincount(rec, minlength=n_in), np.ones(n_in, dtype=np.int64)):
+    rec = packed.seq_column("record_index")
+    if rec.shape[0] != n_in or not (np.bincount(rec, minlength=n_in) == 1).all():
         raise AssertionError(f"pack: packed sequences do not cover each of the {n_in} tokenized rows exactly once")
-    if not np.array_equal(np.asarray(seqs["length"]), np.asarray(src.row_n_tokens)[rec]):
+    if not np.array_equal(packed.seq_column("length"), np.asarray(src.row_n_tokens)[rec]):
         raise AssertionError("pack: a packed sequence's length differs from its tokenized row")
     uids_in, uids_out = np.sort(src.all_uids), np.sort(packed.all_uids)
     if not np.array_equal(uids_in, uids_out):
@@ -184,23 +260,25 @@ def _check_accounting(src: PackedDataset, packed: PackedDataset) -> dict:
     return {"uids_in": int(uids_in.shape[0]), "uids_out": int(uids_out.shape[0]), "every_record_once": True}
 
 
-def write_rows(writer: ShardWriter, src: PackedDataset, rows: list[list[int]], lengths: np.ndarray) -> None:
-    """Add the packed rows (lists of tokenized row indices) to `writer`, copying the tokens from `src`."""
+def write_rows(writer: ShardWriter, src: PackedDataset, rows: RowPlan, lengths: np.ndarray,
+               show_progress: bool = True) -> None:
+    """Add the packed rows (of tokenized row indices) to `writer`, copying the tokens from `src`."""
     mapped = 0
-    for members in progress(rows, desc="pack", unit="row"):
+    for row in progress(rows, desc="pack", unit="row") if show_progress else rows:
+        members = row.tolist()
         writer.add_row(
             [src.row_tokens(j) for j in members],
             record_indices=members,
             uids=[src.row_uids(j)[0] for j in members],
         )
-        mapped += int(lengths[members].sum())
+        mapped += int(lengths[row].sum())
         if mapped * src.dtype.itemsize > RELEASE_BYTES:
             src.release()  # the rows were copied: keep the mapped tokenized data out of our resident set
             mapped = 0
     src.release()
 
 
-def run(cfg: DataConfig, write: Callable[[ShardWriter, PackedDataset, list[list[int]], np.ndarray], None] | None = None
+def run(cfg: DataConfig, write: Callable[[ShardWriter, PackedDataset, RowPlan, np.ndarray], None] | None = None
         ) -> dict:
     """tokenized/ -> packed/ (+ stats.json, stats.png); records and returns the `pack` report section.
 
@@ -223,7 +301,7 @@ def run(cfg: DataConfig, write: Callable[[ShardWriter, PackedDataset, list[list[
             f"{cfg.tokenized_dir}: row {i} has {int(lengths[i])} tokens > pack.max_length={cap} "
             f"({over.size} such rows); tokenize with max_length <= pack.max_length"
         )
-    rows = _row_layout(plan(lengths, cap, seed=cfg.seed, algorithm=cfg.pack.algorithm), cfg.seed)
+    rows = layout(plan_rows(lengths, cap, seed=cfg.seed, algorithm=cfg.pack.algorithm), cfg.seed)
 
     writer = ShardWriter(
         cfg.packed_dir, token_fields=src.token_fields, max_shard_bytes=cfg.pack.shard_size_mb << 20, kind="packed"
@@ -231,8 +309,8 @@ def run(cfg: DataConfig, write: Callable[[ShardWriter, PackedDataset, list[list[
     with writer:
         (write or write_rows)(writer, src, rows, lengths)
         counts = writer.counts
-        row_n_tokens = np.fromiter((int(lengths[m].sum()) for m in rows), dtype=np.int64, count=len(rows))
-        row_n_seqs = np.fromiter((len(m) for m in rows), dtype=np.int64, count=len(rows))
+        row_n_tokens = rows.sums(lengths)
+        row_n_seqs = rows.sizes
         stats = pack_statistics(
             lengths, row_n_tokens, row_n_seqs, cap,
             counts["category_tokens"], counts["category_loss_tokens"], src.categories,

@@ -23,6 +23,8 @@ from data.progress import progress
 from data.report import ReportError, check_arithmetic, update_report
 
 _SHUFFLE_STREAM = 1  # rng streams: (seed, 0, category_id) picks per category, (seed, 1) shuffles the output
+COPY_DTYPE = np.uint16  # copy numbers of the plan: below MAX_SAMPLE_RATE
+assert np.iinfo(COPY_DTYPE).max >= MAX_SAMPLE_RATE
 
 
 class SamplingError(ValueError):
@@ -36,7 +38,8 @@ def fraction_count(rate: float, n: int) -> int:
 
 
 def plan(categories: np.ndarray, rates: dict[int, float], seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Which (record index, copy) pairs to emit, in output order.
+    """Which (record index, copy) pairs to emit, in output order: record indices (int64) and copy numbers
+    (uint16: rates stop at MAX_SAMPLE_RATE).
 
     `categories[i]` is record i's category id; `rates` maps every id present to its sample rate.
     """
@@ -48,19 +51,20 @@ def plan(categories: np.ndarray, rates: dict[int, float], seed: int) -> tuple[np
         full = math.floor(rate)
         for k in range(full):
             rec_parts.append(members)
-            copy_parts.append(np.full(len(members), k, dtype=np.int64))
+            copy_parts.append(np.full(len(members), k, dtype=COPY_DTYPE))
         m = fraction_count(rate, len(members))
         if m:
             rng = np.random.default_rng([seed, 0, cid])
             picked = np.sort(rng.choice(members, size=m, replace=False))
             rec_parts.append(picked)
-            copy_parts.append(np.full(m, full, dtype=np.int64))
+            copy_parts.append(np.full(m, full, dtype=COPY_DTYPE))
     if not rec_parts:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    records = np.concatenate(rec_parts)
-    copies = np.concatenate(copy_parts)
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=COPY_DTYPE)
+    records, copies = np.concatenate(rec_parts), np.concatenate(copy_parts)
+    del rec_parts, copy_parts  # a driver planning a billion records holds 8 + 8 + 2 bytes a record at the peak
     order = np.random.default_rng([seed, _SHUFFLE_STREAM]).permutation(len(records))
-    return records[order], copies[order]
+    records = records[order]
+    return records, copies[order]
 
 
 def check_rates(ratio_cats: list[dict], present: dict[int, int], ratio_path,

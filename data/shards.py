@@ -900,6 +900,11 @@ class PackedDataset:
         """All per-sequence index records in row order (concatenated over shards; no token data)."""
         return _concat_shards(self._seqs, SEQ_DTYPE)
 
+    def seq_column(self, name: str) -> np.ndarray:
+        """One per-sequence index column (`SEQ_DTYPE` field) in row order: a memmap view for one shard, else a
+        concatenation of that column alone (8 bytes a sequence, where `seq_index` copies all its fields)."""
+        return _concat_shards([seqs[name] for seqs in self._seqs], SEQ_DTYPE[name])
+
     @property
     def all_uids(self) -> np.ndarray:
         """All uids in sequence order (concatenated over shards)."""

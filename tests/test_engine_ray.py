@@ -173,7 +173,7 @@ def test_stage_module_cli_runs_its_stage_on_ray(fault_dir, local_example, tmp_pa
 def test_pack_shards_written_by_workers_equal_one_writer(fault_dir, local_example, tmp_path):
     src = PackedDataset(local_example.tokenized_dir)
     lengths = np.asarray(src.row_n_tokens, dtype=np.int64)
-    rows = pack._row_layout(pack.plan(lengths, 2048, seed=7), 7)
+    rows = pack.layout(pack.plan_rows(lengths, 2048, seed=7), 7)
     outputs = {}
     shard_map = engine_ray.RayChunkMap(2, chunks_per_task=1)
     for name, write in (("local", pack.write_rows),

@@ -4,7 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from data.pack import _decreasing_order, plan
+from data import pack
+from data.pack import RowPlan, _decreasing_order, layout, plan, plan_rows
 
 ALGORITHMS = ["best_fit", "first_fit"]
 
@@ -143,3 +144,40 @@ def test_bad_arguments():
         plan([1], 0)
     with pytest.raises(ValueError, match="integers"):
         plan([1.5], 10)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_planning_in_chunks_changes_nothing(monkeypatch, algorithm):
+    """The planning loop reads the lengths PLAN_CHUNK at a time; chunk boundaries (here every 7 items, with rows
+    left open across them) must not change a single placement."""
+    rng = np.random.default_rng(11)
+    lengths = rng.integers(1, 300, 2000)
+    whole = plan(lengths, 512, seed=4, algorithm=algorithm)
+    monkeypatch.setattr(pack, "PLAN_CHUNK", 7)
+    assert plan(lengths, 512, seed=4, algorithm=algorithm) == whole
+
+
+def test_row_plan_arrays():
+    rows = RowPlan.from_assignment(np.array([9, 8, 7, 6, 5]), np.array([1, 0, 1, 2, 0]), 3)
+    assert rows.tolist() == [[8, 5], [9, 7], [6]]  # within a row, in the order of the items
+    assert len(rows) == 3 and rows.sizes.tolist() == [2, 2, 1] and rows.row(1).tolist() == [9, 7]
+    values = np.arange(10) * 10
+    assert rows.sums(values).tolist() == [130, 160, 60]
+    tail = rows.slice(1, 3)
+    assert tail.tolist() == [[9, 7], [6]] and tail.starts.tolist() == [0, 2, 3]
+    assert rows.slice(0, 0).tolist() == [] and rows.slice(0, 0).sums(values).tolist() == []
+    assert plan_rows([], 10).tolist() == [] and len(plan_rows([], 10)) == 0
+
+
+def test_layout_shuffles_rows_and_their_sequences_by_seed():
+    rng = np.random.default_rng(2)
+    lengths = rng.integers(1, 40, 3000)
+    rows = plan_rows(lengths, 128, seed=1)
+    a, b, c = layout(rows, 5), layout(rows, 5), layout(rows, 6)
+    assert a.tolist() == b.tolist() and a.tolist() != c.tolist()
+    planned = {frozenset(r): r for r in rows.tolist()}
+    assert len(planned) == len(rows) and {frozenset(r) for r in a.tolist()} == set(planned)  # the same rows
+    assert [frozenset(r) for r in a.tolist()] != [frozenset(r) for r in rows.tolist()]  # in another order
+    reordered = [r != planned[frozenset(r)] for r in a.tolist() if len(r) > 1]
+    assert any(reordered)  # the sequences inside the rows are shuffled too
+    assert a.sizes.tolist() == [len(r) for r in a.tolist()] and a.starts[-1] == len(lengths)

@@ -153,3 +153,42 @@ def test_empty_tokenized_dataset(tmp_path):
     section = run(config(tmp_path))
     assert (section["in"], section["out"], section["rows"]) == (0, 0, 0)
     assert len(PackedDataset(tmp_path / "packed")) == 0
+
+
+@pytest.mark.parametrize("fault", ["row_written_twice", "row_left_out", "sequence_swapped"])
+def test_accounting_catches_a_writer_that_loses_or_repeats_a_sequence(tmp_path, fault):
+    """pack.run checks what was written against the tokenized input: each row once, with its length and uids."""
+    from data import pack
+
+    write_tokenized(tmp_path / "tokenized")
+
+    def faulty_write(writer, src, rows, lengths):
+        if fault == "row_written_twice":
+            rows = pack.RowPlan(np.concatenate([rows.members, rows.row(0)]),
+                                np.append(rows.starts, rows.starts[-1] + len(rows.row(0))))
+        elif fault == "row_left_out":
+            rows = rows.slice(1, len(rows))
+        else:  # the first sequence written in place of another of a different length
+            members = rows.members.copy()
+            other = int(np.flatnonzero(lengths[members] != lengths[members[0]])[0])
+            members[other] = members[0]
+            rows = pack.RowPlan(members, rows.starts)
+        pack.write_rows(writer, src, rows, lengths)
+
+    with pytest.raises(AssertionError, match="exactly once"):
+        run(config(tmp_path), write=faulty_write)
+
+
+def test_accounting_catches_a_wrong_length(tmp_path, monkeypatch):
+    from data import pack
+
+    write_tokenized(tmp_path / "tokenized")
+    real = PackedDataset.seq_column
+
+    def shifted(self, name):
+        column = real(self, name)
+        return column + 1 if name == "length" and self.kind == "packed" else column
+
+    monkeypatch.setattr(PackedDataset, "seq_column", shifted)
+    with pytest.raises(AssertionError, match="length differs"):
+        pack.run(config(tmp_path))

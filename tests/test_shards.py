@@ -417,3 +417,15 @@ def test_gather_concatenates_rows(tmp_path, rows):
     np.testing.assert_array_equal(got["record_index"], np.concatenate([ds[i]["record_index"] for i in pick]))
     empty = ds.gather([])
     assert empty["input_ids"].shape == (0,) and empty["input_ids"].dtype == np.int32
+
+
+@pytest.mark.parametrize("max_shard_bytes", [300, 1 << 20])
+def test_seq_column_is_that_field_of_the_index(tmp_path, rows, max_shard_bytes):
+    write_rows(tmp_path / "ds", rows, max_shard_bytes=max_shard_bytes)
+    ds = PackedDataset(tmp_path / "ds")
+    index = ds.seq_index
+    assert len(index) == sum(len(r) for r in rows)
+    for name in index.dtype.names:
+        column = ds.seq_column(name)
+        assert column.dtype == np.int64 and column.ndim == 1
+        np.testing.assert_array_equal(column, index[name])

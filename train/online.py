@@ -1,7 +1,7 @@
 """Online packing: train straight from tokenized/ (one sequence per row) without an offline pack stage.
 
-`OnlinePackedDataset` plans rows with the pack stage's own core (`data.pack.plan`) once per epoch, seeded
-with seed + epoch, and then serves rows exactly like `data.shards.PackedDataset` does for packed/: `len`,
+`OnlinePackedDataset` plans rows with the pack stage's own core and layout (`data.pack.plan_rows`, `layout`) once
+per epoch, seeded with seed + epoch, and then serves rows exactly like `data.shards.PackedDataset` does for packed/: `len`,
 `ds[i]` (input_ids, labels, category_ids, turn_ids, optional block_ids/path_ids, seq_lens, record_index)
 and the per-row normalizer arrays, so the trainer cannot tell the two apart. Planning needs only the
 per-row lengths (memory-mapped index), so it costs about a second per million sequences and no token I/O.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.pack import ALGORITHMS, plan
+from data.pack import ALGORITHMS, RowPlan, layout, plan_rows
 from data.shards import SEQ_DTYPE, PackedDataset, ShardFormatError, read_meta
 
 __all__ = ["OnlinePackedDataset", "epoch_plan", "open_train_dataset"]
@@ -21,14 +21,11 @@ __all__ = ["OnlinePackedDataset", "epoch_plan", "open_train_dataset"]
 
 def epoch_plan(
     lengths: np.ndarray, max_length: int, seed: int, epoch: int = 0, algorithm: str = "best_fit"
-) -> list[np.ndarray]:
-    """The rows of one epoch: `plan(lengths, max_length, seed + epoch)`, then rows and the sequences inside
-    each row in a seeded random order (as the offline pack stage writes them). Pure and deterministic."""
+) -> RowPlan:
+    """The rows of one epoch: the offline pack stage's rows for seed + epoch (`plan_rows`, then `layout`: rows
+    and the sequences inside each row in a seeded random order). Pure and deterministic."""
     epoch_seed = int(seed) + int(epoch)
-    rows = plan(lengths, max_length, seed=epoch_seed, algorithm=algorithm)
-    rng = np.random.default_rng([epoch_seed, 1])  # a stream distinct from plan's tie-breaking one
-    order = rng.permutation(len(rows))
-    return [rng.permutation(np.asarray(rows[r], dtype=np.int64)) for r in order]
+    return layout(plan_rows(lengths, max_length, seed=epoch_seed, algorithm=algorithm), epoch_seed)
 
 
 class OnlinePackedDataset:
@@ -81,22 +78,13 @@ class OnlinePackedDataset:
         """Re-plan the rows for `epoch` (deterministic in (seed, epoch))."""
         self.epoch = int(epoch)
         rows = epoch_plan(self._lengths, self.max_length, self.seed, self.epoch, self.algorithm)
-        counts = np.array([len(r) for r in rows], dtype=np.int64)
-        self._offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(counts, out=self._offsets[1:])
-        self._members = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+        self._offsets, self._members = rows.starts, rows.members
         src = self.source
-
-        def per_row(values) -> np.ndarray:
-            if not rows:
-                return np.zeros(0, dtype=np.int64)
-            return np.add.reduceat(np.asarray(values, dtype=np.int64)[self._members], self._offsets[:-1])
-
-        self.row_n_tokens = per_row(src.row_n_tokens)
-        self.row_n_seqs = counts
-        self.row_n_loss_tokens = per_row(src.row_n_loss_tokens)
-        self.row_n_trained_turns = per_row(src.row_n_trained_turns)
-        self.row_n_samples = per_row(src.row_n_samples)
+        self.row_n_tokens = rows.sums(src.row_n_tokens)
+        self.row_n_seqs = rows.sizes
+        self.row_n_loss_tokens = rows.sums(src.row_n_loss_tokens)
+        self.row_n_trained_turns = rows.sums(src.row_n_trained_turns)
+        self.row_n_samples = rows.sums(src.row_n_samples)
         self.meta = self._make_meta()
 
     def _make_meta(self) -> dict:
