@@ -10,8 +10,11 @@ seconds per stage. Every run must write the same tokenized/ and packed/ meta.jso
 Prints a Markdown table and, from the CPU seconds of the largest Ray run, the projection of a 1 TB input to 8
 and 64 nodes of `--cores-per-node` cores: per stage max(driver CPU, workers CPU / cores), scaled.
 
-With `--marginal-copies N` engine ray also runs on N copies, and a second projection uses the difference of
-CPU seconds between the two sizes (the per-GiB cost, without the fixed costs a small input inflates).
+With `--marginal-copies N` engine ray also runs on N copies (twice, first: the first run pays the process's
+one-time imports), and a second projection uses the difference of CPU seconds between the two sizes (the per-GiB
+cost, without the fixed costs a small input inflates). `--trace-memory` traces the driver's allocations
+(tracemalloc, numpy arrays included) and prints each stage's peak, and with `--marginal-copies` the bytes per
+added input record; it slows the driver, so the CPU figures of such a run are not comparable.
 
     python benchmarks/bench_ray.py --copies 6 --workers 1 2 --marginal-copies 2
 """
@@ -19,11 +22,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import shutil
 import sys
 import tempfile
 import threading
 import time
+import tracemalloc
 from pathlib import Path
 
 import psutil
@@ -49,20 +54,37 @@ def write_input(workdir: Path, copies: int) -> list[dict]:
              "category_name": "longcot"}]
 
 
+RSS_KINDS = ("RssAnon", "RssFile", "RssShmem")  # private memory; mapped files (page cache); shared memory
+
+
+def rss_kinds() -> dict[str, int]:
+    """This process's resident set by kind (bytes), from /proc/self/status."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in RSS_KINDS:
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
 class ProcessSampler(threading.Thread):
-    """Every 0.2 s: peak RSS of this process and of each Ray worker process (a descendant whose command line is
-    default_worker.py or, once it ran a task, `ray::<task>`), and each worker's CPU seconds so far."""
+    """Every 0.2 s: peak RSS of this process (in all, and of each kind in RSS_KINDS) and of each Ray worker
+    process (a descendant whose command line is default_worker.py or, once it ran a task, `ray::<task>`), and
+    each worker's CPU seconds so far."""
 
     def __init__(self):
         super().__init__(daemon=True)
         self.stop = threading.Event()
         self.driver = 0
+        self.driver_kinds = dict.fromkeys(RSS_KINDS, 0)
         self.workers: dict[int, int] = {}
         self.worker_cpu: dict[int, float] = {}
 
     def sample(self):
         me = psutil.Process()
         self.driver = max(self.driver, me.memory_info().rss)
+        for kind, nbytes in rss_kinds().items():
+            self.driver_kinds[kind] = max(self.driver_kinds[kind], nbytes)
         for proc in me.children(recursive=True):
             try:
                 cmdline = " ".join(proc.cmdline())
@@ -84,6 +106,9 @@ def _import_stages(_: int) -> None:
 
 
 main_cpu: dict[str, float] = {}  # the last run's driver CPU seconds per stage in its main thread alone
+# --trace-memory: the last run's peak bytes allocated by the driver's Python code (numpy arrays included) per stage,
+# above what was allocated when the stage began
+driver_alloc: dict[str, int] = {}
 
 
 def run_once(cfg: DataConfig, engine: str, workers: int) -> tuple[dict, dict, dict, ProcessSampler]:
@@ -95,12 +120,18 @@ def run_once(cfg: DataConfig, engine: str, workers: int) -> tuple[dict, dict, di
     sampler.start()
     wall, driver_cpu, worker_cpu = {}, {}, {}
     main_cpu.clear()
+    driver_alloc.clear()
 
     def timed(stage, fn):
         sampler.sample()
         start, cpu, wcpu = time.perf_counter(), time.process_time(), sum(sampler.worker_cpu.values())
         main = time.thread_time()
+        if tracemalloc.is_tracing():
+            tracemalloc.reset_peak()
+            allocated = tracemalloc.get_traced_memory()[0]
         fn(cfg)
+        if tracemalloc.is_tracing():
+            driver_alloc[stage] = tracemalloc.get_traced_memory()[1] - allocated
         sampler.sample()
         wall[stage] = time.perf_counter() - start
         driver_cpu[stage] = time.process_time() - cpu
@@ -142,6 +173,9 @@ def main() -> None:
     parser.add_argument("--marginal-copies", type=int, default=0,
                         help="also run engine ray on this many copies and project from the difference of the "
                              "driver's CPU between the two sizes (its per-GiB cost without fixed costs)")
+    parser.add_argument("--trace-memory", action="store_true",
+                        help="trace the driver's allocations (tracemalloc; slows the driver, so its CPU figures are "
+                             "not comparable) and print each stage's peak, per record with --marginal-copies")
     args = parser.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="bench_ray_"))
@@ -154,13 +188,36 @@ def main() -> None:
     cfg.validate()
     print(f"input: {input_bytes / 2**20:.1f} MiB, workdir {workdir}", flush=True)
 
-    rows, digests, ray_cpu = [], set(), None
+    if args.trace_memory:
+        tracemalloc.start()
+    small_run = None
+    if args.marginal_copies and "ray" in args.engines:
+        # Fixed costs (imports, tokenizer loads, a Ray Data execution's start, meta/report writing, pack's plot)
+        # are paid once per stage or process: the slope between two input sizes is what the driver spends per GiB
+        # (and allocates per record). The small input runs twice before the large one: the first run pays the
+        # process's one-time imports and caches, which the two measured runs then both skip.
+        small = Path(tempfile.mkdtemp(prefix="bench_ray_small_"))
+        small_inputs = write_input(small, args.marginal_copies)
+        small_bytes = sum(Path(spec["path"]).stat().st_size for spec in small_inputs)
+        small_cfg = from_dict(DataConfig, {**to_dict(cfg), "inputs": small_inputs, "output_dir": str(small / "out"),
+                                           "ratio_path": str(small / "ratios.json")})
+        run_once(small_cfg, "ray", max(args.workers))
+        _, small_driver, small_workers, small_sampler = run_once(small_cfg, "ray", max(args.workers))
+        small_records = json.loads((small_cfg.out / "report.json").read_bytes())["preprocess"]["in"]
+        small_run = (small_bytes, small_records, small_driver, small_workers, dict(driver_alloc), small_sampler)
+        shutil.rmtree(small)
+    rows, digests, ray_cpu, ray_alloc = [], set(), None, {}
     for engine in args.engines:
         for w in args.workers:
             times, driver_cpu, worker_cpu, sampler = run_once(cfg, engine, w)
             digests.add(digest(cfg))
             if engine == "ray" and w == max(args.workers):
                 ray_cpu = (driver_cpu, worker_cpu, dict(main_cpu), times)
+                ray_alloc = dict(driver_alloc)
+                ray_sampler = sampler
+            if driver_alloc:
+                print(f"{engine} w={w}: driver's peak allocation per stage (MiB): "
+                      + ", ".join(f"{s} {b / 2**20:.1f}" for s, b in driver_alloc.items()), flush=True)
             worker_peak = max(sampler.workers.values(), default=0)
             rows.append((engine, w, times, sampler.driver, worker_peak, len(sampler.workers)))
             print(f"{engine} w={w}: " + ", ".join(f"{s} {t:.1f}s (driver CPU {driver_cpu[s]:.1f}s, of it main thread "
@@ -181,16 +238,25 @@ def main() -> None:
         print(f"| {engine} | {w} | {startup} | {cells} | {sum(times[s] for s in STAGES):.1f} | {driver / 2**20:.0f} "
               f"| {wcell} |")
 
-    if ray_cpu is not None and args.marginal_copies:
-        # Fixed costs (tokenizer loads, a Ray Data execution's start, meta/report writing, pack's plot) are paid
-        # once per stage: the slope between two input sizes is what the driver spends per GiB.
-        small = Path(tempfile.mkdtemp(prefix="bench_ray_small_"))
-        small_inputs = write_input(small, args.marginal_copies)
-        small_bytes = sum(Path(spec["path"]).stat().st_size for spec in small_inputs)
-        small_cfg = from_dict(DataConfig, {**to_dict(cfg), "inputs": small_inputs, "output_dir": str(small / "out"),
-                                           "ratio_path": str(small / "ratios.json")})
-        _, small_driver, small_workers, _ = run_once(small_cfg, "ray", max(args.workers))
-        shutil.rmtree(small)
+    if ray_cpu is not None and small_run is not None:
+        small_bytes, small_records, small_driver, small_workers, small_alloc, small_sampler = small_run
+        records = json.loads((cfg.out / "report.json").read_bytes())["preprocess"]["in"]
+        print(f"\nDriver peak RSS (engine ray, {max(args.workers)} workers), with {small_records:,} and "
+              f"{records:,} input records, and per added record"
+              + (" (tracemalloc's own bookkeeping included)" if args.trace_memory else "") + ":\n")
+        print("| resident memory | small input MiB | large input MiB | marginal bytes per record |")
+        print("|---|---:|---:|---:|")
+        for name, lo, hi in [("RSS", small_sampler.driver, ray_sampler.driver)] + [
+                (kind, small_sampler.driver_kinds[kind], ray_sampler.driver_kinds[kind]) for kind in RSS_KINDS]:
+            print(f"| {name} (peak) | {lo / 2**20:,.0f} | {hi / 2**20:,.0f} | {(hi - lo) / (records - small_records):,.0f} |")
+        if ray_alloc:
+            print(f"\nThe driver's peak allocation per stage (tracemalloc), {small_records:,} vs {records:,} input "
+                  "records, and per added record:\n")
+            print("| stage | small input MiB | large input MiB | marginal bytes per record |")
+            print("|---|---:|---:|---:|")
+            for s in STAGES:
+                lo, hi = small_alloc[s], ray_alloc[s]
+                print(f"| {s} | {lo / 2**20:.1f} | {hi / 2**20:.1f} | {(hi - lo) / (records - small_records):.0f} |")
         driver_cpu, worker_cpu, _, _ = ray_cpu
         gib = (input_bytes - small_bytes) / 2**30
         print(f"\nMarginal CPU seconds per GiB (Ray, {max(args.workers)} workers, {small_bytes / 2**20:.1f} MiB vs "
