@@ -3,9 +3,9 @@
 `plan_rows()` is the pure core: best-fit decreasing or first-fit decreasing over the whole dataset. After an
 O(N log N) sort, best fit finds the tightest row with a two-level bitset over room values (a few operations on
 small Python ints per item), first fit descends a max segment tree over rows (O(log rows) per item):
-about 1-2 CPU seconds per million lengths (benchmarks/results/pack.md). Its result is a `RowPlan`, flat
-arrays (16 bytes per sequence), so that planning a billion sequences on one driver is a matter of gigabytes;
-`plan()` gives the same rows as lists.
+about 1-2 CPU seconds per million lengths (benchmarks/results/pack.md). Its result is a `RowPlan`: flat
+arrays, 16 bytes a sequence, where lists of Python ints took several times that on the driver of a large run
+(BENCHMARKS.md, "The driver's memory per record"); `plan()` gives the same rows as lists.
 `run()` reads tokenized/, writes packed/ (rows and the sequences inside each row in seeded random order,
 `layout`), stats.json and stats.png, and returns the stage's report section.
 """

@@ -61,7 +61,8 @@ def plan(categories: np.ndarray, rates: dict[int, float], seed: int) -> tuple[np
     if not rec_parts:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=COPY_DTYPE)
     records, copies = np.concatenate(rec_parts), np.concatenate(copy_parts)
-    del rec_parts, copy_parts  # a driver planning a billion records holds 8 + 8 + 2 bytes a record at the peak
+    del rec_parts, copy_parts  # freed before the shuffle: at the peak the records, the permutation and the
+    # shuffled records (8 bytes a record each) and the copy numbers (2)
     order = np.random.default_rng([seed, _SHUFFLE_STREAM]).permutation(len(records))
     records = records[order]
     return records, copies[order]
