@@ -92,6 +92,7 @@ class TrainConfig:
     attn_backend: Literal["auto", "flash_varlen", "torch_varlen", "flex", "sdpa"] = "auto"  # attention kernel over packed sequences (train/attention.py)
     sequence_parallel_size: int = 1  # ranks sharing one row
     sp_backend: Literal["auto", "torch", "llama3", "zigzag"] = "auto"  # sequence-parallel attention kernel
+    self_check: bool = True  # before step 1: a few sequences packed vs the model's own unpacked forward must agree
     log_backends: list[str] = field(default_factory=list)  # "tensorboard", "wandb" (offline)
     wandb_project: str = "packsft"  # wandb project (offline mode)
     resume: str = "none"  # none | latest | a checkpoint directory

@@ -24,7 +24,7 @@ import os
 import random
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -74,11 +74,13 @@ class PackedCausalLM(nn.Module):
     parameter of this module so DeepSpeed gathers it around this forward (and reduces its gradient).
     """
 
-    def __init__(self, lm: nn.Module, chunk_size: int, num_categories: int, zero3: bool = False):
+    def __init__(self, lm: nn.Module, chunk_size: int, num_categories: int, zero3: bool = False,
+                 attn_backend: str = "auto"):
         super().__init__()
         self.lm = lm
         self.chunk_size = chunk_size
         self.num_categories = num_categories
+        self.attn_backend = attn_backend  # what train.model_check's packed run asks for
         if zero3:
             import deepspeed
 
@@ -96,6 +98,18 @@ class PackedCausalLM(nn.Module):
             hidden[0], head.weight, targets, weights, target_categories, self.num_categories, self.chunk_size,
             lm_head_bias=getattr(head, "bias", None),
         )
+
+
+    @contextmanager
+    def unpacked(self):
+        """The model as transformers runs it unpacked (its own eager attention): the reference of
+        train.model_check."""
+        previous = self.lm.config._attn_implementation
+        self.lm.set_attn_implementation("eager")
+        try:
+            yield
+        finally:
+            self.lm.set_attn_implementation(previous)
 
 
 def build_lm(cfg: TrainConfig, dtype: torch.dtype, checkpointing: bool = False) -> nn.Module:
@@ -268,9 +282,13 @@ class Trainer:
         dtype = torch.bfloat16 if (cfg.bf16 and cfg.uses_deepspeed) else torch.float32
         row_length = int(self.dataset.meta.get("max_length") or int(np.max(self.dataset.row_n_tokens)))
         self.checkpointing, self.checkpointing_reason = self._choose_checkpointing(row_length)
+        self.family = self._check_family()  # before any weight is loaded
         self.lm = build_lm(cfg, dtype, self.checkpointing)
         self.attn_backend = self._resolve_attention()
-        self.model = PackedCausalLM(self.lm, cfg.loss_chunk_size, self.num_categories, zero3=zero3)
+        self.model = PackedCausalLM(self.lm, cfg.loss_chunk_size, self.num_categories, zero3=zero3,
+                                    attn_backend=self.attn_backend)
+        if cfg.self_check:
+            self._self_check(zero3)
         self.lr_factor = lr_lambda_factory(self.total_steps, self.warmup_steps, cfg.schedule, cfg.min_lr_ratio)
         self._setup_optimizer()
         self.step = 0
@@ -306,6 +324,66 @@ class Trainer:
         decision = choose_checkpointing(shape, tokens, free, state, act_bytes=2 if cfg.bf16 else 4,
                                         loss_chunk=cfg.loss_chunk_size)
         return decision.enabled, decision.describe()
+
+    def _check_family(self) -> str:
+        """The model family's status (train/model_support.py); a family that cannot train exactly on packed rows
+        stops here, naming the family and the reason."""
+        from transformers import AutoConfig
+
+        from train.model_support import check_model_support, model_type_of
+
+        config = AutoConfig.from_pretrained(self.cfg.model_path or self.cfg.model_config)
+        status = check_model_support(config, self_check=self.cfg.self_check)
+        if status == "unverified":
+            self._warn(f"model family {model_type_of(config)!r} is not in PackSFT's verified table: the start-up "
+                       "self-check decides whether it trains exactly")
+        return model_type_of(config)
+
+    def _self_check_sequences(self, n_sequences: int = 4, max_tokens: int = 64) -> list[torch.Tensor]:
+        """Up to `n_sequences` packed sequences of the first rows, each cut to `max_tokens` (at least two
+        sequences: a lone one is split in two, which is still two sequences to keep apart)."""
+        seqs: list[torch.Tensor] = []
+        for r in range(min(len(self.dataset), 8)):
+            row = self.dataset[r]
+            ids = torch.from_numpy(np.asarray(row["input_ids"], dtype=np.int64))
+            starts = np.concatenate([[0], np.cumsum(row["seq_lens"])[:-1]])
+            for start, length in zip(starts, row["seq_lens"]):
+                if length >= 2 and len(seqs) < n_sequences:
+                    seqs.append(ids[int(start): int(start) + min(int(length), max_tokens)])
+            if len(seqs) >= n_sequences:
+                break
+        if len(seqs) == 1 and seqs[0].numel() >= 4:
+            half = seqs[0].numel() // 2
+            seqs = [seqs[0][:half], seqs[0][half:]]
+        return seqs
+
+    def _self_check(self, zero3: bool) -> None:
+        """Packed path vs the model's own unpacked eager forward on a few sequences of the data, same weights:
+        training stops if they differ (a family or feature PackSFT does not reproduce). See train/model_check.py."""
+        from train.model_check import compare_packed_with_reference
+
+        if zero3 and self.cfg.model_path is not None:
+            self.console("self-check skipped: ZeRO-3 loads the weights partitioned (self_check covers ZeRO-0/1/2)")
+            return
+        seqs = self._self_check_sequences()
+        if len(seqs) < 2:
+            self.console("self-check skipped: the data has no sequence of 2 tokens or more")
+            return
+        start = time.perf_counter()
+        self.model.to(self.device)
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.cfg.bf16 and not self.cfg.uses_deepspeed \
+            else None
+        result = compare_packed_with_reference(self.model, seqs, gradient_probe=True, autocast=autocast)
+        elapsed = time.perf_counter() - start
+        if not result.ok:
+            raise RuntimeError(
+                f"start-up self-check failed for model family {self.family!r}: on {len(seqs)} sequences of the data, "
+                f"the packed path differs from the model's own unpacked forward: {result.describe()}. PackSFT does "
+                "not reproduce this model on packed rows; do not train it packed (self_check=false skips this check "
+                "at your own risk)"
+            )
+        self.console(f"self-check: packed = unpacked on {len(seqs)} sequences (loss difference "
+                     f"{result.loss_error:.1e}, gradient difference {result.grad_error:.1e}) in {elapsed:.2f} s")
 
     def _resolve_attention(self) -> str:
         """The attention backend every micro-batch uses (resolved once, from the device, dtype and dropout); an

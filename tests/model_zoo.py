@@ -1,0 +1,92 @@
+"""Tiny random-init configs of every causal-LM family of the installed transformers, for the conformance suite.
+
+`tiny_config(model_type)` starts from the family's default config and shrinks every size it knows (hidden 64,
+2-4 layers, 4 heads, 2 kv heads, head dim 16, vocab 128, small experts and states), keeps one layer of every
+kind the default has (`layer_types`), zeroes dropout, and sets the features the suite must see bite: sliding
+windows shorter than the test sequences, softcaps small enough to matter, non-trivial logit scales.
+`FAMILY_OVERRIDES` holds what a family needs beyond that (its own size names, validated relations).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+VOCAB = 128
+WINDOW = 4  # shorter than the conformance sequences, so a dropped window shows
+
+SHRINK: dict[str, Any] = {
+    "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "intermediate_size": 96, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+    "shared_experts_intermediate_size": 32, "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4,
+    "num_experts_per_tok": 2, "vocab_size": VOCAB, "max_position_embeddings": 256, "sliding_window": WINDOW,
+    "d_model": 64, "n_layer": 2, "n_head": 4, "n_embd": 64, "num_layers": 2, "ffn_dim": 96,
+    "decoder_layers": 2, "encoder_layers": 2, "decoder_attention_heads": 4, "encoder_attention_heads": 4,
+    "decoder_ffn_dim": 96, "encoder_ffn_dim": 96, "num_decoder_layers": 2, "n_positions": 256, "n_ctx": 256,
+    "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+    "first_k_dense_replace": 1, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    "global_head_dim": 16, "num_global_key_value_heads": 2, "intermediate_size_mlp": 96,
+    "index_head_dim": 16, "index_n_heads": 2, "index_topk": 4,
+    "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0,
+}
+# (attribute, value) set only when the default has a non-null value of that attribute: a feature the family has
+FEATURE_VALUES = {"logit_scale": 0.3, "logits_scaling": 4.0, "lm_head_multiplier": 0.5}
+
+
+def _layer_types(default_types: list, n_layers: int) -> list:
+    """`n_layers` layer types that include every kind of the default, in the default's order."""
+    kinds = list(dict.fromkeys(default_types))
+    return [kinds[i % len(kinds)] for i in range(max(n_layers, len(kinds)))]
+
+
+FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
+    "codegen": {"rotary_dim": 8},
+    "gptj": {"rotary_dim": 8},
+    **{mt: {"head_dim": 8} for mt in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa",
+                                      "longcat_flash", "minicpm3", "youtu", "axk1", "axk2")},
+}
+
+
+def tiny_config(model_type: str):
+    """The family's tiny config (a PretrainedConfig), or raises if the family cannot be built small."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    default = cls()
+    kwargs = {k: v for k, v in SHRINK.items() if _has(default, k)}
+    for key, value in FEATURE_VALUES.items():
+        settable = not isinstance(getattr(cls, key, None), property)
+        if settable and _get(default, key) not in (None, 1, 1.0):
+            kwargs[key] = value
+    if _has(default, "kv_lora_rank"):  # multi-head latent attention: as many kv heads as heads
+        kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
+        value = getattr(default, key, None)
+        if isinstance(value, int) and value >= VOCAB:
+            kwargs[key] = {"pad_token_id": 0, "bos_token_id": 1}.get(key, 2)
+    for key in dir(default):
+        if key.startswith("_"):
+            continue
+        if ("dropout" in key or "pdrop" in key) and isinstance(_get(default, key), float):
+            kwargs[key] = 0.0
+    default_types = _get(default, "layer_types")
+    if isinstance(default_types, list) and default_types:
+        kwargs["layer_types"] = _layer_types(default_types, kwargs.get("num_hidden_layers", 2))
+        kwargs["num_hidden_layers"] = len(kwargs["layer_types"])
+    kwargs.update(FAMILY_OVERRIDES.get(model_type, {}))
+    config = cls(**kwargs)
+    config.use_cache = False
+    return config
+
+
+def _get(config, key):
+    try:
+        return getattr(config, key, None)
+    except Exception:  # per-layer attributes of composite configs raise on global access
+        return None
+
+
+def _has(config, key) -> bool:
+    try:
+        return hasattr(config, key)
+    except Exception:
+        return False

@@ -1,0 +1,152 @@
+"""Packed vs unpacked: does a model train the same on a packed row as on each of its sequences alone?
+
+`compare_packed_with_reference(model, sequences)` runs the same weights twice:
+- reference: the model's own `*ForCausalLM.forward` on each sequence alone, with transformers' eager attention
+  (its own masks, windows, softcaps, sinks and logit transforms), cross-entropy of every next token;
+- packed: the sequences concatenated into one row through `train.trainer.PackedCausalLM` (PackSFT's attention,
+  recurrent-layer restarts and chunked loss head), with the same token-mean weights;
+and returns the relative loss difference and the worst per-parameter gradient difference.
+
+Used by the conformance suite on tiny configs of every family (full gradients) and by the trainer's start-up
+self-check on the user's real model (`gradient_probe=True`: each parameter's gradient is compared through its dot
+product with a seeded random direction, so no second copy of the gradients is kept).
+"""
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Relative tolerances of a correct packed path against the eager reference. A gradient's error is measured against
+# the larger of its own magnitude and 1e-3 of the largest gradient of the model: parameters whose true gradient is
+# zero (e.g. the key bias, which softmax ignores) carry only rounding noise.
+TOLERANCES = {
+    torch.float32: (1e-5, 1e-4),
+    torch.bfloat16: (2e-2, 1e-1),
+    torch.float16: (1e-2, 5e-2),
+}
+GRAD_FLOOR = 1e-3
+
+
+@dataclass(frozen=True)
+class PackedCheck:
+    loss_packed: float
+    loss_reference: float
+    loss_error: float  # |packed - reference| / |reference|
+    grad_error: float  # worst per-parameter relative gradient difference
+    worst_parameter: str | None
+    dtype: torch.dtype
+
+    @property
+    def tolerances(self) -> tuple[float, float]:
+        return TOLERANCES.get(self.dtype, TOLERANCES[torch.bfloat16])
+
+    @property
+    def ok(self) -> bool:
+        loss_tol, grad_tol = self.tolerances
+        return self.loss_error <= loss_tol and self.grad_error <= grad_tol
+
+    def describe(self) -> str:
+        loss_tol, grad_tol = self.tolerances
+        return (f"loss packed {self.loss_packed:.6g} vs unpacked {self.loss_reference:.6g} (relative difference "
+                f"{self.loss_error:.1e}, tolerance {loss_tol:.0e}); worst gradient difference {self.grad_error:.1e} "
+                f"(tolerance {grad_tol:.0e}) at {self.worst_parameter}")
+
+
+def _trainable(lm: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(name, p) for name, p in lm.named_parameters() if p.requires_grad]
+
+
+def _gradient_summary(params, probe: bool, seed: int) -> dict[str, tuple]:
+    """Per parameter: the gradient itself, or (with `probe`) its dot product with a seeded random direction and
+    its norm. Gradients are cleared afterwards."""
+    out = {}
+    for index, (name, p) in enumerate(params):
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        if probe:
+            gen = torch.Generator(device=grad.device).manual_seed(seed + index)
+            direction = torch.randn(grad.shape, generator=gen, device=grad.device, dtype=torch.float32)
+            g = grad.float()
+            out[name] = (float((g * direction).sum()), float(g.norm()))
+        else:
+            out[name] = (grad.detach().float().clone(),)
+        p.grad = None
+    return out
+
+
+def _worst_gradient(packed: dict, reference: dict, probe: bool) -> tuple[float, str | None]:
+    if probe:  # |<g_p - g_r, r>| ~ ||g_p - g_r|| for a standard normal direction r
+        scale = max((norm for _, norm in reference.values()), default=0.0)
+        errors = {name: abs(packed[name][0] - dot) / max(norm, GRAD_FLOOR * scale, 1e-30)
+                  for name, (dot, norm) in reference.items()}
+    else:
+        scale = max((float(g.abs().max()) for (g,) in reference.values() if g.numel()), default=0.0)
+        errors = {name: float((packed[name][0] - g).abs().max()) / max(float(g.abs().max()), GRAD_FLOOR * scale,
+                                                                      1e-30)
+                  for name, (g,) in reference.items() if g.numel()}
+    if not errors:
+        return 0.0, None
+    name = max(errors, key=errors.get)
+    return errors[name], name
+
+
+def compare_packed_with_reference(model, sequences: list[torch.Tensor], *, gradient_probe: bool = False,
+                                  seed: int = 1234, autocast: torch.autocast | None = None) -> PackedCheck:
+    """`model`: a `train.trainer.PackedCausalLM` (weights on their device); `sequences`: 1-D token id tensors
+    (at least 2 tokens each). Gradients of the model are left cleared."""
+    if not sequences or any(s.numel() < 2 for s in sequences):
+        raise ValueError("the packed/unpacked comparison needs sequences of at least 2 tokens")
+    lm = model.lm
+    params = _trainable(lm)
+    device = params[0][1].device if params else torch.device("cpu")
+    dtype = next(lm.parameters()).dtype
+    if autocast is not None and autocast.fast_dtype is not None:
+        dtype = autocast.fast_dtype
+    sequences = [s.to(device=device, dtype=torch.long) for s in sequences]
+    n_targets = sum(s.numel() - 1 for s in sequences)
+    guard = autocast if autocast is not None else nullcontext()
+    for _, p in params:
+        p.grad = None
+    was_training = model.training
+    model.eval()  # no dropout: both runs must see the same function (gradients are still computed)
+    try:
+        return _compare(model, lm, params, sequences, n_targets, device, dtype, guard, gradient_probe, seed)
+    finally:
+        model.train(was_training)
+
+
+def _compare(model, lm, params, sequences, n_targets, device, dtype, guard, gradient_probe, seed) -> PackedCheck:
+    from train.attention import AttentionContext
+
+    with model.unpacked(), guard:
+        total = None
+        for seq in sequences:
+            logits = lm(input_ids=seq[None], use_cache=False).logits[0, :-1].float()
+            ce = F.cross_entropy(logits, seq[1:], reduction="sum") / n_targets
+            total = ce if total is None else total + ce
+    total.backward()
+    loss_reference = float(total.detach())
+    reference = _gradient_summary(params, gradient_probe, seed)
+
+    ids = torch.cat(sequences)
+    positions = torch.cat([torch.arange(s.numel(), device=device) for s in sequences])
+    ignore = torch.full((1,), -100, dtype=torch.long, device=device)
+    targets = torch.cat([torch.cat([s[1:], ignore]) for s in sequences])
+    weights = (targets != -100).float() / n_targets
+    cu = torch.tensor([0] + [int(x) for x in torch.tensor([s.numel() for s in sequences]).cumsum(0)],
+                      dtype=torch.int32)
+    attn = AttentionContext.for_micro_batch(cu, device, backend=model.attn_backend)
+    with guard:
+        loss, _, _ = model(ids[None], positions[None], targets, weights, torch.zeros_like(targets), attn)
+    loss.backward()
+    loss_packed = float(loss.detach())
+    packed = _gradient_summary(params, gradient_probe, seed)
+
+    loss_error = abs(loss_packed - loss_reference) / max(abs(loss_reference), 1e-30)
+    grad_error, worst = _worst_gradient(packed, reference, gradient_probe)
+    if not (math.isfinite(loss_packed) and math.isfinite(loss_reference)):
+        loss_error = math.inf
+    return PackedCheck(loss_packed, loss_reference, loss_error, grad_error, worst, dtype)

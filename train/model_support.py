@@ -1,0 +1,143 @@
+"""Which model families train exactly on packed rows, and why the others are refused.
+
+Every causal-LM family of the installed transformers (its auto mapping) is classified here, and the conformance
+suite (tests/test_model_conformance.py) holds each classification to account: an `EXACT` family must train on a
+packed row exactly as transformers' own unpacked eager forward on each sequence alone (loss and every parameter's
+gradient, fp32); a refused family must be refused by `check_model_support` before any weight is loaded, with the
+family and the reason. A family the table does not know (a newer transformers, remote code) trains only behind the
+start-up self-check (`self_check: true`, train/model_check.py), which compares the packed path with the model's own
+forward on the user's data.
+
+`python -m train.model_support` prints the supported-models table of docs/TRAINING.md from this module.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class UnsupportedModelError(ValueError):
+    """A model family PackSFT cannot train exactly on packed rows (or not with the requested setup)."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    why: str  # what breaks on a packed row
+    what_to_do: str = "train another family (docs/TRAINING.md, 'Supported models')"
+
+
+_ENCODER = Refusal(
+    "a BERT-style encoder used as a decoder: its self-attention is bidirectional unless `is_decoder` is set and its "
+    "position / token-type embeddings are not restarted per packed sequence, so packed sequences leak into each "
+    "other")
+_ENCODER_DECODER = Refusal(
+    "the decoder of an encoder-decoder model: its position embeddings are computed from the row length (not "
+    "`position_ids`) and its layers expect encoder states, so every packed sequence after the first gets wrong "
+    "positions")
+_OWN_ATTENTION = Refusal(
+    "its attention does not go through transformers' AttentionInterface (its own attention classes and masks), so "
+    "the packed boundaries never reach it and packed sequences attend to each other")
+_NO_CAUSAL_MASK = Refusal(
+    "its attention is not routed through transformers' AttentionInterface and builds no causal mask there "
+    "(ALiBi inside its own attention): future tokens and other packed sequences leak into every position")
+_MULTIMODAL = Refusal(
+    "a multimodal (composite) checkpoint: PackSFT trains text decoders on packed text and has not verified this "
+    "family's vision/audio towers and multimodal position ids on packed rows",
+    "train its text-only model type (e.g. `<family>_text` where transformers has one) or another family")
+_SPARSE_INDEXER = Refusal(
+    "sparse attention with a learned indexer (DeepSeek Sparse Attention): the indexer scores and selects keys over "
+    "the whole row outside the attention function, across packed sequences")
+_CHUNKED_ATTENTION = Refusal(
+    "chunked local attention (`attention_chunk_size`): its chunks are counted from the start of the row, not of "
+    "each packed sequence")
+_UNPACKED_ONLY = Refusal(
+    "no sequence length limit / relative-position attention that its own modules compute over the whole row")
+
+# model_type -> Refusal, for families that cannot be made exact (filled per family below)
+REFUSED: dict[str, Refusal] = {}
+for _family in ("bert", "bert-generation", "big_bird", "camembert", "data2vec-text", "electra", "ernie",
+                "megatron-bert", "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer", "xlm",
+                "xlm-roberta", "xlm-roberta-xl", "xmod"):
+    REFUSED[_family] = _ENCODER
+for _family in ("bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "mvp", "pegasus",
+                "plbart", "prophetnet", "trocr", "musicgen", "musicgen_melody"):
+    REFUSED[_family] = _ENCODER_DECODER
+for _family in ("codegen", "gptj", "gpt_neo", "gpt_neox_japanese", "falcon", "mpt", "openai-gpt", "reformer", "cpmant", "nemotron",
+                "stablelm", "dbrx", "modernbert-decoder", "xglm"):
+    REFUSED[_family] = _OWN_ATTENTION
+REFUSED["bloom"] = _NO_CAUSAL_MASK
+REFUSED["xlnet"] = _UNPACKED_ONLY
+for _family in ("blt", "emu3", "fuyu", "gemma3", "gemma3n", "gemma4", "gemma4_unified", "git", "got_ocr2", "llama4",
+                "mllama", "moss_transcribe_diarize", "phi4_multimodal", "qwen3_5", "qwen3_5_moe", "qwen4_exp",
+                "dots3_note"):
+    REFUSED[_family] = _MULTIMODAL
+for _family in ("deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4", "dots3_note_text"):
+    REFUSED[_family] = _SPARSE_INDEXER
+REFUSED["llama4_text"] = _CHUNKED_ATTENTION
+
+# model_type -> what the conformance suite exercises beyond plain causal attention
+EXACT: dict[str, str] = {}
+for _family in ("apertus", "arcee", "aria_text", "biogpt", "bitnet", "ctrl", "diffllama", "dots1", "ernie4_5",
+                "ernie4_5_moe", "flex_olmo", "gemma", "glm", "glm4", "glm4_moe", "gpt-sw3", "gpt2", "gpt_bigcode",
+                "gpt_neox", "helium", "hrm_text", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3",
+                "hyperclovax", "internlm3", "iquestcoder", "jais2", "jetmoe", "laguna", "llama", "mellum",
+                "minimax_m2", "minimax_m3_vl_text", "moshi", "olmo", "olmo2", "olmoe", "opt", "persimmon", "phi",
+                "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "seed_oss", "smollm3", "solar_open", "whisper",
+                "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash", "youtu", "axk1"):
+    EXACT[_family] = ""
+for _family in ("granite", "granitemoe", "granitemoeshared"):
+    EXACT[_family] = "logits_scaling"
+
+
+def model_type_of(config) -> str:
+    return str(getattr(config, "model_type", "") or "")
+
+
+def family_status(model_type: str) -> str:
+    """`exact`, `refused` or `unverified` (not in the table: only the start-up self-check vouches for it)."""
+    if model_type in EXACT:
+        return "exact"
+    if model_type in REFUSED:
+        return "refused"
+    return "unverified"
+
+
+def check_model_support(config, *, self_check: bool = True) -> str:
+    """Raise UnsupportedModelError for a family that cannot train exactly on packed rows; return its status.
+
+    An unverified family passes only with the start-up self-check on (it then proves the packed path on the
+    user's own data before step 1)."""
+    model_type = model_type_of(config)
+    status = family_status(model_type)
+    if status == "refused":
+        refusal = REFUSED[model_type]
+        raise UnsupportedModelError(
+            f"model family {model_type!r} cannot be trained on packed rows: {refusal.why}. "
+            f"What to do: {refusal.what_to_do.replace('<family>', model_type)}."
+        )
+    if status == "unverified" and not self_check:
+        raise UnsupportedModelError(
+            f"model family {model_type!r} is not in PackSFT's verified table (train/model_support.py) and "
+            "self_check=false: nothing would show whether packed rows train it exactly. Set self_check: true "
+            "(the default): it compares the packed path with the model's own unpacked forward before step 1."
+        )
+    return status
+
+
+def supported_models_table(features: dict[str, str] | None = None) -> str:
+    """The Markdown table of docs/TRAINING.md: every family of the installed transformers' causal-LM mapping."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    rows = ["| family | packed training | notes |", "|---|---|---|"]
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        status = family_status(model_type)
+        if status == "exact":
+            rows.append(f"| `{model_type}` | exact | {EXACT[model_type]} |")
+        elif status == "refused":
+            rows.append(f"| `{model_type}` | refused | {REFUSED[model_type].why} |")
+        else:
+            rows.append(f"| `{model_type}` | unverified | self-check only |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(supported_models_table())
