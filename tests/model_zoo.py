@@ -46,6 +46,47 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
 }
 
 
+LINEAR_THEN_FULL = ["linear_attention", "full_attention"]
+MLA = dict(qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, kv_lora_rank=16, num_key_value_heads=4)
+MAMBA2_HEADS = dict(mamba_n_heads=4, mamba_d_state=8, mamba_chunk_size=8)  # 4 heads x 32 = expand 2 x hidden 64
+# per family: what COMMON does not settle (a recurrent and an attention layer where the family has both)
+RECURRENT_FAMILIES = {
+    "qwen3_next": dict(layer_types=LINEAR_THEN_FULL),
+    "qwen3_5_text": dict(layer_types=LINEAR_THEN_FULL),
+    "qwen3_5_moe_text": dict(layer_types=LINEAR_THEN_FULL),
+    # its attention layers are indexed (QSA) attention, which needs a mask the packsft attention does not build
+    "qwen4_exp_text": dict(layer_types=["linear_attention", "linear_attention"]),
+    "olmo_hybrid": dict(layer_types=LINEAR_THEN_FULL),
+    "kimi_linear": dict(layer_types=LINEAR_THEN_FULL, linear_num_heads=4, linear_head_dim=16, q_lora_rank=None, **MLA),
+    "bailing_hybrid": dict(layer_types=LINEAR_THEN_FULL, q_lora_rank=16, num_mtp_layers=0, first_k_dense_replace=2,
+                           **MLA),
+    "falcon_h1": dict(mamba_d_head=32, mamba_d_ssm=None, **MAMBA2_HEADS),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"], shared_intermediate_size=32, **MAMBA2_HEADS),
+    "bamba": dict(attn_layer_indices=[1], **MAMBA2_HEADS),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                  mamba_d_state=8, use_mamba_kernels=False),
+    "nemotron_h": dict(layers_block_type=["mamba", "attention"], mamba_num_heads=4, mamba_head_dim=32,
+                       ssm_state_size=8, n_groups=1, chunk_size=8, use_mamba_kernels=False),
+    "zamba": dict(layers_block_type=["mamba", "hybrid"], tie_word_embeddings=False, n_mamba_heads=2, mamba_d_state=8, attention_head_dim=32,
+                  use_mamba_kernels=False),
+    "zamba2": dict(layers_block_type=["mamba", "hybrid"], n_mamba_heads=4, mamba_d_state=8, chunk_size=8,
+                   use_mamba_kernels=False),
+    "mamba": dict(state_size=8),
+    "mamba2": dict(num_heads=4, head_dim=32, state_size=8, n_groups=1, chunk_size=8),
+    "falcon_mamba": dict(state_size=8),
+    "lfm2": dict(layer_types=["conv", "full_attention"]),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    "lfm3": dict(layer_types=["conv", "full_attention"]),
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"], lru_width=64, attention_window_size=64),
+    "minimax": dict(layer_types=LINEAR_THEN_FULL, block_size=4),
+    "xlstm": dict(embedding_dim=64, num_heads=4, num_blocks=2, mode="train", chunk_size=1,
+                  autocast_kernel_dtype="float32"),
+    "rwkv": dict(attention_hidden_size=64, context_length=64),
+    "zaya": dict(num_experts_per_tok=1),
+}
+FAMILY_OVERRIDES.update(RECURRENT_FAMILIES)
+
+
 def tiny_config(model_type: str):
     """The family's tiny config (a PretrainedConfig), or raises if the family cannot be built small."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -69,10 +110,13 @@ def tiny_config(model_type: str):
         if ("dropout" in key or "pdrop" in key) and isinstance(_get(default, key), float):
             kwargs[key] = 0.0
     default_types = _get(default, "layer_types")
-    if isinstance(default_types, list) and default_types:
+    if isinstance(default_types, list) and default_types and model_type not in RECURRENT_FAMILIES:
         kwargs["layer_types"] = _layer_types(default_types, kwargs.get("num_hidden_layers", 2))
         kwargs["num_hidden_layers"] = len(kwargs["layer_types"])
     kwargs.update(FAMILY_OVERRIDES.get(model_type, {}))
+    kwargs = {k: v for k, v in kwargs.items() if not isinstance(getattr(cls, k, None), property)}  # derived
+    if isinstance(kwargs.get("layer_types"), list) and _has(default, "num_hidden_layers"):
+        kwargs["num_hidden_layers"] = len(kwargs["layer_types"])
     config = cls(**kwargs)
     config.use_cache = False
     return config

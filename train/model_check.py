@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from train.attention import AttentionContext
+
 # Relative tolerances of a correct packed path against the eager reference. A gradient's error is measured against
 # the larger of its own magnitude and 1e-3 of the largest gradient of the model: parameters whose true gradient is
 # zero (e.g. the key bias, which softmax ignores) carry only rounding noise.
@@ -119,7 +121,6 @@ def compare_packed_with_reference(model, sequences: list[torch.Tensor], *, gradi
 
 
 def _compare(model, lm, params, sequences, n_targets, device, dtype, guard, gradient_probe, seed) -> PackedCheck:
-    from train.attention import AttentionContext
 
     with model.unpacked(), guard:
         total = None

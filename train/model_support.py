@@ -86,6 +86,16 @@ for _family in ("apertus", "arcee", "aria_text", "biogpt", "bitnet", "ctrl", "di
     EXACT[_family] = ""
 for _family in ("granite", "granitemoe", "granitemoeshared"):
     EXACT[_family] = "logits_scaling"
+for _family in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen4_exp_text", "olmo_hybrid", "kimi_linear",
+                "bailing_hybrid"):
+    EXACT[_family] = "linear-attention layers restarted per sequence (train/recurrent.py)"
+for _family in ("granitemoehybrid", "bamba", "jamba", "nemotron_h", "zamba", "zamba2", "mamba", "mamba2",
+                "falcon_mamba", "falcon_h1"):
+    EXACT[_family] = "Mamba layers restarted per sequence (train/recurrent.py)"
+for _family in ("lfm2", "lfm2_moe", "lfm3"):
+    EXACT[_family] = "short convolutions restarted per sequence (train/recurrent.py)"
+EXACT["rwkv"] = "token shift and WKV state restarted per sequence (train/recurrent.py)"
+EXACT["zaya"] = "attention-side convolution restarted per sequence (train/recurrent.py)"
 
 
 def model_type_of(config) -> str:

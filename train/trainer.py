@@ -54,6 +54,7 @@ from train.data import StepPlan, StepSampler
 from train.distributed import Mesh, all_reduce_sum, build_mesh, init_distributed
 from train.loss import weighted_lm_loss
 from train.metrics import MetricsLogger, plot_losses, truncate_log
+from train.recurrent import install_sequence_restart
 from train.varlen_kernels import queued_copy
 
 logger = logging.getLogger("packsft.train")
@@ -81,6 +82,8 @@ class PackedCausalLM(nn.Module):
         self.chunk_size = chunk_size
         self.num_categories = num_categories
         self.attn_backend = attn_backend  # what train.model_check's packed run asks for
+        # recurrent mixers (linear attention, state spaces, short convolutions) restart at every packed sequence
+        self.recurrent = install_sequence_restart(lm)
         if zero3:
             import deepspeed
 
@@ -90,6 +93,8 @@ class PackedCausalLM(nn.Module):
                     deepspeed.zero.register_external_parameter(self, p)
 
     def forward(self, input_ids, position_ids, targets, weights, target_categories, attn: AttentionContext):
+        if self.recurrent:  # left set after the forward: activation-checkpoint recomputation in backward reads them
+            self.recurrent.set_boundaries(attn.bounds.host_cu_q)
         hidden = decoder_of(self.lm)(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, packsft=attn
         ).last_hidden_state
@@ -106,6 +111,7 @@ class PackedCausalLM(nn.Module):
         train.model_check."""
         previous = self.lm.config._attn_implementation
         self.lm.set_attn_implementation("eager")
+        self.recurrent.clear()
         try:
             yield
         finally:
@@ -334,6 +340,12 @@ class Trainer:
 
         config = AutoConfig.from_pretrained(self.cfg.model_path or self.cfg.model_config)
         status = check_model_support(config, self_check=self.cfg.self_check)
+        if self.mesh.sp_size > 1:
+            from train.recurrent import sequence_parallel_problem
+
+            problem = sequence_parallel_problem(config)
+            if problem:
+                raise ConfigError(problem)
         if status == "unverified":
             self._warn(f"model family {model_type_of(config)!r} is not in PackSFT's verified table: the start-up "
                        "self-check decides whether it trains exactly")

@@ -1,0 +1,81 @@
+"""The trainer's model-family gate: a refused family stops before any weight loads, the start-up self-check
+passes on an exact family and stops training when the packed path does not reproduce the model."""
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from tests._train_helpers import (  # noqa: F401  (one_thread is a fixture)
+    VOCAB,
+    one_thread,
+    random_rows,
+    save_tiny_model,
+    write_config,
+    write_packed,
+)
+from train.model_support import UnsupportedModelError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _config(tmp_path, **values):
+    from train.config import load_config
+
+    data = write_packed(tmp_path / "data", random_rows(0, 4, seqs_per_row=3, min_len=8, max_len=20))
+    path = write_config(tmp_path / "run.yaml", data_path=str(data), output_dir=str(tmp_path / "out"), max_steps=1,
+                        loss_chunk_size=8, plot=False, **values)
+    return load_config(path)
+
+
+def test_refused_family_stops_before_the_model_loads(tmp_path, monkeypatch):
+    from transformers import BloomConfig
+
+    from train import trainer as trainer_module
+
+    model_config = tmp_path / "bloom.json"
+    BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=1, n_head=2).to_json_file(model_config)
+    monkeypatch.setattr(trainer_module, "build_lm", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(UnsupportedModelError, match="model family 'bloom'.*causal mask"):
+        trainer_module.Trainer(_config(tmp_path, model_config=str(model_config)), console=lambda *_: None)
+
+
+def test_self_check_passes_on_an_exact_family(tmp_path):
+    from train.trainer import Trainer
+
+    lines = []
+    save_tiny_model(tmp_path / "model")
+    Trainer(_config(tmp_path, model_path=str(tmp_path / "model")), console=lines.append)
+    assert any(line.startswith("self-check: packed = unpacked on 4 sequences") for line in lines), lines
+
+
+def test_self_check_stops_a_packed_path_that_leaks(tmp_path, monkeypatch):
+    """Boundaries dropped (as a family whose layers ignore them would): the check names the family and the
+    difference, before step 1."""
+    from train import model_check
+    from train.attention import AttentionContext
+    from train.trainer import Trainer
+
+    real = AttentionContext.for_micro_batch
+
+    def one_sequence(cu_seqlens, device, **kwargs):
+        return real(torch.tensor([0, int(cu_seqlens[-1])], dtype=torch.int32), device, **kwargs)
+
+    monkeypatch.setattr(model_check.AttentionContext, "for_micro_batch", staticmethod(one_sequence))
+    save_tiny_model(tmp_path / "model")
+    with pytest.raises(RuntimeError, match="start-up self-check failed for model family 'qwen2'.*loss packed"):
+        Trainer(_config(tmp_path, model_path=str(tmp_path / "model")), console=lambda *_: None)
+    cfg = _config(tmp_path, model_path=str(tmp_path / "model"), self_check=False)
+    Trainer(cfg, console=lambda *_: None)  # the check off: the user's call
+
+
+def test_unverified_family_needs_the_self_check(tmp_path):
+    from transformers import Qwen2Config
+
+    from train.model_support import check_model_support
+
+    config = Qwen2Config()
+    config.model_type = "my_remote_family"
+    assert check_model_support(config, self_check=True) == "unverified"
+    with pytest.raises(UnsupportedModelError, match="'my_remote_family' is not in PackSFT's verified table"):
+        check_model_support(config, self_check=False)
