@@ -17,6 +17,12 @@ lm-head matmul and the cross-entropy `chunk_size` tokens at a time inside one cu
 - Tied embeddings: the function returns an ordinary gradient for the weight; autograd adds it to the
   embedding's gradient because it is the same Parameter.
 
+The head may transform the logits (`LMHead`: Gemma's softcap, Cohere's logit scale, Granite's logits scaling,
+see train/lm_head.py for the families): logits = softcap(scale * (h W^T + b)), then only the first `vocab_size`
+columns. The chunked path applies it per chunk in fp32 and chains its derivative into d loss / d logits
+(scale * (1 - tanh^2) for the softcap, which keeps a second [chunk, V] fp32 buffer); an identity head adds no
+operation at all.
+
 `chunk_size` None or 0 is the plain reference path (full logits, autograd), used by the tests and the memory
 benchmark's "unchunked" baseline.
 
@@ -25,10 +31,45 @@ with `deepspeed.zero.register_external_parameter` (train/trainer.py's PackedCaus
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class LMHead:
+    """What a causal LM does to `h W^T + b` before its softmax: logits = softcap(scale * (h W^T + b)), where
+    softcap(z) = softcap * tanh(z / softcap) (None: no cap), keeping only the first `vocab_size` logits (None:
+    all; a padded vocabulary). The default is the plain linear head."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+    vocab_size: int | None = None
+
+    def __post_init__(self):
+        if not self.scale > 0:
+            raise ValueError(f"LMHead.scale must be > 0, got {self.scale}")
+        if self.softcap is not None and not self.softcap > 0:
+            raise ValueError(f"LMHead.softcap must be > 0 or None, got {self.softcap}")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"LMHead.vocab_size must be >= 1 or None, got {self.vocab_size}")
+
+    def transform(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's transform of `h W^T + b` (through autograd, fp32): the reference path and the checks."""
+        logits = logits.float()
+        if self.vocab_size is not None:
+            logits = logits[..., : self.vocab_size]
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+IDENTITY_HEAD = LMHead()
 
 
 def _check_inputs(hidden, weight, targets, weights, target_categories, num_categories):
@@ -62,15 +103,15 @@ class _ChunkedWeightedCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, weights, target_categories, num_categories, chunk_size, needs,
-                compute_dtype):
+                compute_dtype, head):
         # autocast is off inside: matmuls run in `compute_dtype` (the autocast dtype at call time, if any)
         with torch.autocast(hidden.device.type, enabled=False):
             return _ChunkedWeightedCE._forward(ctx, hidden, weight, bias, targets, weights, target_categories,
-                                               num_categories, chunk_size, needs, compute_dtype)
+                                               num_categories, chunk_size, needs, compute_dtype, head)
 
     @staticmethod
     def _forward(ctx, hidden, weight, bias, targets, weights, target_categories, num_categories, chunk_size, needs,
-                 compute_dtype):
+                 compute_dtype, head):
         """`needs`: which of (hidden, weight, bias) want a gradient; only those are computed and saved (a frozen
         lm head, e.g. LoRA, gets no [V, H] fp32 buffer)."""
         need_h, need_w, need_b = needs
@@ -89,19 +130,29 @@ class _ChunkedWeightedCE(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if need_b else None
         w_comp = weight.to(compute_dtype)
+        # d loss / d (h W^T + b) = scale * d loss / d (scaled logits): the scale rides on the token weights
+        row_scale = w_sel if head.scale == 1.0 else w_sel * head.scale
         for lo in range(0, n_valid, chunk_size):
             hi = min(lo + chunk_size, n_valid)
             h_c, t_c = h_sel[lo:hi].to(compute_dtype), t_sel[lo:hi]
             logits = (h_c @ w_comp.t()).float()
             if bias is not None:
                 logits += bias.float()
+            if head.scale != 1.0:
+                logits.mul_(head.scale)
+            if head.softcap is not None:
+                tanh_z = logits.div_(head.softcap).tanh_()  # in place of the scaled logits
+                logits = tanh_z * head.softcap
             lse = torch.logsumexp(logits, dim=-1)
             rows = torch.arange(hi - lo, device=hidden.device)
             ce[lo:hi] = lse - logits[rows, t_c]
             if need_grad:
                 probs = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
                 probs[rows, t_c] -= 1.0
-                probs.mul_(w_sel[lo:hi].unsqueeze(1))
+                probs.mul_(row_scale[lo:hi].unsqueeze(1))
+                if head.softcap is not None:
+                    probs.mul_(tanh_z.square_().neg_().add_(1.0))  # d/dz softcap * tanh(z / softcap)
+                    del tanh_z
                 if need_b:
                     grad_b += probs.sum(0)
                 g = probs.to(compute_dtype)
@@ -144,12 +195,12 @@ class _ChunkedWeightedCE(torch.autograd.Function):
             gh = grad_hidden.mul_(scale.to(grad_hidden.dtype))
         gw = grad_w.mul_(scale).to(w_dtype) if grad_w is not None and ctx.needs_input_grad[1] else None
         gb = grad_b.mul_(scale).to(b_dtype) if grad_b is not None and ctx.needs_input_grad[2] else None
-        return gh, gw, gb, None, None, None, None, None, None, None
+        return gh, gw, gb, None, None, None, None, None, None, None, None
 
 
-def _reference_loss(hidden, weight, bias, targets, weights, target_categories, num_categories):
+def _reference_loss(hidden, weight, bias, targets, weights, target_categories, num_categories, head):
     """Unchunked path: full [T, V] logits through autograd (the baseline most trainers use)."""
-    logits = F.linear(hidden, weight, bias).float()
+    logits = head.transform(F.linear(hidden, weight, bias))
     ce = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="none")
     valid = targets != IGNORE_INDEX
     weighted_sum = (ce * weights.float() * valid).sum()
@@ -166,6 +217,7 @@ def weighted_lm_loss(
     num_categories: int,
     chunk_size: int | None,
     lm_head_bias: torch.Tensor | None = None,
+    head: LMHead = IDENTITY_HEAD,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weighted_sum, cat_loss_sum [C], cat_count [C]) of one micro-batch (or one sp shard of it).
 
@@ -174,13 +226,17 @@ def weighted_lm_loss(
     weighted_sum = sum_t weights[t] * ce[t] (fp32 scalar, differentiable wrt hidden, weight and bias);
     cat_loss_sum[c] = sum of ce over the targets of category c (fp32), cat_count[c] their number (int64);
     both without gradient. A shard with no target gives exact zeros (and zero gradients), never NaN.
-    chunk_size None/0: unchunked reference path.
+    chunk_size None/0: unchunked reference path. head: the model's logit transform (train.lm_head.lm_head_of).
     """
     _check_inputs(hidden, lm_head_weight, targets, weights, target_categories, num_categories)
+    if head.vocab_size is not None:  # padded vocabulary: the rows past vocab_size never reach the softmax
+        lm_head_weight = lm_head_weight[: head.vocab_size]
+        lm_head_bias = None if lm_head_bias is None else lm_head_bias[: head.vocab_size]
     targets = targets.to(torch.long)
     target_categories = target_categories.to(torch.long)
     if not chunk_size:
-        return _reference_loss(hidden, lm_head_weight, lm_head_bias, targets, weights, target_categories, num_categories)
+        return _reference_loss(hidden, lm_head_weight, lm_head_bias, targets, weights, target_categories, num_categories,
+                               head)
     if chunk_size < 0:
         raise ValueError(f"chunk_size must be positive (or 0/None for unchunked), got {chunk_size}")
     grad_on = torch.is_grad_enabled()
@@ -196,5 +252,5 @@ def weighted_lm_loss(
         compute_dtype = torch.promote_types(hidden.dtype, lm_head_weight.dtype)
     return _ChunkedWeightedCE.apply(
         hidden, lm_head_weight, lm_head_bias, targets, weights, target_categories, num_categories, int(chunk_size),
-        needs, compute_dtype,
+        needs, compute_dtype, head,
     )
