@@ -26,7 +26,8 @@ SHRINK: dict[str, Any] = {
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
     "global_head_dim": 16, "num_global_key_value_heads": 2, "intermediate_size_mlp": 96,
     "index_head_dim": 16, "index_n_heads": 2, "index_topk": 4,
-    "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0,
+    "attn_logit_softcapping": 0.5, "final_logit_softcapping": 0.3, "logits_soft_cap": 0.3,
+    "output_logit_soft_cap": 0.3,
 }
 # (attribute, value) set only when the default has a non-null value of that attribute: a feature the family has
 FEATURE_VALUES = {"logit_scale": 0.3, "logits_scaling": 4.0, "lm_head_multiplier": 0.5}
@@ -60,7 +61,7 @@ RECURRENT_FAMILIES = {
     "kimi_linear": dict(layer_types=LINEAR_THEN_FULL, linear_num_heads=4, linear_head_dim=16, q_lora_rank=None, **MLA),
     "bailing_hybrid": dict(layer_types=LINEAR_THEN_FULL, q_lora_rank=16, num_mtp_layers=0, first_k_dense_replace=2,
                            **MLA),
-    "falcon_h1": dict(mamba_d_head=32, mamba_d_ssm=None, **MAMBA2_HEADS),
+    "falcon_h1": dict(mamba_d_head=32, mamba_d_ssm=None, lm_head_multiplier=0.5, **MAMBA2_HEADS),
     "granitemoehybrid": dict(layer_types=["mamba", "attention"], shared_intermediate_size=32, **MAMBA2_HEADS),
     "bamba": dict(attn_layer_indices=[1], **MAMBA2_HEADS),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,

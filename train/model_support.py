@@ -85,7 +85,11 @@ for _family in ("apertus", "arcee", "aria_text", "biogpt", "bitnet", "ctrl", "di
                 "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash", "youtu", "axk1"):
     EXACT[_family] = ""
 for _family in ("granite", "granitemoe", "granitemoeshared"):
-    EXACT[_family] = "logits_scaling"
+    EXACT[_family] = "logits divided by `logits_scaling` (train/lm_head.py)"
+EXACT["cohere"] = "logits multiplied by `logit_scale` (train/lm_head.py)"
+EXACT["minicpm3"] = "hidden states divided by hidden_size / dim_model_base before the head (train/lm_head.py)"
+EXACT["nanochat"] = "final-logit softcap (train/lm_head.py)"
+EXACT["xlstm"] = "mLSTM layers restarted per sequence (train/recurrent.py), output-logit softcap"
 for _family in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen4_exp_text", "olmo_hybrid", "kimi_linear",
                 "bailing_hybrid"):
     EXACT[_family] = "linear-attention layers restarted per sequence (train/recurrent.py)"

@@ -52,6 +52,7 @@ from train.checkpoint import (
 from train.config import ConfigError, TrainConfig
 from train.data import StepPlan, StepSampler
 from train.distributed import Mesh, all_reduce_sum, build_mesh, init_distributed
+from train.lm_head import decoder_of, lm_head_of
 from train.loss import weighted_lm_loss
 from train.metrics import MetricsLogger, plot_losses, truncate_log
 from train.recurrent import install_sequence_restart
@@ -61,13 +62,6 @@ logger = logging.getLogger("packsft.train")
 
 
 # ---------------------------------------------------------------------------------------------- model
-def decoder_of(lm: nn.Module) -> nn.Module:
-    """The transformer body (embeddings + layers + final norm) of a causal LM, also through a PEFT wrapper."""
-    if hasattr(lm, "get_base_model"):
-        lm = lm.get_base_model()
-    return getattr(lm, lm.base_model_prefix)
-
-
 class PackedCausalLM(nn.Module):
     """The module DeepSpeed wraps: the HF causal LM's body plus the chunked weighted loss (no full logits).
 
@@ -82,6 +76,7 @@ class PackedCausalLM(nn.Module):
         self.chunk_size = chunk_size
         self.num_categories = num_categories
         self.attn_backend = attn_backend  # what train.model_check's packed run asks for
+        self.head = lm_head_of(lm)  # what *ForCausalLM.forward does between the hidden states and the logits
         # recurrent mixers (linear attention, state spaces, short convolutions) restart at every packed sequence
         self.recurrent = install_sequence_restart(lm)
         if zero3:
@@ -101,9 +96,8 @@ class PackedCausalLM(nn.Module):
         head = self.lm.get_output_embeddings()
         return weighted_lm_loss(
             hidden[0], head.weight, targets, weights, target_categories, self.num_categories, self.chunk_size,
-            lm_head_bias=getattr(head, "bias", None),
+            lm_head_bias=getattr(head, "bias", None), head=self.head,
         )
-
 
     @contextmanager
     def unpacked(self):
