@@ -5,6 +5,7 @@ The generic helpers (`apply_overrides`, `from_dict`) are shared with the trainer
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import glob
 import importlib.util
 import os
@@ -32,6 +33,12 @@ def parse_value(text: str) -> Any:
         return orjson.loads(text)
     except orjson.JSONDecodeError:
         return text
+
+
+def closest_key_hint(key: str, known, prefix: str = "") -> str:
+    """`; did you mean 'x'?` for the known key closest to a mistyped one, or "" when none is close."""
+    close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)
+    return f"; did you mean '{prefix}{close[0]}'?" if close else ""
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import difflib
 import functools
 import importlib.util
 import inspect
@@ -26,7 +25,7 @@ from typing import Literal
 import numpy as np
 import yaml
 
-from data.config import ConfigError, apply_overrides, from_dict, to_dict
+from data.config import ConfigError, apply_overrides, closest_key_hint, from_dict, to_dict
 
 logger = logging.getLogger(__name__)
 
@@ -467,8 +466,7 @@ def check_keys(raw: dict, cls, origin: str, prefix: str = "") -> None:
     hints = typing.get_type_hints(cls)
     for key, value in raw.items():
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+            hint = closest_key_hint(key, fields, prefix)
             raise ConfigError(f"{origin}: unknown key '{prefix}{key}'{hint} (sh train.sh --help lists every key)")
         if dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
             check_keys(value, hints[key], origin, f"{prefix}{key}.")
