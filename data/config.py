@@ -184,6 +184,9 @@ class DataConfig:
     loss_turns: Literal["all", "last"] = "all"  # rllm: cumulative (all assistant turns) or stepwise (last only)
     structure: Literal["parallel_thinking"] | None = None
     enable_thinking: bool | None = None  # default for records without their own `enable_thinking`
+    # a category that loses more than this fraction of its records in tokenize (overlong, bad records) is a
+    # warning at the end of the run and in report.json; one that loses all of them is an error
+    category_loss_warning: float = 0.5
     merge: MergeConfig = field(default_factory=MergeConfig)
     # ---- fidelity: what a record asks to train reaches the loss (docs/DATA.md, "What is trained")
     # reasoning_content of trained turns: auto (template renders it, else inline with reasoning_tags) |
@@ -259,6 +262,8 @@ class DataConfig:
             raise ConfigError(f"num_workers must be >= 0, got {self.num_workers}")
         if self.seed < 0:
             raise ConfigError(f"seed must be >= 0, got {self.seed}")
+        if not 0.0 <= self.category_loss_warning <= 1.0:
+            raise ConfigError(f"category_loss_warning must be in [0, 1], got {self.category_loss_warning}")
         if self.pack.shard_size_mb <= 0:
             raise ConfigError(f"pack.shard_size_mb must be positive, got {self.pack.shard_size_mb}")
         if "preprocess" in self.stages:

@@ -96,6 +96,14 @@ def run_pipeline(cfg: DataConfig) -> dict[str, dict]:
     return {stage: run_stage(cfg, stage) for stage in STAGES if stage in cfg.stages}
 
 
+def print_warnings(sections: dict[str, dict]) -> None:
+    """The warnings the stages recorded in report.json (`warnings`), repeated after the last stage's output so
+    they are the last thing a run says."""
+    for stage, section in sections.items():
+        for warning in section.get("warnings") or []:
+            print(f"WARNING: {stage}: {warning}", file=sys.stderr, flush=True)
+
+
 class DiskFullError(OSError):
     """A stage ran out of disk space (ENOSPC / EDQUOT); the message says where and what to re-run."""
 
@@ -117,10 +125,11 @@ def cli_main(stage_fn: Callable[[DataConfig], dict], stage: str, argv: list[str]
         args, overrides = parse_args(argv, f"python -m data.{stage}", stage_option=False)
         cfg = load(args, overrides, [stage])
         if cfg.engine == "ray":
-            run_pipeline(cfg)  # cleans up first, like the local path below
+            sections = run_pipeline(cfg)  # cleans up first, like the local path below
         else:
             clean_up(cfg)
-            run_stage(cfg, stage, stage_fn)
+            sections = {stage: run_stage(cfg, stage, stage_fn)}
+        print_warnings(sections)
 
     _guard(body)
 
@@ -132,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
         args, overrides = parse_args(argv, "data_process.sh")
         stages = [s.strip() for s in args.stages.split(",") if s.strip()] if args.stages else None
         cfg = load(args, overrides, stages)
-        run_pipeline(cfg)
+        sections = run_pipeline(cfg)
+        print_warnings(sections)
         if "pack" in cfg.stages:
             print(f"packed: {cfg.packed_dir}", flush=True)
 
