@@ -37,6 +37,7 @@ from data.records import RecordError, message_category, record_uids, validate_ca
 from data.report import check_arithmetic, format_tokenize_summary, sorted_counts, update_report
 from data.shards import (IGNORE_INDEX, REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, ShardWriter, file_blake2b,
                          tokenizer_hash)
+from data.token_bound import TokenBound
 
 OVERLONG_POLICIES = ("drop", "error", "truncate", "left", "right")
 CHUNK_RECORDS = 256  # records per batch encode / per worker task
@@ -90,6 +91,8 @@ class TokenizeContext:
     backend: Any = field(init=False, repr=False)
     fidelity: FidelityOptions = field(init=False, repr=False)
     renders_reasoning: bool = field(init=False, repr=False)
+    # rejects an over-long record before rendering and encoding it (None: the policy truncates, or no safe bound)
+    token_bound: TokenBound | None = field(init=False, repr=False)
 
     def __post_init__(self):
         if self.overlong not in OVERLONG_POLICIES:
@@ -98,6 +101,7 @@ class TokenizeContext:
         self.fidelity = FidelityOptions(reasoning=self.reasoning, reasoning_tags=tuple(self.reasoning_tags),
                                         tool_arguments=self.tool_arguments, enable_thinking=self.enable_thinking)
         self.renders_reasoning = template_renders_reasoning(self.tokenizer)
+        self.token_bound = TokenBound.of(self.tokenizer) if self.overlong in ("drop", "error") else None
 
     @classmethod
     def from_config(cls, cfg: DataConfig) -> "TokenizeContext":
@@ -180,14 +184,32 @@ def _with_origin(source: str, record: Any) -> str:
     return source
 
 
+def _check_bound(n_tokens: int, what: str, source: str, ctx: TokenizeContext) -> None:
+    if n_tokens > ctx.max_length:
+        raise RecordError(source, "messages", f"at least {n_tokens} tokens > max_length {ctx.max_length} ({what}, "
+                          f"at most {ctx.token_bound.max_token_bytes} bytes a token; not encoded)", "overlong")
+
+
 def _prepare(record: Any, source: str, ctx: TokenizeContext) -> tuple[dict, Rendered]:
     """Validate one record and render it under the fidelity policies: (normalized record, render), or
-    RecordError (carrying `asked_chars`, what the record asked to train, when it validated)."""
+    RecordError (carrying `asked_chars`, what the record asked to train, when it validated).
+
+    With a token bound, a record that cannot fit max_length is rejected as `overlong` from the bytes of its
+    trained turns' content (which the conservation check requires in the render) before the template runs, and
+    from the bytes of the render before it is encoded. A record that would also fail for another reason is then
+    counted as overlong."""
     if isinstance(record, RecordError):
         raise record
     norm = validate_canonical(record, source)
+    bound = ctx.token_bound
     try:
-        return norm, render_merged(ctx.tokenizer, ctx.info, norm, ctx.fidelity, ctx.renders_reasoning, source)
+        if bound is not None:
+            trained = [m["content"] for m, label in zip(norm["messages"], norm["labels"]) if label]
+            _check_bound(sum(bound.piece_tokens(c) for c in trained), "from the trained content", source, ctx)
+        rendered = render_merged(ctx.tokenizer, ctx.info, norm, ctx.fidelity, ctx.renders_reasoning, source)
+        if bound is not None:
+            _check_bound(bound.text_tokens(rendered.text), "from the rendered text", source, ctx)
+        return norm, rendered
     except RecordError as exc:
         exc.asked_chars = asked_chars(norm)
         raise
