@@ -3,6 +3,7 @@ message, a broken chat template, --help, skipped lines by name, empty inputs, sh
 two runs into one output directory."""
 from __future__ import annotations
 
+import shutil
 import time
 import tracemalloc
 from pathlib import Path
@@ -10,9 +11,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from data import preprocess, sample, tokenize
+from data import pipeline, preprocess, sample, tokenize
 from data.chat_template import analyze_template, load_chat_tokenizer
-from data.config import DataConfig, InputSpec
+from data.config import ConfigError, DataConfig, InputSpec
 from data.pipeline import cli_main
 from data.records import RecordError
 from data.report import read_report
@@ -151,3 +152,35 @@ def test_truncating_policies_and_fitting_records_are_not_bounded(qwen_ctx_args):
     n = len(measured.input_ids)
     [fits] = tokenize_records([record], TokenizeContext(tokenizer=tok, info=info, max_length=n))  # exactly fits
     assert not isinstance(fits, RecordError) and len(fits.input_ids) == n
+
+
+# ---------------------------------------------------------------------------------------------- 4: broken templates
+@pytest.mark.parametrize("template, line, error", [
+    ("{% for m in messages %}\n{{ m.role }}\n{{ m.content }\n{% endfor %}", 3, "TemplateSyntaxError"),
+    ("{% for m in messages %}{{ m.content }}{% endfor %}\n\n{{ raise_exception('not for this model') }}", 3,
+     "TemplateError"),
+])
+def test_a_broken_chat_template_file_names_the_tokenizer_the_key_and_the_line(tmp_path, capsys, template, line,
+                                                                                error):
+    jinja = tmp_path / "broken.jinja"
+    jinja.write_text(template)
+    config = _tokenize_config(tmp_path, [_record(0, "short", "Fine.")], chat_template=str(jinja),
+                              tokenizer_path=str(tokenizer_dir("gpt2")))
+    with pytest.raises(SystemExit):
+        pipeline.main([str(config), "--stages", "tokenize"])
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: chat_template: {jinja} (tokenizer {tokenizer_dir('gpt2')}): cannot render a "
+                          f"user/assistant exchange: {error} at template line {line}: ")
+    assert "Traceback" not in err
+
+
+def test_a_broken_template_of_the_tokenizer_names_its_file(tmp_path):
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir("qwen2_5_instruct"), tok_dir)
+    tok_config = orjson.loads((tok_dir / "tokenizer_config.json").read_bytes())
+    tok_config["chat_template"] = "{{ bos_token }}\n{% if messages %}{{ messages[0].content | nosuchfilter }}{% endif %}"
+    (tok_dir / "tokenizer_config.json").write_bytes(orjson.dumps(tok_config))
+    with pytest.raises(ConfigError, match=rf"tokenizer_path: {tok_dir}: the chat template of tokenizer_config.json: "
+                                          r"cannot render a user/assistant exchange: TemplateRuntimeError at "
+                                          r"template line 2: .*nosuchfilter"):
+        load_chat_tokenizer(str(tok_dir))
