@@ -14,7 +14,9 @@ import sys
 import time
 from collections.abc import Callable
 
-from data.config import STAGES, ConfigError, DataConfig, load_config
+import orjson
+
+from data.config import STAGES, ConfigError, DataConfig, InputSpec, key_help_lines, load_config
 from data.io import remove_stale_temporaries
 from data.preflight import preflight
 from data.records import RecordError
@@ -23,8 +25,20 @@ from data.report import record_failure
 DEFAULT_CONFIG = "configs/data/example.json"
 
 
+def keys_help() -> str:
+    """Every data config key with its type, default and help (from the comments in data/config.py)."""
+    def json_value(value) -> str:
+        return orjson.dumps(value).decode()
+
+    return "\n".join(["config keys (in the JSON file, or key=value on the command line; sections with dots: "
+                      "merge.probability=0.2):", *key_help_lines(DataConfig, json_value), "",
+                      "keys of each input (inputs: [{...}]):", *key_help_lines(InputSpec, json_value), "",
+                      "Full reference: docs/DATA.md."])
+
+
 def build_parser(prog: str, stage_option: bool) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0], epilog=keys_help(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config_pos", nargs="?", metavar="config.json", help=f"data config (default {DEFAULT_CONFIG})")
     parser.add_argument("--config", help="data config (same as the positional argument)")
     if stage_option:

@@ -3,7 +3,9 @@ message, a broken chat template, --help, skipped lines by name, empty inputs, sh
 two runs into one output directory."""
 from __future__ import annotations
 
+import dataclasses
 import shutil
+import subprocess
 import time
 import tracemalloc
 from pathlib import Path
@@ -13,13 +15,13 @@ import pytest
 
 from data import pipeline, preprocess, sample, tokenize
 from data.chat_template import analyze_template, load_chat_tokenizer
-from data.config import ConfigError, DataConfig, InputSpec
+from data.config import ConfigError, DataConfig, InputSpec, MergeConfig, PackConfig, field_help
 from data.pipeline import cli_main
 from data.records import RecordError
 from data.report import read_report
 from data.token_bound import TokenBound
 from data.tokenize import TokenizeContext, tokenize_records
-from tests.conftest import fixture_path, tokenizer_dir
+from tests.conftest import ROOT, fixture_path, tokenizer_dir
 
 
 def _jsonl(path, rows):
@@ -184,3 +186,20 @@ def test_a_broken_template_of_the_tokenizer_names_its_file(tmp_path):
                                           r"cannot render a user/assistant exchange: TemplateRuntimeError at "
                                           r"template line 2: .*nosuchfilter"):
         load_chat_tokenizer(str(tok_dir))
+
+
+# ---------------------------------------------------------------------------------------------- 5: --help
+def test_data_process_help_lists_every_key_with_type_default_and_help():
+    proc = subprocess.run(["sh", str(ROOT / "data_process.sh"), "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    for cls, prefix in ((DataConfig, ""), (MergeConfig, "merge."), (PackConfig, "pack."), (InputSpec, "")):
+        helps = field_help(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in ("merge", "pack"):
+                continue
+            assert helps[f.name], f"{prefix}{f.name} has no help comment in data/config.py"
+            [i] = [i for i, line in enumerate(lines) if line.startswith(f"  {prefix}{f.name} (")]
+            assert ", default " in lines[i] and lines[i + 1].strip() == helps[f.name]
+    assert "  category_loss_warning (float, default 0.5)" in lines
+    assert '  reasoning_tags (list[str], default ["<think>\\n","\\n</think>\\n\\n"])' in lines
