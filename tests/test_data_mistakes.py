@@ -12,6 +12,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+import yaml
 
 from data import pipeline, preprocess, sample, tokenize
 from data.chat_template import analyze_template, load_chat_tokenizer
@@ -203,3 +204,12 @@ def test_data_process_help_lists_every_key_with_type_default_and_help():
             assert ", default " in lines[i] and lines[i + 1].strip() == helps[f.name]
     assert "  category_loss_warning (float, default 0.5)" in lines
     assert '  reasoning_tags (list[str], default ["<think>\\n","\\n</think>\\n\\n"])' in lines
+
+
+# ---------------------------------------------------------------------------------------------- 8: shipped configs
+def test_no_shipped_train_config_deletes_an_earlier_run():
+    configs = sorted((ROOT / "configs" / "train").glob("*.yaml"))
+    assert configs
+    for path in configs:
+        raw = yaml.safe_load(path.read_text()) or {}
+        assert raw.get("overwrite_output_dir", False) is False, f"{path.name} deletes the previous run's checkpoints"
