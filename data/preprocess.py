@@ -26,8 +26,8 @@ from typing import Any
 
 import orjson
 
-from data.config import DataConfig, InputSpec, closest_key_hint
-from data.io import atomic_write_bytes, atomic_writer, expand_inputs, ordered_parallel_map, read_rows
+from data.config import ConfigError, DataConfig, InputSpec, closest_key_hint
+from data.io import atomic_write_bytes, atomic_writer, expand_inputs, input_is_empty, ordered_parallel_map, read_rows
 from data.progress import progress
 from data.records import MAX_CATEGORY_ID, RecordError, parse_json_field, validate_canonical
 
@@ -455,6 +455,10 @@ def run(cfg: DataConfig, parallel_map: Callable[[Callable, Iterable], Iterator] 
     `num_workers` local processes). `convert_all(cfg, stats, dropped, category_ids, sizes, out, bar)` replaces
     reading, converting and writing (the Ray engine's workers do all three): it writes canonical.jsonl's lines to
     `out` in input order, does this loop's accounting and returns the records written."""
+    paths = [path for spec in cfg.inputs for path in expand_inputs(spec.path)]
+    empty = [path for path in paths if input_is_empty(path)]
+    if paths and len(empty) == len(paths):
+        raise ConfigError(f"preprocess: every input is empty (no row): {', '.join(empty)}")
     ratio_path = cfg.ratio_file
     existing = read_ratio_file(ratio_path)
     category_ids = CategoryIds(existing)
@@ -496,6 +500,7 @@ def run(cfg: DataConfig, parallel_map: Callable[[Callable, Iterable], Iterator] 
         "inputs": stats,
         "category_sizes": {name: sizes[name] for name in sorted(sizes, key=category_ids)},
         "ratio_file": str(ratio_path), "output": str(cfg.canonical_path),
+        "empty_inputs": empty, "warnings": [f"input {path} is empty (no row)" for path in empty],
     }
     check_arithmetic(section)
     update_report(cfg.report_path, "preprocess", section)

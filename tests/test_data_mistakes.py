@@ -213,3 +213,30 @@ def test_no_shipped_train_config_deletes_an_earlier_run():
     for path in configs:
         raw = yaml.safe_load(path.read_text()) or {}
         assert raw.get("overwrite_output_dir", False) is False, f"{path.name} deletes the previous run's checkpoints"
+
+
+# ---------------------------------------------------------------------------------------------- 7: empty inputs
+def _preprocess_config(tmp_path, paths):
+    path = tmp_path / "config.json"
+    path.write_bytes(orjson.dumps({"inputs": [{"path": p, "category_name": "chat"} for p in paths],
+                                   "output_dir": str(tmp_path / "out"), "tokenizer_path": "unused", "num_workers": 1}))
+    return str(path)
+
+
+@pytest.mark.parametrize("empty_bytes", [b"", b"\n\n  \n"])
+def test_an_empty_input_next_to_others_is_a_counted_warning(tmp_path, capsys, empty_bytes):
+    full = _jsonl(tmp_path / "full.jsonl", [QA] * 3)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(empty_bytes)
+    cli_main(preprocess.run, "preprocess", [_preprocess_config(tmp_path, [full, str(empty)])])
+    assert capsys.readouterr().err.splitlines()[-1] == f"WARNING: preprocess: input {empty} is empty (no row)"
+    section = read_report(tmp_path / "out" / "report.json")["preprocess"]
+    assert section["empty_inputs"] == [str(empty)] and section["out"] == 3
+
+
+def test_an_empty_only_input_is_an_error_naming_it(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    with pytest.raises(SystemExit):
+        cli_main(preprocess.run, "preprocess", [_preprocess_config(tmp_path, [str(empty)])])
+    assert capsys.readouterr().err == f"error: preprocess: every input is empty (no row): {empty}\n"
