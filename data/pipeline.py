@@ -18,6 +18,7 @@ import orjson
 
 from data.config import STAGES, ConfigError, DataConfig, InputSpec, key_help_lines, load_config
 from data.io import remove_stale_temporaries
+from data.lock import LockHeldError, directory_lock
 from data.preflight import preflight
 from data.records import RecordError
 from data.report import record_failure
@@ -123,10 +124,11 @@ class DiskFullError(OSError):
 
 
 def _guard(body: Callable[[], None]) -> None:
-    """User errors (config, bad records, missing files, a full disk) end with one clear line and exit code 2."""
+    """User errors (config, bad records, missing files, a full disk, an output directory in use) end with one clear
+    line and exit code 2."""
     try:
         body()
-    except (ConfigError, RecordError, FileNotFoundError, ValueError, DiskFullError) as exc:
+    except (ConfigError, RecordError, FileNotFoundError, ValueError, DiskFullError, LockHeldError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
 
@@ -138,11 +140,12 @@ def cli_main(stage_fn: Callable[[DataConfig], dict], stage: str, argv: list[str]
     def body() -> None:
         args, overrides = parse_args(argv, f"python -m data.{stage}", stage_option=False)
         cfg = load(args, overrides, [stage])
-        if cfg.engine == "ray":
-            sections = run_pipeline(cfg)  # cleans up first, like the local path below
-        else:
-            clean_up(cfg)
-            sections = {stage: run_stage(cfg, stage, stage_fn)}
+        with directory_lock(cfg.out):
+            if cfg.engine == "ray":
+                sections = run_pipeline(cfg)  # cleans up first, like the local path below
+            else:
+                clean_up(cfg)
+                sections = {stage: run_stage(cfg, stage, stage_fn)}
         print_warnings(sections)
 
     _guard(body)
@@ -155,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
         args, overrides = parse_args(argv, "data_process.sh")
         stages = [s.strip() for s in args.stages.split(",") if s.strip()] if args.stages else None
         cfg = load(args, overrides, stages)
-        sections = run_pipeline(cfg)
+        with directory_lock(cfg.out):
+            sections = run_pipeline(cfg)
         print_warnings(sections)
         if "pack" in cfg.stages:
             print(f"packed: {cfg.packed_dir}", flush=True)

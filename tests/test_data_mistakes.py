@@ -4,10 +4,15 @@ two runs into one output directory."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import shutil
+import socket
 import subprocess
+import sys
 import time
 import tracemalloc
+import types
 from pathlib import Path
 
 import orjson
@@ -17,6 +22,7 @@ import yaml
 from data import pipeline, preprocess, sample, tokenize
 from data.chat_template import analyze_template, load_chat_tokenizer
 from data.config import ConfigError, DataConfig, InputSpec, MergeConfig, PackConfig, field_help
+from data.lock import LOCK_NAME, LockHeldError, directory_lock
 from data.pipeline import cli_main
 from data.records import RecordError
 from data.report import read_report
@@ -240,3 +246,63 @@ def test_an_empty_only_input_is_an_error_naming_it(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli_main(preprocess.run, "preprocess", [_preprocess_config(tmp_path, [str(empty)])])
     assert capsys.readouterr().err == f"error: preprocess: every input is empty (no row): {empty}\n"
+
+
+# ---------------------------------------------------------------------------------------------- 9: one run per output dir
+def _dead_pid() -> int:
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+
+
+def test_a_second_run_into_a_locked_output_dir_is_refused_naming_the_holder(tmp_path, capsys, monkeypatch):
+    calls = []
+    fake = types.ModuleType("data.pack")
+    fake.run = lambda cfg: calls.append("pack") or {"in": 0, "out": 0, "dropped": {}}
+    monkeypatch.setitem(sys.modules, "data.pack", fake)
+    config = _preprocess_config(tmp_path, [])
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time
+from data.lock import directory_lock
+with directory_lock({str(tmp_path / 'out')!r}):
+    print("locked", flush=True)
+    time.sleep(60)
+"""], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        with pytest.raises(SystemExit) as exit_:
+            pipeline.main([config, "--stages", "pack"])
+        assert exit_.value.code == 2 and calls == []
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {tmp_path / 'out'} is in use by another run (pid {holder.pid} on "
+                              f"{socket.gethostname()}, started ")
+    finally:
+        holder.kill()
+        holder.wait()
+    pipeline.main([config, "--stages", "pack"])  # the holder is gone: its lock is taken over
+    assert calls == ["pack"]
+    assert "[lock] took over" in capsys.readouterr().out
+    assert not (tmp_path / "out" / LOCK_NAME).exists()  # released at the end
+
+
+@pytest.mark.parametrize("stale", ["dead pid", "reused pid", "torn file"])
+def test_a_lock_whose_holder_is_gone_is_taken_over_and_said_so(tmp_path, capsys, stale):
+    lock = tmp_path / LOCK_NAME
+    holder = {"pid": _dead_pid(), "host": socket.gethostname(), "start": "x", "started": "then", "command": "old"}
+    if stale == "reused pid":  # a live process with the holder's pid, started at another time
+        holder.update(pid=os.getpid(), start="another boot:1")
+    lock.write_text("{" if stale == "torn file" else json.dumps(holder))
+    with directory_lock(tmp_path) as path:
+        assert json.loads(path.read_text())["pid"] == os.getpid()
+    assert f"[lock] took over {lock}" in capsys.readouterr().out
+    assert not lock.exists()
+
+
+def test_a_live_holder_on_this_host_or_a_lock_of_another_host_is_kept(tmp_path):
+    with directory_lock(tmp_path):
+        with pytest.raises(LockHeldError, match=rf"pid {os.getpid()} on {socket.gethostname()}"):
+            with directory_lock(tmp_path):
+                pass
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": _dead_pid(), "host": "elsewhere", "started": "then"}))
+    with pytest.raises(LockHeldError, match=r"on elsewhere, started then.*if that run is gone, delete"):
+        with directory_lock(tmp_path):
+            pass
