@@ -44,14 +44,12 @@ def expand_inputs(patterns: list[str] | str) -> list[str]:
 
 
 def input_is_empty(path: str) -> bool:
-    """Whether an input holds no row: an empty file, a text file (.jsonl, .csv) of blank lines only, a parquet
-    file of no rows. Reads only up to the first non-blank byte (or the parquet footer); a datasets directory or an
-    unreadable file is not judged here (its reader reports it)."""
+    """Whether an input holds no row: a text file (.jsonl, .csv) that is empty or of blank lines only, a parquet
+    file of no rows. Reads only up to the first non-blank byte (or the parquet footer); other formats, a datasets
+    directory and an unreadable file (a 0-byte parquet file is corrupt, not empty) are left to their reader."""
     split, local = split_spec(path)
     if split is not None or os.path.isdir(local):
         return False
-    if os.path.getsize(local) == 0:
-        return True
     suffix = Path(local).suffix.lower()
     if suffix == ".parquet":
         import pyarrow as pa
