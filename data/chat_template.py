@@ -16,6 +16,7 @@ generation prompt, which shares the characters `<|` with `<|assistant|>`.
 """
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,36 @@ class SpanError(ValueError):
 class TemplateInfo:
     header: str
     end_of_turn: str
+
+
+def template_error(exc: BaseException) -> str:
+    """`TemplateSyntaxError at template line 3: unexpected '}'`: the line is jinja's (a syntax error's `lineno`,
+    else the innermost frame of the compiled template, which jinja maps back to template lines)."""
+    line = getattr(exc, "lineno", None)
+    if line is None:
+        lines = [frame.lineno for frame in traceback.extract_tb(exc.__traceback__) if frame.filename == "<template>"]
+        line = lines[-1] if lines else None
+    return f"{type(exc).__name__}{f' at template line {line}' if line else ''}: {exc}"
+
+
+def template_origin(tokenizer_path: str, chat_template: str | None) -> str:
+    """Where the chat template comes from, as the config key (and file) to fix."""
+    if chat_template:
+        return f"chat_template: {chat_template} (tokenizer {tokenizer_path})"
+    own = Path(tokenizer_path) / "chat_template.jinja"
+    source = own if own.is_file() else Path(tokenizer_path) / "tokenizer_config.json"
+    return f"tokenizer_path: {tokenizer_path}: the chat template of {source.name}"
+
+
+def check_template_renders(tokenizer, tokenizer_path: str, chat_template: str | None) -> None:
+    """A template that does not compile, or raises for a plain user/assistant exchange, is a ConfigError naming
+    where it comes from and the template line (not a jinja traceback from deep inside a stage)."""
+    probe = [{"role": "user", "content": PROBE_USER}, {"role": "assistant", "content": PROBE_ANSWER}]
+    try:
+        _render(tokenizer, probe)
+    except Exception as exc:  # jinja's TemplateSyntaxError, the template's raise_exception, an undefined value
+        raise ConfigError(f"{template_origin(tokenizer_path, chat_template)}: cannot render a user/assistant "
+                          f"exchange: {template_error(exc)}") from None
 
 
 def load_chat_tokenizer(tokenizer_path: str, chat_template: str | None = None):
@@ -58,6 +89,7 @@ def load_chat_tokenizer(tokenizer_path: str, chat_template: str | None = None):
             f"tokenizer_path: the tokenizer at {tokenizer_path} has no chat template; "
             "set chat_template: path/to/template.jinja"
         )
+    check_template_renders(tokenizer, tokenizer_path, chat_template)
     return tokenizer
 
 

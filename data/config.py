@@ -4,12 +4,18 @@ The generic helpers (`apply_overrides`, `from_dict`) are shared with the trainer
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
+import difflib
 import glob
 import importlib.util
+import inspect
+import io
 import os
+import tokenize
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -32,6 +38,12 @@ def parse_value(text: str) -> Any:
         return orjson.loads(text)
     except orjson.JSONDecodeError:
         return text
+
+
+def closest_key_hint(key: str, known, prefix: str = "") -> str:
+    """`; did you mean 'x'?` for the known key closest to a mistyped one, or "" when none is close."""
+    close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)
+    return f"; did you mean '{prefix}{close[0]}'?" if close else ""
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
@@ -127,21 +139,93 @@ def to_dict(obj) -> dict:
     return dataclasses.asdict(obj)
 
 
+# ---------------------------------------------------------------------------------------------- --help from the source
+def field_help(cls) -> dict[str, str]:
+    """One line of help per field: the comment on its line, else the comment lines right above it, else (for a
+    section) its class docstring. The source comments are the documentation, so they cannot drift apart."""
+    source = inspect.getsource(cls)
+    comments: dict[int, str] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+    lines = source.splitlines()
+    hints = typing.get_type_hints(cls)
+    helps = {}
+    for node in ast.parse(source).body[0].body:
+        if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
+            continue
+        name = node.target.id
+        text = comments.get(node.lineno) or comments.get(node.end_lineno)
+        if not text:
+            above, line = [], node.lineno - 1
+            while line >= 1 and lines[line - 1].strip().startswith("#"):
+                above.insert(0, comments.get(line, ""))
+                line -= 1
+            text = " ".join(above)
+        if not text and dataclasses.is_dataclass(hints.get(name)):
+            text = (inspect.getdoc(hints[name]) or "").splitlines()[0]
+        helps[name] = text
+    return helps
+
+
+def type_name(tp) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return "|".join("null" if a is None else str(a).lower() if isinstance(a, bool) else str(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        names = [type_name(a) for a in args if a is not type(None)]
+        return "|".join(names + (["null"] if type(None) in args else []))
+    if origin in (list, tuple):
+        return f"list[{type_name(args[0]) if args else 'any'}]"
+    if origin is dict or tp is dict:
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _default_text(f: dataclasses.Field, format_value: Callable[[Any], str]) -> str:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return "required"
+    if dataclasses.is_dataclass(value):
+        return "section"
+    return format_value(value)
+
+
+def key_help_lines(cls, format_value: Callable[[Any], str], prefix: str = "") -> list[str]:
+    """`--help` lines of every key of config dataclass `cls` (sections flattened with dots): `key (type, default
+    value)` and its help line from the source comments (`field_help`); `format_value` writes a default as the
+    config file would (JSON for the data config, YAML for the train config)."""
+    hints = typing.get_type_hints(cls)
+    helps = field_help(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.append(f"{prefix}{f.name}.*: {helps.get(f.name, '')}")
+            out.extend(key_help_lines(hints[f.name], format_value, f"{prefix}{f.name}."))
+            continue
+        out.append(f"  {prefix}{f.name} ({type_name(hints[f.name])}, default {_default_text(f, format_value)})")
+        out.append(f"      {helps.get(f.name, '')}")
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- the data config
 @dataclass
 class InputSpec:
     """One raw input: a file, a glob, or a list of them (`split@path` selects a split of a datasets dir)."""
 
-    path: list[str]
+    path: list[str]  # a file, a glob, split@dir (a datasets directory), or a list of them
     # auto | messages | sharegpt | prompt_response | verl | function
     format: Literal["auto", "messages", "sharegpt", "prompt_response", "verl", "function"] = "auto"
     category_name: str | None = None  # fixed category for every record of this input
     category_field: str | None = None  # or: the raw field holding the category name
     prompt_key: str = "prompt"  # prompt_response / verl single-turn (prompt: string or message list)
-    response_key: str = "response"
+    response_key: str = "response"  # prompt_response / verl: the answer column (verl falls back to `output`)
     system: str | None = None  # system prompt added to prompt_response records
-    messages_key: str = "messages"
-    tools_key: str = "tools"
+    messages_key: str = "messages"  # messages format: the column holding the message list
+    tools_key: str = "tools"  # the column holding the tool specs, if any
     function: str | None = None  # "path/to/file.py:function" mapping one raw row to a canonical record
 
 
@@ -149,34 +233,39 @@ class InputSpec:
 class MergeConfig:
     """Pseudo-multiturn: consecutive records merged with this probability; token budget (None: max_length)."""
 
-    probability: float = 0.0
-    max_tokens: int | None = None
+    probability: float = 0.0  # probability that a record is appended to the previous conversation
+    max_tokens: int | None = None  # token budget of a merged conversation; None: max_length
 
 
 @dataclass
 class PackConfig:
+    """Packing of tokenized sequences into fixed-capacity rows."""
+
     max_length: int | None = None  # row capacity; None: DataConfig.max_length
-    shard_size_mb: int = 1024
-    algorithm: Literal["best_fit", "first_fit"] = "best_fit"
+    shard_size_mb: int = 1024  # shard size of tokenized/ and packed/ (MB)
+    algorithm: Literal["best_fit", "first_fit"] = "best_fit"  # both over lengths in decreasing order
 
 
 @dataclass
 class DataConfig:
-    inputs: list[InputSpec]
-    output_dir: str
-    tokenizer_path: str
+    inputs: list[InputSpec]  # the raw inputs (keys of each below)
+    output_dir: str  # where every output goes: canonical/sampled/merged.jsonl, tokenized/, packed/, report.json
+    tokenizer_path: str  # a local Hugging Face tokenizer directory (fast tokenizer); needed by merge and tokenize
     chat_template: str | None = None  # a Jinja file, for tokenizers without (or to replace) a chat template
     ratio_path: str | None = None  # the ratio JSON the user edits; None: <output_dir>/ratios.json
-    max_length: int = 131072
-    seed: int = 42
-    num_workers: int = 0  # 0: all cores
-    on_error: Literal["error", "skip"] = "error"
+    max_length: int = 131072  # longest tokenized sequence (tokens); longer records follow `overlong`
+    seed: int = 42  # seeds sampling, merging and packing
+    num_workers: int = 0  # worker processes; 0: all cores (outputs are byte-identical for any count)
+    on_error: Literal["error", "skip"] = "error"  # bad record: stop with path:line: field, or drop and count it
     # drop | error | truncate (at the last whole assistant turn that fits) | left | right (verl token truncation)
     overlong: Literal["drop", "error", "truncate", "left", "right"] = "drop"
     truncation: Literal["left", "right", "error"] | None = None  # verl's name; when set it overrides `overlong`
     loss_turns: Literal["all", "last"] = "all"  # rllm: cumulative (all assistant turns) or stepwise (last only)
-    structure: Literal["parallel_thinking"] | None = None
+    structure: Literal["parallel_thinking"] | None = None  # Parallel-R1 data: per-token block and path ids
     enable_thinking: bool | None = None  # default for records without their own `enable_thinking`
+    # a category that loses more than this fraction of its records in tokenize (overlong, bad records) is a
+    # warning at the end of the run and in report.json; one that loses all of them is an error
+    category_loss_warning: float = 0.5
     merge: MergeConfig = field(default_factory=MergeConfig)
     # ---- fidelity: what a record asks to train reaches the loss (docs/DATA.md, "What is trained")
     # reasoning_content of trained turns: auto (template renders it, else inline with reasoning_tags) |
@@ -185,7 +274,7 @@ class DataConfig:
     reasoning_tags: list[str] = field(default_factory=lambda: list(DEFAULT_REASONING_TAGS))  # [open, close]
     tool_arguments: Literal["parse", "keep"] = "parse"  # JSON-string tool-call arguments parsed to an object
     pack: PackConfig = field(default_factory=PackConfig)
-    stages: list[str] = field(default_factory=lambda: list(STAGES))
+    stages: list[str] = field(default_factory=lambda: list(STAGES))  # the stages to run (in pipeline order)
     # ---- execution engine (data/engine_ray.py): the output is byte-identical whichever engine runs it
     engine: Literal["local", "ray"] = "local"  # local: processes on this machine; ray: Ray Data (optional dep)
     ray_address: str | None = None  # ray: None starts a local instance; "auto" or "ray://host:10001" joins one
@@ -252,6 +341,8 @@ class DataConfig:
             raise ConfigError(f"num_workers must be >= 0, got {self.num_workers}")
         if self.seed < 0:
             raise ConfigError(f"seed must be >= 0, got {self.seed}")
+        if not 0.0 <= self.category_loss_warning <= 1.0:
+            raise ConfigError(f"category_loss_warning must be in [0, 1], got {self.category_loss_warning}")
         if self.pack.shard_size_mb <= 0:
             raise ConfigError(f"pack.shard_size_mb must be positive, got {self.pack.shard_size_mb}")
         if "preprocess" in self.stages:

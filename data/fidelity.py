@@ -32,7 +32,7 @@ from typing import Any
 
 import orjson
 
-from data.chat_template import SpanError, TemplateInfo, assistant_spans
+from data.chat_template import SpanError, TemplateInfo, assistant_spans, template_error
 from data.config import DEFAULT_REASONING_TAGS, ConfigError
 from data.records import RecordError
 
@@ -169,7 +169,7 @@ def _render(tokenizer, messages: list[dict], kwargs: dict, source: str) -> str:
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     except Exception as exc:  # jinja raise_exception / TemplateError: the template rejects this conversation
-        raise RecordError(source, "messages", f"chat template failed: {type(exc).__name__}: {exc}",
+        raise RecordError(source, "messages", f"chat template failed: {template_error(exc)}",
                           "template_error") from None
 
 

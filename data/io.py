@@ -43,6 +43,31 @@ def expand_inputs(patterns: list[str] | str) -> list[str]:
     return out
 
 
+def input_is_empty(path: str) -> bool:
+    """Whether an input holds no row: a text file (.jsonl, .csv) that is empty or of blank lines only, a parquet
+    file of no rows. Reads only up to the first non-blank byte (or the parquet footer); other formats, a datasets
+    directory and an unreadable file (a 0-byte parquet file is corrupt, not empty) are left to their reader."""
+    split, local = split_spec(path)
+    if split is not None or os.path.isdir(local):
+        return False
+    suffix = Path(local).suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(local).metadata.num_rows == 0
+        except (pa.ArrowException, OSError):
+            return False
+    if suffix in (".jsonl", ".csv"):
+        with open(local, "rb") as f:
+            while block := f.read(1 << 20):
+                if block.removeprefix(UTF8_BOM).strip():
+                    return False
+        return True
+    return False
+
+
 def iter_rows(path: str) -> Iterator[tuple[str, Any]]:
     """Rows of one input as `(source, dict)`; an unparsable JSONL line yields `(source, RecordError)` instead,
     so the caller applies its error policy. `path` may be `split@dir` for a datasets directory."""

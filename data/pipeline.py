@@ -14,8 +14,11 @@ import sys
 import time
 from collections.abc import Callable
 
-from data.config import STAGES, ConfigError, DataConfig, load_config
+import orjson
+
+from data.config import STAGES, ConfigError, DataConfig, InputSpec, key_help_lines, load_config
 from data.io import remove_stale_temporaries
+from data.lock import LockHeldError, directory_lock
 from data.preflight import preflight
 from data.records import RecordError
 from data.report import record_failure
@@ -23,8 +26,20 @@ from data.report import record_failure
 DEFAULT_CONFIG = "configs/data/example.json"
 
 
+def keys_help() -> str:
+    """Every data config key with its type, default and help (from the comments in data/config.py)."""
+    def json_value(value) -> str:
+        return orjson.dumps(value).decode()
+
+    return "\n".join(["config keys (in the JSON file, or key=value on the command line; sections with dots: "
+                      "merge.probability=0.2):", *key_help_lines(DataConfig, json_value), "",
+                      "keys of each input (inputs: [{...}]):", *key_help_lines(InputSpec, json_value), "",
+                      "Full reference: docs/DATA.md."])
+
+
 def build_parser(prog: str, stage_option: bool) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0], epilog=keys_help(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config_pos", nargs="?", metavar="config.json", help=f"data config (default {DEFAULT_CONFIG})")
     parser.add_argument("--config", help="data config (same as the positional argument)")
     if stage_option:
@@ -96,15 +111,24 @@ def run_pipeline(cfg: DataConfig) -> dict[str, dict]:
     return {stage: run_stage(cfg, stage) for stage in STAGES if stage in cfg.stages}
 
 
+def print_warnings(sections: dict[str, dict]) -> None:
+    """The warnings the stages recorded in report.json (`warnings`), repeated after the last stage's output so
+    they are the last thing a run says."""
+    for stage, section in sections.items():
+        for warning in section.get("warnings") or []:
+            print(f"WARNING: {stage}: {warning}", file=sys.stderr, flush=True)
+
+
 class DiskFullError(OSError):
     """A stage ran out of disk space (ENOSPC / EDQUOT); the message says where and what to re-run."""
 
 
 def _guard(body: Callable[[], None]) -> None:
-    """User errors (config, bad records, missing files, a full disk) end with one clear line and exit code 2."""
+    """User errors (config, bad records, missing files, a full disk, an output directory in use) end with one clear
+    line and exit code 2."""
     try:
         body()
-    except (ConfigError, RecordError, FileNotFoundError, ValueError, DiskFullError) as exc:
+    except (ConfigError, RecordError, FileNotFoundError, ValueError, DiskFullError, LockHeldError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
 
@@ -116,11 +140,13 @@ def cli_main(stage_fn: Callable[[DataConfig], dict], stage: str, argv: list[str]
     def body() -> None:
         args, overrides = parse_args(argv, f"python -m data.{stage}", stage_option=False)
         cfg = load(args, overrides, [stage])
-        if cfg.engine == "ray":
-            run_pipeline(cfg)  # cleans up first, like the local path below
-        else:
-            clean_up(cfg)
-            run_stage(cfg, stage, stage_fn)
+        with directory_lock(cfg.out):
+            if cfg.engine == "ray":
+                sections = run_pipeline(cfg)  # cleans up first, like the local path below
+            else:
+                clean_up(cfg)
+                sections = {stage: run_stage(cfg, stage, stage_fn)}
+        print_warnings(sections)
 
     _guard(body)
 
@@ -132,7 +158,9 @@ def main(argv: list[str] | None = None) -> None:
         args, overrides = parse_args(argv, "data_process.sh")
         stages = [s.strip() for s in args.stages.split(",") if s.strip()] if args.stages else None
         cfg = load(args, overrides, stages)
-        run_pipeline(cfg)
+        with directory_lock(cfg.out):
+            sections = run_pipeline(cfg)
+        print_warnings(sections)
         if "pack" in cfg.stages:
             print(f"packed: {cfg.packed_dir}", flush=True)
 

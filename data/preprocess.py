@@ -26,13 +26,16 @@ from typing import Any
 
 import orjson
 
-from data.config import DataConfig, InputSpec
-from data.io import atomic_write_bytes, atomic_writer, expand_inputs, ordered_parallel_map, read_rows
+from data.config import ConfigError, DataConfig, InputSpec, closest_key_hint
+from data.io import atomic_write_bytes, atomic_writer, expand_inputs, input_is_empty, ordered_parallel_map, read_rows
 from data.progress import progress
 from data.records import MAX_CATEGORY_ID, RecordError, parse_json_field, validate_canonical
 
-MAX_SAMPLE_RATE = 1000  # a larger rate is a typo (1e15 copies would exhaust memory), not a weighting
 from data.report import check_arithmetic, sorted_counts, update_report
+
+MAX_SAMPLE_RATE = 1000  # a larger rate is a typo (1e15 copies would exhaust memory), not a weighting
+RATIO_FILE_KEYS = ("categories",)
+RATIO_ENTRY_KEYS = ("category_id", "category_name", "size", "sample_rate")
 
 CHUNK_ROWS = 256
 UNTRACKED = "untracked"  # category 0
@@ -277,21 +280,36 @@ def _convert_chunk(task: tuple[int, InputSpec, str, list]) -> tuple[int, list[tu
 
 
 # ---------------------------------------------------------------------------------------------- ratio file
+def _check_known_keys(obj: dict, known: tuple[str, ...], where: str) -> None:
+    """A key the ratio file does not define is a typo (`sample_rat`) that would silently run at the default and
+    vanish on the next rewrite: an error naming the closest key."""
+    for key in obj:
+        if key not in known:
+            raise ValueError(f"{where}: unknown key {key!r}{closest_key_hint(key, known)} (known: {list(known)})")
+
+
 def read_ratio_file(path: str | Path) -> list[dict]:
     """The ratio JSON `{"categories": [{category_id, category_name, size, sample_rate}]}`; [] if absent.
-    Ids and names must be unique; id 0 is reserved for `untracked`."""
+    Ids and names must be unique; id 0 is reserved for `untracked`; no other key is allowed (a typo is an error,
+    so that the rewrite of the file never drops what the user wrote)."""
     try:
         data = orjson.loads(Path(path).read_bytes())
     except FileNotFoundError:
         return []
     except orjson.JSONDecodeError as exc:
         raise ValueError(f"{path}: invalid JSON: {exc}") from None
+    if isinstance(data, dict):
+        _check_known_keys(data, RATIO_FILE_KEYS, str(path))
     cats = data.get("categories") if isinstance(data, dict) else None
     if not isinstance(cats, list):
         raise ValueError(f"{path}: expected {{\"categories\": [...]}}")
     seen_ids, seen_names = set(), set()
     for i, cat in enumerate(cats):
         where = f"{path}: categories[{i}]"
+        if isinstance(cat, dict):
+            name = cat.get("category_name")
+            _check_known_keys(cat, RATIO_ENTRY_KEYS,
+                              f"{path}: entry {name!r} (categories[{i}])" if isinstance(name, str) else where)
         if not isinstance(cat, dict) or not isinstance(cat.get("category_name"), str):
             raise ValueError(f"{where}: needs category_name (a string)")
         cid = cat.get("category_id")
@@ -437,6 +455,10 @@ def run(cfg: DataConfig, parallel_map: Callable[[Callable, Iterable], Iterator] 
     `num_workers` local processes). `convert_all(cfg, stats, dropped, category_ids, sizes, out, bar)` replaces
     reading, converting and writing (the Ray engine's workers do all three): it writes canonical.jsonl's lines to
     `out` in input order, does this loop's accounting and returns the records written."""
+    paths = [path for spec in cfg.inputs for path in expand_inputs(spec.path)]
+    empty = [path for path in paths if input_is_empty(path)]
+    if paths and len(empty) == len(paths):
+        raise ConfigError(f"preprocess: every input is empty (no row): {', '.join(empty)}")
     ratio_path = cfg.ratio_file
     existing = read_ratio_file(ratio_path)
     category_ids = CategoryIds(existing)
@@ -478,6 +500,7 @@ def run(cfg: DataConfig, parallel_map: Callable[[Callable, Iterable], Iterator] 
         "inputs": stats,
         "category_sizes": {name: sizes[name] for name in sorted(sizes, key=category_ids)},
         "ratio_file": str(ratio_path), "output": str(cfg.canonical_path),
+        "empty_inputs": empty, "warnings": [f"input {path} is empty (no row)" for path in empty],
     }
     check_arithmetic(section)
     update_report(cfg.report_path, "preprocess", section)

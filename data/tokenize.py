@@ -37,6 +37,7 @@ from data.records import RecordError, message_category, record_uids, validate_ca
 from data.report import check_arithmetic, format_tokenize_summary, sorted_counts, update_report
 from data.shards import (IGNORE_INDEX, REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, ShardWriter, file_blake2b,
                          tokenizer_hash)
+from data.token_bound import TokenBound
 
 OVERLONG_POLICIES = ("drop", "error", "truncate", "left", "right")
 CHUNK_RECORDS = 256  # records per batch encode / per worker task
@@ -90,6 +91,8 @@ class TokenizeContext:
     backend: Any = field(init=False, repr=False)
     fidelity: FidelityOptions = field(init=False, repr=False)
     renders_reasoning: bool = field(init=False, repr=False)
+    # rejects an over-long record before rendering and encoding it (None: the policy truncates, or no safe bound)
+    token_bound: TokenBound | None = field(init=False, repr=False)
 
     def __post_init__(self):
         if self.overlong not in OVERLONG_POLICIES:
@@ -98,6 +101,7 @@ class TokenizeContext:
         self.fidelity = FidelityOptions(reasoning=self.reasoning, reasoning_tags=tuple(self.reasoning_tags),
                                         tool_arguments=self.tool_arguments, enable_thinking=self.enable_thinking)
         self.renders_reasoning = template_renders_reasoning(self.tokenizer)
+        self.token_bound = TokenBound.of(self.tokenizer) if self.overlong in ("drop", "error") else None
 
     @classmethod
     def from_config(cls, cfg: DataConfig) -> "TokenizeContext":
@@ -149,11 +153,22 @@ def _renumber_turns(turn_ids: np.ndarray) -> np.ndarray:
     return lut[turn_ids]
 
 
+def _raw_meta(record: Any) -> dict:
+    """meta of a (possibly invalid) record, {} when there is none."""
+    meta = record.get("meta") if isinstance(record, dict) else None
+    return meta if isinstance(meta, dict) else {}
+
+
 def _raw_category(record: Any) -> int:
     """meta.category_id of a (possibly invalid) record, 0 when there is none."""
-    meta = record.get("meta") if isinstance(record, dict) else None
-    cat = meta.get("category_id") if isinstance(meta, dict) else None
+    cat = _raw_meta(record).get("category_id")
     return cat if isinstance(cat, int) and not isinstance(cat, bool) and cat >= 0 else 0
+
+
+def _raw_category_name(record: Any) -> str | None:
+    """meta.category_name of a (possibly invalid) record: a dropped record still names its category."""
+    name = _raw_meta(record).get("category_name")
+    return name if isinstance(name, str) else None
 
 
 def _with_origin(source: str, record: Any) -> str:
@@ -169,14 +184,32 @@ def _with_origin(source: str, record: Any) -> str:
     return source
 
 
+def _check_bound(n_tokens: int, what: str, source: str, ctx: TokenizeContext) -> None:
+    if n_tokens > ctx.max_length:
+        raise RecordError(source, "messages", f"at least {n_tokens} tokens > max_length {ctx.max_length} ({what}, "
+                          f"at most {ctx.token_bound.max_token_bytes} bytes a token; not encoded)", "overlong")
+
+
 def _prepare(record: Any, source: str, ctx: TokenizeContext) -> tuple[dict, Rendered]:
     """Validate one record and render it under the fidelity policies: (normalized record, render), or
-    RecordError (carrying `asked_chars`, what the record asked to train, when it validated)."""
+    RecordError (carrying `asked_chars`, what the record asked to train, when it validated).
+
+    With a token bound, a record that cannot fit max_length is rejected as `overlong` from the bytes of its
+    trained turns' content (which the conservation check requires in the render) before the template runs, and
+    from the bytes of the render before it is encoded. A record that would also fail for another reason is then
+    counted as overlong."""
     if isinstance(record, RecordError):
         raise record
     norm = validate_canonical(record, source)
+    bound = ctx.token_bound
     try:
-        return norm, render_merged(ctx.tokenizer, ctx.info, norm, ctx.fidelity, ctx.renders_reasoning, source)
+        if bound is not None:
+            trained = [m["content"] for m, label in zip(norm["messages"], norm["labels"]) if label]
+            _check_bound(sum(bound.piece_tokens(c) for c in trained), "from the trained content", source, ctx)
+        rendered = render_merged(ctx.tokenizer, ctx.info, norm, ctx.fidelity, ctx.renders_reasoning, source)
+        if bound is not None:
+            _check_bound(bound.text_tokens(rendered.text), "from the rendered text", source, ctx)
+        return norm, rendered
     except RecordError as exc:
         exc.asked_chars = asked_chars(norm)
         raise
@@ -318,14 +351,14 @@ def tokenize_records(
         try:
             prepared.append((i,) + _prepare(rec, sources[i], ctx))
         except RecordError as exc:
-            exc.category_id = _raw_category(rec)
+            exc.category_id, exc.category_name = _raw_category(rec), _raw_category_name(rec)
             out[i] = exc
     encodings = ctx.backend.encode_batch([rendered.text for _, _, rendered in prepared], add_special_tokens=False)
     for (i, norm, rendered), enc in zip(prepared, encodings):
         try:
             out[i] = _build(norm, rendered, enc, sources[i], record_indices[i], ctx)
         except RecordError as exc:
-            exc.category_id = _raw_category(norm)  # for per-category accounting
+            exc.category_id, exc.category_name = _raw_category(norm), _raw_category_name(norm)  # per category
             exc.asked_chars = asked_chars(norm)
             out[i] = exc
     return out
@@ -423,7 +456,11 @@ class TokenizeTally:
 
     def _cat_row(self, cid: int) -> dict:
         return self.cats.setdefault(cid, {"before": 0, "after": 0, "tokens_before": 0, "loss_tokens_before": 0,
-                                          "tokens": 0, "loss_tokens": 0})
+                                          "tokens": 0, "loss_tokens": 0, "dropped": {}})
+
+    def _name(self, cid: int, name: str | None) -> None:
+        if name is not None:
+            self.names.setdefault(cid, name)
 
     def _count_before(self, counts_before: dict) -> None:
         for c, (tokens, loss) in counts_before.items():
@@ -446,7 +483,11 @@ class TokenizeTally:
                 if fatal:
                     raise res
                 self.dropped[res.reason] = self.dropped.get(res.reason, 0) + 1
-                self._cat_row(getattr(res, "category_id", 0))["before"] += 1
+                cid = getattr(res, "category_id", 0)
+                row = self._cat_row(cid)
+                row["before"] += 1
+                row["dropped"][res.reason] = row["dropped"].get(res.reason, 0) + 1
+                self._name(cid, getattr(res, "category_name", None))
                 self._count_before(getattr(res, "counts_before", {}))
                 self._count_lost(res.reason, 1, getattr(res, "asked_chars", 0))
                 continue
@@ -463,8 +504,7 @@ class TokenizeTally:
             row = self._cat_row(res.category_id)
             row["before"] += 1
             row["after"] += 1
-            if res.category_name is not None:
-                self.names.setdefault(res.category_id, res.category_name)
+            self._name(res.category_id, res.category_name)
             self._count_before(res.counts_before)
             after = _category_counts(res.category_ids, loss_mask) if res.truncated else res.counts_before
             for c, (tokens, loss) in after.items():
@@ -486,9 +526,13 @@ class TokenizeTally:
         for c, counters in other.cats.items():
             row = self._cat_row(c)
             for key, value in counters.items():
-                row[key] += value
+                if key == "dropped":
+                    for reason, n in value.items():
+                        row["dropped"][reason] = row["dropped"].get(reason, 0) + n
+                else:
+                    row[key] += value
         for c, name in other.names.items():
-            self.names.setdefault(c, name)
+            self._name(c, name)
         for key, value in other.stats.items():
             self.stats[key] += value
         for reason, (records, chars) in other.lost.items():
@@ -542,6 +586,32 @@ def run(cfg: DataConfig, workers: int | None = None,
             raise ConfigError(f"tokenize: no record of {cfg.merged_path} survived ({tally.n_in} in, dropped "
                               f"{sorted_counts(tally.dropped)})")
         cats, names = tally.cats, tally.names
+        for c, row in cats.items():
+            row["name"] = names.get(c, str(c))
+            row["dropped"] = sorted_counts(row["dropped"])
+        emptied, warnings = category_losses(cats, names, cfg.category_loss_warning)
+        section = check_arithmetic({
+            "in": tally.n_in,
+            "out": tally.n_out,
+            "dropped": sorted_counts(tally.dropped),
+            "truncated": tally.n_truncated,
+            "structure_kept_plain": tally.n_plain,
+            "overlong_policy": cfg.effective_overlong,
+            "max_length": cfg.max_length,
+            "tokens": tally.n_tokens,
+            "loss_tokens": tally.n_loss,
+            "trained_turns": tally.n_turns,
+            "categories": {str(c): cats[c] for c in sorted(cats)},
+            "category_loss_warning": cfg.category_loss_warning,
+            "warnings": warnings,
+            **fidelity_section(tally.stats, tally.lost, ctx),
+        })
+        print(format_tokenize_summary(section), flush=True)
+        if emptied:  # before tokenized/ is replaced: the previous output stays
+            raise ConfigError(f"tokenize: {'; '.join(emptied)}: nothing of {'it' if len(emptied) == 1 else 'them'} "
+                              f"would be trained (max_length {cfg.max_length}, overlong: {cfg.effective_overlong}, "
+                              f"on_error: {cfg.on_error}). Raise max_length, fix the records, or set the "
+                              f"sample_rate to 0 in {cfg.ratio_file} to leave a category out on purpose")
         categories_meta = {c: names.get(c, str(c)) for c in sorted(cats)}
         writer.close({
             "tokenizer_path": str(cfg.tokenizer_path),
@@ -553,25 +623,28 @@ def run(cfg: DataConfig, workers: int | None = None,
             "config": output_config(cfg),
             "categories": categories_meta,
         })
-    for c, row in cats.items():
-        row["name"] = names.get(c, str(c))
-    section = check_arithmetic({
-        "in": tally.n_in,
-        "out": tally.n_out,
-        "dropped": sorted_counts(tally.dropped),
-        "truncated": tally.n_truncated,
-        "structure_kept_plain": tally.n_plain,
-        "overlong_policy": cfg.effective_overlong,
-        "max_length": cfg.max_length,
-        "tokens": tally.n_tokens,
-        "loss_tokens": tally.n_loss,
-        "trained_turns": tally.n_turns,
-        "categories": {str(c): cats[c] for c in sorted(cats)},
-        **fidelity_section(tally.stats, tally.lost, ctx),
-    })
-    print(format_tokenize_summary(section), flush=True)
     update_report(cfg.report_path, "tokenize", section)
     return section
+
+
+def category_losses(cats: dict[int, dict], names: dict[int, str], threshold: float) -> tuple[list[str], list[str]]:
+    """(categories that lost every record, categories that lost more than `threshold` of them), as sentences
+    naming the category and the drop reasons. A category no record names (only unreadable lines count under it)
+    is not judged: it is not a category of the data."""
+    emptied, warnings = [], []
+    for cid in sorted(cats):
+        row = cats[cid]
+        lost = row["before"] - row["after"]
+        if cid not in names or not lost:
+            continue
+        reasons = ", ".join(f"{reason} {n}" for reason, n in row["dropped"].items())
+        if not row["after"]:
+            emptied.append(f"category {names[cid]!r} (id {cid}) lost all its {row['before']} records ({reasons})")
+        elif lost > threshold * row["before"]:
+            warnings.append(f"category {names[cid]!r} (id {cid}) lost {lost} of its {row['before']} records "
+                            f"({lost / row['before']:.0%}: {reasons}), more than category_loss_warning "
+                            f"{threshold:g}")
+    return emptied, warnings
 
 
 def fidelity_section(stats: dict, lost: dict, ctx: TokenizeContext) -> dict:

@@ -79,7 +79,8 @@ def test_run_writes_dataset_and_report(tmp_path, qwen):
     assert section["categories"]["2"]["name"] == "cat2"
     assert section["categories"]["1"]["before"] == section["categories"]["1"]["after"] + 1  # no_train: uid 99
     assert section["categories"]["0"] == {"before": 1, "after": 0, "tokens_before": 0, "loss_tokens_before": 0,
-                                          "tokens": 0, "loss_tokens": 0, "name": "0"}
+                                          "tokens": 0, "loss_tokens": 0, "dropped": {"malformed_json": 1},
+                                          "name": "0"}
     assert ds.categories[2] == "cat2"
 
 

@@ -13,7 +13,8 @@ import pytest
 from data.config import ConfigError
 from tests._train_helpers import ROOT, one_thread, random_rows, save_tiny_model, write_config, write_packed  # noqa: F401
 from tests.conftest import fixture_path, tokenizer_dir
-from train.config import TrainConfig, field_help, load_config
+from data.config import field_help
+from train.config import TrainConfig, load_config
 
 
 @pytest.fixture(scope="module")

@@ -6,18 +6,13 @@ model loading.
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
-import difflib
 import functools
 import importlib.util
-import inspect
-import io
 import logging
 import math
 import os
 import re
-import tokenize
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +21,7 @@ from typing import Literal
 import numpy as np
 import yaml
 
-from data.config import ConfigError, apply_overrides, from_dict, to_dict
+from data.config import ConfigError, apply_overrides, closest_key_hint, from_dict, key_help_lines, to_dict
 
 logger = logging.getLogger(__name__)
 
@@ -468,64 +463,13 @@ def check_keys(raw: dict, cls, origin: str, prefix: str = "") -> None:
     hints = typing.get_type_hints(cls)
     for key, value in raw.items():
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+            hint = closest_key_hint(key, fields, prefix)
             raise ConfigError(f"{origin}: unknown key '{prefix}{key}'{hint} (sh train.sh --help lists every key)")
         if dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
             check_keys(value, hints[key], origin, f"{prefix}{key}.")
 
 
-def field_help(cls) -> dict[str, str]:
-    """One line of help per field: the comment on its line, else the comment lines right above it, else (for a
-    section) its class docstring. The source comments are the documentation, so they cannot drift apart."""
-    source = inspect.getsource(cls)
-    comments: dict[int, str] = {}
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.COMMENT:
-            comments[tok.start[0]] = tok.string.lstrip("#").strip()
-    lines = source.splitlines()
-    hints = typing.get_type_hints(cls)
-    helps = {}
-    for node in ast.parse(source).body[0].body:
-        if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
-            continue
-        name = node.target.id
-        text = comments.get(node.lineno) or comments.get(node.end_lineno)
-        if not text:
-            above, line = [], node.lineno - 1
-            while line >= 1 and lines[line - 1].strip().startswith("#"):
-                above.insert(0, comments.get(line, ""))
-                line -= 1
-            text = " ".join(above)
-        if not text and dataclasses.is_dataclass(hints.get(name)):
-            text = (inspect.getdoc(hints[name]) or "").splitlines()[0]
-        helps[name] = text
-    return helps
-
-
-def type_name(tp) -> str:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is Literal:
-        return "|".join("null" if a is None else str(a).lower() if isinstance(a, bool) else str(a) for a in args)
-    if origin is typing.Union or (origin is not None and str(origin) == "<class 'types.UnionType'>"):
-        names = [type_name(a) for a in args if a is not type(None)]
-        return "|".join(names + (["null"] if type(None) in args else []))
-    if origin in (list, tuple):
-        return f"list[{type_name(args[0]) if args else 'any'}]"
-    if origin is dict or tp is dict:
-        return "mapping"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _default_text(f: dataclasses.Field) -> str:
-    if f.default is not dataclasses.MISSING:
-        value = f.default
-    elif f.default_factory is not dataclasses.MISSING:
-        value = f.default_factory()
-    else:
-        return "required"
-    if dataclasses.is_dataclass(value):
-        return "section"
+def _yaml_value(value) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("...").strip()
 
 
@@ -539,17 +483,4 @@ def help_text() -> str:
         "true/false/null, lists). Full reference: docs/TRAINING.md.",
         "",
     ]
-
-    def add(cls, prefix: str) -> None:
-        hints = typing.get_type_hints(cls)
-        helps = field_help(cls)
-        for f in dataclasses.fields(cls):
-            if dataclasses.is_dataclass(hints[f.name]):
-                out.append(f"{prefix}{f.name}.*: {helps.get(f.name, '')}")
-                add(hints[f.name], f"{prefix}{f.name}.")
-                continue
-            out.append(f"  {prefix}{f.name} ({type_name(hints[f.name])}, default {_default_text(f)})")
-            out.append(f"      {helps.get(f.name, '')}")
-
-    add(TrainConfig, "")
-    return "\n".join(out)
+    return "\n".join(out + key_help_lines(TrainConfig, _yaml_value))
