@@ -41,6 +41,10 @@ def _layer_types(default_types: list, n_layers: int) -> list:
 
 FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "codegen": {"rotary_dim": 8},
+    "gemma3n_text": {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16, "num_kv_shared_layers": 0,
+                     "laurel_rank": 8, "intermediate_size": [96, 96], "activation_sparsity_pattern": [0.0, 0.0]},
+    "gemma4_text": {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16},
+    "gemma4_unified_text": {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16},
     "gptj": {"rotary_dim": 8},
     **{mt: {"head_dim": 8} for mt in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa",
                                       "longcat_flash", "minicpm3", "youtu", "axk1", "axk2")},
