@@ -26,6 +26,14 @@ import torch.nn.functional as F
 _CHUNK_ELEMENTS = 1 << 22
 
 
+def structure_feature_problems(features) -> list[str]:
+    """Why the Parallel-R1 mask paths cannot run layers with these `AttentionFeatures` (window, softcap, sinks are
+    not implemented on the structured mask)."""
+    if not features.names():
+        return []
+    return [f"structure mode (Parallel-R1 mask) does not implement {', '.join(features.names())}"]
+
+
 def _as_long(x) -> torch.Tensor:
     return torch.as_tensor(x).to(torch.int64).reshape(-1)
 
