@@ -283,6 +283,7 @@ def _all_reasons(query: torch.Tensor, features: AttentionFeatures) -> str:
 IGNORABLE_KWARGS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "position_ids": (lambda value: True, "any (positions are already applied by the rotary embedding)"),
     "use_cache": (lambda value: not value, "False or None (packed training keeps no cache)"),
+    "output_router_logits": (lambda value: True, "any (MoE router logits are collected from the routers)"),
     "is_causal": (lambda value: value is None or value is True,
                   "True or None: bidirectional attention cannot be packed causally"),
     "output_attentions": (lambda value: not value, "False or None (no attention weights are materialised)"),
@@ -406,7 +407,7 @@ def dispatched_feature_problems(features: AttentionFeatures, sp_backend: str | N
     trainer's start-up check, which bypasses the backend table for them."""
     from train.structured_attention import structure_feature_problems
 
-    problems = structure_feature_problems(features) if structure else []
+    problems = structure_feature_problems(features, sp_backend is not None) if structure else []
     if sp_backend is not None:
         from train.sequence_parallel import sp_feature_problems
 

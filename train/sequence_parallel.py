@@ -594,7 +594,7 @@ def sp_attention(
     if sp_ctx.structure is not None:
         from train.structured_attention import structure_feature_problems
 
-        problems += structure_feature_problems(features)
+        problems += structure_feature_problems(features, sequence_parallel=True)
     if problems:
         raise NotImplementedError("; ".join(problems))
     return _ATTENTION[sp_ctx.backend](query, key, value, sp_ctx, scaling, features, sinks)
