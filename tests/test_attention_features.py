@@ -188,6 +188,68 @@ def test_sdpa_loop_features_match_dense_reference(features, cu_q, cu_k):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def _library_convention(q, k, v, cu_q, cu_k, scale, window_size, softcap):
+    """Causal attention as flash-attn and torch's varlen_attn document their arguments: query i (aligned position
+    a = i + Lk - Lq) sees keys a - window_size[0] ..= a (left -1: no limit; causal caps the right side at a);
+    softcap 0 = none."""
+    seq_q = torch.repeat_interleave(torch.arange(len(cu_q) - 1), torch.tensor(cu_q).diff())
+    seq_k = torch.repeat_interleave(torch.arange(len(cu_k) - 1), torch.tensor(cu_k).diff())
+    offset = (torch.tensor(cu_k).diff() - torch.tensor(cu_q).diff())[seq_q]
+    aligned = (torch.arange(len(seq_q)) - torch.tensor(cu_q)[seq_q] + offset)[:, None]
+    pos_k = (torch.arange(len(seq_k)) - torch.tensor(cu_k)[seq_k])[None, :]
+    left = window_size[0]
+    visible = (seq_q[:, None] == seq_k[None, :]) & (pos_k <= aligned)
+    if left >= 0:
+        visible &= pos_k >= aligned - left
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v)
+
+
+@pytest.mark.parametrize("kernel", ["flash_attn", "torch_varlen"])
+@pytest.mark.parametrize("features", [AttentionFeatures(sliding_window=3), AttentionFeatures(softcap=0.7),
+                                      AttentionFeatures(sliding_window=1, softcap=0.7)], ids=str)
+def test_fused_kernels_translate_features_into_their_library_conventions(monkeypatch, kernel, features):
+    """flash-attn and varlen_attn replaced by CPU stand-ins that compute what their documented arguments mean: the
+    window W reaches them as window_size=(W-1, 0) and the softcap as softcap, with bottom-right alignment."""
+    import sys
+    import types
+
+    from train import varlen_kernels
+
+    calls = []
+
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False,
+                               window_size=(-1, -1), softcap=0.0):
+        assert causal and dropout_p == 0.0
+        calls.append(window_size)
+        return _library_convention(q, k, v, cu_q.tolist(), cu_k.tolist(), softmax_scale, window_size, softcap)
+
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        assert window_size[1] == 0  # causal
+        calls.append(window_size)
+        return _library_convention(q, k, v, cu_q.tolist(), cu_k.tolist(), scale, window_size, 0.0)
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func))
+    fake_api = varlen_kernels._TorchVarlenAPI(varlen_attn, {"window_size": (-1, 0)}, True, None)
+    monkeypatch.setattr(varlen_kernels, "torch_varlen_api", lambda: fake_api)
+    if kernel == "torch_varlen" and features.softcap is not None:
+        assert any("softcap" in r for r in varlen_kernels.KERNELS[kernel].reasons(torch.empty(0), features))
+        return
+    torch.manual_seed(0)
+    cu_q, cu_k = [0, 3, 10, 10, 16], [0, 6, 14, 16, 22]
+    q, k, v = torch.randn(cu_q[-1], 4, 8), torch.randn(cu_k[-1], 2, 8), torch.randn(cu_k[-1], 2, 8)
+    bounds = VarlenBounds.build(cu_q, cu_k)
+    out = varlen_kernels.KERNELS[kernel].fn(q, k, v, bounds, 0.5, features, None)
+    want = varlen_attention("sdpa_loop", q, k, v, bounds, 0.5, features)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    window = features.sliding_window
+    assert calls == [(-1, -1) if kernel == "flash_attn" and window is None else (-1 if window is None else window - 1, 0)]
+
+
 def test_features_change_the_result():
     """Guards the cases above: each feature changes what plain causal attention gives."""
     torch.manual_seed(0)
@@ -299,6 +361,23 @@ def test_auto_skips_torch_varlen_for_softcap(monkeypatch, only_feature_reasons):
 def test_named_backend_refuses_naming_the_feature(only_feature_reasons, name, features, reason):
     with pytest.raises(RuntimeError, match=rf"attn_backend={name} cannot run.*{reason}"):
         resolve_backend(name, _query(), features)
+
+
+def test_trainer_start_up_resolves_with_the_model_features(only_feature_reasons):
+    """The trainer's start-up resolution reads the model's features: gpt-oss's sinks rule out flash_varlen, and a
+    ring-flash-attn sp backend is refused before the first step."""
+    from types import SimpleNamespace
+
+    from train.trainer import Trainer
+
+    trainer = SimpleNamespace(lm=tiny_model("gpt_oss"), sp_backend=None, structure=False, device=torch.device("cpu"),
+                              cfg=SimpleNamespace(attn_backend="auto", bf16=False))
+    assert Trainer._resolve_attention(trainer) == "flex"
+    trainer.sp_backend = "llama3"
+    with pytest.raises(RuntimeError, match="sp_backend='llama3'.*attention sinks"):
+        Trainer._resolve_attention(trainer)
+    trainer.sp_backend = "torch"
+    assert Trainer._resolve_attention(trainer) == "auto"  # dispatched to sp_attention, which expresses them
 
 
 def test_sdpa_expresses_everything():

@@ -57,7 +57,7 @@ from train.varlen_kernels import (
     NO_FEATURES,
     AttentionFeatures,
     VarlenBounds,
-    masked_attention,
+    eager_attention,
     varlen_attention,
 )
 
@@ -504,7 +504,7 @@ def _torch_attention(query, key, value, ctx: SPContext, scaling: float | None, f
     if features.needs_eager_softmax:
         n_rep = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(n_rep, dim=1), value.repeat_interleave(n_rep, dim=1)
-        out = masked_attention(query, key, value, mask, scaling, features, sinks)
+        out = eager_attention(query, key, value, mask, scaling, features, sinks)
     else:
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, dropout_p=features.dropout, scale=scaling,

@@ -262,10 +262,11 @@ def visible_keys(n_queries: int, n_keys: int, sliding_window: int | None, device
 def eager_attention(q, k, v, visible: torch.Tensor, scale: float | None, features: AttentionFeatures,
                     sinks: torch.Tensor | None) -> torch.Tensor:
     """q [..., H, Lq, D], k/v [..., H, Lk, D] (kv heads repeated), visible [Lq, Lk] -> [..., H, Lq, D], the way
-    transformers' eager attention computes softcap and sinks: fp32 scores and softmax; the sink is one more logit
-    per head in the softmax, whose probability is dropped."""
+    transformers' eager attention computes softcap and sinks: fp32 scores and softmax (autocast off, so they stay
+    fp32); the sink is one more logit per head in the softmax, whose probability is dropped."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    with torch.autocast(q.device.type, enabled=False):
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if features.softcap is not None:
         scores = torch.tanh(scores / features.softcap) * features.softcap
     scores = scores.masked_fill(~visible, float("-inf"))
