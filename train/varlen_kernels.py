@@ -297,12 +297,14 @@ def _sdpa_loop(q, k, v, bounds: VarlenBounds, scale, features: AttentionFeatures
         if qhi == qlo:
             continue
         qs, ks, vs = (t.transpose(0, 1) for t in (q[qlo:qhi], k[klo:khi], v[klo:khi]))
-        plain_causal = qhi - qlo == khi - klo and features.sliding_window is None and not features.needs_eager_softmax
-        if plain_causal:
+        window = features.sliding_window
+        if window is not None and window >= khi - klo:
+            window = None  # the window holds the whole sequence: plain causal
+        if qhi - qlo == khi - klo and window is None and not features.needs_eager_softmax:
             out = F.scaled_dot_product_attention(qs, ks, vs, dropout_p=features.dropout, scale=scale, is_causal=True)
         else:
-            visible = visible_keys(qhi - qlo, khi - klo, features.sliding_window, q.device)
-            out = masked_attention(qs, ks, vs, visible, scale, features, sinks)
+            out = masked_attention(qs, ks, vs, visible_keys(qhi - qlo, khi - klo, window, q.device), scale, features,
+                                   sinks)
         outs.append(out.transpose(0, 1))
     if not outs:
         return q.new_zeros(q.shape)
