@@ -293,7 +293,7 @@ def test_known_keyword_argument_with_a_value_that_cannot_be_ignored(name, value)
 
 def test_ignorable_keyword_arguments_pass():
     out, _ = _call(position_ids=torch.arange(12)[None], use_cache=False, is_causal=True, output_attentions=False,
-                   head_mask=None, output_router_logits=False)
+                   head_mask=None, output_router_logits=False, output_hidden_states=True, num_items_in_batch=7)
     assert out.shape == (1, 12, 4, 8)
 
 

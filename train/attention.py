@@ -278,18 +278,20 @@ def _all_reasons(query: torch.Tensor, features: AttentionFeatures) -> str:
     return "; ".join(f"{name}: {', '.join(BACKENDS[name].reasons(query, features))}" for name in AUTO_ORDER)
 
 
-# Keyword arguments transformers (5.x) passes to an attention function that PackSFT may ignore, each with the values
-# for which ignoring it is right. Anything else is an error: a feature swallowed here would train another model.
+# Keyword arguments transformers (5.x: its TransformersKwargs) passes to an attention function that PackSFT may ignore,
+# each with the values for which ignoring it is right. Anything else is an error: a feature swallowed here would train another model.
 IGNORABLE_KWARGS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "position_ids": (lambda value: True, "any (positions are already applied by the rotary embedding)"),
     "use_cache": (lambda value: not value, "False or None (packed training keeps no cache)"),
     "output_router_logits": (lambda value: True, "any (MoE router logits are collected from the routers)"),
+    "output_hidden_states": (lambda value: True, "any (hidden states are collected from the decoder layers)"),
+    "num_items_in_batch": (lambda value: True, "any (it normalises transformers' loss, not attention)"),
     "is_causal": (lambda value: value is None or value is True,
                   "True or None: bidirectional attention cannot be packed causally"),
     "output_attentions": (lambda value: not value, "False or None (no attention weights are materialised)"),
     "head_mask": (lambda value: value is None, "None"),
     **{name: (lambda value: value is None, "None (packed boundaries come from the AttentionContext)")
-       for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")},
+       for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")},
 }
 
 
