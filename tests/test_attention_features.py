@@ -247,7 +247,10 @@ def test_fused_kernels_translate_features_into_their_library_conventions(monkeyp
     want = varlen_attention("sdpa_loop", q, k, v, bounds, 0.5, features)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
     window = features.sliding_window
-    assert calls == [(-1, -1) if kernel == "flash_attn" and window is None else (-1 if window is None else window - 1, 0)]
+    if window is not None:
+        assert calls == [(window - 1, 0)]
+    else:  # flash-attn: its default (causal caps the right side); varlen_attn: its causal window
+        assert calls == [(-1, -1) if kernel == "flash_attn" else (-1, 0)]
 
 
 def test_features_change_the_result():

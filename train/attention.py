@@ -278,8 +278,9 @@ def _all_reasons(query: torch.Tensor, features: AttentionFeatures) -> str:
     return "; ".join(f"{name}: {', '.join(BACKENDS[name].reasons(query, features))}" for name in AUTO_ORDER)
 
 
-# Keyword arguments transformers (5.x: its TransformersKwargs) passes to an attention function that PackSFT may ignore,
-# each with the values for which ignoring it is right. Anything else is an error: a feature swallowed here would train another model.
+# Keyword arguments transformers (5.x: its TransformersKwargs) passes to an attention function that PackSFT may
+# ignore, each with the values for which ignoring it is right. Anything else is an error: a feature swallowed here
+# would train another model.
 IGNORABLE_KWARGS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "position_ids": (lambda value: True, "any (positions are already applied by the rotary embedding)"),
     "use_cache": (lambda value: not value, "False or None (packed training keeps no cache)"),
