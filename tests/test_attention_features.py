@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import train.attention as attention
+from tests._sp_features_worker import SOFTCAP, TINY, WINDOW, tiny_model
 from train import sequence_parallel
 from train.attention import (
     AUTO_ORDER,
@@ -33,41 +34,7 @@ from train.varlen_kernels import (
 )
 
 LENGTHS = (7, 11, 5, 9)
-WINDOW = 4
-SOFTCAP = 1.0  # small enough to bite at initializer_range 0.2
 RTOL = 1e-5
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, attention_dropout=0.0, max_position_embeddings=64, pad_token_id=0,
-            tie_word_embeddings=False, initializer_range=0.2)
-ALTERNATING = ["sliding_attention", "full_attention"]
-
-
-def tiny_config(family: str):
-    """A 2-layer random config of `family` whose attention features bite on LENGTHS."""
-    from transformers import Gemma2Config, GptOssConfig, MistralConfig
-
-    if family == "mistral":
-        return MistralConfig(**TINY, sliding_window=WINDOW)
-    if family == "gemma2":
-        return Gemma2Config(**TINY, sliding_window=WINDOW, attn_logit_softcapping=SOFTCAP, final_logit_softcapping=None,
-                            query_pre_attn_scalar=16, layer_types=ALTERNATING)
-    if family == "gpt_oss":
-        return GptOssConfig(**TINY, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2,
-                            layer_types=ALTERNATING)
-    raise ValueError(family)
-
-
-def tiny_model(family: str, attn_implementation: str = "packsft"):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation=attn_implementation,
-                                             dtype=torch.float32)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
-                module.sinks.normal_(0.0, 1.0)  # sinks that matter (their init is ~0)
-    return model
 
 
 def _cu(lengths) -> list[int]:
