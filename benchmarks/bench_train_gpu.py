@@ -182,9 +182,10 @@ def backend_reasons(device: str) -> dict[str, list[str]]:
     import torch
 
     from train.attention import BACKENDS as TABLE
+    from train.varlen_kernels import NO_FEATURES
 
     probe = torch.empty((1, 1, 0, 1), device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
-    return {name: TABLE[name].reasons(probe, 0.0) for name in BACKENDS}
+    return {name: TABLE[name].reasons(probe, NO_FEATURES) for name in BACKENDS}
 
 
 def markdown(report: dict) -> str:

@@ -28,7 +28,7 @@ from train.attention import (
     packsft_attention,
     resolve_backend,
 )
-from train.varlen_kernels import KERNELS, VarlenKernel
+from train.varlen_kernels import KERNELS, NO_FEATURES, AttentionFeatures, VarlenKernel
 
 RTOL = 1e-5
 
@@ -79,10 +79,10 @@ def test_named_backend_that_cannot_run_raises_its_reasons(name, reason):
 
 
 def test_dropout_is_a_reason_for_kernels_without_dropout(monkeypatch):
-    q = _query()
-    assert any("dropout" in r for r in BACKENDS["flex"].reasons(q, 0.1))
-    assert any("dropout" in r for r in BACKENDS["torch_varlen"].reasons(q, 0.1))
-    assert resolve_backend("auto", q, dropout=0.1).name == "sdpa"
+    q, dropout = _query(), AttentionFeatures(dropout=0.1)
+    assert any("dropout" in r for r in BACKENDS["flex"].reasons(q, dropout))
+    assert any("dropout" in r for r in BACKENDS["torch_varlen"].reasons(q, dropout))
+    assert resolve_backend("auto", q, dropout).name == "sdpa"
 
 
 def test_unknown_backend_name():
@@ -94,14 +94,14 @@ def test_unknown_backend_name():
 def _stand_in(name: str, calls: list):
     """A CUDA kernel simulated on CPU: checks the varlen layout it is given, then runs the SDPA loop."""
 
-    def fn(q, k, v, bounds, scale, dropout):
+    def fn(q, k, v, bounds, scale, features, sinks):
         assert q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] == bounds.host_cu_q[-1]
         assert q.shape[1] % k.shape[1] == 0 and q.shape[2] == k.shape[2] == v.shape[2]
         assert bounds.cu_q.dtype == torch.int32 and bounds.cu_q.device == q.device
         calls.append((tuple(q.shape), tuple(k.shape), bounds.host_cu_q))
-        return varlen_kernels._sdpa_loop(q, k, v, bounds, scale, dropout)
+        return varlen_kernels._sdpa_loop(q, k, v, bounds, scale, features, sinks)
 
-    return VarlenKernel(name, lambda q, dropout: [], fn)
+    return VarlenKernel(name, lambda q, features: [], fn)
 
 
 def _one_step(tmp_path, tag, rows, **cfg_values):
@@ -175,7 +175,7 @@ def test_attention_function_never_reads_tensors_on_the_host(monkeypatch, backend
         for _ in range(3):  # every layer of a micro-batch
             out, _ = packsft_attention(module, q, k, v, None, scaling=0.3, packsft=ctx)
     ref = varlen_kernels._sdpa_loop(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), ctx.bounds,
-                                    0.3, 0.0)
+                                    0.3)
     torch.testing.assert_close(out[0], ref)
 
 
@@ -224,7 +224,7 @@ def test_flex_document_mask_matches_sdpa_loop_on_cpu(monkeypatch):
     outs = [flex_document_attention(q, k, v, ctx, 0.3, flex_fn=flex_attention, compile_mask=False) for _ in range(2)]
     assert built == [128]  # one mask per micro-batch, at the bucketed length
     ref = varlen_kernels._sdpa_loop(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), ctx.bounds,
-                                    0.3, 0.0)
+                                    0.3)
     assert outs[0].shape == (1, 40, 4, 8)
     torch.testing.assert_close(outs[0][0], ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
@@ -245,7 +245,7 @@ def test_backend_losses_equal_sdpa_on_gpu(tmp_path, example_packed, backend):
     """Four bf16 trainer steps per backend (the example's tiny Qwen2, real packed rows) against the SDPA loop:
     losses equal within bf16 tolerance."""
     probe = torch.empty((1, 1, 0, 1), device="cuda", dtype=torch.bfloat16)
-    if reasons := BACKENDS[backend].reasons(probe, 0.0):
+    if reasons := BACKENDS[backend].reasons(probe, NO_FEATURES):
         pytest.skip(f"{backend}: " + "; ".join(reasons))
     from tests._train_helpers import ROOT
     from train.config import load_config

@@ -335,7 +335,7 @@ def test_kernel_choice(monkeypatch):
     cpu = torch.empty(0)
     assert sequence_parallel.choose_sp_kernel(cpu) == "sdpa_loop"
     assert sequence_parallel.choose_sp_kernel(cpu.bfloat16()) == "sdpa_loop"
-    usable = lambda q, dropout: []  # noqa: E731
+    usable = lambda q, features: []  # noqa: E731
     monkeypatch.setitem(KERNELS, "torch_varlen", VarlenKernel("torch_varlen", usable, KERNELS["torch_varlen"].fn))
     assert sequence_parallel.choose_sp_kernel(cpu) == "torch_varlen"
     monkeypatch.setitem(KERNELS, "flash_attn", VarlenKernel("flash_attn", usable, KERNELS["flash_attn"].fn))
@@ -370,10 +370,10 @@ def test_rank_slices_through_varlen_kernel_equal_full_row(kernel, device, sp):
     """Each rank's bounds + kernel on its slice of queries against the key window of the (locally built) gathered
     K/V give the full-row output rows of that slice; the K/V gradients summed over ranks (what the all-gather's
     backward does) give the full-row gradients. On CUDA: bf16 kernels against the fp32 reference."""
-    from train.varlen_kernels import KERNELS, varlen_attention
+    from train.varlen_kernels import KERNELS, NO_FEATURES, varlen_attention
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    if reasons := KERNELS[kernel].reasons(torch.empty(0, device=device, dtype=dtype), 0.0):
+    if reasons := KERNELS[kernel].reasons(torch.empty(0, device=device, dtype=dtype), NO_FEATURES):
         pytest.skip(f"{kernel}: {'; '.join(reasons)}")
     tol = dict(rtol=1e-5, atol=1e-6) if device == "cpu" else dict(rtol=2e-2, atol=2e-2)
     grad_tol = tol if device == "cpu" else dict(rtol=5e-2, atol=5e-2)
@@ -429,7 +429,7 @@ def test_sp_attention_varlen_path_with_local_gather(monkeypatch, device, kernel)
         fake_api = varlen_kernels._TorchVarlenAPI(_fake_varlen_attn, {"window_size": (-1, 0)}, False, None)
         monkeypatch.setattr(varlen_kernels, "torch_varlen_api", lambda: fake_api)
         monkeypatch.setitem(varlen_kernels.KERNELS, "torch_varlen", varlen_kernels.VarlenKernel(
-            "torch_varlen", lambda q, dropout: [], varlen_kernels.KERNELS["torch_varlen"].fn))
+            "torch_varlen", lambda q, features: [], varlen_kernels.KERNELS["torch_varlen"].fn))
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     tol = dict(rtol=1e-5, atol=1e-6) if device == "cpu" else dict(rtol=2e-2, atol=2e-2)
     batch = _token_only_batch([30, 7, 1, 44, 19])

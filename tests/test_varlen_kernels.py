@@ -2,7 +2,14 @@
 import pytest
 import torch
 
-from train.varlen_kernels import KERNELS, VarlenBounds, torch_varlen_api, varlen_attention
+from train.varlen_kernels import (
+    KERNELS,
+    NO_FEATURES,
+    AttentionFeatures,
+    VarlenBounds,
+    torch_varlen_api,
+    varlen_attention,
+)
 
 
 def _dense_reference(q, k, v, cu_q, cu_k, scale):
@@ -41,10 +48,10 @@ def test_bounds_reject_fewer_keys_than_queries():
 def test_cuda_kernels_give_reasons_on_cpu():
     q = torch.randn(4, 2, 8)
     for name in ("flash_attn", "torch_varlen"):
-        assert any("CUDA" in r for r in KERNELS[name].reasons(q, 0.0))
+        assert any("CUDA" in r for r in KERNELS[name].reasons(q, NO_FEATURES))
         with pytest.raises(RuntimeError, match=name):
             varlen_attention(name, q, q, q, VarlenBounds.build([0, 4]), None)
-    assert any("dropout" in r for r in KERNELS["torch_varlen"].reasons(q, 0.1))
+    assert any("dropout" in r for r in KERNELS["torch_varlen"].reasons(q, AttentionFeatures(dropout=0.1)))
 
 
 def test_torch_varlen_probe_reads_this_torch():
@@ -63,8 +70,8 @@ def test_torch_varlen_probe_reads_this_torch():
 @pytest.mark.parametrize("cu_q,cu_k", [([0, 300, 1000, 1001, 2048], None), ([0, 100, 356, 700], [0, 400, 656, 1200])])
 def test_cuda_kernel_matches_reference(name, cu_q, cu_k):
     q0 = torch.randn(cu_q[-1], 14, 64, device="cuda")
-    if KERNELS[name].reasons(q0.bfloat16(), 0.0):
-        pytest.skip(f"{name}: " + "; ".join(KERNELS[name].reasons(q0.bfloat16(), 0.0)))
+    if reasons := KERNELS[name].reasons(q0.bfloat16(), NO_FEATURES):
+        pytest.skip(f"{name}: " + "; ".join(reasons))
     tk = (cu_k or cu_q)[-1]
     q, k, v = (t.bfloat16().requires_grad_() for t in (q0, torch.randn(tk, 2, 64, device="cuda"), torch.randn(tk, 2, 64, device="cuda")))
     bounds = VarlenBounds.build(cu_q, cu_k, device="cuda")

@@ -4,19 +4,28 @@ The model is called with `use_cache=False` and `packsft=AttentionContext(...)`; 
 arguments of `model(...)` down to the attention function, which is how the varlen boundaries reach it without
 touching transformers' internals. Packed samples never attend to each other.
 
+Per-layer attention features: transformers passes them as keyword arguments (`sliding_window`, `softcap`, `s_aux`
+= attention sinks, `scaling`, `dropout`); they become an `AttentionFeatures` per call, and any other keyword argument
+not known to be harmless is an error naming it (a swallowed feature would train a different model silently).
+
 Behind the one registration sits a PackSFT-owned table of backends (`BACKENDS`), each a record with the reasons it
-cannot run for given inputs (empty list = usable). Every backend takes transformers' [1, H, T, D] query and
-[1, Hkv, T, D] key/value and returns [1, T, H, D]:
-- `flash_varlen`: flash-attn's varlen kernel (CUDA + flash-attn installed, fp16/bf16);
+cannot run for given inputs and features (empty list = usable). Every backend takes transformers' [1, H, T, D]
+query and [1, Hkv, T, D] key/value and returns [1, T, H, D]:
+- `flash_varlen`: flash-attn's varlen kernel (CUDA + flash-attn installed, fp16/bf16); window, softcap;
 - `torch_varlen`: torch's built-in `torch.nn.attention.varlen.varlen_attn` (CUDA builds of torch >= 2.9, fp16/bf16);
-- `flex`: FlexAttention with a document mask (CUDA; its backward does not run on CPU);
-- `sdpa`: causal SDPA on each packed sequence in turn: one kernel launch per sequence, the CPU path and last resort.
-`attn_backend: auto` takes the first exact backend with no reasons in that (static) order; a named backend that
-cannot run raises its reasons. The order is fixed, not timed at start-up: see benchmarks/bench_train_gpu.py.
+  window;
+- `flex`: FlexAttention with a document mask (CUDA; its backward does not run on CPU); window (mask), softcap
+  (score_mod), sinks (its differentiable log-sum-exp);
+- `sdpa`: causal SDPA on each packed sequence in turn: one kernel launch per sequence, the CPU path and last resort;
+  every feature (softcap and sinks by the eager fp32 softmax of transformers' eager attention).
+`attn_backend: auto` takes the first exact backend with no reasons in that (static) order, per kind of layer; a
+named backend that cannot run raises its reasons. The order is fixed, not timed at start-up: see
+benchmarks/bench_train_gpu.py.
 
 No host sync inside a layer: the context carries a `VarlenBounds` (device cu_seqlens plus host copies and max
 lengths) built once per micro-batch, and everything derived from it (the flex BlockMask) is built by the first layer
-and reused by the others. Structure mode (Parallel-R1 mask) and sequence parallelism (`ctx.sp`) dispatch first.
+and reused by the others (one flex BlockMask per sliding window). Structure mode (Parallel-R1 mask) and sequence
+parallelism (`ctx.sp`) dispatch first.
 """
 from __future__ import annotations
 
@@ -28,7 +37,7 @@ import torch
 from transformers import AttentionInterface
 
 from train import varlen_kernels
-from train.varlen_kernels import VarlenBounds, varlen_attention
+from train.varlen_kernels import NO_FEATURES, AttentionFeatures, VarlenBounds, varlen_attention
 
 ATTN_IMPLEMENTATION = "packsft"
 AUTO_ORDER = ("flash_varlen", "torch_varlen", "flex", "sdpa")
@@ -53,8 +62,7 @@ class AttentionContext:
     bounds: VarlenBounds | None = None  # device + host offsets; derived from cu_seqlens when not given (no sp)
 
     # built by the first layer that needs them, reused by the others (one micro-batch)
-    _block_mask: Any = field(default=None, init=False, repr=False, compare=False)
-    _block_mask_key: Any = field(default=None, init=False, repr=False, compare=False)
+    _block_masks: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _resolved: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -78,22 +86,22 @@ class AttentionContext:
     def structured_block_mask(self, device: torch.device, length: int):
         """The BlockMask of this micro-batch's structured mask over `length` tokens on `device`, built once."""
         key = ("structured", str(device), length)
-        if self._block_mask_key != key:
+        if key not in self._block_masks:
             from train.structured_attention import structured_block_mask
 
             ids = (self.seq_ids, self.block_ids, self.path_ids, torch.arange(length, device=device))
-            self._block_mask = structured_block_mask(*ids, *ids, length, length, device)
-            self._block_mask_key = key
-        return self._block_mask
+            self._block_masks[key] = structured_block_mask(*ids, *ids, length, length, device)
+        return self._block_masks[key]
 
-    def document_block_mask(self, device: torch.device, compile_mask: bool = True):
-        """The flex document mask of this micro-batch (padded to its shape bucket), built once."""
+    def document_block_mask(self, device: torch.device, compile_mask: bool = True, sliding_window: int | None = None):
+        """The flex document mask of this micro-batch (padded to its shape bucket), built once per sliding window
+        (windowed and full layers need different masks)."""
         padded = flex_bucket_length(self.bounds.host_cu_q[-1])
-        key = ("document", str(device), padded)
-        if self._block_mask_key != key:
-            self._block_mask = document_block_mask(self.bounds.cu_q.to(device), padded, device, compile_mask)
-            self._block_mask_key = key
-        return self._block_mask
+        key = ("document", str(device), padded, sliding_window)
+        if key not in self._block_masks:
+            self._block_masks[key] = document_block_mask(self.bounds.cu_q.to(device), padded, device, compile_mask,
+                                                         sliding_window)
+        return self._block_masks[key]
 
 
 # ---------------------------------------------------------------------------------------------- FlexAttention
@@ -122,8 +130,10 @@ def document_ids(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
     return torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True)
 
 
-def document_block_mask(cu_seqlens: torch.Tensor, length: int, device: torch.device, compile_mask: bool = True):
-    """FlexAttention BlockMask: query i sees key j iff both lie in the same packed sequence and j <= i."""
+def document_block_mask(cu_seqlens: torch.Tensor, length: int, device: torch.device, compile_mask: bool = True,
+                        sliding_window: int | None = None):
+    """FlexAttention BlockMask: query i sees key j iff both lie in the same packed sequence and j <= i (and, with a
+    sliding window W, j > i - W)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     docs = document_ids(cu_seqlens.to(device), length)
@@ -131,8 +141,22 @@ def document_block_mask(cu_seqlens: torch.Tensor, length: int, device: torch.dev
     def document_causal(b, h, q_idx, kv_idx):
         return (docs[q_idx] == docs[kv_idx]) & (kv_idx <= q_idx)
 
-    return create_block_mask(document_causal, B=None, H=None, Q_LEN=length, KV_LEN=length, device=device,
+    def document_sliding_window(b, h, q_idx, kv_idx):
+        return document_causal(b, h, q_idx, kv_idx) & (kv_idx > q_idx - sliding_window)
+
+    mask_mod = document_causal if sliding_window is None else document_sliding_window
+    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=length, KV_LEN=length, device=device,
                              _compile=compile_mask)
+
+
+@functools.lru_cache(maxsize=None)
+def softcap_score_mod(softcap: float) -> Callable:
+    """FlexAttention score_mod of logit softcapping; one function object per value, so compiled kernels are reused."""
+
+    def softcapped(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / softcap) * softcap
+
+    return softcapped
 
 
 @functools.lru_cache(maxsize=1)
@@ -144,29 +168,48 @@ def compiled_flex_attention() -> Callable:
 
 
 def flex_document_attention(query, key, value, ctx: AttentionContext, scaling, flex_fn: Callable | None = None,
-                            compile_mask: bool = True) -> torch.Tensor:
-    """[1, H, T, D] -> [1, T, H, D] through FlexAttention with the document mask, padded to the shape bucket."""
+                            compile_mask: bool = True, features: AttentionFeatures = NO_FEATURES,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """[1, H, T, D] -> [1, T, H, D] through FlexAttention with the document mask, padded to the shape bucket.
+
+    Sinks: with Z the softmax denominator over the keys (lse = log Z), adding a sink logit s per head scales the
+    output by Z / (Z + e^s) = sigmoid(lse - s); FlexAttention's lse is differentiable, so q, k and the sinks get
+    their exact gradients."""
     total = query.shape[2]
     padded = flex_bucket_length(total)
     if padded != total:
         pad = (0, 0, 0, padded - total)
         query, key, value = (torch.nn.functional.pad(t, pad) for t in (query, key, value))
-    block_mask = ctx.document_block_mask(query.device, compile_mask)
+    block_mask = ctx.document_block_mask(query.device, compile_mask, features.sliding_window)
     flex_fn = flex_fn or compiled_flex_attention()
-    out = flex_fn(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    kwargs = dict(block_mask=block_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    if features.softcap is not None:
+        kwargs["score_mod"] = softcap_score_mod(features.softcap)
+    if sinks is None:
+        out = flex_fn(query, key, value, **kwargs)
+    else:
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        out, aux = flex_fn(query, key, value, return_aux=AuxRequest(lse=True), **kwargs)
+        kept = torch.sigmoid(aux.lse.float() - sinks.float().view(1, -1, 1)).unsqueeze(-1)
+        out = (out.float() * kept).to(out.dtype)
     return out[:, :, :total].transpose(1, 2).contiguous()
 
 
-def _flex_reasons(query: torch.Tensor, dropout: float) -> list[str]:
+def _flex_reasons(query: torch.Tensor, features: AttentionFeatures) -> list[str]:
     reasons = []
     if not query.is_cuda:
         reasons.append("needs CUDA tensors (FlexAttention's backward does not run on CPU)")
-    if dropout > 0:
+    if features.dropout > 0:
         reasons.append("FlexAttention has no attention dropout (attention dropout must be 0)")
     try:
-        import torch.nn.attention.flex_attention  # noqa: F401
+        import torch.nn.attention.flex_attention as flex
     except ImportError as exc:
         reasons.append(f"this torch ({torch.__version__}) has no FlexAttention ({exc})")
+    else:
+        if features.has_sinks and not hasattr(flex, "AuxRequest"):
+            reasons.append(f"attention sinks need FlexAttention's return_aux log-sum-exp (torch {torch.__version__} "
+                           "has none)")
     return reasons
 
 
@@ -175,28 +218,28 @@ def _flex_reasons(query: torch.Tensor, dropout: float) -> list[str]:
 class AttentionBackend:
     name: str
     exact: bool  # the same maths as the per-sequence reference (auto only picks exact backends)
-    reasons: Callable[[torch.Tensor, float], list[str]]  # (query, dropout) -> why it cannot run ([] = usable)
-    fn: Callable[..., torch.Tensor]  # (query, key, value, ctx, scaling, dropout) -> [1, T, H, D]
+    reasons: Callable[[torch.Tensor, AttentionFeatures], list[str]]  # (query, features) -> why it cannot run
+    fn: Callable[..., torch.Tensor]  # (query, key, value, ctx, scaling, features, sinks) -> [1, T, H, D]
 
 
 def _varlen_backend(kernel: str) -> Callable[..., torch.Tensor]:
     """A `train.varlen_kernels` kernel on transformers' layout: [1, H, T, D] -> [T, H, D] -> kernel -> [1, T, H, D]."""
 
-    def run(query, key, value, ctx: AttentionContext, scaling, dropout):
+    def run(query, key, value, ctx: AttentionContext, scaling, features, sinks):
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-        return varlen_attention(kernel, q, k, v, ctx.bounds, scaling, dropout).unsqueeze(0)
+        return varlen_attention(kernel, q, k, v, ctx.bounds, scaling, features, sinks).unsqueeze(0)
 
     return run
 
 
-def _kernel_reasons(kernel: str) -> Callable[[torch.Tensor, float], list[str]]:
-    return lambda query, dropout: varlen_kernels.KERNELS[kernel].reasons(query, dropout)  # patchable in tests
+def _kernel_reasons(kernel: str) -> Callable[[torch.Tensor, AttentionFeatures], list[str]]:
+    return lambda query, features: varlen_kernels.KERNELS[kernel].reasons(query, features)  # patchable in tests
 
 
-def _flex_backend(query, key, value, ctx: AttentionContext, scaling, dropout):
+def _flex_backend(query, key, value, ctx: AttentionContext, scaling, features, sinks):
     # q/k/v already share one dtype (packsft_attention casts them under autocast): the compiled kernel runs as is
     with torch.autocast(query.device.type, enabled=False):
-        return flex_document_attention(query, key, value, ctx, scaling)
+        return flex_document_attention(query, key, value, ctx, scaling, features=features, sinks=sinks)
 
 
 BACKENDS: dict[str, AttentionBackend] = {
@@ -204,34 +247,100 @@ BACKENDS: dict[str, AttentionBackend] = {
     "torch_varlen": AttentionBackend("torch_varlen", True, _kernel_reasons("torch_varlen"),
                                      _varlen_backend("torch_varlen")),
     "flex": AttentionBackend("flex", True, _flex_reasons, _flex_backend),
-    "sdpa": AttentionBackend("sdpa", True, lambda query, dropout: [], _varlen_backend("sdpa_loop")),
+    "sdpa": AttentionBackend("sdpa", True, lambda query, features: [], _varlen_backend("sdpa_loop")),
 }
 
 
-def resolve_backend(requested: str, query: torch.Tensor, dropout: float = 0.0) -> AttentionBackend:
+def resolve_backend(requested: str, query: torch.Tensor, features: AttentionFeatures = NO_FEATURES) -> AttentionBackend:
     """`auto`: the first exact backend of AUTO_ORDER with no reasons; a named backend: itself, or its reasons raised.
 
-    Only the device, dtype and dropout matter, so a trainer resolves once at start with an empty `query` of the
-    training device and dtype (and logs the result)."""
+    Only the device, dtype and the layer's features matter, so a trainer resolves once at start with an empty
+    `query` of the training device and dtype and the model's features (`model_attention_features`), and logs it."""
     if requested == "auto":
         for name in AUTO_ORDER:
             backend = BACKENDS[name]
-            if backend.exact and not backend.reasons(query, dropout):
+            if backend.exact and not backend.reasons(query, features):
                 return backend
-        raise RuntimeError("no attention backend can run here: " + _all_reasons(query, dropout))
+        raise RuntimeError("no attention backend can run here: " + _all_reasons(query, features))
     if requested not in BACKENDS:
         raise ValueError(f"attn_backend must be one of {list(BACKEND_CHOICES)}, got {requested!r}")
-    reasons = BACKENDS[requested].reasons(query, dropout)
+    reasons = BACKENDS[requested].reasons(query, features)
     if reasons:
+        asked = ", ".join([f"dropout {features.dropout}", *features.names()])
         raise RuntimeError(
-            f"attn_backend={requested} cannot run on {query.device.type} {query.dtype} (dropout {dropout}): "
+            f"attn_backend={requested} cannot run on {query.device.type} {query.dtype} ({asked}): "
             + "; ".join(reasons) + ". Use attn_backend=auto (or attn_backend=sdpa, which runs anywhere)"
         )
     return BACKENDS[requested]
 
 
-def _all_reasons(query: torch.Tensor, dropout: float) -> str:
-    return "; ".join(f"{name}: {', '.join(BACKENDS[name].reasons(query, dropout))}" for name in AUTO_ORDER)
+def _all_reasons(query: torch.Tensor, features: AttentionFeatures) -> str:
+    return "; ".join(f"{name}: {', '.join(BACKENDS[name].reasons(query, features))}" for name in AUTO_ORDER)
+
+
+# Keyword arguments transformers (5.x: its TransformersKwargs) passes to an attention function that PackSFT may
+# ignore, each with the values for which ignoring it is right. Anything else is an error: a feature swallowed here
+# would train another model.
+IGNORABLE_KWARGS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "position_ids": (lambda value: True, "any (positions are already applied by the rotary embedding)"),
+    "use_cache": (lambda value: not value, "False or None (packed training keeps no cache)"),
+    "output_router_logits": (lambda value: True, "any (MoE router logits are collected from the routers)"),
+    "output_hidden_states": (lambda value: True, "any (hidden states are collected from the decoder layers)"),
+    "num_items_in_batch": (lambda value: True, "any (it normalises transformers' loss, not attention)"),
+    "is_causal": (lambda value: value is None or value is True,
+                  "True or None: bidirectional attention cannot be packed causally"),
+    "output_attentions": (lambda value: not value, "False or None (no attention weights are materialised)"),
+    "head_mask": (lambda value: value is None, "None"),
+    **{name: (lambda value: value is None, "None (packed boundaries come from the AttentionContext)")
+       for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")},
+}
+
+
+def check_attention_kwargs(module: torch.nn.Module, kwargs: dict) -> None:
+    """Raise, naming them, on keyword arguments PackSFT does not honour (see IGNORABLE_KWARGS)."""
+    unknown = [name for name in kwargs if name not in IGNORABLE_KWARGS]
+    if unknown:
+        raise TypeError(
+            f"attn_implementation='packsft' got keyword argument(s) {unknown} from {type(module).__name__} that "
+            "PackSFT does not implement; ignoring them would silently train a different model "
+            f"(honoured: scaling, dropout, sliding_window, softcap, s_aux; ignorable: {sorted(IGNORABLE_KWARGS)})"
+        )
+    for name, value in kwargs.items():
+        allowed, values = IGNORABLE_KWARGS[name]
+        if not allowed(value):
+            raise ValueError(f"attn_implementation='packsft' got {name}={value!r} from {type(module).__name__}; "
+                             f"it supports only {values}")
+
+
+def attention_features(query: torch.Tensor, dropout: float, sliding_window, softcap, s_aux) -> AttentionFeatures:
+    """The features of one attention call, from transformers' keyword arguments."""
+    if s_aux is not None and (s_aux.dim() != 1 or s_aux.shape[0] != query.shape[1]):
+        raise ValueError(f"s_aux (attention sinks) must be one logit per query head [{query.shape[1]}], "
+                         f"got {tuple(s_aux.shape)}")
+    return AttentionFeatures(float(dropout), sliding_window, None if softcap is None else float(softcap),
+                             s_aux is not None)
+
+
+def model_attention_features(lm: torch.nn.Module) -> AttentionFeatures:
+    """The union of the attention features of every layer of `lm`, read from its modules before any forward (for
+    the trainer's start-up resolution): sliding windows, logit softcapping, attention sinks, attention dropout.
+
+    Attention modules are those with `scaling` and `head_dim` (transformers' convention); a module's own
+    `sliding_window` attribute wins (gemma2, qwen2, gpt-oss set it per layer, None on full layers), else its
+    config's (mistral, phi3, starcoder2 read `config.sliding_window` in forward)."""
+    features = NO_FEATURES
+    for module in lm.modules():
+        if not (hasattr(module, "scaling") and hasattr(module, "head_dim")):
+            continue
+        if hasattr(module, "sliding_window"):
+            window = module.sliding_window if getattr(module, "is_sliding", True) else None
+        else:
+            window = getattr(getattr(module, "config", None), "sliding_window", None)
+        softcap = getattr(module, "attn_logit_softcapping", getattr(module, "softcap", None))
+        sinks = isinstance(getattr(module, "sinks", None), torch.nn.Parameter)
+        dropout = float(getattr(module, "attention_dropout", 0.0) or 0.0)
+        features = features.union(AttentionFeatures(dropout, window, softcap, sinks))
+    return features
 
 
 def packsft_attention(
@@ -243,17 +352,24 @@ def packsft_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     packsft: AttentionContext | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """query [1, H, T, D], key/value [1, Hkv, T, D] -> ([1, T, H, D], None)."""
+    """query [1, H, T, D], key/value [1, Hkv, T, D] -> ([1, T, H, D], None).
+
+    `sliding_window`, `softcap` and `s_aux` (attention sinks, [H], trained) are the layer's features as transformers
+    passes them; every other keyword argument must be one of IGNORABLE_KWARGS with a value that may be ignored."""
     ctx = packsft
     if ctx is None:
         raise RuntimeError(
             "attn_implementation='packsft' needs model(..., use_cache=False, packsft=AttentionContext(...))"
         )
+    check_attention_kwargs(module, kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects batch dimension 1, got {query.shape[0]}")
-    dropout = dropout if module.training else 0.0
+    features = attention_features(query, dropout if module.training else 0.0, sliding_window, softcap, s_aux)
     device_type = query.device.type
     if torch.is_autocast_enabled(device_type):
         # bf16 without DeepSpeed: the weights stay fp32 under autocast, so q/k arrive fp32 (RoPE in fp32) and v in
@@ -263,11 +379,17 @@ def packsft_attention(
     if ctx.sp is not None:
         from train.sequence_parallel import sp_attention
 
-        return sp_attention(module, query, key, value, ctx.sp, scaling), None
+        return sp_attention(module, query, key, value, ctx.sp, scaling, features, s_aux), None
     total = query.shape[2]
     if ctx.structured:
-        from train.structured_attention import flex_structured_attention, structured_sdpa_by_sequence
+        from train.structured_attention import (
+            flex_structured_attention,
+            structure_feature_problems,
+            structured_sdpa_by_sequence,
+        )
 
+        if problems := structure_feature_problems(features):
+            raise NotImplementedError("; ".join(problems))
         index = torch.arange(total, device=query.device)
         ids = (ctx.seq_ids, ctx.block_ids, ctx.path_ids, index)
         if query.is_cuda:
@@ -276,11 +398,24 @@ def packsft_attention(
         return structured_sdpa_by_sequence(query, key, value, *ids, *ids, scaling), None
     if ctx.bounds.host_cu_q[-1] != total:
         raise ValueError(f"cu_seqlens covers {ctx.bounds.host_cu_q[-1]} tokens, the micro-batch has {total}")
-    resolve_key = (ctx.backend, device_type, query.dtype, dropout)
+    resolve_key = (ctx.backend, device_type, query.dtype, features)
     backend = ctx._resolved.get(resolve_key)
-    if backend is None:  # first layer of the micro-batch
-        backend = ctx._resolved[resolve_key] = resolve_backend(ctx.backend, query, dropout)
-    return backend.fn(query, key, value, ctx, scaling, dropout), None
+    if backend is None:  # first layer of this kind in the micro-batch
+        backend = ctx._resolved[resolve_key] = resolve_backend(ctx.backend, query, features)
+    return backend.fn(query, key, value, ctx, scaling, features, s_aux), None
+
+
+def dispatched_feature_problems(features: AttentionFeatures, sp_backend: str | None, structure: bool) -> list[str]:
+    """Why sequence parallelism (`sp_backend`) or structure mode cannot run a model with these features; for the
+    trainer's start-up check, which bypasses the backend table for them."""
+    from train.structured_attention import structure_feature_problems
+
+    problems = structure_feature_problems(features, sp_backend is not None) if structure else []
+    if sp_backend is not None:
+        from train.sequence_parallel import sp_feature_problems
+
+        problems += sp_feature_problems(sp_backend, features)
+    return problems
 
 
 # never traced: compiled decoder layers (compile_layers) break their graph here instead of guarding on the host

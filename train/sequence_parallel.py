@@ -33,9 +33,14 @@ Backends:
   The zigzag layout and structure mode (Parallel-R1 mask) keep SDPA with the boolean mask of the local queries
   against the gathered keys, built from global token indices: the CPU reference of the zigzag layout, and the
   one SP path that applies the Parallel-R1 mask.
+  Per-layer features (`AttentionFeatures`): the varlen call gets them as they are (its bottom-right alignment
+  makes the sliding window count from each query's global position); the mask path adds the window to the mask
+  (global indices: within a sequence their differences are position differences) and computes softcap and sinks
+  by the eager softmax. Sinks are per head and every rank holds all heads: nothing to slice.
 - `llama3`: ring-flash-attn's `llama3_flash_attn_varlen_func` (contiguous layout).
 - `zigzag`: ring-flash-attn's `zigzag_ring_flash_attn_varlen_func` (zigzag layout).
-ring-flash-attn needs flash-attn and CUDA; it is imported only when one of its backends is selected.
+ring-flash-attn needs flash-attn and CUDA; it is imported only when one of its backends is selected. Its backends
+express no sliding window, softcap or sinks here: `sp_feature_problems` says so before training starts.
 """
 from __future__ import annotations
 
@@ -47,7 +52,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from train.varlen_kernels import KERNELS, VarlenBounds, varlen_attention
+from train.varlen_kernels import (
+    KERNELS,
+    NO_FEATURES,
+    AttentionFeatures,
+    VarlenBounds,
+    eager_attention,
+    varlen_attention,
+)
 
 SP_BACKENDS = ("torch", "llama3", "zigzag")
 LAYOUTS = ("contiguous", "zigzag")
@@ -121,20 +133,33 @@ def resolve_backend(name: str, half_precision: bool = True) -> str:
     return name
 
 
-def choose_sp_kernel(query: torch.Tensor, dropout: float = 0.0) -> str:
+def choose_sp_kernel(query: torch.Tensor, features: AttentionFeatures = NO_FEATURES) -> str:
     """The varlen kernel of the `torch` backend for queries like `query` (device and dtype matter; an empty
-    tensor will do): the first of SP_KERNEL_ORDER with no reasons; `sdpa_loop` always qualifies."""
-    return next(name for name in SP_KERNEL_ORDER if not KERNELS[name].reasons(query, dropout))
+    tensor will do) and a layer's features: the first of SP_KERNEL_ORDER with no reasons; `sdpa_loop` always
+    qualifies."""
+    return next(name for name in SP_KERNEL_ORDER if not KERNELS[name].reasons(query, features))
+
+
+def sp_feature_problems(backend: str, features: AttentionFeatures) -> list[str]:
+    """Why sp backend `backend` cannot run layers with `features` ([] = it can); the trainer asks at start-up.
+
+    `torch` expresses every feature. ring-flash-attn's functions are called with flash-attn's causal arguments
+    only: whether its varlen functions take `window_size` or `softcap` is not verified here, and sinks need a
+    gradient through the log-sum-exp, which they do not return."""
+    if backend == "torch" or not features.names():
+        return []
+    return [f"sp_backend={backend!r} (ring-flash-attn) cannot express {', '.join(features.names())}: use "
+            "sp_backend=torch, which all-gathers K/V and applies them exactly"]
 
 
 def describe_sp_backend(backend: str, structure: bool, device: torch.device | str, dtype: torch.dtype,
-                        dropout: float = 0.0) -> str:
+                        features: AttentionFeatures = NO_FEATURES) -> str:
     """What the trainer's start line names: the backend and, for `torch`, how its attention runs."""
     if backend != "torch":
         return f"sequence-parallel {backend} (ring-flash-attn)"
     if structure:
         return "sequence-parallel torch (all-gathered K/V, SDPA with a boolean mask)"
-    kernel = choose_sp_kernel(torch.empty(0, device=device, dtype=dtype), dropout)
+    kernel = choose_sp_kernel(torch.empty(0, device=device, dtype=dtype), features)
     return f"sequence-parallel torch (all-gathered K/V, one {kernel} varlen call per layer)"
 
 
@@ -175,7 +200,8 @@ class SPContext:
     local_max_seqlen: int = 0
     # structure mode: block_ids / path_ids of every padded-row token (0 for padding) for the Parallel-R1 mask
     structure: dict[str, torch.Tensor] | None = None
-    _mask: torch.Tensor | None = field(default=None, repr=False)  # torch backend mask, built once per micro-batch
+    # torch backend masks by sliding window (None: full), built once per micro-batch
+    _masks: dict = field(default_factory=dict, repr=False)
 
     @property
     def local_length(self) -> int:
@@ -186,25 +212,30 @@ class SPContext:
         moved = {
             name: value.to(device)
             for name, value in vars(self).items()
-            if isinstance(value, torch.Tensor) and name != "_mask"
+            if isinstance(value, torch.Tensor)
         }
         if self.structure is not None:
             moved["structure"] = {k: v.to(device) for k, v in self.structure.items()}
         if self.bounds is not None:
             moved["bounds"] = self.bounds._replace(cu_q=self.bounds.cu_q.to(device), cu_k=self.bounds.cu_k.to(device))
-        return replace(self, _mask=None, **moved)
+        return replace(self, _masks={}, **moved)
 
-    def attention_mask(self, device: torch.device) -> torch.Tensor:
-        """[L, K] bool: local query i may attend gathered key j (K = key_range width). Cached: same in every layer."""
-        if self._mask is None or self._mask.device != device:
-            self._mask = self._build_mask().to(device)
-        return self._mask
+    def attention_mask(self, device: torch.device, sliding_window: int | None = None) -> torch.Tensor:
+        """[L, K] bool: local query i may attend gathered key j (K = key_range width). Cached per sliding window:
+        the same in every layer of that kind."""
+        key = (str(device), sliding_window)
+        if key not in self._masks:
+            self._masks[key] = self._build_mask(sliding_window).to(device)
+        return self._masks[key]
 
-    def _build_mask(self) -> torch.Tensor:
+    def _build_mask(self, sliding_window: int | None) -> torch.Tensor:
         q = self.local_index
         k = self.gathered_index[self.key_range[0] : self.key_range[1]]
         if self.structure is None:
-            return (self.seq_ids[q][:, None] == self.seq_ids[k][None, :]) & (k[None, :] <= q[:, None])
+            visible = (self.seq_ids[q][:, None] == self.seq_ids[k][None, :]) & (k[None, :] <= q[:, None])
+            if sliding_window is not None:
+                visible &= k[None, :] > q[:, None] - sliding_window
+            return visible
         from train.structured_attention import build_mask
 
         block, path = self.structure["block_ids"], self.structure["path_ids"]
@@ -460,23 +491,30 @@ def _gather_sequence(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     return _GatherSequence.apply(tensor, group, 2)
 
 
-def _torch_attention(query, key, value, ctx: SPContext, scaling: float | None, dropout_p: float) -> torch.Tensor:
+def _torch_attention(query, key, value, ctx: SPContext, scaling: float | None, features: AttentionFeatures,
+                     sinks: torch.Tensor | None) -> torch.Tensor:
     if ctx.bounds is not None:
-        return _torch_varlen_attention(query, key, value, ctx, scaling, dropout_p)
+        return _torch_varlen_attention(query, key, value, ctx, scaling, features, sinks)
     if ctx.sp_size > 1:  # one collective for K and V together
         n_kv_heads = key.shape[1]
         key, value = _gather_sequence(torch.cat([key, value], dim=1), ctx.group).split(n_kv_heads, dim=1)
     start, end = ctx.key_range
     key, value = key[:, :, start:end], value[:, :, start:end]
-    mask = ctx.attention_mask(query.device)
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scaling,
-        enable_gqa=key.shape[1] != query.shape[1],
-    )
+    mask = ctx.attention_mask(query.device, features.sliding_window)
+    if features.needs_eager_softmax:
+        n_rep = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(n_rep, dim=1), value.repeat_interleave(n_rep, dim=1)
+        out = eager_attention(query, key, value, mask, scaling, features, sinks)
+    else:
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=features.dropout, scale=scaling,
+            enable_gqa=key.shape[1] != query.shape[1],
+        )
     return out.transpose(1, 2).contiguous()
 
 
-def _torch_varlen_attention(query, key, value, ctx: SPContext, scaling, dropout_p) -> torch.Tensor:
+def _torch_varlen_attention(query, key, value, ctx: SPContext, scaling, features: AttentionFeatures,
+                            sinks: torch.Tensor | None) -> torch.Tensor:
     """Contiguous layout: one varlen kernel call of the local queries against the gathered key window."""
     q = query[0].transpose(0, 1).contiguous()  # [L, H, D]
     kv = torch.stack([key[0], value[0]]).transpose(1, 2).contiguous()  # [2, L, Hkv, D]: one collective for both
@@ -486,8 +524,8 @@ def _torch_varlen_attention(query, key, value, ctx: SPContext, scaling, dropout_
     # a copy of the key window when it is shorter than the row: the kernel keeps its inputs for backward, and a
     # view would keep the whole gathered row alive in every layer
     window = kv[:, start:end].contiguous()
-    kernel = choose_sp_kernel(q, dropout_p)
-    out = varlen_attention(kernel, q, window[0], window[1], ctx.bounds, scaling, dropout_p)
+    kernel = choose_sp_kernel(q, features)
+    out = varlen_attention(kernel, q, window[0], window[1], ctx.bounds, scaling, features, sinks)
     return out.unsqueeze(0)
 
 
@@ -501,7 +539,8 @@ def _flash_layout(tensor: torch.Tensor, backend: str) -> torch.Tensor:
     return tensor[0].transpose(0, 1).contiguous()
 
 
-def _llama3_attention(query, key, value, ctx: SPContext, scaling, dropout_p) -> torch.Tensor:
+def _llama3_attention(query, key, value, ctx: SPContext, scaling, features: AttentionFeatures,
+                      sinks: torch.Tensor | None) -> torch.Tensor:
     ring = _import_ring_flash_attn("llama3")
     n_kv_heads = key.shape[1]
     stride = ctx.heads_k_stride or n_kv_heads
@@ -510,17 +549,18 @@ def _llama3_attention(query, key, value, ctx: SPContext, scaling, dropout_p) -> 
     out = ring.llama3_flash_attn_varlen_func(
         _flash_layout(query, "llama3"), _flash_layout(key, "llama3"), _flash_layout(value, "llama3"),
         ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k, stride, ctx.local_k_slice,
-        dropout_p=dropout_p, softmax_scale=scaling, causal=True, group=ctx.group,
+        dropout_p=features.dropout, softmax_scale=scaling, causal=True, group=ctx.group,
     )
     return out.unsqueeze(0)
 
 
-def _zigzag_attention(query, key, value, ctx: SPContext, scaling, dropout_p) -> torch.Tensor:
+def _zigzag_attention(query, key, value, ctx: SPContext, scaling, features: AttentionFeatures,
+                      sinks: torch.Tensor | None) -> torch.Tensor:
     ring = _import_ring_flash_attn("zigzag")
     out = ring.zigzag_ring_flash_attn_varlen_func(
         _flash_layout(query, "zigzag"), _flash_layout(key, "zigzag"), _flash_layout(value, "zigzag"),
         ctx.local_cu_seqlens, ctx.local_max_seqlen,
-        dropout_p=dropout_p, softmax_scale=scaling, causal=True, group=ctx.group,
+        dropout_p=features.dropout, softmax_scale=scaling, causal=True, group=ctx.group,
     )
     return out.unsqueeze(0)
 
@@ -535,9 +575,12 @@ def sp_attention(
     value: torch.Tensor,
     sp_ctx: SPContext,
     scaling: float | None,
+    features: AttentionFeatures = NO_FEATURES,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's queries over the whole row. query [1, H, L, D], key/value [1, Hkv, L, D]
-    (transformers' layout, RoPE applied with the global positions); returns [1, L, H, D]."""
+    (transformers' layout, RoPE applied with the global positions); returns [1, L, H, D]. `features` are the
+    layer's (dropout already 0 outside training), `sinks` its [H] sink logits when features.has_sinks."""
     if query.shape[0] != 1:
         raise ValueError(f"sequence parallelism expects batch dimension 1 (packed rows), got {tuple(query.shape)}")
     if query.shape[2] != sp_ctx.local_length:
@@ -545,5 +588,13 @@ def sp_attention(
             f"sp_attention: {query.shape[2]} local queries but the SPContext shards {sp_ctx.local_length} tokens; "
             "feed the model the local batch from shard_batch"
         )
-    dropout_p = float(getattr(module, "attention_dropout", 0.0)) if module.training else 0.0
-    return _ATTENTION[sp_ctx.backend](query, key, value, sp_ctx, scaling, dropout_p)
+    if features.has_sinks != (sinks is not None):
+        raise ValueError(f"features.has_sinks={features.has_sinks} but sinks {'absent' if sinks is None else 'given'}")
+    problems = sp_feature_problems(sp_ctx.backend, features)
+    if sp_ctx.structure is not None:
+        from train.structured_attention import structure_feature_problems
+
+        problems += structure_feature_problems(features, sequence_parallel=True)
+    if problems:
+        raise NotImplementedError("; ".join(problems))
+    return _ATTENTION[sp_ctx.backend](query, key, value, sp_ctx, scaling, features, sinks)

@@ -26,6 +26,18 @@ import torch.nn.functional as F
 _CHUNK_ELEMENTS = 1 << 22
 
 
+def structure_feature_problems(features, sequence_parallel: bool = False) -> list[str]:
+    """Why the Parallel-R1 mask paths cannot run layers with these `AttentionFeatures`: window, softcap and sinks
+    are not implemented on the structured mask, nor attention dropout outside sequence parallelism (whose SDPA
+    with the mask applies it)."""
+    missing = features.names()
+    if features.dropout > 0 and not sequence_parallel:
+        missing.append(f"attention dropout {features.dropout}")
+    if not missing:
+        return []
+    return [f"structure mode (Parallel-R1 mask) does not implement {', '.join(missing)}"]
+
+
 def _as_long(x) -> torch.Tensor:
     return torch.as_tensor(x).to(torch.int64).reshape(-1)
 

@@ -34,6 +34,7 @@ from torch import nn
 
 import train.attention  # noqa: F401  (registers attn_implementation="packsft")
 from train.attention import ATTN_IMPLEMENTATION, AttentionContext, resolve_backend
+from train.attention import dispatched_feature_problems, model_attention_features
 from train.batch import make_batch, step_totals
 from train.checkpoint import (
     CheckpointError,
@@ -392,14 +393,17 @@ class Trainer:
                      f"{result.loss_error:.1e}, gradient difference {result.grad_error:.1e}) in {elapsed:.2f} s")
 
     def _resolve_attention(self) -> str:
-        """The attention backend every micro-batch uses (resolved once, from the device, dtype and dropout); an
-        explicitly named backend that cannot run here fails now, before the first step."""
+        """The attention backend every micro-batch uses (resolved once, from the device, dtype and the model's
+        attention features: dropout, sliding windows, softcap, sinks); an explicitly named backend (or sp backend)
+        that cannot run here fails now, before the first step."""
+        features = model_attention_features(self.lm)
         if self.sp_backend is not None or self.structure:
+            if problems := dispatched_feature_problems(features, self.sp_backend, self.structure):
+                raise RuntimeError("; ".join(problems))
             return self.cfg.attn_backend  # dispatched before the backend table (train/attention.py)
         dtype = torch.bfloat16 if self.cfg.bf16 else torch.float32
         probe = torch.empty((1, 1, 0, 1), device=self.device, dtype=dtype)
-        dropout = float(getattr(self.lm.config, "attention_dropout", 0.0) or 0.0)
-        return resolve_backend(self.cfg.attn_backend, probe, dropout).name
+        return resolve_backend(self.cfg.attn_backend, probe, features).name
 
     def _param_groups(self):
         decay, no_decay = [], []
@@ -728,7 +732,7 @@ class Trainer:
 
             kind = describe_sp_backend(self.sp_backend, self.structure, self.device,
                                        torch.bfloat16 if self.cfg.bf16 else torch.float32,
-                                       float(getattr(self.lm.config, "attention_dropout", 0.0)))
+                                       model_attention_features(self.lm))
         elif self.structure:
             kind = "structured (FlexAttention)" if torch.cuda.is_available() else "structured (SDPA per sequence)"
         else:

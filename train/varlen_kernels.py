@@ -8,13 +8,20 @@ Causality is bottom-right aligned per sequence: query i of a sequence with Lq qu
 j <= i + (Lk - Lq). That is flash-attn's convention and what sequence parallelism needs: a rank's queries are the
 tail of the keys it has gathered (`train/sequence_parallel.py`). With cu_q == cu_k it is plain causal attention.
 
+Per-layer attention features (`AttentionFeatures`: dropout, sliding window, logit softcapping, attention sinks)
+travel with every call; a kernel that cannot express one says so in its reasons. The sliding window counts keys as
+transformers' masks do (a query sees itself and the `sliding_window - 1` keys before it) and, like causality, is
+bottom-right aligned: query i of a sequence with offset o = Lk - Lq sees keys j with i + o - W < j <= i + o.
+
 Kernels (`KERNELS`), each with the reasons it cannot run for given inputs (empty list = usable):
-- `flash_attn`: flash-attn's `flash_attn_varlen_func` (CUDA, fp16/bf16, flash-attn installed);
+- `flash_attn`: flash-attn's `flash_attn_varlen_func` (CUDA, fp16/bf16, flash-attn installed); window and
+  softcap, no sinks (they need a gradient through the log-sum-exp, which its varlen API does not return);
 - `torch_varlen`: torch's built-in `torch.nn.attention.varlen.varlen_attn` (CUDA builds of torch >= 2.9). Its
   signature changed between releases (2.11: no `enable_gqa`; causal only as `window_size=(-1, 0)`), so it is
-  probed once with `inspect.signature` and a mismatch becomes a reason, not a crash;
-- `sdpa_loop`: causal SDPA on each sequence in turn; runs anywhere (the CPU path and the reference the others are
-  tested against), at the cost of one kernel launch per sequence.
+  probed once with `inspect.signature` and a mismatch becomes a reason, not a crash; window, no softcap or sinks;
+- `sdpa_loop`: causal SDPA on each sequence in turn (a boolean mask for a window; softcap and sinks by the eager
+  fp32-softmax computation of transformers' eager attention); runs anywhere (the CPU path and the reference the
+  others are tested against), at the cost of one kernel launch per sequence.
 """
 from __future__ import annotations
 
@@ -27,6 +34,54 @@ import torch
 import torch.nn.functional as F
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class AttentionFeatures:
+    """What one attention call (one layer) asks for beyond causal attention. Hashable: backends are resolved once
+    per kind of layer (gemma2 alternates windowed and full layers)."""
+
+    dropout: float = 0.0
+    sliding_window: int | None = None  # a query sees itself and the sliding_window - 1 keys before it
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap), after scaling, before masking
+    has_sinks: bool = False  # a learnt logit per head in every softmax's denominator (gpt-oss); its value travels
+    # beside the features (`sinks`, a [H] tensor that gets a gradient)
+
+    def __post_init__(self):
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"attention dropout must be in [0, 1), got {self.dropout}")
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"sliding_window must be a positive int or None, got {window!r}")
+        if self.softcap is not None and not self.softcap > 0:
+            raise ValueError(f"softcap must be a positive number or None, got {self.softcap!r}")
+
+    @property
+    def needs_eager_softmax(self) -> bool:
+        """Softcap and sinks change the softmax itself: no mask expresses them."""
+        return self.softcap is not None or self.has_sinks
+
+    def names(self) -> list[str]:
+        """The features in use beyond plain causal attention, as reasons name them (dropout excluded)."""
+        names = []
+        if self.sliding_window is not None:
+            names.append(f"sliding_window={self.sliding_window}")
+        if self.softcap is not None:
+            names.append(f"softcap={self.softcap}")
+        if self.has_sinks:
+            names.append("attention sinks")
+        return names
+
+    def union(self, other: "AttentionFeatures") -> "AttentionFeatures":
+        """Both sets of features at once (a model's layers together); the smaller window and softcap."""
+        def smaller(a, b):
+            return b if a is None else a if b is None else min(a, b)
+
+        return AttentionFeatures(max(self.dropout, other.dropout), smaller(self.sliding_window, other.sliding_window),
+                                 smaller(self.softcap, other.softcap), self.has_sinks or other.has_sinks)
+
+
+NO_FEATURES = AttentionFeatures()
 
 
 class VarlenBounds(NamedTuple):
@@ -67,8 +122,8 @@ def queued_copy(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 @dataclass(frozen=True)
 class VarlenKernel:
     name: str
-    reasons: Callable[[torch.Tensor, float], list[str]]  # (query, dropout) -> why it cannot run ([] = usable)
-    fn: Callable[..., torch.Tensor]  # (q, k, v, bounds, scale, dropout) -> out [Tq, H, D]
+    reasons: Callable[[torch.Tensor, AttentionFeatures], list[str]]  # (query, features) -> why it cannot run
+    fn: Callable[..., torch.Tensor]  # (q, k, v, bounds, scale, features, sinks) -> out [Tq, H, D]
 
 
 def _repeat_kv_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,31 +137,46 @@ def _repeat_kv_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple
 
 
 @functools.lru_cache(maxsize=1)
-def _flash_attn_import_error() -> str | None:
+def _flash_attn_varlen_params() -> frozenset[str] | str:
+    """The keyword parameters of this flash-attn's `flash_attn_varlen_func`, or why it cannot be imported."""
     try:
-        import flash_attn  # noqa: F401
+        from flash_attn import flash_attn_varlen_func
     except ImportError as exc:
         return f"flash-attn is not installed ({exc})"
-    return None
+    return frozenset(inspect.signature(flash_attn_varlen_func).parameters)
 
 
-def _flash_attn_reasons(q: torch.Tensor, dropout: float) -> list[str]:
+def _flash_attn_reasons(q: torch.Tensor, features: AttentionFeatures) -> list[str]:
     reasons = []
     if not q.is_cuda:
         reasons.append("needs CUDA tensors")
     if q.dtype not in HALF_DTYPES:
         reasons.append(f"needs fp16/bf16, got {q.dtype}")
-    if q.is_cuda and (error := _flash_attn_import_error()):
-        reasons.append(error)
+    if features.has_sinks:
+        reasons.append("cannot express attention sinks (flash-attn's varlen API returns no log-sum-exp to "
+                       "differentiate, so the sinks would get no gradient)")
+    if q.is_cuda:
+        params = _flash_attn_varlen_params()
+        if isinstance(params, str):
+            reasons.append(params)
+        else:
+            for feature, param in (("sliding_window", "window_size"), ("softcap", "softcap")):
+                if getattr(features, feature) is not None and param not in params:
+                    reasons.append(f"this flash-attn's flash_attn_varlen_func has no {param} ({feature})")
     return reasons
 
 
-def _flash_attn(q, k, v, bounds: VarlenBounds, scale, dropout):
+def _flash_attn(q, k, v, bounds: VarlenBounds, scale, features: AttentionFeatures, sinks=None):
     from flash_attn import flash_attn_varlen_func
 
+    extra = {}
+    if features.sliding_window is not None:
+        extra["window_size"] = (features.sliding_window - 1, 0)  # bottom-right aligned, like its causal mask
+    if features.softcap is not None:
+        extra["softcap"] = features.softcap
     return flash_attn_varlen_func(
         q, k, v, bounds.cu_q, bounds.cu_k, bounds.max_q, bounds.max_k,
-        dropout_p=dropout, softmax_scale=scale, causal=True,
+        dropout_p=features.dropout, softmax_scale=scale, causal=True, **extra,
     )
 
 
@@ -118,6 +188,10 @@ class _TorchVarlenAPI(NamedTuple):
     causal_kwargs: dict
     native_gqa: bool
     problem: str | None
+
+    @property
+    def has_window(self) -> bool:
+        return "window_size" in self.causal_kwargs
 
 
 @functools.lru_cache(maxsize=1)
@@ -140,22 +214,31 @@ def torch_varlen_api() -> _TorchVarlenAPI:
     return _TorchVarlenAPI(varlen_attn, causal, "enable_gqa" in params, None)
 
 
-def _torch_varlen_reasons(q: torch.Tensor, dropout: float) -> list[str]:
+def _torch_varlen_reasons(q: torch.Tensor, features: AttentionFeatures) -> list[str]:
     reasons = []
     if not q.is_cuda:
         reasons.append("needs CUDA tensors (varlen_attn is CUDA-only)")
     if q.dtype not in HALF_DTYPES:
         reasons.append(f"needs fp16/bf16, got {q.dtype}")
-    if dropout > 0:
+    if features.dropout > 0:
         reasons.append("varlen_attn has no dropout (attention dropout must be 0)")
-    if (problem := torch_varlen_api().problem) is not None:
-        reasons.append(problem)
+    if features.softcap is not None:
+        reasons.append("varlen_attn has no logit softcapping (softcap)")
+    if features.has_sinks:
+        reasons.append("varlen_attn has no attention sinks")
+    api = torch_varlen_api()
+    if api.problem is not None:
+        reasons.append(api.problem)
+    elif features.sliding_window is not None and not api.has_window:
+        reasons.append(f"varlen_attn of torch {torch.__version__} has no window_size (sliding_window)")
     return reasons
 
 
-def _torch_varlen(q, k, v, bounds: VarlenBounds, scale, dropout):
+def _torch_varlen(q, k, v, bounds: VarlenBounds, scale, features: AttentionFeatures, sinks=None):
     api = torch_varlen_api()
     kwargs = dict(api.causal_kwargs, scale=scale)
+    if features.sliding_window is not None:
+        kwargs["window_size"] = (features.sliding_window - 1, 0)  # (left, right) keys around the aligned diagonal
     if api.native_gqa:
         kwargs["enable_gqa"] = q.shape[1] != k.shape[1]
     else:
@@ -166,21 +249,62 @@ def _torch_varlen(q, k, v, bounds: VarlenBounds, scale, dropout):
 # --- SDPA, one sequence at a time ---------------------------------------------------------------------------------
 
 
-def _sdpa_loop(q, k, v, bounds: VarlenBounds, scale, dropout):
-    """Reference: causal SDPA per sequence ([H, L, D] each), bottom-right aligned when a sequence has extra keys."""
+def visible_keys(n_queries: int, n_keys: int, sliding_window: int | None, device) -> torch.Tensor:
+    """[Lq, Lk] bool of one sequence: query i sees key j iff i + o - W < j <= i + o, o = Lk - Lq (bottom-right)."""
+    diagonal = torch.arange(n_queries, device=device)[:, None] + (n_keys - n_queries)
+    keys = torch.arange(n_keys, device=device)[None, :]
+    visible = keys <= diagonal
+    if sliding_window is not None:
+        visible &= keys > diagonal - sliding_window
+    return visible
+
+
+def eager_attention(q, k, v, visible: torch.Tensor, scale: float | None, features: AttentionFeatures,
+                    sinks: torch.Tensor | None) -> torch.Tensor:
+    """q [..., H, Lq, D], k/v [..., H, Lk, D] (kv heads repeated), visible [Lq, Lk] -> [..., H, Lq, D], the way
+    transformers' eager attention computes softcap and sinks: fp32 scores and softmax (autocast off, so they stay
+    fp32); the sink is one more logit per head in the softmax, whose probability is dropped."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    with torch.autocast(q.device.type, enabled=False):
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if features.softcap is not None:
+        scores = torch.tanh(scores / features.softcap) * features.softcap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is None:
+        probs = scores.softmax(dim=-1)
+    else:
+        sink_logits = sinks.float().view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.cat([scores, sink_logits], dim=-1).softmax(dim=-1)[..., :-1]
+    if features.dropout > 0:
+        probs = F.dropout(probs, features.dropout)
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+def masked_attention(q, k, v, visible: torch.Tensor, scale: float | None, features: AttentionFeatures,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [..., H, Lq, D], k/v [..., H, Lk, D], visible [Lq, Lk] bool: SDPA with the mask, or the eager computation
+    when softcap or sinks change the softmax."""
+    if features.needs_eager_softmax:
+        return eager_attention(q, k, v, visible, scale, features, sinks)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=features.dropout, scale=scale)
+
+
+def _sdpa_loop(q, k, v, bounds: VarlenBounds, scale, features: AttentionFeatures = NO_FEATURES, sinks=None):
+    """Reference: SDPA per sequence ([H, L, D] each), bottom-right aligned when a sequence has extra keys."""
     k, v = _repeat_kv_heads(q, k, v)
     outs = []
     for qlo, qhi, klo, khi in zip(bounds.host_cu_q[:-1], bounds.host_cu_q[1:], bounds.host_cu_k[:-1], bounds.host_cu_k[1:]):
         if qhi == qlo:
             continue
         qs, ks, vs = (t.transpose(0, 1) for t in (q[qlo:qhi], k[klo:khi], v[klo:khi]))
-        offset = (khi - klo) - (qhi - qlo)
-        if offset == 0:
-            out = F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout, scale=scale, is_causal=True)
+        window = features.sliding_window
+        if window is not None and window >= khi - klo:
+            window = None  # the window holds the whole sequence: plain causal
+        if qhi - qlo == khi - klo and window is None and not features.needs_eager_softmax:
+            out = F.scaled_dot_product_attention(qs, ks, vs, dropout_p=features.dropout, scale=scale, is_causal=True)
         else:
-            rows = torch.arange(qhi - qlo, device=q.device)[:, None]
-            cols = torch.arange(khi - klo, device=q.device)[None, :]
-            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=cols <= rows + offset, dropout_p=dropout, scale=scale)
+            out = masked_attention(qs, ks, vs, visible_keys(qhi - qlo, khi - klo, window, q.device), scale, features,
+                                   sinks)
         outs.append(out.transpose(0, 1))
     if not outs:
         return q.new_zeros(q.shape)
@@ -190,17 +314,20 @@ def _sdpa_loop(q, k, v, bounds: VarlenBounds, scale, dropout):
 KERNELS: dict[str, VarlenKernel] = {
     "flash_attn": VarlenKernel("flash_attn", _flash_attn_reasons, _flash_attn),
     "torch_varlen": VarlenKernel("torch_varlen", _torch_varlen_reasons, _torch_varlen),
-    "sdpa_loop": VarlenKernel("sdpa_loop", lambda q, dropout: [], _sdpa_loop),
+    "sdpa_loop": VarlenKernel("sdpa_loop", lambda q, features: [], _sdpa_loop),
 }
 
 
 def varlen_attention(
     name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: VarlenBounds, scale: float | None,
-    dropout: float = 0.0,
+    features: AttentionFeatures = NO_FEATURES, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Run kernel `name` on q [Tq, H, D], k/v [Tk, Hkv, D] -> [Tq, H, D]; raises with its reasons if it cannot run."""
+    """Run kernel `name` on q [Tq, H, D], k/v [Tk, Hkv, D] -> [Tq, H, D] with the layer's `features` (and its
+    sinks [H] when features.has_sinks); raises with its reasons if it cannot run."""
+    if features.has_sinks != (sinks is not None):
+        raise ValueError(f"features.has_sinks={features.has_sinks} but sinks {'absent' if sinks is None else 'given'}")
     kernel = KERNELS[name]
-    reasons = kernel.reasons(q, dropout)
+    reasons = kernel.reasons(q, features)
     if reasons:
         raise RuntimeError(f"attention kernel {name!r} cannot run here: " + "; ".join(reasons))
-    return kernel.fn(q, k, v, bounds, scale, dropout)
+    return kernel.fn(q, k, v, bounds, scale, features, sinks)
