@@ -41,6 +41,10 @@ def _layer_types(default_types: list, n_layers: int) -> list:
 
 FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "codegen": {"rotary_dim": 8},
+    "cohere_compass_text": {"layer_types": ["sliding_attention", "full_attention"], "rope_parameters": {
+        kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in ("sliding_attention", "full_attention")}},
+    "qwen2_moe": {"use_sliding_window": True, "max_window_layers": 2, "layer_types": ["sliding_attention",
+                                                                                     "full_attention"]},
     "gemma3n_text": {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16, "num_kv_shared_layers": 0,
                      "laurel_rank": 8, "intermediate_size": [96, 96], "activation_sparsity_pattern": [0.0, 0.0]},
     "gemma4_text": {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16},

@@ -116,7 +116,7 @@ def _one_step(tmp_path, tag, rows, **cfg_values):
         save_tiny_model(model_dir)
     cfg = write_config(tmp_path / f"{tag}.yaml", data_path=str(data), model_path=str(model_dir),
                        output_dir=str(tmp_path / f"out_{tag}"), lr=1e-3, max_grad_norm=0.0, loss_chunk_size=8,
-                       plot=False, max_steps=1, grad_accum=2, **cfg_values)
+                       plot=False, max_steps=1, grad_accum=2, self_check=False, **cfg_values)
     trainer = Trainer(load_config(cfg), console=lambda *_: None)
     grads = {}
     trainer.grad_hook = lambda tr: grads.update(

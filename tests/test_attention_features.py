@@ -544,3 +544,16 @@ def test_tiny_models_auto_backend_equals_sdpa_on_gpu(family):
         with torch.no_grad():
             logits[backend] = model(input_ids=ids, position_ids=positions, use_cache=False, packsft=ctx).logits.float()
     torch.testing.assert_close(logits["auto"], logits["sdpa"], rtol=5e-2, atol=5e-2)
+
+
+def test_a_layer_that_passes_its_own_mask_is_an_error():
+    """packsft registers no mask function, so transformers passes attention_mask=None; a mask that arrives anyway is
+    the layer's own (doge's learned dynamic mask) and ignoring it would train another model."""
+    import torch
+
+    from train.attention import AttentionContext, packsft_attention
+
+    q = torch.zeros(1, 2, 4, 8)
+    ctx = AttentionContext(torch.tensor([0, 4], dtype=torch.int32), 4, backend="sdpa")
+    with pytest.raises(TypeError, match="got an attention_mask from Linear"):
+        packsft_attention(torch.nn.Linear(1, 1), q, q, q, torch.zeros(1, 1, 4, 4), packsft=ctx)

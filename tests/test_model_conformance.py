@@ -11,9 +11,10 @@ adds a family fails this suite until it is classified.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import train.attention  # noqa: F401  (registers attn_implementation="packsft")
@@ -54,7 +55,7 @@ def test_the_table_names_only_real_families():
 
 @pytest.mark.parametrize("model_type", [f for f in FAMILIES if family_status(f) == "refused"])
 def test_refused_family_stops_before_training(model_type):
-    config = CONFIG_MAPPING[model_type]()
+    config = SimpleNamespace(model_type=model_type)  # no weights, no config validation: the type alone decides
     with pytest.raises(UnsupportedModelError, match=f"model family '{model_type}'") as err:
         check_model_support(config)
     assert REFUSED[model_type].why in str(err.value)

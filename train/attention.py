@@ -343,6 +343,25 @@ def model_attention_features(lm: torch.nn.Module) -> AttentionFeatures:
     return features
 
 
+WINDOW_FROM_MASK = object()  # the layer passed no `sliding_window` at all (None would mean "no window")
+
+
+MASK_WINDOW_FAMILIES = ("phimoe",)  # window only in the mask function, from config.sliding_window, every layer
+
+
+def mask_only_window(module: torch.nn.Module) -> int | None:
+    """The window of a layer that passes no `sliding_window` to the attention function. Such families apply it
+    through transformers' mask function alone: Qwen2-MoE on the layers it marks sliding (their attention module
+    holds `sliding_window`), PhiMoE on every layer whenever `config.sliding_window` is set. 0 means none."""
+    if hasattr(module, "sliding_window"):
+        window = module.sliding_window
+    elif getattr(getattr(module, "config", None), "model_type", None) in MASK_WINDOW_FAMILIES:
+        window = module.config.sliding_window
+    else:
+        window = None
+    return window or None
+
+
 def packsft_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -352,7 +371,7 @@ def packsft_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     packsft: AttentionContext | None = None,
-    sliding_window: int | None = None,
+    sliding_window: int | None | object = WINDOW_FROM_MASK,
     softcap: float | None = None,
     s_aux: torch.Tensor | None = None,
     **kwargs,
@@ -367,8 +386,16 @@ def packsft_attention(
             "attn_implementation='packsft' needs model(..., use_cache=False, packsft=AttentionContext(...))"
         )
     check_attention_kwargs(module, kwargs)
+    if attention_mask is not None:  # packsft registers no mask function: a mask here is the layer's own
+        raise TypeError(
+            f"attn_implementation='packsft' got an attention_mask from {type(module).__name__}: the layer builds its "
+            "own mask (e.g. a learned dynamic mask), which packed attention would ignore and so train a different "
+            "model"
+        )
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects batch dimension 1, got {query.shape[0]}")
+    if sliding_window is WINDOW_FROM_MASK:
+        sliding_window = mask_only_window(module)
     features = attention_features(query, dropout if module.training else 0.0, sliding_window, softcap, s_aux)
     device_type = query.device.type
     if torch.is_autocast_enabled(device_type):

@@ -73,6 +73,23 @@ for _family in ("blt", "emu3", "fuyu", "gemma3", "gemma3n", "gemma4", "gemma4_un
 for _family in ("deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4", "dots3_note_text"):
     REFUSED[_family] = _SPARSE_INDEXER
 REFUSED["llama4_text"] = _CHUNKED_ATTENTION
+REFUSED["minimax_m3_vl_text"] = Refusal(
+    "a lightning indexer selects key blocks over the whole row and passes them to attention (`block_indices`), "
+    "across packed sequences")
+REFUSED["deepseek_v4"] = Refusal(
+    "its attention compresses keys and values over blocks of neighbouring tokens (compressed / hyper-connection "
+    "attention) outside the attention function, across packed sequences")
+REFUSED["doge"] = Refusal(
+    "its attention builds its own learned dynamic mask over the whole row and passes it to the attention function, "
+    "which packed attention cannot combine with the packed boundaries")
+for _family in ("inkling_text", "inkling2_text"):
+    REFUSED[_family] = Refusal(
+        "its attention adds a learned relative-position bias (`position_bias`) that PackSFT's attention backends do "
+        "not implement")
+for _family in ("gemma4_assistant", "gemma4_unified_assistant"):
+    REFUSED[_family] = Refusal(
+        "a draft (assistant) model for speculative decoding that reads the target model's hidden states: not a "
+        "standalone causal LM", "fine-tune the target model (`gemma4_text`)")
 
 # model_type -> what the conformance suite exercises beyond plain causal attention
 EXACT: dict[str, str] = {}
@@ -80,7 +97,7 @@ for _family in ("apertus", "arcee", "aria_text", "biogpt", "bitnet", "ctrl", "di
                 "ernie4_5_moe", "flex_olmo", "gemma", "glm", "glm4", "glm4_moe", "gpt-sw3", "gpt2", "gpt_bigcode",
                 "gpt_neox", "helium", "hrm_text", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3",
                 "hyperclovax", "internlm3", "iquestcoder", "jais2", "jetmoe", "laguna", "llama", "mellum",
-                "minimax_m2", "minimax_m3_vl_text", "moshi", "olmo", "olmo2", "olmoe", "opt", "persimmon", "phi",
+                "minimax_m2", "moshi", "olmo", "olmo2", "olmoe", "opt", "persimmon", "phi",
                 "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "seed_oss", "smollm3", "solar_open", "whisper",
                 "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash", "youtu", "axk1"):
     EXACT[_family] = ""
@@ -98,6 +115,17 @@ for _family in ("granitemoehybrid", "bamba", "jamba", "nemotron_h", "zamba", "za
     EXACT[_family] = "Mamba layers restarted per sequence (train/recurrent.py)"
 for _family in ("lfm2", "lfm2_moe", "lfm3"):
     EXACT[_family] = "short convolutions restarted per sequence (train/recurrent.py)"
+_WINDOW = "sliding-window layers (window shorter than the sequences in the suite)"
+for _family in ("mistral", "ministral", "ministral3", "mixtral", "phi3", "phimoe", "starcoder2", "olmo3", "exaone4",
+                "exaone_moe", "afmoe", "cwm", "kolibri1", "beam", "qwen2_moe", "cohere_compass_text"):
+    EXACT[_family] = _WINDOW
+EXACT["cohere2"] = EXACT["cohere2_moe"] = _WINDOW + ", logits multiplied by `logit_scale`"
+for _family in ("gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "gemma4_unified_text", "vaultgemma"):
+    EXACT[_family] = _WINDOW + ", attention-logit and final-logit softcaps where the family has them"
+for _family in ("gpt_oss", "flint", "mimo_v2_flash", "granite_swa", "granitemoe_swa"):
+    EXACT[_family] = _WINDOW + ", attention sinks (trained)"
+EXACT["recurrent_gemma"] = "RG-LRU and convolutions restarted per sequence, local attention window, logit softcap"
+EXACT["minimax"] = "lightning (linear) attention restarted per sequence, sliding-window layers"
 EXACT["rwkv"] = "token shift and WKV state restarted per sequence (train/recurrent.py)"
 EXACT["zaya"] = "attention-side convolution restarted per sequence (train/recurrent.py)"
 
