@@ -2,6 +2,10 @@
 passes on an exact family and stops training when the packed path does not reproduce the model."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 
 import pytest
 import torch
@@ -79,3 +83,43 @@ def test_unverified_family_needs_the_self_check(tmp_path):
     assert check_model_support(config, self_check=True) == "unverified"
     with pytest.raises(UnsupportedModelError, match="'my_remote_family' is not in PackSFT's verified table"):
         check_model_support(config, self_check=False)
+
+
+def _gemma2_config(path, **extra):
+    from transformers import Gemma2Config
+
+    Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, sliding_window=4, attn_logit_softcapping=0.5,
+                 final_logit_softcapping=0.3, max_position_embeddings=256, **extra).to_json_file(path)
+    return path
+
+
+def test_train_command_trains_a_windowed_softcapped_family_exactly(tmp_path):
+    """`python -m train` (what train.sh launches) on gemma2 — sliding window 4 (shorter than the sequences),
+    attention and final-logit softcaps: the start-up self-check proves packed = unpacked, then it trains."""
+    from tests._train_helpers import run_train
+
+    data = write_packed(tmp_path / "data", random_rows(0, 4, seqs_per_row=3, min_len=8, max_len=20))
+    config = write_config(tmp_path / "run.yaml", data_path=str(data), output_dir=str(tmp_path / "out"),
+                          model_config=str(_gemma2_config(tmp_path / "gemma2.json")), max_steps=2, lr=1e-3,
+                          loss_chunk_size=8, plot=False)
+    proc = run_train(config, [])
+    assert "self-check: packed = unpacked on 4 sequences" in proc.stdout, proc.stdout
+    assert (tmp_path / "out" / "final" / "model.safetensors").is_file()
+
+
+def test_train_command_refuses_an_unsupported_family(tmp_path):
+    from transformers import BloomConfig
+
+    from tests._train_helpers import ROOT
+
+    data = write_packed(tmp_path / "data", random_rows(0, 2))
+    model_config = tmp_path / "bloom.json"
+    BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=1, n_head=2).to_json_file(model_config)
+    config = write_config(tmp_path / "run.yaml", data_path=str(data), output_dir=str(tmp_path / "out"),
+                          model_config=str(model_config), max_steps=1)
+    proc = subprocess.run([sys.executable, "-m", "train", str(config)], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "model not supported: model family 'bloom' cannot be trained on packed rows" in proc.stderr
+    assert not (tmp_path / "out" / "final").exists()

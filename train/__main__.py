@@ -78,11 +78,22 @@ def main(argv: list[str] | None = None) -> int:
     from train.checkpoint import CheckpointError
     from train.trainer import Trainer
 
+    from train.lm_head import UnsupportedLMHead
+    from train.model_check import SelfCheckError
+    from train.model_support import UnsupportedModelError
+    from train.recurrent import UnsupportedRecurrentModel
+
     try:
         trainer = Trainer(cfg, validate=False)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    except (UnsupportedModelError, UnsupportedRecurrentModel, UnsupportedLMHead) as exc:
+        print(f"model not supported: {exc}", file=sys.stderr)
+        return 2
+    except SelfCheckError as exc:
+        print(f"self-check failed: {exc}", file=sys.stderr)
+        return 1
     except CheckpointError as exc:  # resume: no usable checkpoint, other data
         print(f"checkpoint error: {exc}", file=sys.stderr)
         return 1

@@ -33,6 +33,10 @@ TOLERANCES = {
 GRAD_FLOOR = 1e-3
 
 
+class SelfCheckError(RuntimeError):
+    """The packed path does not reproduce the model's own unpacked forward (the trainer's start-up self-check)."""
+
+
 @dataclass(frozen=True)
 class PackedCheck:
     loss_packed: float

@@ -367,7 +367,7 @@ class Trainer:
     def _self_check(self, zero3: bool) -> None:
         """Packed path vs the model's own unpacked eager forward on a few sequences of the data, same weights:
         training stops if they differ (a family or feature PackSFT does not reproduce). See train/model_check.py."""
-        from train.model_check import compare_packed_with_reference
+        from train.model_check import SelfCheckError, compare_packed_with_reference
 
         if zero3 and self.cfg.model_path is not None:
             self.console("self-check skipped: ZeRO-3 loads the weights partitioned (self_check covers ZeRO-0/1/2)")
@@ -383,7 +383,7 @@ class Trainer:
         result = compare_packed_with_reference(self.model, seqs, gradient_probe=True, autocast=autocast)
         elapsed = time.perf_counter() - start
         if not result.ok:
-            raise RuntimeError(
+            raise SelfCheckError(
                 f"start-up self-check failed for model family {self.family!r}: on {len(seqs)} sequences of the data, "
                 f"the packed path differs from the model's own unpacked forward: {result.describe()}. PackSFT does "
                 "not reproduce this model on packed rows; do not train it packed (self_check=false skips this check "
