@@ -72,3 +72,11 @@ def test_exact_family_packed_equals_unpacked(model_type):
     sequences = [torch.randint(3, VOCAB, (n,), generator=gen) for n in SEQUENCE_LENGTHS]
     result = compare_packed_with_reference(model, sequences)
     assert result.ok, f"{model_type}: {result.describe()}"
+
+
+def test_the_docs_table_is_current():
+    from tests.conftest import ROOT
+    from train.model_support import supported_models_table
+
+    assert supported_models_table() in (ROOT / "docs" / "TRAINING.md").read_text(), (
+        "docs/TRAINING.md's supported-models table is stale: regenerate it with `python -m train.model_support`")

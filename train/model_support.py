@@ -100,7 +100,7 @@ for _family in ("apertus", "arcee", "aria_text", "biogpt", "bitnet", "ctrl", "di
                 "minimax_m2", "moshi", "olmo", "olmo2", "olmoe", "opt", "persimmon", "phi",
                 "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "seed_oss", "smollm3", "solar_open", "whisper",
                 "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash", "youtu", "axk1"):
-    EXACT[_family] = ""
+    EXACT[_family] = "causal attention"
 for _family in ("granite", "granitemoe", "granitemoeshared"):
     EXACT[_family] = "logits divided by `logits_scaling` (train/lm_head.py)"
 EXACT["cohere"] = "logits multiplied by `logit_scale` (train/lm_head.py)"
