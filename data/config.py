@@ -266,6 +266,9 @@ class DataConfig:
     # a category that loses more than this fraction of its records in tokenize (overlong, bad records) is a
     # warning at the end of the run and in report.json; one that loses all of them is an error
     category_loss_warning: float = 0.5
+    # held-out eval split, taken per category before sampling copies and merging, packed into <output_dir>/eval/:
+    # a fraction in (0, 1) of each category, or a count of records shared out over the categories by size; null: none
+    eval_size: int | float | None = None
     merge: MergeConfig = field(default_factory=MergeConfig)
     # ---- fidelity: what a record asks to train reaches the loss (docs/DATA.md, "What is trained")
     # reasoning_content of trained turns: auto (template renders it, else inline with reasoning_tags) |
@@ -313,6 +316,17 @@ class DataConfig:
         return self.out / "report.json"
 
     @property
+    def eval_dir(self) -> Path:
+        return self.out / "eval"
+
+    def eval_config(self) -> "DataConfig":
+        """The config the eval split's merge, tokenize and pack stages run with: the same settings with every
+        output under <output_dir>/eval/ (its sampled.jsonl holds the held-out records) and no pseudo-multiturn
+        merging, so an eval record is scored on its own."""
+        return dataclasses.replace(self, output_dir=str(self.eval_dir), ratio_path=str(self.ratio_file),
+                                   merge=dataclasses.replace(self.merge, probability=0.0), eval_size=None)
+
+    @property
     def pack_max_length(self) -> int:
         return self.pack.max_length or self.max_length
 
@@ -345,6 +359,9 @@ class DataConfig:
             raise ConfigError(f"category_loss_warning must be in [0, 1], got {self.category_loss_warning}")
         if self.pack.shard_size_mb <= 0:
             raise ConfigError(f"pack.shard_size_mb must be positive, got {self.pack.shard_size_mb}")
+        if self.eval_size is not None and not (0 < self.eval_size < 1 if isinstance(self.eval_size, float)
+                                               else self.eval_size >= 1):
+            raise ConfigError(f"eval_size must be a fraction in (0, 1) or a count >= 1 of records, got {self.eval_size}")
         if "preprocess" in self.stages:
             for i, spec in enumerate(self.inputs):
                 for pattern in spec.path:
