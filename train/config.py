@@ -55,7 +55,9 @@ class TrainConfig:
     model_path: str | None = None  # pretrained HF model: a local directory or a Hub id (org/name), weights loaded
     model_config: str | None = None  # or: an HF config.json, random init (the CPU example)
     tokenizer_path: str | None = None  # dir or Hub id, exported with the model; default: model_path, then the shards'
-    eval_data_path: str | None = None  # a packed dataset evaluated every eval_steps (token-mean loss)
+    # packed eval set (token-mean loss, overall and per category); null: the data pipeline's eval split beside
+    # data_path (<data_path>/../eval/packed, from eval_size) when there is one; none: no evaluation
+    eval_data_path: str | None = None
     verify_data: Literal["full", "rows", "off"] = "rows"  # shard checks: per-row crc32 on read, + file hashes at start, none
     max_steps: int | None = None  # optimizer steps; null: num_epochs over the data
     num_epochs: int = 1  # passes over the data when max_steps is null
@@ -81,7 +83,7 @@ class TrainConfig:
     seed: int = 42  # data order, online packing plan, random init
     save_steps: int = 0  # checkpoint every N steps; 0: only the final checkpoint
     save_total_limit: int = 2  # resumable checkpoints kept
-    eval_steps: int = 0  # evaluate every N steps; 0: never (needs eval_data_path)
+    eval_steps: int = 0  # with an eval set: evaluate every N steps and after the last step; 0: after the last step only
     loss_reduction: Literal["token", "turn", "sample"] = "token"  # mean over tokens, turns or samples of a step
     loss_chunk_size: int = 4096  # tokens per lm-head chunk
     attn_backend: Literal["auto", "flash_varlen", "torch_varlen", "flex", "sdpa"] = "auto"  # attention kernel over packed sequences (train/attention.py)
@@ -114,6 +116,16 @@ class TrainConfig:
     @property
     def out(self) -> Path:
         return Path(self.output_dir)
+
+    def eval_path(self) -> str | None:
+        """The eval set: eval_data_path, else the eval split the data pipeline wrote beside data_path (None with
+        `eval_data_path: none`, or without either)."""
+        if self.eval_data_path == "none":
+            return None
+        if self.eval_data_path:
+            return self.eval_data_path
+        beside = pipeline_eval_split(self.data_path)
+        return str(beside) if (beside / "meta.json").is_file() else None
 
     def checkpointing_enabled(self, row_length: int) -> bool:
         if self.gradient_checkpointing == "auto":
@@ -187,8 +199,10 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.save_total_limit < 1:
             raise ConfigError(f"save_total_limit must be >= 1, got {self.save_total_limit}")
-        if self.eval_steps and not self.eval_data_path:
-            raise ConfigError("eval_steps is set but eval_data_path is not")
+        if self.eval_steps and self.eval_path() is None:
+            raise ConfigError(f"eval_steps is set but eval_data_path is not, and there is no eval split beside "
+                              f"data_path ({pipeline_eval_split(self.data_path)}): set eval_size in the data config, "
+                              "or eval_data_path")
         for backend in self.log_backends:
             if backend not in ("tensorboard", "wandb"):
                 raise ConfigError(f"log_backends: unknown backend {backend!r}; known: ['tensorboard', 'wandb']")
@@ -255,7 +269,7 @@ class TrainConfig:
                 f"online_max_length is set but data_path {self.data_path} is already packed; point data_path at a "
                 "tokenized/ directory for online packing, or drop online_max_length"
             )
-        if self.eval_data_path and not (Path(self.eval_data_path) / "meta.json").is_file():
+        if self.eval_data_path not in (None, "none") and not (Path(self.eval_data_path) / "meta.json").is_file():
             raise ConfigError(f"eval_data_path: {self.eval_data_path} is not a packed dataset (no meta.json)")
         model_dir = pretrained_dir(self.model_path, "model_path") if self.model_path is not None else None
         if model_dir is not None and not (model_dir / "config.json").is_file():
@@ -271,8 +285,7 @@ class TrainConfig:
         """Token ids below the model's vocabulary; the shards' tokenizer hash equal to the model tokenizer's. Both
         problems of a dataset are reported together, each with the key that fixes it."""
         vocab_size = model_vocab_size(self)
-        for name in ("data_path", "eval_data_path"):
-            path = getattr(self, name)
+        for name, path in (("data_path", self.data_path), ("eval_data_path", self.eval_path())):
             if path is None:
                 continue
             meta = read_meta(path)
@@ -325,6 +338,12 @@ class TrainConfig:
         meta = meta if meta is not None else read_meta(self.data_path)
         tok = _meta_tokenizer_path(meta)
         return (tok, "the shards' meta.json") if tok and Path(tok).exists() else (None, "")
+
+
+def pipeline_eval_split(data_path: str) -> Path:
+    """Where `sh data_process.sh` with `eval_size` puts the eval split of `<output_dir>/packed` (or tokenized/):
+    `<output_dir>/eval/packed`."""
+    return Path(data_path).parent / "eval" / "packed"
 
 
 def _meta_tokenizer_path(meta: dict) -> str | None:
