@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import re
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -21,9 +20,32 @@ from typing import Literal
 import numpy as np
 import yaml
 
-from data.config import ConfigError, apply_overrides, closest_key_hint, from_dict, key_help_lines, to_dict
+from data.config import (
+    ConfigError,
+    apply_overrides,
+    check_keys,
+    check_override_values,
+    from_dict,
+    key_help_lines,
+    key_tree,
+    relative_note,
+    to_dict,
+)
 
 logger = logging.getLogger(__name__)
+
+# other frameworks' names for trainer keys (HF TrainingArguments, LLaMA-Factory, ...): the "did you mean" of an
+# unknown key, which no spelling distance finds
+TRAIN_KEY_ALIASES = {
+    "learning_rate": "lr", "gradient_accumulation_steps": "grad_accum", "per_device_train_batch_size": "micro_batch_rows",
+    "batch_size": "micro_batch_rows", "num_train_epochs": "num_epochs", "epochs": "num_epochs",
+    "max_train_steps": "max_steps", "model_name_or_path": "model_path", "lr_scheduler_type": "schedule",
+    "lr_scheduler": "schedule", "warmup": "warmup_steps", "output_path": "output_dir", "dataset": "data_path",
+    "dataset_path": "data_path", "train_data_path": "data_path", "eval_dataset": "eval_data_path",
+    "report_to": "log_backends", "resume_from_checkpoint": "resume", "lora_r": "lora_rank",
+    "lora_target_modules": "target_modules", "gradient_clipping": "max_grad_norm",
+}
+MODEL_SOURCES = ("model_path", "model_config")  # exactly one is set
 
 
 @dataclass
@@ -248,7 +270,8 @@ class TrainConfig:
             if importlib.util.find_spec("liger_kernel") is None:
                 raise ConfigError("liger: true needs liger-kernel (pip install liger-kernel), or set liger=false")
         if self.resume not in ("none", "latest") and not Path(self.resume).is_dir():
-            raise ConfigError(f"resume: {self.resume} is not a checkpoint directory (or use none / latest)")
+            raise ConfigError(f"resume: {self.resume} is not a checkpoint directory (or use none / latest)"
+                              f"{relative_note(self.resume)}")
         if self.resume == "none" and not self.overwrite_output_dir:
             from train.checkpoint import list_checkpoints
 
@@ -261,7 +284,8 @@ class TrainConfig:
 
     def validate_paths(self) -> None:
         if not Path(self.data_path).is_dir():
-            raise ConfigError(f"data_path: {self.data_path} is not a directory (run sh data_process.sh first?)")
+            raise ConfigError(f"data_path: {self.data_path} is not a directory (run sh data_process.sh first?)"
+                              f"{relative_note(self.data_path)}")
         if not (Path(self.data_path) / "meta.json").is_file():
             raise ConfigError(f"data_path: {self.data_path} has no meta.json: not a packed dataset")
         if self.online_max_length is not None and read_meta(self.data_path).get("kind") != "tokenized":
@@ -270,16 +294,18 @@ class TrainConfig:
                 "tokenized/ directory for online packing, or drop online_max_length"
             )
         if self.eval_data_path not in (None, "none") and not (Path(self.eval_data_path) / "meta.json").is_file():
-            raise ConfigError(f"eval_data_path: {self.eval_data_path} is not a packed dataset (no meta.json)")
+            raise ConfigError(f"eval_data_path: {self.eval_data_path} is not a packed dataset (no meta.json)"
+                              f"{relative_note(self.eval_data_path)}")
         model_dir = pretrained_dir(self.model_path, "model_path") if self.model_path is not None else None
         if model_dir is not None and not (model_dir / "config.json").is_file():
             raise ConfigError(f"model_path: {self.model_path} has no config.json")
         if self.model_config is not None and not Path(self.model_config).is_file():
-            raise ConfigError(f"model_config: {self.model_config} does not exist")
+            raise ConfigError(f"model_config: {self.model_config} does not exist{relative_note(self.model_config)}")
         if self.tokenizer_path is not None:
             pretrained_dir(self.tokenizer_path, "tokenizer_path")
         if self.deepspeed.template is not None and not Path(self.deepspeed.template).is_file():
-            raise ConfigError(f"deepspeed.template: {self.deepspeed.template} does not exist")
+            raise ConfigError(f"deepspeed.template: {self.deepspeed.template} does not exist"
+                              f"{relative_note(self.deepspeed.template)}")
 
     def validate_data(self) -> None:
         """Token ids below the model's vocabulary; the shards' tokenizer hash equal to the model tokenizer's. Both
@@ -308,6 +334,7 @@ class TrainConfig:
                 logger.warning(f"{name}: {mismatch}")
             if problems:
                 raise ConfigError(f"{name}: " + "; and ".join(problems))
+            warn_past_max_positions(self, name, path)
 
     def _tokenizer_hash_mismatch(self, meta: dict, data_tok: str) -> str | None:
         tok_path, key = self._resolved_tokenizer(meta)
@@ -365,7 +392,8 @@ def pretrained_dir(name: str, key: str) -> Path:
             raise ConfigError(f"{key}: {name} is a file; give the directory that holds it (or a Hub id org/name)")
         return path
     if not _HUB_ID.fullmatch(name) or name.startswith("."):
-        raise ConfigError(f"{key}: {name} does not exist (a local directory, or a Hugging Face Hub id org/name)")
+        raise ConfigError(f"{key}: {name} does not exist (a local directory, or a Hugging Face Hub id org/name)"
+                          f"{relative_note(name)}")
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
 
@@ -435,57 +463,94 @@ def max_token_id(path: str | os.PathLike, meta: dict | None = None) -> int:
     return best
 
 
-def model_vocab_size(cfg: TrainConfig) -> int:
+def _text_model_config(source: str, field_name: str):
     from transformers import AutoConfig
 
-    source = pretrained_dir(cfg.model_path, "model_path") if cfg.model_path is not None else cfg.model_config
     try:
         model_cfg = AutoConfig.from_pretrained(source)
     except Exception as exc:  # transformers raises several types for a malformed config
-        field_name = "model_path" if cfg.model_path is not None else "model_config"
         raise ConfigError(f"{field_name}: cannot read a model config from {source}: {exc}") from None
-    text_cfg = model_cfg.get_text_config() if hasattr(model_cfg, "get_text_config") else model_cfg
-    return int(text_cfg.vocab_size)
+    return model_cfg.get_text_config() if hasattr(model_cfg, "get_text_config") else model_cfg
+
+
+def text_model_config(cfg: TrainConfig):
+    """The (text part of the) model's config, from model_path or model_config."""
+    if cfg.model_path is not None:
+        return _text_model_config(str(pretrained_dir(cfg.model_path, "model_path")), "model_path")
+    return _text_model_config(str(cfg.model_config), "model_config")
+
+
+def model_vocab_size(cfg: TrainConfig) -> int:
+    return int(text_model_config(cfg).vocab_size)
+
+
+def warn_past_max_positions(cfg: TrainConfig, name: str, path: str) -> None:
+    """A warning when the dataset's longest sequence (from the shard index) is longer than the model's
+    max_position_embeddings: it would train on positions the model has no embedding / RoPE range for."""
+    limit = getattr(text_model_config(cfg), "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return  # recurrent models: no position limit
+    from data.shards import PackedDataset
+
+    lengths = PackedDataset(path, verify="off").seq_column("length")
+    longest = int(lengths.max()) if len(lengths) else 0
+    if longest > limit:
+        key = "model_path" if cfg.model_path is not None else "model_config"
+        logger.warning(
+            f"{name}: the longest sequence of {path} has {longest:,} tokens, more than max_position_embeddings="
+            f"{limit:,} of {key}={getattr(cfg, key)} ({int((lengths > limit).sum()):,} such sequences): positions "
+            f"past {limit:,} are outside the model's trained range. Re-pack with max_length <= {limit}, or use a "
+            "model with a longer context"
+        )
 
 
 def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> TrainConfig:
     try:
         raw = yaml.safe_load(Path(path).read_text()) or {}
     except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist (sh train.sh --help lists the keys)") from None
+        raise ConfigError(f"config file {path} does not exist{relative_note(path)} (sh train.sh --help lists the "
+                          "keys)") from None
     except IsADirectoryError:
         raise ConfigError(f"config file {path} is a directory") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: invalid YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
-    check_keys(raw, TrainConfig, f"config file {path}")
+    help_hint = " (sh train.sh --help lists every key)"
+    check_keys(raw, TrainConfig, f"config file {path}", aliases=TRAIN_KEY_ALIASES, help_hint=help_hint)
+    overridden = {}
     for item in overrides or []:
         key = item.split("=", 1)[0].strip() if "=" in item else None
         if key is not None:
-            check_keys(_nested(key.split(".")), TrainConfig, f"override {item!r}")
+            check_keys(key_tree(key), TrainConfig, f"override {item!r}", aliases=TRAIN_KEY_ALIASES,
+                       help_hint=help_hint)
+            overridden[key] = item
+    check_override_values(TrainConfig, overrides or [])
+    file_sources = {key: raw.get(key) for key in MODEL_SOURCES}
     apply_overrides(raw, overrides or [])
+    choose_model_source(raw, file_sources, overridden, path)
     return from_dict(TrainConfig, raw, where=str(path))
 
 
+def choose_model_source(raw: dict, file_sources: dict, overridden: dict[str, str], path) -> None:
+    """model_path and model_config exclude each other: one given as an override replaces the other one of the
+    config file (said in one line); two given by the same source are an error naming it."""
+    given = [key for key in MODEL_SOURCES if raw.get(key) is not None]
+    if len(given) < 2:
+        return
+    by_override = [key for key in given if key in overridden]
+    if len(by_override) == 1:
+        winner = by_override[0]
+        loser = next(key for key in MODEL_SOURCES if key != winner)
+        raw[loser] = None
+        logger.info(f"override {overridden[winner]!r} replaces {loser}: {file_sources[loser]} of config file {path}")
+        return
+    where = "overrides " + " and ".join(repr(overridden[key]) for key in given) if by_override else f"config file {path}"
+    raise ConfigError(f"exactly one of model_path (pretrained) and model_config (random init) must be set; {where} "
+                      "sets both")
+
+
 # ---------------------------------------------------------------------------------------------- keys and --help
-def _nested(parts: list[str]) -> dict:
-    node: dict = {}
-    for part in reversed(parts):
-        node = {part: node} if node else {part: None}
-    return node
-
-
-def check_keys(raw: dict, cls, origin: str, prefix: str = "") -> None:
-    """Unknown keys name where they came from (the YAML file or an override) and the closest known key."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    for key, value in raw.items():
-        if key not in fields:
-            hint = closest_key_hint(key, fields, prefix)
-            raise ConfigError(f"{origin}: unknown key '{prefix}{key}'{hint} (sh train.sh --help lists every key)")
-        if dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
-            check_keys(value, hints[key], origin, f"{prefix}{key}.")
 
 
 def _yaml_value(value) -> str:
