@@ -85,7 +85,7 @@ def check_override_values(cls, overrides: list[str]) -> None:
             if tp is None:
                 break
         if tp is not None:
-            _convert(tp, parse_value(value), f"override {item!r}")
+            _convert(tp, parse_value(value), f"override {item!r}: {key.strip()}")
 
 
 def relative_note(path: str | os.PathLike) -> str:

@@ -52,9 +52,9 @@ def test_a_bad_override_value_names_the_override_and_file_values_the_file(setup,
     tmp, data, model = setup
     config = write_config(tmp_path / "c.yaml", data_path=str(data), model_path=str(model),
                           output_dir=str(tmp_path / "out"))
-    with pytest.raises(ConfigError, match=r"^override 'loss_reduction=avg': 'avg' is not one of \['token'"):
+    with pytest.raises(ConfigError, match=r"^override 'loss_reduction=avg': loss_reduction: 'avg' is not one of \['token'"):
         load_config(config, ["loss_reduction=avg"])
-    with pytest.raises(ConfigError, match=r"^override 'deepspeed.stage=4': 4 is not one of"):
+    with pytest.raises(ConfigError, match=r"^override 'deepspeed.stage=4': deepspeed.stage: 4 is not one of"):
         load_config(config, ["deepspeed.stage=4"])
     bad = write_config(tmp_path / "bad.yaml", data_path=str(data), model_path=str(model),
                        output_dir=str(tmp_path / "out"), loss_reduction="avg")
@@ -83,7 +83,7 @@ def test_other_tools_key_names_suggest_ours(setup, tmp_path):
     with pytest.raises(ConfigError, match=r"^override 'merge.probabilty=0.5': unknown key 'merge.probabilty'; did you "
                                           r"mean 'merge.probability'\?"):
         load_data_config(data_config, ["merge.probabilty=0.5"])
-    with pytest.raises(ConfigError, match=r"^override 'seed=abc': expected an integer, got 'abc'"):
+    with pytest.raises(ConfigError, match=r"^override 'seed=abc': seed: expected an integer, got 'abc'"):
         load_data_config(data_config, ["seed=abc"])
 
 
