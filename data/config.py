@@ -23,6 +23,14 @@ from typing import Any, Literal
 import orjson
 
 STAGES = ("preprocess", "sample", "merge", "tokenize", "pack")
+# other tools' names for data config keys: the "did you mean" of an unknown key (difflib cannot find these)
+DATA_KEY_ALIASES = {
+    "max_seq_length": "max_length", "max_seq_len": "max_length", "cutoff_len": "max_length", "seq_length": "max_length",
+    "tokenizer": "tokenizer_path", "tokenizer_name_or_path": "tokenizer_path", "template": "chat_template",
+    "output_path": "output_dir", "out_dir": "output_dir", "dataset": "inputs", "datasets": "inputs",
+    "data_files": "inputs", "preprocessing_num_workers": "num_workers", "workers": "num_workers",
+    "val_size": "eval_size", "test_size": "eval_size", "validation_split": "eval_size", "eval_split": "eval_size",
+}
 DEFAULT_REASONING_TAGS = ("<think>\n", "\n</think>\n\n")
 EXECUTION_KEYS = ("num_workers", "stages", "engine", "ray_address")  # how a run executes, not what it outputs
 
@@ -40,10 +48,49 @@ def parse_value(text: str) -> Any:
         return text
 
 
-def closest_key_hint(key: str, known, prefix: str = "") -> str:
-    """`; did you mean 'x'?` for the known key closest to a mistyped one, or "" when none is close."""
-    close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)
+def closest_key_hint(key: str, known, prefix: str = "", aliases: dict[str, str] | None = None) -> str:
+    """`; did you mean 'x'?` for the known key closest to a mistyped one, or "" when none is close. `aliases` maps
+    other frameworks' names to ours (`learning_rate` -> `lr`), which no spelling distance finds."""
+    known = list(known)
+    alias = (aliases or {}).get(str(key))
+    close = [alias] if alias in known else difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
     return f"; did you mean '{prefix}{close[0]}'?" if close else ""
+
+
+def check_keys(raw: dict, cls, origin: str, prefix: str = "", aliases: dict[str, str] | None = None,
+               help_hint: str = "") -> None:
+    """Unknown keys of `raw` (sections recursively) name where they came from (`origin`: the config file or an
+    override) and the closest known key (`aliases` for the top-level keys)."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key, value in raw.items():
+        if key not in fields:
+            hint = closest_key_hint(key, fields, prefix, aliases)
+            raise ConfigError(f"{origin}: unknown key '{prefix}{key}'{hint}{help_hint}")
+        if dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
+            check_keys(value, hints[key], origin, f"{prefix}{key}.", help_hint=help_hint)
+
+
+def check_override_values(cls, overrides: list[str]) -> None:
+    """Type-check each `key=value` override on its own, so that a bad value names the override, not the config
+    file it is applied to. Keys that are not typed fields (free-form mappings) are left to the full check."""
+    for item in overrides:
+        if "=" not in item:
+            continue  # apply_overrides names the malformed item
+        key, value = item.split("=", 1)
+        tp = cls
+        for part in key.strip().split("."):
+            hints = typing.get_type_hints(tp) if dataclasses.is_dataclass(tp) else {}
+            tp = hints.get(part)
+            if tp is None:
+                break
+        if tp is not None:
+            _convert(tp, parse_value(value), f"override {item!r}: {key.strip()}")
+
+
+def relative_note(path: str | os.PathLike) -> str:
+    """For messages about a path that does not resolve: which directory a relative path was resolved against."""
+    return "" if Path(path).is_absolute() else f" ({path} is relative to the current directory {os.getcwd()})"
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
@@ -125,7 +172,8 @@ def from_dict(cls, raw: dict, where: str = "config"):
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - names)
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; known: {sorted(names)}")
+        hint = closest_key_hint(unknown[0], names, aliases=DATA_KEY_ALIASES if cls is DataConfig else None)
+        raise ConfigError(f"{where}: unknown key(s) {unknown}{hint}; known: {sorted(names)}")
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name in raw:
@@ -266,6 +314,9 @@ class DataConfig:
     # a category that loses more than this fraction of its records in tokenize (overlong, bad records) is a
     # warning at the end of the run and in report.json; one that loses all of them is an error
     category_loss_warning: float = 0.5
+    # held-out eval split, taken per category before sampling copies and merging, packed into <output_dir>/eval/:
+    # a fraction in (0, 1) of each category, or a count of records shared out over the categories by size; null: none
+    eval_size: int | float | None = None
     merge: MergeConfig = field(default_factory=MergeConfig)
     # ---- fidelity: what a record asks to train reaches the loss (docs/DATA.md, "What is trained")
     # reasoning_content of trained turns: auto (template renders it, else inline with reasoning_tags) |
@@ -313,6 +364,17 @@ class DataConfig:
         return self.out / "report.json"
 
     @property
+    def eval_dir(self) -> Path:
+        return self.out / "eval"
+
+    def eval_config(self) -> "DataConfig":
+        """The config the eval split's merge, tokenize and pack stages run with: the same settings with every
+        output under <output_dir>/eval/ (its sampled.jsonl holds the held-out records) and no pseudo-multiturn
+        merging, so an eval record is scored on its own."""
+        return dataclasses.replace(self, output_dir=str(self.eval_dir), ratio_path=str(self.ratio_file),
+                                   merge=dataclasses.replace(self.merge, probability=0.0), eval_size=None)
+
+    @property
     def pack_max_length(self) -> int:
         return self.pack.max_length or self.max_length
 
@@ -345,19 +407,22 @@ class DataConfig:
             raise ConfigError(f"category_loss_warning must be in [0, 1], got {self.category_loss_warning}")
         if self.pack.shard_size_mb <= 0:
             raise ConfigError(f"pack.shard_size_mb must be positive, got {self.pack.shard_size_mb}")
+        if self.eval_size is not None and not (0 < self.eval_size < 1 if isinstance(self.eval_size, float)
+                                               else self.eval_size >= 1):
+            raise ConfigError(f"eval_size must be a fraction in (0, 1) or a count >= 1 of records, got {self.eval_size}")
         if "preprocess" in self.stages:
             for i, spec in enumerate(self.inputs):
                 for pattern in spec.path:
                     local = pattern.split("@", 1)[1] if _has_split(pattern) else pattern
                     if not glob.glob(local):
-                        raise ConfigError(f"inputs[{i}].path: no file matches {pattern!r}")
+                        raise ConfigError(f"inputs[{i}].path: no file matches {pattern!r}{relative_note(local)}")
                 if spec.format == "function" and not spec.function:
                     raise ConfigError(f"inputs[{i}]: format 'function' needs function: 'file.py:name'")
         needs_tokenizer = {"tokenize", "merge"} & set(self.stages)
         if needs_tokenizer:
             check_tokenizer_dir(self.tokenizer_path)
         if self.chat_template and not Path(self.chat_template).is_file():
-            raise ConfigError(f"chat_template: {self.chat_template} is not a file")
+            raise ConfigError(f"chat_template: {self.chat_template} is not a file{relative_note(self.chat_template)}")
         self._validate_fidelity()
         self._validate_engine()
 
@@ -381,7 +446,7 @@ def check_tokenizer_dir(path: str) -> None:
 
     where = Path(path)
     if not where.exists():
-        raise ConfigError(f"tokenizer_path: {path} does not exist")
+        raise ConfigError(f"tokenizer_path: {path} does not exist{relative_note(path)}")
     if not where.is_dir():
         raise ConfigError(f"tokenizer_path: {path} is a file; give the tokenizer's directory (the one holding "
                           "tokenizer.json / tokenizer_config.json)")
@@ -414,9 +479,22 @@ def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> 
     try:
         raw = orjson.loads(Path(path).read_bytes())
     except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
+        raise ConfigError(f"config file {path} does not exist{relative_note(path)}") from None
     except orjson.JSONDecodeError as exc:
         raise ConfigError(f"{path}: invalid JSON: {exc}") from None
+    for item in overrides or []:
+        if "=" in item:
+            key = item.split("=", 1)[0].strip()
+            check_keys(key_tree(key), DataConfig, f"override {item!r}", aliases=DATA_KEY_ALIASES,
+                       help_hint=" (sh data_process.sh --help lists every key)")
+    check_override_values(DataConfig, overrides or [])
     apply_overrides(raw, overrides or [])
-    cfg = from_dict(DataConfig, raw, where=str(path))
-    return cfg
+    return from_dict(DataConfig, raw, where=str(path))
+
+
+def key_tree(key: str) -> dict:
+    """`a.b.c` as {a: {b: {c: None}}}: an override's key in the shape `check_keys` walks."""
+    node: dict = {}
+    for part in reversed(key.split(".")):
+        node = {part: node} if node else {part: None}
+    return node

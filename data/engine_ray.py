@@ -55,7 +55,7 @@ import numpy as np
 import orjson
 
 from data import merge, pack, preprocess, sample, tokenize
-from data.config import STAGES, DataConfig, from_dict, split_spec, to_dict
+from data.config import DataConfig, from_dict, split_spec, to_dict
 from data.io import (UTF8_BOM, append_file, atomic_writer, expand_inputs, iter_jsonl_range, jsonl_byte_ranges,
                      parse_jsonl_line, require_stage_input)
 from data.progress import progress
@@ -813,8 +813,7 @@ def stage_runners(parallel_map: RayChunkMap) -> dict[str, Callable[[DataConfig],
 
 def run_pipeline(cfg: DataConfig) -> dict[str, dict]:
     """Every stage of `cfg.stages`, in pipeline order, in one Ray session; returns their report sections."""
-    from data.pipeline import run_stage
+    from data.pipeline import run_stages
 
     with ray_session(cfg) as workers:
-        runners = stage_runners(RayChunkMap(workers))
-        return {stage: run_stage(cfg, stage, runners[stage]) for stage in STAGES if stage in cfg.stages}
+        return run_stages(cfg, stage_runners(RayChunkMap(workers)).get)

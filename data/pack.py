@@ -284,7 +284,7 @@ def run(cfg: DataConfig, write: Callable[[ShardWriter, PackedDataset, RowPlan, n
 
     `write` adds the planned rows to the writer (default `write_rows`, in this process; the Ray engine passes
     one that spreads the shards over its workers)."""
-    from data.report import check_arithmetic, update_report
+    from data.report import check_arithmetic, read_report, update_report
     from data.stats import format_table, pack_statistics, plot_stats
 
     src = PackedDataset(cfg.tokenized_dir)
@@ -311,11 +311,15 @@ def run(cfg: DataConfig, write: Callable[[ShardWriter, PackedDataset, RowPlan, n
         counts = writer.counts
         row_n_tokens = rows.sums(lengths)
         row_n_seqs = rows.sizes
+        seq_categories = src.first_token_column("category_ids")
         stats = pack_statistics(
             lengths, row_n_tokens, row_n_seqs, cap,
-            counts["category_tokens"], counts["category_loss_tokens"], src.categories,
+            counts["category_tokens"], counts["category_loss_tokens"], src.categories, seq_categories,
         )
-        stats.update(algorithm=cfg.pack.algorithm, seed=cfg.seed)
+        tokenize_section = read_report(cfg.report_path).get("tokenize")
+        tokenize_losses = None if tokenize_section is None else {
+            "dropped": tokenize_section["dropped"], "truncated": tokenize_section.get("truncated", 0)}
+        stats.update(algorithm=cfg.pack.algorithm, seed=cfg.seed, tokenize=tokenize_losses)
         meta_extra = {k: v for k, v in src.meta.items() if k not in RESERVED_META_KEYS}
         meta_extra.update(
             max_length=cap,
@@ -323,7 +327,7 @@ def run(cfg: DataConfig, write: Callable[[ShardWriter, PackedDataset, RowPlan, n
             pack={"algorithm": cfg.pack.algorithm, "seed": cfg.seed},
             source={"path": str(cfg.tokenized_dir), "kind": src.kind, "counts": src.meta["counts"]},
         )
-        png = plot_stats(lengths, row_n_tokens, cap, stats["categories"])
+        png = plot_stats(lengths, row_n_tokens, cap, stats["categories"], seq_categories, tokenize_losses)
         writer.close(meta_extra, extra_files={"stats.json": dump_json(stats) + b"\n", "stats.png": png})
     print(format_table(stats), flush=True)
 

@@ -24,6 +24,7 @@ from data.records import RecordError
 from data.report import record_failure
 
 DEFAULT_CONFIG = "configs/data/example.json"
+EVAL_STAGES = ("merge", "tokenize", "pack")  # run a second time on the eval split (DataConfig.eval_config)
 
 
 def keys_help() -> str:
@@ -70,8 +71,9 @@ def load(args: argparse.Namespace, overrides: list[str], stages: list[str] | Non
     return cfg
 
 
-def run_stage(cfg: DataConfig, stage: str, stage_fn: Callable[[DataConfig], dict] | None = None) -> dict:
-    """Run one stage and print a one-line summary of its report section."""
+def run_stage(cfg: DataConfig, stage: str, stage_fn: Callable[[DataConfig], dict] | None = None,
+              label: str | None = None) -> dict:
+    """Run one stage and print a one-line summary of its report section (`[label]`, default the stage)."""
     fn = stage_fn or importlib.import_module(f"data.{stage}").run
     start = time.perf_counter()
     try:
@@ -87,18 +89,36 @@ def run_stage(cfg: DataConfig, stage: str, stage_fn: Callable[[DataConfig], dict
         raise DiskFullError(message) from None
     dropped = section.get("dropped") or {}
     extra = f" dropped={dict(dropped)}" if dropped else ""
-    print(f"[{stage}] in={section.get('in')} out={section.get('out')}{extra} "
+    print(f"[{label or stage}] in={section.get('in')} out={section.get('out')}{extra} "
           f"({time.perf_counter() - start:.1f}s)", flush=True)
     return section
 
 
 def clean_up(cfg: DataConfig) -> None:
-    """Remove the temporaries of killed runs (dead writer pid) and say so in one line."""
+    """Remove the temporaries of killed runs (dead writer pid), the eval split's too, and say so in one line."""
     removed = remove_stale_temporaries(cfg)
+    if cfg.eval_dir.is_dir():
+        removed += remove_stale_temporaries(cfg.eval_config())
     if removed:
         mb = sum(size for _, size in removed) / 1e6
         print(f"[cleanup] removed {len(removed)} temporaries of killed runs ({mb:.1f} MB): "
               f"{', '.join(str(p) for p, _ in removed)}", flush=True)
+
+
+def run_stages(cfg: DataConfig, stage_fn: Callable[[str], Callable[[DataConfig], dict] | None] = lambda _: None
+               ) -> dict[str, dict]:
+    """Every stage of `cfg.stages` in pipeline order, `stage_fn(stage)` running it (None: the module's `run`); with
+    an eval split, merge, tokenize and pack run again on it right after the training data's (sections
+    `"<stage> eval"`). Both engines go through here, so they run the same stages on the same configs."""
+    eval_cfg = cfg.eval_config() if cfg.eval_size is not None else None
+    sections = {}
+    for stage in STAGES:
+        if stage not in cfg.stages:
+            continue
+        sections[stage] = run_stage(cfg, stage, stage_fn(stage))
+        if eval_cfg is not None and stage in EVAL_STAGES:
+            sections[f"{stage} eval"] = run_stage(eval_cfg, stage, stage_fn(stage), label=f"{stage} eval")
+    return sections
 
 
 def run_pipeline(cfg: DataConfig) -> dict[str, dict]:
@@ -108,7 +128,7 @@ def run_pipeline(cfg: DataConfig) -> dict[str, dict]:
         from data.engine_ray import run_pipeline as run_on_ray
 
         return run_on_ray(cfg)
-    return {stage: run_stage(cfg, stage) for stage in STAGES if stage in cfg.stages}
+    return run_stages(cfg)
 
 
 def print_warnings(sections: dict[str, dict]) -> None:
@@ -145,7 +165,7 @@ def cli_main(stage_fn: Callable[[DataConfig], dict], stage: str, argv: list[str]
                 sections = run_pipeline(cfg)  # cleans up first, like the local path below
             else:
                 clean_up(cfg)
-                sections = {stage: run_stage(cfg, stage, stage_fn)}
+                sections = run_stages(cfg, lambda _: stage_fn)
         print_warnings(sections)
 
     _guard(body)
@@ -162,6 +182,8 @@ def main(argv: list[str] | None = None) -> None:
             sections = run_pipeline(cfg)
         print_warnings(sections)
         if "pack" in cfg.stages:
+            if cfg.eval_size is not None:
+                print(f"eval split: {cfg.eval_config().packed_dir}", flush=True)
             print(f"packed: {cfg.packed_dir}", flush=True)
 
     _guard(body)

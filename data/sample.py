@@ -5,10 +5,15 @@ sample without replacement of round_half_up((r - floor(r)) * n) records: r = 0.5
 every record twice and half of them a third time, r = 0 drops the category. Copy k (k >= 1) of a record gets
 `meta.copy = k`. The output order is a seeded shuffle of all selected (record, copy) pairs; records are read
 back by byte offset, so memory holds only offsets and categories, never texts.
+
+With `eval_size` set, an eval split is held out first (`eval_split`): per category, a seeded choice of records
+written once each, in canonical order, to <output_dir>/eval/sampled.jsonl. The rates then apply to the records
+left, so no eval record is copied into, or later merged with, the training data.
 """
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -22,7 +27,10 @@ from data.preprocess import MAX_SAMPLE_RATE, check_ratio_names, read_ratio_file
 from data.progress import progress
 from data.report import ReportError, check_arithmetic, update_report
 
-_SHUFFLE_STREAM = 1  # rng streams: (seed, 0, category_id) picks per category, (seed, 1) shuffles the output
+# rng streams: (seed, 0, category_id) picks per category, (seed, 1) shuffles the output, (seed, 2, category_id)
+# picks the eval split
+_SHUFFLE_STREAM = 1
+_EVAL_STREAM = 2
 COPY_DTYPE = np.uint16  # copy numbers of the plan: below MAX_SAMPLE_RATE
 assert np.iinfo(COPY_DTYPE).max >= MAX_SAMPLE_RATE
 
@@ -37,16 +45,52 @@ def fraction_count(rate: float, n: int) -> int:
     return min(n, math.floor(round((rate - math.floor(rate)) * n, 9) + 0.5))
 
 
-def plan(categories: np.ndarray, rates: dict[int, float], seed: int) -> tuple[np.ndarray, np.ndarray]:
+def eval_quotas(sizes: dict[int, int], eval_size: int | float) -> dict[int, int]:
+    """Records held out for eval per category (`sizes`: records per category id). A fraction takes that share of
+    each category (halves round up); a count is shared out in proportion to the sizes (largest remainders, ties
+    to the lower id). Every category keeps at least one record for training."""
+    if isinstance(eval_size, float):
+        quotas = {cid: fraction_count(eval_size, n) for cid, n in sizes.items()}
+    else:
+        total = sum(sizes.values())
+        if eval_size >= total:
+            raise SamplingError(f"eval_size={eval_size} records, but the categories with a sample_rate above 0 hold "
+                                f"only {total}: give a smaller count or a fraction")
+        quotas = {cid: eval_size * n // total for cid, n in sizes.items()}
+        by_remainder = sorted(sizes, key=lambda cid: (-(eval_size * sizes[cid] % total), cid))
+        for cid in by_remainder[:eval_size - sum(quotas.values())]:
+            quotas[cid] += 1
+    return {cid: min(m, sizes[cid] - 1) for cid, m in quotas.items()}
+
+
+def eval_split(categories: np.ndarray, rates: dict[int, float], eval_size: int | float, seed: int) -> np.ndarray:
+    """The record indices held out for eval, in increasing order: `eval_quotas` of the categories with a rate
+    above 0 (a category left out of training is left out of eval too), each a seeded choice of its records."""
+    sizes = {int(cid): int(n) for cid, n in zip(*np.unique(categories, return_counts=True)) if rates[int(cid)] > 0}
+    picked = [np.random.default_rng([seed, _EVAL_STREAM, cid]).choice(np.flatnonzero(categories == cid), size=m,
+                                                                        replace=False)
+              for cid, m in eval_quotas(sizes, eval_size).items() if m]
+    if not picked:
+        raise SamplingError(f"eval_size={eval_size} holds out no record (categories of {sorted(sizes.values())} "
+                            "records): give a larger fraction or a count")
+    return np.sort(np.concatenate(picked))
+
+
+def plan(categories: np.ndarray, rates: dict[int, float], seed: int, held_out: np.ndarray | None = None
+         ) -> tuple[np.ndarray, np.ndarray]:
     """Which (record index, copy) pairs to emit, in output order: record indices (int64) and copy numbers
     (uint16: rates stop at MAX_SAMPLE_RATE).
 
-    `categories[i]` is record i's category id; `rates` maps every id present to its sample rate.
+    `categories[i]` is record i's category id; `rates` maps every id present to its sample rate; the records of
+    `held_out` (indices, the eval split) are left out.
     """
+    in_training = np.ones(len(categories), dtype=bool)
+    if held_out is not None:
+        in_training[held_out] = False
     rec_parts, copy_parts = [], []
     for cid in np.unique(categories):
         cid = int(cid)
-        members = np.flatnonzero(categories == cid)
+        members = np.flatnonzero((categories == cid) & in_training)
         rate = rates[cid]
         full = math.floor(rate)
         for k in range(full):
@@ -99,13 +143,15 @@ def check_rates(ratio_cats: list[dict], present: dict[int, int], ratio_path,
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'id':>4} {'category':<24} {'rate':>7} {'before':>9} {'after':>9}"]
+    """The per-category table sample prints (an `eval` column with an eval split)."""
+    with_eval = "eval" in rows[0] if rows else False
+    lines = [f"{'id':>4} {'category':<24} {'rate':>7} {'before':>9}" + (f" {'eval':>9}" if with_eval else "")
+             + f" {'after':>9}"]
     for r in rows:
-        lines.append(f"{r['category_id']:>4} {r['category_name'][:24]:<24} {r['sample_rate']:>7g} {r['before']:>9} "
-                     f"{r['after']:>9}")
-    total_before = sum(r["before"] for r in rows)
-    total_after = sum(r["after"] for r in rows)
-    lines.append(f"{'':>4} {'total':<24} {'':>7} {total_before:>9} {total_after:>9}")
+        lines.append(f"{r['category_id']:>4} {r['category_name'][:24]:<24} {r['sample_rate']:>7g} {r['before']:>9}"
+                     + (f" {r['eval']:>9}" if with_eval else "") + f" {r['after']:>9}")
+    totals = [sum(r[k] for r in rows) for k in ("before", "eval", "after") if k != "eval" or with_eval]
+    lines.append(f"{'':>4} {'total':<24} {'':>7}" + "".join(f" {t:>9}" for t in totals))
     return "\n".join(lines)
 
 
@@ -142,29 +188,41 @@ def write(cfg: DataConfig, offsets: np.ndarray, records: np.ndarray, copies: np.
 
 
 def run(cfg: DataConfig, scan_all: Callable | None = None, write_all: Callable | None = None) -> dict:
-    """canonical.jsonl + ratio file -> sampled.jsonl; records the `sample` report section.
+    """canonical.jsonl + ratio file -> sampled.jsonl (and with `eval_size` the eval split's
+    eval/sampled.jsonl); records the `sample` report section (and the eval split's in eval/report.json).
 
     `scan_all(path)` and `write_all(cfg, offsets, records, copies, out)` replace `scan` and `write` (the Ray
     engine's workers read and write the records; the plan stays here)."""
     offsets, categories, names = (scan_all or scan)(require_stage_input(cfg.canonical_path, "preprocess"))
     present = {int(c): int(n) for c, n in zip(*np.unique(categories, return_counts=True))}
     rates = check_rates(read_ratio_file(cfg.ratio_file), present, cfg.ratio_file, names)
-    records, copies = plan(categories, rates, cfg.seed)
+    held_out = None if cfg.eval_size is None else eval_split(categories, rates, cfg.eval_size, cfg.seed)
+    records, copies = plan(categories, rates, cfg.seed, held_out)
     with atomic_writer(cfg.sampled_path) as out:
         (write_all or write)(cfg, offsets, records, copies, out)
+    if held_out is None:
+        remove_earlier_eval_split(cfg)
+    else:
+        with atomic_writer(cfg.eval_config().sampled_path) as out:
+            (write_all or write)(cfg, offsets, held_out, np.zeros(len(held_out), dtype=COPY_DTYPE), out)
 
-    after = {cid: 0 for cid in present}
-    for cid, n in zip(*np.unique(categories[records], return_counts=True)):
-        after[int(cid)] = int(n)
+    def counts_by_category(indices: np.ndarray) -> dict[int, int]:
+        counts = {cid: 0 for cid in present}
+        counts.update({int(c): int(n) for c, n in zip(*np.unique(categories[indices], return_counts=True))})
+        return counts
+
+    after = counts_by_category(records)
+    held = counts_by_category(held_out if held_out is not None else np.zeros(0, dtype=np.int64))
     rows = []
-    dropped = {"rate_zero": 0, "not_sampled": 0}
+    dropped = {"rate_zero": 0, "not_sampled": 0, "held_out_for_eval": sum(held.values())}
     added = {"copies": 0}
     for cid in sorted(present):
-        n, rate = present[cid], rates[cid]
+        n, rate = present[cid] - held[cid], rates[cid]
         full, m = math.floor(rate), fraction_count(rate, n)
         if after[cid] != full * n + m:
             raise ReportError(f"category {cid}: {after[cid]} sampled, expected {full} * {n} + {m}")
-        rows.append({"category_id": cid, "category_name": names[cid], "sample_rate": rate, "before": n,
+        rows.append({"category_id": cid, "category_name": names[cid], "sample_rate": rate, "before": present[cid],
+                     **({"eval": held[cid]} if held_out is not None else {}),
                      "after": after[cid], "full_copies": full, "sampled": m})
         if rate == 0:
             dropped["rate_zero"] += n
@@ -179,10 +237,36 @@ def run(cfg: DataConfig, scan_all: Callable | None = None, write_all: Callable |
         "categories": {r["category_name"]: r for r in rows},
         "seed": cfg.seed, "ratio_file": str(cfg.ratio_file), "output": str(cfg.sampled_path),
     }
+    if held_out is not None:
+        section["eval"] = record_eval_split(cfg, held, names)
     check_arithmetic(section)
     print(format_table(rows), flush=True)
     update_report(cfg.report_path, "sample", section)
     return section
+
+
+def record_eval_split(cfg: DataConfig, held: dict[int, int], names: dict[int, str]) -> dict:
+    """The eval split's `sample` section in eval/report.json (its later stages report there too); returns what
+    the training data's section says of it."""
+    eval_cfg = cfg.eval_config()
+    total = sum(held.values())
+    update_report(eval_cfg.report_path, "sample", check_arithmetic({
+        "in": total, "out": total, "dropped": {},
+        "categories": {names[cid]: {"category_id": cid, "before": n, "after": n} for cid, n in sorted(held.items())},
+        "eval_size": cfg.eval_size, "seed": cfg.seed, "source": str(cfg.canonical_path),
+        "output": str(eval_cfg.sampled_path),
+    }))
+    return {"eval_size": cfg.eval_size, "records": total, "output": str(eval_cfg.sampled_path),
+            "report": str(eval_cfg.report_path)}
+
+
+def remove_earlier_eval_split(cfg: DataConfig) -> None:
+    """Without `eval_size`, an eval split an earlier run wrote (recognised by its report.json) would be stale, and
+    the trainer would still evaluate on it: remove it."""
+    eval_dir = cfg.eval_dir
+    if (eval_dir / "report.json").is_file():
+        shutil.rmtree(eval_dir)
+        print(f"[sample] eval_size is null: removed the eval split of an earlier run ({eval_dir})", flush=True)
 
 
 if __name__ == "__main__":

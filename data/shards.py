@@ -833,6 +833,12 @@ class PackedDataset:
         """The structured token records of row `i` (a memory-mapped view, nothing copied; checked per `verify`)."""
         return self._checked_view(*self._locate(i))
 
+    def first_token_column(self, field: str) -> np.ndarray:
+        """`field` of every row's first token, in row order, reading one token per row (e.g. the category of
+        each sequence of a tokenized dataset: that of its first record's first message)."""
+        return _concat_shards([tokens[field][rows["token_offset"]] for tokens, rows in zip(self._tokens, self._rows)],
+                              self.dtype[field])
+
     def row_sequences(self, i: int) -> np.ndarray:
         """The per-sequence index records (SEQ_DTYPE) of row `i`."""
         shard, r = self._locate(i)

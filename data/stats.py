@@ -28,8 +28,10 @@ def pack_statistics(
     category_tokens: Mapping[int, int],
     category_loss_tokens: Mapping[int, int],
     categories: Mapping[int, str] | None = None,
+    seq_categories: np.ndarray | None = None,
 ) -> dict:
-    """Everything stats.json reports about a packed dataset, from its index arrays and per-category counts.
+    """Everything stats.json reports about a packed dataset, from its index arrays and per-category counts
+    (`seq_categories`: each sequence's category, for per-category sequence lengths).
 
     Padding is what fixed rows of `max_length` would add (`rows * max_length - tokens`); nothing is stored.
     The lower bound on the number of rows is ceil(tokens / max_length).
@@ -48,6 +50,8 @@ def pack_statistics(
             "tokens": int(n),
             "loss_tokens": int(category_loss_tokens.get(c, 0)),
             "token_share": n / tokens if tokens else 0.0,
+            **({} if seq_categories is None else
+               {"sequence_length": _summary(seq_lengths[np.asarray(seq_categories) == int(c)])}),
         }
         for c, n in sorted(category_tokens.items())
     }
@@ -102,10 +106,22 @@ def category_shares(categories: Mapping[int, dict]) -> tuple[list[str], list[flo
             [c["loss_tokens"] / loss if loss else 0.0 for c in categories.values()])
 
 
+def tokenize_losses_text(tokenize_losses: Mapping | None) -> str:
+    """`dropped in tokenize: overlong 3, bad_label 1; truncated 2` from the tokenize report section's `dropped`
+    and `truncated`, or "" without one."""
+    if not tokenize_losses:
+        return ""
+    dropped = ", ".join(f"{reason} {n:,}" for reason, n in tokenize_losses.get("dropped", {}).items()) or "none"
+    return f"dropped in tokenize: {dropped}; truncated {tokenize_losses.get('truncated', 0):,}"
+
+
 def stats_figure(seq_lengths: np.ndarray, row_n_tokens: np.ndarray, max_length: int,
-                 categories: Mapping[int, dict] | None = None):
-    """The stats.png figure: sequence-length histogram (log-spaced bins, log counts), the histogram of row fill,
-    and each category's share of the tokens and of the loss tokens (`categories`: stats.json's)."""
+                 categories: Mapping[int, dict] | None = None, seq_categories: np.ndarray | None = None,
+                 tokenize_losses: Mapping | None = None):
+    """The stats.png figure: sequence-length histogram (log-spaced bins, log counts; one outline per category
+    with `seq_categories`, and the records tokenize dropped or truncated, `tokenize_losses`, in its title), the
+    histogram of row fill, and each category's share of the tokens and of the loss tokens (`categories`:
+    stats.json's)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -118,14 +134,19 @@ def stats_figure(seq_lengths: np.ndarray, row_n_tokens: np.ndarray, max_length: 
     if seq_lengths.size:
         hi = max(int(seq_lengths.max()), 2)
         bins = np.unique(np.geomspace(1, hi + 1, 60).astype(np.int64))
-        ax1.hist(seq_lengths, bins=bins, color="#3b75af")
+        ax1.hist(seq_lengths, bins=bins, color="#3b75af", label="all")
+        if seq_categories is not None:
+            for cid, c in (categories or {}).items():
+                ax1.hist(seq_lengths[np.asarray(seq_categories) == int(cid)], bins=bins, histtype="step",
+                         linewidth=1.2, label=f"{cid}:{c['name']}"[:20])
         ax1.set_xscale("log")
         ax1.set_yscale("log")
     ax1.axvline(max_length, color="#c44e52", linestyle="--", label=f"max_length {max_length:,}")
     ax1.set_xlabel("sequence length (tokens)")
     ax1.set_ylabel("sequences")
-    ax1.set_title(f"{seq_lengths.size:,} sequences")
-    ax1.legend(loc="upper right")
+    ax1.set_title(f"{seq_lengths.size:,} sequences" + (f"\n{tokenize_losses_text(tokenize_losses)}"
+                                                      if tokenize_losses else ""), fontsize="medium")
+    ax1.legend(loc="upper right", fontsize="small")
     if fill.size:
         ax2.hist(fill, bins=np.linspace(0, 1, 51), color="#55a868")
         ax2.set_yscale("log")
@@ -149,9 +170,10 @@ def stats_figure(seq_lengths: np.ndarray, row_n_tokens: np.ndarray, max_length: 
 
 
 def plot_stats(seq_lengths: np.ndarray, row_n_tokens: np.ndarray, max_length: int,
-               categories: Mapping[int, dict] | None = None) -> bytes:
+               categories: Mapping[int, dict] | None = None, seq_categories: np.ndarray | None = None,
+               tokenize_losses: Mapping | None = None) -> bytes:
     """stats.png (`stats_figure`) as PNG bytes, without a timestamp (so it is deterministic)."""
     buf = io.BytesIO()
-    stats_figure(seq_lengths, row_n_tokens, max_length, categories).savefig(buf, format="png",
-                                                                            metadata={"Software": None})
+    stats_figure(seq_lengths, row_n_tokens, max_length, categories, seq_categories,
+                 tokenize_losses).savefig(buf, format="png", metadata={"Software": None})
     return buf.getvalue()

@@ -61,7 +61,8 @@ def test_unknown_stage_and_bad_override_exit_with_a_clear_message(tmp_path, caps
     assert "unknown stage(s) ['shuffle']" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         pipeline.main(["--config", str(config), "merge.probabilty=0.5"])
-    assert "unknown key(s) ['probabilty']" in capsys.readouterr().err
+    assert ("override 'merge.probabilty=0.5': unknown key 'merge.probabilty'; did you mean 'merge.probability'?"
+            in capsys.readouterr().err)
 
 
 def test_bad_record_error_names_file_line(tmp_path, capsys):

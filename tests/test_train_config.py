@@ -37,7 +37,8 @@ def test_yaml_and_overrides(setup):
     [
         (["data_path=/nonexistent/packed"], 1, "data_path: /nonexistent/packed is not a directory"),
         (["model_path=/nonexistent/model"], 1, "model_path: /nonexistent/model does not exist"),
-        (["model_config=x.json"], 1, "exactly one of model_path"),
+        # the override replaces the file's model_path (test_newcomer_frictions), then the path is checked
+        (["model_config=x.json"], 1, "model_config: x.json does not exist (x.json is relative to the current directory"),
         (["sequence_parallel_size=2", "launch.num_processes=2"], 3, "world size 3 is not divisible by sequence_parallel_size=2"),
         (["sequence_parallel_size=2"], 2, "launch.num_processes=1 is not divisible"),
         (["grad_accum=0"], 1, "grad_accum must be >= 1"),

@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import re
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -21,9 +20,32 @@ from typing import Literal
 import numpy as np
 import yaml
 
-from data.config import ConfigError, apply_overrides, closest_key_hint, from_dict, key_help_lines, to_dict
+from data.config import (
+    ConfigError,
+    apply_overrides,
+    check_keys,
+    check_override_values,
+    from_dict,
+    key_help_lines,
+    key_tree,
+    relative_note,
+    to_dict,
+)
 
 logger = logging.getLogger(__name__)
+
+# other frameworks' names for trainer keys (HF TrainingArguments, LLaMA-Factory, ...): the "did you mean" of an
+# unknown key, which no spelling distance finds
+TRAIN_KEY_ALIASES = {
+    "learning_rate": "lr", "gradient_accumulation_steps": "grad_accum", "per_device_train_batch_size": "micro_batch_rows",
+    "batch_size": "micro_batch_rows", "num_train_epochs": "num_epochs", "epochs": "num_epochs",
+    "max_train_steps": "max_steps", "model_name_or_path": "model_path", "lr_scheduler_type": "schedule",
+    "lr_scheduler": "schedule", "warmup": "warmup_steps", "output_path": "output_dir", "dataset": "data_path",
+    "dataset_path": "data_path", "train_data_path": "data_path", "eval_dataset": "eval_data_path",
+    "report_to": "log_backends", "resume_from_checkpoint": "resume", "lora_r": "lora_rank",
+    "lora_target_modules": "target_modules", "gradient_clipping": "max_grad_norm",
+}
+MODEL_SOURCES = ("model_path", "model_config")  # exactly one is set
 
 
 @dataclass
@@ -55,7 +77,9 @@ class TrainConfig:
     model_path: str | None = None  # pretrained HF model: a local directory or a Hub id (org/name), weights loaded
     model_config: str | None = None  # or: an HF config.json, random init (the CPU example)
     tokenizer_path: str | None = None  # dir or Hub id, exported with the model; default: model_path, then the shards'
-    eval_data_path: str | None = None  # a packed dataset evaluated every eval_steps (token-mean loss)
+    # packed eval set (token-mean loss, overall and per category); null: the data pipeline's eval split beside
+    # data_path (<data_path>/../eval/packed, from eval_size) when there is one; none: no evaluation
+    eval_data_path: str | None = None
     verify_data: Literal["full", "rows", "off"] = "rows"  # shard checks: per-row crc32 on read, + file hashes at start, none
     max_steps: int | None = None  # optimizer steps; null: num_epochs over the data
     num_epochs: int = 1  # passes over the data when max_steps is null
@@ -81,7 +105,7 @@ class TrainConfig:
     seed: int = 42  # data order, online packing plan, random init
     save_steps: int = 0  # checkpoint every N steps; 0: only the final checkpoint
     save_total_limit: int = 2  # resumable checkpoints kept
-    eval_steps: int = 0  # evaluate every N steps; 0: never (needs eval_data_path)
+    eval_steps: int = 0  # with an eval set: evaluate every N steps and after the last step; 0: after the last step only
     loss_reduction: Literal["token", "turn", "sample"] = "token"  # mean over tokens, turns or samples of a step
     loss_chunk_size: int = 4096  # tokens per lm-head chunk
     attn_backend: Literal["auto", "flash_varlen", "torch_varlen", "flex", "sdpa"] = "auto"  # attention kernel over packed sequences (train/attention.py)
@@ -114,6 +138,16 @@ class TrainConfig:
     @property
     def out(self) -> Path:
         return Path(self.output_dir)
+
+    def eval_path(self) -> str | None:
+        """The eval set: eval_data_path, else the eval split the data pipeline wrote beside data_path (None with
+        `eval_data_path: none`, or without either)."""
+        if self.eval_data_path == "none":
+            return None
+        if self.eval_data_path:
+            return self.eval_data_path
+        beside = pipeline_eval_split(self.data_path)
+        return str(beside) if (beside / "meta.json").is_file() else None
 
     def checkpointing_enabled(self, row_length: int) -> bool:
         if self.gradient_checkpointing == "auto":
@@ -187,8 +221,10 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.save_total_limit < 1:
             raise ConfigError(f"save_total_limit must be >= 1, got {self.save_total_limit}")
-        if self.eval_steps and not self.eval_data_path:
-            raise ConfigError("eval_steps is set but eval_data_path is not")
+        if self.eval_steps and self.eval_path() is None:
+            raise ConfigError(f"eval_steps is set but eval_data_path is not, and there is no eval split beside "
+                              f"data_path ({pipeline_eval_split(self.data_path)}): set eval_size in the data config, "
+                              "or eval_data_path")
         for backend in self.log_backends:
             if backend not in ("tensorboard", "wandb"):
                 raise ConfigError(f"log_backends: unknown backend {backend!r}; known: ['tensorboard', 'wandb']")
@@ -234,7 +270,8 @@ class TrainConfig:
             if importlib.util.find_spec("liger_kernel") is None:
                 raise ConfigError("liger: true needs liger-kernel (pip install liger-kernel), or set liger=false")
         if self.resume not in ("none", "latest") and not Path(self.resume).is_dir():
-            raise ConfigError(f"resume: {self.resume} is not a checkpoint directory (or use none / latest)")
+            raise ConfigError(f"resume: {self.resume} is not a checkpoint directory (or use none / latest)"
+                              f"{relative_note(self.resume)}")
         if self.resume == "none" and not self.overwrite_output_dir:
             from train.checkpoint import list_checkpoints
 
@@ -247,7 +284,8 @@ class TrainConfig:
 
     def validate_paths(self) -> None:
         if not Path(self.data_path).is_dir():
-            raise ConfigError(f"data_path: {self.data_path} is not a directory (run sh data_process.sh first?)")
+            raise ConfigError(f"data_path: {self.data_path} is not a directory (run sh data_process.sh first?)"
+                              f"{relative_note(self.data_path)}")
         if not (Path(self.data_path) / "meta.json").is_file():
             raise ConfigError(f"data_path: {self.data_path} has no meta.json: not a packed dataset")
         if self.online_max_length is not None and read_meta(self.data_path).get("kind") != "tokenized":
@@ -255,24 +293,25 @@ class TrainConfig:
                 f"online_max_length is set but data_path {self.data_path} is already packed; point data_path at a "
                 "tokenized/ directory for online packing, or drop online_max_length"
             )
-        if self.eval_data_path and not (Path(self.eval_data_path) / "meta.json").is_file():
-            raise ConfigError(f"eval_data_path: {self.eval_data_path} is not a packed dataset (no meta.json)")
+        if self.eval_data_path not in (None, "none") and not (Path(self.eval_data_path) / "meta.json").is_file():
+            raise ConfigError(f"eval_data_path: {self.eval_data_path} is not a packed dataset (no meta.json)"
+                              f"{relative_note(self.eval_data_path)}")
         model_dir = pretrained_dir(self.model_path, "model_path") if self.model_path is not None else None
         if model_dir is not None and not (model_dir / "config.json").is_file():
             raise ConfigError(f"model_path: {self.model_path} has no config.json")
         if self.model_config is not None and not Path(self.model_config).is_file():
-            raise ConfigError(f"model_config: {self.model_config} does not exist")
+            raise ConfigError(f"model_config: {self.model_config} does not exist{relative_note(self.model_config)}")
         if self.tokenizer_path is not None:
             pretrained_dir(self.tokenizer_path, "tokenizer_path")
         if self.deepspeed.template is not None and not Path(self.deepspeed.template).is_file():
-            raise ConfigError(f"deepspeed.template: {self.deepspeed.template} does not exist")
+            raise ConfigError(f"deepspeed.template: {self.deepspeed.template} does not exist"
+                              f"{relative_note(self.deepspeed.template)}")
 
     def validate_data(self) -> None:
         """Token ids below the model's vocabulary; the shards' tokenizer hash equal to the model tokenizer's. Both
         problems of a dataset are reported together, each with the key that fixes it."""
         vocab_size = model_vocab_size(self)
-        for name in ("data_path", "eval_data_path"):
-            path = getattr(self, name)
+        for name, path in (("data_path", self.data_path), ("eval_data_path", self.eval_path())):
             if path is None:
                 continue
             meta = read_meta(path)
@@ -295,6 +334,7 @@ class TrainConfig:
                 logger.warning(f"{name}: {mismatch}")
             if problems:
                 raise ConfigError(f"{name}: " + "; and ".join(problems))
+            warn_past_max_positions(self, name, path)
 
     def _tokenizer_hash_mismatch(self, meta: dict, data_tok: str) -> str | None:
         tok_path, key = self._resolved_tokenizer(meta)
@@ -327,6 +367,12 @@ class TrainConfig:
         return (tok, "the shards' meta.json") if tok and Path(tok).exists() else (None, "")
 
 
+def pipeline_eval_split(data_path: str) -> Path:
+    """Where `sh data_process.sh` with `eval_size` puts the eval split of `<output_dir>/packed` (or tokenized/):
+    `<output_dir>/eval/packed`."""
+    return Path(data_path).parent / "eval" / "packed"
+
+
 def _meta_tokenizer_path(meta: dict) -> str | None:
     tok = meta.get("tokenizer")
     return meta.get("tokenizer_path") or (tok.get("path") if isinstance(tok, dict) else None)
@@ -346,7 +392,8 @@ def pretrained_dir(name: str, key: str) -> Path:
             raise ConfigError(f"{key}: {name} is a file; give the directory that holds it (or a Hub id org/name)")
         return path
     if not _HUB_ID.fullmatch(name) or name.startswith("."):
-        raise ConfigError(f"{key}: {name} does not exist (a local directory, or a Hugging Face Hub id org/name)")
+        raise ConfigError(f"{key}: {name} does not exist (a local directory, or a Hugging Face Hub id org/name)"
+                          f"{relative_note(name)}")
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
 
@@ -416,57 +463,94 @@ def max_token_id(path: str | os.PathLike, meta: dict | None = None) -> int:
     return best
 
 
-def model_vocab_size(cfg: TrainConfig) -> int:
+def _text_model_config(source: str, field_name: str):
     from transformers import AutoConfig
 
-    source = pretrained_dir(cfg.model_path, "model_path") if cfg.model_path is not None else cfg.model_config
     try:
         model_cfg = AutoConfig.from_pretrained(source)
     except Exception as exc:  # transformers raises several types for a malformed config
-        field_name = "model_path" if cfg.model_path is not None else "model_config"
         raise ConfigError(f"{field_name}: cannot read a model config from {source}: {exc}") from None
-    text_cfg = model_cfg.get_text_config() if hasattr(model_cfg, "get_text_config") else model_cfg
-    return int(text_cfg.vocab_size)
+    return model_cfg.get_text_config() if hasattr(model_cfg, "get_text_config") else model_cfg
+
+
+def text_model_config(cfg: TrainConfig):
+    """The (text part of the) model's config, from model_path or model_config."""
+    if cfg.model_path is not None:
+        return _text_model_config(str(pretrained_dir(cfg.model_path, "model_path")), "model_path")
+    return _text_model_config(str(cfg.model_config), "model_config")
+
+
+def model_vocab_size(cfg: TrainConfig) -> int:
+    return int(text_model_config(cfg).vocab_size)
+
+
+def warn_past_max_positions(cfg: TrainConfig, name: str, path: str) -> None:
+    """A warning when the dataset's longest sequence (from the shard index) is longer than the model's
+    max_position_embeddings: it would train on positions the model has no embedding / RoPE range for."""
+    limit = getattr(text_model_config(cfg), "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return  # recurrent models: no position limit
+    from data.shards import PackedDataset
+
+    lengths = PackedDataset(path, verify="off").seq_column("length")
+    longest = int(lengths.max()) if len(lengths) else 0
+    if longest > limit:
+        key = "model_path" if cfg.model_path is not None else "model_config"
+        logger.warning(
+            f"{name}: the longest sequence of {path} has {longest:,} tokens, more than max_position_embeddings="
+            f"{limit:,} of {key}={getattr(cfg, key)} ({int((lengths > limit).sum()):,} such sequences): positions "
+            f"past {limit:,} are outside the model's trained range. Re-pack with max_length <= {limit}, or use a "
+            "model with a longer context"
+        )
 
 
 def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> TrainConfig:
     try:
         raw = yaml.safe_load(Path(path).read_text()) or {}
     except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist (sh train.sh --help lists the keys)") from None
+        raise ConfigError(f"config file {path} does not exist{relative_note(path)} (sh train.sh --help lists the "
+                          "keys)") from None
     except IsADirectoryError:
         raise ConfigError(f"config file {path} is a directory") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: invalid YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
-    check_keys(raw, TrainConfig, f"config file {path}")
+    help_hint = " (sh train.sh --help lists every key)"
+    check_keys(raw, TrainConfig, f"config file {path}", aliases=TRAIN_KEY_ALIASES, help_hint=help_hint)
+    overridden = {}
     for item in overrides or []:
         key = item.split("=", 1)[0].strip() if "=" in item else None
         if key is not None:
-            check_keys(_nested(key.split(".")), TrainConfig, f"override {item!r}")
+            check_keys(key_tree(key), TrainConfig, f"override {item!r}", aliases=TRAIN_KEY_ALIASES,
+                       help_hint=help_hint)
+            overridden[key] = item
+    check_override_values(TrainConfig, overrides or [])
+    file_sources = {key: raw.get(key) for key in MODEL_SOURCES}
     apply_overrides(raw, overrides or [])
+    choose_model_source(raw, file_sources, overridden, path)
     return from_dict(TrainConfig, raw, where=str(path))
 
 
+def choose_model_source(raw: dict, file_sources: dict, overridden: dict[str, str], path) -> None:
+    """model_path and model_config exclude each other: one given as an override replaces the other one of the
+    config file (said in one line); two given by the same source are an error naming it."""
+    given = [key for key in MODEL_SOURCES if raw.get(key) is not None]
+    if len(given) < 2:
+        return
+    by_override = [key for key in given if key in overridden]
+    if len(by_override) == 1:
+        winner = by_override[0]
+        loser = next(key for key in MODEL_SOURCES if key != winner)
+        raw[loser] = None
+        logger.info(f"override {overridden[winner]!r} replaces {loser}: {file_sources[loser]} of config file {path}")
+        return
+    where = "overrides " + " and ".join(repr(overridden[key]) for key in given) if by_override else f"config file {path}"
+    raise ConfigError(f"exactly one of model_path (pretrained) and model_config (random init) must be set; {where} "
+                      "sets both")
+
+
 # ---------------------------------------------------------------------------------------------- keys and --help
-def _nested(parts: list[str]) -> dict:
-    node: dict = {}
-    for part in reversed(parts):
-        node = {part: node} if node else {part: None}
-    return node
-
-
-def check_keys(raw: dict, cls, origin: str, prefix: str = "") -> None:
-    """Unknown keys name where they came from (the YAML file or an override) and the closest known key."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    for key, value in raw.items():
-        if key not in fields:
-            hint = closest_key_hint(key, fields, prefix)
-            raise ConfigError(f"{origin}: unknown key '{prefix}{key}'{hint} (sh train.sh --help lists every key)")
-        if dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
-            check_keys(value, hints[key], origin, f"{prefix}{key}.")
 
 
 def _yaml_value(value) -> str:

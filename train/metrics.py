@@ -9,6 +9,7 @@ import logging
 import os
 from pathlib import Path
 
+import numpy as np
 import orjson
 
 logger = logging.getLogger("packsft.train")
@@ -43,10 +44,24 @@ def _format(record: dict) -> str:
             parts.append(f"{key}={value:.4g}")
         elif value is not None:
             parts.append(f"{key}={value}")
-    cats = record.get("category_loss") or {}
-    if cats:
-        parts.append("category_loss={" + ", ".join(f"{k}: {v:.4g}" for k, v in cats.items()) + "}")
+    for key in ("category_loss", "eval_category_loss"):
+        cats = record.get(key) or {}
+        if cats:
+            parts.append(f"{key}={{" + ", ".join(f"{k}: {v:.4g}" for k, v in cats.items()) + "}")
     return " ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def step_progress(step: int, total: int, first_step: int, elapsed: float) -> str:
+    """What a progress bar would show, for step lines written to a file: `[step/total, elapsed h:mm:ss, eta
+    h:mm:ss]`, the ETA from the mean time of the steps this run has taken (a resumed run's start excluded)."""
+    done = step - first_step
+    eta = elapsed / done * (total - step) if done > 0 else 0.0
+    return f"[{step}/{total}, elapsed {_duration(elapsed)}, eta {_duration(eta)}]"
 
 
 class MetricsLogger:
@@ -72,15 +87,17 @@ class MetricsLogger:
                 raise RuntimeError("log_backends contains 'wandb' but wandb is not installed (pip install wandb)") from None
             self._wandb = wandb.init(project=wandb_project, dir=str(self.out), mode="offline", config=run_config)
 
-    def log(self, record: dict) -> None:
+    def log(self, record: dict, progress: str | None = None) -> None:
+        """One step's record: log.jsonl, the console line (with `progress` at its end, when given), the backends."""
         if not self.enabled:
             return
         self._file.write(orjson.dumps(record) + b"\n")
         self._file.flush()
-        self.write_console(_format(record))
+        self.write_console(_format(record) + (f" {progress}" if progress else ""))
         scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
-        for name, value in (record.get("category_loss") or {}).items():
-            scalars[f"category_loss/{name}"] = value
+        for key in ("category_loss", "eval_category_loss"):
+            for name, value in (record.get(key) or {}).items():
+                scalars[f"{key}/{name}"] = value
         if self._tb is not None:
             for key, value in scalars.items():
                 self._tb.add_scalar(key, value, record["step"])
@@ -116,9 +133,11 @@ def smoothed(values: list[float], weight: float) -> list[float]:
 
 def loss_curves(records: list[dict]) -> dict:
     """What loss.png shows, as data: train/eval loss, per-category (raw and smoothed, each over the steps where
-    the category had loss tokens), lr and grad norm."""
+    the category had loss tokens; eval points), lr, grad norm and the tokens trained by the end of each step."""
     records = [r for r in records if "loss" in r]
     curves = {
+        "tokens_seen": ([r["step"] for r in records if "tokens" in r],
+                        np.cumsum([r["tokens"] for r in records if "tokens" in r]).tolist()),
         "loss": ([r["step"] for r in records], [r["loss"] for r in records]),
         "eval_loss": ([r["step"] for r in records if "eval_loss" in r],
                       [r["eval_loss"] for r in records if "eval_loss" in r]),
@@ -133,7 +152,22 @@ def loss_curves(records: list[dict]) -> dict:
         steps = [r["step"] for r in present]
         raw = [r["category_loss"][name] for r in present]
         curves["category"][name] = (steps, raw, smoothed(raw, ema_weight(len(records))))
+    curves["eval_category"] = {}
+    for r in records:
+        for name, value in (r.get("eval_category_loss") or {}).items():
+            steps, values = curves["eval_category"].setdefault(name, ([], []))
+            steps.append(r["step"])
+            values.append(value)
     return curves
+
+
+def add_token_axis(ax, steps: list[int], tokens_seen: list[int]) -> None:
+    """A second x axis on top: the tokens trained by the end of each step (interpolated between steps)."""
+    if len(steps) < 2:
+        return
+    secondary = ax.secondary_xaxis("top", functions=(lambda x: np.interp(x, steps, tokens_seen),
+                                                     lambda t: np.interp(t, tokens_seen, steps)))
+    secondary.set_xlabel("tokens trained")
 
 
 def loss_figure(records: list[dict]):
@@ -155,14 +189,19 @@ def loss_figure(records: list[dict]):
     ax.set_ylabel("loss")
     ax.set_title("loss")
     ax.legend()
+    add_token_axis(ax, *curves["tokens_seen"])
     if cats:
         ax = axes[0][1]
+        eval_cats = curves["eval_category"]
         for name, (steps, raw, smooth) in cats.items():
             (line,) = ax.plot(steps, smooth, "-", label=name)
             ax.plot(steps, raw, ".", markersize=2, alpha=0.3, color=line.get_color())
+            if name in eval_cats:
+                ax.plot(*eval_cats[name], "o--", color=line.get_color(), label=f"{name} (eval)")
         ax.set_xlabel("step")
-        ax.set_title(f"per-category loss (token mean, EMA {ema_weight(len(curves['loss'][0])):.2f})")
+        ax.set_title("per-category loss (lines smoothed, dots measured)")
         ax.legend(fontsize="small")
+        add_token_axis(ax, *curves["tokens_seen"])
     ax = axes[0][n - 1]
     ax.plot(*curves["lr"], color="tab:blue", label="lr")
     ax.set_xlabel("step")

@@ -55,7 +55,7 @@ from train.data import StepPlan, StepSampler
 from train.distributed import Mesh, all_reduce_sum, build_mesh, init_distributed
 from train.lm_head import decoder_of, lm_head_of
 from train.loss import weighted_lm_loss
-from train.metrics import MetricsLogger, plot_losses, truncate_log
+from train.metrics import MetricsLogger, plot_losses, step_progress, truncate_log
 from train.recurrent import install_sequence_restart
 from train.varlen_kernels import queued_copy
 
@@ -577,29 +577,42 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Token-mean loss over the whole eval dataset (every rank its rows; fillers keep ranks in step)."""
+    def evaluate(self) -> dict:
+        """`eval_loss`, the token-mean loss over the whole eval set (whatever loss_reduction), and
+        `eval_category_loss` {name: token-mean loss} (every rank its rows; fillers keep ranks in step)."""
         from data.shards import PackedDataset
         from train.batch import StepTotals
 
-        ds = PackedDataset(self.cfg.eval_data_path)
+        ds = PackedDataset(self.cfg.eval_path())
         totals = StepTotals(int(np.sum(ds.row_n_loss_tokens)), int(np.sum(ds.row_n_trained_turns)),
                             int(np.sum(ds.row_n_samples)))
         mine = list(range(self.mesh.dp_rank, len(ds), self.mesh.dp_size))
         n_iter = math.ceil(len(ds) / self.mesh.dp_size)
         was_training = self.model.training
         self.model.eval()
-        total = torch.zeros(1, dtype=torch.float64)
+        C = self.num_categories
+        local = torch.zeros(1 + 2 * C, dtype=torch.float64)  # [loss, cat_loss_sum[C], cat_count[C]], as train_step
         for k in range(n_iter):
             row = mine[k] if k < len(mine) else 0
             batch = make_batch([ds[row]], totals, "token", structure=self.structure)
             if k >= len(mine):
                 batch["targets"].fill_(-100)
                 batch["weights"].zero_()
-            weighted, _, _ = self.forward_micro_batch(batch)
-            total += weighted.double().cpu()
+            weighted, cat_sum, cat_count = self.forward_micro_batch(batch)
+            local[0] += weighted.double().cpu()
+            local[1:1 + C] += cat_sum.double().cpu()
+            local[1 + C:] += cat_count.double().cpu()
         self.model.train(was_training)
-        return float(all_reduce_sum(total.to(self._comm_device())).cpu()[0])
+        stats = all_reduce_sum(local.to(self._comm_device())).cpu()
+        return {"eval_loss": float(stats[0]), "eval_category_loss": {
+            name: float(stats[1 + cid] / stats[1 + C + cid])
+            for cid, name in sorted(self.categories.items()) if cid > 0 and stats[1 + C + cid] > 0}}
+
+    def _evaluates_after(self, step: int) -> bool:
+        """With an eval set: every eval_steps steps and after the last step."""
+        if self.cfg.eval_path() is None:
+            return False
+        return step == self.total_steps or bool(self.cfg.eval_steps) and step % self.cfg.eval_steps == 0
 
     # ------------------------------------------------------------------ checkpoints and export
     def _trainer_state(self) -> dict:
@@ -758,15 +771,20 @@ class Trainer:
             f"activation checkpointing {self.checkpointing_reason}"
             + (", compiled decoder layers" if cfg.compile_layers else "") + (", Liger kernels" if cfg.liger else "")
         )
+        if self.cfg.eval_path() is not None:
+            self.console(f"evaluating {self.cfg.eval_path()} after step {self.total_steps}"
+                         + (f" and every {cfg.eval_steps} steps" if cfg.eval_steps else ""))
+        first_step, started = self.step, time.perf_counter()
         try:
             while self.step < end:
                 plan = self.sampler.plan(self.step)
                 record = self.train_step(plan)
                 self.step += 1
-                if cfg.eval_steps and self.step % cfg.eval_steps == 0:
-                    record["eval_loss"] = self.evaluate()
+                if self._evaluates_after(self.step):
+                    record.update(self.evaluate())
                 records.append(record)
-                self.metrics.log(record)
+                self.metrics.log(record, progress=None if self._bar is not None else
+                                 step_progress(self.step, self.total_steps, first_step, time.perf_counter() - started))
                 if self._bar is not None:
                     self._bar.update(1)
                     self._bar.set_postfix(loss=f"{record['loss']:.4f}")
