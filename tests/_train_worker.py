@@ -25,6 +25,9 @@ def main():
 
     trainer.grad_hook = dump
     trainer.train()
+    import torch.distributed as dist
+
+    dist.destroy_process_group()  # as python -m train does: no gloo thread left running at exit (SIGABRT)
 
 
 if __name__ == "__main__":

@@ -129,6 +129,10 @@ class TrainConfig:
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
     lora_merge_on_save: bool = True  # LoRA: also export the merged model to final/merged/
+    # mixture-of-experts router load-balancing loss (train/moe.py): true | false | null (null: the model config's
+    # output_router_logits); logged as aux_loss, added to the optimised objective
+    output_router_logits: bool | None = None
+    router_aux_loss_coef: float | None = None  # weight of the router aux loss, >= 0; null: the model config's
     balance_dp: bool = False  # train/balance.py: balance the step's rows over dp ranks by tokens
     online_max_length: int | None = None  # data_path is a tokenized dataset packed on the fly (train/online.py)
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)  # DeepSpeed ZeRO settings
@@ -187,6 +191,8 @@ class TrainConfig:
             ("lora_dropout", 0.0 <= self.lora_dropout < 1.0, "in [0, 1)"),
             ("checkpointing_min_length", self.checkpointing_min_length >= 1, ">= 1"),
             ("seed", self.seed >= 0, ">= 0"),
+            ("router_aux_loss_coef", self.router_aux_loss_coef is None or self.router_aux_loss_coef >= 0,
+             ">= 0 (or null)"),
             ("stop_at_step", self.stop_at_step is None or self.stop_at_step >= 1, ">= 1 (or null)"),
             ("online_max_length", self.online_max_length is None or self.online_max_length >= 1, ">= 1 (or null)"),
             ("launch.main_process_port", 0 < self.launch.main_process_port < 65536, "in [1, 65535]"),

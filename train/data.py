@@ -33,6 +33,7 @@ class StepPlan:
     step_rows: np.ndarray  # every real row of the step (all dp ranks)
     totals: StepTotals
     micro_batches: list[MicroBatchPlan] = field(default_factory=list)  # this dp rank's
+    n_real_micro_batches: int = 0  # micro-batches with rows, over all dp ranks (fillers excluded)
 
 
 class StepSampler:
@@ -105,7 +106,8 @@ class StepSampler:
         perm = self.permutation(epoch)
         step_rows = perm[in_epoch * self.rows_per_step : (in_epoch + 1) * self.rows_per_step]
         totals = step_totals(self.dataset, step_rows)
-        mine = self._rank_rows(step_rows)
+        rank_rows = self._rank_rows(step_rows)
+        mine = rank_rows[self.dp_rank]
         micro = []
         for k in range(self.grad_accum):
             rows = mine[k * self.micro_batch_rows : (k + 1) * self.micro_batch_rows]
@@ -113,7 +115,8 @@ class StepSampler:
                 micro.append(MicroBatchPlan(rows=rows))
             else:
                 micro.append(MicroBatchPlan(rows=[int(perm[0])], filler=True))
-        return StepPlan(step, epoch, in_epoch, step_rows, totals, micro)
+        n_real = sum(math.ceil(len(rows) / self.micro_batch_rows) for rows in rank_rows)
+        return StepPlan(step, epoch, in_epoch, step_rows, totals, micro, n_real)
 
     def _row_costs(self) -> np.ndarray:
         """Σ seq_len² of every row, from the sequence index (no token reads), once per dataset epoch."""
@@ -123,12 +126,13 @@ class StepSampler:
             self._costs = dataset_row_costs(self.dataset)
         return self._costs
 
-    def _rank_rows(self, step_rows: np.ndarray) -> list[int]:
+    def _rank_rows(self, step_rows: np.ndarray) -> list[list[int]]:
+        """The rows of every dp rank, by dp index."""
         if self.dp_size == 1:
-            return [int(r) for r in step_rows]
+            return [[int(r) for r in step_rows]]
         if self.balance:
             from train.balance import balance_step
 
             costs = self._row_costs()[np.asarray(step_rows, dtype=np.int64)]
-            return balance_step(step_rows, costs, self.dp_size)[self.dp_rank]
-        return [int(r) for r in step_rows[self.dp_rank :: self.dp_size]]
+            return balance_step(step_rows, costs, self.dp_size)
+        return [[int(r) for r in step_rows[rank :: self.dp_size]] for rank in range(self.dp_size)]

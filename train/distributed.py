@@ -79,3 +79,26 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None = None)
     if dist.is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """SUM all-reduce whose backward is the SUM all-reduce of the gradient: every rank uses the reduced value, so
+    the gradient of a local input is the sum of every rank's gradient of that value."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        total = tensor.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        total = grad.clone(memory_format=torch.contiguous_format)  # never reduce into autograd's buffer
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.group)
+        return total, None
+
+
+def differentiable_all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Out-of-place sum over `group`, differentiable (see _AllReduceSum)."""
+    return _AllReduceSum.apply(tensor, group)

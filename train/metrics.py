@@ -38,7 +38,7 @@ def truncate_log(output_dir: str | os.PathLike, last_step: int) -> None:
 
 def _format(record: dict) -> str:
     parts = []
-    for key in ("step", "epoch", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "loss_tokens"):
+    for key in ("step", "epoch", "loss", "aux_loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "loss_tokens"):
         value = record.get(key)
         if isinstance(value, float):
             parts.append(f"{key}={value:.4g}")
@@ -132,8 +132,9 @@ def smoothed(values: list[float], weight: float) -> list[float]:
 
 
 def loss_curves(records: list[dict]) -> dict:
-    """What loss.png shows, as data: train/eval loss, per-category (raw and smoothed, each over the steps where
-    the category had loss tokens; eval points), lr, grad norm and the tokens trained by the end of each step."""
+    """What loss.png shows, as data: train/eval loss, the router aux loss (MoE), per-category (raw and smoothed,
+    each over the steps where the category had loss tokens; eval points), lr, grad norm and the tokens trained by
+    the end of each step."""
     records = [r for r in records if "loss" in r]
     curves = {
         "tokens_seen": ([r["step"] for r in records if "tokens" in r],
@@ -141,6 +142,8 @@ def loss_curves(records: list[dict]) -> dict:
         "loss": ([r["step"] for r in records], [r["loss"] for r in records]),
         "eval_loss": ([r["step"] for r in records if "eval_loss" in r],
                       [r["eval_loss"] for r in records if "eval_loss" in r]),
+        "aux_loss": ([r["step"] for r in records if "aux_loss" in r],
+                     [r["aux_loss"] for r in records if "aux_loss" in r]),
         "lr": ([r["step"] for r in records if "lr" in r], [r["lr"] for r in records if "lr" in r]),
         "grad_norm": ([r["step"] for r in records if r.get("grad_norm") is not None],
                       [r["grad_norm"] for r in records if r.get("grad_norm") is not None]),
@@ -171,7 +174,8 @@ def add_token_axis(ax, steps: list[int], tokens_seen: list[int]) -> None:
 
 
 def loss_figure(records: list[dict]):
-    """Panels: loss (train, eval); per-category loss (smoothed lines over faint raw points); lr and grad norm."""
+    """Panels: loss (train, eval; the router aux loss on its own axis); per-category loss (smoothed lines over faint
+    raw points); lr and grad norm."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -190,6 +194,10 @@ def loss_figure(records: list[dict]):
     ax.set_title("loss")
     ax.legend()
     add_token_axis(ax, *curves["tokens_seen"])
+    if curves["aux_loss"][0]:  # much smaller than the LM loss: its own scale
+        aux_ax = ax.twinx()
+        aux_ax.plot(*curves["aux_loss"], color="tab:green", linewidth=0.8)
+        aux_ax.set_ylabel("router aux loss", color="tab:green")
     if cats:
         ax = axes[0][1]
         eval_cats = curves["eval_category"]

@@ -145,7 +145,7 @@ def _compare(model, lm, params, sequences, n_targets, device, dtype, guard, grad
                       dtype=torch.int32)
     attn = AttentionContext.for_micro_batch(cu, device, backend=model.attn_backend)
     with guard:
-        loss, _, _ = model(ids[None], positions[None], targets, weights, torch.zeros_like(targets), attn)
+        loss = model(ids[None], positions[None], targets, weights, torch.zeros_like(targets), attn)[0]  # LM loss
     loss.backward()
     loss_packed = float(loss.detach())
     packed = _gradient_summary(params, gradient_probe, seed)

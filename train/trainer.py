@@ -15,6 +15,11 @@ sum, and `engine.step()` after every micro-batch (DeepSpeed counts micro-batches
 its accumulation boundary). Without DeepSpeed (deepspeed.stage null) the local gradients are summed with
 all_reduce. The equivalence tests check both against a single process, through the scale-sensitive gradient norm
 as well as the losses (Adam alone would hide a constant gradient factor).
+
+MoE models with a router load-balancing loss (train/moe.py): each micro-batch adds its rank's share of the aux
+term, divided by the step's real micro-batches, to the local sum before the same scaling, so the aux term is
+exact under the same conventions. The logged `loss` is the LM loss; `aux_loss` is the aux term; the optimised
+objective is their sum.
 """
 from __future__ import annotations
 
@@ -56,6 +61,7 @@ from train.distributed import Mesh, all_reduce_sum, build_mesh, init_distributed
 from train.lm_head import decoder_of, lm_head_of
 from train.loss import weighted_lm_loss
 from train.metrics import MetricsLogger, plot_losses, step_progress, truncate_log
+from train.moe import RouterAux, real_tokens, records_router_logits, resolve_router_aux
 from train.recurrent import install_sequence_restart
 from train.varlen_kernels import queued_copy
 
@@ -68,10 +74,11 @@ class PackedCausalLM(nn.Module):
 
     The lm-head weight is used here, outside lm_head.forward; under ZeRO-3 it is registered as an external
     parameter of this module so DeepSpeed gathers it around this forward (and reduces its gradient).
+    With `router_aux` (MoE, train/moe.py) the forward also returns this rank's share of the router aux term.
     """
 
     def __init__(self, lm: nn.Module, chunk_size: int, num_categories: int, zero3: bool = False,
-                 attn_backend: str = "auto"):
+                 attn_backend: str = "auto", router_aux: RouterAux | None = None):
         super().__init__()
         self.lm = lm
         self.chunk_size = chunk_size
@@ -80,6 +87,11 @@ class PackedCausalLM(nn.Module):
         self.head = lm_head_of(lm)  # what *ForCausalLM.forward does between the hidden states and the logits
         # recurrent mixers (linear attention, state spaces, short convolutions) restart at every packed sequence
         self.recurrent = install_sequence_restart(lm)
+        self.router_aux = router_aux
+        # an MoE decoder records its router logits only when asked (the model config may ask for unused ones)
+        self._router_kwargs = (
+            {"output_router_logits": router_aux is not None} if records_router_logits(decoder_of(lm)) else {}
+        )
         if zero3:
             import deepspeed
 
@@ -88,17 +100,27 @@ class PackedCausalLM(nn.Module):
                 if p is not None:
                     deepspeed.zero.register_external_parameter(self, p)
 
-    def forward(self, input_ids, position_ids, targets, weights, target_categories, attn: AttentionContext):
+    def forward(self, input_ids, position_ids, targets, weights, target_categories, attn: AttentionContext,
+                router_tokens: torch.Tensor | None = None):
+        """weighted_lm_loss's (weighted_sum, cat_loss_sum, cat_count); with `router_aux`, a fourth value: this
+        rank's share of coef * the micro-batch's load-balancing loss over `router_tokens` ([L] 1.0 for a real
+        token, 0.0 for sequence-parallel padding or a filler row; None: every token is real)."""
         if self.recurrent:  # left set after the forward: activation-checkpoint recomputation in backward reads them
             self.recurrent.set_boundaries(attn.bounds.host_cu_q)
-        hidden = decoder_of(self.lm)(
-            input_ids=input_ids, position_ids=position_ids, use_cache=False, packsft=attn
-        ).last_hidden_state
-        head = self.lm.get_output_embeddings()
-        return weighted_lm_loss(
-            hidden[0], head.weight, targets, weights, target_categories, self.num_categories, self.chunk_size,
-            lm_head_bias=getattr(head, "bias", None), head=self.head,
+        outputs = decoder_of(self.lm)(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, packsft=attn, **self._router_kwargs
         )
+        head = self.lm.get_output_embeddings()
+        lm_loss = weighted_lm_loss(
+            outputs.last_hidden_state[0], head.weight, targets, weights, target_categories, self.num_categories,
+            self.chunk_size, lm_head_bias=getattr(head, "bias", None), head=self.head,
+        )
+        if self.router_aux is None:
+            return lm_loss
+        if router_tokens is None:
+            router_tokens = torch.ones(input_ids.numel(), device=input_ids.device)
+        sp_group = attn.sp.group if attn.sp is not None else None
+        return (*lm_loss, self.router_aux.share(outputs.router_logits, router_tokens, sp_group))
 
     @contextmanager
     def unpacked(self):
@@ -286,8 +308,12 @@ class Trainer:
         self.family = self._check_family()  # before any weight is loaded
         self.lm = build_lm(cfg, dtype, self.checkpointing)
         self.attn_backend = self._resolve_attention()
+        self.router_aux, router_warning = resolve_router_aux(self.lm, cfg.output_router_logits,
+                                                             cfg.router_aux_loss_coef)
+        if router_warning:
+            self._warn(router_warning)
         self.model = PackedCausalLM(self.lm, cfg.loss_chunk_size, self.num_categories, zero3=zero3,
-                                    attn_backend=self.attn_backend)
+                                    attn_backend=self.attn_backend, router_aux=self.router_aux)
         if cfg.self_check:
             self._self_check(zero3)
         self.lr_factor = lr_lambda_factory(self.total_steps, self.warmup_steps, cfg.schedule, cfg.min_lr_ratio)
@@ -472,8 +498,9 @@ class Trainer:
             batch["weights"] = torch.zeros_like(batch["weights"])
         return batch
 
-    def forward_micro_batch(self, batch: dict):
-        """(weighted_sum, cat_loss_sum, cat_count) of this rank's part of one full micro-batch."""
+    def forward_micro_batch(self, batch: dict, filler: bool = False):
+        """(weighted_sum, cat_loss_sum, cat_count, router_aux) of this rank's part of one full micro-batch;
+        router_aux: this rank's share of the micro-batch's router aux term (PackedCausalLM), None without one."""
         sp_ctx = None
         if self.mesh.sp_size > 1:
             from train.sequence_parallel import shard_batch
@@ -493,32 +520,44 @@ class Trainer:
             structure = {k: to_dev(batch[k]) for k in ("seq_ids", "block_ids", "path_ids")} if self.structure else {}
             attn = AttentionContext.for_micro_batch(batch["cu_seqlens"], dev, backend=self.attn_backend, **structure)
         module = self.engine if self.engine is not None else self.model
+        router = {}
+        if self.router_aux is not None:
+            router["router_tokens"] = to_dev(real_tokens(batch["input_ids"].numel(), sp_ctx, filler))
         autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16)
             if self.cfg.bf16 and self.engine is None
             else nullcontext()
         )
         with autocast:
-            return module(
+            out = module(
                 to_dev(batch["input_ids"]).reshape(1, -1),
                 to_dev(batch["position_ids"]).reshape(1, -1),
                 to_dev(batch["targets"]).reshape(-1),
                 to_dev(batch["weights"]).reshape(-1),
                 to_dev(batch["target_categories"]).reshape(-1),
                 attn,
+                **router,
             )
+        return out if self.router_aux is not None else (*out, None)
 
     # ------------------------------------------------------------------ one optimizer step
     def train_step(self, plan: StepPlan) -> dict:
+        """One optimizer step; its record's `loss` is the LM loss, `aux_loss` (MoE) the router aux term, which the
+        step optimises too."""
         start = time.perf_counter()
         lr = self.scheduler.get_last_lr()[0]  # the lr this step applies (DeepSpeed steps the scheduler itself)
         C = self.num_categories
-        # [loss, cat_loss_sum[C], cat_count[C]] on the communication device: no host sync per micro-batch
-        local = torch.zeros(1 + 2 * C, dtype=torch.float64, device=self._comm_device())
+        # [loss, cat_loss_sum[C], cat_count[C], aux_loss] on the communication device: no host sync per micro-batch
+        local = torch.zeros(2 + 2 * C, dtype=torch.float64, device=self._comm_device())
         for mb in plan.micro_batches:
             batch = self._micro_batch(plan, mb.rows, mb.filler)
-            weighted, cat_sum, cat_count = self.forward_micro_batch(batch)
-            loss = weighted * self.backward_scale
+            weighted, cat_sum, cat_count, router_aux = self.forward_micro_batch(batch, mb.filler)
+            objective = weighted
+            if router_aux is not None:  # the step's aux term: the mean over its real micro-batches
+                router_aux = router_aux / plan.n_real_micro_batches
+                objective = weighted + router_aux
+                local[-1] += router_aux.detach().double()
+            loss = objective * self.backward_scale
             if self.engine is not None:
                 self.engine.backward(loss, scale_wrt_gas=False)
                 # DeepSpeed counts micro-batches in step(): it only updates (and steps the lr scheduler) at the
@@ -528,7 +567,7 @@ class Trainer:
                 loss.backward()
             local[0] += weighted.detach().double()
             local[1 : 1 + C] += cat_sum.double()
-            local[1 + C :] += cat_count.double()
+            local[1 + C : 1 + 2 * C] += cat_count.double()
         grad_norm = self._optimizer_step()
         stats = all_reduce_sum(local).cpu()
         elapsed = time.perf_counter() - start
@@ -538,7 +577,7 @@ class Trainer:
             count = float(stats[1 + C + cid])
             if cid > 0 and count > 0:
                 cat_loss[name] = float(stats[1 + cid]) / count
-        return {
+        record = {
             "step": plan.step + 1,
             "epoch": plan.epoch + (plan.step_in_epoch + 1) / self.sampler.steps_in_epoch(plan.epoch),
             "loss": float(stats[0]),
@@ -549,6 +588,9 @@ class Trainer:
             "tokens": n_tokens,
             "category_loss": cat_loss,
         }
+        if self.router_aux is not None:
+            record["aux_loss"] = float(stats[-1])
+        return record
 
     def _comm_device(self) -> torch.device:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
@@ -598,7 +640,7 @@ class Trainer:
             if k >= len(mine):
                 batch["targets"].fill_(-100)
                 batch["weights"].zero_()
-            weighted, cat_sum, cat_count = self.forward_micro_batch(batch)
+            weighted, cat_sum, cat_count = self.forward_micro_batch(batch, filler=k >= len(mine))[:3]
             local[0] += weighted.double().cpu()
             local[1:1 + C] += cat_sum.double().cpu()
             local[1 + C:] += cat_count.double().cpu()
@@ -770,6 +812,8 @@ class Trainer:
             f"attention {self._attention_description()}, loss {cfg.loss_reduction}, "
             f"activation checkpointing {self.checkpointing_reason}"
             + (", compiled decoder layers" if cfg.compile_layers else "") + (", Liger kernels" if cfg.liger else "")
+            + (f", router aux loss (coef {self.router_aux.coef:g}, {self.router_aux.num_experts} experts, top "
+               f"{self.router_aux.top_k})" if self.router_aux is not None else "")
         )
         if self.cfg.eval_path() is not None:
             self.console(f"evaluating {self.cfg.eval_path()} after step {self.total_steps}"
