@@ -50,9 +50,11 @@ FAMILIES = {
     "minicpm3": (dict(dim_model_base=16, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
                       v_head_dim=16, num_key_value_heads=4),  # MLA: one key per head
                  LMHead(scale=16 / 64)),  # logits_scaling = hidden_size / dim_model_base
-    "inkling_text": (dict(logits_mup_width_multiplier=SCALING, unpadded_vocab_size=100),
+    "inkling_text": (dict(logits_mup_width_multiplier=SCALING, unpadded_vocab_size=100, n_routed_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=32, swa_head_dim=16, rel_extent=32),
                      LMHead(scale=1 / SCALING, vocab_size=100)),
-    "inkling2_text": (dict(final_logit_softcapping=SOFTCAP, unpadded_vocab_size=100),
+    "inkling2_text": (dict(final_logit_softcapping=SOFTCAP, unpadded_vocab_size=100, n_routed_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=32, swa_head_dim=16, rel_extent=32),
                       LMHead(softcap=SOFTCAP, vocab_size=100)),
 }
 
