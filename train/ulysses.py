@@ -104,11 +104,13 @@ class SPLayout:
     def ring_size(self) -> int:
         return self.sp_size // self.ulysses_size
 
-    @property
-    def kind(self) -> str:
+    def describe(self, ring_backend: str | None) -> str:
+        """e.g. 'ulysses 4', 'hybrid ulysses 2 x torch 2', 'torch 4' (`ring_backend`: the gather / ring backend)."""
+        if self.ring_size == 1:
+            return f"ulysses {self.ulysses_size}"
         if self.ulysses_size == 1:
-            return "ring"
-        return "ulysses" if self.ring_size == 1 else "hybrid"
+            return f"{ring_backend} {self.ring_size}"
+        return f"hybrid ulysses {self.ulysses_size} x {ring_backend} {self.ring_size}"
 
 
 def choose_sp_layout(sp_backend: str, sp_size: int, ulysses_size: int | None, n_heads: int, n_kv_heads: int,
