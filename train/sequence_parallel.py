@@ -37,6 +37,9 @@ Backends:
   makes the sliding window count from each query's global position); the mask path adds the window to the mask
   (global indices: within a sequence their differences are position differences) and computes softcap and sinks
   by the eager softmax. Sinks are per head and every rank holds all heads: nothing to slice.
+- `ulysses` (train/ulysses.py): contiguous layout; an all-to-all over the Ulysses group trades this rank's tokens
+  x all heads for the group's tokens x its heads, the packed attention runs on the whole row (or, in the hybrid,
+  this `torch` backend runs across the Ulysses groups on the group's block), and a second all-to-all returns.
 - `llama3`: ring-flash-attn's `llama3_flash_attn_varlen_func` (contiguous layout).
 - `zigzag`: ring-flash-attn's `zigzag_ring_flash_attn_varlen_func` (zigzag layout).
 ring-flash-attn needs flash-attn and CUDA; it is imported only when one of its backends is selected. Its backends
