@@ -423,19 +423,12 @@ class Trainer:
         attention features: dropout, sliding windows, softcap, sinks); an explicitly named backend (or sp backend)
         that cannot run here fails now, before the first step."""
         features = model_attention_features(self.lm)
-        if self.sp_backend == "ulysses":
-            if self.sp_ring_backend is None and not self.structure:  # pure Ulysses: the table on the whole row
-                return self._resolve_table(features)
-            if problems := dispatched_feature_problems(features, self.sp_ring_backend, self.structure):
-                raise RuntimeError("; ".join(problems))
-            return self.cfg.attn_backend
-        if self.sp_backend is not None or self.structure:
-            if problems := dispatched_feature_problems(features, self.sp_backend, self.structure):
+        # pure Ulysses runs the backend table on the whole row; the hybrid's ring part is an sp backend
+        dispatched = self.sp_ring_backend if self.sp_backend == "ulysses" else self.sp_backend
+        if dispatched is not None or self.structure:
+            if problems := dispatched_feature_problems(features, dispatched, self.structure):
                 raise RuntimeError("; ".join(problems))
             return self.cfg.attn_backend  # dispatched before the backend table (train/attention.py)
-        return self._resolve_table(features)
-
-    def _resolve_table(self, features) -> str:
         dtype = torch.bfloat16 if self.cfg.bf16 else torch.float32
         probe = torch.empty((1, 1, 0, 1), device=self.device, dtype=dtype)
         return resolve_backend(self.cfg.attn_backend, probe, features).name
