@@ -396,7 +396,8 @@ def main() -> None:
     if args.compare:
         stamp = f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC"
         lines = [f"# SP backends side by side on CPU ({platform.processor() or platform.machine()}, torch "
-                 f"{torch.__version__}, 4 gloo processes, one thread each, {stamp})", "", f"One attention layer, forward + backward, fp32, head dim {HEAD_DIM}; bytes "
+                 f"{torch.__version__}, 4 gloo processes, one thread each, {stamp})", "",
+                 f"One attention layer, forward + backward, fp32, head dim {HEAD_DIM}; bytes "
                  "received per rank per layer; peak: live tensor bytes above the layer's inputs, worst rank.", "",
                  *compare()]
         args.out.write_text("\n".join(lines) + "\n")

@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from tests._sp_worker import sample_rows, totals_of
-from tests._train_helpers import (  # noqa: F401  (one_thread is a fixture)
+from tests._train_helpers import (
     free_port,
-    one_thread,
     random_rows,
     run_train,
     save_tiny_model,
@@ -112,7 +111,7 @@ def test_layout_errors(backend, sp, ulysses, heads, message):
 
 
 def test_config_refuses_what_no_ulysses_can_do(tmp_path):
-    from train.config import ConfigError, TrainConfig
+    from train.config import ConfigError, LaunchSection, TrainConfig
 
     base = dict(model_config="configs/model/tiny_qwen2.json", data_path=str(tmp_path), output_dir=str(tmp_path / "o"))
     cfg = TrainConfig(**base, sequence_parallel_size=4, sp_ulysses_size=3)
@@ -120,8 +119,6 @@ def test_config_refuses_what_no_ulysses_can_do(tmp_path):
         cfg.validate_ulysses()
     # an sp group of 8 over two machines of 4: the hybrid (Ulysses inside each machine) may span them
     launch = {"num_processes": 8, "num_machines": 2, "main_process_ip": "10.0.0.1"}
-    from train.config import LaunchSection
-
     spanning = TrainConfig(**base, sequence_parallel_size=8, launch=LaunchSection(**launch))
     assert spanning._hybrid_may_span(4)
     assert not TrainConfig(**base, sequence_parallel_size=8, sp_backend="torch",

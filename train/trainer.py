@@ -767,13 +767,15 @@ class Trainer:
             layout = self.sp_layout
             if layout.ring_size == 1:
                 local = "Parallel-R1 mask" if self.structure else f"varlen {self.attn_backend}"
-                return f"sequence-parallel ulysses {layout.ulysses_size} (all-to-all of heads; {local} on the whole row)"
+                return (f"sequence-parallel ulysses {layout.ulysses_size} (all-to-all of heads; {local} on the "
+                        "whole row)")
             from train.sequence_parallel import describe_sp_backend
 
             ring = describe_sp_backend(self.sp_ring_backend, self.structure, self.device,
                                        torch.bfloat16 if self.cfg.bf16 else torch.float32,
                                        model_attention_features(self.lm))
-            kind = f"sequence-parallel hybrid: ulysses {layout.ulysses_size} x {layout.ring_size} {ring}"
+            kind = (f"sequence-parallel hybrid ulysses {layout.ulysses_size} x {layout.ring_size}: "
+                    f"{ring.removeprefix('sequence-parallel ')} across the Ulysses groups")
             return kind + (" + Parallel-R1 mask" if self.structure else "")
         if self.sp_backend is not None:
             from train.sequence_parallel import describe_sp_backend
