@@ -185,9 +185,10 @@ def reference_step(reference, batches) -> dict:
     return _accumulate_reference(reference, batches, hidden_of)
 
 
-def sp_step(model, batches, sp_rank, sp_size, group, layout, reduce_group) -> dict:
+def sp_step(model, batches, sp_rank, sp_size, group, layout, reduce_group, backend="torch", ulysses=None) -> dict:
     """This rank's part of one optimizer step under sp, its gradients scaled as the trainer does (backward of
-    local sum x world size), then averaged over `reduce_group` (the world) as DDP/DeepSpeed would."""
+    local sum x world size), then averaged over `reduce_group` (the world) as DDP/DeepSpeed would. `backend` /
+    `ulysses` (a train.ulysses.UlyssesSpec): the ulysses backend and its groups."""
     world_size = dist.get_world_size(reduce_group)
     from train.attention import AttentionContext
     from train.sequence_parallel import shard_batch
@@ -199,8 +200,11 @@ def sp_step(model, batches, sp_rank, sp_size, group, layout, reduce_group) -> di
     local_losses = []
     paths = set()
     for batch in batches:
-        local, ctx = shard_batch(batch, sp_rank, sp_size, "torch", group=group, layout=layout)
-        paths.add("varlen" if ctx.bounds is not None else "mask")  # which attention path of the torch backend ran
+        local, ctx = shard_batch(batch, sp_rank, sp_size, backend, group=group, layout=layout, ulysses=ulysses)
+        if ctx.ulysses is not None:
+            paths.add("ulysses" if ctx.ulysses.ring is None else "hybrid")
+        else:
+            paths.add("varlen" if ctx.bounds is not None else "mask")  # which attention path of the torch backend ran
         attn = AttentionContext(cu_seqlens=ctx.cu_seqlens, max_seqlen=ctx.max_seqlen, sp=ctx)
         hidden = model.model(
             input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False, packsft=attn

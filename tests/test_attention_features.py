@@ -348,6 +348,11 @@ def test_trainer_start_up_resolves_with_the_model_features(only_feature_reasons)
         Trainer._resolve_attention(trainer)
     trainer.sp_backend = "torch"
     assert Trainer._resolve_attention(trainer) == "auto"  # dispatched to sp_attention, which expresses them
+    trainer.sp_backend, trainer.sp_ring_backend = "ulysses", None  # pure Ulysses: the table on the whole row
+    assert Trainer._resolve_attention(trainer) == "flex"
+    trainer.sp_ring_backend = "llama3"  # the hybrid with ring-flash-attn across the Ulysses groups
+    with pytest.raises(RuntimeError, match="sp_backend='llama3'.*attention sinks"):
+        Trainer._resolve_attention(trainer)
 
 
 def test_sdpa_expresses_everything():

@@ -54,7 +54,10 @@ def test_yaml_and_overrides(setup):
         (["launch.num_machines=2", "launch.num_processes=3", "launch.main_process_ip=10.0.0.1"], 3,
          "launch.num_processes=3 is not divisible by launch.num_machines=2"),
         (["launch.num_machines=2", "launch.num_processes=4", "launch.main_process_ip=10.0.0.1",
-          "sequence_parallel_size=4"], 4, "sequence_parallel_size=4 does not divide the 2 processes per machine"),
+          "sequence_parallel_size=4", "sp_backend=torch"], 4,
+         "sequence_parallel_size=4 does not divide the 2 processes per machine"),
+        (["sequence_parallel_size=4", "sp_ulysses_size=3", "launch.num_processes=4"], 4,
+         "sp_ulysses_size=3 must divide sequence_parallel_size=4"),
     ],
 )
 def test_invariant_errors(setup, overrides, world, message):

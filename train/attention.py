@@ -407,6 +407,15 @@ def packsft_attention(
         from train.sequence_parallel import sp_attention
 
         return sp_attention(module, query, key, value, ctx.sp, scaling, features, s_aux), None
+    return packed_attention(query, key, value, ctx, scaling, features, s_aux), None
+
+
+def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: AttentionContext,
+                     scaling: float | None, features: AttentionFeatures = NO_FEATURES,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The packed path without sequence parallelism: query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D]
+    over the sequences of `ctx` (the Parallel-R1 mask in structure mode, else the backend table). Ulysses sequence
+    parallelism runs it on the whole row for the rank's heads."""
     total = query.shape[2]
     if ctx.structured:
         from train.structured_attention import (
@@ -421,15 +430,15 @@ def packsft_attention(
         ids = (ctx.seq_ids, ctx.block_ids, ctx.path_ids, index)
         if query.is_cuda:
             block_mask = ctx.structured_block_mask(query.device, total)
-            return flex_structured_attention(query, key, value, *ids, *ids, scaling, block_mask=block_mask), None
-        return structured_sdpa_by_sequence(query, key, value, *ids, *ids, scaling), None
+            return flex_structured_attention(query, key, value, *ids, *ids, scaling, block_mask=block_mask)
+        return structured_sdpa_by_sequence(query, key, value, *ids, *ids, scaling)
     if ctx.bounds.host_cu_q[-1] != total:
         raise ValueError(f"cu_seqlens covers {ctx.bounds.host_cu_q[-1]} tokens, the micro-batch has {total}")
-    resolve_key = (ctx.backend, device_type, query.dtype, features)
+    resolve_key = (ctx.backend, query.device.type, query.dtype, features)
     backend = ctx._resolved.get(resolve_key)
     if backend is None:  # first layer of this kind in the micro-batch
         backend = ctx._resolved[resolve_key] = resolve_backend(ctx.backend, query, features)
-    return backend.fn(query, key, value, ctx, scaling, features, s_aux), None
+    return backend.fn(query, key, value, ctx, scaling, features, sinks)
 
 
 def dispatched_feature_problems(features: AttentionFeatures, sp_backend: str | None, structure: bool) -> list[str]:

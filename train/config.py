@@ -110,7 +110,8 @@ class TrainConfig:
     loss_chunk_size: int = 4096  # tokens per lm-head chunk
     attn_backend: Literal["auto", "flash_varlen", "torch_varlen", "flex", "sdpa"] = "auto"  # attention kernel over packed sequences (train/attention.py)
     sequence_parallel_size: int = 1  # ranks sharing one row
-    sp_backend: Literal["auto", "torch", "llama3", "zigzag"] = "auto"  # sequence-parallel attention kernel
+    sp_backend: Literal["auto", "torch", "llama3", "zigzag", "ulysses"] = "auto"  # sequence-parallel attention (auto: by heads and placement)
+    sp_ulysses_size: int | None = None  # Ulysses degree inside the sp group (< sequence_parallel_size: the hybrid); null: chosen
     self_check: bool = True  # before step 1: a few sequences packed vs the model's own unpacked forward must agree
     log_backends: list[str] = field(default_factory=list)  # "tensorboard", "wandb" (offline)
     wandb_project: str = "packsft"  # wandb project (offline mode)
@@ -171,6 +172,29 @@ class TrainConfig:
         self.validate_values(world_size)
         self.validate_paths()
         self.validate_data()
+
+    def validate_ulysses(self) -> None:
+        """sp_ulysses_size against sequence_parallel_size and sp_backend (the heads are checked when the trainer
+        reads the model config: train/ulysses.py choose_sp_layout)."""
+        size, sp = self.sp_ulysses_size, self.sequence_parallel_size
+        if size is None:
+            return
+        if size < 1 or sp % size:
+            raise ConfigError(f"sp_ulysses_size={size} must divide sequence_parallel_size={sp} (or be null)")
+        if size > 1 and self.sp_backend == "zigzag":
+            raise ConfigError("sp_ulysses_size > 1 needs the contiguous layout; sp_backend=zigzag cannot be the ring "
+                              "part of the hybrid (use auto, torch, llama3 or ulysses)")
+        if size == 1 and self.sp_backend == "ulysses":
+            raise ConfigError("sp_backend=ulysses needs sp_ulysses_size > 1 (or null: sequence_parallel_size)")
+
+    def _hybrid_may_span(self, per_machine: int) -> bool:
+        """An sp group across machines is the hybrid: whole machines of Ulysses groups, the ring between them."""
+        sp, size = self.sequence_parallel_size, self.sp_ulysses_size
+        if sp % per_machine:
+            return False
+        if size is None:
+            return self.sp_backend == "auto"
+        return size > 1 and per_machine % size == 0
 
     def validate_numbers(self) -> None:
         """Finite floats in their ranges (a NaN passes every `<` test, so it is checked first)."""
@@ -254,12 +278,15 @@ class TrainConfig:
                 f"launch.num_processes={self.launch.num_processes} is not divisible by launch.num_machines="
                 f"{self.launch.num_machines}: every machine runs the same number of processes"
             )
+        self.validate_ulysses()
         per_machine = self.launch.num_processes // self.launch.num_machines
-        if per_machine % self.sequence_parallel_size:
+        if per_machine % self.sequence_parallel_size and not self._hybrid_may_span(per_machine):
             raise ConfigError(
                 f"sequence_parallel_size={self.sequence_parallel_size} does not divide the {per_machine} processes per "
                 f"machine (launch.num_processes={self.launch.num_processes} / launch.num_machines="
-                f"{self.launch.num_machines}): a sequence-parallel group must not span machines"
+                f"{self.launch.num_machines}): a sequence-parallel group must not span machines, except the "
+                "Ulysses x ring hybrid (sp_backend auto or sp_ulysses_size dividing the processes per machine, "
+                "sequence_parallel_size a multiple of them)"
             )
         if self.launch.num_machines > 1 and not self.launch.main_process_ip:
             raise ConfigError("launch.main_process_ip is required when launch.num_machines > 1")

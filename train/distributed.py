@@ -2,7 +2,10 @@
 
 Ranks come from torch.distributed, never from accelerate: under `accelerate launch --use_deepspeed` on CPU,
 accelerate reports process_index 0 and num_processes 1 on every rank (see ../shared/NOTES.md).
-Layout: world rank r = dp_rank * sp_size + sp_rank, so the ranks of one sp group are neighbours.
+Layout: world rank r = dp_rank * sp_size + sp_rank, so the ranks of one sp group are neighbours. With Ulysses
+sequence parallelism of degree u (train/ulysses.py) the sp dimension is itself a 2-D mesh, sp_rank =
+ring_rank * u + ulysses_rank: the u ranks of a Ulysses group are neighbours (one machine, where the all-to-all is
+fastest) and the ring group joins the ranks holding the same heads across the Ulysses groups.
 """
 from __future__ import annotations
 
@@ -25,6 +28,9 @@ class Mesh:
     dp_group: dist.ProcessGroup | None
     sp_group: dist.ProcessGroup | None
     device: torch.device
+    ulysses_size: int = 1  # Ulysses degree inside the sp group (1: none)
+    ulysses_group: dist.ProcessGroup | None = None  # this rank's Ulysses group (adjacent ranks)
+    ring_group: dist.ProcessGroup | None = None  # this rank's group across Ulysses groups (when ulysses < sp)
 
     @property
     def is_main(self) -> bool:
@@ -47,8 +53,9 @@ def init_distributed(timeout_minutes: int = 30) -> None:
     dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
 
 
-def build_mesh(sp_size: int = 1, device: torch.device | None = None) -> Mesh:
-    """Split the world into dp groups of sp_size consecutive ranks. Call after init_distributed()."""
+def build_mesh(sp_size: int = 1, device: torch.device | None = None, ulysses_size: int = 1) -> Mesh:
+    """Split the world into dp groups of sp_size consecutive ranks, each split into Ulysses groups of
+    `ulysses_size` consecutive ranks. Call after init_distributed()."""
     device = device or default_device()
     if not dist.is_initialized():
         if sp_size != 1:
@@ -58,6 +65,20 @@ def build_mesh(sp_size: int = 1, device: torch.device | None = None) -> Mesh:
     if sp_size < 1 or world % sp_size:
         raise ValueError(f"world size {world} is not divisible by sequence_parallel_size={sp_size}")
     dp_size = world // sp_size
+    if ulysses_size < 1 or sp_size % ulysses_size:
+        raise ValueError(f"sp_ulysses_size={ulysses_size} does not divide sequence_parallel_size={sp_size}")
+    if ulysses_size > 1:
+        ring_size = sp_size // ulysses_size
+        mesh = dist.device_mesh.init_device_mesh(
+            device.type, (dp_size, ring_size, ulysses_size), mesh_dim_names=("dp", "sp_ring", "sp_ulysses")
+        )
+        sp_mesh = mesh["sp_ring", "sp_ulysses"]._flatten("sp")
+        return Mesh(
+            world_size=world, rank=rank, dp_size=dp_size, dp_rank=rank // sp_size, sp_size=sp_size,
+            sp_rank=rank % sp_size, dp_group=mesh.get_group("dp"), sp_group=sp_mesh.get_group(), device=device,
+            ulysses_size=ulysses_size, ulysses_group=mesh.get_group("sp_ulysses"),
+            ring_group=mesh.get_group("sp_ring") if ring_size > 1 else None,
+        )
     mesh = dist.device_mesh.init_device_mesh(
         device.type, (dp_size, sp_size), mesh_dim_names=("dp", "sp")
     )

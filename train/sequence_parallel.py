@@ -37,6 +37,9 @@ Backends:
   makes the sliding window count from each query's global position); the mask path adds the window to the mask
   (global indices: within a sequence their differences are position differences) and computes softcap and sinks
   by the eager softmax. Sinks are per head and every rank holds all heads: nothing to slice.
+- `ulysses` (train/ulysses.py): contiguous layout; an all-to-all over the Ulysses group trades this rank's tokens
+  x all heads for the group's tokens x its heads, the packed attention runs on the whole row (or, in the hybrid,
+  this `torch` backend runs across the Ulysses groups on the group's block), and a second all-to-all returns.
 - `llama3`: ring-flash-attn's `llama3_flash_attn_varlen_func` (contiguous layout).
 - `zigzag`: ring-flash-attn's `zigzag_ring_flash_attn_varlen_func` (zigzag layout).
 ring-flash-attn needs flash-attn and CUDA; it is imported only when one of its backends is selected. Its backends
@@ -61,9 +64,9 @@ from train.varlen_kernels import (
     varlen_attention,
 )
 
-SP_BACKENDS = ("torch", "llama3", "zigzag")
+SP_BACKENDS = ("torch", "llama3", "zigzag", "ulysses")
 LAYOUTS = ("contiguous", "zigzag")
-BACKEND_LAYOUT = {"torch": "contiguous", "llama3": "contiguous", "zigzag": "zigzag"}
+BACKEND_LAYOUT = {"torch": "contiguous", "llama3": "contiguous", "zigzag": "zigzag", "ulysses": "contiguous"}
 
 # Per-token batch fields and the value their padding tokens get; position_ids and seq_ids are computed.
 TOKEN_PAD_VALUES: dict[str, int | float] = {
@@ -111,7 +114,8 @@ def resolve_backend(name: str, half_precision: bool = True) -> str:
     (`half_precision`; flash kernels have no fp32), else `torch` (which runs a fused varlen kernel on CUDA too,
     see `choose_sp_kernel`).
 
-    An explicit `llama3`/`zigzag` fails here, before any model is built, when it cannot run.
+    An explicit `llama3`/`zigzag` fails here, before any model is built, when it cannot run. `ulysses` needs
+    nothing beyond torch.distributed (its degree is chosen by `train.ulysses.choose_sp_layout`).
     """
     if name == "auto":
         if not half_precision:
@@ -123,7 +127,7 @@ def resolve_backend(name: str, half_precision: bool = True) -> str:
         return "llama3"
     if name not in SP_BACKENDS:
         raise ValueError(f"sp_backend must be one of auto, {', '.join(SP_BACKENDS)}; got {name!r}")
-    if name != "torch":
+    if name in ("llama3", "zigzag"):
         _import_ring_flash_attn(name)
         if not half_precision:
             raise SPBackendUnavailable(
@@ -143,10 +147,11 @@ def choose_sp_kernel(query: torch.Tensor, features: AttentionFeatures = NO_FEATU
 def sp_feature_problems(backend: str, features: AttentionFeatures) -> list[str]:
     """Why sp backend `backend` cannot run layers with `features` ([] = it can); the trainer asks at start-up.
 
-    `torch` expresses every feature. ring-flash-attn's functions are called with flash-attn's causal arguments
-    only: whether its varlen functions take `window_size` or `softcap` is not verified here, and sinks need a
-    gradient through the log-sum-exp, which they do not return."""
-    if backend == "torch" or not features.names():
+    `torch` expresses every feature, and so does `ulysses` (its local attention is the packed path, whose backend
+    table or, in the hybrid, ring backend says what it cannot run). ring-flash-attn's functions are called with
+    flash-attn's causal arguments only: whether its varlen functions take `window_size` or `softcap` is not verified
+    here, and sinks need a gradient through the log-sum-exp, which they do not return."""
+    if backend in ("torch", "ulysses") or not features.names():
         return []
     return [f"sp_backend={backend!r} (ring-flash-attn) cannot express {', '.join(features.names())}: use "
             "sp_backend=torch, which all-gathers K/V and applies them exactly"]
@@ -155,6 +160,8 @@ def sp_feature_problems(backend: str, features: AttentionFeatures) -> list[str]:
 def describe_sp_backend(backend: str, structure: bool, device: torch.device | str, dtype: torch.dtype,
                         features: AttentionFeatures = NO_FEATURES) -> str:
     """What the trainer's start line names: the backend and, for `torch`, how its attention runs."""
+    if backend == "ulysses":
+        return "sequence-parallel ulysses (all-to-all of heads, packed attention on the whole row)"
     if backend != "torch":
         return f"sequence-parallel {backend} (ring-flash-attn)"
     if structure:
@@ -200,6 +207,8 @@ class SPContext:
     local_max_seqlen: int = 0
     # structure mode: block_ids / path_ids of every padded-row token (0 for padding) for the Parallel-R1 mask
     structure: dict[str, torch.Tensor] | None = None
+    # ulysses backend: train.ulysses.UlyssesContext (groups and the local attention's context)
+    ulysses: Any = None
     # torch backend masks by sliding window (None: full), built once per micro-batch
     _masks: dict = field(default_factory=dict, repr=False)
 
@@ -218,6 +227,8 @@ class SPContext:
             moved["structure"] = {k: v.to(device) for k, v in self.structure.items()}
         if self.bounds is not None:
             moved["bounds"] = self.bounds._replace(cu_q=self.bounds.cu_q.to(device), cu_k=self.bounds.cu_k.to(device))
+        if self.ulysses is not None:
+            moved["ulysses"] = self.ulysses.to(device)
         return replace(self, _masks={}, **moved)
 
     def attention_mask(self, device: torch.device, sliding_window: int | None = None) -> torch.Tensor:
@@ -358,6 +369,7 @@ def shard_batch(
     group: Any = None,
     layout: str | None = None,
     heads_k_stride: int | None = None,
+    ulysses: Any = None,
 ) -> tuple[dict, SPContext]:
     """This rank's part of a full micro-batch from `train.batch.make_batch`, and the SPContext for attention.
 
@@ -366,7 +378,8 @@ def shard_batch(
     (`zigzag` for zigzag, else contiguous); `backend="torch", layout="zigzag"` is the CPU reference of the zigzag
     layout. The local batch keeps every per-token field (sliced, [1, L] or [L] as given) and every non-token
     field; `cu_seqlens`/`max_seqlen` describe the full row and are dropped (the SPContext holds what attention
-    needs). Structure mode (seq/block/path ids present) needs the torch backend.
+    needs). Structure mode (seq/block/path ids present) needs the torch or ulysses backend. `ulysses`
+    (`train.ulysses.UlyssesSpec`): the Ulysses groups of the `ulysses` backend (default: the whole sp `group`).
     """
     if backend not in SP_BACKENDS:
         raise ValueError(f"shard_batch: backend must be one of {SP_BACKENDS} (resolve 'auto' first), got {backend!r}")
@@ -386,9 +399,10 @@ def shard_batch(
             f"shard_batch: cu_seqlens must run from 0 to the row length {length}, got {cu_seqlens.tolist()}"
         )
     structured = "block_ids" in batch or "path_ids" in batch
-    if structured and backend != "torch":
+    if structured and backend not in ("torch", "ulysses"):
         raise ValueError(
-            f"structure mode (Parallel-R1 mask) needs sp_backend=torch; {backend!r} runs causal flash kernels only"
+            f"structure mode (Parallel-R1 mask) needs sp_backend=torch or ulysses; {backend!r} runs causal flash "
+            "kernels only"
         )
 
     fields = _token_fields(batch, length)
@@ -442,6 +456,12 @@ def shard_batch(
         ctx.structure = {
             name: _take(plan, name, fields[name], every).to(torch.int64) for name in ("block_ids", "path_ids")
         }
+    if backend == "ulysses":
+        from train.ulysses import UlyssesSpec, ulysses_context
+
+        spec = ulysses or UlyssesSpec(size=sp_size, group=group)
+        row_structure = None if ctx.structure is None else {"seq_ids": seq_ids, **ctx.structure}
+        ctx.ulysses = ulysses_context(spec, sp_rank, sp_size, padded_cu, row_structure)
     if backend == "llama3":
         ring = _import_ring_flash_attn(backend)
         cu_q, cu_k, max_q, max_k, k_slice = ring.llama3_flash_attn_prepare_cu_seqlens(
@@ -590,6 +610,10 @@ def sp_attention(
         )
     if features.has_sinks != (sinks is not None):
         raise ValueError(f"features.has_sinks={features.has_sinks} but sinks {'absent' if sinks is None else 'given'}")
+    if sp_ctx.backend == "ulysses":  # its local attention checks the features (packed path or ring backend)
+        from train.ulysses import ulysses_attention
+
+        return ulysses_attention(module, query, key, value, sp_ctx.ulysses, scaling, features, sinks)
     problems = sp_feature_problems(sp_ctx.backend, features)
     if sp_ctx.structure is not None:
         from train.structured_attention import structure_feature_problems

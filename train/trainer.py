@@ -231,8 +231,11 @@ def _init_single_process_group() -> None:
 
 
 def choose_sp_backend(requested: str, structure: bool, half_precision: bool) -> str:
-    """The sequence-parallel backend; structure (Parallel-R1) data needs the mask of the `torch` backend, which
-    `auto` then picks, and an explicit flash backend is a config error (before the model loads)."""
+    """The sequence-parallel gather / ring backend (without Ulysses, or across the Ulysses groups of the hybrid,
+    where `ulysses` asks for it as `auto` does); structure (Parallel-R1) data needs the mask of the `torch` backend,
+    which `auto` then picks, and an explicit flash backend is a config error (before the model loads)."""
+    if requested == "ulysses":
+        requested = "auto"
     if structure:
         if requested not in ("auto", "torch"):
             raise ConfigError(
@@ -243,6 +246,25 @@ def choose_sp_backend(requested: str, structure: bool, half_precision: bool) -> 
     from train.sequence_parallel import resolve_backend
 
     return resolve_backend(requested, half_precision=half_precision)
+
+
+def choose_sp_layout(cfg: TrainConfig):
+    """The Ulysses degree of the sp groups (train/ulysses.py `choose_sp_layout`) from the config, the model's
+    heads and the processes per machine (LOCAL_WORLD_SIZE of the launcher, else the config's launch section)."""
+    from transformers import AutoConfig
+
+    from train.ulysses import choose_sp_layout as choose
+
+    config = AutoConfig.from_pretrained(cfg.model_path or cfg.model_config)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n_heads = text.num_attention_heads
+    n_kv_heads = getattr(text, "num_key_value_heads", None) or n_heads
+    per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or cfg.launch.num_processes // cfg.launch.num_machines
+    try:
+        return choose(cfg.sp_backend, cfg.sequence_parallel_size, cfg.sp_ulysses_size, n_heads, n_kv_heads,
+                      per_machine)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _seed_everything(seed: int) -> None:
@@ -263,7 +285,9 @@ class Trainer:
         world = dist.get_world_size() if dist.is_initialized() else 1
         if validate:
             cfg.validate(world)  # every invariant before the model loads
-        self.mesh: Mesh = build_mesh(cfg.sequence_parallel_size)
+        self.sp_layout = choose_sp_layout(cfg) if cfg.sequence_parallel_size > 1 else None
+        self.mesh: Mesh = build_mesh(cfg.sequence_parallel_size,
+                                     ulysses_size=self.sp_layout.ulysses_size if self.sp_layout else 1)
         self.device = self.mesh.device
         self.console = console or (print if self.mesh.is_main else (lambda *_: None))
         self.progress_bar = sys.stderr.isatty()  # redirected output: plain step lines, no tqdm fragments
@@ -287,9 +311,11 @@ class Trainer:
         self.warmup_steps = (
             cfg.warmup_steps if cfg.warmup_steps is not None else int(cfg.warmup_ratio * self.total_steps)
         )
-        self.sp_backend = None
-        if self.mesh.sp_size > 1:
-            self.sp_backend = choose_sp_backend(cfg.sp_backend, self.structure, half_precision=cfg.bf16)
+        self.sp_backend = self.sp_ring_backend = None  # ring: across the Ulysses groups of the hybrid
+        if self.sp_layout is not None:
+            if self.sp_layout.ring_size > 1:
+                self.sp_ring_backend = choose_sp_backend(cfg.sp_backend, self.structure, half_precision=cfg.bf16)
+            self.sp_backend = "ulysses" if self.sp_layout.ulysses_size > 1 else self.sp_ring_backend
 
         zero3 = cfg.deepspeed.stage == 3
         self._hf_ds_config = None
@@ -423,8 +449,10 @@ class Trainer:
         attention features: dropout, sliding windows, softcap, sinks); an explicitly named backend (or sp backend)
         that cannot run here fails now, before the first step."""
         features = model_attention_features(self.lm)
-        if self.sp_backend is not None or self.structure:
-            if problems := dispatched_feature_problems(features, self.sp_backend, self.structure):
+        # pure Ulysses runs the backend table on the whole row; the hybrid's ring part is an sp backend
+        dispatched = self.sp_ring_backend if self.sp_backend == "ulysses" else self.sp_backend
+        if dispatched is not None or self.structure:
+            if problems := dispatched_feature_problems(features, dispatched, self.structure):
                 raise RuntimeError("; ".join(problems))
             return self.cfg.attn_backend  # dispatched before the backend table (train/attention.py)
         dtype = torch.bfloat16 if self.cfg.bf16 else torch.float32
@@ -498,6 +526,14 @@ class Trainer:
             batch["weights"] = torch.zeros_like(batch["weights"])
         return batch
 
+    def _ulysses_spec(self):
+        if self.sp_backend != "ulysses":
+            return None
+        from train.ulysses import UlyssesSpec
+
+        return UlyssesSpec(self.mesh.ulysses_size, self.mesh.ulysses_group, self.mesh.ring_group,
+                           self.sp_ring_backend or "torch", self.attn_backend)
+
     def forward_micro_batch(self, batch: dict, filler: bool = False):
         """(weighted_sum, cat_loss_sum, cat_count, router_aux) of this rank's part of one full micro-batch;
         router_aux: this rank's share of the micro-batch's router aux term (PackedCausalLM), None without one."""
@@ -506,7 +542,7 @@ class Trainer:
             from train.sequence_parallel import shard_batch
 
             batch, sp_ctx = shard_batch(batch, self.mesh.sp_rank, self.mesh.sp_size, self.sp_backend,
-                                        group=self.mesh.sp_group)
+                                        group=self.mesh.sp_group, ulysses=self._ulysses_spec())
             sp_ctx = sp_ctx.to(self.device)
         dev = self.device
 
@@ -782,6 +818,20 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def _attention_description(self) -> str:
+        if self.sp_backend == "ulysses":
+            layout = self.sp_layout
+            if layout.ring_size == 1:
+                local = "Parallel-R1 mask" if self.structure else f"varlen {self.attn_backend}"
+                return (f"sequence-parallel ulysses {layout.ulysses_size} (all-to-all of heads; {local} on the "
+                        "whole row)")
+            from train.sequence_parallel import describe_sp_backend
+
+            ring = describe_sp_backend(self.sp_ring_backend, self.structure, self.device,
+                                       torch.bfloat16 if self.cfg.bf16 else torch.float32,
+                                       model_attention_features(self.lm))
+            kind = (f"sequence-parallel hybrid ulysses {layout.ulysses_size} x {layout.ring_size}: "
+                    f"{ring.removeprefix('sequence-parallel ')} across the Ulysses groups")
+            return kind + (" + Parallel-R1 mask" if self.structure else "")
         if self.sp_backend is not None:
             from train.sequence_parallel import describe_sp_backend
 
@@ -806,6 +856,9 @@ class Trainer:
         end = self.total_steps if stop_at_step is None else min(self.total_steps, stop_at_step)
         if self.progress_bar and self.mesh.is_main:
             self._bar = tqdm(total=self.total_steps, initial=self.step, desc="train", dynamic_ncols=True)
+        if self.sp_layout is not None:
+            layout = self.sp_layout
+            self.console(f"sequence parallelism: {layout.describe(self.sp_ring_backend)}: {layout.reason}")
         self.console(
             f"training {self.total_steps} steps: world {self.mesh.world_size} (dp {self.mesh.dp_size} x sp "
             f"{self.mesh.sp_size}), {self.sampler.rows_per_step} rows/step, deepspeed stage {cfg.deepspeed.stage}, "
