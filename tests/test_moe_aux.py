@@ -234,13 +234,16 @@ def test_deepspeed_scales_aux_like_the_loss(moe_setup, accumulation, tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_sequence_parallel_equals_one_process(moe_setup, tmp_path):
+@pytest.mark.parametrize("sp_backend", ["torch", "ulysses"])
+def test_sequence_parallel_equals_one_process(moe_setup, tmp_path, sp_backend):
+    """The router statistics of the whole row: summed over the sp group whether its ranks hold a slice of the
+    tokens (gather) or, inside attention, all tokens for some heads (Ulysses: the MoE layers still see a slice)."""
     _, _, config = moe_setup
     ref_log, ref_grads = _in_process(config, tmp_path / "one")
     log, grads = _two_processes(config, tmp_path / "sp", tmp_path / "grads", "sequence_parallel_size=2",
-                                "sp_backend=torch", "launch.num_processes=2")
+                                f"sp_backend={sp_backend}", "launch.num_processes=2")
     assert len(log) == len(ref_log) == 1
-    _assert_same_step(log[0], ref_log[0], grads[0], ref_grads[0], "sp 2 vs one process")
+    _assert_same_step(log[0], ref_log[0], grads[0], ref_grads[0], f"sp 2 ({sp_backend}) vs one process")
 
 
 def test_filler_micro_batch_adds_nothing(moe_setup, tmp_path):
