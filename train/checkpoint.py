@@ -439,3 +439,18 @@ def data_mismatch(saved: dict | None, current: dict) -> str | None:
         return None
     return (f"the checkpoint was trained on {saved.get('path')}, this run reads {current['path']}: "
             + ", ".join(diffs))
+
+
+def layout_mismatch(saved: dict, current: dict, compare_steps: bool = True) -> str | None:
+    """Why this run's steps differ from the checkpoint's run (None: the same, or a checkpoint that predates these
+    keys): another `grad_accum` / `micro_batch_rows` gives every step other rows, another step count (`max_steps`,
+    or `num_epochs` without it) another lr schedule, so a resumed run would train some rows twice and skip others.
+    `compare_steps=False`: the step count may differ (resuming on other data, allowed by the user)."""
+    for key in ("grad_accum", "micro_batch_rows"):
+        if key in saved and saved[key] != current[key]:
+            return f"{key}={current[key]}, but the checkpoint was saved with {key}={saved[key]}"
+    if compare_steps and saved.get("total_steps") not in (None, current["total_steps"]):
+        key = "max_steps" if current["max_steps"] is not None or saved.get("max_steps") is not None else "num_epochs"
+        return (f"{key}={current[key]} ({current['total_steps']} steps), but the checkpoint was saved with "
+                f"{key}={saved.get(key, 'unrecorded')} ({saved['total_steps']} steps; another lr schedule)")
+    return None

@@ -42,6 +42,7 @@ from train.checkpoint import (
     data_mismatch,
     dataset_identity,
     discard_checkpoints,
+    layout_mismatch,
     load_rng,
     load_trainer_state,
     remove_stale_temporaries,
@@ -600,8 +601,14 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints and export
     def _trainer_state(self) -> dict:
         epoch, in_epoch = self.sampler.position(self.step)
-        return {"step": self.step, "epoch": epoch, "step_in_epoch": in_epoch, "total_steps": self.total_steps,
+        return {"step": self.step, "epoch": epoch, "step_in_epoch": in_epoch, **self._step_layout(),
                 "seed": self.cfg.seed, "world_size": self.mesh.world_size, "data": self._data_identity()}
+
+    def _step_layout(self) -> dict:
+        """What decides the rows and the lr of every step: a resume with other values is refused."""
+        cfg = self.cfg
+        return {"total_steps": self.total_steps, "grad_accum": cfg.grad_accum, "micro_batch_rows": cfg.micro_batch_rows,
+                "max_steps": cfg.max_steps, "num_epochs": cfg.num_epochs}
 
     def _data_identity(self) -> dict:
         return dataset_identity(self.cfg.data_path, len(self.dataset))
@@ -651,6 +658,13 @@ class Trainer:
                     "resume_data_mismatch=allow to continue on the new data (the sampler order then differs)"
                 )
             self._warn(f"resume from {path}: {mismatch} (resume_data_mismatch=allow: continuing)")
+        other_layout = layout_mismatch(state, self._step_layout(), compare_steps=not mismatch)
+        if other_layout:
+            raise CheckpointError(
+                f"resume from {path}: {other_layout}: the resumed run would train other rows than the run it continues "
+                "(some twice, some never); resume with the checkpoint's value, or start a new run (another output_dir, "
+                "or overwrite_output_dir=true with resume=none)"
+            )
         saved_world = state.get("world_size")
         if saved_world is not None and int(saved_world) != self.mesh.world_size:
             raise RuntimeError(
