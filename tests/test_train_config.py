@@ -171,3 +171,18 @@ def test_activation_checkpointing_auto_follows_row_length(setup):
     assert load_config(config, ["gradient_checkpointing=true"]).checkpointing_enabled(16) is True
     with pytest.raises(ConfigError, match="gradient_checkpointing"):
         load_config(config, ["gradient_checkpointing=sometimes"])
+
+
+def test_data_without_loss_tokens_is_refused_before_step_1(setup):
+    """Packed rows whose labels are all -100 would train steps of loss 0 and export the initial weights, exit 0."""
+    from tests._train_helpers import untrained_sequence
+
+    tmp, config = setup
+    rng = np.random.default_rng(3)
+    data = write_packed(tmp / "no_loss", [[untrained_sequence(rng, 12), untrained_sequence(rng, 7)]])
+    cfg = load_config(config, [f"data_path={data}"])
+    with pytest.raises(ConfigError, match=f"data_path: {data} has no loss token"):
+        cfg.validate()
+    cfg = load_config(config, [f"eval_data_path={data}"])
+    with pytest.raises(ConfigError, match=f"eval_data_path: {data} has no loss token"):
+        cfg.validate()

@@ -276,6 +276,12 @@ class TrainConfig:
             if path is None:
                 continue
             meta = read_meta(path)
+            if not meta["counts"].get("loss_tokens"):
+                raise ConfigError(
+                    f"{name}: {path} has no loss token (every label is -100): training on it would run steps of loss 0 "
+                    "and export the initial weights. Check the data config (the assistant turns and their labels, "
+                    "loss_turns) and re-run sh data_process.sh"
+                )
             data_tok = _meta_tokenizer_path(meta) or "an unrecorded tokenizer"
             problems = []
             max_id = max_token_id(path, meta)
