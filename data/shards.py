@@ -76,7 +76,8 @@ _IO_BATCH_BYTES = 1 << 22
 
 # Keys of meta.json the writer owns; meta_extra may not replace them.
 RESERVED_META_KEYS = ("format", "format_version", "row_checksum", "kind", "token_fields", "counts", "max_token_id",
-                      "shards")
+                      "shards", "manifest_blake2b")
+MANIFEST_CHECKSUM = "manifest_blake2b"  # meta.json's checksum of its own content (manifest_checksum)
 
 TOKENIZER_FILE_NAMES = (
     "tokenizer.json",
@@ -139,6 +140,13 @@ def tokenizer_hash(tokenizer_dir: str | os.PathLike) -> str:
         h.update(len(data).to_bytes(8, "little"))
         h.update(data)
     return h.hexdigest()
+
+
+def manifest_checksum(meta: Mapping[str, Any]) -> str:
+    """blake2b of a manifest's content without its own checksum (JSON, keys sorted): meta.json is checked like the
+    shards it describes, so a hand-edited count or `max_token_id` is refused instead of trusted."""
+    content = {k: v for k, v in meta.items() if k != MANIFEST_CHECKSUM}
+    return hashlib.blake2b(orjson.dumps(content, option=orjson.OPT_SORT_KEYS), digest_size=32).hexdigest()
 
 
 def temp_sibling(dst: Path, kind: str = "tmp") -> Path:
@@ -546,7 +554,7 @@ class ShardWriter:
         self._finish_shard()
         for name, data in files.items():
             _write_synced(self.tmp_dir / name, data)
-        meta = {
+        meta = orjson.loads(dump_json({  # as read back: the checksum covers what readers parse
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "row_checksum": ROW_CHECKSUM,
@@ -556,12 +564,13 @@ class ShardWriter:
             "max_token_id": self._max_token_id,
             **extra,
             "shards": self._shards,
-        }
+        }))
+        meta[MANIFEST_CHECKSUM] = manifest_checksum(meta)
         _write_synced(self.tmp_dir / "meta.json", dump_json(meta))
         fsync_dir(self.tmp_dir)
         self._closed = True
         replace_dir(self.tmp_dir, self.out_dir)
-        return orjson.loads(dump_json(meta))
+        return meta
 
     def abort(self) -> None:
         """Drop everything written so far (the temp directory); `out_dir` is left untouched."""
@@ -677,7 +686,20 @@ def read_meta(path: str | os.PathLike) -> dict:
             ok = False
         if not ok:
             raise ShardFormatError(f"{meta_path}: shards[{i}] is malformed: {shard!r}"[:500])
+    if MANIFEST_CHECKSUM in meta and meta[MANIFEST_CHECKSUM] != manifest_checksum(meta):
+        stage = "tokenize,pack" if meta["kind"] == "tokenized" else "pack"
+        raise ShardFormatError(
+            f"{meta_path}: manifest checksum mismatch: meta.json changed after it was written (an edit, or damage), "
+            f"so its counts, max_token_id and shard checksums cannot be trusted; re-create {path} (sh data_process.sh "
+            f"CONFIG --stages {stage}) instead of editing it"
+        )
     return meta
+
+
+def trusted_manifest(meta: Mapping[str, Any]) -> bool:
+    """Whether `meta` (from read_meta) carries its own checksum, i.e. was checked; older datasets' manifests were
+    not, and what they claim about the tokens (max_token_id) is read from the tokens instead."""
+    return MANIFEST_CHECKSUM in meta
 
 
 def _concat_shards(parts: list[np.ndarray], dtype) -> np.ndarray:

@@ -186,3 +186,29 @@ def test_data_without_loss_tokens_is_refused_before_step_1(setup):
     cfg = load_config(config, [f"eval_data_path={data}"])
     with pytest.raises(ConfigError, match=f"eval_data_path: {data} has no loss token"):
         cfg.validate()
+
+
+def test_hand_edited_manifest_cannot_hide_token_ids_outside_the_vocabulary(setup):
+    """meta.json's max_token_id lowered by hand used to pass the vocabulary check (IndexError at step 1): the
+    manifest carries its own checksum, and a manifest without one (an older dataset) is not trusted for the maximum."""
+    import orjson
+
+    from data.shards import MANIFEST_CHECKSUM
+
+    tmp, config = setup
+    rows = random_rows(1, 1)
+    rows[0][0]["input_ids"][3] = 500  # the tiny model's vocabulary is 97
+    data = write_packed(tmp / "edited", rows)
+    meta_file = data / "meta.json"
+    meta = orjson.loads(meta_file.read_bytes())
+    assert meta["max_token_id"] == 500
+    meta["max_token_id"] = 96
+    meta_file.write_bytes(orjson.dumps(meta, option=orjson.OPT_INDENT_2))
+    cfg = load_config(config, [f"data_path={data}"])
+    with pytest.raises(ConfigError, match=f"{meta_file}: manifest checksum mismatch: meta.json changed after it was "
+                                          r"written .* re-create .*--stages pack"):
+        cfg.validate()
+    del meta[MANIFEST_CHECKSUM]  # as written before manifests had a checksum: the token arrays decide
+    meta_file.write_bytes(orjson.dumps(meta, option=orjson.OPT_INDENT_2))
+    with pytest.raises(ConfigError, match=r"data_path: token id 500 .* \(vocab_size=97\)"):
+        cfg.validate()

@@ -381,13 +381,14 @@ def _cuda_available() -> bool:
 
 
 def read_meta(path: str | os.PathLike) -> dict:
-    import orjson
+    """The dataset's manifest, checked (format, and its own checksum: data.shards.read_meta)."""
+    from data.shards import ShardFormatError
+    from data.shards import read_meta as read_checked_meta
 
-    meta_file = Path(path) / "meta.json"
     try:
-        return orjson.loads(meta_file.read_bytes())
-    except orjson.JSONDecodeError as exc:
-        raise ConfigError(f"{meta_file}: invalid JSON: {exc}") from None
+        return read_checked_meta(path)
+    except ShardFormatError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _meta_tokenizer_hash(meta: dict) -> str | None:
@@ -408,12 +409,13 @@ def tokenizer_hash(path: str | os.PathLike) -> str | None:
 
 
 def max_token_id(path: str | os.PathLike, meta: dict | None = None) -> int:
-    """Largest input id of a packed dataset: from the manifest when recorded, else a chunked scan of the shards."""
+    """Largest input id of a packed dataset: from a checksummed manifest, else a chunked scan of the shards (an older
+    manifest without its checksum may have been edited)."""
+    from data.shards import PackedDataset, trusted_manifest
+
     meta = meta if meta is not None else read_meta(path)
-    for key in ("max_token_id", "max_input_id"):
-        if isinstance(meta.get(key), int):
-            return meta[key]
-    from data.shards import PackedDataset
+    if trusted_manifest(meta) and isinstance(meta.get("max_token_id"), int):
+        return meta["max_token_id"]
 
     best = -1
     for chunk in PackedDataset(path).token_chunks():
