@@ -284,3 +284,12 @@ def test_template_inputs_pass_tools_and_thinking():
     assert template_inputs(rec, False)[1] == {"tools": rec["tools"], "enable_thinking": False}
     assert template_inputs(dict(rec, enable_thinking=True), False)[1]["enable_thinking"] is True  # record wins
     assert "enable_thinking" not in template_inputs({"messages": []}, None)[1]
+
+
+def test_meta_records_the_tokenizer_path_resolved(tmp_path, monkeypatch):
+    """A relative tokenizer_path is stored absolute: the trainer exports that tokenizer from any directory."""
+    tok = tokenizer_dir(QWEN)
+    monkeypatch.chdir(tok.parent)
+    _write_merged(tmp_path, _many_records(2))
+    run(DataConfig(inputs=[], output_dir=str(tmp_path), tokenizer_path=tok.name), workers=1)
+    assert PackedDataset(tmp_path / "tokenized").meta["tokenizer_path"] == str(tok)

@@ -212,3 +212,22 @@ def test_hand_edited_manifest_cannot_hide_token_ids_outside_the_vocabulary(setup
     meta_file.write_bytes(orjson.dumps(meta, option=orjson.OPT_INDENT_2))
     with pytest.raises(ConfigError, match=r"data_path: token id 500 .* \(vocab_size=97\)"):
         cfg.validate()
+
+
+def test_missing_export_tokenizer_is_an_error_at_start(setup, monkeypatch):
+    """Shards whose meta.json names a tokenizer (relative, as older pipelines wrote it) that does not exist from
+    where training runs: an error before the model loads, not a warning after the last step and a final/ without
+    its tokenizer."""
+    from tests._train_helpers import ROOT
+
+    tmp, config = setup
+    data = write_packed(tmp / "relative_tok", random_rows(4, 1), {"tokenizer_path": "data/example/tokenizer"})
+    monkeypatch.chdir(tmp)
+    cfg = load_config(config, [f"data_path={data}"])
+    with pytest.raises(ConfigError, match=r"tokenizer_path: not set; model_path .* holds no tokenizer files, and the "
+                       r"shards' meta.json names the tokenizer data/example/tokenizer, which does not exist \(a "
+                       f"relative path, from {tmp} here\).*Set tokenizer_path"):
+        cfg.validate()
+    load_config(config, [f"data_path={data}", f"tokenizer_path={ROOT / 'data/example/tokenizer'}"]).validate()
+    monkeypatch.chdir(ROOT)
+    cfg.validate()

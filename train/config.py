@@ -294,6 +294,8 @@ class TrainConfig:
                     f"a config.json with vocab_size > {max_id} (configs/train/qwen2_5_tiny.yaml does this for Qwen2.5 "
                     "tokenizers)"
                 )
+            if name == "data_path":
+                self._check_export_tokenizer(meta)
             mismatch = self._tokenizer_hash_mismatch(meta, data_tok)
             if mismatch and (problems or self.tokenizer_mismatch == "error"):
                 problems.append(mismatch + " (tokenizer_mismatch=warn trains anyway: only when both give the same ids)")
@@ -301,6 +303,20 @@ class TrainConfig:
                 logger.warning(f"{name}: {mismatch}")
             if problems:
                 raise ConfigError(f"{name}: " + "; and ".join(problems))
+
+    def _check_export_tokenizer(self, meta: dict) -> None:
+        """The tokenizer final/ is exported with must exist now, not be found missing after the last step (the
+        shards' meta.json of older pipelines holds the path as typed, relative to where the data was built)."""
+        recorded = _meta_tokenizer_path(meta)
+        if recorded is None or self.resolved_tokenizer_path(meta) is not None:
+            return
+        where = "" if Path(recorded).is_absolute() else f" (a relative path, from {os.getcwd()} here)"
+        model = f"model_path {self.model_path} holds no tokenizer files, and " if self.model_path else ""
+        raise ConfigError(
+            f"tokenizer_path: not set; {model}the shards' meta.json names the tokenizer {recorded}, which does not "
+            f"exist{where}: the model would be exported without its tokenizer. Set tokenizer_path to the tokenizer "
+            "the data was tokenized with"
+        )
 
     def _tokenizer_hash_mismatch(self, meta: dict, data_tok: str) -> str | None:
         tok_path, key = self._resolved_tokenizer(meta)

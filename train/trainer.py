@@ -254,6 +254,9 @@ class Trainer:
         from train.online import open_train_dataset
 
         self.dataset = open_train_dataset(cfg.data_path, cfg.online_max_length, seed=cfg.seed, verify=cfg.verify_data)
+        if cfg.resolved_tokenizer_path(self.dataset.meta) is None:  # none named anywhere (a named one must exist)
+            self._warn("no tokenizer (tokenizer_path, model_path, the shards' meta.json): final/ will be exported "
+                       "without one")
         self.categories = {int(k): v for k, v in (self.dataset.meta.get("categories") or {}).items()}
         self.num_categories = max([0, *self.categories]) + 1
         self.structure = "block_ids" in self.dataset.token_fields
@@ -706,14 +709,12 @@ class Trainer:
         if self.mesh.is_main:
             prefix = "lm."
             lm_state = None if state is None else {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-            tok_path = self.cfg.resolved_tokenizer_path(self.dataset.meta)
+            tok_path = self.cfg.resolved_tokenizer_path(self.dataset.meta)  # checked at start (config validation)
             tokenizer = None
             if tok_path:
                 from transformers import AutoTokenizer
 
                 tokenizer = AutoTokenizer.from_pretrained(tok_path)
-            else:
-                logger.warning("no tokenizer found (tokenizer_path, model_path, shard manifest): exported without one")
             if self.cfg.lora_rank > 0:
                 from train.lora import save_lora
 
