@@ -93,7 +93,7 @@ def run_stage(cfg: DataConfig, stage: str, stage_fn: Callable[[DataConfig], dict
 
 
 def clean_up(cfg: DataConfig) -> None:
-    """Remove the temporaries of killed runs (dead writer pid) and say so in one line."""
+    """Remove the temporaries of killed runs (writer process gone) and say so in one line."""
     removed = remove_stale_temporaries(cfg)
     if removed:
         mb = sum(size for _, size in removed) / 1e6

@@ -18,7 +18,6 @@ import contextlib
 import os
 import shutil
 import sys
-import uuid
 import warnings
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -26,7 +25,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from data.shards import replace_dir
+from data.shards import replace_dir, temp_sibling
 
 __all__ = ["apply_lora", "save_lora", "merged_state_dict", "adapter_state_dict", "base_causal_lm", "is_peft_model"]
 
@@ -265,7 +264,7 @@ def save_lora(
         return None
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = temp_sibling(out)
     base = peft_model.get_base_model()
     use_cache = getattr(base.config, "use_cache", None)
     try:
