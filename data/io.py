@@ -291,6 +291,15 @@ def _current_umask() -> int:
     return mask
 
 
+def apply_umask(directory: str | os.PathLike) -> None:
+    """Give every file under `directory` the mode open() would (0666 minus the umask): some writers (mkstemp,
+    safetensors) create files 0600, which would leave them alone unreadable next to the others."""
+    mode = 0o666 & ~_current_umask()
+    for path in Path(directory).rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, mode)
+
+
 @contextlib.contextmanager
 def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
     """Binary file opened on a temp file next to `path`; fsynced and renamed over `path` on success (the directory

@@ -33,6 +33,8 @@ import pickle
 import random
 import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +43,13 @@ import orjson
 import torch
 import torch.distributed as dist
 
-from data.shards import replace_dir
+from data.io import apply_umask
+from data.shards import replace_dir, stale_temporaries, temp_sibling
 
 logger = logging.getLogger("packsft.train")
 
 CHECKPOINT_DIR = "checkpoints"
+FINAL_DIR = "final"  # the exported model, in output_dir
 LATEST = "latest"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -55,6 +59,9 @@ _ASIDE_DIR = re.compile(r"^\.step-(\d+)\.old-.+$")
 FREE_SPACE_MARGIN = 1.05  # the next checkpoint may be a little larger than the last one (optimizer state fills in)
 
 disk_usage = shutil.disk_usage  # module attribute so tests can simulate a full disk
+# what a write on a full disk raises: OSError (ENOSPC, EDQUOT), or torch.save's RuntimeError for a short write
+# ("unexpected pos …", "file write failed")
+WRITE_ERRORS = (OSError, RuntimeError)
 
 
 class CheckpointError(RuntimeError):
@@ -73,6 +80,11 @@ def _from_main(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _gather(value: Any) -> list:
@@ -94,11 +106,15 @@ def step_dir_name(step: int) -> str:
 
 def write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 # ---------------------------------------------------------------------------------------------- loading .pt files
@@ -241,11 +257,12 @@ def checkpoint_bytes(directory: Path) -> int:
 # ---------------------------------------------------------------------------------------------- saving
 def remove_stale_temporaries(output_dir: str | os.PathLike) -> list[Path]:
     """Half-written `.step-N.tmp/` directories and pointer temporaries of a crashed or killed save (one run per
-    output_dir, so nothing else is writing them). Returns what was removed."""
+    output_dir, so nothing else is writing them), and a killed export's `final/` temporaries. Returns what was
+    removed."""
     root = checkpoint_root(output_dir)
-    if not root.is_dir():
-        return []
-    stale = sorted([*root.glob(".step-*.tmp"), *root.glob(f".{LATEST}.tmp-*")])
+    stale = stale_temporaries(output_dir, [FINAL_DIR])
+    if root.is_dir():
+        stale += sorted([*root.glob(".step-*.tmp"), *root.glob(f".{LATEST}.tmp-*")])
     for path in stale:
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
@@ -306,25 +323,55 @@ def save_checkpoint(output_dir, step: int, rank: int, save_fn, trainer_state: di
         save_rng(tmp, rank)
         if rank == 0:
             (tmp / "trainer_state.json").write_bytes(orjson.dumps(trainer_state, option=orjson.OPT_INDENT_2))
-    except OSError as exc:  # ENOSPC, quota, permissions
-        error = f"rank {rank}: {exc}"
+    except WRITE_ERRORS as exc:
+        error = f"rank {rank}: {_one_line(exc)}"
     errors = _gather(error)  # in place of a barrier: every rank learns of any rank's failure and raises
+    if rank == 0 and not any(errors):
+        try:
+            write_manifest(tmp, step)
+            replace_dir(tmp, final)  # the same step saved again (e.g. after resuming from an earlier one): replace it
+            write_atomic(root / LATEST, final.name.encode())
+        except OSError as exc:
+            errors = [f"rank 0: {_one_line(exc)}"]
+    errors = _from_main(errors)  # rank 0's last word: also the barrier after the commit
     if any(errors):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(
             f"checkpoint directory {root}: writing step {step} failed ({'; '.join(e for e in errors if e)}); the "
-            f"partial {tmp.name} was removed, the last complete checkpoint is intact (resume=latest continues from it)"
+            f"partial {tmp.name} was removed and the last complete checkpoint is intact: free space there (or lower "
+            "save_total_limit), then resume=latest continues from it"
         )
     if rank == 0:
-        write_manifest(tmp, step)
-        replace_dir(tmp, final)  # the same step saved again (e.g. after resuming from an earlier one): replace it
-        write_atomic(root / LATEST, final.name.encode())
         for stale in root.glob(".step-*.old-*"):  # moved aside by a re-save that was killed mid-swap
             shutil.rmtree(stale, ignore_errors=True)
         _prune(root, keep)
     _barrier()
     return final
+
+
+@contextmanager
+def export_directory(out_dir: Path) -> Iterator[Path]:
+    """A temporary directory to write an exported model into, moved to `out_dir` (replacing an earlier export)
+    when the block ends, its files given the umask's permissions (safetensors creates them 0600). A write error (a
+    full disk) removes it and raises a CheckpointError naming `out_dir`: nothing partial is left."""
+    from safetensors import SafetensorError
+
+    tmp = temp_sibling(out_dir)
+    try:
+        yield tmp
+        apply_umask(tmp)
+        replace_dir(tmp, out_dir)
+    except (*WRITE_ERRORS, SafetensorError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"export directory {out_dir}: writing the model failed ({_one_line(exc)}); the partial {tmp.name} was "
+            "removed. Free space there, then run the same command with resume=latest: it resumes at the last step "
+            "and exports again"
+        ) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:

@@ -36,12 +36,14 @@ import train.attention  # noqa: F401  (registers attn_implementation="packsft")
 from train.attention import ATTN_IMPLEMENTATION, AttentionContext, resolve_backend
 from train.batch import make_batch, step_totals
 from train.checkpoint import (
+    FINAL_DIR,
     CheckpointError,
     checkpoint_root,
     choose_checkpoint,
     data_mismatch,
     dataset_identity,
     discard_checkpoints,
+    export_directory,
     layout_mismatch,
     load_rng,
     load_trainer_state,
@@ -696,10 +698,6 @@ class Trainer:
     def export(self, out_dir: Path) -> Path:
         """HF format (safetensors + config + tokenizer), loadable with AutoModelForCausalLM.from_pretrained.
         With LoRA: the adapter (train/lora.py), plus the merged model in `merged/` when lora_merge_on_save."""
-        import shutil
-
-        from data.shards import replace_dir
-
         if self.engine is not None and self.cfg.deepspeed.stage == 3:
             state = self.engine._zero3_consolidated_16bit_state_dict()  # collective; full dict on rank 0 only
         elif self.cfg.lora_rank > 0:
@@ -721,17 +719,14 @@ class Trainer:
                 save_lora(self.lm, out_dir, merge=self.cfg.lora_merge_on_save, tokenizer=tokenizer, is_main=True,
                           state_dict=lm_state)
             else:
-                tmp = out_dir.with_name(f".{out_dir.name}.tmp")
-                if tmp.exists():
-                    shutil.rmtree(tmp)
                 self.lm.config.use_cache = True  # generation wants the cache; training turned it off
                 try:
-                    self.lm.save_pretrained(tmp, state_dict=lm_state, safe_serialization=True)
+                    with export_directory(out_dir) as tmp:
+                        self.lm.save_pretrained(tmp, state_dict=lm_state, safe_serialization=True)
+                        if tokenizer is not None:
+                            tokenizer.save_pretrained(tmp)
                 finally:
                     self.lm.config.use_cache = False
-                if tokenizer is not None:
-                    tokenizer.save_pretrained(tmp)
-                replace_dir(tmp, out_dir)
         if dist.is_initialized():
             dist.barrier()
         return out_dir
@@ -793,7 +788,7 @@ class Trainer:
             self.console(f"stopped at step {self.step} of {self.total_steps} (stop_at_step={stop_at_step}); "
                          f"checkpoint: {self._saved_path}")
         if self.step >= self.total_steps:
-            path = self.export(cfg.out / "final")
+            path = self.export(cfg.out / FINAL_DIR)
             self.console(f"exported the final model to {path}")
             if cfg.plot and self.mesh.is_main:
                 png = plot_losses(cfg.output_dir)
