@@ -285,3 +285,25 @@ def test_exported_files_follow_the_umask(setup, tmp_path):
     modes = {p.name: p.stat().st_mode & 0o777 for p in (out / "final").iterdir()}
     assert "model.safetensors" in modes and "tokenizer.json" in modes
     assert set(modes.values()) == {0o666 & ~umask}, modes
+
+
+def test_deepspeed_checkpoint_files_run_no_code(setup, tmp_path):
+    """DeepSpeed unpickles ds/*.pt without restriction: a pickle planted there, with the manifest
+    re-sealed, ran. Its files are read with weights_only=True semantics (plus DeepSpeed's own few classes)."""
+    import shutil
+
+    _, config, _ = setup
+    out = tmp_path / "run"
+    _run(config, out, "stop_at_step=2", "deepspeed.stage=2")
+    clean = tmp_path / "clean"
+    shutil.copytree(out, clean)
+    assert _run(config, clean, "resume=latest", "stop_at_step=3", "deepspeed.stage=2").step == 3  # its own files load
+    step = checkpoint_root(out) / "step-000002"
+    marker = tmp_path / "pwned"
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        state = torch.load(step / "ds" / name, weights_only=False)  # DeepSpeed's own file, just written
+        torch.save({**state, "planted": _Payload(marker)}, step / "ds" / name)
+    write_manifest(step, 2)
+    with pytest.raises(CheckpointError, match=re.escape(f"{step / 'ds' / 'mp_rank_00_model_states.pt'}: refused to load")):
+        _trainer(config, out, "resume=latest", "deepspeed.stage=2")
+    assert not marker.exists()

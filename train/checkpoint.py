@@ -8,9 +8,8 @@ Layout of `step-000012/`:
     manifest.json             written last: size and blake2b of every other file (the commit marker)
 
 Every load of a `.pt` file goes through `safe_load` (weights_only=True, map_location cpu): a crafted pickle in a
-checkpoint is refused instead of run. DeepSpeed reads its own `ds/` files with `weights_only=False`; PackSFT verifies
-`ds/` against the manifest before handing it over, but a manifest can be rewritten too: resume only from
-checkpoint directories you trust (docs/TRAINING.md).
+checkpoint is refused instead of run. DeepSpeed's own `ds/` files too: its checkpoint engine's load is replaced by
+`safe_load` with the few DeepSpeed classes those files hold (`load_deepspeed_files_safely`).
 
 Saving: every rank writes into `.step-000012.tmp/`; after a barrier rank 0 writes the manifest (fsyncing every
 file), renames the directory to `step-000012/` and then replaces the `latest` pointer file (write temp + os.replace).
@@ -118,11 +117,13 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- loading .pt files
-def safe_load(path: str | os.PathLike) -> Any:
-    """The repo's only `torch.load`: tensors and plain containers only (weights_only=True), onto the CPU."""
+def safe_load(path: str | os.PathLike, allowed_classes: list | tuple = ()) -> Any:
+    """The repo's only `torch.load`: tensors and plain containers only (weights_only=True), onto the CPU;
+    `allowed_classes` adds classes the unpickler may rebuild (never call arbitrary functions)."""
     path = Path(path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(list(allowed_classes)):
+            return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
@@ -134,6 +135,27 @@ def safe_load(path: str | os.PathLike) -> Any:
     except Exception as exc:  # zip / storage errors of a truncated or overwritten file
         size = path.stat().st_size if path.exists() else 0
         raise CheckpointError(f"{path}: cannot be read ({size} bytes; truncated or corrupt): {exc}") from None
+
+
+def deepspeed_checkpoint_classes() -> list:
+    """The classes DeepSpeed's checkpoint files hold besides tensors and containers (ZeRO 1-3 optimizer states:
+    the static loss scaler, the stage enum, fragment addresses)."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+def load_deepspeed_files_safely(engine) -> None:
+    """Make `engine` read checkpoint files as safe_load does (weights_only=True with the classes above) instead of
+    DeepSpeed's unrestricted unpickling, so a pickle planted in `ds/` is refused, not run. DeepSpeed reads
+    every file of a checkpoint through `engine.checkpoint_engine.load`, except universal checkpoints (refused)."""
+    if engine.load_universal_checkpoint():
+        raise CheckpointError("deepspeed checkpoint.load_universal unpickles files without restriction, outside "
+                              "DeepSpeed's checkpoint engine: PackSFT does not resume universal checkpoints")
+    allowed = deepspeed_checkpoint_classes()
+    engine.checkpoint_engine.load = lambda path, map_location=None: safe_load(path, allowed)
 
 
 # ---------------------------------------------------------------------------------------------- rng states

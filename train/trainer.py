@@ -45,6 +45,7 @@ from train.checkpoint import (
     discard_checkpoints,
     export_directory,
     layout_mismatch,
+    load_deepspeed_files_safely,
     load_rng,
     load_trainer_state,
     remove_stale_temporaries,
@@ -679,6 +680,7 @@ class Trainer:
         if self.engine is not None:
             if not (path / "ds").is_dir():
                 raise RuntimeError(f"{path} was not saved with DeepSpeed; resume with the same deepspeed.stage")
+            load_deepspeed_files_safely(self.engine)  # no code runs from ds/*.pt
             self.engine.load_checkpoint(str(path), tag="ds", load_optimizer_states=True, load_lr_scheduler_states=True)
         else:
             if not (path / "model.pt").is_file():
