@@ -52,19 +52,26 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:  # `--help | head`: the reader left; silence the flush at exit
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    if argv and argv[0] == "--launch-args":  # train.sh: print the accelerate launch options of the config
+    if argv and argv[0] == "--launch":  # train.sh: accelerate launch under a supervisor (train/launch.py)
+        from data.lock import LockHeldError
         from train.config import load_config
+        from train.launch import supervise
 
         argv.pop(0)
         config_path = argv.pop(0) if argv and "=" not in argv[0] else DEFAULT_CONFIG
         try:  # every invariant is checked here, before accelerate starts any process
             cfg = load_config(config_path, argv)
             cfg.validate(world_size=cfg.launch.num_processes)
-            print(" ".join(launch_args(cfg)))
         except ConfigError as exc:
             print(f"config error: {exc}", file=sys.stderr)
             return 2
-        return 0
+        command = [sys.executable, "-m", "accelerate.commands.launch", *launch_args(cfg), "-m", "train", config_path,
+                   *argv]
+        try:  # machine 0 holds the lock of the shared output_dir for every machine of the run
+            return supervise(command, cfg.output_dir if cfg.launch.machine_rank == 0 else None)
+        except LockHeldError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     config_path = argv.pop(0) if argv and "=" not in argv[0] else DEFAULT_CONFIG
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from train.config import load_config
