@@ -94,3 +94,38 @@ def test_sigterm_to_train_sh_stops_the_whole_run_and_the_lock_refuses_a_second_r
     assert again.wait(timeout=60) == 128 + signal.SIGINT
     assert f"[lock] took over {out / LOCK_NAME} from a run that is gone (pid {first.pid}" in again.stdout.read()
     assert _processes_of(out) == [] and not (out / "final").exists()
+
+
+_REPORT_THREADS = """
+import json, os, sys
+from train.__main__ import main
+code = main(sys.argv[1:])
+threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print("THREADS", json.dumps({"rank": os.environ["RANK"], "code": code, "gloo": [t for t in threads if "gloo" in t]}))
+"""
+
+
+@pytest.mark.multiprocess
+def test_gloo_threads_are_joined_before_the_interpreter_shuts_down(tmp_path):
+    """The cause of a rare SIGABRT at exit ("terminate called without an active exception") of the rank that exits
+    first: destroy_process_group() left gloo's process groups, and their worker threads, alive as long as the
+    trainer referenced them, so they were torn down during interpreter finalization while a worker could still
+    release a last collective's Python tensors. When `python -m train` returns, no gloo thread is left."""
+    script = tmp_path / "report_threads.py"
+    script.write_text(_REPORT_THREADS)
+    data = write_packed(tmp_path / "data", random_rows(0, 4, seqs_per_row=2))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+         str(script), "configs/train/example_sp.yaml", f"data_path={data}", f"output_dir={tmp_path / 'run'}",
+         "max_steps=2", "stop_at_step=1", "log_backends=[]"],  # a checkpoint (object collectives), then exit
+        cwd=ROOT, env=dict(_env(), PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    reports = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("THREADS ")]
+    assert sorted(r["rank"] for r in reports) == ["0", "1"]
+    assert [(r["code"], r["gloo"]) for r in reports] == [(0, []), (0, [])]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -85,26 +85,37 @@ def main(argv: list[str] | None = None) -> int:
     from train.checkpoint import CheckpointError
     from train.trainer import Trainer
 
+    trainer = None
     try:
         trainer = Trainer(cfg, validate=False)
+        trainer.train()
+        if trainer.step < trainer.total_steps and trainer.mesh.is_main:
+            print(f"resume with: {resume_command(config_path, argv)}", flush=True)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    except CheckpointError as exc:  # resume: no usable checkpoint, other data
+    except CheckpointError as exc:  # resume: no usable checkpoint, other data; a save: full disk, write error
         print(f"checkpoint error: {exc}", file=sys.stderr)
         return 1
-    try:
-        trainer.train()
-    except CheckpointError as exc:  # a save: full disk, write error
-        print(f"checkpoint error: {exc}", file=sys.stderr)
-        return 1
-    if trainer.step < trainer.total_steps and trainer.mesh.is_main:
-        print(f"resume with: {resume_command(config_path, argv)}", flush=True)
+    finally:
+        trainer = None
+        release_process_groups()
+    return 0
+
+
+def release_process_groups() -> None:
+    """Destroy the process groups and free them now, while the interpreter is whole. destroy_process_group() alone
+    leaves gloo's process groups, and their worker threads, alive for as long as Python objects reference them (the
+    trainer's mesh, which sits in reference cycles): they were then freed during interpreter shutdown, where a
+    worker thread releasing the tensors of a last collective needs the GIL of a finalizing interpreter and aborts
+    the process (SIGABRT, "terminate called without an active exception"), on the rank that exits first."""
+    import gc
+
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    return 0
+    gc.collect()  # the trainer's cycles: each ProcessGroupGloo destructor joins its worker threads here
 
 
 if __name__ == "__main__":
