@@ -72,7 +72,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _from_main(value: Any) -> Any:
+def from_main(value: Any) -> Any:
     """Rank 0's `value` on every rank, so all ranks raise together instead of some waiting at a barrier."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
@@ -335,7 +335,7 @@ def save_checkpoint(output_dir, step: int, rank: int, save_fn, trainer_state: di
         if problem is None:
             tmp.mkdir()
             (tmp / "rng").mkdir()
-    problem = _from_main(problem)
+    problem = from_main(problem)
     if problem is not None:
         raise CheckpointError(problem)
     _barrier()
@@ -355,7 +355,7 @@ def save_checkpoint(output_dir, step: int, rank: int, save_fn, trainer_state: di
             write_atomic(root / LATEST, final.name.encode())
         except OSError as exc:
             errors = [f"rank 0: {_one_line(exc)}"]
-    errors = _from_main(errors)  # rank 0's last word: also the barrier after the commit
+    errors = from_main(errors)  # rank 0's last word: also the barrier after the commit
     if any(errors):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -467,7 +467,7 @@ def choose_checkpoint(candidates: list[Path], on_corrupt: str, warn=logger.warni
     """The first candidate that matches its manifest (rank 0 checks, every rank gets the answer). A bad one is
     an error naming its files, or (on_corrupt="fallback") a warning and the next candidate."""
     for i, path in enumerate(candidates):
-        problems = _from_main(verify_checkpoint(path) if not dist.is_initialized() or dist.get_rank() == 0 else None)
+        problems = from_main(verify_checkpoint(path) if not dist.is_initialized() or dist.get_rank() == 0 else None)
         if not problems:
             return path
         listing = "; ".join(problems)

@@ -44,6 +44,7 @@ from train.checkpoint import (
     dataset_identity,
     discard_checkpoints,
     export_directory,
+    from_main,
     layout_mismatch,
     load_deepspeed_files_safely,
     load_rng,
@@ -706,32 +707,40 @@ class Trainer:
             state = None  # save_lora reads the live (full) parameters
         else:
             state = self.model.state_dict() if self.mesh.is_main else None
+        error = None
         if self.mesh.is_main:
-            prefix = "lm."
-            lm_state = None if state is None else {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-            tok_path = self.cfg.resolved_tokenizer_path(self.dataset.meta)  # checked at start (config validation)
-            tokenizer = None
-            if tok_path:
-                from transformers import AutoTokenizer
-
-                tokenizer = AutoTokenizer.from_pretrained(tok_path)
-            if self.cfg.lora_rank > 0:
-                from train.lora import save_lora
-
-                save_lora(self.lm, out_dir, merge=self.cfg.lora_merge_on_save, tokenizer=tokenizer, is_main=True,
-                          state_dict=lm_state)
-            else:
-                self.lm.config.use_cache = True  # generation wants the cache; training turned it off
-                try:
-                    with export_directory(out_dir) as tmp:
-                        self.lm.save_pretrained(tmp, state_dict=lm_state, safe_serialization=True)
-                        if tokenizer is not None:
-                            tokenizer.save_pretrained(tmp)
-                finally:
-                    self.lm.config.use_cache = False
-        if dist.is_initialized():
-            dist.barrier()
+            try:
+                self._write_export(out_dir, state)
+            except CheckpointError as exc:  # a full disk: every rank stops with rank 0's message
+                error = str(exc)
+        error = from_main(error)  # also the barrier after rank 0's write
+        if error:
+            raise CheckpointError(error)
         return out_dir
+
+    def _write_export(self, out_dir: Path, state: dict | None) -> None:
+        prefix = "lm."
+        lm_state = None if state is None else {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        tok_path = self.cfg.resolved_tokenizer_path(self.dataset.meta)  # checked at start (config validation)
+        tokenizer = None
+        if tok_path:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tok_path)
+        if self.cfg.lora_rank > 0:
+            from train.lora import save_lora
+
+            save_lora(self.lm, out_dir, merge=self.cfg.lora_merge_on_save, tokenizer=tokenizer, is_main=True,
+                      state_dict=lm_state)
+            return
+        self.lm.config.use_cache = True  # generation wants the cache; training turned it off
+        try:
+            with export_directory(out_dir) as tmp:
+                self.lm.save_pretrained(tmp, state_dict=lm_state, safe_serialization=True)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(tmp)
+        finally:
+            self.lm.config.use_cache = False
 
     # ------------------------------------------------------------------ the loop
     def _attention_description(self) -> str:
