@@ -18,6 +18,6 @@ if [ $# -gt 0 ]; then
         *) CONFIG="$1"; shift ;;
     esac
 fi
-LAUNCH_ARGS="$(python -m train --launch-args "$CONFIG" "$@")"
-# shellcheck disable=SC2086  # LAUNCH_ARGS is a list of options
-exec accelerate launch $LAUNCH_ARGS -m train "$CONFIG" "$@"
+# checks the config, takes the output directory's lock and runs `accelerate launch … -m train CONFIG …` in a process
+# group of its own, to which it forwards SIGTERM / SIGINT / SIGHUP (train/launch.py)
+exec python -m train --launch "$CONFIG" "$@"

@@ -60,7 +60,8 @@ from data.io import (UTF8_BOM, append_file, atomic_writer, expand_inputs, iter_j
                      parse_jsonl_line, require_stage_input)
 from data.progress import progress
 from data.records import RecordError
-from data.shards import REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, PackedDataset, ShardWriter, shard_ranges
+from data.shards import (REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, PackedDataset, ShardWriter, shard_ranges,
+                         temp_prefix)
 from data.tokenize import TokenizeTally
 
 # Chunks per Ray Data execution (a window): bounds the driver's memory (a chunk is <= 256 records) and amortizes
@@ -416,7 +417,7 @@ def convert_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, stats: list[d
     next_line: dict[str, int] = {}
     finish: list[tuple] = []
     uid = 0
-    parts_dir = Path(tempfile.mkdtemp(prefix=f".preprocess-parts.tmp-{os.getpid()}-",
+    parts_dir = Path(tempfile.mkdtemp(prefix=temp_prefix("preprocess-parts"),
                                       dir=Path(cfg.canonical_path).parent))
     try:
         numbered = enumerate(_preprocess_tasks(cfg, stats, dropped))
@@ -513,7 +514,7 @@ def write_sampled_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, offsets
     cuts = np.searchsorted(output_ends, np.arange(RANGE_BYTES, total, RANGE_BYTES))
     del output_ends
     bounds = np.unique(np.concatenate([[0], cuts, [len(records)]]))
-    parts_dir = Path(tempfile.mkdtemp(prefix=f".sample-parts.tmp-{os.getpid()}-", dir=Path(cfg.sampled_path).parent))
+    parts_dir = Path(tempfile.mkdtemp(prefix=temp_prefix("sample-parts"), dir=Path(cfg.sampled_path).parent))
     try:
         tasks = ((str(cfg.canonical_path), offsets[records[a:b]], offsets[records[a:b] + 1], copies[a:b],
                   str(parts_dir / f"part_{k:08d}.jsonl"))
@@ -631,7 +632,7 @@ def merge_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, budget: int | N
     group_starts = np.frombuffer(starts, dtype=np.int64) if starts else np.zeros(0, dtype=np.int64)
     sizes = np.diff(np.append(group_starts, n_in))
     group_sizes = {int(k): int(v) for k, v in zip(*np.unique(sizes, return_counts=True))}
-    parts_dir = Path(tempfile.mkdtemp(prefix=f".merge-parts.tmp-{os.getpid()}-", dir=Path(cfg.merged_path).parent))
+    parts_dir = Path(tempfile.mkdtemp(prefix=temp_prefix("merge-parts"), dir=Path(cfg.merged_path).parent))
     try:
         def write_tasks():
             for k, (a, _) in enumerate(ranges):

@@ -22,7 +22,7 @@ import orjson
 
 from data.config import DataConfig, split_spec
 from data.records import RecordError
-from data.shards import fsync_dir, stale_temporaries
+from data.shards import fsync_dir, stale_temporaries, temp_prefix
 
 BATCH_ROWS = 1024
 UTF8_BOM = b"\xef\xbb\xbf"  # some editors and Excel exports start files with it; orjson rejects it
@@ -291,13 +291,22 @@ def _current_umask() -> int:
     return mask
 
 
+def apply_umask(directory: str | os.PathLike) -> None:
+    """Give every file under `directory` the mode open() would (0666 minus the umask): some writers (mkstemp,
+    safetensors) create files 0600, which would leave them alone unreadable next to the others."""
+    mode = 0o666 & ~_current_umask()
+    for path in Path(directory).rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, mode)
+
+
 @contextlib.contextmanager
 def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
     """Binary file opened on a temp file next to `path`; fsynced and renamed over `path` on success (the directory
-    fsynced after), removed on error. The temp name carries the pid (`data.shards.stale_temporaries`)."""
+    fsynced after), removed on error. The temp name carries the writer's pid and start (`data.shards.stale_temporaries`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path.name), dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_current_umask())  # mkstemp creates 0600; give the mode open() would
         with os.fdopen(fd, "wb", buffering=1 << 20) as f:
@@ -328,8 +337,8 @@ def append_file(out: BinaryIO, path: str | os.PathLike) -> None:
 
 
 def remove_stale_temporaries(cfg: DataConfig) -> list[tuple[Path, int]]:
-    """Delete what killed runs left behind: temporaries in `output_dir` and the ratio file's, whose writer pid is
-    dead. Returns (path, bytes) of each one removed."""
+    """Delete what killed runs left behind: temporaries in `output_dir` and the ratio file's, whose writer process is
+    gone. Returns (path, bytes) of each one removed."""
     found = stale_temporaries(cfg.out) + stale_temporaries(cfg.ratio_file.parent, [cfg.ratio_file.name])
     removed = []
     for path in dict.fromkeys(found):

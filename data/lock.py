@@ -36,7 +36,7 @@ def process_start(pid: int) -> str | None:
     return f"{boot}:{stat.rsplit(')', 1)[1].split()[19]}"  # field 22, counted after the command name
 
 
-def _running(pid: int) -> bool:
+def pid_running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -53,7 +53,7 @@ def _holder_gone(holder: dict) -> bool:
     if holder.get("host") != socket.gethostname():
         return False
     pid = holder.get("pid")
-    if not isinstance(pid, int) or not _running(pid):
+    if not isinstance(pid, int) or not pid_running(pid):
         return True
     start = process_start(pid)
     return start is not None and holder.get("start") is not None and start != holder["start"]

@@ -95,7 +95,7 @@ def run_stage(cfg: DataConfig, stage: str, stage_fn: Callable[[DataConfig], dict
 
 
 def clean_up(cfg: DataConfig) -> None:
-    """Remove the temporaries of killed runs (dead writer pid), the eval split's too, and say so in one line."""
+    """Remove the temporaries of killed runs (writer process gone), the eval split's too, and say so in one line."""
     removed = remove_stale_temporaries(cfg)
     if cfg.eval_dir.is_dir():
         removed += remove_stale_temporaries(cfg.eval_config())

@@ -29,6 +29,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import orjson
 
+from data.lock import pid_running, process_start
+
 FORMAT_NAME = "packsft-indexed"
 FORMAT_VERSION = 2  # 2: per-row checksums in rows.npy
 ROW_CHECKSUM = "crc32"  # zlib.crc32 over the bytes of a row's token records, as stored in tokens.bin
@@ -76,7 +78,8 @@ _IO_BATCH_BYTES = 1 << 22
 
 # Keys of meta.json the writer owns; meta_extra may not replace them.
 RESERVED_META_KEYS = ("format", "format_version", "row_checksum", "kind", "token_fields", "counts", "max_token_id",
-                      "shards")
+                      "shards", "manifest_blake2b")
+MANIFEST_CHECKSUM = "manifest_blake2b"  # meta.json's checksum of its own content (manifest_checksum)
 
 TOKENIZER_FILE_NAMES = (
     "tokenizer.json",
@@ -141,29 +144,46 @@ def tokenizer_hash(tokenizer_dir: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def manifest_checksum(meta: Mapping[str, Any]) -> str:
+    """blake2b of a manifest's content without its own checksum (JSON, keys sorted): meta.json is checked like the
+    shards it describes, so a hand-edited count or `max_token_id` is refused instead of trusted."""
+    content = {k: v for k, v in meta.items() if k != MANIFEST_CHECKSUM}
+    return hashlib.blake2b(orjson.dumps(content, option=orjson.OPT_SORT_KEYS), digest_size=32).hexdigest()
+
+
+def _start_tag(pid: int) -> str:
+    """8 hex digits of process `pid`'s start (boot and start time, data.lock.process_start): a live process with a
+    temporary's pid but another tag is not its writer, the pid was reused. Without /proc every process has one tag."""
+    return hashlib.blake2b((process_start(pid) or "").encode(), digest_size=4).hexdigest()
+
+
+def temp_prefix(name: str, kind: str = "tmp") -> str:
+    """`.NAME.KIND-PID-sTAG-`, the start of every temporary's name: the writer's pid and start tag let a later run tell
+    a killed writer's leftovers (`stale_temporaries`) from a live one's. `kind` is `tmp` (being written) or `old`
+    (set aside)."""
+    return f".{name}.{kind}-{os.getpid()}-s{_start_tag(os.getpid())}-"
+
+
 def temp_sibling(dst: Path, kind: str = "tmp") -> Path:
-    """`.NAME.tmp-PID-RANDOM` next to `dst`: the writer's pid in the name lets a later run tell a killed writer's
-    leftovers (`stale_temporaries`) from a live one's. `kind` is `tmp` (being written) or `old` (set aside)."""
-    return dst.parent / f".{dst.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    """A temporary next to `dst`: `temp_prefix` plus a random suffix."""
+    return dst.parent / f"{temp_prefix(dst.name, kind)}{uuid.uuid4().hex[:8]}"
 
 
-_TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-[0-9A-Za-z_]+$")
+# the start tag is optional: temporaries of older versions carry the pid alone
+_TEMP_NAME = re.compile(
+    r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)(?:-s(?P<start>[0-9a-f]{8}))?-[0-9A-Za-z_]+$"
+)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
+def _writer_alive(pid: int, start: str | None) -> bool:
+    return pid_running(pid) and (start is None or _start_tag(pid) == start)
 
 
 def stale_temporaries(directory: str | os.PathLike, names: Iterable[str] | None = None) -> list[Path]:
-    """Temporaries (`temp_sibling` names) in `directory` whose writer process is dead, for the outputs `names`
-    (None: any). A set-aside `.NAME.old-*` whose NAME is missing is not stale: it is the previous output, which
-    the next writer moves back (`_set_aside`). Pids are of this machine: run one pipeline per output directory."""
+    """Temporaries (`temp_prefix` names) in `directory` whose writer process is gone (its pid not running, or
+    running a process that started at another time), for the outputs `names` (None: any). A set-aside `.NAME.old-*`
+    whose NAME is missing is not stale: it is the previous output, which the next writer moves back (`_set_aside`).
+    Pids are of this machine: run one pipeline per output directory."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
@@ -171,7 +191,7 @@ def stale_temporaries(directory: str | os.PathLike, names: Iterable[str] | None 
     out = []
     for entry in sorted(directory.iterdir()):
         m = _TEMP_NAME.match(entry.name)
-        if not m or (wanted is not None and m["name"] not in wanted) or _pid_alive(int(m["pid"])):
+        if not m or (wanted is not None and m["name"] not in wanted) or _writer_alive(int(m["pid"]), m["start"]):
             continue
         if m["kind"] == "old" and not (directory / m["name"]).exists():
             continue
@@ -546,7 +566,7 @@ class ShardWriter:
         self._finish_shard()
         for name, data in files.items():
             _write_synced(self.tmp_dir / name, data)
-        meta = {
+        meta = orjson.loads(dump_json({  # as read back: the checksum covers what readers parse
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "row_checksum": ROW_CHECKSUM,
@@ -556,12 +576,13 @@ class ShardWriter:
             "max_token_id": self._max_token_id,
             **extra,
             "shards": self._shards,
-        }
+        }))
+        meta[MANIFEST_CHECKSUM] = manifest_checksum(meta)
         _write_synced(self.tmp_dir / "meta.json", dump_json(meta))
         fsync_dir(self.tmp_dir)
         self._closed = True
         replace_dir(self.tmp_dir, self.out_dir)
-        return orjson.loads(dump_json(meta))
+        return meta
 
     def abort(self) -> None:
         """Drop everything written so far (the temp directory); `out_dir` is left untouched."""
@@ -677,7 +698,20 @@ def read_meta(path: str | os.PathLike) -> dict:
             ok = False
         if not ok:
             raise ShardFormatError(f"{meta_path}: shards[{i}] is malformed: {shard!r}"[:500])
+    if MANIFEST_CHECKSUM in meta and meta[MANIFEST_CHECKSUM] != manifest_checksum(meta):
+        stage = "tokenize,pack" if meta["kind"] == "tokenized" else "pack"
+        raise ShardFormatError(
+            f"{meta_path}: manifest checksum mismatch: meta.json changed after it was written (an edit, or damage), "
+            f"so its counts, max_token_id and shard checksums cannot be trusted; re-create {path} (sh data_process.sh "
+            f"CONFIG --stages {stage}) instead of editing it"
+        )
     return meta
+
+
+def trusted_manifest(meta: Mapping[str, Any]) -> bool:
+    """Whether `meta` (from read_meta) carries its own checksum, i.e. was checked; older datasets' manifests were
+    not, and what they claim about the tokens (max_token_id) is read from the tokens instead."""
+    return MANIFEST_CHECKSUM in meta
 
 
 def _concat_shards(parts: list[np.ndarray], dtype) -> np.ndarray:

@@ -614,7 +614,7 @@ def run(cfg: DataConfig, workers: int | None = None,
                               f"sample_rate to 0 in {cfg.ratio_file} to leave a category out on purpose")
         categories_meta = {c: names.get(c, str(c)) for c in sorted(cats)}
         writer.close({
-            "tokenizer_path": str(cfg.tokenizer_path),
+            "tokenizer_path": os.path.abspath(cfg.tokenizer_path),  # the trainer exports it, from any directory
             "tokenizer_hash": tokenizer_hash(cfg.tokenizer_path),
             "chat_template": cfg.chat_template,
             "chat_template_hash": file_blake2b(cfg.chat_template) if cfg.chat_template else None,

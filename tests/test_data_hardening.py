@@ -82,6 +82,24 @@ with atomic_writer({str(out / 'canonical.jsonl')!r}) as f, atomic_writer({str(tm
     assert not capsys.readouterr().out.startswith("[cleanup]")
 
 
+def test_a_killed_writers_temporary_is_stale_when_its_pid_was_reused(tmp_path, monkeypatch, capsys):
+    """Staleness does not rest on the pid alone: a temporary named with a live pid (reused since its writer was
+    killed) but another process start is removed, and said so; this process's own temporaries stay."""
+    from data.shards import temp_sibling
+
+    out = tmp_path / "out"
+    out.mkdir()
+    mine = temp_sibling(out / "packed")
+    mine.mkdir()
+    pid_reused = out / f".tokenized.tmp-{os.getpid()}-s00000000-abcd1234"  # this pid, another process's start
+    pid_reused.mkdir()
+    monkeypatch.setitem(sys.modules, "data.pack", _fake_stage("pack", []))
+    pipeline.main([str(_minimal_config(tmp_path)), "--stages", "pack"])
+    assert capsys.readouterr().out.splitlines()[0].startswith(
+        f"[cleanup] removed 1 temporaries of killed runs (0.0 MB): {pid_reused}")
+    assert sorted(p.name for p in out.iterdir()) == [mine.name]
+
+
 def test_writes_are_fsynced_before_the_renames_that_publish_them(tmp_path, monkeypatch):
     events = []
     real_fsync, real_replace = os.fsync, os.replace

@@ -429,3 +429,18 @@ def test_seq_column_is_that_field_of_the_index(tmp_path, rows, max_shard_bytes):
         column = ds.seq_column(name)
         assert column.dtype == np.int64 and column.ndim == 1
         np.testing.assert_array_equal(column, index[name])
+
+
+def test_manifest_checksum_covers_every_key(tmp_path, rows):
+    """meta.json records the checksum of its own content; any edit (a count, max_token_id) is refused, a reformat
+    of the same content is not."""
+    from data.shards import MANIFEST_CHECKSUM, manifest_checksum
+
+    written = write_rows(tmp_path / "ds", rows)
+    assert written[MANIFEST_CHECKSUM] == manifest_checksum(written) == _meta(tmp_path / "ds")[MANIFEST_CHECKSUM]
+    (tmp_path / "ds" / "meta.json").write_bytes(orjson.dumps(written))  # other whitespace, same content
+    assert len(PackedDataset(tmp_path / "ds")) == len(rows)
+    for edit in ({"max_token_id": written["max_token_id"] - 1}, {"counts": {**written["counts"], "loss_tokens": 0}}):
+        (tmp_path / "ds" / "meta.json").write_bytes(orjson.dumps({**written, **edit}))
+        with pytest.raises(ShardFormatError, match=r"meta\.json: manifest checksum mismatch"):
+            PackedDataset(tmp_path / "ds")

@@ -116,8 +116,9 @@ def test_workers_output_byte_identical(tmp_path, monkeypatch):
             assert (a / "tokenized" / name).read_bytes() == (b / "tokenized" / name).read_bytes(), name
     meta_a, meta_b = (json.loads((d / "tokenized" / "meta.json").read_bytes()) for d in (a, b))
     assert "num_workers" not in meta_a["config"] and "stages" not in meta_a["config"]
-    # output_dir is the only legitimate difference between the two runs
+    # output_dir is the only legitimate difference between the two runs (and so the manifest's own checksum)
     meta_b["config"]["output_dir"] = meta_a["config"]["output_dir"]
+    meta_b["manifest_blake2b"] = meta_a["manifest_blake2b"]
     assert meta_a == meta_b
 
 
@@ -283,3 +284,12 @@ def test_template_inputs_pass_tools_and_thinking():
     assert template_inputs(rec, False)[1] == {"tools": rec["tools"], "enable_thinking": False}
     assert template_inputs(dict(rec, enable_thinking=True), False)[1]["enable_thinking"] is True  # record wins
     assert "enable_thinking" not in template_inputs({"messages": []}, None)[1]
+
+
+def test_meta_records_the_tokenizer_path_resolved(tmp_path, monkeypatch):
+    """A relative tokenizer_path is stored absolute: the trainer exports that tokenizer from any directory."""
+    tok = tokenizer_dir(QWEN)
+    monkeypatch.chdir(tok.parent)
+    _write_merged(tmp_path, _many_records(2))
+    run(DataConfig(inputs=[], output_dir=str(tmp_path), tokenizer_path=tok.name), workers=1)
+    assert PackedDataset(tmp_path / "tokenized").meta["tokenizer_path"] == str(tok)

@@ -212,3 +212,98 @@ def test_two_processes_fall_back_together(setup, tmp_path):
     assert f"{bad}: truncated" in proc.stderr and "Falling back to" in proc.stderr
     assert f"resumed from {checkpoint_root(out) / 'step-000001'} at step 1" in proc.stdout
     assert [r["step"] for r in read_log(out)] == [1, 2, 3]
+
+
+def _partial_then_enospc(path):
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_bytes(b"PK\x03\x04 half of it")
+    raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("where", ["torch.save", "manifest"])
+def test_disk_full_midway_through_a_save_leaves_nothing_partial(setup, tmp_path, monkeypatch, where):
+    """ENOSPC after the free-space check: torch.save reports a short write as a RuntimeError ("unexpected pos"), the
+    manifest's write as an OSError. Either way one CheckpointError naming the directory and what to do, and no
+    partial directory."""
+    _, config, _ = setup
+    out = tmp_path / "run"
+    _run(config, out, "stop_at_step=2")
+    root = checkpoint_root(out)
+    if where == "torch.save":
+        real_save = torch.save
+
+        def save(obj, path, *args, **kwargs):
+            if Path(path).name == "optimizer.pt":
+                Path(path).write_bytes(b"PK\x03\x04 half of it")
+                raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 1088 vs 980")
+            return real_save(obj, path, *args, **kwargs)
+
+        monkeypatch.setattr(torch, "save", save)
+    else:
+        monkeypatch.setattr(checkpoint, "write_manifest",
+                            lambda directory, step: _partial_then_enospc(directory / ".manifest.json.tmp-1"))
+    trainer = _trainer(config, out, "resume=latest", "stop_at_step=3")
+    with pytest.raises(CheckpointError) as exc:
+        trainer.train()
+    message = str(exc.value)
+    assert "\n" not in message and message.startswith(f"checkpoint directory {root}: writing step 3 failed (rank 0: ")
+    assert ("unexpected pos" if where == "torch.save" else "No space left on device") in message
+    assert message.endswith("free space there (or lower save_total_limit), then resume=latest continues from it")
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000002"]
+    assert resolve_resume("latest", out).name == "step-000002"
+
+
+def test_disk_full_during_the_final_export_leaves_no_partial_final(setup, tmp_path, monkeypatch):
+    """ENOSPC while the weights are written: one line naming final/ and how to export again, no partial directory;
+    resume=latest then exports."""
+    import transformers.modeling_utils
+
+    _, config, _ = setup
+    out = tmp_path / "run"
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file",
+                        lambda state, filename, metadata=None: _partial_then_enospc(filename))
+    trainer = _trainer(config, out, "max_steps=2")
+    with pytest.raises(CheckpointError) as exc:
+        trainer.train()
+    assert str(exc.value) == (
+        f"export directory {out / 'final'}: writing the model failed (OSError: [Errno 28] No space left on device); "
+        f"the partial {str(exc.value).split('the partial ')[1].split(' ')[0]} was removed. Free space there, then run "
+        "the same command with resume=latest: it resumes at the last step and exports again")
+    assert sorted(p.name for p in out.iterdir() if "final" in p.name) == []
+    monkeypatch.undo()
+    _run(config, out, "max_steps=2", "resume=latest")
+    assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_exported_files_follow_the_umask(setup, tmp_path):
+    """final/model.safetensors used to be 0600 (safetensors' own mode) next to 0644 files."""
+    _, config, _ = setup
+    out = tmp_path / "run"
+    _run(config, out, "max_steps=1", f"tokenizer_path={ROOT / 'data/example/tokenizer'}")
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (out / "final").iterdir()}
+    assert "model.safetensors" in modes and "tokenizer.json" in modes
+    assert set(modes.values()) == {0o666 & ~umask}, modes
+
+
+def test_deepspeed_checkpoint_files_run_no_code(setup, tmp_path):
+    """DeepSpeed unpickles ds/*.pt without restriction: a pickle planted there, with the manifest
+    re-sealed, ran. Its files are read with weights_only=True semantics (plus DeepSpeed's own few classes)."""
+    import shutil
+
+    _, config, _ = setup
+    out = tmp_path / "run"
+    _run(config, out, "stop_at_step=2", "deepspeed.stage=2")
+    clean = tmp_path / "clean"
+    shutil.copytree(out, clean)
+    assert _run(config, clean, "resume=latest", "stop_at_step=3", "deepspeed.stage=2").step == 3  # its own files load
+    step = checkpoint_root(out) / "step-000002"
+    marker = tmp_path / "pwned"
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        state = torch.load(step / "ds" / name, weights_only=False)  # DeepSpeed's own file, just written
+        torch.save({**state, "planted": _Payload(marker)}, step / "ds" / name)
+    write_manifest(step, 2)
+    with pytest.raises(CheckpointError, match=re.escape(f"{step / 'ds' / 'mp_rank_00_model_states.pt'}: refused to load")):
+        _trainer(config, out, "resume=latest", "deepspeed.stage=2")
+    assert not marker.exists()

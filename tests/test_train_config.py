@@ -175,3 +175,63 @@ def test_activation_checkpointing_auto_follows_row_length(setup):
     assert load_config(config, ["gradient_checkpointing=true"]).checkpointing_enabled(16) is True
     with pytest.raises(ConfigError, match="gradient_checkpointing"):
         load_config(config, ["gradient_checkpointing=sometimes"])
+
+
+def test_data_without_loss_tokens_is_refused_before_step_1(setup):
+    """Packed rows whose labels are all -100 would train steps of loss 0 and export the initial weights, exit 0."""
+    from tests._train_helpers import untrained_sequence
+
+    tmp, config = setup
+    rng = np.random.default_rng(3)
+    data = write_packed(tmp / "no_loss", [[untrained_sequence(rng, 12), untrained_sequence(rng, 7)]])
+    cfg = load_config(config, [f"data_path={data}"])
+    with pytest.raises(ConfigError, match=f"data_path: {data} has no loss token"):
+        cfg.validate()
+    cfg = load_config(config, [f"eval_data_path={data}"])
+    with pytest.raises(ConfigError, match=f"eval_data_path: {data} has no loss token"):
+        cfg.validate()
+
+
+def test_hand_edited_manifest_cannot_hide_token_ids_outside_the_vocabulary(setup):
+    """meta.json's max_token_id lowered by hand used to pass the vocabulary check (IndexError at step 1): the
+    manifest carries its own checksum, and a manifest without one (an older dataset) is not trusted for the maximum."""
+    import orjson
+
+    from data.shards import MANIFEST_CHECKSUM
+
+    tmp, config = setup
+    rows = random_rows(1, 1)
+    rows[0][0]["input_ids"][3] = 500  # the tiny model's vocabulary is 97
+    data = write_packed(tmp / "edited", rows)
+    meta_file = data / "meta.json"
+    meta = orjson.loads(meta_file.read_bytes())
+    assert meta["max_token_id"] == 500
+    meta["max_token_id"] = 96
+    meta_file.write_bytes(orjson.dumps(meta, option=orjson.OPT_INDENT_2))
+    cfg = load_config(config, [f"data_path={data}"])
+    with pytest.raises(ConfigError, match=f"{meta_file}: manifest checksum mismatch: meta.json changed after it was "
+                                          r"written .* re-create .*--stages pack"):
+        cfg.validate()
+    del meta[MANIFEST_CHECKSUM]  # as written before manifests had a checksum: the token arrays decide
+    meta_file.write_bytes(orjson.dumps(meta, option=orjson.OPT_INDENT_2))
+    with pytest.raises(ConfigError, match=r"data_path: token id 500 .* \(vocab_size=97\)"):
+        cfg.validate()
+
+
+def test_missing_export_tokenizer_is_an_error_at_start(setup, monkeypatch):
+    """Shards whose meta.json names a tokenizer (relative, as older pipelines wrote it) that does not exist from
+    where training runs: an error before the model loads, not a warning after the last step and a final/ without
+    its tokenizer."""
+    from tests._train_helpers import ROOT
+
+    tmp, config = setup
+    data = write_packed(tmp / "relative_tok", random_rows(4, 1), {"tokenizer_path": "data/example/tokenizer"})
+    monkeypatch.chdir(tmp)
+    cfg = load_config(config, [f"data_path={data}"])
+    with pytest.raises(ConfigError, match=r"tokenizer_path: not set; model_path .* holds no tokenizer files, and the "
+                       r"shards' meta.json names the tokenizer data/example/tokenizer, which does not exist \(a "
+                       f"relative path, from {tmp} here\).*Set tokenizer_path"):
+        cfg.validate()
+    load_config(config, [f"data_path={data}", f"tokenizer_path={ROOT / 'data/example/tokenizer'}"]).validate()
+    monkeypatch.chdir(ROOT)
+    cfg.validate()

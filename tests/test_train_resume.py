@@ -180,3 +180,21 @@ def test_new_run_into_an_output_dir_with_checkpoints(setup):
     assert [p.name for p in sorted(checkpoint_root(out).glob("step-*"))] == ["step-000002"]
     assert [r["step"] for r in read_log(out)] == [1, 2]
     assert resolve_resume("latest", out).name == "step-000002"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("grad_accum=1", "grad_accum=1, but the checkpoint was saved with grad_accum=2"),
+    ("micro_batch_rows=2", "micro_batch_rows=2, but the checkpoint was saved with micro_batch_rows=1"),
+    ("max_steps=8", r"max_steps=8 \(8 steps\), but the checkpoint was saved with max_steps=6 \(6 steps; another lr"),
+])
+def test_resume_with_another_step_layout_is_refused(setup, override, message):
+    """Another grad_accum / micro_batch_rows / step count would give every resumed step other rows (the epoch
+    counter going backwards, rows trained twice or never) or another lr: refused, naming the key and both values."""
+    from train.checkpoint import CheckpointError
+
+    tmp, config = setup
+    out = tmp / f"layout-{override.split('=')[0]}"
+    _train(config, out, "stop_at_step=2")
+    with pytest.raises(CheckpointError, match=message):
+        Trainer(load_config(config, [f"output_dir={out}", "resume=latest", override]), console=lambda *_: None)
+    assert _train(config, out, "resume=latest", "stop_at_step=3").step == 3  # the same layout resumes

@@ -52,19 +52,26 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:  # `--help | head`: the reader left; silence the flush at exit
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    if argv and argv[0] == "--launch-args":  # train.sh: print the accelerate launch options of the config
+    if argv and argv[0] == "--launch":  # train.sh: accelerate launch under a supervisor (train/launch.py)
+        from data.lock import LockHeldError
         from train.config import load_config
+        from train.launch import supervise
 
         argv.pop(0)
         config_path = argv.pop(0) if argv and "=" not in argv[0] else DEFAULT_CONFIG
         try:  # every invariant is checked here, before accelerate starts any process
             cfg = load_config(config_path, argv)
             cfg.validate(world_size=cfg.launch.num_processes)
-            print(" ".join(launch_args(cfg)))
         except ConfigError as exc:
             print(f"config error: {exc}", file=sys.stderr)
             return 2
-        return 0
+        command = [sys.executable, "-m", "accelerate.commands.launch", *launch_args(cfg), "-m", "train", config_path,
+                   *argv]
+        try:  # machine 0 holds the lock of the shared output_dir for every machine of the run
+            return supervise(command, cfg.output_dir if cfg.launch.machine_rank == 0 else None)
+        except LockHeldError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     config_path = argv.pop(0) if argv and "=" not in argv[0] else DEFAULT_CONFIG
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from train.config import load_config
@@ -76,15 +83,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     from train.checkpoint import CheckpointError
-    from train.trainer import Trainer
-
     from train.lm_head import UnsupportedLMHead
     from train.model_check import SelfCheckError
     from train.model_support import UnsupportedModelError
     from train.recurrent import UnsupportedRecurrentModel
+    from train.trainer import Trainer
 
+    trainer = None
     try:
         trainer = Trainer(cfg, validate=False)
+        trainer.train()
+        if trainer.step < trainer.total_steps and trainer.mesh.is_main:
+            print(f"resume with: {resume_command(config_path, argv)}", flush=True)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
@@ -94,21 +104,28 @@ def main(argv: list[str] | None = None) -> int:
     except SelfCheckError as exc:
         print(f"self-check failed: {exc}", file=sys.stderr)
         return 1
-    except CheckpointError as exc:  # resume: no usable checkpoint, other data
+    except CheckpointError as exc:  # resume: no usable checkpoint, other data; a save: full disk, write error
         print(f"checkpoint error: {exc}", file=sys.stderr)
         return 1
-    try:
-        trainer.train()
-    except CheckpointError as exc:  # a save: full disk, write error
-        print(f"checkpoint error: {exc}", file=sys.stderr)
-        return 1
-    if trainer.step < trainer.total_steps and trainer.mesh.is_main:
-        print(f"resume with: {resume_command(config_path, argv)}", flush=True)
+    finally:
+        trainer = None
+        release_process_groups()
+    return 0
+
+
+def release_process_groups() -> None:
+    """Destroy the process groups and free them now, while the interpreter is whole. destroy_process_group() alone
+    leaves gloo's process groups, and their worker threads, alive for as long as Python objects reference them (the
+    trainer's mesh, which sits in reference cycles): they were then freed during interpreter shutdown, where a
+    worker thread releasing the tensors of a last collective needs the GIL of a finalizing interpreter and aborts
+    the process (SIGABRT, "terminate called without an active exception"), on the rank that exits first."""
+    import gc
+
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    return 0
+    gc.collect()  # the trainer's cycles: each ProcessGroupGloo destructor joins its worker threads here
 
 
 if __name__ == "__main__":

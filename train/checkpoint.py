@@ -8,9 +8,8 @@ Layout of `step-000012/`:
     manifest.json             written last: size and blake2b of every other file (the commit marker)
 
 Every load of a `.pt` file goes through `safe_load` (weights_only=True, map_location cpu): a crafted pickle in a
-checkpoint is refused instead of run. DeepSpeed reads its own `ds/` files with `weights_only=False`; PackSFT verifies
-`ds/` against the manifest before handing it over, but a manifest can be rewritten too: resume only from
-checkpoint directories you trust (docs/TRAINING.md).
+checkpoint is refused instead of run. DeepSpeed's own `ds/` files too: its checkpoint engine's load is replaced by
+`safe_load` with the few DeepSpeed classes those files hold (`load_deepspeed_files_safely`).
 
 Saving: every rank writes into `.step-000012.tmp/`; after a barrier rank 0 writes the manifest (fsyncing every
 file), renames the directory to `step-000012/` and then replaces the `latest` pointer file (write temp + os.replace).
@@ -33,6 +32,8 @@ import pickle
 import random
 import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +42,13 @@ import orjson
 import torch
 import torch.distributed as dist
 
-from data.shards import replace_dir
+from data.io import apply_umask
+from data.shards import replace_dir, stale_temporaries, temp_sibling
 
 logger = logging.getLogger("packsft.train")
 
 CHECKPOINT_DIR = "checkpoints"
+FINAL_DIR = "final"  # the exported model, in output_dir
 LATEST = "latest"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -55,6 +58,9 @@ _ASIDE_DIR = re.compile(r"^\.step-(\d+)\.old-.+$")
 FREE_SPACE_MARGIN = 1.05  # the next checkpoint may be a little larger than the last one (optimizer state fills in)
 
 disk_usage = shutil.disk_usage  # module attribute so tests can simulate a full disk
+# what a write on a full disk raises: OSError (ENOSPC, EDQUOT), or torch.save's RuntimeError for a short write
+# ("unexpected pos …", "file write failed")
+WRITE_ERRORS = (OSError, RuntimeError)
 
 
 class CheckpointError(RuntimeError):
@@ -66,13 +72,18 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _from_main(value: Any) -> Any:
+def from_main(value: Any) -> Any:
     """Rank 0's `value` on every rank, so all ranks raise together instead of some waiting at a barrier."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _gather(value: Any) -> list:
@@ -94,19 +105,25 @@ def step_dir_name(step: int) -> str:
 
 def write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 # ---------------------------------------------------------------------------------------------- loading .pt files
-def safe_load(path: str | os.PathLike) -> Any:
-    """The repo's only `torch.load`: tensors and plain containers only (weights_only=True), onto the CPU."""
+def safe_load(path: str | os.PathLike, allowed_classes: list | tuple = ()) -> Any:
+    """The repo's only `torch.load`: tensors and plain containers only (weights_only=True), onto the CPU;
+    `allowed_classes` adds classes the unpickler may rebuild (never call arbitrary functions)."""
     path = Path(path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(list(allowed_classes)):
+            return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
@@ -118,6 +135,27 @@ def safe_load(path: str | os.PathLike) -> Any:
     except Exception as exc:  # zip / storage errors of a truncated or overwritten file
         size = path.stat().st_size if path.exists() else 0
         raise CheckpointError(f"{path}: cannot be read ({size} bytes; truncated or corrupt): {exc}") from None
+
+
+def deepspeed_checkpoint_classes() -> list:
+    """The classes DeepSpeed's checkpoint files hold besides tensors and containers (ZeRO 1-3 optimizer states:
+    the static loss scaler, the stage enum, fragment addresses)."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+def load_deepspeed_files_safely(engine) -> None:
+    """Make `engine` read checkpoint files as safe_load does (weights_only=True with the classes above) instead of
+    DeepSpeed's unrestricted unpickling, so a pickle planted in `ds/` is refused, not run. DeepSpeed reads
+    every file of a checkpoint through `engine.checkpoint_engine.load`, except universal checkpoints (refused)."""
+    if engine.load_universal_checkpoint():
+        raise CheckpointError("deepspeed checkpoint.load_universal unpickles files without restriction, outside "
+                              "DeepSpeed's checkpoint engine: PackSFT does not resume universal checkpoints")
+    allowed = deepspeed_checkpoint_classes()
+    engine.checkpoint_engine.load = lambda path, map_location=None: safe_load(path, allowed)
 
 
 # ---------------------------------------------------------------------------------------------- rng states
@@ -241,11 +279,12 @@ def checkpoint_bytes(directory: Path) -> int:
 # ---------------------------------------------------------------------------------------------- saving
 def remove_stale_temporaries(output_dir: str | os.PathLike) -> list[Path]:
     """Half-written `.step-N.tmp/` directories and pointer temporaries of a crashed or killed save (one run per
-    output_dir, so nothing else is writing them). Returns what was removed."""
+    output_dir, so nothing else is writing them), and a killed export's `final/` temporaries. Returns what was
+    removed."""
     root = checkpoint_root(output_dir)
-    if not root.is_dir():
-        return []
-    stale = sorted([*root.glob(".step-*.tmp"), *root.glob(f".{LATEST}.tmp-*")])
+    stale = stale_temporaries(output_dir, [FINAL_DIR])
+    if root.is_dir():
+        stale += sorted([*root.glob(".step-*.tmp"), *root.glob(f".{LATEST}.tmp-*")])
     for path in stale:
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
@@ -296,7 +335,7 @@ def save_checkpoint(output_dir, step: int, rank: int, save_fn, trainer_state: di
         if problem is None:
             tmp.mkdir()
             (tmp / "rng").mkdir()
-    problem = _from_main(problem)
+    problem = from_main(problem)
     if problem is not None:
         raise CheckpointError(problem)
     _barrier()
@@ -306,25 +345,55 @@ def save_checkpoint(output_dir, step: int, rank: int, save_fn, trainer_state: di
         save_rng(tmp, rank)
         if rank == 0:
             (tmp / "trainer_state.json").write_bytes(orjson.dumps(trainer_state, option=orjson.OPT_INDENT_2))
-    except OSError as exc:  # ENOSPC, quota, permissions
-        error = f"rank {rank}: {exc}"
+    except WRITE_ERRORS as exc:
+        error = f"rank {rank}: {_one_line(exc)}"
     errors = _gather(error)  # in place of a barrier: every rank learns of any rank's failure and raises
+    if rank == 0 and not any(errors):
+        try:
+            write_manifest(tmp, step)
+            replace_dir(tmp, final)  # the same step saved again (e.g. after resuming from an earlier one): replace it
+            write_atomic(root / LATEST, final.name.encode())
+        except OSError as exc:
+            errors = [f"rank 0: {_one_line(exc)}"]
+    errors = from_main(errors)  # rank 0's last word: also the barrier after the commit
     if any(errors):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(
             f"checkpoint directory {root}: writing step {step} failed ({'; '.join(e for e in errors if e)}); the "
-            f"partial {tmp.name} was removed, the last complete checkpoint is intact (resume=latest continues from it)"
+            f"partial {tmp.name} was removed and the last complete checkpoint is intact: free space there (or lower "
+            "save_total_limit), then resume=latest continues from it"
         )
     if rank == 0:
-        write_manifest(tmp, step)
-        replace_dir(tmp, final)  # the same step saved again (e.g. after resuming from an earlier one): replace it
-        write_atomic(root / LATEST, final.name.encode())
         for stale in root.glob(".step-*.old-*"):  # moved aside by a re-save that was killed mid-swap
             shutil.rmtree(stale, ignore_errors=True)
         _prune(root, keep)
     _barrier()
     return final
+
+
+@contextmanager
+def export_directory(out_dir: Path) -> Iterator[Path]:
+    """A temporary directory to write an exported model into, moved to `out_dir` (replacing an earlier export)
+    when the block ends, its files given the umask's permissions (safetensors creates them 0600). A write error (a
+    full disk) removes it and raises a CheckpointError naming `out_dir`: nothing partial is left."""
+    from safetensors import SafetensorError
+
+    tmp = temp_sibling(out_dir)
+    try:
+        yield tmp
+        apply_umask(tmp)
+        replace_dir(tmp, out_dir)
+    except (*WRITE_ERRORS, SafetensorError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"export directory {out_dir}: writing the model failed ({_one_line(exc)}); the partial {tmp.name} was "
+            "removed. Free space there, then run the same command with resume=latest: it resumes at the last step "
+            "and exports again"
+        ) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
@@ -398,7 +467,7 @@ def choose_checkpoint(candidates: list[Path], on_corrupt: str, warn=logger.warni
     """The first candidate that matches its manifest (rank 0 checks, every rank gets the answer). A bad one is
     an error naming its files, or (on_corrupt="fallback") a warning and the next candidate."""
     for i, path in enumerate(candidates):
-        problems = _from_main(verify_checkpoint(path) if not dist.is_initialized() or dist.get_rank() == 0 else None)
+        problems = from_main(verify_checkpoint(path) if not dist.is_initialized() or dist.get_rank() == 0 else None)
         if not problems:
             return path
         listing = "; ".join(problems)
@@ -439,3 +508,18 @@ def data_mismatch(saved: dict | None, current: dict) -> str | None:
         return None
     return (f"the checkpoint was trained on {saved.get('path')}, this run reads {current['path']}: "
             + ", ".join(diffs))
+
+
+def layout_mismatch(saved: dict, current: dict, compare_steps: bool = True) -> str | None:
+    """Why this run's steps differ from the checkpoint's run (None: the same, or a checkpoint that predates these
+    keys): another `grad_accum` / `micro_batch_rows` gives every step other rows, another step count (`max_steps`,
+    or `num_epochs` without it) another lr schedule, so a resumed run would train some rows twice and skip others.
+    `compare_steps=False`: the step count may differ (resuming on other data, allowed by the user)."""
+    for key in ("grad_accum", "micro_batch_rows"):
+        if key in saved and saved[key] != current[key]:
+            return f"{key}={current[key]}, but the checkpoint was saved with {key}={saved[key]}"
+    if compare_steps and saved.get("total_steps") not in (None, current["total_steps"]):
+        key = "max_steps" if current["max_steps"] is not None or saved.get("max_steps") is not None else "num_epochs"
+        return (f"{key}={current[key]} ({current['total_steps']} steps), but the checkpoint was saved with "
+                f"{key}={saved.get(key, 'unrecorded')} ({saved['total_steps']} steps; another lr schedule)")
+    return None

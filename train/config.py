@@ -348,6 +348,12 @@ class TrainConfig:
             if path is None:
                 continue
             meta = read_meta(path)
+            if not meta["counts"].get("loss_tokens"):
+                raise ConfigError(
+                    f"{name}: {path} has no loss token (every label is -100): training on it would run steps of loss 0 "
+                    "and export the initial weights. Check the data config (the assistant turns and their labels, "
+                    "loss_turns) and re-run sh data_process.sh"
+                )
             data_tok = _meta_tokenizer_path(meta) or "an unrecorded tokenizer"
             problems = []
             max_id = max_token_id(path, meta)
@@ -360,6 +366,8 @@ class TrainConfig:
                     f"a config.json with vocab_size > {max_id} (configs/train/qwen2_5_tiny.yaml does this for Qwen2.5 "
                     "tokenizers)"
                 )
+            if name == "data_path":
+                self._check_export_tokenizer(meta)
             mismatch = self._tokenizer_hash_mismatch(meta, data_tok)
             if mismatch and (problems or self.tokenizer_mismatch == "error"):
                 problems.append(mismatch + " (tokenizer_mismatch=warn trains anyway: only when both give the same ids)")
@@ -368,6 +376,20 @@ class TrainConfig:
             if problems:
                 raise ConfigError(f"{name}: " + "; and ".join(problems))
             warn_past_max_positions(self, name, path)
+
+    def _check_export_tokenizer(self, meta: dict) -> None:
+        """The tokenizer final/ is exported with must exist now, not be found missing after the last step (the
+        shards' meta.json of older pipelines holds the path as typed, relative to where the data was built)."""
+        recorded = _meta_tokenizer_path(meta)
+        if recorded is None or self.resolved_tokenizer_path(meta) is not None:
+            return
+        where = "" if Path(recorded).is_absolute() else f" (a relative path, from {os.getcwd()} here)"
+        model = f"model_path {self.model_path} holds no tokenizer files, and " if self.model_path else ""
+        raise ConfigError(
+            f"tokenizer_path: not set; {model}the shards' meta.json names the tokenizer {recorded}, which does not "
+            f"exist{where}: the model would be exported without its tokenizer. Set tokenizer_path to the tokenizer "
+            "the data was tokenized with"
+        )
 
     def _tokenizer_hash_mismatch(self, meta: dict, data_tok: str) -> str | None:
         tok_path, key = self._resolved_tokenizer(meta)
@@ -455,13 +477,14 @@ def _cuda_available() -> bool:
 
 
 def read_meta(path: str | os.PathLike) -> dict:
-    import orjson
+    """The dataset's manifest, checked (format, and its own checksum: data.shards.read_meta)."""
+    from data.shards import ShardFormatError
+    from data.shards import read_meta as read_checked_meta
 
-    meta_file = Path(path) / "meta.json"
     try:
-        return orjson.loads(meta_file.read_bytes())
-    except orjson.JSONDecodeError as exc:
-        raise ConfigError(f"{meta_file}: invalid JSON: {exc}") from None
+        return read_checked_meta(path)
+    except ShardFormatError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _meta_tokenizer_hash(meta: dict) -> str | None:
@@ -482,12 +505,13 @@ def tokenizer_hash(path: str | os.PathLike) -> str | None:
 
 
 def max_token_id(path: str | os.PathLike, meta: dict | None = None) -> int:
-    """Largest input id of a packed dataset: from the manifest when recorded, else a chunked scan of the shards."""
+    """Largest input id of a packed dataset: from a checksummed manifest, else a chunked scan of the shards (an older
+    manifest without its checksum may have been edited)."""
+    from data.shards import PackedDataset, trusted_manifest
+
     meta = meta if meta is not None else read_meta(path)
-    for key in ("max_token_id", "max_input_id"):
-        if isinstance(meta.get(key), int):
-            return meta[key]
-    from data.shards import PackedDataset
+    if trusted_manifest(meta) and isinstance(meta.get("max_token_id"), int):
+        return meta["max_token_id"]
 
     best = -1
     for chunk in PackedDataset(path).token_chunks():

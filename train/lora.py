@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import sys
-import uuid
 import warnings
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -26,7 +24,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from data.shards import replace_dir
+from train.checkpoint import export_directory
 
 __all__ = ["apply_lora", "save_lora", "merged_state_dict", "adapter_state_dict", "base_causal_lm", "is_peft_model"]
 
@@ -265,25 +263,21 @@ def save_lora(
         return None
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     base = peft_model.get_base_model()
     use_cache = getattr(base.config, "use_cache", None)
     try:
-        peft_model.save_pretrained(
-            str(tmp), state_dict=adapter_sd, save_embedding_layers=False, safe_serialization=True
-        )
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        if merge:
-            if use_cache is not None:
-                base.config.use_cache = True  # the trainer turns the cache off; generation wants it on
-            base.save_pretrained(str(tmp / "merged"), state_dict=merged_sd, safe_serialization=True)
+        with export_directory(out) as tmp:
+            peft_model.save_pretrained(
+                str(tmp), state_dict=adapter_sd, save_embedding_layers=False, safe_serialization=True
+            )
             if tokenizer is not None:
-                tokenizer.save_pretrained(str(tmp / "merged"))
-        replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+                tokenizer.save_pretrained(str(tmp))
+            if merge:
+                if use_cache is not None:
+                    base.config.use_cache = True  # the trainer turns the cache off; generation wants it on
+                base.save_pretrained(str(tmp / "merged"), state_dict=merged_sd, safe_serialization=True)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(str(tmp / "merged"))
     finally:
         if use_cache is not None:
             base.config.use_cache = use_cache

@@ -42,12 +42,17 @@ from train.attention import ATTN_IMPLEMENTATION, AttentionContext, resolve_backe
 from train.attention import dispatched_feature_problems, model_attention_features
 from train.batch import make_batch, step_totals
 from train.checkpoint import (
+    FINAL_DIR,
     CheckpointError,
     checkpoint_root,
     choose_checkpoint,
     data_mismatch,
     dataset_identity,
     discard_checkpoints,
+    export_directory,
+    from_main,
+    layout_mismatch,
+    load_deepspeed_files_safely,
     load_rng,
     load_trainer_state,
     remove_stale_temporaries,
@@ -300,6 +305,9 @@ class Trainer:
         from train.online import open_train_dataset
 
         self.dataset = open_train_dataset(cfg.data_path, cfg.online_max_length, seed=cfg.seed, verify=cfg.verify_data)
+        if cfg.resolved_tokenizer_path(self.dataset.meta) is None:  # none named anywhere (a named one must exist)
+            self._warn("no tokenizer (tokenizer_path, model_path, the shards' meta.json): final/ will be exported "
+                       "without one")
         self.categories = {int(k): v for k, v in (self.dataset.meta.get("categories") or {}).items()}
         self.num_categories = max([0, *self.categories]) + 1
         self.structure = "block_ids" in self.dataset.token_fields
@@ -695,8 +703,14 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints and export
     def _trainer_state(self) -> dict:
         epoch, in_epoch = self.sampler.position(self.step)
-        return {"step": self.step, "epoch": epoch, "step_in_epoch": in_epoch, "total_steps": self.total_steps,
+        return {"step": self.step, "epoch": epoch, "step_in_epoch": in_epoch, **self._step_layout(),
                 "seed": self.cfg.seed, "world_size": self.mesh.world_size, "data": self._data_identity()}
+
+    def _step_layout(self) -> dict:
+        """What decides the rows and the lr of every step: a resume with other values is refused."""
+        cfg = self.cfg
+        return {"total_steps": self.total_steps, "grad_accum": cfg.grad_accum, "micro_batch_rows": cfg.micro_batch_rows,
+                "max_steps": cfg.max_steps, "num_epochs": cfg.num_epochs}
 
     def _data_identity(self) -> dict:
         return dataset_identity(self.cfg.data_path, len(self.dataset))
@@ -746,6 +760,13 @@ class Trainer:
                     "resume_data_mismatch=allow to continue on the new data (the sampler order then differs)"
                 )
             self._warn(f"resume from {path}: {mismatch} (resume_data_mismatch=allow: continuing)")
+        other_layout = layout_mismatch(state, self._step_layout(), compare_steps=not mismatch)
+        if other_layout:
+            raise CheckpointError(
+                f"resume from {path}: {other_layout}: the resumed run would train other rows than the run it continues "
+                "(some twice, some never); resume with the checkpoint's value, or start a new run (another output_dir, "
+                "or overwrite_output_dir=true with resume=none)"
+            )
         saved_world = state.get("world_size")
         if saved_world is not None and int(saved_world) != self.mesh.world_size:
             raise RuntimeError(
@@ -755,6 +776,7 @@ class Trainer:
         if self.engine is not None:
             if not (path / "ds").is_dir():
                 raise RuntimeError(f"{path} was not saved with DeepSpeed; resume with the same deepspeed.stage")
+            load_deepspeed_files_safely(self.engine)  # no code runs from ds/*.pt
             self.engine.load_checkpoint(str(path), tag="ds", load_optimizer_states=True, load_lr_scheduler_states=True)
         else:
             if not (path / "model.pt").is_file():
@@ -774,47 +796,46 @@ class Trainer:
     def export(self, out_dir: Path) -> Path:
         """HF format (safetensors + config + tokenizer), loadable with AutoModelForCausalLM.from_pretrained.
         With LoRA: the adapter (train/lora.py), plus the merged model in `merged/` when lora_merge_on_save."""
-        import shutil
-
-        from data.shards import replace_dir
-
         if self.engine is not None and self.cfg.deepspeed.stage == 3:
             state = self.engine._zero3_consolidated_16bit_state_dict()  # collective; full dict on rank 0 only
         elif self.cfg.lora_rank > 0:
             state = None  # save_lora reads the live (full) parameters
         else:
             state = self.model.state_dict() if self.mesh.is_main else None
+        error = None
         if self.mesh.is_main:
-            prefix = "lm."
-            lm_state = None if state is None else {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-            tok_path = self.cfg.resolved_tokenizer_path(self.dataset.meta)
-            tokenizer = None
-            if tok_path:
-                from transformers import AutoTokenizer
+            try:
+                self._write_export(out_dir, state)
+            except CheckpointError as exc:  # a full disk: every rank stops with rank 0's message
+                error = str(exc)
+        error = from_main(error)  # also the barrier after rank 0's write
+        if error:
+            raise CheckpointError(error)
+        return out_dir
 
-                tokenizer = AutoTokenizer.from_pretrained(tok_path)
-            else:
-                logger.warning("no tokenizer found (tokenizer_path, model_path, shard manifest): exported without one")
-            if self.cfg.lora_rank > 0:
-                from train.lora import save_lora
+    def _write_export(self, out_dir: Path, state: dict | None) -> None:
+        prefix = "lm."
+        lm_state = None if state is None else {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        tok_path = self.cfg.resolved_tokenizer_path(self.dataset.meta)  # checked at start (config validation)
+        tokenizer = None
+        if tok_path:
+            from transformers import AutoTokenizer
 
-                save_lora(self.lm, out_dir, merge=self.cfg.lora_merge_on_save, tokenizer=tokenizer, is_main=True,
-                          state_dict=lm_state)
-            else:
-                tmp = out_dir.with_name(f".{out_dir.name}.tmp")
-                if tmp.exists():
-                    shutil.rmtree(tmp)
-                self.lm.config.use_cache = True  # generation wants the cache; training turned it off
-                try:
-                    self.lm.save_pretrained(tmp, state_dict=lm_state, safe_serialization=True)
-                finally:
-                    self.lm.config.use_cache = False
+            tokenizer = AutoTokenizer.from_pretrained(tok_path)
+        if self.cfg.lora_rank > 0:
+            from train.lora import save_lora
+
+            save_lora(self.lm, out_dir, merge=self.cfg.lora_merge_on_save, tokenizer=tokenizer, is_main=True,
+                      state_dict=lm_state)
+            return
+        self.lm.config.use_cache = True  # generation wants the cache; training turned it off
+        try:
+            with export_directory(out_dir) as tmp:
+                self.lm.save_pretrained(tmp, state_dict=lm_state, safe_serialization=True)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp)
-                replace_dir(tmp, out_dir)
-        if dist.is_initialized():
-            dist.barrier()
-        return out_dir
+        finally:
+            self.lm.config.use_cache = False
 
     # ------------------------------------------------------------------ the loop
     def _attention_description(self) -> str:
@@ -897,7 +918,7 @@ class Trainer:
             self.console(f"stopped at step {self.step} of {self.total_steps} (stop_at_step={stop_at_step}); "
                          f"checkpoint: {self._saved_path}")
         if self.step >= self.total_steps:
-            path = self.export(cfg.out / "final")
+            path = self.export(cfg.out / FINAL_DIR)
             self.console(f"exported the final model to {path}")
             if cfg.plot and self.mesh.is_main:
                 png = plot_losses(cfg.output_dir)
