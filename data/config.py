@@ -298,7 +298,7 @@ class PackConfig:
 class DataConfig:
     inputs: list[InputSpec]  # the raw inputs (keys of each below)
     output_dir: str  # where every output goes: canonical/sampled/merged.jsonl, tokenized/, packed/, report.json
-    tokenizer_path: str  # a local Hugging Face tokenizer directory (fast tokenizer); needed by merge and tokenize
+    tokenizer_path: str  # a local tokenizer directory (fast tokenizer) or a Hub id org/name; needed by merge and tokenize
     chat_template: str | None = None  # a Jinja file, for tokenizers without (or to replace) a chat template
     ratio_path: str | None = None  # the ratio JSON the user edits; None: <output_dir>/ratios.json
     max_length: int = 131072  # longest tokenized sequence (tokens); longer records follow `overlong`
@@ -420,7 +420,7 @@ class DataConfig:
                     raise ConfigError(f"inputs[{i}]: format 'function' needs function: 'file.py:name'")
         needs_tokenizer = {"tokenize", "merge"} & set(self.stages)
         if needs_tokenizer:
-            check_tokenizer_dir(self.tokenizer_path)
+            self.tokenizer_path = str(check_tokenizer_dir(self.tokenizer_path))  # a Hub id: its cached snapshot
         if self.chat_template and not Path(self.chat_template).is_file():
             raise ConfigError(f"chat_template: {self.chat_template} is not a file{relative_note(self.chat_template)}")
         self._validate_fidelity()
@@ -440,19 +440,17 @@ class DataConfig:
                               f"{self.engine!r})")
 
 
-def check_tokenizer_dir(path: str) -> None:
-    """`tokenizer_path` must be a local directory holding tokenizer files (their hash identifies the tokenizer)."""
+def check_tokenizer_dir(path: str) -> Path:
+    """`tokenizer_path`: a local directory holding tokenizer files (their hash identifies the tokenizer), or a
+    Hugging Face Hub id resolved to its snapshot (from the cache when offline). Returns the directory."""
+    from data.hub import pretrained_dir
     from data.shards import TOKENIZER_FILE_NAMES
 
-    where = Path(path)
-    if not where.exists():
-        raise ConfigError(f"tokenizer_path: {path} does not exist{relative_note(path)}")
-    if not where.is_dir():
-        raise ConfigError(f"tokenizer_path: {path} is a file; give the tokenizer's directory (the one holding "
-                          "tokenizer.json / tokenizer_config.json)")
+    where = pretrained_dir(path, "tokenizer_path")
     if not any((where / name).is_file() for name in TOKENIZER_FILE_NAMES):
         raise ConfigError(f"tokenizer_path: {path} holds no tokenizer files (looked for "
                           f"{', '.join(TOKENIZER_FILE_NAMES[:3])}, ...)")
+    return where
 
 
 def output_config(cfg: DataConfig) -> dict:

@@ -172,3 +172,34 @@ def test_loss_png_titles_are_plain_and_the_loss_panels_have_a_token_axis():
     assert [a.get_xlabel() for a in token_axes] == ["tokens trained", "tokens trained"]
     legend = [t.get_text() for t in fig.axes[1].get_legend().get_texts()]
     assert legend == ["math", "math (eval)"]
+
+
+def _hub_snapshot(cache, repo: str, source_dir) -> None:
+    """A Hugging Face cache entry of `repo` (models--org--name/snapshots/<rev>, refs/main) holding the files of
+    `source_dir`, as `hf download` leaves it."""
+    import shutil
+
+    entry = cache / f"models--{repo.replace('/', '--')}"
+    snapshot = entry / "snapshots" / "0"
+    snapshot.mkdir(parents=True)
+    for f in source_dir.iterdir():
+        shutil.copy(f, snapshot / f.name)
+    (entry / "refs").mkdir()
+    (entry / "refs" / "main").write_text("0")
+
+
+def test_data_tokenizer_path_takes_a_hub_id_from_the_cache(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from data.config import check_tokenizer_dir
+    from data.hub import pretrained_dir
+
+    pretrained_dir.cache_clear()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    _hub_snapshot(tmp_path / "hub", "example-org/example-tokenizer", ROOT / "data" / "example" / "tokenizer")
+    resolved = check_tokenizer_dir("example-org/example-tokenizer")
+    assert resolved.is_dir() and (resolved / "tokenizer.json").is_file()
+    with pytest.raises(ConfigError, match=r"unreachable \(HF_HUB_OFFLINE=1\).*hf download example-org/missing"):
+        check_tokenizer_dir("example-org/missing")
+    pretrained_dir.cache_clear()

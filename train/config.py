@@ -7,12 +7,10 @@ model loading.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 import logging
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -31,6 +29,7 @@ from data.config import (
     relative_note,
     to_dict,
 )
+from data.hub import pretrained_dir
 
 logger = logging.getLogger(__name__)
 
@@ -431,43 +430,6 @@ def pipeline_eval_split(data_path: str) -> Path:
 def _meta_tokenizer_path(meta: dict) -> str | None:
     tok = meta.get("tokenizer")
     return meta.get("tokenizer_path") or (tok.get("path") if isinstance(tok, dict) else None)
-
-
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-_HUB_FILES = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja"]  # configs and tokenizers, not the weights
-
-
-@functools.lru_cache(maxsize=None)
-def pretrained_dir(name: str, key: str) -> Path:
-    """A local directory as is; else a Hugging Face Hub id (`org/name`), resolved to its local snapshot of config
-    and tokenizer files (from the cache when offline). The weights are fetched later by from_pretrained."""
-    path = Path(name)
-    if path.exists():
-        if not path.is_dir():
-            raise ConfigError(f"{key}: {name} is a file; give the directory that holds it (or a Hub id org/name)")
-        return path
-    if not _HUB_ID.fullmatch(name) or name.startswith("."):
-        raise ConfigError(f"{key}: {name} does not exist (a local directory, or a Hugging Face Hub id org/name)"
-                          f"{relative_note(name)}")
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
-
-    try:
-        return Path(snapshot_download(name, allow_patterns=_HUB_FILES))
-    except LocalEntryNotFoundError as exc:
-        offline = " (HF_HUB_OFFLINE=1)" if constants.HF_HUB_OFFLINE else ""
-        raise ConfigError(
-            f"{key}: {name} is not a local directory, and the Hugging Face Hub is unreachable{offline} with no cached "
-            f"copy: download it where the Hub is reachable (huggingface-cli download {name}) or give a local "
-            f"directory ({type(exc).__name__})"
-        ) from None
-    except RepositoryNotFoundError:
-        raise ConfigError(
-            f"{key}: {name} is neither a local directory nor a Hugging Face Hub model id (not found, or gated: log in "
-            "with huggingface-cli login)"
-        ) from None
-    except OSError as exc:  # network errors after retries
-        raise ConfigError(f"{key}: {name} is not a local directory, and the Hugging Face Hub failed: {exc}") from None
 
 
 def _cuda_available() -> bool:
