@@ -21,7 +21,7 @@ from data.io import remove_stale_temporaries
 from data.lock import LockHeldError, directory_lock
 from data.preflight import preflight
 from data.records import RecordError
-from data.report import record_failure
+from data.report import read_report, record_failure
 
 DEFAULT_CONFIG = "configs/data/example.json"
 EVAL_STAGES = ("merge", "tokenize", "pack")  # run a second time on the eval split (DataConfig.eval_config)
@@ -121,14 +121,35 @@ def run_stages(cfg: DataConfig, stage_fn: Callable[[str], Callable[[DataConfig],
     return sections
 
 
-def run_pipeline(cfg: DataConfig) -> dict[str, dict]:
-    """Every stage of `cfg.stages`, in pipeline order; returns their report sections."""
+def stale_input_warnings(cfg: DataConfig) -> list[str]:
+    """Stages run without the sample stage after the ratio file was edited would pack the old sample: say so."""
+    from data.sample import ratio_file_digest
+
+    later = [stage for stage in ("merge", "tokenize", "pack") if stage in cfg.stages]
+    if "sample" in cfg.stages or not later:
+        return []
+    sampled_with = (read_report(cfg.report_path).get("sample") or {}).get("ratio_file_sha256")
+    if sampled_with is None or sampled_with == ratio_file_digest(cfg.ratio_file):
+        return []
+    return [f"the ratio file {cfg.ratio_file} changed after the sample stage ran: {', '.join(later)} use the old "
+            f"sample; re-run from it: --stages sample,{','.join(later)}"]
+
+
+def run_pipeline(cfg: DataConfig, stage_fn: Callable[[str], Callable[[DataConfig], dict] | None] = lambda _: None
+                 ) -> dict[str, dict]:
+    """Every stage of `cfg.stages`, in pipeline order (local engine: `stage_fn` as in run_stages); returns their
+    report sections (first, `inputs`: warnings about inputs of earlier stages that changed since they ran)."""
     clean_up(cfg)
+    stale = stale_input_warnings(cfg)
+    for warning in stale:
+        print(f"WARNING: inputs: {warning}", file=sys.stderr, flush=True)
     if cfg.engine == "ray":
         from data.engine_ray import run_pipeline as run_on_ray
 
-        return run_on_ray(cfg)
-    return run_stages(cfg)
+        sections = run_on_ray(cfg)
+    else:
+        sections = run_stages(cfg, stage_fn)
+    return {"inputs": {"warnings": stale}, **sections} if stale else sections
 
 
 def print_warnings(sections: dict[str, dict]) -> None:
@@ -161,11 +182,7 @@ def cli_main(stage_fn: Callable[[DataConfig], dict], stage: str, argv: list[str]
         args, overrides = parse_args(argv, f"python -m data.{stage}", stage_option=False)
         cfg = load(args, overrides, [stage])
         with directory_lock(cfg.out):
-            if cfg.engine == "ray":
-                sections = run_pipeline(cfg)  # cleans up first, like the local path below
-            else:
-                clean_up(cfg)
-                sections = run_stages(cfg, lambda _: stage_fn)
+            sections = run_pipeline(cfg, lambda _: stage_fn)  # the Ray engine runs its own version of the stage
         print_warnings(sections)
 
     _guard(body)

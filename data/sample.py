@@ -12,6 +12,7 @@ left, so no eval record is copied into, or later merged with, the training data.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import shutil
 from collections.abc import Callable
@@ -187,6 +188,15 @@ def write(cfg: DataConfig, offsets: np.ndarray, records: np.ndarray, copies: np.
             out.write(sampled_line(index.read(rec_i), copy))
 
 
+def ratio_file_digest(path) -> str | None:
+    """sha256 of the ratio file as sampling read it (None when there is none): later stages run on their own can
+    tell that it was edited since (data.pipeline.stale_input_warnings)."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except FileNotFoundError:
+        return None
+
+
 def run(cfg: DataConfig, scan_all: Callable | None = None, write_all: Callable | None = None) -> dict:
     """canonical.jsonl + ratio file -> sampled.jsonl (and with `eval_size` the eval split's
     eval/sampled.jsonl); records the `sample` report section (and the eval split's in eval/report.json).
@@ -235,7 +245,8 @@ def run(cfg: DataConfig, scan_all: Callable | None = None, write_all: Callable |
         "dropped": {k: v for k, v in dropped.items() if v},
         "added": {k: v for k, v in added.items() if v},
         "categories": {r["category_name"]: r for r in rows},
-        "seed": cfg.seed, "ratio_file": str(cfg.ratio_file), "output": str(cfg.sampled_path),
+        "seed": cfg.seed, "ratio_file": str(cfg.ratio_file), "ratio_file_sha256": ratio_file_digest(cfg.ratio_file),
+        "output": str(cfg.sampled_path),
     }
     if held_out is not None:
         section["eval"] = record_eval_split(cfg, held, names)

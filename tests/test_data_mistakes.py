@@ -306,3 +306,25 @@ def test_a_live_holder_on_this_host_or_a_lock_of_another_host_is_kept(tmp_path):
     with pytest.raises(LockHeldError, match=r"on elsewhere, started then.*if that run is gone, delete"):
         with directory_lock(tmp_path):
             pass
+
+
+# ---------------------------------------------------------------------------------------------- edited ratio file
+def test_later_stages_warn_when_the_ratio_file_changed_after_sampling(tmp_path, capsys):
+    """Editing the ratio file, then running merge (or tokenize, pack) without sample would pack the old sample:
+    a warning at the start and again at the end names the file and the stages to re-run."""
+    cfg = _cfg(tmp_path, [InputSpec(path=[_jsonl(tmp_path / "c.jsonl", [QA] * 4)], category_name="chat")],
+               stages=["preprocess", "sample"])
+    pipeline.run_pipeline(cfg)
+    assert pipeline.stale_input_warnings(dataclasses.replace(cfg, stages=["merge"])) == []
+    ratios = orjson.loads(cfg.ratio_file.read_bytes())
+    ratios["categories"][0]["sample_rate"] = 0.5
+    cfg.ratio_file.write_bytes(orjson.dumps(ratios))
+    (warning,) = pipeline.stale_input_warnings(dataclasses.replace(cfg, stages=["merge", "tokenize"]))
+    assert f"the ratio file {cfg.ratio_file} changed after the sample stage ran" in warning
+    assert "--stages sample,merge,tokenize" in warning
+    assert pipeline.stale_input_warnings(dataclasses.replace(cfg, stages=["sample", "merge"])) == []
+    sections = pipeline.run_pipeline(dataclasses.replace(cfg, stages=["merge"], merge=MergeConfig(probability=0.0)))
+    assert sections["inputs"]["warnings"] == [warning.replace("merge, tokenize", "merge").replace(
+        "sample,merge,tokenize", "sample,merge")]
+    pipeline.print_warnings(sections)
+    assert "WARNING: inputs: the ratio file" in capsys.readouterr().err
