@@ -87,3 +87,40 @@ def test_loss_png_has_loss_category_and_lr_grad_norm_panels(tmp_path):
     (tmp_path / "log.jsonl").write_text("\n".join(__import__("json").dumps(r) for r in _records()) + "\n")
     png = plot_losses(tmp_path)
     assert png == tmp_path / "loss.png" and png.stat().st_size > 10_000
+
+
+def test_start_lines_are_written_above_the_progress_bar(tmp_path, monkeypatch):
+    """On a terminal the start lines go through the bar (tqdm.write), so the bar is never overwritten by them."""
+    import tqdm
+
+    from train.config import load_config
+    from train.trainer import Trainer
+
+    written, printed = [], []
+
+    class Bar:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def write(self, text):
+            written.append(text)
+
+        def update(self, n=1):
+            pass
+
+        def set_postfix(self, **kwargs):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    data = write_packed(tmp_path / "data", random_rows(0, 2))
+    config = write_config(tmp_path / "c.yaml", data_path=str(data), model_path=str(save_tiny_model(tmp_path / "m")),
+                          output_dir=str(tmp_path / "out"), max_steps=1, loss_chunk_size=8, plot=False,
+                          self_check=False)
+    trainer = Trainer(load_config(config), console=printed.append)
+    trainer.progress_bar = True
+    trainer.train()
+    assert any(line.startswith("training 1 steps:") for line in written), (written, printed)
+    assert not any(line.startswith("training 1 steps:") for line in printed)

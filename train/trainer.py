@@ -877,10 +877,11 @@ class Trainer:
         end = self.total_steps if stop_at_step is None else min(self.total_steps, stop_at_step)
         if self.progress_bar and self.mesh.is_main:
             self._bar = tqdm(total=self.total_steps, initial=self.step, desc="train", dynamic_ncols=True)
+        # the start lines go above the bar (through it), never over it
         if self.sp_layout is not None:
             layout = self.sp_layout
-            self.console(f"sequence parallelism: {layout.describe(self.sp_ring_backend)}: {layout.reason}")
-        self.console(
+            self._console_write(f"sequence parallelism: {layout.describe(self.sp_ring_backend)}: {layout.reason}")
+        self._console_write(
             f"training {self.total_steps} steps: world {self.mesh.world_size} (dp {self.mesh.dp_size} x sp "
             f"{self.mesh.sp_size}), {self.sampler.rows_per_step} rows/step, deepspeed stage {cfg.deepspeed.stage}, "
             f"attention {self._attention_description()}, loss {cfg.loss_reduction}, "
@@ -890,8 +891,8 @@ class Trainer:
                f"{self.router_aux.top_k})" if self.router_aux is not None else "")
         )
         if self.cfg.eval_path() is not None:
-            self.console(f"evaluating {self.cfg.eval_path()} after step {self.total_steps}"
-                         + (f" and every {cfg.eval_steps} steps" if cfg.eval_steps else ""))
+            self._console_write(f"evaluating {self.cfg.eval_path()} after step {self.total_steps}"
+                                + (f" and every {cfg.eval_steps} steps" if cfg.eval_steps else ""))
         first_step, started = self.step, time.perf_counter()
         try:
             while self.step < end:
