@@ -446,6 +446,9 @@ def check_tokenizer_dir(path: str) -> Path:
     from data.hub import pretrained_dir
     from data.shards import TOKENIZER_FILE_NAMES
 
+    if Path(path).is_file():
+        raise ConfigError(f"tokenizer_path: {path} is a file; give the tokenizer's directory (the one holding "
+                          "tokenizer.json / tokenizer_config.json)")
     where = pretrained_dir(path, "tokenizer_path")
     if not any((where / name).is_file() for name in TOKENIZER_FILE_NAMES):
         raise ConfigError(f"tokenizer_path: {path} holds no tokenizer files (looked for "
