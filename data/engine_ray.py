@@ -60,6 +60,7 @@ from data.io import (UTF8_BOM, append_file, atomic_writer, expand_inputs, iter_j
                      parse_jsonl_line, require_stage_input)
 from data.progress import progress
 from data.records import RecordError
+from data.report import DROPPED_AT_LIMIT, DroppedAt
 from data.shards import (REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, PackedDataset, ShardWriter, shard_ranges,
                          temp_prefix)
 from data.tokenize import TokenizeTally
@@ -270,16 +271,10 @@ def _preprocess_task(task: tuple) -> tuple:
     return "range", spec_index, path, lines_before, n_lines, len(rows), results
 
 
-def _count_dropped(st: dict, dropped: dict, reason: str) -> None:
-    st["in"] += 1
-    st["dropped"] += 1
-    dropped[reason] = dropped.get(reason, 0) + 1
-
-
-def _detect_in_jsonl(path: str, spec, cfg: DataConfig, st: dict, dropped: dict):
+def _detect_in_jsonl(path: str, rows: preprocess.RowChunker, cfg: DataConfig):
     """The format of a .jsonl input from its first row of a detectable format, read here as `preprocess._tasks`
-    reads it (rows before it count as dropped under skip): (format, spec, its byte offset, lines before it), or
-    None when no row of the file has one."""
+    reads it (rows before it count as dropped under skip, `rows.count_dropped`): (format, spec, its byte offset,
+    lines before it), or None when no row of the file has one."""
     offset = 0
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
@@ -293,11 +288,11 @@ def _detect_in_jsonl(path: str, spec, cfg: DataConfig, st: dict, dropped: dict):
             try:
                 if isinstance(row, RecordError):
                     raise row
-                fmt, resolved = preprocess.detect_format(row, spec, source)
+                fmt, resolved = preprocess.detect_format(row, rows.spec, source)
             except RecordError as exc:
                 if cfg.on_error != "skip":
                     raise
-                _count_dropped(st, dropped, exc.reason)
+                rows.count_dropped(exc)
                 continue
             return fmt, resolved, start, lineno - 1
     return None
@@ -322,20 +317,21 @@ def _parquet_row_groups(path: str) -> list[int] | None:
     return [group.num_rows for group in groups]
 
 
-def _preprocess_tasks(cfg: DataConfig, stats: list[dict], dropped: dict) -> Iterator[tuple]:
+def _preprocess_tasks(cfg: DataConfig, stats: list[dict], dropped: dict,
+                      dropped_at: DroppedAt) -> Iterator[tuple]:
     """`preprocess._tasks` with the reading moved to the workers where an input splits cheaply: .jsonl into
     byte ranges (once the input's format is known: a set one, or detected here from its first rows), .parquet
     into row groups (when the input's format is set; `auto` needs a row). Other inputs (.json arrays, .csv,
     .arrow, datasets directories) are read here in chunks of rows, as locally."""
     for spec_index, spec in enumerate(cfg.inputs):
         st = stats[spec_index]
-        rows = preprocess.RowChunker(cfg, spec, st, dropped, count_kept=False)  # kept rows: counted from results
+        rows = preprocess.RowChunker(cfg, spec, st, dropped, dropped_at, count_kept=False)  # kept: from results
         for path in expand_inputs(spec.path):
             split, local = split_spec(path)
             if split is None and local.lower().endswith(".jsonl") and os.path.isfile(local):
                 start, lines_before = 0, 0
                 if rows.fmt is None:
-                    found = _detect_in_jsonl(path, rows.spec, cfg, st, dropped)
+                    found = _detect_in_jsonl(path, rows, cfg)
                     if found is None:
                         continue
                     rows.fmt, rows.spec, start, lines_before = found
@@ -367,12 +363,15 @@ def _convert_to_part(parts_dir: str, numbered: tuple[int, tuple]) -> tuple:
     """Worker, preprocess's first pass: task `k`'s rows converted (`_preprocess_task`) and its kept records
     written to a part as `[category, source, record]` lines; returns what the driver's accounting needs:
     (kind, spec_index, path, lines_before, lines, rows, kept, {category: kept, in order of first appearance},
-    {drop reason: count}, the first error as (source, field, message, reason) or None, part)."""
+    {drop reason: count}, {drop reason: its first `DROPPED_AT_LIMIT` sources}, the first error as (source, field,
+    message, reason) or None, part). A task's rows are a stretch of one input in order, so the first sources
+    of each task hold the first of the whole run."""
     k, task = numbered
     kind, spec_index, path, lines_before, n_lines, n_rows, results = _preprocess_task(task)
     part = os.path.join(parts_dir, f"converted_{k:08d}.jsonl")
     categories: dict[str, int] = {}
     dropped: dict[str, int] = {}
+    dropped_at: dict[str, list[str]] = {}
     first_error = None
     with atomic_writer(part) as out:
         for result in results:
@@ -387,8 +386,11 @@ def _convert_to_part(parts_dir: str, numbered: tuple[int, tuple]) -> tuple:
                 _, source, field, message, reason = result
                 first_error = first_error or (source, field, message, reason)
             dropped[reason] = dropped.get(reason, 0) + 1
+            sources = dropped_at.setdefault(reason, [])
+            if len(sources) < DROPPED_AT_LIMIT:
+                sources.append(result[1])
     return (kind, spec_index, path, lines_before, n_lines, n_rows, sum(categories.values()), categories, dropped,
-            first_error, part)
+            dropped_at, first_error, part)
 
 
 def _finish_part(task: tuple[str, str, int, dict[str, int], tuple[int, int] | None]) -> tuple[str, int]:
@@ -406,13 +408,19 @@ def _finish_part(task: tuple[str, str, int, dict[str, int], tuple[int, int] | No
     return finished, n
 
 
+def _shifted(source: str, path: str, base: int) -> str:
+    """A range's source `path:+n` as the local one, `path:(base + n)` (`base`: the lines before the range)."""
+    return f"{path}:{base + int(source[len(path) + 2:])}"
+
+
 def convert_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, stats: list[dict], dropped: dict,
-                       category_ids: preprocess.CategoryIds, sizes: dict, out, bar) -> int:
+                       dropped_at: DroppedAt, category_ids: preprocess.CategoryIds, sizes: dict, out,
+                       bar) -> int:
     """`preprocess.run`'s reading, converting and writing on the workers, in two passes. First the workers
     convert their tasks (`.jsonl` byte ranges, `.parquet` row groups, or rows the driver read) and write the kept
     records as parts; the driver does the accounting from their summaries in task order: line numbers (each
     range's lines shifted by those of the ranges before it, so sources and errors read `path:line` as locally),
-    the first error, drop counts, category ids in order of first appearance, each part's first uid. Then the
+    the first error, drop counts and sources, category ids in order of first appearance, each part's first uid. Then the
     workers write each part's canonical.jsonl lines and the driver appends the parts to `out` (a kernel copy)."""
     next_line: dict[str, int] = {}
     finish: list[tuple] = []
@@ -420,11 +428,11 @@ def convert_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, stats: list[d
     parts_dir = Path(tempfile.mkdtemp(prefix=temp_prefix("preprocess-parts"),
                                       dir=Path(cfg.canonical_path).parent))
     try:
-        numbered = enumerate(_preprocess_tasks(cfg, stats, dropped))
+        numbered = enumerate(_preprocess_tasks(cfg, stats, dropped, dropped_at))
         fn = functools.partial(_convert_to_part, str(parts_dir))
         with contextlib.closing(parallel_map(fn, numbered)) as done:
             for (kind, spec_index, path, lines_before, n_lines, n_rows, n_kept, categories, part_dropped,
-                 first_error, part) in done:
+                 part_dropped_at, first_error, part) in done:
                 st = stats[spec_index]
                 st["in"] += n_rows
                 shift = None
@@ -435,11 +443,14 @@ def convert_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, stats: list[d
                 if first_error is not None and cfg.on_error != "skip":
                     source, field, message, reason = first_error
                     if shift is not None:
-                        source = f"{path}:{base + int(source[shift[0]:])}"
+                        source = _shifted(source, path, base)
                     raise RecordError(source, field, message, reason)
                 for reason, n in part_dropped.items():
                     st["dropped"] += n
                     dropped[reason] = dropped.get(reason, 0) + n
+                for reason, sources in part_dropped_at.items():
+                    for source in sources:
+                        dropped_at.add(reason, source if shift is None else _shifted(source, path, base))
                 for category, n in categories.items():
                     category_ids(category)
                     sizes[category] = sizes.get(category, 0) + n

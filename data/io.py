@@ -88,14 +88,18 @@ def iter_rows(path: str) -> Iterator[tuple[str, Any]]:
     yield from readers[suffix](local)
 
 
-def read_rows(path: str, on_error: str = "error", dropped: dict | None = None) -> Iterator[tuple[str, dict]]:
-    """`iter_rows` with the error policy applied: raise the RecordError, or count it in `dropped[reason]`."""
+def read_rows(path: str, on_error: str = "error", dropped: dict | None = None,
+              on_skip: Callable[[RecordError], None] | None = None) -> Iterator[tuple[str, dict]]:
+    """`iter_rows` with the error policy applied: raise the RecordError, or count it in `dropped[reason]` and
+    hand it to `on_skip`."""
     for source, row in iter_rows(path):
         if isinstance(row, RecordError):
             if on_error != "skip":
                 raise row
             if dropped is not None:
                 dropped[row.reason] = dropped.get(row.reason, 0) + 1
+            if on_skip is not None:
+                on_skip(row)
             continue
         yield source, row
 

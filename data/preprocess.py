@@ -31,7 +31,7 @@ from data.io import atomic_write_bytes, atomic_writer, expand_inputs, input_is_e
 from data.progress import progress
 from data.records import MAX_CATEGORY_ID, RecordError, parse_json_field, validate_canonical
 
-from data.report import check_arithmetic, sorted_counts, update_report
+from data.report import DroppedAt, check_arithmetic, sorted_counts, update_report
 
 MAX_SAMPLE_RATE = 1000  # a larger rate is a typo (1e15 copies would exhaust memory), not a weighting
 RATIO_FILE_KEYS = ("categories",)
@@ -390,38 +390,40 @@ class CategoryIds:
 class RowChunker:
     """Chunks of raw rows of one input spec, read in this process, its format detected from its first row (under
     skip: its first row of a detectable format). Unreadable rows and undetectable first rows get the error policy
-    here and are counted in `st` / `dropped`; kept rows are counted in `st["in"]` here when `count_kept` (the Ray
-    engine counts them from its workers' results instead). `fmt` / `spec` may be set from outside (an input whose
-    format was found another way); `add_rows(path)` and `flush()` yield `(spec, fmt, chunk)`."""
+    here and are counted in `st` / `dropped` / `dropped_at`; kept rows are counted in `st["in"]` here when
+    `count_kept` (the Ray engine counts them from its workers' results instead). `fmt` / `spec` may be set from
+    outside (an input whose format was found another way); `add_rows(path)` and `flush()` yield
+    `(spec, fmt, chunk)`."""
 
-    def __init__(self, cfg: DataConfig, spec: InputSpec, st: dict, dropped: dict, count_kept: bool = True):
-        self.cfg, self.spec, self.st, self.dropped, self.count_kept = cfg, spec, st, dropped, count_kept
+    def __init__(self, cfg: DataConfig, spec: InputSpec, st: dict, dropped: dict, dropped_at: DroppedAt,
+                 count_kept: bool = True):
+        self.cfg, self.spec, self.st, self.count_kept = cfg, spec, st, count_kept
+        self.dropped, self.dropped_at = dropped, dropped_at
         self.fmt: str | None = None
         self.chunk: list = []
 
+    def count_dropped(self, exc: RecordError) -> None:
+        """A row read here and dropped under skip."""
+        self.st["in"] += 1
+        self.st["dropped"] += 1
+        self.dropped[exc.reason] = self.dropped.get(exc.reason, 0) + 1
+        self.dropped_at.add(exc.reason, exc.source)
+
     def add_rows(self, path: str) -> Iterator[tuple[InputSpec, str, list]]:
-        st, dropped = self.st, self.dropped
-        unreadable: dict[str, int] = {}
-        for source, row in read_rows(path, self.cfg.on_error, unreadable):
+        for source, row in read_rows(path, self.cfg.on_error, on_skip=self.count_dropped):
             if self.fmt is None:
                 try:
                     self.fmt, self.spec = detect_format(row, self.spec, source)
                 except RecordError as exc:  # under skip: count the row, detect again on the next one
                     if self.cfg.on_error != "skip":
                         raise
-                    st["in"] += 1
-                    st["dropped"] += 1
-                    dropped[exc.reason] = dropped.get(exc.reason, 0) + 1
+                    self.count_dropped(exc)
                     continue
-                st["format"] = self.fmt
-            st["in"] += self.count_kept
+                self.st["format"] = self.fmt
+            self.st["in"] += self.count_kept
             self.chunk.append((source, row))
             if len(self.chunk) >= CHUNK_ROWS:
                 yield from self.flush()
-        for reason, n in unreadable.items():
-            st["in"] += n
-            st["dropped"] += n
-            dropped[reason] = dropped.get(reason, 0) + n
 
     def flush(self) -> Iterator[tuple[InputSpec, str, list]]:
         if self.chunk:
@@ -429,15 +431,35 @@ class RowChunker:
             self.chunk = []
 
 
-def _tasks(cfg: DataConfig, stats: list[dict], dropped: dict):
+def _tasks(cfg: DataConfig, stats: list[dict], dropped: dict, dropped_at: DroppedAt):
     """Chunks of raw rows for the workers, inputs in order (`RowChunker`)."""
     for spec_index, spec in enumerate(cfg.inputs):
-        chunker = RowChunker(cfg, spec, stats[spec_index], dropped)
+        chunker = RowChunker(cfg, spec, stats[spec_index], dropped, dropped_at)
         for path in expand_inputs(spec.path):
             for chunk_spec, fmt, chunk in chunker.add_rows(path):
                 yield (spec_index, chunk_spec, fmt, chunk)
         for chunk_spec, fmt, chunk in chunker.flush():
             yield (spec_index, chunk_spec, fmt, chunk)
+
+
+def source_order(paths: list[str]) -> Callable[[str], tuple[int, int]]:
+    """Sort key of a raw row's source in input order, for `DroppedAt`: (index of its input in `paths`, the
+    expanded inputs; its line or row number, the integer that ends `path:line`, `path:row` and `path:key[row]`).
+    The path is matched whole (paths and keys of .json objects may hold colons). Rows of a .json object of
+    arrays sort by row number, then (`DroppedAt`'s tie-break) by key."""
+    index: dict[str, int] = {}
+    for i, path in enumerate(paths):
+        index.setdefault(path, i)
+
+    def order(source: str) -> tuple[int, int]:
+        colon = source.find(":")
+        while colon != -1 and source[:colon] not in index:
+            colon = source.find(":", colon + 1)
+        where = source[colon + 1:].removesuffix("]")
+        digits = len(where) - len(where.rstrip("0123456789"))
+        return index.get(source[:colon], len(paths)), int(where[len(where) - digits:] or -1)
+
+    return order
 
 
 def canonical_line(rec: dict, category: str, category_id: int, uid: int, source: str) -> bytes:
@@ -452,9 +474,9 @@ def run(cfg: DataConfig, parallel_map: Callable[[Callable, Iterable], Iterator] 
     """Convert every input to canonical.jsonl, update the ratio file, record the `preprocess` report section.
 
     `parallel_map(fn, chunks)` yields `fn(chunk)` in chunk order (default: `ordered_parallel_map` over
-    `num_workers` local processes). `convert_all(cfg, stats, dropped, category_ids, sizes, out, bar)` replaces
-    reading, converting and writing (the Ray engine's workers do all three): it writes canonical.jsonl's lines to
-    `out` in input order, does this loop's accounting and returns the records written."""
+    `num_workers` local processes). `convert_all(cfg, stats, dropped, dropped_at, category_ids, sizes, out, bar)`
+    replaces reading, converting and writing (the Ray engine's workers do all three): it writes canonical.jsonl's
+    lines to `out` in input order, does this loop's accounting and returns the records written."""
     paths = [path for spec in cfg.inputs for path in expand_inputs(spec.path)]
     empty = [path for path in paths if input_is_empty(path)]
     if paths and len(empty) == len(paths):
@@ -464,13 +486,14 @@ def run(cfg: DataConfig, parallel_map: Callable[[Callable, Iterable], Iterator] 
     category_ids = CategoryIds(existing)
     stats = [{"path": spec.path, "format": spec.format, "in": 0, "out": 0, "dropped": 0} for spec in cfg.inputs]
     dropped: dict[str, int] = {}
+    dropped_at = DroppedAt(source_order(paths))
     sizes: dict[str, int] = {}
     uid = 0
     with atomic_writer(cfg.canonical_path) as out, progress(desc="preprocess", unit="rec") as bar:
         if convert_all is not None:
-            uid = convert_all(cfg, stats, dropped, category_ids, sizes, out, bar)
+            uid = convert_all(cfg, stats, dropped, dropped_at, category_ids, sizes, out, bar)
         else:
-            tasks = _tasks(cfg, stats, dropped)
+            tasks = _tasks(cfg, stats, dropped, dropped_at)
             results_in_order = (parallel_map(_convert_chunk, tasks) if parallel_map is not None
                                 else ordered_parallel_map(_convert_chunk, tasks, cfg.workers))
             for spec_index, results in results_in_order:
@@ -492,12 +515,13 @@ def run(cfg: DataConfig, parallel_map: Callable[[Callable, Iterable], Iterator] 
                             raise RecordError(source, field, message, reason)
                     st["dropped"] += 1
                     dropped[reason] = dropped.get(reason, 0) + 1
+                    dropped_at.add(reason, source)
                 bar.update(len(results))
         check_ratio_names(existing, sizes, ratio_path)  # before canonical.jsonl is replaced
     write_ratio_file(ratio_path, merge_ratio_categories(existing, category_ids.ids, sizes))
     section = {
         "in": sum(st["in"] for st in stats), "out": uid, "dropped": sorted_counts(dropped),
-        "inputs": stats,
+        "dropped_at": dropped_at.section(), "inputs": stats,
         "category_sizes": {name: sizes[name] for name in sorted(sizes, key=category_ids)},
         "ratio_file": str(ratio_path), "output": str(cfg.canonical_path),
         "empty_inputs": empty, "warnings": [f"input {path} is empty (no row)" for path in empty],

@@ -12,7 +12,9 @@ have them sum to `in` and `out`.
 """
 from __future__ import annotations
 
+import bisect
 import os
+from collections.abc import Callable
 
 import orjson
 
@@ -90,6 +92,32 @@ def record_failure(path: str | os.PathLike, stage: str, error: str) -> None:
         _write_report(path, report)
     except OSError:
         pass
+
+
+DROPPED_AT_LIMIT = 100  # sources listed per drop reason in a section's `dropped_at`
+
+
+class DroppedAt:
+    """The sources (`path:line`) of dropped records per reason for a section's `dropped_at`: the first
+    `DROPPED_AT_LIMIT` of each reason by `order(source)` (ties by the source), whatever order they are found in
+    (the Ray engine finds them in another order than the local one). Holds at most the limit per reason, and a
+    source past it costs one comparison: millions of bad lines keep memory flat."""
+
+    def __init__(self, order: Callable[[str], tuple]):
+        self.order = order
+        self.kept: dict[str, list[tuple[tuple, str]]] = {}
+
+    def add(self, reason: str, source: str) -> None:
+        kept = self.kept.setdefault(reason, [])
+        entry = (self.order(source), source)
+        if len(kept) >= DROPPED_AT_LIMIT and entry >= kept[-1]:
+            return
+        bisect.insort(kept, entry)
+        del kept[DROPPED_AT_LIMIT:]
+
+    def section(self) -> dict[str, list[str]]:
+        """{reason: [source, ...]}, reasons sorted as `sorted_counts` sorts them."""
+        return {reason: [source for _, source in self.kept[reason]] for reason in sorted(self.kept)}
 
 
 def sorted_counts(counts: dict) -> dict:

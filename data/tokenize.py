@@ -34,7 +34,7 @@ from data.config import ConfigError, DataConfig, output_config, to_dict
 from data.fidelity import STAT_KEYS, FidelityOptions, Rendered, asked_chars, render_merged, template_renders_reasoning
 from data.progress import progress
 from data.records import RecordError, message_category, record_uids, validate_canonical
-from data.report import check_arithmetic, format_tokenize_summary, sorted_counts, update_report
+from data.report import DROPPED_AT_LIMIT, check_arithmetic, format_tokenize_summary, sorted_counts, update_report
 from data.shards import (IGNORE_INDEX, REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, ShardWriter, file_blake2b,
                          tokenizer_hash)
 from data.token_bound import TokenBound
@@ -448,6 +448,8 @@ class TokenizeTally:
     n_loss: int = 0
     n_turns: int = 0
     dropped: dict = field(default_factory=dict)
+    # reason -> sources of its first DROPPED_AT_LIMIT drops: chunks come in input order, and tallies merge in it
+    dropped_at: dict = field(default_factory=dict)
     cats: dict = field(default_factory=dict)  # category id -> counters
     names: dict = field(default_factory=dict)  # category id -> name, first seen
     stats: dict = field(default_factory=lambda: dict.fromkeys(STAT_KEYS, 0))  # fidelity counters of kept records
@@ -468,6 +470,10 @@ class TokenizeTally:
             row["tokens_before"] += tokens
             row["loss_tokens_before"] += loss
 
+    def _add_sources(self, reason: str, sources: list[str]) -> None:
+        kept = self.dropped_at.setdefault(reason, [])
+        kept.extend(sources[:DROPPED_AT_LIMIT - len(kept)])
+
     def _count_lost(self, reason: str, records: int, chars: int) -> None:
         entry = self.lost.setdefault(reason, [0, 0])
         entry[0] += records
@@ -483,6 +489,7 @@ class TokenizeTally:
                 if fatal:
                     raise res
                 self.dropped[res.reason] = self.dropped.get(res.reason, 0) + 1
+                self._add_sources(res.reason, [res.source])
                 cid = getattr(res, "category_id", 0)
                 row = self._cat_row(cid)
                 row["before"] += 1
@@ -523,6 +530,8 @@ class TokenizeTally:
             setattr(self, key, getattr(self, key) + getattr(other, key))
         for reason, n in other.dropped.items():
             self.dropped[reason] = self.dropped.get(reason, 0) + n
+        for reason, sources in other.dropped_at.items():
+            self._add_sources(reason, sources)
         for c, counters in other.cats.items():
             row = self._cat_row(c)
             for key, value in counters.items():
@@ -594,6 +603,7 @@ def run(cfg: DataConfig, workers: int | None = None,
             "in": tally.n_in,
             "out": tally.n_out,
             "dropped": sorted_counts(tally.dropped),
+            "dropped_at": sorted_counts(tally.dropped_at),
             "truncated": tally.n_truncated,
             "structure_kept_plain": tally.n_plain,
             "overlong_policy": cfg.effective_overlong,

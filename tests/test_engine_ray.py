@@ -361,6 +361,35 @@ def test_input_byte_ranges_give_the_errors_and_skips_of_local(fault_dir, tmp_pat
     assert f'"source":"{path}:{bad_line + 1}"'.encode() in (ray_dir / "canonical.jsonl").read_bytes()
 
 
+def test_dropped_sources_are_those_of_local(fault_dir, tmp_path, monkeypatch):
+    """report.json's `dropped_at` under skip: the driver finds the lines that fail format detection at the start
+    of a .jsonl before the workers report the bad lines of later byte ranges (~300 bytes here), of this input and
+    of the next one; the sources listed, in input order and capped at DROPPED_AT_LIMIT, are the local ones."""
+    from data.io import jsonl_byte_ranges
+    from data.report import DROPPED_AT_LIMIT
+
+    monkeypatch.setattr(engine_ray, "INPUT_RANGE_BYTES", 300)
+    code = (ROOT / "data/example/raw/code.jsonl").read_bytes().splitlines(True)
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_bytes(b"{oops\n" + b'{"foo": 1}\n' + b"".join(line + b"[1]\n" for line in code[:45]))
+    second.write_bytes(b"".join(code[:3]) + b"{oops\n" + orjson.dumps(BAD_CODE_RECORD) + b"\n" + b"[2]\n" * 80)
+    assert len(list(jsonl_byte_ranges(str(first), 0, 300))) > 5
+    raw = orjson.loads((ROOT / "configs/data/example.json").read_bytes())
+    inputs = [{"path": [str(first), str(second)], "category_name": "code"}]
+    inputs += [{**spec, "path": str(ROOT / spec["path"])} for spec in raw["inputs"] if "math" in spec["path"]]
+    local_dir, ray_dir = run_local_then_ray(tmp_path, "inputs=" + orjson.dumps(inputs).decode(), "on_error=skip",
+                                            f"ratio_path={tmp_path / 'code_math_ratios.json'}", stages=["preprocess"])
+    assert_same_outputs(local_dir, ray_dir, ["canonical.jsonl", "report.json"])
+    report = orjson.loads((ray_dir / "report.json").read_bytes())["preprocess"]
+    n_malformed = 1 + 45 + 1 + 80
+    assert report["dropped"] == {"malformed_json": n_malformed, "unknown_format": 1, "unknown_role": 1}
+    assert n_malformed > DROPPED_AT_LIMIT
+    malformed = [f"{first}:1"] + [f"{first}:{2 + 2 * k}" for k in range(1, 46)] + [f"{second}:4"]
+    malformed += [f"{second}:{line}" for line in range(6, 86)]
+    assert report["dropped_at"] == {"malformed_json": malformed[:DROPPED_AT_LIMIT],
+                                    "unknown_format": [f"{first}:2"], "unknown_role": [f"{second}:5"]}
+
+
 def test_parquet_row_groups_give_the_errors_and_skips_of_local(fault_dir, tmp_path):
     """preprocess on Ray: a .parquet input of a set format is read one row group per task by the workers; row
     indices (`path:row`) of errors and of every record's `meta.source`, and the counts, are the local ones."""

@@ -8,7 +8,7 @@ from data import preprocess
 from data.config import DataConfig, InputSpec
 from data.io import iter_jsonl, iter_rows
 from data.records import RecordError, validate_canonical
-from data.report import check_arithmetic, read_report
+from data.report import DROPPED_AT_LIMIT, DroppedAt, check_arithmetic, read_report
 from tests.conftest import fixture_path
 
 
@@ -243,6 +243,49 @@ def test_unknown_format_first_row_is_counted_under_skip(tmp_path):
     assert section["dropped"] == {"unknown_format": 2} and section["in"] == 4 and section["out"] == 2
     assert section["inputs"][0]["format"] == "prompt_response"
     assert [r["meta"]["source"] for r in iter_jsonl(cfg.canonical_path)] == [f"{path}:3", f"{path}:4"]
+
+
+def test_skipped_records_are_listed_by_source_under_their_reason_capped(tmp_path):
+    """report.json's `dropped_at`: a malformed line, a record with a bad field and a filtered one each under its
+    reason as `path:line`, in input order across inputs; past DROPPED_AT_LIMIT only the count grows."""
+    fn_file = tmp_path / "conv.py"
+    fn_file.write_text(
+        "def to_record(row):\n"
+        "    if row['q'] == 'skip':\n"
+        "        return None\n"
+        "    return {'messages': [{'role': row.get('role', 'user'), 'content': row['q']},\n"
+        "                         {'role': 'assistant', 'content': 'a'}]}\n"
+    )
+    first = tmp_path / "first.jsonl"
+    first.write_bytes(b'{"q": "1+1"}\n{"q": "skip"}\n{oops\n{"q": "x", "role": "narrator"}\n')
+    many = tmp_path / "many.jsonl"
+    many.write_bytes(orjson.dumps(GOOD) + b"\n" + b"[1]\n" * 150)
+    inputs = [InputSpec(path=[str(first)], format="function", function=f"{fn_file}:to_record"),
+              InputSpec(path=[str(many)], format="messages")]
+    cfg = make_cfg(tmp_path, inputs, on_error="skip")
+    section = preprocess.run(cfg)
+    assert section["dropped"] == {"filtered_by_function": 1, "malformed_json": 151, "unknown_role": 1}
+    assert section["dropped_at"] == {
+        "filtered_by_function": [f"{first}:2"],
+        "malformed_json": [f"{first}:3"] + [f"{many}:{line}" for line in range(2, 2 + DROPPED_AT_LIMIT - 1)],
+        "unknown_role": [f"{first}:4"],
+    }
+    assert read_report(cfg.report_path)["preprocess"]["dropped_at"] == section["dropped_at"]
+
+
+def test_dropped_at_keeps_input_order_whatever_order_drops_are_found_in():
+    """Every source form of data.io (`path:line`, `path:row`, `path:key[row]`, `split@dir:row`) sorts by input,
+    then line or row; the list is the same for any order of discovery and holds at most the limit."""
+    paths = ["b.jsonl", "a:1.json", "train@ds"]
+    sources = ([f"b.jsonl:{n}" for n in (120, 9, 10, 2)] + ["a:1.json:test[3]", "a:1.json:train[2]"]
+               + [f"train@ds:{n}" for n in range(200)])
+    expected = (["b.jsonl:2", "b.jsonl:9", "b.jsonl:10", "b.jsonl:120", "a:1.json:train[2]", "a:1.json:test[3]"]
+                + [f"train@ds:{n}" for n in range(DROPPED_AT_LIMIT - 6)])
+    for order in (sources, sources[::-1], sorted(sources)):
+        dropped_at = DroppedAt(preprocess.source_order(paths))
+        for source in order:
+            dropped_at.add("malformed_json", source)
+        assert dropped_at.section() == {"malformed_json": expected}
 
 
 # ---------------------------------------------------------------------------------------------- ratio file

@@ -60,6 +60,8 @@ def test_run_writes_dataset_and_report(tmp_path, qwen):
     section = check_arithmetic(run(_cfg(tmp_path, on_error="skip"), workers=1))
     assert (section["in"], section["out"]) == (14, 12)
     assert section["dropped"] == {"malformed_json": 1, "no_trainable_token": 1}
+    merged = tmp_path / "merged.jsonl"
+    assert section["dropped_at"] == {"malformed_json": [f"{merged}:14"], "no_trainable_token": [f"{merged}:6"]}
     ds = PackedDataset(tmp_path / "tokenized")
     assert len(ds) == 12 and ds.meta["kind"] == "tokenized"
     assert ds.meta["template"] == {"header": "<|im_start|>assistant\n", "end_of_turn": "<|im_end|>"}
@@ -108,6 +110,8 @@ def test_workers_output_byte_identical(tmp_path, monkeypatch):
         _write_merged(out, recs, extra_lines=[b"[1, 2"])
         outs.append((out, run(_cfg(out, on_error="skip", num_workers=workers))))
     (a, sec_a), (b, sec_b) = outs
+    assert sec_a.pop("dropped_at") == {"malformed_json": [f"{a}/merged.jsonl:15"]}
+    assert sec_b.pop("dropped_at") == {"malformed_json": [f"{b}/merged.jsonl:15"]}  # the output_dir differs
     assert sec_a == sec_b
     files = sorted(p.name for p in (a / "tokenized").iterdir())
     assert files == sorted(p.name for p in (b / "tokenized").iterdir())
