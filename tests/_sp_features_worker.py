@@ -5,14 +5,13 @@ alone; rank 0 writes the worst relative errors to a JSON file."""
 from __future__ import annotations
 
 import copy
-import json
 import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from tests._sp_worker import reference_step, relative_errors, sample_rows, sp_step, totals_of
+from tests._sp_worker import reference_step, relative_errors, sample_rows, sp_step, totals_of, write_results
 from train.batch import make_batch
 
 FAMILIES = ("gemma2", "gpt_oss")
@@ -70,11 +69,6 @@ def worker(rank: int, world_size: int, port: int, out_path: str) -> None:
             for layout in ("contiguous", "zigzag"):
                 got = sp_step(model, batches, rank, world_size, dist.group.WORLD, layout, dist.group.WORLD)
                 results[f"{family}/{layout}"] = relative_errors(got, want)
-        if rank == 0:
-            tmp = out_path + ".tmp"
-            with open(tmp, "w") as fh:
-                json.dump(results, fh, indent=1)
-            os.replace(tmp, out_path)
-        dist.barrier()
+        write_results(results, out_path, rank)
     finally:
         dist.destroy_process_group()

@@ -297,11 +297,17 @@ def worker(rank: int, world_size: int, port: int, out_path: str) -> None:
             dp_rank, sp_rank = divmod(rank, 2)
             got = sp_step(model, [structured[dp_rank]], sp_rank, 2, sp2_groups[dp_rank], layout, world_group)
             results[f"structure-dp2sp2/{layout}/token"] = relative_errors(got, want)
-        if rank == 0:
-            tmp = out_path + ".tmp"
-            with open(tmp, "w") as fh:
-                json.dump(results, fh, indent=1)
-            os.replace(tmp, out_path)
-        dist.barrier()
+        write_results(results, out_path, rank)
     finally:
         dist.destroy_process_group()
+
+
+def write_results(results: dict, out_path: str, rank: int) -> None:
+    """Rank 0 writes the workers' comparison results (atomically); every rank waits for it."""
+    if rank == 0:
+        tmp = out_path + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(results, fh, indent=1)
+        os.replace(tmp, out_path)
+    dist.barrier()
+

@@ -7,7 +7,6 @@ window + softcap) and gpt-oss (sinks + sliding window), and the Parallel-R1 mask
 from __future__ import annotations
 
 import copy
-import json
 import os
 from datetime import timedelta
 
@@ -25,6 +24,7 @@ from tests._sp_worker import (
     structured_rows,
     tiny_models,
     totals_of,
+    write_results,
 )
 from train.batch import make_batch
 from train.ulysses import UlyssesSpec
@@ -87,11 +87,6 @@ def worker(rank: int, world_size: int, port: int, out_path: str) -> None:
         want = structured_reference_step(structured_reference_model(model), structured)
         for name, got, _ in _configurations(model, structured, rank, pairs, rings):
             results[f"structure/{name}/token"] = relative_errors(got, want)
-        if rank == 0:
-            tmp = out_path + ".tmp"
-            with open(tmp, "w") as fh:
-                json.dump(results, fh, indent=1)
-            os.replace(tmp, out_path)
-        dist.barrier()
+        write_results(results, out_path, rank)
     finally:
         dist.destroy_process_group()
