@@ -444,7 +444,7 @@ def check_tokenizer_dir(path: str) -> Path:
     """`tokenizer_path`: a local directory holding tokenizer files (their hash identifies the tokenizer), or a
     Hugging Face Hub id resolved to its snapshot (from the cache when offline). Returns the directory."""
     from data.hub import pretrained_dir
-    from data.shards import TOKENIZER_FILE_NAMES
+    from data.fsutil import TOKENIZER_FILE_NAMES
 
     if Path(path).is_file():
         raise ConfigError(f"tokenizer_path: {path} is a file; give the tokenizer's directory (the one holding "

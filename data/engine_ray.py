@@ -46,7 +46,6 @@ import pickle
 import queue
 import random
 import shutil
-import tempfile
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -56,13 +55,13 @@ import orjson
 
 from data import merge, pack, preprocess, sample, tokenize
 from data.config import DataConfig, from_dict, split_spec, to_dict
-from data.io import (UTF8_BOM, append_file, atomic_writer, expand_inputs, iter_jsonl_range, jsonl_byte_ranges,
-                     parse_jsonl_line, require_stage_input)
+from data.fsutil import atomic_writer, read_lines, scratch_dir
+from data.io import (UTF8_BOM, append_file, expand_inputs, iter_jsonl_range, jsonl_byte_ranges, parse_jsonl_line,
+                     require_stage_input)
 from data.progress import progress
 from data.records import RecordError
 from data.report import DROPPED_AT_LIMIT, DroppedAt
-from data.shards import (REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, PackedDataset, ShardWriter, shard_ranges,
-                         temp_prefix)
+from data.shards import REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, PackedDataset, ShardWriter, shard_ranges
 from data.tokenize import TokenizeTally
 
 # Chunks per Ray Data execution (a window): bounds the driver's memory (a chunk is <= 256 records) and amortizes
@@ -425,9 +424,7 @@ def convert_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, stats: list[d
     next_line: dict[str, int] = {}
     finish: list[tuple] = []
     uid = 0
-    parts_dir = Path(tempfile.mkdtemp(prefix=temp_prefix("preprocess-parts"),
-                                      dir=Path(cfg.canonical_path).parent))
-    try:
+    with scratch_dir(Path(cfg.canonical_path).parent, "preprocess-parts") as parts_dir:
         numbered = enumerate(_preprocess_tasks(cfg, stats, dropped, dropped_at))
         fn = functools.partial(_convert_to_part, str(parts_dir))
         with contextlib.closing(parallel_map(fn, numbered)) as done:
@@ -464,8 +461,6 @@ def convert_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, stats: list[d
         with progress(total=uid, desc="preprocess: canonical lines", unit="rec") as written, \
                 contextlib.closing(parallel_map.for_ranges()(_finish_part, tasks)) as finished:
             append_parts(out, finished, written)
-    finally:
-        shutil.rmtree(parts_dir, ignore_errors=True)
     return uid
 
 
@@ -473,15 +468,8 @@ def convert_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, stats: list[d
 def _scan_range(task: tuple[str, int, int]) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
     """Worker: each line's length and category id in a byte range of canonical.jsonl, and the category names
     (`sample.scan` over the range)."""
-    path, start, end = task
-    with open(path, "rb") as f:
-        f.seek(start)
-        lines = f.read(end - start).split(b"\n")  # lines as iterating the file gives them (`JsonlIndex`)
-    last = lines.pop()  # after the last newline: b"", or a last line without one
-    lengths = np.fromiter((len(line) + 1 for line in lines), dtype=np.int64, count=len(lines))
-    if last:
-        lines.append(last)
-        lengths = np.append(lengths, len(last))
+    lines = read_lines(*task)  # lines as iterating the file gives them (`JsonlIndex`)
+    lengths = np.fromiter(map(len, lines), dtype=np.int64, count=len(lines))
     categories = np.empty(len(lines), dtype=np.int64)
     names: dict[int, str] = {}
     for i, line in enumerate(lines):
@@ -525,27 +513,20 @@ def write_sampled_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, offsets
     cuts = np.searchsorted(output_ends, np.arange(RANGE_BYTES, total, RANGE_BYTES))
     del output_ends
     bounds = np.unique(np.concatenate([[0], cuts, [len(records)]]))
-    parts_dir = Path(tempfile.mkdtemp(prefix=temp_prefix("sample-parts"), dir=Path(cfg.sampled_path).parent))
-    try:
+    with scratch_dir(Path(cfg.sampled_path).parent, "sample-parts") as parts_dir:
         tasks = ((str(cfg.canonical_path), offsets[records[a:b]], offsets[records[a:b] + 1], copies[a:b],
                   str(parts_dir / f"part_{k:08d}.jsonl"))
                  for k, (a, b) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())))
         with progress(total=len(records), desc="sample", unit="rec") as bar, \
                 contextlib.closing(parallel_map(_write_sampled, tasks)) as done:
             append_parts(out, done, bar)
-    finally:
-        shutil.rmtree(parts_dir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------- merge
 def _count_lines(task: tuple[str, int, int]) -> tuple[int, int]:
     """Worker: (lines, non-blank lines) of a byte range of a .jsonl file, split as iterating the file splits it."""
-    path, start, end = task
-    with open(path, "rb") as f:
-        f.seek(start)
-        lines = f.read(end - start).split(b"\n")
-    last = lines.pop()  # after the last newline: b"", or a final line without one
-    return len(lines) + bool(last), sum(1 for line in lines if line.strip()) + bool(last.strip())
+    lines = read_lines(*task)
+    return len(lines), sum(1 for line in lines if line.strip())
 
 
 def _merge_inputs(task: tuple) -> tuple[int, np.ndarray, np.ndarray]:
@@ -643,8 +624,7 @@ def merge_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, budget: int | N
     group_starts = np.frombuffer(starts, dtype=np.int64) if starts else np.zeros(0, dtype=np.int64)
     sizes = np.diff(np.append(group_starts, n_in))
     group_sizes = {int(k): int(v) for k, v in zip(*np.unique(sizes, return_counts=True))}
-    parts_dir = Path(tempfile.mkdtemp(prefix=temp_prefix("merge-parts"), dir=Path(cfg.merged_path).parent))
-    try:
+    with scratch_dir(Path(cfg.merged_path).parent, "merge-parts") as parts_dir:
         def write_tasks():
             for k, (a, _) in enumerate(ranges):
                 lo, hi = np.searchsorted(group_starts, first_record[k:k + 2])
@@ -655,8 +635,6 @@ def merge_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, budget: int | N
         with atomic_writer(cfg.merged_path) as out, progress(total=len(sizes), desc="merge", unit="group") as bar, \
                 contextlib.closing(parallel_map(_write_groups, write_tasks())) as done:
             zeroed = sum(part_zeroed for part_zeroed, in append_parts(out, done, bar))
-    finally:
-        shutil.rmtree(parts_dir, ignore_errors=True)
     return merge.MergeTotals(n_in, zeroed, decider.blocked, group_sizes)
 
 
@@ -679,11 +657,7 @@ def _tokenize_part(cfg_dict: dict, parts_dir: str, task: tuple[int, int, int, in
         _TOKENIZE_CONFIG = (key, from_dict(DataConfig, cfg_dict))
     cfg = _TOKENIZE_CONFIG[1]
     index, start, end, records_before, lines_before = task
-    with open(cfg.merged_path, "rb") as f:
-        f.seek(start)
-        pieces = f.read(end - start).split(b"\n")  # lines as iterating the file gives them
-    last = pieces.pop()
-    lines = [piece + b"\n" for piece in pieces] + ([last] if last else [])
+    lines = read_lines(cfg.merged_path, start, end)  # lines as iterating the file gives them
     chunk = []
     for lineno, line in enumerate(lines, lines_before + 1):
         if line.strip():

@@ -1,4 +1,4 @@
-"""Streaming readers for raw inputs, atomic writers, and a byte-offset index over JSONL files.
+"""Streaming readers for raw inputs, a byte-offset index over JSONL files, and the ordered parallel map.
 
 Readers yield `(source, row)` with source `"path:line"` (1-based line for .jsonl and .csv, 0-based row index
 for .json arrays, .parquet, .arrow and datasets directories). Memory stays bounded by one batch of rows.
@@ -6,13 +6,11 @@ for .json arrays, .parquet, .arrow and datasets directories). Memory stays bound
 from __future__ import annotations
 
 import collections
-import contextlib
 import csv
 import glob
 import multiprocessing
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -22,7 +20,7 @@ import orjson
 
 from data.config import DataConfig, split_spec
 from data.records import RecordError
-from data.shards import fsync_dir, stale_temporaries, temp_prefix
+from data.fsutil import split_lines, stale_temporaries
 
 BATCH_ROWS = 1024
 UTF8_BOM = b"\xef\xbb\xbf"  # some editors and Excel exports start files with it; orjson rejects it
@@ -114,13 +112,14 @@ def _iter_jsonl(path: str) -> Iterator[tuple[str, Any]]:
                 yield source, parse_jsonl_line(line, source)
 
 
-def parse_jsonl_line(line: bytes, source: str) -> dict | RecordError:
-    """One non-blank input line: the row object, or the RecordError that rejects it (`malformed_json`)."""
+def parse_jsonl_line(line: bytes, source: str, require_object: bool = True) -> Any:
+    """One non-blank input line: the row object, or the RecordError that rejects it (`malformed_json`).
+    `require_object=False` returns any JSON value (the caller validates it) and rejects only malformed JSON."""
     try:
         row = orjson.loads(line)
     except orjson.JSONDecodeError as exc:
         return RecordError(source, "line", f"malformed JSON: {exc}", "malformed_json")
-    if not isinstance(row, dict):
+    if require_object and not isinstance(row, dict):
         return RecordError(source, "line", f"expected a JSON object, got {type(row).__name__}", "malformed_json")
     return row
 
@@ -150,9 +149,7 @@ def iter_jsonl_range(path: str, start: int, end: int) -> tuple[int, list[tuple[i
         data = f.read(end - start)
     if start == 0:
         data = data.removeprefix(UTF8_BOM)
-    pieces = data.split(b"\n")  # as iterating a binary file: lines end at b"\n" only, and keep it
-    last = pieces.pop()  # after the last newline: b"", or a final line without one
-    lines = [piece + b"\n" for piece in pieces] + ([last] if last else [])
+    lines = split_lines(data)  # as iterating a binary file: lines end at b"\n" only, and keep it
     rows = []
     for n, line in enumerate(lines, 1):
         if line.strip():
@@ -282,49 +279,6 @@ def _iter_datasets_dir(path: str, split: str | None) -> Iterator[tuple[str, dict
 
 
 # ---------------------------------------------------------------------------------------------- writers
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write a file so readers see the old or the new content, never a partial one."""
-    with atomic_writer(path) as f:
-        f.write(data)
-
-
-def _current_umask() -> int:
-    """The process umask (it can only be read by setting it, so set it back at once)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def apply_umask(directory: str | os.PathLike) -> None:
-    """Give every file under `directory` the mode open() would (0666 minus the umask): some writers (mkstemp,
-    safetensors) create files 0600, which would leave them alone unreadable next to the others."""
-    mode = 0o666 & ~_current_umask()
-    for path in Path(directory).rglob("*"):
-        if path.is_file() and not path.is_symlink():
-            os.chmod(path, mode)
-
-
-@contextlib.contextmanager
-def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
-    """Binary file opened on a temp file next to `path`; fsynced and renamed over `path` on success (the directory
-    fsynced after), removed on error. The temp name carries the writer's pid and start (`data.shards.stale_temporaries`)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path.name), dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_current_umask())  # mkstemp creates 0600; give the mode open() would
-        with os.fdopen(fd, "wb", buffering=1 << 20) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
 def append_file(out: BinaryIO, path: str | os.PathLike) -> None:
     """Append the bytes of file `path` to `out` (a binary file being written), copied by the kernel where it can
     (`os.copy_file_range`: no pass through this process, and server-side on filesystems that offer it). `out`'s
@@ -425,12 +379,13 @@ class JsonlIndex:
 
 # ---------------------------------------------------------------------------------------------- parallel map
 def ordered_parallel_map(fn: Callable, tasks, workers: int, initializer: Callable | None = None,
-                         initargs: tuple = ()) -> Iterator:
+                         initargs: tuple = (), start_method: str | None = None) -> Iterator:
     """`fn(task)` for every task, results in task order, at most `2 * workers` tasks in flight.
 
     Unlike `Pool.imap`, whose feeder thread drains the whole task iterator into the queue, this keeps memory
     bounded when tasks are chunks of a large streamed input. With workers <= 1 everything runs inline (the
-    initializer too), so results are identical whatever the worker count.
+    initializer too), so results are identical whatever the worker count. `start_method`: the multiprocessing
+    start method of the pool (None: the platform's default).
     """
     if workers <= 1:
         if initializer is not None:
@@ -438,7 +393,7 @@ def ordered_parallel_map(fn: Callable, tasks, workers: int, initializer: Callabl
         for task in tasks:
             yield fn(task)
         return
-    with multiprocessing.get_context().Pool(workers, initializer=initializer, initargs=initargs) as pool:
+    with multiprocessing.get_context(start_method).Pool(workers, initializer=initializer, initargs=initargs) as pool:
         pending: collections.deque = collections.deque()
         for task in tasks:
             pending.append(pool.apply_async(fn, (task,)))

@@ -34,8 +34,9 @@ import orjson
 from data.chat_template import analyze_template, load_chat_tokenizer
 from data.config import ConfigError, DataConfig
 from data.fidelity import FidelityOptions, render_record, template_renders_reasoning
+from data.fsutil import atomic_writer
+from data.io import ordered_parallel_map, require_stage_input
 from data.records import RecordError, validate_canonical
-from data.io import atomic_writer, ordered_parallel_map, require_stage_input
 from data.preflight import tokenizer_identity
 from data.progress import progress
 from data.report import ReportError, check_arithmetic, sorted_counts, update_report

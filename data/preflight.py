@@ -12,7 +12,8 @@ from pathlib import Path
 
 from data.config import ConfigError, DataConfig
 from data.report import read_report
-from data.shards import ShardFormatError, file_blake2b, read_meta, tokenizer_hash
+from data.fsutil import file_blake2b, tokenizer_hash
+from data.shards import ShardFormatError, read_meta
 
 
 def template_overhead(tokenizer, enable_thinking: bool | None = None) -> int:

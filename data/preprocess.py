@@ -27,7 +27,8 @@ from typing import Any
 import orjson
 
 from data.config import ConfigError, DataConfig, InputSpec, closest_key_hint
-from data.io import atomic_write_bytes, atomic_writer, expand_inputs, input_is_empty, ordered_parallel_map, read_rows
+from data.fsutil import atomic_write_bytes, atomic_writer
+from data.io import expand_inputs, input_is_empty, ordered_parallel_map, read_rows
 from data.progress import progress
 from data.records import MAX_CATEGORY_ID, RecordError, parse_json_field, validate_canonical
 

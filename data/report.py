@@ -19,7 +19,7 @@ from collections.abc import Callable
 import orjson
 
 from data.config import STAGES
-from data.io import atomic_write_bytes
+from data.fsutil import atomic_write_bytes
 
 
 class ReportError(AssertionError):

@@ -23,7 +23,8 @@ import numpy as np
 import orjson
 
 from data.config import DataConfig
-from data.io import JsonlIndex, atomic_writer, require_stage_input
+from data.fsutil import atomic_writer
+from data.io import JsonlIndex, require_stage_input
 from data.preprocess import MAX_SAMPLE_RATE, check_ratio_names, read_ratio_file
 from data.progress import progress
 from data.report import ReportError, check_arithmetic, update_report

@@ -14,13 +14,10 @@ Everything is memory-mapped on read, so opening a dataset costs O(shards) and `d
 """
 from __future__ import annotations
 
-import glob
 import hashlib
 import mmap
 import os
-import re
 import shutil
-import uuid
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -29,7 +26,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import orjson
 
-from data.lock import pid_running, process_start
+from data.fsutil import file_blake2b, fsync_dir, replace_dir, set_aside, temp_sibling, write_synced
 
 FORMAT_NAME = "packsft-indexed"
 FORMAT_VERSION = 2  # 2: per-row checksums in rows.npy
@@ -73,28 +70,12 @@ SEQ_DTYPE = np.dtype(
 )
 UID_DTYPE = np.dtype("<i8")
 SHARD_FILES = ("tokens", "rows", "seqs", "uids")
-_HASH_CHUNK = 1 << 24
 _IO_BATCH_BYTES = 1 << 22
 
 # Keys of meta.json the writer owns; meta_extra may not replace them.
 RESERVED_META_KEYS = ("format", "format_version", "row_checksum", "kind", "token_fields", "counts", "max_token_id",
                       "shards", "manifest_blake2b")
 MANIFEST_CHECKSUM = "manifest_blake2b"  # meta.json's checksum of its own content (manifest_checksum)
-
-TOKENIZER_FILE_NAMES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "tokenizer.model",
-    "spiece.model",
-    "chat_template.jinja",
-    "chat_template.json",
-)
-
 
 class ShardFormatError(ValueError):
     """An indexed dataset on disk is missing, truncated, corrupt or of an incompatible format version."""
@@ -119,100 +100,11 @@ def normalize_token_fields(token_fields: Iterable[str] | None) -> list[str]:
     return [f for f in KNOWN_TOKEN_FIELDS if f in requested]
 
 
-def file_blake2b(path: str | os.PathLike) -> str:
-    h = hashlib.blake2b(digest_size=32)
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def tokenizer_hash(tokenizer_dir: str | os.PathLike) -> str:
-    """blake2b over the names and bytes of the tokenizer files (vocab, merges, configs, chat template)."""
-    root = Path(tokenizer_dir)
-    if not root.is_dir():
-        raise FileNotFoundError(f"tokenizer directory {root} does not exist")
-    files = sorted(p for p in root.iterdir() if p.is_file() and p.name in TOKENIZER_FILE_NAMES)
-    if not files:
-        raise FileNotFoundError(f"{root}: no tokenizer files (looked for {list(TOKENIZER_FILE_NAMES)})")
-    h = hashlib.blake2b(digest_size=32)
-    for p in files:
-        data = p.read_bytes()
-        h.update(p.name.encode())
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
-    return h.hexdigest()
-
-
 def manifest_checksum(meta: Mapping[str, Any]) -> str:
     """blake2b of a manifest's content without its own checksum (JSON, keys sorted): meta.json is checked like the
     shards it describes, so a hand-edited count or `max_token_id` is refused instead of trusted."""
     content = {k: v for k, v in meta.items() if k != MANIFEST_CHECKSUM}
     return hashlib.blake2b(orjson.dumps(content, option=orjson.OPT_SORT_KEYS), digest_size=32).hexdigest()
-
-
-def _start_tag(pid: int) -> str:
-    """8 hex digits of process `pid`'s start (boot and start time, data.lock.process_start): a live process with a
-    temporary's pid but another tag is not its writer, the pid was reused. Without /proc every process has one tag."""
-    return hashlib.blake2b((process_start(pid) or "").encode(), digest_size=4).hexdigest()
-
-
-def temp_prefix(name: str, kind: str = "tmp") -> str:
-    """`.NAME.KIND-PID-sTAG-`, the start of every temporary's name: the writer's pid and start tag let a later run tell
-    a killed writer's leftovers (`stale_temporaries`) from a live one's. `kind` is `tmp` (being written) or `old`
-    (set aside)."""
-    return f".{name}.{kind}-{os.getpid()}-s{_start_tag(os.getpid())}-"
-
-
-def temp_sibling(dst: Path, kind: str = "tmp") -> Path:
-    """A temporary next to `dst`: `temp_prefix` plus a random suffix."""
-    return dst.parent / f"{temp_prefix(dst.name, kind)}{uuid.uuid4().hex[:8]}"
-
-
-# the start tag is optional: temporaries of older versions carry the pid alone
-_TEMP_NAME = re.compile(
-    r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)(?:-s(?P<start>[0-9a-f]{8}))?-[0-9A-Za-z_]+$"
-)
-
-
-def _writer_alive(pid: int, start: str | None) -> bool:
-    return pid_running(pid) and (start is None or _start_tag(pid) == start)
-
-
-def stale_temporaries(directory: str | os.PathLike, names: Iterable[str] | None = None) -> list[Path]:
-    """Temporaries (`temp_prefix` names) in `directory` whose writer process is gone (its pid not running, or
-    running a process that started at another time), for the outputs `names` (None: any). A set-aside `.NAME.old-*`
-    whose NAME is missing is not stale: it is the previous output, which the next writer moves back (`_set_aside`).
-    Pids are of this machine: run one pipeline per output directory."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    wanted = None if names is None else set(names)
-    out = []
-    for entry in sorted(directory.iterdir()):
-        m = _TEMP_NAME.match(entry.name)
-        if not m or (wanted is not None and m["name"] not in wanted) or _writer_alive(int(m["pid"]), m["start"]):
-            continue
-        if m["kind"] == "old" and not (directory / m["name"]).exists():
-            continue
-        out.append(entry)
-    return out
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Make a directory's entries (renames, new files) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _shard_name(i: int) -> str:
@@ -323,7 +215,7 @@ class ShardWriter:
         self.dtype = token_dtype(self.token_fields)
         self.max_shard_bytes = int(max_shard_bytes)
         self.out_dir.parent.mkdir(parents=True, exist_ok=True)
-        aside = _set_aside(self.out_dir)
+        aside = set_aside(self.out_dir)
         if len(aside) == 1:  # an earlier run died inside replace_dir: put the previous output back first
             os.replace(aside[0], self.out_dir)
         self.tmp_dir = temp_sibling(self.out_dir)
@@ -565,7 +457,7 @@ class ShardWriter:
             raise ValueError(f"extra_files may not be named {bad}")
         self._finish_shard()
         for name, data in files.items():
-            _write_synced(self.tmp_dir / name, data)
+            write_synced(self.tmp_dir / name, data)
         meta = orjson.loads(dump_json({  # as read back: the checksum covers what readers parse
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
@@ -578,7 +470,7 @@ class ShardWriter:
             "shards": self._shards,
         }))
         meta[MANIFEST_CHECKSUM] = manifest_checksum(meta)
-        _write_synced(self.tmp_dir / "meta.json", dump_json(meta))
+        write_synced(self.tmp_dir / "meta.json", dump_json(meta))
         fsync_dir(self.tmp_dir)
         self._closed = True
         replace_dir(self.tmp_dir, self.out_dir)
@@ -615,34 +507,11 @@ def shard_ranges(row_nbytes: Sequence[int], max_shard_bytes: int) -> list[tuple[
     return ranges
 
 
-def replace_dir(src: Path, dst: Path) -> None:
-    """Move `src` to `dst`; an existing `dst` is renamed aside first and deleted after the swap.
-
-    A process killed between the two renames leaves no `dst` and the previous one at `.NAME.old-*`
-    (`_set_aside`): the next ShardWriter for `dst` moves it back, and reading `dst` meanwhile names it.
-    The parent directory is fsynced after the swap (`src`'s content is the caller's to sync before)."""
-    old = None
-    if dst.exists():
-        old = temp_sibling(dst, "old")
-        os.replace(dst, old)
-    os.replace(src, dst)
-    fsync_dir(dst.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _set_aside(dst: Path) -> list[Path]:
-    """When `dst` is missing: the `.NAME.old-*` siblings a `replace_dir` killed between its renames left."""
-    if dst.exists():
-        return []
-    return sorted(dst.parent.glob(f".{glob.escape(dst.name)}.old-*"))
-
-
 # ---------------------------------------------------------------------------------------------- reader
 def read_meta(path: str | os.PathLike) -> dict:
     """Parse and check `meta.json` of a dataset directory (format name and version)."""
     meta_path = Path(path) / "meta.json"
-    aside = _set_aside(Path(path))
+    aside = set_aside(Path(path))
     if aside:
         fix = "re-run the stage (it moves it back first) or rename it back" if len(aside) == 1 else \
             "rename the right one back"

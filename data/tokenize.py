@@ -17,7 +17,6 @@ mode `block_ids`/`path_ids` from `data.parallel_thinking.token_structure`.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import multiprocessing
@@ -27,7 +26,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
-import orjson
 
 from data.chat_template import TemplateInfo, analyze_template, load_chat_tokenizer
 from data.config import ConfigError, DataConfig, output_config, to_dict
@@ -35,8 +33,9 @@ from data.fidelity import STAT_KEYS, FidelityOptions, Rendered, asked_chars, ren
 from data.progress import progress
 from data.records import RecordError, message_category, record_uids, validate_canonical
 from data.report import DROPPED_AT_LIMIT, check_arithmetic, format_tokenize_summary, sorted_counts, update_report
-from data.shards import (IGNORE_INDEX, REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, ShardWriter, file_blake2b,
-                         tokenizer_hash)
+from data.fsutil import file_blake2b, tokenizer_hash
+from data.io import ordered_parallel_map, parse_jsonl_line
+from data.shards import IGNORE_INDEX, REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, ShardWriter
 from data.token_bound import TokenBound
 
 OVERLONG_POLICIES = ("drop", "error", "truncate", "left", "right")
@@ -365,18 +364,10 @@ def tokenize_records(
 
 
 # ---------------------------------------------------------------------------------------------- streaming + workers
-def _parse_line(line: bytes, source: str) -> Any:
-    try:
-        row = orjson.loads(line)
-    except orjson.JSONDecodeError as exc:
-        return RecordError(source, "line", f"malformed JSON: {exc}", "malformed_json")
-    return row
-
-
 def _tokenize_chunk(chunk: list[tuple[int, int, bytes]], path: str, ctx: TokenizeContext):
     """chunk: (record_index, line number, raw line) -> (results, bytes consumed)."""
     sources = [f"{path}:{lineno}" for _, lineno, _ in chunk]
-    records = [_parse_line(line, src) for (_, _, line), src in zip(chunk, sources)]
+    records = [parse_jsonl_line(line, src, require_object=False) for (_, _, line), src in zip(chunk, sources)]
     results = tokenize_records(records, ctx, sources, [idx for idx, _, _ in chunk])
     return results, sum(len(line) for _, _, line in chunk)
 
@@ -419,20 +410,13 @@ def iter_chunks(path: str | os.PathLike) -> Iterator[list[tuple[int, int, bytes]
 def _ordered_results(cfg: DataConfig, ctx: TokenizeContext | None, workers: int) -> Iterator[tuple[list, int]]:
     """Results chunk by chunk in input order; with workers > 1 at most 2 x workers chunks are in flight."""
     path = str(cfg.merged_path)
-    if workers <= 1:
+    if workers <= 1:  # inline, with the caller's context (ordered_parallel_map would build another)
         for chunk in iter_chunks(path):
             yield _tokenize_chunk(chunk, path, ctx)
         return
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    mp = multiprocessing.get_context(method)
-    with mp.Pool(workers, initializer=_init_worker, initargs=(to_dict(cfg),)) as pool:
-        pending: collections.deque = collections.deque()
-        for chunk in iter_chunks(path):
-            pending.append(pool.apply_async(_worker_chunk, (chunk,)))
-            if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
+    yield from ordered_parallel_map(_worker_chunk, iter_chunks(path), workers, _init_worker,
+                                    (to_dict(cfg),), start_method=method)
 
 
 @dataclass

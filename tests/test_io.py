@@ -7,8 +7,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data.io import (JsonlIndex, append_file, atomic_write_bytes, atomic_writer, expand_inputs, iter_rows, ordered_parallel_map,
-                     read_rows)
+from data.fsutil import atomic_write_bytes, atomic_writer
+from data.io import JsonlIndex, append_file, expand_inputs, iter_rows, ordered_parallel_map, read_rows
 from data.records import RecordError
 
 ROWS = [{"question": f"q{i}", "answer": f"a{i}"} for i in range(5)]

@@ -13,8 +13,8 @@ from data.shards import (
     PackedDataset,
     ShardFormatError,
     ShardWriter,
-    tokenizer_hash,
 )
+from data.fsutil import tokenizer_hash
 from tests.conftest import tokenizer_dir
 
 

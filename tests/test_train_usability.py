@@ -149,7 +149,7 @@ def qwen_data(tmp_path_factory):
     import orjson
     from transformers import AutoTokenizer
 
-    from data.shards import tokenizer_hash
+    from data.fsutil import tokenizer_hash
 
     tok_dir = tokenizer_dir("qwen2_5_instruct")
     tok = AutoTokenizer.from_pretrained(tok_dir)

@@ -25,7 +25,6 @@ the file that failed.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import pickle
@@ -42,8 +41,8 @@ import orjson
 import torch
 import torch.distributed as dist
 
-from data.io import apply_umask
-from data.shards import replace_dir, stale_temporaries, temp_sibling
+from data.fsutil import (apply_umask, atomic_directory, atomic_write_bytes, file_blake2b, fsync_dir, replace_dir,
+                         stale_temporaries)
 
 logger = logging.getLogger("packsft.train")
 
@@ -101,19 +100,6 @@ def checkpoint_root(output_dir: str | os.PathLike) -> Path:
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 # ---------------------------------------------------------------------------------------------- loading .pt files
@@ -215,33 +201,15 @@ def _files_under(directory: Path) -> list[Path]:
     return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
-def _blake2b(path: Path, sync: bool = False) -> str:
-    digest = hashlib.blake2b(digest_size=32)
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-        if sync:
-            os.fsync(f.fileno())
-    return digest.hexdigest()
-
-
 def write_manifest(directory: Path, step: int) -> dict:
     """The commit marker: size + blake2b of every file, written (atomically) after all of them are on disk."""
-    files = {p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "blake2b": _blake2b(p, sync=True)}
+    files = {p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "blake2b": file_blake2b(p, sync=True)}
              for p in _files_under(directory)}
     manifest = {"format_version": MANIFEST_FORMAT, "algorithm": "blake2b-256", "step": step, "files": files}
     for sub in sorted({p.parent for p in _files_under(directory)} | {directory}):
-        _fsync_dir(sub)
-    write_atomic(directory / MANIFEST, orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
+        fsync_dir(sub)
+    atomic_write_bytes(directory / MANIFEST, orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
     return manifest
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def verify_checkpoint(directory: Path) -> list[str]:
@@ -263,7 +231,7 @@ def verify_checkpoint(directory: Path) -> list[str]:
         if size != expected["size"]:
             kind = "empty" if size == 0 else "truncated" if size < expected["size"] else "larger than written"
             problems.append(f"{path}: {kind} ({size} bytes, {expected['size']} written)")
-        elif _blake2b(path) != expected["blake2b"]:
+        elif file_blake2b(path) != expected["blake2b"]:
             problems.append(f"{path}: content changed since it was written (blake2b mismatch)")
     return problems
 
@@ -352,7 +320,7 @@ def save_checkpoint(output_dir, step: int, rank: int, save_fn, trainer_state: di
         try:
             write_manifest(tmp, step)
             replace_dir(tmp, final)  # the same step saved again (e.g. after resuming from an earlier one): replace it
-            write_atomic(root / LATEST, final.name.encode())
+            atomic_write_bytes(root / LATEST, final.name.encode())
         except OSError as exc:
             errors = [f"rank 0: {_one_line(exc)}"]
     errors = from_main(errors)  # rank 0's last word: also the barrier after the commit
@@ -379,21 +347,16 @@ def export_directory(out_dir: Path) -> Iterator[Path]:
     full disk) removes it and raises a CheckpointError naming `out_dir`: nothing partial is left."""
     from safetensors import SafetensorError
 
-    tmp = temp_sibling(out_dir)
     try:
-        yield tmp
-        apply_umask(tmp)
-        replace_dir(tmp, out_dir)
+        with atomic_directory(out_dir) as tmp:  # removed, whatever the error
+            yield tmp
+            apply_umask(tmp)
     except (*WRITE_ERRORS, SafetensorError) as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(
             f"export directory {out_dir}: writing the model failed ({_one_line(exc)}); the partial {tmp.name} was "
             "removed. Free space there, then run the same command with resume=latest: it resumes at the last step "
             "and exports again"
         ) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
@@ -492,7 +455,7 @@ def dataset_identity(data_path: str | os.PathLike, rows: int) -> dict:
     """What a checkpoint remembers of its training data: the manifest's checksum (it holds every shard's
     checksum) and the row count."""
     meta = Path(data_path) / "meta.json"
-    return {"path": str(data_path), "meta_blake2b": _blake2b(meta), "rows": int(rows)}
+    return {"path": str(data_path), "meta_blake2b": file_blake2b(meta), "rows": int(rows)}
 
 
 def data_mismatch(saved: dict | None, current: dict) -> str | None:

@@ -457,8 +457,8 @@ def _meta_tokenizer_hash(meta: dict) -> str | None:
 
 
 def tokenizer_hash(path: str | os.PathLike) -> str | None:
-    """The packing pipeline's tokenizer hash of `path` (data.shards.tokenizer_hash), None without tokenizer files."""
-    from data.shards import tokenizer_hash as data_tokenizer_hash
+    """The packing pipeline's tokenizer hash of `path` (data.fsutil.tokenizer_hash), None without tokenizer files."""
+    from data.fsutil import tokenizer_hash as data_tokenizer_hash
 
     try:
         return data_tokenizer_hash(path)

@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from data.fsutil import atomic_write_bytes
+
 logger = logging.getLogger("packsft.train")
 
 LOG_FILE = "log.jsonl"
@@ -31,9 +33,7 @@ def truncate_log(output_dir: str | os.PathLike, last_step: int) -> None:
     file = Path(output_dir) / LOG_FILE
     file.parent.mkdir(parents=True, exist_ok=True)
     records = [r for r in read_log(file) if r.get("step", 0) <= last_step]
-    tmp = file.with_name(f".{file.name}.tmp")
-    tmp.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
-    os.replace(tmp, file)
+    atomic_write_bytes(file, b"".join(orjson.dumps(r) + b"\n" for r in records))
 
 
 def _format(record: dict) -> str:
