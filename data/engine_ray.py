@@ -247,23 +247,23 @@ def _preprocess_task(task: tuple) -> tuple:
     """Worker: `("rows", spec_index, spec, fmt, rows)` converts rows the driver read (as locally);
     `("range", spec_index, spec, fmt, path, start, end, lines_before)` reads and converts the lines of a .jsonl
     byte range. Returns (kind, spec_index, path, lines_before, lines in the range, rows read, results) with
-    `_convert_chunk`'s results; a range's sources are `path:+n` (n: line within the range) until the driver,
+    `convert_chunk`'s results; a range's sources are `path:+n` (n: line within the range) until the driver,
     which knows where the range starts, rewrites them."""
     if task[0] == "rows":
         _, spec_index, spec, fmt, rows = task
-        return "rows", spec_index, None, None, 0, len(rows), preprocess._convert_chunk((spec_index, spec, fmt, rows))[1]
+        return "rows", spec_index, None, None, 0, len(rows), preprocess.convert_chunk((spec_index, spec, fmt, rows))[1]
     if task[0] == "row_group":
         import pyarrow.parquet as pq
 
         _, spec_index, spec, fmt, path, group, first_row = task
         with pq.ParquetFile(path) as pf:
             rows = [(f"{path}:{first_row + i}", row) for i, row in enumerate(pf.read_row_group(group).to_pylist())]
-        return "rows", spec_index, None, None, 0, len(rows), preprocess._convert_chunk((spec_index, spec, fmt, rows))[1]
+        return "rows", spec_index, None, None, 0, len(rows), preprocess.convert_chunk((spec_index, spec, fmt, rows))[1]
     _, spec_index, spec, fmt, path, start, end, lines_before = task
     n_lines, rows = iter_jsonl_range(path, start, end)
     readable = [(row_or_error.source if isinstance(row_or_error, RecordError) else f"{path}:+{n}", row_or_error)
                 for n, row_or_error in rows]
-    converted = iter(preprocess._convert_chunk(
+    converted = iter(preprocess.convert_chunk(
         (spec_index, spec, fmt, [(src, row) for src, row in readable if not isinstance(row, RecordError)]))[1])
     results = [("err", row.source, row.field, row.message, row.reason) if isinstance(row, RecordError)
                else next(converted) for _, row in readable]
@@ -653,7 +653,7 @@ def _tokenize_part(cfg_dict: dict, parts_dir: str, task: tuple[int, int, int, in
     global _TOKENIZE_CONFIG
     key = orjson.dumps(cfg_dict)
     if _TOKENIZE_CONFIG is None or _TOKENIZE_CONFIG[0] != key:
-        tokenize._init_worker(cfg_dict)
+        tokenize.init_tokenize_worker(cfg_dict)
         _TOKENIZE_CONFIG = (key, from_dict(DataConfig, cfg_dict))
     cfg = _TOKENIZE_CONFIG[1]
     index, start, end, records_before, lines_before = task
@@ -662,7 +662,7 @@ def _tokenize_part(cfg_dict: dict, parts_dir: str, task: tuple[int, int, int, in
     for lineno, line in enumerate(lines, lines_before + 1):
         if line.strip():
             chunk.append((records_before + len(chunk), lineno, line))
-    results, n_bytes = tokenize._worker_chunk(chunk)
+    results, n_bytes = tokenize.tokenize_in_worker(chunk)
     fields = list(REQUIRED_TOKEN_FIELDS) + (list(STRUCTURE_TOKEN_FIELDS) if cfg.structure else [])
     part = Path(parts_dir) / f"chunk_{index:08d}"
     tally = TokenizeTally()

@@ -262,9 +262,10 @@ def convert_row(raw: dict, spec: InputSpec, fmt: str, source: str) -> tuple[dict
 
 
 # ---------------------------------------------------------------------------------------------- workers
-def _convert_chunk(task: tuple[int, InputSpec, str, list]) -> tuple[int, list[tuple]]:
-    """Worker: per row ("ok", source, record, category), ("err", source, field, message, reason) or
-    ("filtered", source)."""
+def convert_chunk(task: tuple[int, InputSpec, str, list]) -> tuple[int, list[tuple]]:
+    """Worker (local pool or Ray): convert a chunk of rows of input `spec_index` (`convert_row`); returns
+    (spec_index, per row ("ok", source, record, category), ("err", source, field, message, reason) or
+    ("filtered", source))."""
     spec_index, spec, fmt, rows = task
     out = []
     for source, raw in rows:
@@ -495,8 +496,8 @@ def run(cfg: DataConfig, parallel_map: Callable[[Callable, Iterable], Iterator] 
             uid = convert_all(cfg, stats, dropped, dropped_at, category_ids, sizes, out, bar)
         else:
             tasks = _tasks(cfg, stats, dropped, dropped_at)
-            results_in_order = (parallel_map(_convert_chunk, tasks) if parallel_map is not None
-                                else ordered_parallel_map(_convert_chunk, tasks, cfg.workers))
+            results_in_order = (parallel_map(convert_chunk, tasks) if parallel_map is not None
+                                else ordered_parallel_map(convert_chunk, tasks, cfg.workers))
             for spec_index, results in results_in_order:
                 st = stats[spec_index]
                 for result in results:

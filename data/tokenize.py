@@ -375,7 +375,9 @@ def _tokenize_chunk(chunk: list[tuple[int, int, bytes]], path: str, ctx: Tokeniz
 _WORKER: dict = {}
 
 
-def _init_worker(cfg_dict: dict) -> None:
+def init_tokenize_worker(cfg_dict: dict) -> None:
+    """Worker initializer (local pool or Ray): build this process's TokenizeContext from a `to_dict` config, for
+    `tokenize_in_worker`."""
     from data.config import from_dict
 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers are the parallelism
@@ -384,7 +386,8 @@ def _init_worker(cfg_dict: dict) -> None:
     _WORKER["path"] = str(cfg.merged_path)
 
 
-def _worker_chunk(chunk):
+def tokenize_in_worker(chunk: list[tuple[int, int, bytes]]):
+    """Worker: `_tokenize_chunk` with the context `init_tokenize_worker` built -> (results, bytes consumed)."""
     return _tokenize_chunk(chunk, _WORKER["path"], _WORKER["ctx"])
 
 
@@ -415,7 +418,7 @@ def _ordered_results(cfg: DataConfig, ctx: TokenizeContext | None, workers: int)
             yield _tokenize_chunk(chunk, path, ctx)
         return
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    yield from ordered_parallel_map(_worker_chunk, iter_chunks(path), workers, _init_worker,
+    yield from ordered_parallel_map(tokenize_in_worker, iter_chunks(path), workers, init_tokenize_worker,
                                     (to_dict(cfg),), start_method=method)
 
 

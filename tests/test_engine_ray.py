@@ -37,7 +37,7 @@ def fault_hooks(fault_dir: Path):
         sys.path.insert(0, root)  # the hook runs before Ray puts the driver's sys.path on the worker's
         from data import tokenize
 
-        real = tokenize._worker_chunk
+        real = tokenize.tokenize_in_worker
 
         def chunk_with_faults(chunk):
             import ray
@@ -54,7 +54,7 @@ def fault_hooks(fault_dir: Path):
                     os._exit(1)
             return real(chunk)
 
-        tokenize._worker_chunk = chunk_with_faults
+        tokenize.tokenize_in_worker = chunk_with_faults
 
     return install
 
