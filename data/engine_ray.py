@@ -797,9 +797,10 @@ def stage_runners(parallel_map: RayChunkMap) -> dict[str, Callable[[DataConfig],
     }
 
 
-def run_pipeline(cfg: DataConfig) -> dict[str, dict]:
-    """Every stage of `cfg.stages`, in pipeline order, in one Ray session; returns their report sections."""
-    from data.pipeline import run_stages
-
+def run_pipeline(cfg: DataConfig, run_stages: Callable[[DataConfig, Callable[[str], Callable]], dict[str, dict]]
+                 ) -> dict[str, dict]:
+    """Every stage of `cfg.stages`, in pipeline order, in one Ray session; returns their report sections.
+    `run_stages` is the driver's (`data.pipeline.run_stages`), passed in so that this module, which the driver
+    imports, does not import it back."""
     with ray_session(cfg) as workers:
         return run_stages(cfg, stage_runners(RayChunkMap(workers)).get)

@@ -146,7 +146,7 @@ def run_pipeline(cfg: DataConfig, stage_fn: Callable[[str], Callable[[DataConfig
     if cfg.engine == "ray":
         from data.engine_ray import run_pipeline as run_on_ray
 
-        sections = run_on_ray(cfg)
+        sections = run_on_ray(cfg, run_stages)
     else:
         sections = run_stages(cfg, stage_fn)
     return {"inputs": {"warnings": stale}, **sections} if stale else sections
