@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from data.fsutil import atomic_write_bytes
+from data.fsutil import atomic_write_bytes, atomic_writer
 
 logger = logging.getLogger("packsft.train")
 
@@ -231,8 +231,9 @@ def plot_losses(output_dir: str | os.PathLike, path: str | os.PathLike | None = 
 
     fig = loss_figure(records)
     target = Path(path) if path else Path(output_dir) / "loss.png"
-    tmp = target.with_name(f".{target.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, target)
+    try:
+        with atomic_writer(target) as f:
+            fig.savefig(f, format="png", dpi=100)
+    finally:
+        plt.close(fig)
     return target
