@@ -302,6 +302,18 @@ def worker(rank: int, world_size: int, port: int, out_path: str) -> None:
         dist.destroy_process_group()
 
 
+def spawned_results(worker, nprocs: int, out_dir) -> dict:
+    """Run `worker(rank, nprocs, port, out_path)` in `nprocs` gloo processes; the results rank 0 wrote."""
+    import torch.multiprocessing as mp
+
+    from tests._train_helpers import free_port
+
+    out = os.path.join(str(out_dir), "results.json")
+    mp.spawn(worker, args=(nprocs, free_port(), out), nprocs=nprocs, join=True)
+    with open(out) as fh:
+        return json.load(fh)
+
+
 def write_results(results: dict, out_path: str, rank: int) -> None:
     """Rank 0 writes the workers' comparison results (atomically); every rank waits for it."""
     if rank == 0:

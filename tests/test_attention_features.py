@@ -5,14 +5,13 @@ feature, sequence parallelism (in process and a 2-process gloo run) and, on a GP
 from __future__ import annotations
 
 import dataclasses
-import json
-import socket
 
 import pytest
 import torch
 
 import train.attention as attention
 from tests._sp_features_worker import SOFTCAP, TINY, WINDOW, tiny_model
+from tests._sp_worker import spawned_results
 from train import sequence_parallel
 from train.attention import (
     AUTO_ORDER,
@@ -466,21 +465,12 @@ def test_structure_mode_refuses_features():
     assert dispatched_feature_problems(AttentionFeatures(dropout=0.1), "torch", structure=True) == []
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def sp_feature_results(tmp_path_factory) -> dict:
-    import torch.multiprocessing as mp
-
     from tests._sp_features_worker import worker
 
-    out = tmp_path_factory.mktemp("sp_features") / "results.json"
-    mp.spawn(worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
-    return json.loads(out.read_text())
+    return spawned_results(worker, 2, tmp_path_factory.mktemp("sp_features"))
 
 
 @pytest.mark.multiprocess

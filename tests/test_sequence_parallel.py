@@ -6,13 +6,12 @@ reduction, the step loss, the per-category sums and every parameter's gradient e
 """
 from __future__ import annotations
 
-import json
-import socket
 
 import pytest
 import torch
 
-from tests._sp_worker import REDUCTIONS, sample_rows, structured_rows, totals_of
+from tests._sp_worker import REDUCTIONS, sample_rows, spawned_results, structured_rows, totals_of
+from tests._train_helpers import free_port
 from train.batch import IGNORE_INDEX, make_batch
 from train.sequence_parallel import (
     BACKEND_LAYOUT,
@@ -27,21 +26,12 @@ RTOL = 1e-5
 LAYOUTS = ("contiguous", "zigzag")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def sp_results(tmp_path_factory) -> dict:
-    import torch.multiprocessing as mp
-
     from tests._sp_worker import worker
 
-    out = tmp_path_factory.mktemp("sp") / "results.json"
-    mp.spawn(worker, args=(WORLD, _free_port(), str(out)), nprocs=WORLD, join=True)
-    return json.loads(out.read_text())
+    return spawned_results(worker, WORLD, tmp_path_factory.mktemp("sp"))
 
 
 # ------------------------------------------------------------------------------ multi-process equivalence
@@ -257,7 +247,7 @@ def test_ring_flash_attn_backends_match_torch_on_one_gpu(backend):
     from train.sequence_parallel import sp_attention
 
     if not dist.is_initialized():
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     batch = _batches()[0]
     module = torch.nn.Module().eval()
     outputs = {}

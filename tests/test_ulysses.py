@@ -7,15 +7,13 @@ the degree), gemma2 (sliding window, softcap), gpt-oss (sinks, sliding window) a
 """
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
 import torch
 
-from tests._sp_worker import sample_rows, totals_of
+from tests._sp_worker import sample_rows, spawned_results, totals_of
 from tests._train_helpers import (
-    free_port,
     random_rows,
     run_train,
     save_tiny_model,
@@ -33,13 +31,9 @@ CONFIGS = ("ulysses-sp4", "ulysses-dp2sp2", "hybrid-sp4")
 
 @pytest.fixture(scope="module")
 def ulysses_results(tmp_path_factory) -> dict:
-    import torch.multiprocessing as mp
-
     from tests._ulysses_worker import worker
 
-    out = tmp_path_factory.mktemp("ulysses") / "results.json"
-    mp.spawn(worker, args=(4, free_port(), str(out)), nprocs=4, join=True)
-    return json.loads(out.read_text())
+    return spawned_results(worker, 4, tmp_path_factory.mktemp("ulysses"))
 
 
 # ------------------------------------------------------------------------------ multi-process equivalence
