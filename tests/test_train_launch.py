@@ -96,12 +96,20 @@ def test_sigterm_to_train_sh_stops_the_whole_run_and_the_lock_refuses_a_second_r
     assert _processes_of(out) == [] and not (out / "final").exists()
 
 
+# each rank writes its report to its own file: two ranks' buffered stdout can interleave mid-line at exit
 _REPORT_THREADS = """
 import json, os, sys
 from train.__main__ import main
 code = main(sys.argv[1:])
-threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-print("THREADS", json.dumps({"rank": os.environ["RANK"], "code": code, "gloo": [t for t in threads if "gloo" in t]}))
+threads = []
+for task in os.listdir("/proc/self/task"):
+    try:
+        threads.append(open(f"/proc/self/task/{task}/comm").read().strip())
+    except FileNotFoundError:  # a thread that ended meanwhile
+        pass
+report = {"rank": os.environ["RANK"], "code": code, "gloo": [t for t in threads if "gloo" in t]}
+with open(os.path.join(os.environ["THREAD_REPORTS"], f"rank{os.environ['RANK']}.json"), "w") as f:
+    json.dump(report, f)
 """
 
 
@@ -118,9 +126,10 @@ def test_gloo_threads_are_joined_before_the_interpreter_shuts_down(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
          str(script), "configs/train/example_sp.yaml", f"data_path={data}", f"output_dir={tmp_path / 'run'}",
          "max_steps=2", "stop_at_step=1", "log_backends=[]"],  # a checkpoint (object collectives), then exit
-        cwd=ROOT, env=dict(_env(), PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=600)
+        cwd=ROOT, env=dict(_env(), PYTHONPATH=str(ROOT), THREAD_REPORTS=str(tmp_path)), capture_output=True,
+        text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    reports = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("THREADS ")]
+    reports = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
     assert sorted(r["rank"] for r in reports) == ["0", "1"]
     assert [(r["code"], r["gloo"]) for r in reports] == [(0, []), (0, [])]
 
