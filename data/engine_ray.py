@@ -55,6 +55,7 @@ import orjson
 
 from data import merge, pack, preprocess, sample, tokenize
 from data.config import DataConfig, from_dict, split_spec, to_dict
+from data.executor import Executor, TaskSize, with_setup
 from data.fsutil import atomic_writer, read_lines, scratch_dir
 from data.io import (UTF8_BOM, append_file, expand_inputs, iter_jsonl_range, jsonl_byte_ranges, parse_jsonl_line,
                      require_stage_input)
@@ -74,7 +75,7 @@ INPUT_RANGE_BYTES = 16 << 20  # .jsonl input bytes per preprocess range (a worke
 RANGE_BYTES = 1 << 20  # canonical.jsonl bytes per sample range, and sampled.jsonl bytes per sample plan slice
 MERGE_RANGE_BYTES = 1 << 20  # sampled.jsonl bytes per merge range
 TOKENIZE_RANGE_BYTES = 1 << 20  # merged.jsonl bytes per tokenize range (a part)
-# Maps over byte ranges and plan slices (`RayChunkMap.for_ranges`): Ray Data's driver spends ~20-30 ms of CPU per
+# Maps over byte ranges and plan slices (`_StageMap.for_ranges`): Ray Data's driver spends ~20-30 ms of CPU per
 # task and block (BENCHMARKS.md, bench_ray_overhead.py), so their windows are large (max(RANGE_WINDOW_CHUNKS,
 # RANGE_WINDOW_CHUNKS_PER_WORKER x workers) chunks of ~1 MiB) and cut into RANGE_TASKS_PER_WORKER tasks per
 # worker, one block each: >= 32 MiB a task, whatever the worker count.
@@ -137,30 +138,41 @@ def _apply(batch: dict, fn: Callable) -> dict:
     return {"index": batch["index"], "result": np.array(results, dtype=object)}
 
 
-class RayChunkMap:
-    """`parallel_map(fn, chunks)` on Ray Data: `fn(chunk)` for every chunk, yielded in chunk order as they arrive.
+class RayExecutor(Executor):
+    """`Executor.map` on Ray Data: `fn(task)` for every task, yielded in task order as they arrive.
 
-    `fn` must be picklable (a module-level function or a partial of one). Chunks are read a window at a time
-    (one Ray Data execution each); the next window is submitted while the caller consumes one, and runs beside
-    it (its tasks fill the workers the current window's last tasks leave idle), so the driver holds at most two
-    windows of chunks and results. Ray Data's driver pays per execution, task and block, so maps over small task
-    descriptors (byte ranges) use large windows (`for_ranges`)."""
+    Tasks are read a window at a time (one Ray Data execution each); the next window is submitted while the caller
+    consumes one, and runs beside it (its tasks fill the workers the current window's last tasks leave idle), so
+    the driver holds at most two windows of tasks and results. Ray Data's driver pays per execution, task and
+    block, so maps over small task descriptors (`size="ranges"`) use large windows; `size="shards"` runs one task
+    (a whole output shard) per Ray task."""
 
-    def __init__(self, workers: int, window: int | None = None, chunks_per_task: int | None = None,
-                 tasks_per_worker: int = TASKS_PER_WORKER):
+    def __init__(self, workers: int, window: int | None = None):
         self.workers = workers
-        self.window = window or max(MIN_WINDOW_CHUNKS, WINDOW_CHUNKS_PER_WORKER * workers)
-        self.chunks_per_task = chunks_per_task  # None: the window spread as `tasks_per_worker` tasks per worker
-        self.tasks_per_worker = tasks_per_worker
+        self.window = window  # tasks per execution, whatever `size` (None: by size and workers)
 
-    def __call__(self, fn: Callable, chunks: Iterable) -> Iterator:
+    def map(self, fn: Callable, tasks: Iterable, size: TaskSize = "ranges",
+            setup: Callable[[], None] | None = None) -> Iterator:
+        window = max(MIN_WINDOW_CHUNKS, WINDOW_CHUNKS_PER_WORKER * self.workers)
+        chunks_per_task, tasks_per_worker = None, TASKS_PER_WORKER
+        if size == "ranges":
+            window = max(window, RANGE_WINDOW_CHUNKS, RANGE_WINDOW_CHUNKS_PER_WORKER * self.workers)
+            tasks_per_worker = RANGE_TASKS_PER_WORKER
+        elif size == "shards":
+            chunks_per_task = 1
+        window = self.window or window
+        return self._map(with_setup(fn, setup), tasks, window, chunks_per_task, tasks_per_worker)
+
+    def _map(self, fn: Callable, chunks: Iterable, window: int, chunks_per_task: int | None,
+             tasks_per_worker: int) -> Iterator:
         runner = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ray-window")
         failed: list[Exception] = []  # an error of `chunks` itself: raised after the chunks before it are yielded
         try:
             running = None
-            for first, items in self._windows(chunks, failed):
+            for first, items in self._windows(chunks, window, failed):
                 arrived: queue.SimpleQueue = queue.SimpleQueue()
-                following = (first, len(items), arrived, runner.submit(self._run_window, fn, items, arrived))
+                per_task = chunks_per_task or max(1, len(items) // (tasks_per_worker * self.workers))
+                following = (first, len(items), arrived, runner.submit(self._run_window, fn, items, per_task, arrived))
                 if running is not None:
                     yield from self._in_order(*running)
                 running = following
@@ -171,14 +183,8 @@ class RayChunkMap:
         finally:  # stopped early (an error, or the caller closed us): a window not started yet never starts
             runner.shutdown(wait=True, cancel_futures=True)
 
-    def for_ranges(self) -> "RayChunkMap":
-        """The map for chunks that are task descriptors (~1 MiB byte ranges, slices of a plan): the driver holds
-        little per chunk, so windows are large and tasks hold many chunks (few executions, tasks and blocks for
-        the driver to handle; `RANGE_WINDOW_CHUNKS`)."""
-        window = max(self.window, RANGE_WINDOW_CHUNKS, RANGE_WINDOW_CHUNKS_PER_WORKER * self.workers)
-        return RayChunkMap(self.workers, window, tasks_per_worker=RANGE_TASKS_PER_WORKER)
-
-    def _windows(self, chunks: Iterable, failed: list[Exception]) -> Iterator[tuple[int, list[dict]]]:
+    @staticmethod
+    def _windows(chunks: Iterable, window: int, failed: list[Exception]) -> Iterator[tuple[int, list[dict]]]:
         """Windows of pickled chunks. An error raised by `chunks` ends them (the chunks read so far still go out)
         and is put in `failed`: the caller raises it after the results of the chunks before it, so that an
         error found by a worker in an earlier chunk comes first, as in chunk order."""
@@ -186,7 +192,7 @@ class RayChunkMap:
         try:
             for index, chunk in enumerate(chunks):
                 items.append({"index": index, "chunk": pickle.dumps(chunk, protocol=pickle.HIGHEST_PROTOCOL)})
-                if len(items) >= self.window:
+                if len(items) >= window:
                     yield items[0]["index"], items
                     items = []
         except Exception as exc:
@@ -213,13 +219,12 @@ class RayChunkMap:
             yield result
         done.result()
 
-    def _run_window(self, fn: Callable, items: list[dict], arrived: queue.SimpleQueue) -> None:
+    def _run_window(self, fn: Callable, items: list[dict], chunks_per_task: int, arrived: queue.SimpleQueue) -> None:
         """One Ray Data execution over a window: each (chunk index, pickled result) onto `arrived` as Ray yields
         it, then (None, None)."""
         import ray.data
 
         try:
-            chunks_per_task = self.chunks_per_task or max(1, len(items) // (self.tasks_per_worker * self.workers))
             blocks = -(-len(items) // chunks_per_task)  # one block a task: the driver's cost is per block too
             dataset = ray.data.from_items(items, override_num_blocks=blocks).map_batches(
                 _apply, fn_args=(fn,), batch_size=chunks_per_task, batch_format="numpy",
@@ -412,7 +417,7 @@ def _shifted(source: str, path: str, base: int) -> str:
     return f"{path}:{base + int(source[len(path) + 2:])}"
 
 
-def convert_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, stats: list[dict], dropped: dict,
+def convert_on_workers(parallel_map: _StageMap, cfg: DataConfig, stats: list[dict], dropped: dict,
                        dropped_at: DroppedAt, category_ids: preprocess.CategoryIds, sizes: dict, out,
                        bar) -> int:
     """`preprocess.run`'s reading, converting and writing on the workers, in two passes. First the workers
@@ -479,7 +484,7 @@ def _scan_range(task: tuple[str, int, int]) -> tuple[np.ndarray, np.ndarray, dic
     return lengths, categories, names
 
 
-def scan_on_workers(parallel_map: RayChunkMap, path: Path) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
+def scan_on_workers(parallel_map: _StageMap, path: Path) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
     """`sample.scan` with the records read by the workers, by byte ranges; the driver keeps 16 bytes a record."""
     ranges = list(jsonl_byte_ranges(str(path), 0, RANGE_BYTES))
     lengths, categories, names = [np.zeros(1, dtype=np.int64)], [np.zeros(0, dtype=np.int64)], {}
@@ -503,7 +508,7 @@ def _write_sampled(task: tuple[str, np.ndarray, np.ndarray, np.ndarray, str]) ->
     return part, len(starts)
 
 
-def write_sampled_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, offsets: np.ndarray, records: np.ndarray,
+def write_sampled_on_workers(parallel_map: _StageMap, cfg: DataConfig, offsets: np.ndarray, records: np.ndarray,
                              copies: np.ndarray, out) -> None:
     """`sample.write` on the workers: the plan cut into slices of about `RANGE_BYTES` of output, each written
     as a part by a worker, the parts appended to `out` in order (a kernel copy)."""
@@ -583,7 +588,7 @@ def decide_range(decider: merge.GroupDecider, joins: np.ndarray, tokens: np.ndar
     return np.flatnonzero(starts)
 
 
-def merge_on_workers(parallel_map: RayChunkMap, cfg: DataConfig, budget: int | None, tokenizer_key,
+def merge_on_workers(parallel_map: _StageMap, cfg: DataConfig, budget: int | None, tokenizer_key,
                      opts) -> merge.MergeTotals:
     """`merge.run` with the records off the driver, in three passes over byte ranges of sampled.jsonl: the
     workers count each range's records; with the seeded draws (`merge.join_draws`, in file order) they return
@@ -689,7 +694,7 @@ def _copy_rows(task: tuple[list[str], int, str, list[tuple[str, int, int]]]) -> 
     return out_dir
 
 
-def assemble_parts(shard_map: RayChunkMap, writer: ShardWriter, parts: list[tuple[str, np.ndarray]]) -> None:
+def assemble_parts(shard_map: _StageMap, writer: ShardWriter, parts: list[tuple[str, np.ndarray]]) -> None:
     """Re-cut the per-chunk parts (dir, tokens of each row) into the shards one writer would have cut
     (`shard_ranges`), one Ray task per shard, and append those to `writer` in order."""
     if not parts:
@@ -717,7 +722,7 @@ def assemble_parts(shard_map: RayChunkMap, writer: ShardWriter, parts: list[tupl
     shutil.rmtree(out)  # empty, or the temp dirs of attempts Ray retried
 
 
-def tokenize_tallies(parallel_map: RayChunkMap, shard_map: RayChunkMap, cfg: DataConfig, ctx, workers: int,
+def tokenize_tallies(parallel_map: _StageMap, shard_map: _StageMap, cfg: DataConfig, ctx, workers: int,
                      writer: ShardWriter) -> Iterator[tuple[TokenizeTally, int]]:
     """`tokenize.run`'s chunk tallies: the workers count the lines of byte ranges of merged.jsonl, then tokenize
     each range and write it as a part; the driver adds up their tallies in range order (the lines in file
@@ -762,7 +767,7 @@ def _write_part(task: tuple[str, list[str], int, str, str, pack.RowPlan]) -> str
     return part_dir
 
 
-def write_rows_on_workers(parallel_map: RayChunkMap, writer: ShardWriter, src: PackedDataset,
+def write_rows_on_workers(parallel_map: _StageMap, writer: ShardWriter, src: PackedDataset,
                           rows: pack.RowPlan, lengths: np.ndarray) -> None:
     """`pack.run`'s row writer: one Ray task per output shard, the shards appended to `writer` in order."""
     row_nbytes = (rows.sums(lengths) * writer.dtype.itemsize).tolist()
@@ -780,27 +785,41 @@ def write_rows_on_workers(parallel_map: RayChunkMap, writer: ShardWriter, src: P
 
 
 # ---------------------------------------------------------------------------------------------- pipeline
-def stage_runners(parallel_map: RayChunkMap) -> dict[str, Callable[[DataConfig], dict]]:
-    """Each stage's `run` with its parallel parts on Ray. Maps over byte ranges and plan slices use
-    `for_ranges`; pack's chunks are whole output shards (up to pack.shard_size_mb each): one per task."""
-    range_map = parallel_map.for_ranges()
-    shard_map = RayChunkMap(parallel_map.workers, chunks_per_task=1)
+class _StageMap:
+    """Transitional: an executor's map in the shape the stages' old engine hooks take."""
+
+    def __init__(self, executor: Executor, size: TaskSize):
+        self.executor, self.size, self.workers = executor, size, executor.workers
+
+    def __call__(self, fn: Callable, chunks: Iterable) -> Iterator:
+        return self.executor.map(fn, chunks, self.size)
+
+    def for_ranges(self) -> "_StageMap":
+        return _StageMap(self.executor, "ranges")
+
+
+def stage_runners(executor: RayExecutor) -> dict[str, Callable[[DataConfig, Executor], dict]]:
+    """Each stage's `run` with its parallel parts on Ray."""
+    parallel_map = _StageMap(executor, "records")
+    range_map = _StageMap(executor, "ranges")
+    shard_map = _StageMap(executor, "shards")
     return {
-        "preprocess": functools.partial(preprocess.run, convert_all=functools.partial(convert_on_workers,
-                                                                                       parallel_map)),
-        "sample": functools.partial(sample.run, scan_all=functools.partial(scan_on_workers, range_map),
-                                    write_all=functools.partial(write_sampled_on_workers, range_map)),
-        "merge": functools.partial(merge.run, merge_all=functools.partial(merge_on_workers, range_map)),
-        "tokenize": functools.partial(tokenize.run, chunk_tallies=functools.partial(tokenize_tallies, range_map,
-                                                                                     shard_map)),
-        "pack": functools.partial(pack.run, write=functools.partial(write_rows_on_workers, shard_map)),
+        "preprocess": lambda cfg, executor: preprocess.run(
+            cfg, convert_all=functools.partial(convert_on_workers, parallel_map)),
+        "sample": lambda cfg, executor: sample.run(
+            cfg, scan_all=functools.partial(scan_on_workers, range_map),
+            write_all=functools.partial(write_sampled_on_workers, range_map)),
+        "merge": lambda cfg, executor: merge.run(cfg, merge_all=functools.partial(merge_on_workers, range_map)),
+        "tokenize": lambda cfg, executor: tokenize.run(
+            cfg, chunk_tallies=functools.partial(tokenize_tallies, range_map, shard_map)),
+        "pack": lambda cfg, executor: pack.run(cfg, write=functools.partial(write_rows_on_workers, shard_map)),
     }
 
 
-def run_pipeline(cfg: DataConfig, run_stages: Callable[[DataConfig, Callable[[str], Callable]], dict[str, dict]]
-                 ) -> dict[str, dict]:
+def run_pipeline(cfg: DataConfig, run_stages: Callable[..., dict[str, dict]]) -> dict[str, dict]:
     """Every stage of `cfg.stages`, in pipeline order, in one Ray session; returns their report sections.
     `run_stages` is the driver's (`data.pipeline.run_stages`), passed in so that this module, which the driver
     imports, does not import it back."""
     with ray_session(cfg) as workers:
-        return run_stages(cfg, stage_runners(RayChunkMap(workers)).get)
+        executor = RayExecutor(workers)
+        return run_stages(cfg, executor, stage_runners(executor).get)

@@ -307,8 +307,8 @@ def _merge_local(cfg: DataConfig, budget: int | None, tokenizer_key, opts: Fidel
 
 
 def run(cfg: DataConfig,
-        merge_all: Callable[[DataConfig, int | None, tuple | None, FidelityOptions], MergeTotals] | None = None
-        ) -> dict:
+        merge_all: Callable[[DataConfig, int | None, tuple | None, FidelityOptions], MergeTotals] | None = None,
+        executor=None) -> dict:
     """sampled.jsonl -> merged.jsonl; records the `merge` report section.
 
     `merge_all(cfg, budget, tokenizer_key, opts)` decides the groups with `GroupDecider` and writes merged.jsonl

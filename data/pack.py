@@ -278,8 +278,8 @@ def write_rows(writer: ShardWriter, src: PackedDataset, rows: RowPlan, lengths: 
     src.release()
 
 
-def run(cfg: DataConfig, write: Callable[[ShardWriter, PackedDataset, RowPlan, np.ndarray], None] | None = None
-        ) -> dict:
+def run(cfg: DataConfig, write: Callable[[ShardWriter, PackedDataset, RowPlan, np.ndarray], None] | None = None,
+        executor=None) -> dict:
     """tokenized/ -> packed/ (+ stats.json, stats.png); records and returns the `pack` report section.
 
     `write` adds the planned rows to the writer (default `write_rows`, in this process; the Ray engine passes

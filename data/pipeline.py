@@ -17,6 +17,7 @@ from collections.abc import Callable
 import orjson
 
 from data.config import STAGES, ConfigError, DataConfig, InputSpec, key_help_lines, load_config
+from data.executor import Executor, LocalExecutor
 from data.io import remove_stale_temporaries
 from data.lock import LockHeldError, directory_lock
 from data.preflight import preflight
@@ -25,6 +26,7 @@ from data.report import read_report, record_failure
 
 DEFAULT_CONFIG = "configs/data/example.json"
 EVAL_STAGES = ("merge", "tokenize", "pack")  # run a second time on the eval split (DataConfig.eval_config)
+StageFn = Callable[..., dict]  # a stage's `run(cfg, executor=...)` -> its report section
 
 
 def keys_help() -> str:
@@ -71,13 +73,14 @@ def load(args: argparse.Namespace, overrides: list[str], stages: list[str] | Non
     return cfg
 
 
-def run_stage(cfg: DataConfig, stage: str, stage_fn: Callable[[DataConfig], dict] | None = None,
+def run_stage(cfg: DataConfig, stage: str, executor: Executor, stage_fn: StageFn | None = None,
               label: str | None = None) -> dict:
-    """Run one stage and print a one-line summary of its report section (`[label]`, default the stage)."""
+    """Run one stage on `executor` and print a one-line summary of its report section (`[label]`, default the
+    stage)."""
     fn = stage_fn or importlib.import_module(f"data.{stage}").run
     start = time.perf_counter()
     try:
-        section = fn(cfg)
+        section = fn(cfg, executor=executor)
     except OSError as exc:  # a full disk, a permission: the environment, not a bug
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
@@ -105,19 +108,19 @@ def clean_up(cfg: DataConfig) -> None:
               f"{', '.join(str(p) for p, _ in removed)}", flush=True)
 
 
-def run_stages(cfg: DataConfig, stage_fn: Callable[[str], Callable[[DataConfig], dict] | None] = lambda _: None
+def run_stages(cfg: DataConfig, executor: Executor, stage_fn: Callable[[str], StageFn | None] = lambda _: None
                ) -> dict[str, dict]:
-    """Every stage of `cfg.stages` in pipeline order, `stage_fn(stage)` running it (None: the module's `run`); with
-    an eval split, merge, tokenize and pack run again on it right after the training data's (sections
-    `"<stage> eval"`). Both engines go through here, so they run the same stages on the same configs."""
+    """Every stage of `cfg.stages` in pipeline order on `executor`, `stage_fn(stage)` running it (None: the
+    module's `run`); with an eval split, merge, tokenize and pack run again on it right after the training data's
+    (sections `"<stage> eval"`). Both engines go through here, so they run the same stages on the same configs."""
     eval_cfg = cfg.eval_config() if cfg.eval_size is not None else None
     sections = {}
     for stage in STAGES:
         if stage not in cfg.stages:
             continue
-        sections[stage] = run_stage(cfg, stage, stage_fn(stage))
+        sections[stage] = run_stage(cfg, stage, executor, stage_fn(stage))
         if eval_cfg is not None and stage in EVAL_STAGES:
-            sections[f"{stage} eval"] = run_stage(eval_cfg, stage, stage_fn(stage), label=f"{stage} eval")
+            sections[f"{stage} eval"] = run_stage(eval_cfg, stage, executor, stage_fn(stage), label=f"{stage} eval")
     return sections
 
 
@@ -135,8 +138,7 @@ def stale_input_warnings(cfg: DataConfig) -> list[str]:
             f"sample; re-run from it: --stages sample,{','.join(later)}"]
 
 
-def run_pipeline(cfg: DataConfig, stage_fn: Callable[[str], Callable[[DataConfig], dict] | None] = lambda _: None
-                 ) -> dict[str, dict]:
+def run_pipeline(cfg: DataConfig, stage_fn: Callable[[str], StageFn | None] = lambda _: None) -> dict[str, dict]:
     """Every stage of `cfg.stages`, in pipeline order (local engine: `stage_fn` as in run_stages); returns their
     report sections (first, `inputs`: warnings about inputs of earlier stages that changed since they ran)."""
     clean_up(cfg)
@@ -148,7 +150,7 @@ def run_pipeline(cfg: DataConfig, stage_fn: Callable[[str], Callable[[DataConfig
 
         sections = run_on_ray(cfg, run_stages)
     else:
-        sections = run_stages(cfg, stage_fn)
+        sections = run_stages(cfg, LocalExecutor(cfg.workers), stage_fn)
     return {"inputs": {"warnings": stale}, **sections} if stale else sections
 
 
@@ -174,7 +176,7 @@ def _guard(body: Callable[[], None]) -> None:
         sys.exit(2)
 
 
-def cli_main(stage_fn: Callable[[DataConfig], dict], stage: str, argv: list[str] | None = None) -> None:
+def cli_main(stage_fn: StageFn, stage: str, argv: list[str] | None = None) -> None:
     """`python -m data.<stage> --config X key=value`: one stage (the config's other stages are not run)."""
     argv = sys.argv[1:] if argv is None else argv
 

@@ -472,7 +472,7 @@ def canonical_line(rec: dict, category: str, category_id: int, uid: int, source:
 
 
 def run(cfg: DataConfig, parallel_map: Callable[[Callable, Iterable], Iterator] | None = None,
-        convert_all: Callable[..., int] | None = None) -> dict:
+        convert_all: Callable[..., int] | None = None, executor=None) -> dict:
     """Convert every input to canonical.jsonl, update the ratio file, record the `preprocess` report section.
 
     `parallel_map(fn, chunks)` yields `fn(chunk)` in chunk order (default: `ordered_parallel_map` over

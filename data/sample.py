@@ -198,7 +198,7 @@ def ratio_file_digest(path) -> str | None:
         return None
 
 
-def run(cfg: DataConfig, scan_all: Callable | None = None, write_all: Callable | None = None) -> dict:
+def run(cfg: DataConfig, scan_all: Callable | None = None, write_all: Callable | None = None, executor=None) -> dict:
     """canonical.jsonl + ratio file -> sampled.jsonl (and with `eval_size` the eval split's
     eval/sampled.jsonl); records the `sample` report section (and the eval split's in eval/report.json).
 

@@ -550,7 +550,7 @@ def _local_chunk_tallies(cfg: DataConfig, ctx: TokenizeContext, workers: int, wr
 def run(cfg: DataConfig, workers: int | None = None,
         ordered_results: Callable[[DataConfig, TokenizeContext, int], Iterator[tuple[list, int]]] | None = None,
         chunk_tallies: Callable[[DataConfig, TokenizeContext, int, ShardWriter],
-                                Iterator[tuple[TokenizeTally, int]]] | None = None) -> dict:
+                                Iterator[tuple[TokenizeTally, int]]] | None = None, executor=None) -> dict:
     """Tokenize cfg.merged_path into cfg.tokenized_dir; returns the stage's report section.
 
     `ordered_results` yields each chunk's `_tokenize_chunk` result in input order (default `_ordered_results`

@@ -257,7 +257,7 @@ def _dead_pid() -> int:
 def test_a_second_run_into_a_locked_output_dir_is_refused_naming_the_holder(tmp_path, capsys, monkeypatch):
     calls = []
     fake = types.ModuleType("data.pack")
-    fake.run = lambda cfg: calls.append("pack") or {"in": 0, "out": 0, "dropped": {}}
+    fake.run = lambda cfg, executor=None: calls.append("pack") or {"in": 0, "out": 0, "dropped": {}}
     monkeypatch.setitem(sys.modules, "data.pack", fake)
     config = _preprocess_config(tmp_path, [])
     holder = subprocess.Popen([sys.executable, "-c", f"""

@@ -175,7 +175,7 @@ def test_pack_shards_written_by_workers_equal_one_writer(fault_dir, local_exampl
     lengths = np.asarray(src.row_n_tokens, dtype=np.int64)
     rows = pack.layout(pack.plan_rows(lengths, 2048, seed=7), 7)
     outputs = {}
-    shard_map = engine_ray.RayChunkMap(2, chunks_per_task=1)
+    shard_map = engine_ray._StageMap(engine_ray.RayExecutor(2), "shards")
     for name, write in (("local", pack.write_rows),
                         ("ray", lambda *a: engine_ray.write_rows_on_workers(shard_map, *a))):
         with ShardWriter(tmp_path / name, token_fields=src.token_fields, max_shard_bytes=50_000) as writer:
@@ -201,7 +201,7 @@ def test_chunk_map_yields_chunk_order_when_ray_does_not(fault_dir):
     preserve = context.execution_options.preserve_order
     context.execution_options.preserve_order = False
     try:
-        out = list(engine_ray.RayChunkMap(2, window=16)(sleepy_square, iter(range(40))))
+        out = list(engine_ray.RayExecutor(2, window=16).map(sleepy_square, iter(range(40))))
     finally:
         context.execution_options.preserve_order = preserve
     assert out == [x * x for x in range(40)]
@@ -223,13 +223,13 @@ def test_chunk_map_raises_the_first_error_in_chunk_order(fault_dir):
 
     out = []
     with pytest.raises(RecordError, match="later.jsonl:1"):
-        for x in engine_ray.RayChunkMap(2, window=4)(_fails_on_seven, chunks(6)):
+        for x in engine_ray.RayExecutor(2, window=4).map(_fails_on_seven, chunks(6)):
             out.append(x)
     assert out == list(range(6))
     with pytest.raises(ValueError, match="chunk 7"):
-        list(engine_ray.RayChunkMap(2, window=4)(_fails_on_seven, chunks(10)))
+        list(engine_ray.RayExecutor(2, window=4).map(_fails_on_seven, chunks(10)))
     with pytest.raises(ValueError, match="chunk 7"):  # the source fails inside the window holding chunk 7
-        list(engine_ray.RayChunkMap(2, window=16)(_fails_on_seven, chunks(10)))
+        list(engine_ray.RayExecutor(2, window=16).map(_fails_on_seven, chunks(10)))
 
 
 BAD_CODE_RECORD = {"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}]}

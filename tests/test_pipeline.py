@@ -30,7 +30,7 @@ def write_config(tmp_path, **extra):
 def fake_stage(name, calls):
     module = types.ModuleType(f"data.{name}")
 
-    def run(cfg):
+    def run(cfg, executor=None):
         calls.append((name, cfg.max_length))
         return {"in": 1, "out": 1, "dropped": {}}
 

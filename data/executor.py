@@ -1,0 +1,115 @@
+"""The engines' one interface: ordered maps of module-level worker functions over typed tasks, part directories,
+and appending parts in order.
+
+Every stage is one program over an `Executor`: the driver builds small task dataclasses (a byte range, a row
+group, a slice of a plan), `executor.map(fn, tasks)` runs `fn` on each and yields the results in task order,
+and the driver reduces them (accounting, the decisions that span ranges) and appends the parts the workers
+wrote. `LocalExecutor` runs the workers in a local process pool; `data.engine_ray.RayExecutor` on Ray Data. A
+stage never knows which one it has, so both engines write the same bytes.
+
+Worker functions and tasks must pickle: a function defined at module level (or a `functools.partial` of one),
+tasks of plain values, numpy arrays and dataclasses. An exception a worker raises comes back with its own type
+and message and is raised in task order (the results of earlier tasks are yielded first).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import pickle
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import BinaryIO, Literal
+
+from data.fsutil import read_lines, scratch_dir
+from data.io import append_file, jsonl_byte_ranges, ordered_parallel_map
+
+# How big a task is, which an executor may use to batch tasks: "records" (a chunk of records held in the task
+# itself), "ranges" (a descriptor: a byte range, a row group, a plan slice), "shards" (a whole output shard).
+TaskSize = Literal["records", "ranges", "shards"]
+
+
+class Executor:
+    """What a stage needs from an engine. Subclasses implement `map`; the rest is shared."""
+
+    workers: int
+
+    def map(self, fn: Callable, tasks: Iterable, size: TaskSize = "ranges",
+            setup: Callable[[], None] | None = None) -> Iterator:
+        """`fn(task)` for every task, yielded in task order. `setup()` runs once in each worker process before
+        its first task (a tokenizer loaded once per process, not per task)."""
+        raise NotImplementedError
+
+    def scratch(self, near: str | os.PathLike, name: str) -> contextlib.AbstractContextManager[Path]:
+        """A directory for the workers' parts on the output's filesystem (every worker must see it), removed with
+        its content when the block ends."""
+        return scratch_dir(near, name)
+
+    @staticmethod
+    def append(out: BinaryIO, parts: Iterable[str | os.PathLike]) -> None:
+        """Each part's bytes appended to `out` in order (a kernel copy where the filesystem offers it), then the
+        part removed."""
+        for part in parts:
+            append_file(out, part)
+            os.remove(part)
+
+
+class LocalExecutor(Executor):
+    """The local engine: `workers` processes of this machine (with 1, everything runs in this process, so the
+    results never depend on the worker count)."""
+
+    def __init__(self, workers: int):
+        self.workers = max(1, int(workers))
+
+    def map(self, fn: Callable, tasks: Iterable, size: TaskSize = "ranges",
+            setup: Callable[[], None] | None = None) -> Iterator:
+        return ordered_parallel_map(fn, tasks, self.workers, initializer=setup)
+
+
+_LAST_SETUP: bytes | None = None  # the setup this worker process ran last (Ray reuses processes across maps)
+
+
+def call_after_setup(setup: Callable[[], None], fn: Callable, task):
+    """`fn(task)`, `setup()` run first unless it was the last setup this process ran: how an executor whose
+    workers are not started per map (Ray's) honours `Executor.map`'s `setup`."""
+    global _LAST_SETUP
+    key = pickle.dumps(setup)
+    if key != _LAST_SETUP:
+        setup()
+        _LAST_SETUP = key
+    return fn(task)
+
+
+def with_setup(fn: Callable, setup: Callable[[], None] | None) -> Callable:
+    """`fn`, or `fn` preceded once per process by `setup` (`call_after_setup`)."""
+    return fn if setup is None else functools.partial(call_after_setup, setup, fn)
+
+
+# ---------------------------------------------------------------------------------------------- shared tasks
+@dataclasses.dataclass(frozen=True)
+class ByteRange:
+    """Bytes `[start, end)` of a .jsonl file holding whole lines (`io.jsonl_byte_ranges`); `index`: its position
+    among the file's ranges."""
+    path: str
+    start: int
+    end: int
+    index: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RangeCount:
+    """What `count_lines` found in a range: its lines, and those not blank (the records)."""
+    lines: int
+    records: int
+
+
+def byte_ranges(path: str | os.PathLike, target_bytes: int, start: int = 0) -> list[ByteRange]:
+    """`path` from `start` cut into ranges of about `target_bytes` that end on a newline."""
+    return [ByteRange(str(path), a, b, k) for k, (a, b) in enumerate(jsonl_byte_ranges(str(path), start, target_bytes))]
+
+
+def count_lines(task: ByteRange) -> RangeCount:
+    """Worker: the lines and non-blank lines of a range, split as iterating the file splits them."""
+    lines = read_lines(task.path, task.start, task.end)
+    return RangeCount(len(lines), sum(1 for line in lines if line.strip()))
