@@ -16,11 +16,6 @@ and every stage's own core, accounting and writers do the rest.
   driver appends to canonical.jsonl (`io.append_file`, a kernel copy).
 - sample: the workers read canonical.jsonl by byte ranges (line lengths and category ids); the driver makes
   the local seeded plan (`sample.plan`); the workers write slices of it as parts, appended in order.
-- merge: the workers read sampled.jsonl by byte ranges and return only the decision's inputs (token counts and
-  `merge.merge_key` digests); the driver runs the local decision (`merge.GroupDecider`, the same seeded draws)
-  over them (`decide_range`: only the records that try to join, and the one before each run of them); the
-  workers write the groups starting in their range as parts (reading on past the range's end
-  for a group that straddles it), which the driver appends to merged.jsonl.
 - tokenize: the workers count the lines of byte ranges of merged.jsonl (so that record indices and line
   numbers are the local ones), then each range is tokenized, counted (`TokenizeTally`) and written as a part
   by a worker, which returns only the tally and the rows' lengths; the driver adds the tallies up in range
@@ -35,8 +30,6 @@ Data would otherwise infer Arrow types from our nested Python values) between th
 """
 from __future__ import annotations
 
-import array
-import collections
 import concurrent.futures
 import contextlib
 import functools
@@ -44,7 +37,6 @@ import logging
 import os
 import pickle
 import queue
-import random
 import shutil
 import traceback
 from collections.abc import Callable, Iterable, Iterator
@@ -53,12 +45,11 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from data import merge, pack, preprocess, sample, tokenize
+from data import pack, preprocess, sample, tokenize
 from data.config import DataConfig, from_dict, split_spec, to_dict
 from data.executor import Executor, TaskSize, with_setup
 from data.fsutil import atomic_writer, read_lines, scratch_dir
-from data.io import (UTF8_BOM, append_file, expand_inputs, iter_jsonl_range, jsonl_byte_ranges, parse_jsonl_line,
-                     require_stage_input)
+from data.io import UTF8_BOM, append_file, expand_inputs, iter_jsonl_range, jsonl_byte_ranges, parse_jsonl_line
 from data.progress import progress
 from data.records import RecordError
 from data.report import DROPPED_AT_LIMIT, DroppedAt
@@ -73,7 +64,6 @@ MIN_WINDOW_CHUNKS = 64
 TASKS_PER_WORKER = 2
 INPUT_RANGE_BYTES = 16 << 20  # .jsonl input bytes per preprocess range (a worker holds its rows at once)
 RANGE_BYTES = 1 << 20  # canonical.jsonl bytes per sample range, and sampled.jsonl bytes per sample plan slice
-MERGE_RANGE_BYTES = 1 << 20  # sampled.jsonl bytes per merge range
 TOKENIZE_RANGE_BYTES = 1 << 20  # merged.jsonl bytes per tokenize range (a part)
 # Maps over byte ranges and plan slices (`_StageMap.for_ranges`): Ray Data's driver spends ~20-30 ms of CPU per
 # task and block (BENCHMARKS.md, bench_ray_overhead.py), so their windows are large (max(RANGE_WINDOW_CHUNKS,
@@ -527,123 +517,13 @@ def write_sampled_on_workers(parallel_map: _StageMap, cfg: DataConfig, offsets: 
             append_parts(out, done, bar)
 
 
-# ---------------------------------------------------------------------------------------------- merge
+# ---------------------------------------------------------------------------------------------- tokenize
 def _count_lines(task: tuple[str, int, int]) -> tuple[int, int]:
     """Worker: (lines, non-blank lines) of a byte range of a .jsonl file, split as iterating the file splits it."""
     lines = read_lines(*task)
     return len(lines), sum(1 for line in lines if line.strip())
 
 
-def _merge_inputs(task: tuple) -> tuple[int, np.ndarray, np.ndarray]:
-    """Worker: the merge decision's inputs for the records of a byte range of sampled.jsonl, `merge.prepare_records`
-    on them: (labels zeroed, token counts as int32 with -1 for None, merge keys as (n, 4) uint64)."""
-    path, start, end, joins, budget_active, loss_turns, tokenizer_key, opts = task
-    _, rows = iter_jsonl_range(path, start, end)
-    records = []
-    for _, row in rows:
-        if isinstance(row, RecordError):
-            raise row
-        records.append(row)
-    joins = joins.tolist()
-    needs = merge.needs_counts(joins[:-1], joins[-1], budget_active)
-    zeroed, counts, keys = merge.prepare_records(records, needs, loss_turns, tokenizer_key, opts, True)
-    return (sum(zeroed), np.array([-1 if n is None else n for n in counts], dtype=np.int32),
-            np.array(keys, dtype=np.uint64).reshape(len(records), len(merge.MERGE_KEYS)))
-
-
-def _write_groups(task: tuple[str, int, int, np.ndarray, str, str]) -> tuple[str, int, int]:
-    """Worker: the merged records of the groups that start in one byte range of sampled.jsonl, written as a
-    part (atomically: a retried task rewrites it). The range's first `skip` records belong to a group of an
-    earlier range; the last group may run on past the range's end, so lines are read on until it is complete.
-    Returns (part, groups, labels zeroed by loss_turns in these groups)."""
-    path, start, skip, sizes, loss_turns, part = task
-    zeroed = 0
-    with open(path, "rb") as f, atomic_writer(part) as out:
-        f.seek(start)
-        lines = (line for line in f if line.strip())
-        for _ in range(skip):
-            next(lines)
-        for size in sizes.tolist():
-            group = [orjson.loads(next(lines)) for _ in range(size)]
-            zeroed += sum(merge.apply_loss_turns(rec, loss_turns) for rec in group)
-            out.write(orjson.dumps(merge.merge_records(group)) + b"\n")
-    return part, len(sizes), zeroed
-
-
-def decide_range(decider: merge.GroupDecider, joins: np.ndarray, tokens: np.ndarray, keys: np.ndarray
-                 ) -> np.ndarray:
-    """`decider.starts_group` over one range's records (draws, token counts with -1 for None, merge keys), in
-    order; returns the indices in the range of the records that start a group. A record that does not try to
-    join starts a group and sets the decider's state from itself alone, so only the records that try to join,
-    and the record just before each run of them, go through the decider; its state carries on into the next
-    range."""
-    starts = ~joins
-    before = np.flatnonzero(joins[1:] & ~joins[:-1])  # the non-joining record before each run of joins
-    tried = np.flatnonzero(joins)
-    calls = np.concatenate([before, tried, [len(joins) - 1]] if len(joins) and not joins[-1] else [before, tried])
-    for i in np.unique(calls).tolist():  # in record order
-        n = int(tokens[i])
-        started = decider.starts_group(bool(joins[i]), None if n < 0 else n, tuple(keys[i].tolist()))
-        starts[i] = started
-    return np.flatnonzero(starts)
-
-
-def merge_on_workers(parallel_map: _StageMap, cfg: DataConfig, budget: int | None, tokenizer_key,
-                     opts) -> merge.MergeTotals:
-    """`merge.run` with the records off the driver, in three passes over byte ranges of sampled.jsonl: the
-    workers count each range's records; with the seeded draws (`merge.join_draws`, in file order) they return
-    the decision's inputs (token counts, merge keys: 36 bytes a record), on which the driver runs the local
-    decision (`merge.GroupDecider`); then they write the groups starting in their range as parts, which the
-    driver concatenates into merged.jsonl (a byte copy)."""
-    path = str(require_stage_input(cfg.sampled_path, "sample"))
-    ranges = list(jsonl_byte_ranges(path, 0, MERGE_RANGE_BYTES))
-    with contextlib.closing(parallel_map(_count_lines, ((path, a, b) for a, b in ranges))) as done:
-        counts = [n_records for _, n_records in done]
-    first_record = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
-    n_in = int(first_record[-1])
-    starts = array.array("q")  # record index where each group starts, in order
-    decider = merge.GroupDecider(budget)
-    if budget is None:  # no draws: every record is a group of its own
-        starts.extend(range(n_in))
-    else:
-        draws = merge.join_draws(random.Random(cfg.seed), cfg.merge.probability)
-        joins_of: collections.deque[np.ndarray] = collections.deque()  # draws of the ranges in flight
-
-        def tasks():
-            ahead = next(draws)
-            for (a, b), n in zip(ranges, counts):
-                if not n:
-                    continue
-                joins = [ahead] + [next(draws) for _ in range(n)]  # ..., and the next record's draw
-                ahead = joins[-1]
-                joins_of.append(np.array(joins[:-1]))
-                yield path, a, b, np.array(joins, dtype=bool), True, cfg.loss_turns, tokenizer_key, opts
-
-        index = 0
-        with progress(total=n_in, desc="merge: decisions", unit="rec") as bar, \
-                contextlib.closing(parallel_map(_merge_inputs, tasks())) as done:
-            for _, tokens, keys in done:
-                bar.update(len(tokens))
-                starts.extend((index + decide_range(decider, joins_of.popleft(), tokens, keys)).tolist())
-                index += len(tokens)
-    group_starts = np.frombuffer(starts, dtype=np.int64) if starts else np.zeros(0, dtype=np.int64)
-    sizes = np.diff(np.append(group_starts, n_in))
-    group_sizes = {int(k): int(v) for k, v in zip(*np.unique(sizes, return_counts=True))}
-    with scratch_dir(Path(cfg.merged_path).parent, "merge-parts") as parts_dir:
-        def write_tasks():
-            for k, (a, _) in enumerate(ranges):
-                lo, hi = np.searchsorted(group_starts, first_record[k:k + 2])
-                if lo < hi:  # groups start in this range
-                    yield (path, a, int(group_starts[lo] - first_record[k]), sizes[lo:hi], cfg.loss_turns,
-                           str(parts_dir / f"part_{k:08d}.jsonl"))
-
-        with atomic_writer(cfg.merged_path) as out, progress(total=len(sizes), desc="merge", unit="group") as bar, \
-                contextlib.closing(parallel_map(_write_groups, write_tasks())) as done:
-            zeroed = sum(part_zeroed for part_zeroed, in append_parts(out, done, bar))
-    return merge.MergeTotals(n_in, zeroed, decider.blocked, group_sizes)
-
-
-# ---------------------------------------------------------------------------------------------- tokenize
 _TOKENIZE_CONFIG: tuple[bytes, DataConfig] | None = None  # the config the worker's TokenizeContext was built from
 
 
@@ -809,7 +689,6 @@ def stage_runners(executor: RayExecutor) -> dict[str, Callable[[DataConfig, Exec
         "sample": lambda cfg, executor: sample.run(
             cfg, scan_all=functools.partial(scan_on_workers, range_map),
             write_all=functools.partial(write_sampled_on_workers, range_map)),
-        "merge": lambda cfg, executor: merge.run(cfg, merge_all=functools.partial(merge_on_workers, range_map)),
         "tokenize": lambda cfg, executor: tokenize.run(
             cfg, chunk_tallies=functools.partial(tokenize_tallies, range_map, shard_map)),
         "pack": lambda cfg, executor: pack.run(cfg, write=functools.partial(write_rows_on_workers, shard_map)),

@@ -3,7 +3,8 @@
 1. `loss_turns: last` (rllm's stepwise mode) keeps label 1 only on the last labelled assistant message of each
    ORIGINAL record, before any merging, so with pseudo-multiturn it still applies per original record.
 2. Pseudo-multiturn: walking the records in order, each record is appended to the current group with
-   probability `merge.probability` (one seeded draw per record, so chains form), unless a rule blocks it:
+   probability `merge.probability` (each record's own draw from (seed, its index among the records): `join_draws`;
+   chains form), unless a rule blocks it:
    - system prompt: the conversation keeps the group's first system prompt. A record whose system prompt is
      identical to it is appended without its system message (a duplicate adds nothing); a record with a
      different system prompt, or with one when the group has none, is not merged, because a second system
@@ -21,27 +22,29 @@
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import hashlib
+import itertools
 import os
-import random
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import orjson
 
 from data.chat_template import analyze_template, load_chat_tokenizer
 from data.config import ConfigError, DataConfig
 from data.fidelity import FidelityOptions, render_record, template_renders_reasoning
-from data.fsutil import atomic_writer
-from data.io import ordered_parallel_map, require_stage_input
+from data.executor import ByteRange, Executor, LocalExecutor, byte_ranges, count_lines
+from data.fsutil import atomic_write_bytes, atomic_writer, read_lines
+from data.io import require_stage_input
 from data.records import RecordError, validate_canonical
 from data.preflight import tokenizer_identity
 from data.progress import progress
+from data.randomness import MERGE_JOIN, record_uniforms
 from data.report import ReportError, check_arithmetic, sorted_counts, update_report
-
-CHUNK_RECORDS = 64
 
 
 # ---------------------------------------------------------------------------------------------- pure core
@@ -213,106 +216,286 @@ def prepare_records(records: list[dict], needs_count: list[bool], loss_turns: st
     return zeroed, counts, keys
 
 
-def needs_counts(joins: list[bool], next_join: bool, budget_active: bool) -> list[bool]:
+def needs_counts(joins: list[bool], next_join: bool) -> list[bool]:
     """A record's token count is needed only when it tries to join the previous group or the next record tries
     to join it (`next_join`: the draw of the record after the last one)."""
-    following = joins[1:] + [next_join]
-    return [budget_active and (j or nj) for j, nj in zip(joins, following)]
+    return [j or nj for j, nj in zip(joins, joins[1:] + [next_join])]
 
 
-def join_draws(rng: random.Random, probability: float) -> Iterator[bool]:
-    """The seeded merge draws, one per record in file order (none for the first record, and none at all when
-    `probability` is 0): whether the record tries to join the previous group. Endless: callers stop."""
-    yield False
-    while True:
-        yield probability > 0 and rng.random() < probability
+def join_draws(seed: int, probability: float, first: int, count: int) -> np.ndarray:
+    """Whether each of records `first .. first + count - 1` (indices among sampled.jsonl's non-blank lines) tries
+    to join the group before it: its own draw from (seed, index) is below `probability`. Record 0 never does."""
+    joins = record_uniforms(seed, MERGE_JOIN, np.arange(first, first + count, dtype=np.uint64)) < probability
+    if first == 0 and count:
+        joins[0] = False
+    return joins
 
 
-def _prepare_chunk(task: tuple) -> list[tuple[dict, int, int | None, tuple | None, bool]]:
-    """Worker: parse lines, then `prepare_records`. Returns (record, labels zeroed, token count, merge key,
-    joins previous) per line."""
-    lines, joins, needs_count, loss_turns, tokenizer_key, opts = task
-    records = [orjson.loads(line) for line in lines]
-    zeroed, counts, keys = prepare_records(records, needs_count, loss_turns, tokenizer_key, opts,
-                                           any(needs_count))
-    return list(zip(records, zeroed, counts, keys, joins))
+# ---------------------------------------------------------------------------------------------- worker tasks
+MERGE_RANGE_BYTES = 1 << 20  # sampled.jsonl bytes per worker task
 
 
-def _tasks(path: Path, probability: float, rng: random.Random, budget_active: bool, loss_turns: str,
-           tokenizer_key, opts: FidelityOptions):
-    """Chunks of lines with their seeded merge draws (`join_draws`, drawn in file order, so independent of
-    chunking and workers); the draw of the record after a chunk is read ahead."""
-    lines: list[bytes] = []
-    joins: list[bool] = []
-    draws = join_draws(rng, probability)
-
-    def task(next_join: bool) -> tuple:
-        return lines, joins, needs_counts(joins, next_join, budget_active), loss_turns, tokenizer_key, opts
-
-    with open(path, "rb") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            join = next(draws)
-            if len(lines) >= CHUNK_RECORDS:
-                yield task(join)
-                lines, joins = [], []
-            lines.append(line)
-            joins.append(join)
-    if lines:
-        yield task(False)
+@dataclasses.dataclass(frozen=True)
+class MergeSettings:
+    """What the workers need of the config."""
+    seed: int
+    probability: float
+    budget: int | None
+    loss_turns: str
+    tokenizer_key: tuple[str, str | None] | None
+    opts: FidelityOptions
 
 
-# ---------------------------------------------------------------------------------------------- stage
-@dataclasses.dataclass
-class MergeTotals:
-    """What an engine's merge reports back: records in, labels zeroed by loss_turns, blocked joins by reason,
-    groups by size."""
-    n_in: int
+@dataclasses.dataclass(frozen=True)
+class CopyTask:
+    """probability 0: copy a range's records to `part` with loss_turns applied."""
+    range: ByteRange
+    part: str
+    loss_turns: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CopiedPart:
+    part: str
+    records: int
     zeroed: int
+
+
+def copy_records(task: CopyTask) -> CopiedPart:
+    """Worker: every record of the range as a group of its own (loss_turns applied), written as a part."""
+    zeroed = n = 0
+    with atomic_writer(task.part) as out:
+        for line in read_lines(task.range.path, task.range.start, task.range.end):
+            if line.strip():
+                rec = orjson.loads(line)
+                zeroed += apply_loss_turns(rec, task.loss_turns)
+                out.write(orjson.dumps(rec) + b"\n")
+                n += 1
+    return CopiedPart(task.part, n, zeroed)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecideTask:
+    """Decide the groups of a range: `first_record` is the index of its first record, `last` says no record follows
+    it, `starts` is the file the worker saves the group starts it decides to."""
+    range: ByteRange
+    first_record: int
+    last: bool
+    starts: str
+    settings: MergeSettings
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenGroup:
+    """The group open at a range's end: its head's `merge_key`, its summed token count (None when its head fails on
+    its own), its records within the range."""
+    head_key: tuple
+    tokens: int | None
+    records: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RangeDecisions:
+    """What the driver needs of a range's decisions. The range's prefix (its records before the first that does not
+    try to join: every one of them tries) is decided by the driver against the group carried over from earlier
+    ranges, from their token counts and merge keys. Every later record depends on the range alone: the worker
+    decided those (`open_group`: the state they leave; None when the whole range is prefix), and counted the
+    blocked joins among them and the sizes of the groups that start after the prefix and end in the range."""
+    records: int
+    zeroed: int
+    prefix_tokens: list[int | None]
+    prefix_keys: list[tuple]
+    open_group: OpenGroup | None
     blocked: dict[str, int]
     group_sizes: dict[int, int]
 
 
-def _merge_local(cfg: DataConfig, budget: int | None, tokenizer_key, opts: FidelityOptions) -> MergeTotals:
-    """Local engine: chunks parsed and token-counted by `num_workers` processes, decided and written here."""
-    n_in = zeroed_total = 0
-    group_sizes: dict[int, int] = {}
-    group: list[dict] = []
-    decider = GroupDecider(budget)
-
-    def flush(out) -> None:
-        out.write(orjson.dumps(merge_records(group)) + b"\n")
-        group_sizes[len(group)] = group_sizes.get(len(group), 0) + 1
-
-    tasks = _tasks(require_stage_input(cfg.sampled_path, "sample"), cfg.merge.probability, random.Random(cfg.seed),
-                   budget is not None, cfg.loss_turns, tokenizer_key, opts)
-    with atomic_writer(cfg.merged_path) as out, progress(desc="merge", unit="rec") as bar:
-        # nothing to count: parsing in this process is cheaper than shipping the lines
-        workers = 1 if budget is None else cfg.workers
-        for results in ordered_parallel_map(_prepare_chunk, tasks, workers):
-            for rec, zeroed, tokens, key, join in results:
-                n_in += 1
-                zeroed_total += zeroed
-                if decider.starts_group(join, tokens, key):
-                    if group:
-                        flush(out)
-                    group = [rec]
-                else:
-                    group.append(rec)
-            bar.update(len(results))
-        if group:
-            flush(out)
-    return MergeTotals(n_in, zeroed_total, decider.blocked, group_sizes)
+def decide_groups(task: DecideTask) -> RangeDecisions:
+    """Worker: draws, loss_turns, token counts (only those the decision needs) and merge keys of a range's records
+    (`prepare_records`), then `GroupDecider` from its first record that does not try to join on; the group starts
+    it decides (indices within the range) go to `task.starts`."""
+    s = task.settings
+    r = task.range
+    records = [orjson.loads(line) for line in read_lines(r.path, r.start, r.end) if line.strip()]
+    n = len(records)
+    joins = join_draws(s.seed, s.probability, task.first_record, n + 1).tolist()  # and the next record's draw
+    next_join = joins.pop() and not task.last
+    zeroed, counts, keys = prepare_records(records, needs_counts(joins, next_join), s.loss_turns, s.tokenizer_key,
+                                           s.opts, True)
+    own = joins.index(False) if False in joins else n  # the prefix's end
+    decider = GroupDecider(s.budget)
+    starts = [i for i in range(own, n) if decider.starts_group(joins[i], counts[i], keys[i])]
+    atomic_write_bytes(task.starts, np.array(starts, dtype=np.int64).tobytes())
+    sizes = np.diff(starts)  # the last group is still open
+    return RangeDecisions(
+        records=n, zeroed=sum(zeroed), prefix_tokens=counts[:own], prefix_keys=keys[:own],
+        open_group=OpenGroup(decider.head_key, decider.group_tokens, n - starts[-1]) if starts else None,
+        blocked=decider.blocked, group_sizes=dict(collections.Counter(sizes.tolist())))
 
 
-def run(cfg: DataConfig,
-        merge_all: Callable[[DataConfig, int | None, tuple | None, FidelityOptions], MergeTotals] | None = None,
-        executor=None) -> dict:
-    """sampled.jsonl -> merged.jsonl; records the `merge` report section.
+@dataclasses.dataclass(frozen=True)
+class WriteTask:
+    """Write the groups that start in a range as `part`: those starting in its prefix (`prefix_starts`, decided by
+    the driver), then those in the `starts` file; the last runs on over `following` records after the range."""
+    range: ByteRange
+    records: int
+    prefix_starts: tuple[int, ...]
+    starts: str
+    following: int
+    part: str
+    loss_turns: str
 
-    `merge_all(cfg, budget, tokenizer_key, opts)` decides the groups with `GroupDecider` and writes merged.jsonl
-    (default: `_merge_local`; the Ray engine passes its own)."""
+
+@dataclasses.dataclass(frozen=True)
+class WrittenPart:
+    part: str
+    groups: int
+
+
+def write_groups(task: WriteTask) -> WrittenPart:
+    """Worker: the merged records (`merge_records`, loss_turns applied) of the groups starting in a range, read on
+    past the range's end for the last one, written as a part (atomically: a retried task rewrites it)."""
+    starts = [*task.prefix_starts, *np.fromfile(task.starts, dtype=np.int64).tolist()]
+    ends = starts[1:] + [task.records + task.following]
+    with open(task.range.path, "rb") as f, atomic_writer(task.part) as out:
+        f.seek(task.range.start)
+        lines = (line for line in f if line.strip())
+        for _ in range(starts[0]):  # the end of a group that started before the range
+            next(lines)
+        for start, end in zip(starts, ends):
+            group = [orjson.loads(next(lines)) for _ in range(end - start)]
+            for rec in group:
+                apply_loss_turns(rec, task.loss_turns)
+            out.write(orjson.dumps(merge_records(group)) + b"\n")
+    return WrittenPart(task.part, len(starts))
+
+
+# ---------------------------------------------------------------------------------------------- driver
+@dataclasses.dataclass
+class RangeLinks:
+    """How a range's groups link to its neighbours': its first `continued` records join the group started before
+    it; groups start at `prefix_starts` (within its prefix, by blocked joins) and at the worker's own starts
+    (`own_groups`); `following`: records after the range that join its last group."""
+    records: int
+    continued: int
+    prefix_starts: tuple[int, ...]
+    own_groups: bool
+    following: int = 0
+
+    @property
+    def starts_groups(self) -> bool:
+        return bool(self.prefix_starts) or self.own_groups
+
+
+@dataclasses.dataclass
+class GroupLinker:
+    """The driver's walk over the ranges' decisions in order: each prefix resolved against the group carried over
+    (`GroupDecider` on prefix records only), the group sizes and blocked joins added up."""
+    decider: GroupDecider
+    group_sizes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    open_records: int = 0  # records of the group open so far (0: none yet)
+
+    def close(self) -> None:
+        if self.open_records:
+            self.group_sizes[self.open_records] += 1
+        self.open_records = 0
+
+    def link(self, decided: RangeDecisions) -> RangeLinks:
+        continued, prefix_starts = 0, []
+        for j, (tokens, key) in enumerate(zip(decided.prefix_tokens, decided.prefix_keys)):
+            if self.decider.starts_group(True, tokens, key):
+                self.close()
+                prefix_starts.append(j)
+            elif not prefix_starts:
+                continued += 1
+            self.open_records += 1
+        own = decided.open_group
+        if own is not None:
+            self.close()
+            self.decider.head_key, self.decider.group_tokens = own.head_key, own.tokens
+            self.open_records = own.records
+            self.group_sizes.update(decided.group_sizes)
+            for reason, n in decided.blocked.items():
+                self.decider.blocked[reason] = self.decider.blocked.get(reason, 0) + n
+        return RangeLinks(decided.records, continued, tuple(prefix_starts), own is not None)
+
+
+def count_following(links: list[RangeLinks]) -> None:
+    """Set each range's `following`: the records of later ranges that join the group open at its end (those
+    continuing it in the next range, and on through any range that only continues it)."""
+    following = 0
+    for k in range(len(links) - 1, -1, -1):
+        links[k].following = following
+        passes_through = not links[k].starts_groups
+        following = links[k].continued + (following if passes_through else 0)
+
+
+def copy_all(executor: Executor, ranges: list[ByteRange], loss_turns: str, scratch: Path, out
+             ) -> tuple[int, int]:
+    """probability 0: every record a group of its own, copied by the workers range by range with loss_turns
+    applied (no tokenizer, no decision). Returns (records, labels zeroed)."""
+    records = zeroed = 0
+
+    def parts() -> Iterator[str]:
+        nonlocal records, zeroed
+        tasks = [CopyTask(r, str(scratch / f"part_{r.index:08d}.jsonl"), loss_turns) for r in ranges]
+        with progress(desc="merge", unit="rec") as bar:
+            for copied in executor.map(copy_records, tasks):
+                records += copied.records
+                zeroed += copied.zeroed
+                bar.update(copied.records)
+                yield copied.part
+
+    executor.append(out, parts())
+    return records, zeroed
+
+
+def decide_and_write(executor: Executor, ranges: list[ByteRange], settings: MergeSettings, scratch: Path, out
+                     ) -> tuple[int, int, dict[str, int], dict[int, int]]:
+    """The groups decided range by range, linked across ranges on the driver, written by the workers as parts
+    appended to `out`. Returns (records, labels zeroed, blocked joins by reason, groups by size)."""
+    counts = [counted.records for counted in executor.map(count_lines, ranges)]
+    firsts = list(itertools.accumulate(counts, initial=0))
+    n_in = firsts[-1]
+
+    def starts_file(r: ByteRange) -> str:
+        return str(scratch / f"starts_{r.index:08d}.bin")
+
+    tasks = [DecideTask(r, first, first + n == n_in, starts_file(r), settings)
+             for r, first, n in zip(ranges, firsts, counts)]
+    linker = GroupLinker(GroupDecider(settings.budget))
+    links, zeroed = [], 0
+    with progress(total=n_in, desc="merge: decisions", unit="rec") as bar:
+        for decided in executor.map(decide_groups, tasks):
+            links.append(linker.link(decided))
+            zeroed += decided.zeroed
+            bar.update(decided.records)
+    linker.close()
+    count_following(links)
+    group_sizes = dict(linker.group_sizes)
+
+    def parts() -> Iterator[str]:
+        tasks = [WriteTask(r, link.records, link.prefix_starts, starts_file(r), link.following,
+                           str(scratch / f"part_{r.index:08d}.jsonl"), settings.loss_turns)
+                 for r, link in zip(ranges, links) if link.starts_groups]
+        with progress(total=sum(group_sizes.values()), desc="merge", unit="group") as bar:
+            for written in executor.map(write_groups, tasks):
+                bar.update(written.groups)
+                yield written.part
+
+    executor.append(out, parts())
+    return n_in, zeroed, linker.decider.blocked, group_sizes
+
+
+def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
+    """sampled.jsonl -> merged.jsonl on `executor` (default: the local engine); records the `merge` report section.
+
+    The workers read sampled.jsonl by byte ranges. With a probability, each decides its range's groups from
+    per-record draws (`join_draws`) and returns only what the decision across ranges needs (`RangeDecisions`);
+    the driver links the ranges (`GroupLinker`: the same `GroupDecider` rule, on the few records at each range's
+    start that try to join a group of earlier ranges), and the workers write the groups starting in their range
+    as parts, appended in order. The result does not depend on the ranges, the worker count or the engine."""
+    executor = executor or LocalExecutor(cfg.workers)
     probability = cfg.merge.probability
     budget = (cfg.merge.max_tokens or cfg.max_length) if probability > 0 else None
     if budget is not None and budget <= 0:
@@ -322,16 +505,24 @@ def run(cfg: DataConfig,
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         tokenizer_key = (str(cfg.tokenizer_path), cfg.chat_template)
         _template(_tokenizer(tokenizer_key))  # fail early in the parent; forked workers inherit both
-    totals = (merge_all or _merge_local)(cfg, budget, tokenizer_key, FidelityOptions.from_config(cfg))
-    n_in, group_sizes = totals.n_in, totals.group_sizes
+    path = require_stage_input(cfg.sampled_path, "sample")
+    ranges = byte_ranges(path, MERGE_RANGE_BYTES)
+    with executor.scratch(cfg.merged_path.parent, "merge-parts") as scratch, atomic_writer(cfg.merged_path) as out:
+        if budget is None:
+            n_in, zeroed = copy_all(executor, ranges, cfg.loss_turns, scratch, out)
+            blocked, group_sizes = {}, ({1: n_in} if n_in else {})
+        else:
+            settings = MergeSettings(cfg.seed, probability, budget, cfg.loss_turns, tokenizer_key,
+                                     FidelityOptions.from_config(cfg))
+            n_in, zeroed, blocked, group_sizes = decide_and_write(executor, ranges, settings, scratch, out)
     n_out = sum(group_sizes.values())
     section = {
         "in": n_in, "out": n_out,
         "dropped": {"merged_into_previous": n_in - n_out} if n_in > n_out else {},
         "probability": probability, "max_tokens": budget, "seed": cfg.seed,
-        "blocked": sorted_counts(totals.blocked),
+        "blocked": sorted_counts(blocked),
         "group_sizes": {str(k): group_sizes[k] for k in sorted(group_sizes)},
-        "loss_turns": cfg.loss_turns, "labels_zeroed_by_loss_turns": totals.zeroed,
+        "loss_turns": cfg.loss_turns, "labels_zeroed_by_loss_turns": zeroed,
         "output": str(cfg.merged_path),
     }
     if tokenizer_key is not None:  # token counts decided the groups: tokenize must use the same tokenizer

@@ -126,33 +126,3 @@ def test_jsonl_byte_ranges_read_the_lines_of_the_whole_file_reader(tmp_path, tar
     assert len(expected) == 6 and lines_before == 9
     if target_bytes == 1:
         assert len(ranges) == 9  # one line per range
-
-
-@pytest.mark.parametrize("probability", [0.0, 0.2, 0.7, 1.0])
-def test_ray_merge_decisions_over_ranges_equal_the_record_by_record_walk(probability):
-    """engine ray's `decide_range` (the decider called only for the records that try to join and the one
-    before each run of them) gives the group starts and the blocked counts of calling `GroupDecider` on every
-    record, across ranges of any size (a range may begin inside a run of joins)."""
-    from data import merge
-    from data.engine_ray import decide_range
-
-    rng = np.random.default_rng(int(probability * 10))
-    n = 3000
-    joins = rng.random(n) < probability
-    joins[0] = False  # the first record draws no join (`merge.join_draws`)
-    tokens = rng.integers(1, 900, n).astype(np.int32)
-    tokens[rng.random(n) < 0.02] = -1  # records that fail on their own
-    keys = rng.integers(0, 2, (n, len(merge.MERGE_KEYS))).astype(np.uint64)
-    keys[rng.random(n) < 0.8] = 0  # mostly equal keys: groups form, and some are blocked by a key
-
-    reference = merge.GroupDecider(2048)
-    expected = [i for i in range(n) if reference.starts_group(bool(joins[i]), None if tokens[i] < 0 else
-                                                             int(tokens[i]), tuple(keys[i].tolist()))]
-    assert 0 < len(expected) <= n and (probability == 0 or len(expected) < n)
-    for cuts in ([], [1, 2, 3, 500, 501, 1700], sorted(rng.choice(np.arange(1, n), 40, replace=False).tolist())):
-        decider, starts = merge.GroupDecider(2048), []
-        for a, b in zip([0] + cuts, cuts + [n]):
-            starts.extend((a + decide_range(decider, joins[a:b], tokens[a:b], keys[a:b])).tolist())
-        assert starts == expected
-        assert decider.blocked == reference.blocked
-    assert probability in (0.0, 1.0) or set(reference.blocked) >= {"token_budget", "record_error"}

@@ -1,13 +1,16 @@
 """loss_turns and pseudo-multiturn merging: rules, token budget, determinism, per-message categories."""
+import collections
 import copy
 import itertools
 from dataclasses import replace
 
+import numpy as np
 import orjson
 import pytest
 
 from data import merge
 from data.config import DataConfig, MergeConfig
+from data.executor import LocalExecutor
 from data.fidelity import FidelityOptions
 from data.io import iter_jsonl, iter_rows
 from data.report import check_arithmetic, read_report
@@ -172,17 +175,18 @@ def _mixed_records():
     return out
 
 
-def test_merging_is_seeded_and_identical_for_one_or_two_workers(tmp_path, monkeypatch):
-    monkeypatch.setattr(merge, "CHUNK_RECORDS", 4)
-    outputs = []
-    for workers, seed in ((1, 5), (2, 5), (1, 6)):
-        cfg = setup(tmp_path / f"{workers}_{seed}", _mixed_records(), num_workers=workers, seed=seed,
+def test_merging_is_seeded_and_identical_for_any_worker_count_and_range_size(tmp_path, monkeypatch):
+    outputs, sections = [], []
+    for workers, seed, range_bytes in ((1, 5, 1 << 20), (2, 5, 400), (3, 5, 1), (1, 6, 1 << 20)):
+        monkeypatch.setattr(merge, "MERGE_RANGE_BYTES", range_bytes)
+        cfg = setup(tmp_path / f"{workers}_{seed}_{range_bytes}", _mixed_records(), num_workers=workers, seed=seed,
                     merge=MergeConfig(probability=0.6, max_tokens=120))
         section = merge.run(cfg)
         check_arithmetic(section)
         outputs.append(cfg.merged_path.read_bytes())
-    assert outputs[0] == outputs[1]
-    assert outputs[0] != outputs[2]
+        sections.append({k: v for k, v in section.items() if k != "output"})
+    assert outputs[0] == outputs[1] == outputs[2] and sections[0] == sections[1] == sections[2]
+    assert outputs[0] != outputs[3]
     merged = [orjson.loads(line) for line in outputs[0].splitlines()]
     assert sum(len(m["meta"].get("uids", [0])) for m in merged) == 40
     groups = [m for m in merged if "uids" in m["meta"]]
@@ -205,16 +209,14 @@ def test_merging_is_seeded_and_identical_for_one_or_two_workers(tmp_path, monkey
 
 def test_run_matches_a_reference_that_counts_every_record(tmp_path, monkeypatch):
     """Only records at a drawn merge boundary are counted; the groups equal those of a plain reference."""
-    import random
-
     records = _mixed_records()
     tok = merge._tokenizer((str(tokenizer_dir("qwen2_5_instruct")), None))
     counts = merge.count_tokens_batch(tok, records, FidelityOptions())
     p, budget, seed = 0.4, 150, 11
-    rng = random.Random(seed)
+    joins = merge.join_draws(seed, p, 0, len(records))
     groups, sizes = [], []
     for i, r in enumerate(records):
-        if i and rng.random() < p and block_reason(groups[-1], sizes[-1], r, counts[i], budget) is None:
+        if joins[i] and block_reason(groups[-1], sizes[-1], r, counts[i], budget) is None:
             groups[-1].append(r)
             sizes[-1] += counts[i]
         else:
@@ -230,3 +232,124 @@ def test_run_matches_a_reference_that_counts_every_record(tmp_path, monkeypatch)
     got = [o["meta"].get("uids", [o["meta"].get("uid")]) for o in iter_jsonl(cfg.merged_path)]
     assert got == expected
     assert any(len(g) > 1 for g in got) and len(counted) < len(records)
+
+
+# ---------------------------------------------------------------------------------------------- range-local decisions
+def _synthetic_records(rng, n):
+    """Records whose token count (`n`, None: fails on its own) and merge key (`k`) the test sets directly."""
+    out = []
+    for i in range(n):
+        tokens = None if rng.random() < 0.05 else rng.randint(1, 120)
+        key = rng.choice([0, 0, 0, 0, 0, 0, 0, 1, 2])  # mostly equal: chains form, and keys block some
+        out.append({**rec(i), "n": tokens, "k": key})
+    return out
+
+
+def _fake_prepare_records(records, needs_count, loss_turns, tokenizer_key, opts, keyed):
+    """`merge.prepare_records` with the records' own counts and keys; a count not asked for is None, so a decision
+    that used one would differ from the reference (it would read as a record error)."""
+    zeroed = [merge.apply_loss_turns(r, loss_turns) for r in records]
+    return (zeroed, [r["n"] if need else None for r, need in zip(records, needs_count)],
+            [(r["k"], 0, 0, 0) for r in records])
+
+
+def _sequential_groups(records, seed, probability, budget):
+    """Brute force: `GroupDecider` over every record in order, with every count, and the same per-record draws."""
+    joins = merge.join_draws(seed, probability, 0, len(records))
+    decider, groups = merge.GroupDecider(budget), []
+    for join, r in zip(joins.tolist(), records):
+        if decider.starts_group(join, r["n"], (r["k"], 0, 0, 0)):
+            groups.append([])
+        groups[-1].append(r["meta"]["uid"])
+    return groups, decider.blocked
+
+
+@pytest.mark.parametrize("seed", [0, 7, 12345])
+@pytest.mark.parametrize("probability", [0.2, 0.5, 0.9, 1.0])
+def test_range_local_decisions_equal_the_sequential_walk(tmp_path, monkeypatch, seed, probability):
+    """The groups decided range by range and linked on the driver are those of one `GroupDecider` over all records
+    (same draws, same rule, blocked counts included), whatever the range size (one record a range: every group
+    straddles; whole ranges of records that all try to join) and the worker count."""
+    import random
+
+    rng = random.Random(seed)
+    records = _synthetic_records(rng, 300)
+    budget = 150
+    expected, blocked = _sequential_groups(records, seed, probability, budget)
+    assert any(len(g) > 1 for g in expected) and blocked.get("token_budget")
+    assert probability == 0.2 or blocked.get("record_error")
+    assert probability == 1.0 or blocked.get("system_prompt")
+    monkeypatch.setattr(merge, "prepare_records", _fake_prepare_records)
+    all_prefix = []
+    real_link = merge.GroupLinker.link
+    monkeypatch.setattr(merge.GroupLinker, "link", lambda self, decided: all_prefix.append(
+        decided.records > 1 and decided.open_group is None) or real_link(self, decided))
+    lines = [orjson.dumps(r) + b"\n" for r in records]
+    lines[40:40] = [b"\n", b"  \n"]  # blank lines: not records, and a range of only them
+    outputs = set()
+    for workers, range_bytes in ((1, 1), (2, 500), (3, 1), (1, 1 << 20)):
+        monkeypatch.setattr(merge, "MERGE_RANGE_BYTES", range_bytes)
+        cfg = setup(tmp_path / f"{workers}_{range_bytes}", [], num_workers=workers, seed=seed,
+                    merge=MergeConfig(probability=probability, max_tokens=budget))
+        cfg.sampled_path.write_bytes(b"".join(lines))
+        section = merge.run(cfg)
+        got = [m["meta"].get("uids", [m["meta"].get("uid")]) for m in iter_jsonl(cfg.merged_path)]
+        assert got == expected, (workers, range_bytes)
+        assert section["blocked"] == dict(sorted(blocked.items()))
+        assert section["group_sizes"] == {str(k): v for k, v in sorted(
+            collections.Counter(len(g) for g in expected).items())}
+        outputs.add(cfg.merged_path.read_bytes())
+    assert len(outputs) == 1
+    assert probability < 0.9 or any(all_prefix), "no range was all prefix"
+
+
+def test_join_draws_are_per_record():
+    """A record's draw depends on (seed, its index) only: drawn alone or with any neighbours, the same."""
+    whole = merge.join_draws(3, 0.4, 0, 1000)
+    assert not whole[0] and 300 < whole.sum() < 500
+    for first, count in ((0, 1), (1, 10), (517, 300), (999, 1)):
+        np.testing.assert_array_equal(merge.join_draws(3, 0.4, first, count), whole[first:first + count])
+    assert (merge.join_draws(4, 0.4, 0, 1000) != whole).any()
+
+
+class _SpyExecutor(LocalExecutor):
+    """One process; `in_worker` says whether a worker function is running (else the driver is)."""
+    in_worker = False
+
+    def map(self, fn, tasks, size="ranges", setup=None):
+        def worker(task):
+            _SpyExecutor.in_worker = True
+            try:
+                return fn(task)
+            finally:
+                _SpyExecutor.in_worker = False
+        return super().map(worker, tasks, size, setup)
+
+
+def test_the_driver_does_no_per_record_work(tmp_path, monkeypatch):
+    """The driver decides only the records at a range's start that try to join a group of earlier ranges; it
+    parses, counts and builds no record."""
+    import random
+
+    records = _synthetic_records(random.Random(3), 3000)
+    monkeypatch.setattr(merge, "prepare_records", _fake_prepare_records)
+    monkeypatch.setattr(merge, "MERGE_RANGE_BYTES", 20_000)  # ~150 records a range
+    calls = collections.Counter()
+    real_starts_group, real_merge_records = merge.GroupDecider.starts_group, merge.merge_records
+
+    def starts_group(self, *args):
+        calls["driver decisions" if not _SpyExecutor.in_worker else "worker decisions"] += 1
+        return real_starts_group(self, *args)
+
+    def merge_records(group):
+        calls["driver merges" if not _SpyExecutor.in_worker else "worker merges"] += 1
+        return real_merge_records(group)
+
+    monkeypatch.setattr(merge.GroupDecider, "starts_group", starts_group)
+    monkeypatch.setattr(merge, "merge_records", merge_records)
+    cfg = setup(tmp_path, records, seed=1, merge=MergeConfig(probability=0.2, max_tokens=300))
+    section = merge.run(cfg, executor=_SpyExecutor(1))
+    n_ranges = len(merge.byte_ranges(cfg.sampled_path, merge.MERGE_RANGE_BYTES))
+    assert n_ranges > 10 and section["out"] < 2800
+    assert calls["worker decisions"] > 2900 and calls["worker merges"] == section["out"]
+    assert calls["driver decisions"] < 2 * n_ranges and not calls["driver merges"]
