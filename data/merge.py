@@ -38,7 +38,7 @@ from data.chat_template import analyze_template, load_chat_tokenizer
 from data.config import ConfigError, DataConfig
 from data.fidelity import FidelityOptions, render_record, template_renders_reasoning
 from data.executor import ByteRange, Executor, LocalExecutor, byte_ranges, count_lines
-from data.fsutil import atomic_write_bytes, atomic_writer, read_lines
+from data.fsutil import atomic_writer, read_lines
 from data.io import require_stage_input
 from data.records import RecordError, validate_canonical
 from data.preflight import tokenizer_identity
@@ -276,47 +276,51 @@ def copy_records(task: CopyTask) -> CopiedPart:
 
 @dataclasses.dataclass(frozen=True)
 class DecideTask:
-    """Decide the groups of a range: `first_record` is the index of its first record, `last` says no record follows
-    it, `starts` is the file the worker saves the group starts it decides to."""
+    """Decide and write the groups of a range: `first_record` is the index of its first record, `last` says no
+    record follows it; `part`: where the groups the range decides alone go."""
     range: ByteRange
     first_record: int
     last: bool
-    starts: str
+    part: str
     settings: MergeSettings
 
 
 @dataclasses.dataclass(frozen=True)
 class OpenGroup:
-    """The group open at a range's end: its head's `merge_key`, its summed token count (None when its head fails on
-    its own), its records within the range."""
+    """The group open at a range's end as the range's own records decide it: its head's `merge_key`, its summed
+    token count (None when its head fails on its own), its records in the range and the byte offset of its first."""
     head_key: tuple
     tokens: int | None
     records: int
+    offset: int
 
 
 @dataclasses.dataclass(frozen=True)
 class RangeDecisions:
-    """What the driver needs of a range's decisions. The range's prefix (its records before the first that does not
-    try to join: every one of them tries) is decided by the driver against the group carried over from earlier
-    ranges, from their token counts and merge keys. Every later record depends on the range alone: the worker
-    decided those (`open_group`: the state they leave; None when the whole range is prefix), and counted the
-    blocked joins among them and the sizes of the groups that start after the prefix and end in the range."""
+    """What the driver needs of a range. Its prefix (its records before the first that does not try to join: every
+    one of them tries) is decided by the driver against the group carried over from earlier ranges, from their
+    token counts and merge keys. Every later record depends on the range alone: the worker decided those and
+    wrote the groups that end in the range (`part`, None when there are none: `group_sizes`, and the `blocked`
+    joins among them); `open_group` is the state they leave (None when the whole range is prefix)."""
     records: int
     zeroed: int
     prefix_tokens: list[int | None]
     prefix_keys: list[tuple]
     open_group: OpenGroup | None
+    part: str | None
     blocked: dict[str, int]
     group_sizes: dict[int, int]
 
 
 def decide_groups(task: DecideTask) -> RangeDecisions:
     """Worker: draws, loss_turns, token counts (only those the decision needs) and merge keys of a range's records
-    (`prepare_records`), then `GroupDecider` from its first record that does not try to join on; the group starts
-    it decides (indices within the range) go to `task.starts`."""
-    s = task.settings
-    r = task.range
-    records = [orjson.loads(line) for line in read_lines(r.path, r.start, r.end) if line.strip()]
+    (`prepare_records`), then `GroupDecider` from its first record that does not try to join on; the groups that
+    decides and that end in the range are written as a part (atomically: a retried task rewrites it)."""
+    s, r = task.settings, task.range
+    lines = read_lines(r.path, r.start, r.end)
+    offsets = list(itertools.accumulate((len(line) for line in lines), initial=r.start))
+    at = [offsets[i] for i, line in enumerate(lines) if line.strip()]  # each record's byte offset
+    records = [orjson.loads(line) for line in lines if line.strip()]
     n = len(records)
     joins = join_draws(s.seed, s.probability, task.first_record, n + 1).tolist()  # and the next record's draw
     next_join = joins.pop() and not task.last
@@ -325,109 +329,79 @@ def decide_groups(task: DecideTask) -> RangeDecisions:
     own = joins.index(False) if False in joins else n  # the prefix's end
     decider = GroupDecider(s.budget)
     starts = [i for i in range(own, n) if decider.starts_group(joins[i], counts[i], keys[i])]
-    atomic_write_bytes(task.starts, np.array(starts, dtype=np.int64).tobytes())
-    sizes = np.diff(starts)  # the last group is still open
+    part = None
+    if len(starts) > 1:  # groups that end in the range (the last one is still open)
+        part = task.part
+        with atomic_writer(part) as out:
+            for start, end in zip(starts, starts[1:]):
+                out.write(orjson.dumps(merge_records(records[start:end])) + b"\n")
     return RangeDecisions(
         records=n, zeroed=sum(zeroed), prefix_tokens=counts[:own], prefix_keys=keys[:own],
-        open_group=OpenGroup(decider.head_key, decider.group_tokens, n - starts[-1]) if starts else None,
-        blocked=decider.blocked, group_sizes=dict(collections.Counter(sizes.tolist())))
+        open_group=(OpenGroup(decider.head_key, decider.group_tokens, n - starts[-1], at[starts[-1]])
+                    if starts else None),
+        part=part, blocked=decider.blocked, group_sizes=dict(collections.Counter(np.diff(starts).tolist())))
 
 
 @dataclasses.dataclass(frozen=True)
-class WriteTask:
-    """Write the groups that start in a range as `part`: those starting in its prefix (`prefix_starts`, decided by
-    the driver), then those in the `starts` file; the last runs on over `following` records after the range."""
-    range: ByteRange
-    records: int
-    prefix_starts: tuple[int, ...]
-    starts: str
-    following: int
+class SpanTask:
+    """Groups of `sizes` records each, read on from byte `offset` of `path` (blank lines skipped), to write as
+    `part`: the groups the driver linked between two ranges' own parts."""
+    path: str
+    offset: int
+    sizes: tuple[int, ...]
     part: str
     loss_turns: str
 
 
-@dataclasses.dataclass(frozen=True)
-class WrittenPart:
-    part: str
-    groups: int
-
-
-def write_groups(task: WriteTask) -> WrittenPart:
-    """Worker: the merged records (`merge_records`, loss_turns applied) of the groups starting in a range, read on
-    past the range's end for the last one, written as a part (atomically: a retried task rewrites it)."""
-    starts = [*task.prefix_starts, *np.fromfile(task.starts, dtype=np.int64).tolist()]
-    ends = starts[1:] + [task.records + task.following]
-    with open(task.range.path, "rb") as f, atomic_writer(task.part) as out:
-        f.seek(task.range.start)
+def write_span(task: SpanTask) -> str:
+    """Worker: the merged records (`merge_records`, loss_turns applied) of a span's groups, written as a part
+    (atomically: a retried task rewrites it)."""
+    with open(task.path, "rb") as f, atomic_writer(task.part) as out:
+        f.seek(task.offset)
         lines = (line for line in f if line.strip())
-        for _ in range(starts[0]):  # the end of a group that started before the range
-            next(lines)
-        for start, end in zip(starts, ends):
-            group = [orjson.loads(next(lines)) for _ in range(end - start)]
+        for size in task.sizes:
+            group = [orjson.loads(next(lines)) for _ in range(size)]
             for rec in group:
                 apply_loss_turns(rec, task.loss_turns)
             out.write(orjson.dumps(merge_records(group)) + b"\n")
-    return WrittenPart(task.part, len(starts))
+    return task.part
 
 
 # ---------------------------------------------------------------------------------------------- driver
 @dataclasses.dataclass
-class RangeLinks:
-    """How a range's groups link to its neighbours': its first `continued` records join the group started before
-    it; groups start at `prefix_starts` (within its prefix, by blocked joins) and at the worker's own starts
-    (`own_groups`); `following`: records after the range that join its last group."""
-    records: int
-    continued: int
-    prefix_starts: tuple[int, ...]
-    own_groups: bool
-    following: int = 0
-
-    @property
-    def starts_groups(self) -> bool:
-        return bool(self.prefix_starts) or self.own_groups
+class Span:
+    """The groups from a range's open group up to the next range's own groups, as the driver links them: the
+    record count of each (the last still growing while `GroupLinker` walks on); `after`: the range's own part,
+    which comes just before it in merged.jsonl."""
+    offset: int
+    after: str | None
+    sizes: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
 class GroupLinker:
     """The driver's walk over the ranges' decisions in order: each prefix resolved against the group carried over
-    (`GroupDecider` on prefix records only), the group sizes and blocked joins added up."""
+    (`GroupDecider` on prefix records only), the groups that reach across ranges collected as spans, the group
+    sizes and blocked joins added up."""
     decider: GroupDecider
+    spans: list[Span] = dataclasses.field(default_factory=list)
     group_sizes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    open_records: int = 0  # records of the group open so far (0: none yet)
 
-    def close(self) -> None:
-        if self.open_records:
-            self.group_sizes[self.open_records] += 1
-        self.open_records = 0
-
-    def link(self, decided: RangeDecisions) -> RangeLinks:
-        continued, prefix_starts = 0, []
-        for j, (tokens, key) in enumerate(zip(decided.prefix_tokens, decided.prefix_keys)):
+    def link(self, decided: RangeDecisions) -> None:
+        for tokens, key in zip(decided.prefix_tokens, decided.prefix_keys):
             if self.decider.starts_group(True, tokens, key):
-                self.close()
-                prefix_starts.append(j)
-            elif not prefix_starts:
-                continued += 1
-            self.open_records += 1
+                self.spans[-1].sizes.append(0)
+            self.spans[-1].sizes[-1] += 1
         own = decided.open_group
         if own is not None:
-            self.close()
             self.decider.head_key, self.decider.group_tokens = own.head_key, own.tokens
-            self.open_records = own.records
+            self.spans.append(Span(own.offset, decided.part, [own.records]))
             self.group_sizes.update(decided.group_sizes)
             for reason, n in decided.blocked.items():
                 self.decider.blocked[reason] = self.decider.blocked.get(reason, 0) + n
-        return RangeLinks(decided.records, continued, tuple(prefix_starts), own is not None)
 
-
-def count_following(links: list[RangeLinks]) -> None:
-    """Set each range's `following`: the records of later ranges that join the group open at its end (those
-    continuing it in the next range, and on through any range that only continues it)."""
-    following = 0
-    for k in range(len(links) - 1, -1, -1):
-        links[k].following = following
-        passes_through = not links[k].starts_groups
-        following = links[k].continued + (following if passes_through else 0)
+    def all_group_sizes(self) -> dict[int, int]:
+        return dict(self.group_sizes + collections.Counter(n for span in self.spans for n in span.sizes))
 
 
 def copy_all(executor: Executor, ranges: list[ByteRange], loss_turns: str, scratch: Path, out
@@ -452,39 +426,32 @@ def copy_all(executor: Executor, ranges: list[ByteRange], loss_turns: str, scrat
 
 def decide_and_write(executor: Executor, ranges: list[ByteRange], settings: MergeSettings, scratch: Path, out
                      ) -> tuple[int, int, dict[str, int], dict[int, int]]:
-    """The groups decided range by range, linked across ranges on the driver, written by the workers as parts
-    appended to `out`. Returns (records, labels zeroed, blocked joins by reason, groups by size)."""
+    """The groups decided and written range by range, linked across ranges on the driver, the groups that reach
+    across ranges written by the workers too; every part appended to `out` in order. Returns (records, labels
+    zeroed, blocked joins by reason, groups by size)."""
     counts = [counted.records for counted in executor.map(count_lines, ranges)]
     firsts = list(itertools.accumulate(counts, initial=0))
     n_in = firsts[-1]
-
-    def starts_file(r: ByteRange) -> str:
-        return str(scratch / f"starts_{r.index:08d}.bin")
-
-    tasks = [DecideTask(r, first, first + n == n_in, starts_file(r), settings)
+    tasks = [DecideTask(r, first, first + n == n_in, str(scratch / f"own_{r.index:08d}.jsonl"), settings)
              for r, first, n in zip(ranges, firsts, counts)]
     linker = GroupLinker(GroupDecider(settings.budget))
-    links, zeroed = [], 0
-    with progress(total=n_in, desc="merge: decisions", unit="rec") as bar:
+    zeroed = 0
+    with progress(total=n_in, desc="merge", unit="rec") as bar:
         for decided in executor.map(decide_groups, tasks):
-            links.append(linker.link(decided))
+            linker.link(decided)
             zeroed += decided.zeroed
             bar.update(decided.records)
-    linker.close()
-    count_following(links)
-    group_sizes = dict(linker.group_sizes)
+    spans = [SpanTask(str(ranges[0].path), span.offset, tuple(span.sizes), str(scratch / f"span_{k:08d}.jsonl"),
+                      settings.loss_turns) for k, span in enumerate(linker.spans)]
 
     def parts() -> Iterator[str]:
-        tasks = [WriteTask(r, link.records, link.prefix_starts, starts_file(r), link.following,
-                           str(scratch / f"part_{r.index:08d}.jsonl"), settings.loss_turns)
-                 for r, link in zip(ranges, links) if link.starts_groups]
-        with progress(total=sum(group_sizes.values()), desc="merge", unit="group") as bar:
-            for written in executor.map(write_groups, tasks):
-                bar.update(written.groups)
-                yield written.part
+        for span, written in zip(linker.spans, executor.map(write_span, spans)):
+            if span.after is not None:
+                yield span.after
+            yield written
 
     executor.append(out, parts())
-    return n_in, zeroed, linker.decider.blocked, group_sizes
+    return n_in, zeroed, linker.decider.blocked, linker.all_group_sizes()
 
 
 def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
