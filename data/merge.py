@@ -233,6 +233,7 @@ def join_draws(seed: int, probability: float, first: int, count: int) -> np.ndar
 
 # ---------------------------------------------------------------------------------------------- worker tasks
 MERGE_RANGE_BYTES = 1 << 20  # sampled.jsonl bytes per worker task
+COPY_RANGE_BYTES = 16 << 20  # the same with probability 0 (a plain copy: fewer, larger parts are cheaper to sync)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,8 +315,8 @@ class RangeDecisions:
 
 def decide_groups(task: DecideTask) -> RangeDecisions:
     """Worker: draws, loss_turns, token counts (only those the decision needs) and merge keys of a range's records
-    (`prepare_records`), then `GroupDecider` from its first record that does not try to join on; the groups that
-    decides and that end in the range are written as a part (atomically: a retried task rewrites it)."""
+    (`prepare_records`), then `GroupDecider` from its first record that does not try to join on; the groups it
+    decides that end in the range are written as a part (atomically: a retried task rewrites it)."""
     s, r = task.settings, task.range
     lines = read_lines(r.path, r.start, r.end)
     offsets = list(itertools.accumulate((len(line) for line in lines), initial=r.start))
@@ -371,10 +372,10 @@ def write_span(task: SpanTask) -> str:
 @dataclasses.dataclass
 class Span:
     """The groups from a range's open group up to the next range's own groups, as the driver links them: the
-    record count of each (the last still growing while `GroupLinker` walks on); `after`: the range's own part,
-    which comes just before it in merged.jsonl."""
+    record count of each (the last still growing while `GroupLinker` walks on); `own_part`: that range's part
+    (`RangeDecisions.part`), which comes just before the span in merged.jsonl."""
     offset: int
-    after: str | None
+    own_part: str | None
     sizes: list[int] = dataclasses.field(default_factory=list)
 
 
@@ -446,8 +447,8 @@ def decide_and_write(executor: Executor, ranges: list[ByteRange], settings: Merg
 
     def parts() -> Iterator[str]:
         for span, written in zip(linker.spans, executor.map(write_span, spans)):
-            if span.after is not None:
-                yield span.after
+            if span.own_part is not None:
+                yield span.own_part
             yield written
 
     executor.append(out, parts())
@@ -458,10 +459,11 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
     """sampled.jsonl -> merged.jsonl on `executor` (default: the local engine); records the `merge` report section.
 
     The workers read sampled.jsonl by byte ranges. With a probability, each decides its range's groups from
-    per-record draws (`join_draws`) and returns only what the decision across ranges needs (`RangeDecisions`);
-    the driver links the ranges (`GroupLinker`: the same `GroupDecider` rule, on the few records at each range's
-    start that try to join a group of earlier ranges), and the workers write the groups starting in their range
-    as parts, appended in order. The result does not depend on the ranges, the worker count or the engine."""
+    per-record draws (`join_draws`), writes those that end in the range, and returns only what the decision
+    across ranges needs (`RangeDecisions`); the driver links the ranges (`GroupLinker`: the same `GroupDecider`
+    rule, on the few records at each range's start that try to join a group of earlier ranges), and the workers
+    write the groups that reach across ranges (`write_span`); the parts are appended in order. The result does
+    not depend on the ranges, the worker count or the engine."""
     executor = executor or LocalExecutor(cfg.workers)
     probability = cfg.merge.probability
     budget = (cfg.merge.max_tokens or cfg.max_length) if probability > 0 else None
@@ -473,15 +475,15 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
         tokenizer_key = (str(cfg.tokenizer_path), cfg.chat_template)
         _template(_tokenizer(tokenizer_key))  # fail early in the parent; forked workers inherit both
     path = require_stage_input(cfg.sampled_path, "sample")
-    ranges = byte_ranges(path, MERGE_RANGE_BYTES)
     with executor.scratch(cfg.merged_path.parent, "merge-parts") as scratch, atomic_writer(cfg.merged_path) as out:
         if budget is None:
-            n_in, zeroed = copy_all(executor, ranges, cfg.loss_turns, scratch, out)
+            n_in, zeroed = copy_all(executor, byte_ranges(path, COPY_RANGE_BYTES), cfg.loss_turns, scratch, out)
             blocked, group_sizes = {}, ({1: n_in} if n_in else {})
         else:
             settings = MergeSettings(cfg.seed, probability, budget, cfg.loss_turns, tokenizer_key,
                                      FidelityOptions.from_config(cfg))
-            n_in, zeroed, blocked, group_sizes = decide_and_write(executor, ranges, settings, scratch, out)
+            n_in, zeroed, blocked, group_sizes = decide_and_write(executor, byte_ranges(path, MERGE_RANGE_BYTES),
+                                                                  settings, scratch, out)
     n_out = sum(group_sizes.values())
     section = {
         "in": n_in, "out": n_out,

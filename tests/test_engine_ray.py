@@ -451,7 +451,7 @@ def test_merge_records_are_built_by_the_workers_not_the_driver(fault_dir, local_
 def test_merge_groups_straddling_range_boundaries_give_the_local_bytes(fault_dir, local_example, tmp_path,
                                                                        monkeypatch, range_bytes):
     """Ranges of one record (1 byte: every merged group straddles) or a few records: groups that start in one
-    range and run on into the next ones are written whole by the worker of their first record."""
+    range and run on into the next ones are linked by the driver and written whole by one worker."""
     from data import merge
 
     monkeypatch.setattr(merge, "MERGE_RANGE_BYTES", range_bytes)

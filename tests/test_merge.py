@@ -57,6 +57,18 @@ def test_loss_turns_last_vs_all_on_three_turns(tmp_path):
     assert section["labels_zeroed_by_loss_turns"] == 2 and section["in"] == section["out"] == 2
 
 
+def test_probability_zero_copies_by_ranges_whatever_the_workers(tmp_path, monkeypatch):
+    monkeypatch.setattr(merge, "COPY_RANGE_BYTES", 100)
+    records = [rec(i, turns=1 + i % 3) for i in range(30)]
+    outputs = []
+    for workers in (1, 3):
+        cfg = setup(tmp_path / str(workers), records, tokenizer=None, loss_turns="last", num_workers=workers)
+        section = merge.run(cfg)
+        assert section["group_sizes"] == {"1": 30} and section["labels_zeroed_by_loss_turns"] == 30
+        outputs.append(cfg.merged_path.read_bytes())
+    assert outputs[0] == outputs[1] and [o["meta"]["uid"] for o in iter_jsonl(cfg.merged_path)] == list(range(30))
+
+
 def test_loss_turns_last_applies_per_original_record_when_merged(tmp_path):
     cfg = setup(tmp_path, [rec(0, turns=2), rec(1, turns=3)], loss_turns="last",
                 merge=MergeConfig(probability=1.0, max_tokens=10_000))
