@@ -200,25 +200,26 @@ def count_tokens_batch(tokenizer, records: list[dict], opts: FidelityOptions) ->
     return [None if t is None else next(lengths) for t in texts]
 
 
-def prepare_records(records: list[dict], needs_count: list[bool], loss_turns: str, tokenizer_key,
-                    opts: FidelityOptions, keyed: bool) -> tuple[list[int], list[int | None], list[tuple | None]]:
+def prepare_records(records: list[dict], needed: list[bool], loss_turns: str, tokenizer_key,
+                    opts: FidelityOptions) -> tuple[list[int], list[int | None], list[tuple | None]]:
     """Apply loss_turns (in place) and compute what the merge decision needs of each record: (labels zeroed,
-    token count, `merge_key`) lists. A count is None when it was not needed, or when the record fails on its own
-    (then it is never merged: `block_reason`); keys are None when nothing merges (`keyed` false)."""
+    token count, `merge_key`) lists. Count and key are None where not `needed` (`needs_counts`); a count is None
+    too when the record fails on its own (then it is never merged: `block_reason`)."""
     zeroed = [apply_loss_turns(rec, loss_turns) for rec in records]
     counts: list[int | None] = [None] * len(records)
-    wanted = [i for i, need in enumerate(needs_count) if need]
+    wanted = [i for i, need in enumerate(needed) if need]
     if wanted:
         tok = _tokenizer(tokenizer_key)
         for i, n in zip(wanted, count_tokens_batch(tok, [records[i] for i in wanted], opts)):
             counts[i] = n
-    keys = [merge_key(rec) for rec in records] if keyed else [None] * len(records)
+    keys = [merge_key(rec) if need else None for rec, need in zip(records, needed)]
     return zeroed, counts, keys
 
 
 def needs_counts(joins: list[bool], next_join: bool) -> list[bool]:
-    """A record's token count is needed only when it tries to join the previous group or the next record tries
-    to join it (`next_join`: the draw of the record after the last one)."""
+    """A record's token count and merge key are needed only when it tries to join the previous group or the next
+    record tries to join it (`next_join`: the draw of the record after the last one); a record that does neither
+    is a group of its own whatever they are."""
     return [j or nj for j, nj in zip(joins, joins[1:] + [next_join])]
 
 
@@ -326,7 +327,7 @@ def decide_groups(task: DecideTask) -> RangeDecisions:
     joins = join_draws(s.seed, s.probability, task.first_record, n + 1).tolist()  # and the next record's draw
     next_join = joins.pop() and not task.last
     zeroed, counts, keys = prepare_records(records, needs_counts(joins, next_join), s.loss_turns, s.tokenizer_key,
-                                           s.opts, True)
+                                           s.opts)
     own = joins.index(False) if False in joins else n  # the prefix's end
     decider = GroupDecider(s.budget)
     starts = [i for i in range(own, n) if decider.starts_group(joins[i], counts[i], keys[i])]

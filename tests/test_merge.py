@@ -257,12 +257,12 @@ def _synthetic_records(rng, n):
     return out
 
 
-def _fake_prepare_records(records, needs_count, loss_turns, tokenizer_key, opts, keyed):
-    """`merge.prepare_records` with the records' own counts and keys; a count not asked for is None, so a decision
-    that used one would differ from the reference (it would read as a record error)."""
+def _fake_prepare_records(records, needed, loss_turns, tokenizer_key, opts):
+    """`merge.prepare_records` with the records' own counts and keys; those not asked for are None, so a decision
+    that used one would differ from the reference (a record error, or a key that compares unequal)."""
     zeroed = [merge.apply_loss_turns(r, loss_turns) for r in records]
-    return (zeroed, [r["n"] if need else None for r, need in zip(records, needs_count)],
-            [(r["k"], 0, 0, 0) for r in records])
+    return (zeroed, [r["n"] if need else None for r, need in zip(records, needed)],
+            [(r["k"], 0, 0, 0) if need else None for r, need in zip(records, needed)])
 
 
 def _sequential_groups(records, seed, probability, budget):
