@@ -150,6 +150,7 @@ class RayExecutor(Executor):
     def __init__(self, workers: int, window: int | None = None):
         self.workers = workers
         self.window = window  # tasks per execution, whatever `size` (None: by size and workers)
+        self.tasks = 0  # Ray tasks (one block each) launched so far: what Ray Data's driver pays per
 
     def map(self, fn: Callable, tasks: Iterable, size: TaskSize = "ranges",
             setup: Callable[[], None] | None = None) -> Iterator:
@@ -226,6 +227,7 @@ class RayExecutor(Executor):
 
         try:
             blocks = -(-len(items) // chunks_per_task)  # one block a task: the driver's cost is per block too
+            self.tasks += blocks
             dataset = ray.data.from_items(items, override_num_blocks=blocks).map_batches(
                 _apply, fn_args=(fn,), batch_size=chunks_per_task, batch_format="numpy",
                 compute=ray.data.TaskPoolStrategy(size=self.workers))
