@@ -8,12 +8,6 @@ and every stage's own core, accounting and writers do the rest.
   The driver yields results in chunk order as they arrive (it holds at most two windows). Ray's
   `preserve_order` is set too, never relied on alone. An exception raised by a chunk's function comes back as
   that chunk's result and is raised in chunk order, with its own type and message.
-- preprocess: the workers read the inputs that split cheaply (.jsonl byte ranges cut on newlines, .parquet
-  row groups) and convert them (other formats are read by the driver as locally, converted by the workers),
-  writing the kept records as parts and returning summaries; the driver shifts each range's line numbers by
-  the lines of the ranges before it (so `path:line` sources and errors are the local ones), assigns uids and
-  category ids from the summaries, and the workers then write each part's canonical.jsonl lines, which the
-  driver appends to canonical.jsonl (`io.append_file`, a kernel copy).
 - sample: the workers read canonical.jsonl by byte ranges (line lengths and category ids); the driver makes
   the local seeded plan (`sample.plan`); the workers write slices of it as parts, appended in order.
 - merge: the workers read sampled.jsonl by byte ranges and return only the decision's inputs (token counts and
@@ -53,15 +47,13 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from data import merge, pack, preprocess, sample, tokenize
-from data.config import DataConfig, from_dict, split_spec, to_dict
+from data import merge, pack, sample, tokenize
+from data.config import DataConfig, from_dict, to_dict
 from data.executor import Executor, TaskSize, with_setup
 from data.fsutil import atomic_writer, read_lines, scratch_dir
-from data.io import (UTF8_BOM, append_file, expand_inputs, iter_jsonl_range, jsonl_byte_ranges, parse_jsonl_line,
-                     require_stage_input)
+from data.io import append_file, iter_jsonl_range, jsonl_byte_ranges, require_stage_input
 from data.progress import progress
 from data.records import RecordError
-from data.report import DROPPED_AT_LIMIT, DroppedAt
 from data.shards import REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, PackedDataset, ShardWriter, shard_ranges
 from data.tokenize import TokenizeTally
 
@@ -71,18 +63,16 @@ from data.tokenize import TokenizeTally
 WINDOW_CHUNKS_PER_WORKER = 8
 MIN_WINDOW_CHUNKS = 64
 TASKS_PER_WORKER = 2
-INPUT_RANGE_BYTES = 16 << 20  # .jsonl input bytes per preprocess range (a worker holds its rows at once)
 RANGE_BYTES = 1 << 20  # canonical.jsonl bytes per sample range, and sampled.jsonl bytes per sample plan slice
 MERGE_RANGE_BYTES = 1 << 20  # sampled.jsonl bytes per merge range
 TOKENIZE_RANGE_BYTES = 1 << 20  # merged.jsonl bytes per tokenize range (a part)
-# Maps over byte ranges and plan slices (`_StageMap.for_ranges`): Ray Data's driver spends ~20-30 ms of CPU per
+# Maps over byte ranges and plan slices (size "ranges"): Ray Data's driver spends ~20-30 ms of CPU per
 # task and block (BENCHMARKS.md, bench_ray_overhead.py), so their windows are large (max(RANGE_WINDOW_CHUNKS,
 # RANGE_WINDOW_CHUNKS_PER_WORKER x workers) chunks of ~1 MiB) and cut into RANGE_TASKS_PER_WORKER tasks per
 # worker, one block each: >= 32 MiB a task, whatever the worker count.
 RANGE_WINDOW_CHUNKS = 1024
 RANGE_WINDOW_CHUNKS_PER_WORKER = 256
 RANGE_TASKS_PER_WORKER = 8
-MAX_ROW_GROUP_BYTES = 16 << 20  # larger .parquet row groups: the file is read on the driver
 PART_SHARD_BYTES = 1 << 40  # a tokenize part is one shard, whatever its size: the parts are re-cut anyway
 
 
@@ -247,228 +237,6 @@ def append_parts(out, results: Iterable[tuple], bar) -> list[list]:
         bar.update(n)
         rests.append(rest)
     return rests
-
-
-# ---------------------------------------------------------------------------------------------- preprocess
-def _preprocess_task(task: tuple) -> tuple:
-    """Worker: `("rows", spec_index, spec, fmt, rows)` converts rows the driver read (as locally);
-    `("range", spec_index, spec, fmt, path, start, end, lines_before)` reads and converts the lines of a .jsonl
-    byte range. Returns (kind, spec_index, path, lines_before, lines in the range, rows read, results) with
-    `convert_chunk`'s results; a range's sources are `path:+n` (n: line within the range) until the driver,
-    which knows where the range starts, rewrites them."""
-    if task[0] == "rows":
-        _, spec_index, spec, fmt, rows = task
-        return "rows", spec_index, None, None, 0, len(rows), preprocess.convert_chunk((spec_index, spec, fmt, rows))[1]
-    if task[0] == "row_group":
-        import pyarrow.parquet as pq
-
-        _, spec_index, spec, fmt, path, group, first_row = task
-        with pq.ParquetFile(path) as pf:
-            rows = [(f"{path}:{first_row + i}", row) for i, row in enumerate(pf.read_row_group(group).to_pylist())]
-        return "rows", spec_index, None, None, 0, len(rows), preprocess.convert_chunk((spec_index, spec, fmt, rows))[1]
-    _, spec_index, spec, fmt, path, start, end, lines_before = task
-    n_lines, rows = iter_jsonl_range(path, start, end)
-    readable = [(row_or_error.source if isinstance(row_or_error, RecordError) else f"{path}:+{n}", row_or_error)
-                for n, row_or_error in rows]
-    converted = iter(preprocess.convert_chunk(
-        (spec_index, spec, fmt, [(src, row) for src, row in readable if not isinstance(row, RecordError)]))[1])
-    results = [("err", row.source, row.field, row.message, row.reason) if isinstance(row, RecordError)
-               else next(converted) for _, row in readable]
-    return "range", spec_index, path, lines_before, n_lines, len(rows), results
-
-
-def _detect_in_jsonl(path: str, rows: preprocess.RowChunker, cfg: DataConfig):
-    """The format of a .jsonl input from its first row of a detectable format, read here as `preprocess._tasks`
-    reads it (rows before it count as dropped under skip, `rows.count_dropped`): (format, spec, its byte offset,
-    lines before it), or None when no row of the file has one."""
-    offset = 0
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            start, offset = offset, offset + len(line)
-            if lineno == 1:
-                line = line.removeprefix(UTF8_BOM)
-            if not line.strip():
-                continue
-            source = f"{path}:{lineno}"
-            row = parse_jsonl_line(line, source)
-            try:
-                if isinstance(row, RecordError):
-                    raise row
-                fmt, resolved = preprocess.detect_format(row, rows.spec, source)
-            except RecordError as exc:
-                if cfg.on_error != "skip":
-                    raise
-                rows.count_dropped(exc)
-                continue
-            return fmt, resolved, start, lineno - 1
-    return None
-
-
-def _parquet_row_groups(path: str) -> list[int] | None:
-    """Rows per row group of a readable .parquet file (its footer only); None for any other input, for a file
-    pyarrow cannot open (read here then, so it fails as locally) and for one with a row group over
-    `MAX_ROW_GROUP_BYTES` (a worker reads a row group whole and its rows come back as one result)."""
-    if not (path.lower().endswith(".parquet") and os.path.isfile(path)):
-        return None
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        with pq.ParquetFile(path) as pf:
-            groups = [pf.metadata.row_group(k) for k in range(pf.num_row_groups)]
-    except (pa.ArrowException, OSError):
-        return None
-    if any(group.total_byte_size > MAX_ROW_GROUP_BYTES for group in groups):
-        return None
-    return [group.num_rows for group in groups]
-
-
-def _preprocess_tasks(cfg: DataConfig, stats: list[dict], dropped: dict,
-                      dropped_at: DroppedAt) -> Iterator[tuple]:
-    """`preprocess._tasks` with the reading moved to the workers where an input splits cheaply: .jsonl into
-    byte ranges (once the input's format is known: a set one, or detected here from its first rows), .parquet
-    into row groups (when the input's format is set; `auto` needs a row). Other inputs (.json arrays, .csv,
-    .arrow, datasets directories) are read here in chunks of rows, as locally."""
-    for spec_index, spec in enumerate(cfg.inputs):
-        st = stats[spec_index]
-        rows = preprocess.RowChunker(cfg, spec, st, dropped, dropped_at, count_kept=False)  # kept: from results
-        for path in expand_inputs(spec.path):
-            split, local = split_spec(path)
-            if split is None and local.lower().endswith(".jsonl") and os.path.isfile(local):
-                start, lines_before = 0, 0
-                if rows.fmt is None:
-                    found = _detect_in_jsonl(path, rows, cfg)
-                    if found is None:
-                        continue
-                    rows.fmt, rows.spec, start, lines_before = found
-                    st["format"] = rows.fmt
-                for chunk_spec, fmt, chunk in rows.flush():
-                    yield "rows", spec_index, chunk_spec, fmt, chunk
-                for k, (a, b) in enumerate(jsonl_byte_ranges(path, start, INPUT_RANGE_BYTES)):
-                    yield "range", spec_index, rows.spec, rows.fmt, path, a, b, lines_before if k == 0 else None
-                continue
-            known = rows.fmt is not None or rows.spec.format != "auto"  # a set format needs no row to detect it
-            row_groups = _parquet_row_groups(local) if split is None and known else None
-            if row_groups is not None:
-                rows.fmt = rows.fmt or rows.spec.format
-                st["format"] = rows.fmt
-                for chunk_spec, fmt, chunk in rows.flush():
-                    yield "rows", spec_index, chunk_spec, fmt, chunk
-                first_row = 0
-                for group, n_rows in enumerate(row_groups):
-                    yield "row_group", spec_index, rows.spec, rows.fmt, path, group, first_row
-                    first_row += n_rows
-                continue
-            for chunk_spec, fmt, chunk in rows.add_rows(path):
-                yield "rows", spec_index, chunk_spec, fmt, chunk
-        for chunk_spec, fmt, chunk in rows.flush():
-            yield "rows", spec_index, chunk_spec, fmt, chunk
-
-
-def _convert_to_part(parts_dir: str, numbered: tuple[int, tuple]) -> tuple:
-    """Worker, preprocess's first pass: task `k`'s rows converted (`_preprocess_task`) and its kept records
-    written to a part as `[category, source, record]` lines; returns what the driver's accounting needs:
-    (kind, spec_index, path, lines_before, lines, rows, kept, {category: kept, in order of first appearance},
-    {drop reason: count}, {drop reason: its first `DROPPED_AT_LIMIT` sources}, the first error as (source, field,
-    message, reason) or None, part). A task's rows are a stretch of one input in order, so the first sources
-    of each task hold the first of the whole run."""
-    k, task = numbered
-    kind, spec_index, path, lines_before, n_lines, n_rows, results = _preprocess_task(task)
-    part = os.path.join(parts_dir, f"converted_{k:08d}.jsonl")
-    categories: dict[str, int] = {}
-    dropped: dict[str, int] = {}
-    dropped_at: dict[str, list[str]] = {}
-    first_error = None
-    with atomic_writer(part) as out:
-        for result in results:
-            if result[0] == "ok":
-                _, source, rec, category = result
-                out.write(orjson.dumps([category, source, rec]) + b"\n")
-                categories[category] = categories.get(category, 0) + 1
-                continue
-            if result[0] == "filtered":
-                reason = "filtered_by_function"
-            else:
-                _, source, field, message, reason = result
-                first_error = first_error or (source, field, message, reason)
-            dropped[reason] = dropped.get(reason, 0) + 1
-            sources = dropped_at.setdefault(reason, [])
-            if len(sources) < DROPPED_AT_LIMIT:
-                sources.append(result[1])
-    return (kind, spec_index, path, lines_before, n_lines, n_rows, sum(categories.values()), categories, dropped,
-            dropped_at, first_error, part)
-
-
-def _finish_part(task: tuple[str, str, int, dict[str, int], tuple[int, int] | None]) -> tuple[str, int]:
-    """Worker, preprocess's second pass: a first-pass part's records as canonical.jsonl lines (`canonical_line`),
-    uids from `first_uid`, category ids from `ids`; a range's `path:+n` sources become `path:(base + n)` (`shift`:
-    (length of `path:+`, base)). Returns (the finished part, its records)."""
-    part, finished, first_uid, ids, shift = task
-    n = 0
-    with open(part, "rb") as f, atomic_writer(finished) as out:
-        for n, line in enumerate(f, 1):
-            category, source, rec = orjson.loads(line)
-            if shift is not None:
-                source = f"{source[:shift[0] - 1]}{shift[1] + int(source[shift[0]:])}"
-            out.write(preprocess.canonical_line(rec, category, ids[category], first_uid + n - 1, source))
-    return finished, n
-
-
-def _shifted(source: str, path: str, base: int) -> str:
-    """A range's source `path:+n` as the local one, `path:(base + n)` (`base`: the lines before the range)."""
-    return f"{path}:{base + int(source[len(path) + 2:])}"
-
-
-def convert_on_workers(parallel_map: _StageMap, cfg: DataConfig, stats: list[dict], dropped: dict,
-                       dropped_at: DroppedAt, category_ids: preprocess.CategoryIds, sizes: dict, out,
-                       bar) -> int:
-    """`preprocess.run`'s reading, converting and writing on the workers, in two passes. First the workers
-    convert their tasks (`.jsonl` byte ranges, `.parquet` row groups, or rows the driver read) and write the kept
-    records as parts; the driver does the accounting from their summaries in task order: line numbers (each
-    range's lines shifted by those of the ranges before it, so sources and errors read `path:line` as locally),
-    the first error, drop counts and sources, category ids in order of first appearance, each part's first uid. Then the
-    workers write each part's canonical.jsonl lines and the driver appends the parts to `out` (a kernel copy)."""
-    next_line: dict[str, int] = {}
-    finish: list[tuple] = []
-    uid = 0
-    with scratch_dir(Path(cfg.canonical_path).parent, "preprocess-parts") as parts_dir:
-        numbered = enumerate(_preprocess_tasks(cfg, stats, dropped, dropped_at))
-        fn = functools.partial(_convert_to_part, str(parts_dir))
-        with contextlib.closing(parallel_map(fn, numbered)) as done:
-            for (kind, spec_index, path, lines_before, n_lines, n_rows, n_kept, categories, part_dropped,
-                 part_dropped_at, first_error, part) in done:
-                st = stats[spec_index]
-                st["in"] += n_rows
-                shift = None
-                if kind == "range":
-                    base = lines_before if lines_before is not None else next_line[path]
-                    next_line[path] = base + n_lines
-                    shift = (len(path) + 2, base)  # a range's sources are `path:+n`
-                if first_error is not None and cfg.on_error != "skip":
-                    source, field, message, reason = first_error
-                    if shift is not None:
-                        source = _shifted(source, path, base)
-                    raise RecordError(source, field, message, reason)
-                for reason, n in part_dropped.items():
-                    st["dropped"] += n
-                    dropped[reason] = dropped.get(reason, 0) + n
-                for reason, sources in part_dropped_at.items():
-                    for source in sources:
-                        dropped_at.add(reason, source if shift is None else _shifted(source, path, base))
-                for category, n in categories.items():
-                    category_ids(category)
-                    sizes[category] = sizes.get(category, 0) + n
-                st["out"] += n_kept
-                if n_kept:
-                    finish.append((part, uid, shift))
-                uid += n_kept
-                bar.update(n_rows)
-        tasks = ((part, part[:-len(".jsonl")] + ".canonical.jsonl", first_uid, category_ids.ids, shift)
-                 for part, first_uid, shift in finish)
-        with progress(total=uid, desc="preprocess: canonical lines", unit="rec") as written, \
-                contextlib.closing(parallel_map.for_ranges()(_finish_part, tasks)) as finished:
-            append_parts(out, finished, written)
-    return uid
 
 
 # ---------------------------------------------------------------------------------------------- sample
@@ -796,18 +564,12 @@ class _StageMap:
     def __call__(self, fn: Callable, chunks: Iterable) -> Iterator:
         return self.executor.map(fn, chunks, self.size)
 
-    def for_ranges(self) -> "_StageMap":
-        return _StageMap(self.executor, "ranges")
-
 
 def stage_runners(executor: RayExecutor) -> dict[str, Callable[[DataConfig, Executor], dict]]:
     """Each stage's `run` with its parallel parts on Ray."""
-    parallel_map = _StageMap(executor, "records")
     range_map = _StageMap(executor, "ranges")
     shard_map = _StageMap(executor, "shards")
     return {
-        "preprocess": lambda cfg, executor: preprocess.run(
-            cfg, convert_all=functools.partial(convert_on_workers, parallel_map)),
         "sample": lambda cfg, executor: sample.run(
             cfg, scan_all=functools.partial(scan_on_workers, range_map),
             write_all=functools.partial(write_sampled_on_workers, range_map)),

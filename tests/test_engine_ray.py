@@ -11,7 +11,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -r requirements-ray.txt)")
 pytestmark = pytest.mark.timeout(300)  # a worker that cannot start is retried by Ray forever: fail instead
 
-from data import engine_ray, pack, pipeline, tokenize  # noqa: E402
+from data import engine_ray, pack, pipeline, preprocess, tokenize  # noqa: E402
 from data.config import STAGES, load_config  # noqa: E402
 from data.records import RecordError  # noqa: E402
 from data.shards import PackedDataset, ShardWriter  # noqa: E402
@@ -343,7 +343,7 @@ def test_input_byte_ranges_give_the_errors_and_skips_of_local(fault_dir, tmp_pat
     (canonical.jsonl) and every count are those of the local run."""
     from data.io import jsonl_byte_ranges
 
-    monkeypatch.setattr(engine_ray, "INPUT_RANGE_BYTES", 300)
+    monkeypatch.setattr(preprocess, "INPUT_RANGE_BYTES", 300)
     inputs, path, bad_line = _deep_bad_input(tmp_path / "error")
     assert len(list(jsonl_byte_ranges(str(path), 0, 300))) > 5
     cfg = example_config(tmp_path / "error", "out", "num_workers=1", inputs)
@@ -368,7 +368,7 @@ def test_dropped_sources_are_those_of_local(fault_dir, tmp_path, monkeypatch):
     from data.io import jsonl_byte_ranges
     from data.report import DROPPED_AT_LIMIT
 
-    monkeypatch.setattr(engine_ray, "INPUT_RANGE_BYTES", 300)
+    monkeypatch.setattr(preprocess, "INPUT_RANGE_BYTES", 300)
     code = (ROOT / "data/example/raw/code.jsonl").read_bytes().splitlines(True)
     first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
     first.write_bytes(b"{oops\n" + b'{"foo": 1}\n' + b"".join(line + b"[1]\n" for line in code[:45]))
@@ -399,7 +399,7 @@ def test_parquet_row_groups_give_the_errors_and_skips_of_local(fault_dir, tmp_pa
     rows = [{"q": f"question {i}", "a": None if i == 37 else f"answer {i}"} for i in range(60)]
     path = tmp_path / "qa.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=7)
-    assert engine_ray._parquet_row_groups(str(path)) == [7] * 8 + [4]
+    assert preprocess._parquet_row_groups(str(path)) == [7] * 8 + [4]
     spec = {"path": str(path), "format": "prompt_response", "prompt_key": "q", "response_key": "a",
             "category_name": "qa"}
     overrides = ("inputs=" + orjson.dumps([spec]).decode(), f"ratio_path={tmp_path / 'qa_ratios.json'}")
@@ -461,21 +461,20 @@ def test_merge_groups_straddling_range_boundaries_give_the_local_bytes(fault_dir
 
 def test_preprocess_and_sample_lines_are_written_by_the_workers(fault_dir, tmp_path, monkeypatch):
     """preprocess and sample on Ray, over many byte ranges (~2 KB) and with rates that copy and subsample
-    (2.5, 0.4, 0): the driver writes no canonical.jsonl or sampled.jsonl line itself (the workers write parts it
-    appends) and both files, the ratio file and the report equal the local ones."""
-    from data import preprocess, sample
+    (2.5, 0.4, 0): the driver writes no sampled.jsonl line itself (the workers write parts it appends; so do
+    preprocess's, on either engine) and both files, the ratio file and the report equal the local ones."""
+    from data import sample
 
     ratios = tmp_path / "ratios.json"
     categories = orjson.loads((ROOT / "configs/data/example_ratios.json").read_bytes())["categories"]
     for cat, rate in zip(categories, [2.5, 0.4, 0, 1.3, 1]):
         cat["sample_rate"] = rate
     ratios.write_bytes(orjson.dumps({"categories": categories}))
-    monkeypatch.setattr(engine_ray, "INPUT_RANGE_BYTES", 2000)
+    monkeypatch.setattr(preprocess, "INPUT_RANGE_BYTES", 2000)
     monkeypatch.setattr(engine_ray, "RANGE_BYTES", 2000)
     written = []
-    for module, name in ((preprocess, "canonical_line"), (sample, "sampled_line")):
-        real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, real=real, name=name: written.append(name) or real(*a))
+    real = sample.sampled_line
+    monkeypatch.setattr(sample, "sampled_line", lambda *a: written.append(a) or real(*a))
     cfg = example_config(tmp_path, "out", "num_workers=2", f"ratio_path={ratios}")
     cfg.stages = ["preprocess", "sample"]
     pipeline.run_pipeline(cfg)
