@@ -471,11 +471,12 @@ def line_pieces(rec: dict) -> tuple[bytes, bytes]:
     category id, uid and source; category_name between them): the bytes before and after them. The line is
     `orjson.dumps(rec)` with `rec["meta"] = {category_id, category_name, uid, source, <its other meta keys>}`,
     in `validate_canonical`'s key order (messages, labels, meta, then the others)."""
-    extra = {k: v for k, v in rec["meta"].items() if k not in META_KEYS}  # a user function's, kept after ours
+    head = b'{"messages":%s,"labels":%s,"meta":{"category_id":' % (orjson.dumps(rec["messages"]),
+                                                                    orjson.dumps(rec["labels"]))
     rest = {k: v for k, v in rec.items() if k not in ("messages", "labels", "meta")}
-    head = orjson.dumps({"messages": rec["messages"], "labels": rec["labels"]})[:-1] + b',"meta":{"category_id":'
-    tail = (b"," + orjson.dumps(extra)[1:-1] if extra else b"") + (b"}," + orjson.dumps(rest)[1:] if rest else b"}}")
-    return head, tail
+    tail = b"}," + orjson.dumps(rest)[1:] if rest else b"}}"
+    extra = {k: v for k, v in rec["meta"].items() if k not in META_KEYS}  # a user function's, kept after ours
+    return head, b"," + orjson.dumps(extra)[1:-1] + tail if extra else tail
 
 
 def canonical_line(head: bytes, category_id: int, category: bytes, uid: int, source: bytes, tail: bytes) -> bytes:
@@ -490,7 +491,7 @@ def convert_to_part(task: ConvertTask) -> Converted:
     n_lines, rows = task.read()
     done = Converted(n_lines, len(rows))
     limit = task.dropped_at_limit
-    with atomic_writer(task.part) as out:
+    with open(task.part, "wb") as out:  # a scratch file (not synced): it lives until canonical.jsonl is written
         for where, row in rows:
             try:
                 if isinstance(row, RecordError):
@@ -508,9 +509,8 @@ def convert_to_part(task: ConvertTask) -> Converted:
                     sources.append(where)
                 continue
             rec, category = converted
-            head, tail = line_pieces(rec)
             place = b"%d" % where if isinstance(where, int) else orjson.dumps(where)
-            out.write(b"\t".join((place, orjson.dumps(category), head, tail)) + b"\n")
+            out.write(b"%s\t%s\t%s\t%s\n" % (place, orjson.dumps(category), *line_pieces(rec)))
             done.categories[category] = done.categories.get(category, 0) + 1
     return done
 
@@ -541,7 +541,7 @@ def finish_part(task: FinishTask) -> FinishedPart:
     in_range = task.range_path is not None
     source_head = orjson.dumps(f"{task.range_path}:")[:-1] if in_range else b""  # `"path:`, JSON-escaped
     uid = task.first_uid
-    with open(task.part, "rb") as f, atomic_writer(task.out) as out:
+    with open(task.part, "rb") as f, open(task.out, "wb") as out:  # a scratch file too
         for line in f:
             place, category, head, tail = line[:-1].split(b"\t")
             source = b'%s%d"' % (source_head, task.lines_before + int(place)) if in_range else place
