@@ -286,7 +286,6 @@ class Partition:
     source: PackedDataset  # pickles as its path
     first: int
     end: int
-    index: int
     max_length: int
     algorithm: str
     seed: int
@@ -335,11 +334,9 @@ def save_rows(rows: RowPlan, row_tokens: np.ndarray, plan_path: str, max_shard_b
 
 
 def load_rows(plan_path: str, first: int, end: int) -> RowPlan:
-    """Rows `[first, end)` of a plan file `save_rows` wrote (memory-mapped, the slice copied)."""
-    starts = np.load(f"{plan_path}.starts.npy", mmap_mode="r")
-    lo, hi = int(starts[first]), int(starts[end])
-    members = np.load(f"{plan_path}.members.npy", mmap_mode="r")
-    return RowPlan(np.array(members[lo:hi]), np.array(starts[first:end + 1]) - lo)
+    """Rows `[first, end)` of a plan file `save_rows` wrote (memory-mapped)."""
+    return RowPlan(np.load(f"{plan_path}.members.npy", mmap_mode="r"),
+                   np.load(f"{plan_path}.starts.npy", mmap_mode="r")).slice(first, end)
 
 
 def partition_seed(seed: int, index: int) -> int:
@@ -419,7 +416,7 @@ def plan_all(executor: Executor, src: PackedDataset, cfg: DataConfig, plans_dir:
     """Every partition planned by the workers, then the global pass over the sequences they released: the
     placed rows in written order (the partitions' in partition order, the global pass's last)."""
     cap, algorithm, shard_bytes = cfg.pack_max_length, cfg.pack.algorithm, cfg.pack.shard_size_mb << 20
-    tasks = (Partition(src, first, min(first + PARTITION_SEQUENCES, len(src)), k, cap, algorithm,
+    tasks = (Partition(src, first, min(first + PARTITION_SEQUENCES, len(src)), cap, algorithm,
                        partition_seed(cfg.seed, k), str(plans_dir / f"partition_{k:06d}"),
                        shard_bytes)
              for k, first in enumerate(range(0, len(src), PARTITION_SEQUENCES)))
