@@ -21,8 +21,6 @@ and every stage's own core, accounting and writers do the rest.
   order, cuts tokenized/'s shards from the lengths (`shards.shard_ranges`, the writer's own rule) and
   workers copy the parts' rows into those shards, appended in order (`ShardWriter.append_dataset`): meta.json
   and checksums match the local run.
-- pack: the global best-fit plan on the driver from the length array; the rows are written by the workers,
-  one task per output shard, appended the same way.
 Workers read the inputs, `output_dir` and `tokenizer_path` themselves: on a cluster every node must see them at
 the same path (a shared filesystem). Chunks and results travel as pickled bytes (opaque binary columns; Ray
 Data would otherwise infer Arrow types from our nested Python values) between this driver and its own workers.
@@ -47,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from data import merge, pack, sample, tokenize
+from data import merge, sample, tokenize
 from data.config import DataConfig, from_dict, to_dict
 from data.executor import Executor, TaskSize, with_setup
 from data.fsutil import atomic_writer, read_lines, scratch_dir
@@ -524,36 +522,6 @@ def tokenize_tallies(parallel_map: _StageMap, shard_map: _StageMap, cfg: DataCon
     shutil.rmtree(parts_dir)
 
 
-# ---------------------------------------------------------------------------------------------- pack
-def _write_part(task: tuple[str, list[str], int, str, str, pack.RowPlan]) -> str:
-    """Worker: one output shard, `rows` copied from the tokenized dataset by `pack.write_rows`, as a dataset
-    of its own at `part_dir` (the driver shows the progress, by shard)."""
-    src_path, token_fields, max_shard_bytes, kind, part_dir, rows = task
-    src = PackedDataset(src_path)
-    writer = ShardWriter(part_dir, token_fields=token_fields, max_shard_bytes=max_shard_bytes, kind=kind)
-    with writer:
-        pack.write_rows(writer, src, rows, np.asarray(src.row_n_tokens, dtype=np.int64), show_progress=False)
-        writer.close()
-    return part_dir
-
-
-def write_rows_on_workers(parallel_map: _StageMap, writer: ShardWriter, src: PackedDataset,
-                          rows: pack.RowPlan, lengths: np.ndarray) -> None:
-    """`pack.run`'s row writer: one Ray task per output shard, the shards appended to `writer` in order."""
-    row_nbytes = (rows.sums(lengths) * writer.dtype.itemsize).tolist()
-    shards = shard_ranges(row_nbytes, writer.max_shard_bytes)
-    parts = writer.tmp_dir / "ray-parts"  # inside the writer's temp dir: an aborted writer removes it too
-    parts.mkdir()
-    tasks = ((str(src.path), writer.token_fields, writer.max_shard_bytes, writer.kind, str(parts / f"part_{k:05d}"),
-              rows.slice(start, end)) for k, (start, end) in enumerate(shards))
-    with progress(total=len(rows), desc="pack", unit="row") as bar, \
-            contextlib.closing(parallel_map(_write_part, tasks)) as part_dirs:
-        for part_dir, (start, end) in zip(part_dirs, shards):
-            writer.append_dataset(part_dir)
-            bar.update(end - start)
-    shutil.rmtree(parts)  # empty, or the temp dirs of attempts Ray retried
-
-
 # ---------------------------------------------------------------------------------------------- pipeline
 class _StageMap:
     """Transitional: an executor's map in the shape the stages' old engine hooks take."""
@@ -576,7 +544,6 @@ def stage_runners(executor: RayExecutor) -> dict[str, Callable[[DataConfig, Exec
         "merge": lambda cfg, executor: merge.run(cfg, merge_all=functools.partial(merge_on_workers, range_map)),
         "tokenize": lambda cfg, executor: tokenize.run(
             cfg, chunk_tallies=functools.partial(tokenize_tallies, range_map, shard_map)),
-        "pack": lambda cfg, executor: pack.run(cfg, write=functools.partial(write_rows_on_workers, shard_map)),
     }
 
 

@@ -4,7 +4,6 @@ import dataclasses
 import shutil
 from pathlib import Path
 
-import numpy as np
 import orjson
 import pytest
 
@@ -13,6 +12,7 @@ pytestmark = pytest.mark.timeout(300)  # a worker that cannot start is retried b
 
 from data import engine_ray, pack, pipeline, preprocess, tokenize  # noqa: E402
 from data.config import STAGES, load_config  # noqa: E402
+from data.executor import LocalExecutor  # noqa: E402
 from data.records import RecordError  # noqa: E402
 from data.shards import PackedDataset, ShardWriter  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402
@@ -170,20 +170,21 @@ def test_stage_module_cli_runs_its_stage_on_ray(fault_dir, local_example, tmp_pa
     assert "[tokenize] in=323 out=323" in capsys.readouterr().out
 
 
-def test_pack_shards_written_by_workers_equal_one_writer(fault_dir, local_example, tmp_path):
-    src = PackedDataset(local_example.tokenized_dir)
-    lengths = np.asarray(src.row_n_tokens, dtype=np.int64)
-    rows = pack.layout(pack.plan_rows(lengths, 2048, seed=7), 7)
+def test_pack_on_ray_equals_local_for_any_worker_count(fault_dir, local_example, tmp_path, monkeypatch):
+    """pack.run's one program on Ray and on 1 or 3 local processes: the same packed/, with several partitions
+    (each planned by a worker, its rows released to the global pass) and several shards per partition."""
+    monkeypatch.setattr(pack, "PARTITION_SEQUENCES", 64)  # read by the driver only
+    cfg = dataclasses.replace(local_example, output_dir=str(tmp_path / "out"),
+                              pack=dataclasses.replace(local_example.pack, shard_size_mb=1))
+    shutil.copytree(local_example.out, cfg.out, ignore=shutil.ignore_patterns("packed"))
     outputs = {}
-    shard_map = engine_ray._StageMap(engine_ray.RayExecutor(2), "shards")
-    for name, write in (("local", pack.write_rows),
-                        ("ray", lambda *a: engine_ray.write_rows_on_workers(shard_map, *a))):
-        with ShardWriter(tmp_path / name, token_fields=src.token_fields, max_shard_bytes=50_000) as writer:
-            write(writer, src, rows, lengths)
-            meta = writer.close({"max_length": 2048})
-        outputs[name] = tree(tmp_path / name)
-    assert len(meta["shards"]) > 5
-    assert outputs["ray"] == outputs["local"]
+    for name, executor in (("local1", LocalExecutor(1)), ("local3", LocalExecutor(3)),
+                           ("ray", engine_ray.RayExecutor(2))):
+        pack.run(cfg, executor=executor)
+        outputs[name] = tree(cfg.packed_dir)
+    meta = orjson.loads(outputs["ray"]["meta.json"])
+    assert len(meta["shards"]) > len(PackedDataset(cfg.tokenized_dir)) // 64  # a shard (at least) per partition
+    assert outputs["ray"] == outputs["local1"] == outputs["local3"]
 
 
 def test_chunk_map_yields_chunk_order_when_ray_does_not(fault_dir):
