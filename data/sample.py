@@ -34,6 +34,7 @@ import dataclasses
 import hashlib
 import math
 import mmap
+import os
 import shutil
 from collections import Counter
 from collections.abc import Iterator
@@ -361,10 +362,14 @@ def plan_range(task: PlanTask) -> RangePlan:
 
 
 @contextlib.contextmanager
-def mapped(path: str) -> Iterator[mmap.mmap]:
-    """A (non-empty) file memory-mapped for reading: its lines are read by slicing."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
-        yield view
+def mapped(path: str) -> Iterator[mmap.mmap | bytes]:
+    """A file memory-mapped for reading (lines are read by slicing); b"" for an empty one, which mmap refuses."""
+    with open(path, "rb") as f:
+        if not os.fstat(f.fileno()).st_size:
+            yield b""
+            return
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            yield view
 
 
 def write_bucket(task: BucketTask) -> BucketWritten:

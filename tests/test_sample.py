@@ -195,3 +195,17 @@ def test_category_missing_from_ratio_file_is_an_error(tmp_path):
     cfg = _setup(tmp_path, {"a": 1.0}, {"a": 2, "b": 1})
     with pytest.raises(sample.SamplingError, match=r"categories \[2\] of the data have no entry: 'b' \(id 2\)"):
         sample.run(cfg)
+
+
+def test_empty_canonical_and_a_last_line_without_newline(tmp_path):
+    """canonical.jsonl's last line without its newline gives the bytes it gives with one; an empty file samples
+    nothing."""
+    cfg = _setup(tmp_path, {"a": 1.5}, {"a": 9})
+    sample.run(cfg)
+    expected = cfg.sampled_path.read_bytes()
+    cfg.canonical_path.write_bytes(cfg.canonical_path.read_bytes().rstrip(b"\n"))
+    sample.run(cfg)
+    assert cfg.sampled_path.read_bytes() == expected and expected.count(b"\n") == 14
+    write_ratio_file(cfg.ratio_file, [])
+    cfg.canonical_path.write_bytes(b"")
+    assert sample.run(cfg)["out"] == 0 and cfg.sampled_path.read_bytes() == b""
