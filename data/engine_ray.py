@@ -8,8 +8,6 @@ and every stage's own core, accounting and writers do the rest.
   The driver yields results in chunk order as they arrive (it holds at most two windows). Ray's
   `preserve_order` is set too, never relied on alone. An exception raised by a chunk's function comes back as
   that chunk's result and is raised in chunk order, with its own type and message.
-- sample: the workers read canonical.jsonl by byte ranges (line lengths and category ids); the driver makes
-  the local seeded plan (`sample.plan`); the workers write slices of it as parts, appended in order.
 - merge: the workers read sampled.jsonl by byte ranges and return only the decision's inputs (token counts and
   `merge.merge_key` digests); the driver runs the local decision (`merge.GroupDecider`, the same seeded draws)
   over them (`decide_range`: only the records that try to join, and the one before each run of them); the
@@ -45,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from data import merge, sample, tokenize
+from data import merge, tokenize
 from data.config import DataConfig, from_dict, to_dict
 from data.executor import Executor, TaskSize, with_setup
 from data.fsutil import atomic_writer, read_lines, scratch_dir
@@ -61,7 +59,6 @@ from data.tokenize import TokenizeTally
 WINDOW_CHUNKS_PER_WORKER = 8
 MIN_WINDOW_CHUNKS = 64
 TASKS_PER_WORKER = 2
-RANGE_BYTES = 1 << 20  # canonical.jsonl bytes per sample range, and sampled.jsonl bytes per sample plan slice
 MERGE_RANGE_BYTES = 1 << 20  # sampled.jsonl bytes per merge range
 TOKENIZE_RANGE_BYTES = 1 << 20  # merged.jsonl bytes per tokenize range (a part)
 # Maps over byte ranges and plan slices (size "ranges"): Ray Data's driver spends ~20-30 ms of CPU per
@@ -237,62 +234,6 @@ def append_parts(out, results: Iterable[tuple], bar) -> list[list]:
     return rests
 
 
-# ---------------------------------------------------------------------------------------------- sample
-def _scan_range(task: tuple[str, int, int]) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
-    """Worker: each line's length and category id in a byte range of canonical.jsonl, and the category names
-    (`sample.scan` over the range)."""
-    lines = read_lines(*task)  # lines as iterating the file gives them (`JsonlIndex`)
-    lengths = np.fromiter(map(len, lines), dtype=np.int64, count=len(lines))
-    categories = np.empty(len(lines), dtype=np.int64)
-    names: dict[int, str] = {}
-    for i, line in enumerate(lines):
-        meta = orjson.loads(line)["meta"]
-        categories[i] = cid = meta["category_id"]
-        names.setdefault(cid, meta.get("category_name", str(cid)))
-    return lengths, categories, names
-
-
-def scan_on_workers(parallel_map: _StageMap, path: Path) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
-    """`sample.scan` with the records read by the workers, by byte ranges; the driver keeps 16 bytes a record."""
-    ranges = list(jsonl_byte_ranges(str(path), 0, RANGE_BYTES))
-    lengths, categories, names = [np.zeros(1, dtype=np.int64)], [np.zeros(0, dtype=np.int64)], {}
-    with contextlib.closing(parallel_map(_scan_range, ((str(path), a, b) for a, b in ranges))) as done:
-        for range_lengths, range_categories, range_names in done:
-            lengths.append(range_lengths)
-            categories.append(range_categories)
-            for cid, name in range_names.items():
-                names.setdefault(cid, name)
-    return np.cumsum(np.concatenate(lengths)), np.concatenate(categories), names
-
-
-def _write_sampled(task: tuple[str, np.ndarray, np.ndarray, np.ndarray, str]) -> tuple[str, int]:
-    """Worker: a slice of the sample plan, its records read from canonical.jsonl by offset and written as a part
-    (`sample.sampled_line`). Returns (part, records)."""
-    path, starts, ends, copies, part = task
-    with open(path, "rb") as f, atomic_writer(part) as out:
-        for start, end, copy in zip(starts.tolist(), ends.tolist(), copies.tolist()):
-            f.seek(start)
-            out.write(sample.sampled_line(f.read(end - start).rstrip(b"\n"), copy))
-    return part, len(starts)
-
-
-def write_sampled_on_workers(parallel_map: _StageMap, cfg: DataConfig, offsets: np.ndarray, records: np.ndarray,
-                             copies: np.ndarray, out) -> None:
-    """`sample.write` on the workers: the plan cut into slices of about `RANGE_BYTES` of output, each written
-    as a part by a worker, the parts appended to `out` in order (a kernel copy)."""
-    output_ends = np.diff(offsets)[records]  # each planned line's bytes, then (in place) where it ends in the output
-    np.cumsum(output_ends, out=output_ends)
-    total = int(output_ends[-1]) if len(output_ends) else 0
-    cuts = np.searchsorted(output_ends, np.arange(RANGE_BYTES, total, RANGE_BYTES))
-    del output_ends
-    bounds = np.unique(np.concatenate([[0], cuts, [len(records)]]))
-    with scratch_dir(Path(cfg.sampled_path).parent, "sample-parts") as parts_dir:
-        tasks = ((str(cfg.canonical_path), offsets[records[a:b]], offsets[records[a:b] + 1], copies[a:b],
-                  str(parts_dir / f"part_{k:08d}.jsonl"))
-                 for k, (a, b) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())))
-        with progress(total=len(records), desc="sample", unit="rec") as bar, \
-                contextlib.closing(parallel_map(_write_sampled, tasks)) as done:
-            append_parts(out, done, bar)
 
 
 # ---------------------------------------------------------------------------------------------- merge
@@ -538,9 +479,6 @@ def stage_runners(executor: RayExecutor) -> dict[str, Callable[[DataConfig, Exec
     range_map = _StageMap(executor, "ranges")
     shard_map = _StageMap(executor, "shards")
     return {
-        "sample": lambda cfg, executor: sample.run(
-            cfg, scan_all=functools.partial(scan_on_workers, range_map),
-            write_all=functools.partial(write_sampled_on_workers, range_map)),
         "merge": lambda cfg, executor: merge.run(cfg, merge_all=functools.partial(merge_on_workers, range_map)),
         "tokenize": lambda cfg, executor: tokenize.run(
             cfg, chunk_tallies=functools.partial(tokenize_tallies, range_map, shard_map)),

@@ -167,7 +167,7 @@ def test_stage_module_cli_runs_its_stage_on_ray(fault_dir, local_example, tmp_pa
     finally:
         shutil.rmtree(local_example.out)
         shutil.copytree(snapshot, local_example.out)
-    assert "[tokenize] in=323 out=323" in capsys.readouterr().out
+    assert "[tokenize] in=325 out=325" in capsys.readouterr().out
 
 
 def test_pack_on_ray_equals_local_for_any_worker_count(fault_dir, local_example, tmp_path, monkeypatch):
@@ -315,7 +315,7 @@ def test_tokenize_rows_are_written_by_the_workers_not_the_driver(fault_dir, loca
     assert driver_rows == [] and driver_chunks == []
     assert tree(cfg.tokenized_dir) == tree(tmp_path / "local")
     meta = orjson.loads((cfg.tokenized_dir / "meta.json").read_bytes())
-    assert len(meta["shards"]) > 3 and meta["counts"]["rows"] == 323
+    assert len(meta["shards"]) > 3 and meta["counts"]["rows"] == 325
     assert not list(cfg.out.glob(".tokenized*")), "parts or temp dirs left behind"
 
 
@@ -472,7 +472,7 @@ def test_preprocess_and_sample_lines_are_written_by_the_workers(fault_dir, tmp_p
         cat["sample_rate"] = rate
     ratios.write_bytes(orjson.dumps({"categories": categories}))
     monkeypatch.setattr(preprocess, "INPUT_RANGE_BYTES", 2000)
-    monkeypatch.setattr(engine_ray, "RANGE_BYTES", 2000)
+    monkeypatch.setattr(sample, "RANGE_BYTES", 2000)
     written = []
     real = sample.sampled_line
     monkeypatch.setattr(sample, "sampled_line", lambda *a: written.append(a) or real(*a))
