@@ -41,7 +41,11 @@ from data.shards import (IGNORE_INDEX, REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FI
 from data.token_bound import TokenBound
 
 OVERLONG_POLICIES = ("drop", "error", "truncate", "left", "right")
-RANGE_BYTES = 1 << 20  # merged.jsonl bytes per worker task (a range, written as one part)
+# merged.jsonl bytes per worker task (a range, written as one part): RANGE_BYTES, or down to MIN_RANGE_BYTES so that
+# a smaller input still gives every worker RANGES_PER_WORKER ranges
+RANGE_BYTES = 1 << 20
+MIN_RANGE_BYTES = 64 << 10
+RANGES_PER_WORKER = 4
 BATCH_RECORDS = 256  # records per batch encode
 PART_SHARD_BYTES = 1 << 62  # a part is one shard, whatever its size: the parts are re-cut into tokenized/'s shards
 
@@ -602,7 +606,8 @@ def tokenize_ranges(cfg: DataConfig, executor: Executor, parts: Path) -> Iterato
     """Each range's result in file order: the workers count the lines of byte ranges of merged.jsonl (so that
     record indices and line numbers are those of the whole file), then tokenize each range into a part under
     `parts`."""
-    ranges = byte_ranges(cfg.merged_path, RANGE_BYTES)
+    per_worker = os.path.getsize(cfg.merged_path) // (RANGES_PER_WORKER * executor.workers)
+    ranges = byte_ranges(cfg.merged_path, min(RANGE_BYTES, max(MIN_RANGE_BYTES, per_worker)))
     with contextlib.closing(executor.map(count_lines, ranges)) as done:
         counts = list(done)
 
