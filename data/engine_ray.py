@@ -13,12 +13,6 @@ and every stage's own core, accounting and writers do the rest.
   over them (`decide_range`: only the records that try to join, and the one before each run of them); the
   workers write the groups starting in their range as parts (reading on past the range's end
   for a group that straddles it), which the driver appends to merged.jsonl.
-- tokenize: the workers count the lines of byte ranges of merged.jsonl (so that record indices and line
-  numbers are the local ones), then each range is tokenized, counted (`TokenizeTally`) and written as a part
-  by a worker, which returns only the tally and the rows' lengths; the driver adds the tallies up in range
-  order, cuts tokenized/'s shards from the lengths (`shards.shard_ranges`, the writer's own rule) and
-  workers copy the parts' rows into those shards, appended in order (`ShardWriter.append_dataset`): meta.json
-  and checksums match the local run.
 Workers read the inputs, `output_dir` and `tokenizer_path` themselves: on a cluster every node must see them at
 the same path (a shared filesystem). Chunks and results travel as pickled bytes (opaque binary columns; Ray
 Data would otherwise infer Arrow types from our nested Python values) between this driver and its own workers.
@@ -35,7 +29,6 @@ import os
 import pickle
 import queue
 import random
-import shutil
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -43,15 +36,13 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from data import merge, tokenize
-from data.config import DataConfig, from_dict, to_dict
+from data import merge
+from data.config import DataConfig
 from data.executor import Executor, TaskSize, with_setup
 from data.fsutil import atomic_writer, read_lines, scratch_dir
 from data.io import append_file, iter_jsonl_range, jsonl_byte_ranges, require_stage_input
 from data.progress import progress
 from data.records import RecordError
-from data.shards import REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, PackedDataset, ShardWriter, shard_ranges
-from data.tokenize import TokenizeTally
 
 # Chunks per Ray Data execution (a window): bounds the driver's memory (a chunk is <= 256 records) and amortizes
 # the 0.3-1 s an execution takes to start. A task takes several chunks (a Ray task costs ~10-30 ms more than a
@@ -60,7 +51,6 @@ WINDOW_CHUNKS_PER_WORKER = 8
 MIN_WINDOW_CHUNKS = 64
 TASKS_PER_WORKER = 2
 MERGE_RANGE_BYTES = 1 << 20  # sampled.jsonl bytes per merge range
-TOKENIZE_RANGE_BYTES = 1 << 20  # merged.jsonl bytes per tokenize range (a part)
 # Maps over byte ranges and plan slices (size "ranges"): Ray Data's driver spends ~20-30 ms of CPU per
 # task and block (BENCHMARKS.md, bench_ray_overhead.py), so their windows are large (max(RANGE_WINDOW_CHUNKS,
 # RANGE_WINDOW_CHUNKS_PER_WORKER x workers) chunks of ~1 MiB) and cut into RANGE_TASKS_PER_WORKER tasks per
@@ -68,7 +58,6 @@ TOKENIZE_RANGE_BYTES = 1 << 20  # merged.jsonl bytes per tokenize range (a part)
 RANGE_WINDOW_CHUNKS = 1024
 RANGE_WINDOW_CHUNKS_PER_WORKER = 256
 RANGE_TASKS_PER_WORKER = 8
-PART_SHARD_BYTES = 1 << 40  # a tokenize part is one shard, whatever its size: the parts are re-cut anyway
 
 
 # ---------------------------------------------------------------------------------------------- session
@@ -352,115 +341,6 @@ def merge_on_workers(parallel_map: _StageMap, cfg: DataConfig, budget: int | Non
     return merge.MergeTotals(n_in, zeroed, decider.blocked, group_sizes)
 
 
-# ---------------------------------------------------------------------------------------------- tokenize
-_TOKENIZE_CONFIG: tuple[bytes, DataConfig] | None = None  # the config the worker's TokenizeContext was built from
-
-
-def _tokenize_part(cfg_dict: dict, parts_dir: str, task: tuple[int, int, int, int, int]
-                   ) -> tuple[TokenizeTally, int, str | None]:
-    """Worker: tokenize the records of byte range `index` of merged.jsonl (`[start, end)`, after
-    `records_before` records in `lines_before` lines: `tokenize.iter_chunks`'s record indices and line numbers)
-    and write its kept sequences as a dataset of their own (a part) under `parts_dir`; returns the range's tally
-    (with each row's token count), its input bytes and the part (None when nothing was kept). A fatal bad record
-    is raised (and raised again by the driver, in range order). The context is built once per config (Ray reuses
-    worker processes across tasks)."""
-    global _TOKENIZE_CONFIG
-    key = orjson.dumps(cfg_dict)
-    if _TOKENIZE_CONFIG is None or _TOKENIZE_CONFIG[0] != key:
-        tokenize.init_tokenize_worker(cfg_dict)
-        _TOKENIZE_CONFIG = (key, from_dict(DataConfig, cfg_dict))
-    cfg = _TOKENIZE_CONFIG[1]
-    index, start, end, records_before, lines_before = task
-    lines = read_lines(cfg.merged_path, start, end)  # lines as iterating the file gives them
-    chunk = []
-    for lineno, line in enumerate(lines, lines_before + 1):
-        if line.strip():
-            chunk.append((records_before + len(chunk), lineno, line))
-    results, n_bytes = tokenize.tokenize_in_worker(chunk)
-    fields = list(REQUIRED_TOKEN_FIELDS) + (list(STRUCTURE_TOKEN_FIELDS) if cfg.structure else [])
-    part = Path(parts_dir) / f"chunk_{index:08d}"
-    tally = TokenizeTally()
-    with ShardWriter(part, token_fields=fields, max_shard_bytes=PART_SHARD_BYTES, kind="tokenized") as writer:
-        tally.add_results(results, writer, cfg)
-        if not tally.n_out:
-            return tally, n_bytes, None
-        writer.close()
-    tally.row_tokens = np.asarray(tally.row_tokens, dtype=np.int32)  # 4 bytes per row on the driver
-    return tally, n_bytes, str(part)
-
-
-def _copy_rows(task: tuple[list[str], int, str, list[tuple[str, int, int]]]) -> str:
-    """Worker: one output shard of tokenized/, its rows copied from the parts' `[start, end)` row segments,
-    as a dataset of its own at `out_dir` (added as `tokenize.run` adds a row)."""
-    token_fields, max_shard_bytes, out_dir, segments = task
-    with ShardWriter(out_dir, token_fields=token_fields, max_shard_bytes=max_shard_bytes, kind="tokenized") as writer:
-        for part_dir, start, end in segments:
-            src = PackedDataset(part_dir)
-            for i in range(start, end):
-                writer.add_row([src.row_tokens(i)], record_indices=[int(src.row_sequences(i)["record_index"][0])],
-                               uids=[src.row_uids(i)[0]])
-        writer.close()
-    return out_dir
-
-
-def assemble_parts(shard_map: _StageMap, writer: ShardWriter, parts: list[tuple[str, np.ndarray]]) -> None:
-    """Re-cut the per-chunk parts (dir, tokens of each row) into the shards one writer would have cut
-    (`shard_ranges`), one Ray task per shard, and append those to `writer` in order."""
-    if not parts:
-        return
-    lengths = np.concatenate([n for _, n in parts])
-    bounds = np.concatenate([[0], np.cumsum([len(n) for _, n in parts])])  # part k holds rows bounds[k]..bounds[k+1]
-    out = writer.tmp_dir / "ray-shards"
-    out.mkdir()
-
-    def tasks():
-        row_nbytes = lengths.astype(np.int64) * writer.dtype.itemsize
-        for k, (start, end) in enumerate(shard_ranges(row_nbytes, writer.max_shard_bytes)):
-            first = int(np.searchsorted(bounds, start, side="right")) - 1
-            segments = []
-            for p in range(first, len(parts)):
-                if bounds[p] >= end:
-                    break
-                segments.append((parts[p][0], max(start, int(bounds[p])) - int(bounds[p]),
-                                 min(end, int(bounds[p + 1])) - int(bounds[p])))
-            yield writer.token_fields, writer.max_shard_bytes, str(out / f"shard_{k:05d}"), segments
-
-    with contextlib.closing(shard_map(_copy_rows, tasks())) as shard_dirs:
-        for shard_dir in shard_dirs:
-            writer.append_dataset(shard_dir)
-    shutil.rmtree(out)  # empty, or the temp dirs of attempts Ray retried
-
-
-def tokenize_tallies(parallel_map: _StageMap, shard_map: _StageMap, cfg: DataConfig, ctx, workers: int,
-                     writer: ShardWriter) -> Iterator[tuple[TokenizeTally, int]]:
-    """`tokenize.run`'s chunk tallies: the workers count the lines of byte ranges of merged.jsonl, then tokenize
-    each range and write it as a part; the driver adds up their tallies in range order (the lines in file
-    order), then the parts are re-cut into `writer`'s shards."""
-    parts_dir = writer.tmp_dir / "ray-parts"  # inside the writer's temp dir: an aborted writer removes it too
-    parts_dir.mkdir()
-    parts: list[tuple[str, np.ndarray]] = []
-    path = str(cfg.merged_path)
-    ranges = list(jsonl_byte_ranges(path, 0, TOKENIZE_RANGE_BYTES))
-    with contextlib.closing(parallel_map(_count_lines, ((path, a, b) for a, b in ranges))) as done:
-        counts = list(done)
-
-    def tasks():
-        records_before = lines_before = 0
-        for k, ((a, b), (n_lines, n_records)) in enumerate(zip(ranges, counts)):
-            if n_records:
-                yield k, a, b, records_before, lines_before
-            records_before += n_records
-            lines_before += n_lines
-
-    fn = functools.partial(_tokenize_part, to_dict(cfg), str(parts_dir))
-    with contextlib.closing(parallel_map(fn, tasks())) as results:
-        for tally, n_bytes, part in results:
-            if part is not None:
-                parts.append((part, tally.row_tokens))
-            tally.row_tokens = []
-            yield tally, n_bytes
-    assemble_parts(shard_map, writer, parts)
-    shutil.rmtree(parts_dir)
 
 
 # ---------------------------------------------------------------------------------------------- pipeline
@@ -477,11 +357,8 @@ class _StageMap:
 def stage_runners(executor: RayExecutor) -> dict[str, Callable[[DataConfig, Executor], dict]]:
     """Each stage's `run` with its parallel parts on Ray."""
     range_map = _StageMap(executor, "ranges")
-    shard_map = _StageMap(executor, "shards")
     return {
         "merge": lambda cfg, executor: merge.run(cfg, merge_all=functools.partial(merge_on_workers, range_map)),
-        "tokenize": lambda cfg, executor: tokenize.run(
-            cfg, chunk_tallies=functools.partial(tokenize_tallies, range_map, shard_map)),
     }
 
 

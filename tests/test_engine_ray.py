@@ -22,9 +22,9 @@ OUTPUTS = ("canonical.jsonl", "sampled.jsonl", "merged.jsonl", "tokenized", "pac
 
 def fault_hooks(fault_dir: Path):
     """A Ray worker start-up hook (a closure, so Ray ships it by value: workers cannot import tests/) that wraps
-    the tokenize chunk function to misbehave when the test arms it. `sleep`: a random delay per chunk (results
-    finish out of order); `kill`: the first chunk to run after arming kills its worker process (os._exit, as an
-    OOM kill would), once. Every chunk also leaves `node-<id>` naming the Ray node that ran it."""
+    the tokenize range function to misbehave when the test arms it. `sleep`: a random delay per range (results
+    finish out of order); `kill`: the first range to run after arming kills its worker process (os._exit, as an
+    OOM kill would), once. Every range also leaves `node-<id>` naming the Ray node that ran it."""
 
     root = str(ROOT)
 
@@ -37,9 +37,9 @@ def fault_hooks(fault_dir: Path):
         sys.path.insert(0, root)  # the hook runs before Ray puts the driver's sys.path on the worker's
         from data import tokenize
 
-        real = tokenize.tokenize_in_worker
+        real = tokenize.tokenize_range
 
-        def chunk_with_faults(chunk):
+        def range_with_faults(task):
             import ray
 
             (fault_dir / f"node-{ray.get_runtime_context().get_node_id()}").touch()
@@ -52,9 +52,9 @@ def fault_hooks(fault_dir: Path):
                     pass
                 else:
                     os._exit(1)
-            return real(chunk)
+            return real(task)
 
-        tokenize.tokenize_in_worker = chunk_with_faults
+        tokenize.tokenize_range = range_with_faults
 
     return install
 
@@ -272,7 +272,7 @@ def test_bad_record_gives_the_same_error_and_the_same_skip_count(fault_dir, tmp_
 def test_a_record_rejected_in_a_worker_raises_the_same_error(fault_dir, local_example, tmp_path, monkeypatch):
     """tokenize: the RecordError is made in the Ray worker and raised by the driver, as with local processes,
     naming the same merged.jsonl line although the worker read a byte range of ~1 record (500 bytes)."""
-    monkeypatch.setattr(engine_ray, "TOKENIZE_RANGE_BYTES", 500)
+    monkeypatch.setattr(tokenize, "RANGE_BYTES", 500)
     cfg = example_config(tmp_path, "out", "num_workers=1", "max_length=300", "pack.max_length=300",
                          "overlong=error")  # one worker: see test_bad_record_gives_the_same_error...
     cfg.stages = ["tokenize"]
@@ -285,38 +285,44 @@ def test_a_record_rejected_in_a_worker_raises_the_same_error(fault_dir, local_ex
 
 
 def test_tokenize_rows_are_written_by_the_workers_not_the_driver(fault_dir, local_example, tmp_path, monkeypatch):
-    """engine ray: the driver adds no tokenized row itself (the workers write a part per chunk, and the parts are
-    re-cut into the writer's shards on the workers too), and tokenized/ has the bytes of one local writer, also
+    """engine ray: the driver adds no tokenized row itself (the workers write a part per range, and the parts are
+    re-cut into the writer's shards on the workers too), and tokenized/ has the bytes of the local run, also
     when shard boundaries fall inside parts (20 kB shards, 16 kB ranges of merged.jsonl). The driver reads no
-    line of merged.jsonl (`tokenize.iter_chunks`): the workers read their byte ranges."""
-    real_init, real_add_row = ShardWriter.__init__, ShardWriter.add_row
+    line of merged.jsonl: the workers read their byte ranges."""
+    real_init = ShardWriter.__init__
 
     def small_shards(self, *args, max_shard_bytes=1 << 30, **kwargs):
         real_init(self, *args, max_shard_bytes=min(max_shard_bytes, 20_000), **kwargs)
 
     monkeypatch.setattr(ShardWriter, "__init__", small_shards)  # this process only: Ray workers are others
-    monkeypatch.setattr(engine_ray, "TOKENIZE_RANGE_BYTES", 16_000)  # ranges are cut by the driver
+    monkeypatch.setattr(tokenize, "RANGE_BYTES", 16_000)  # ranges are cut by the driver
     cfg = example_config(tmp_path, "out", "num_workers=1")
     cfg.stages = ["tokenize"]
     shutil.copytree(local_example.out, cfg.out, ignore=shutil.ignore_patterns("tokenized", "packed"))
     pipeline.run_pipeline(cfg)
     shutil.move(cfg.tokenized_dir, tmp_path / "local")
 
-    driver_rows = []
+    driver_rows, driver_reads = [], []
 
-    def counted_add_row(self, *args, **kwargs):
-        driver_rows.append(self.out_dir)
-        return real_add_row(self, *args, **kwargs)
+    def counted(method):
+        def wrapper(self, *args, **kwargs):
+            driver_rows.append(self.out_dir)
+            return method(self, *args, **kwargs)
+        return wrapper
 
-    monkeypatch.setattr(ShardWriter, "add_row", counted_add_row)
-    driver_chunks = []
-    monkeypatch.setattr(tokenize, "iter_chunks", lambda path: driver_chunks.append(path) or iter(()))
+    def reads_of_merged(path, *args, **kwargs):
+        driver_reads.append(path)
+        raise AssertionError(f"the driver read {path}")
+
+    monkeypatch.setattr(ShardWriter, "add_row", counted(ShardWriter.add_row))
+    monkeypatch.setattr(ShardWriter, "add_rows", counted(ShardWriter.add_rows))
+    monkeypatch.setattr(tokenize, "read_lines", reads_of_merged)
     pipeline.run_pipeline(dataclasses.replace(cfg, engine="ray"))
-    assert driver_rows == [] and driver_chunks == []
+    assert driver_rows == [] and driver_reads == []
     assert tree(cfg.tokenized_dir) == tree(tmp_path / "local")
     meta = orjson.loads((cfg.tokenized_dir / "meta.json").read_bytes())
     assert len(meta["shards"]) > 3 and meta["counts"]["rows"] == 325
-    assert not list(cfg.out.glob(".tokenized*")), "parts or temp dirs left behind"
+    assert not list(cfg.out.glob(".tokenize*")), "parts or temp dirs left behind"
 
 
 def _deep_bad_input(tmp_path, *extra_lines):
