@@ -26,7 +26,7 @@ FIXTURES = ROOT.parent / "shared" / "fixtures"
 
 from data.chat_template import analyze_template, load_chat_tokenizer  # noqa: E402
 from data.merge import merge_records  # noqa: E402
-from data.tokenize import CHUNK_RECORDS, TokenizeContext, tokenize_records  # noqa: E402
+from data.tokenize import BATCH_RECORDS, TokenizeContext, tokenize_records  # noqa: E402
 
 
 def longcot() -> list[dict]:
@@ -43,8 +43,8 @@ def timed(records, ctx, repeats) -> tuple[float, int, int]:
     for _ in range(repeats):
         start = time.process_time()
         tokens = loss = 0
-        for i in range(0, len(records), CHUNK_RECORDS):
-            for res in tokenize_records(records[i:i + CHUNK_RECORDS], ctx):
+        for i in range(0, len(records), BATCH_RECORDS):
+            for res in tokenize_records(records[i:i + BATCH_RECORDS], ctx):
                 tokens += res.input_ids.shape[0]
                 loss += res.n_loss_tokens
         best = min(best, time.process_time() - start)

@@ -21,6 +21,7 @@ added input record; it slows the driver, so the CPU figures of such a run are no
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import shutil
@@ -40,8 +41,10 @@ from data import merge, pack, preprocess, sample, tokenize  # noqa: E402
 from data.config import STAGES, DataConfig, from_dict, to_dict  # noqa: E402
 
 FIXTURES = ROOT.parent / "shared" / "fixtures" / "data"
-LOCAL_RUNNERS = {"preprocess": preprocess.run, "sample": sample.run, "merge": merge.run, "tokenize": tokenize.run,
-                 "pack": pack.run}
+STAGE_RUNS = {"preprocess": preprocess.run, "sample": sample.run, "merge": merge.run, "tokenize": tokenize.run,
+              "pack": pack.run}
+RAY_TASK_DRIVER_S = 0.030  # Ray Data's driver CPU per task and block, the top of the measured 20-30 ms
+# (bench_ray_overhead.py): the projection's per-task term
 
 
 def write_input(workdir: Path, copies: int) -> list[dict]:
@@ -111,6 +114,9 @@ main_cpu: dict[str, float] = {}  # the last run's driver CPU seconds per stage i
 driver_alloc: dict[str, int] = {}
 
 
+ray_tasks: dict[str, int] = {}  # the last Ray run's tasks (Ray Data blocks) per stage
+
+
 def run_once(cfg: DataConfig, engine: str, workers: int) -> tuple[dict, dict, dict, ProcessSampler]:
     """Wall seconds, driver CPU seconds and Ray workers' CPU seconds per stage, and the process sampler."""
     cfg.engine, cfg.num_workers = engine, workers
@@ -121,6 +127,7 @@ def run_once(cfg: DataConfig, engine: str, workers: int) -> tuple[dict, dict, di
     wall, driver_cpu, worker_cpu = {}, {}, {}
     main_cpu.clear()
     driver_alloc.clear()
+    ray_tasks.clear()
 
     def timed(stage, fn):
         sampler.sample()
@@ -140,17 +147,19 @@ def run_once(cfg: DataConfig, engine: str, workers: int) -> tuple[dict, dict, di
 
     try:
         if engine == "ray":
-            from data.engine_ray import RayChunkMap, ray_session, stage_runners
+            from data.engine_ray import RayExecutor, ray_session
 
             with ray_session(cfg) as n:  # starts a local instance with num_cpus = workers, shuts it down after
+                executor = RayExecutor(n)
                 # worker processes start and import the stage modules once
-                timed("startup", lambda _: list(RayChunkMap(n)(_import_stages, range(4 * n))))
-                runners = stage_runners(RayChunkMap(n))
+                timed("startup", lambda _: list(executor.map(_import_stages, range(4 * n), size="records")))
                 for stage in STAGES:
-                    timed(stage, runners[stage])
+                    before = executor.tasks
+                    timed(stage, functools.partial(STAGE_RUNS[stage], executor=executor))
+                    ray_tasks[stage] = executor.tasks - before
         else:
             for stage in STAGES:
-                timed(stage, LOCAL_RUNNERS[stage])
+                timed(stage, STAGE_RUNS[stage])
     finally:
         sampler.stop.set()
         sampler.join()
@@ -203,6 +212,7 @@ def main() -> None:
                                            "ratio_path": str(small / "ratios.json")})
         run_once(small_cfg, "ray", max(args.workers))
         _, small_driver, small_workers, small_sampler = run_once(small_cfg, "ray", max(args.workers))
+        small_main = dict(main_cpu)
         small_records = json.loads((small_cfg.out / "report.json").read_bytes())["preprocess"]["in"]
         small_run = (small_bytes, small_records, small_driver, small_workers, dict(driver_alloc), small_sampler)
         shutil.rmtree(small)
@@ -213,6 +223,7 @@ def main() -> None:
             digests.add(digest(cfg))
             if engine == "ray" and w == max(args.workers):
                 ray_cpu = (driver_cpu, worker_cpu, dict(main_cpu), times)
+                ray_tasks_large = dict(ray_tasks)
                 ray_alloc = dict(driver_alloc)
                 ray_sampler = sampler
             if driver_alloc:
@@ -257,8 +268,26 @@ def main() -> None:
             for s in STAGES:
                 lo, hi = small_alloc[s], ray_alloc[s]
                 print(f"| {s} | {lo / 2**20:.1f} | {hi / 2**20:.1f} | {(hi - lo) / (records - small_records):.0f} |")
-        driver_cpu, worker_cpu, _, _ = ray_cpu
+        driver_cpu, worker_cpu, main, _ = ray_cpu
         gib = (input_bytes - small_bytes) / 2**30
+        print(f"\nThe issue's projection: per GiB (a) the driver's main thread, marginal between the two sizes, plus "
+              f"(b) Ray Data's per-task driver cost ({RAY_TASK_DRIVER_S * 1e3:.0f} ms) times the tasks per GiB of the "
+              f"large run; workers' CPU marginal; 1 TB as max(driver, workers / (nodes x {args.cores_per_node} "
+              "cores)):\n")
+        print("| stage | driver main thread s/GiB (marginal) | tasks per GiB | driver s/GiB (a + b) | workers CPU s/GiB "
+              "(marginal) | 1 TB, 8 nodes (h) | 1 TB, 64 nodes (h) |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        totals = {8: 0.0, 64: 0.0}
+        large_gib = input_bytes / 2**30
+        for s in STAGES:
+            a = (main[s] - small_main[s]) / gib
+            tasks = ray_tasks_large[s] / large_gib
+            d, w = a + tasks * RAY_TASK_DRIVER_S, (worker_cpu[s] - small_workers[s]) / gib
+            proj = {nodes: max(d, w / (nodes * args.cores_per_node)) * 1024 / 3600 for nodes in totals}
+            for nodes in totals:
+                totals[nodes] += proj[nodes]
+            print(f"| {s} | {a:.2f} | {tasks:.0f} | {d:.1f} | {w:,.0f} | {proj[8]:.1f} | {proj[64]:.1f} |")
+        print(f"| total | | | | | {totals[8]:.1f} | {totals[64]:.1f} |")
         print(f"\nMarginal CPU seconds per GiB (Ray, {max(args.workers)} workers, {small_bytes / 2**20:.1f} MiB vs "
               f"{input_bytes / 2**20:.1f} MiB) and 1 TB projected as max(driver, workers / (nodes x "
               f"{args.cores_per_node} cores)):\n")

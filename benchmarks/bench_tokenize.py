@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 FIXTURES = ROOT.parent / "shared" / "fixtures"
 
 from data.chat_template import analyze_template, load_chat_tokenizer  # noqa: E402
-from data.tokenize import CHUNK_RECORDS, IGNORE_INDEX, TokenizeContext, template_inputs, tokenize_records  # noqa: E402
+from data.tokenize import BATCH_RECORDS, IGNORE_INDEX, TokenizeContext, template_inputs, tokenize_records  # noqa: E402
 
 
 def gsm8k_conversations(n: int, per_conv: int) -> list[dict]:
@@ -55,7 +55,7 @@ def chunks(seq, size):
 
 def ours(records, ctx):
     n = 0
-    for part in chunks(records, CHUNK_RECORDS):
+    for part in chunks(records, BATCH_RECORDS):
         for res in tokenize_records(part, ctx):
             n += res.input_ids.shape[0]
     return n
@@ -63,7 +63,7 @@ def ours(records, ctx):
 
 def ceiling(texts, tok):
     n = 0
-    for part in chunks(texts, CHUNK_RECORDS):
+    for part in chunks(texts, BATCH_RECORDS):
         n += sum(len(ids) for ids in tok(part, add_special_tokens=False)["input_ids"])
     return n
 
@@ -71,7 +71,7 @@ def ceiling(texts, tok):
 def backend_ids(texts, tok):
     n = 0
     backend = tok.backend_tokenizer
-    for part in chunks(texts, CHUNK_RECORDS):
+    for part in chunks(texts, BATCH_RECORDS):
         n += sum(len(e.ids) for e in backend.encode_batch_fast(part, add_special_tokens=False))
     return n
 

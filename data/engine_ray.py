@@ -1,29 +1,13 @@
 """`engine: ray`: the pipeline's stages on Ray Data, byte-identical to `engine: local`.
 
-The stage modules do not know the engine: this module hands them Ray-backed versions of their parallel parts,
-and every stage's own core, accounting and writers do the rest.
+The stage modules do not know the engine: each runs its one program over an executor (`data.executor`), and
+this module gives them `RayExecutor`, whose maps run on Ray Data.
 - Ordered map: chunks (each with its index) go to Ray Data `map_batches` in windows (one execution each) of
   max(`MIN_WINDOW_CHUNKS`, `WINDOW_CHUNKS_PER_WORKER` x workers) chunks, or at least `RANGE_WINDOW_CHUNKS` for
   chunks that are task descriptors (byte ranges, plan slices); the next window runs beside the current one.
   The driver yields results in chunk order as they arrive (it holds at most two windows). Ray's
   `preserve_order` is set too, never relied on alone. An exception raised by a chunk's function comes back as
   that chunk's result and is raised in chunk order, with its own type and message.
-- preprocess: the workers read the inputs that split cheaply (.jsonl byte ranges cut on newlines, .parquet
-  row groups) and convert them (other formats are read by the driver as locally, converted by the workers),
-  writing the kept records as parts and returning summaries; the driver shifts each range's line numbers by
-  the lines of the ranges before it (so `path:line` sources and errors are the local ones), assigns uids and
-  category ids from the summaries, and the workers then write each part's canonical.jsonl lines, which the
-  driver appends to canonical.jsonl (`io.append_file`, a kernel copy).
-- sample: the workers read canonical.jsonl by byte ranges (line lengths and category ids); the driver makes
-  the local seeded plan (`sample.plan`); the workers write slices of it as parts, appended in order.
-- tokenize: the workers count the lines of byte ranges of merged.jsonl (so that record indices and line
-  numbers are the local ones), then each range is tokenized, counted (`TokenizeTally`) and written as a part
-  by a worker, which returns only the tally and the rows' lengths; the driver adds the tallies up in range
-  order, cuts tokenized/'s shards from the lengths (`shards.shard_ranges`, the writer's own rule) and
-  workers copy the parts' rows into those shards, appended in order (`ShardWriter.append_dataset`): meta.json
-  and checksums match the local run.
-- pack: the global best-fit plan on the driver from the length array; the rows are written by the workers,
-  one task per output shard, appended the same way.
 Workers read the inputs, `output_dir` and `tokenizer_path` themselves: on a cluster every node must see them at
 the same path (a shared filesystem). Chunks and results travel as pickled bytes (opaque binary columns; Ray
 Data would otherwise infer Arrow types from our nested Python values) between this driver and its own workers.
@@ -32,29 +16,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import functools
 import logging
-import os
 import pickle
 import queue
-import shutil
 import traceback
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 
 import numpy as np
-import orjson
 
-from data import pack, preprocess, sample, tokenize
-from data.config import DataConfig, from_dict, split_spec, to_dict
+from data.config import DataConfig
 from data.executor import Executor, TaskSize, with_setup
-from data.fsutil import atomic_writer, read_lines, scratch_dir
-from data.io import UTF8_BOM, append_file, expand_inputs, iter_jsonl_range, jsonl_byte_ranges, parse_jsonl_line
-from data.progress import progress
-from data.records import RecordError
-from data.report import DROPPED_AT_LIMIT, DroppedAt
-from data.shards import REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, PackedDataset, ShardWriter, shard_ranges
-from data.tokenize import TokenizeTally
 
 # Chunks per Ray Data execution (a window): bounds the driver's memory (a chunk is <= 256 records) and amortizes
 # the 0.3-1 s an execution takes to start. A task takes several chunks (a Ray task costs ~10-30 ms more than a
@@ -62,18 +33,13 @@ from data.tokenize import TokenizeTally
 WINDOW_CHUNKS_PER_WORKER = 8
 MIN_WINDOW_CHUNKS = 64
 TASKS_PER_WORKER = 2
-INPUT_RANGE_BYTES = 16 << 20  # .jsonl input bytes per preprocess range (a worker holds its rows at once)
-RANGE_BYTES = 1 << 20  # canonical.jsonl bytes per sample range, and sampled.jsonl bytes per sample plan slice
-TOKENIZE_RANGE_BYTES = 1 << 20  # merged.jsonl bytes per tokenize range (a part)
-# Maps over byte ranges and plan slices (`_StageMap.for_ranges`): Ray Data's driver spends ~20-30 ms of CPU per
+# Maps over byte ranges and plan slices (size "ranges"): Ray Data's driver spends ~20-30 ms of CPU per
 # task and block (BENCHMARKS.md, bench_ray_overhead.py), so their windows are large (max(RANGE_WINDOW_CHUNKS,
 # RANGE_WINDOW_CHUNKS_PER_WORKER x workers) chunks of ~1 MiB) and cut into RANGE_TASKS_PER_WORKER tasks per
 # worker, one block each: >= 32 MiB a task, whatever the worker count.
 RANGE_WINDOW_CHUNKS = 1024
 RANGE_WINDOW_CHUNKS_PER_WORKER = 256
 RANGE_TASKS_PER_WORKER = 8
-MAX_ROW_GROUP_BYTES = 16 << 20  # larger .parquet row groups: the file is read on the driver
-PART_SHARD_BYTES = 1 << 40  # a tokenize part is one shard, whatever its size: the parts are re-cut anyway
 
 
 # ---------------------------------------------------------------------------------------------- session
@@ -140,6 +106,7 @@ class RayExecutor(Executor):
     def __init__(self, workers: int, window: int | None = None):
         self.workers = workers
         self.window = window  # tasks per execution, whatever `size` (None: by size and workers)
+        self.tasks = 0  # Ray tasks (one block each) launched so far: what Ray Data's driver pays per
 
     def map(self, fn: Callable, tasks: Iterable, size: TaskSize = "ranges",
             setup: Callable[[], None] | None = None) -> Iterator:
@@ -216,6 +183,7 @@ class RayExecutor(Executor):
 
         try:
             blocks = -(-len(items) // chunks_per_task)  # one block a task: the driver's cost is per block too
+            self.tasks += blocks
             dataset = ray.data.from_items(items, override_num_blocks=blocks).map_batches(
                 _apply, fn_args=(fn,), batch_size=chunks_per_task, batch_format="numpy",
                 compute=ray.data.TaskPoolStrategy(size=self.workers))
@@ -225,480 +193,10 @@ class RayExecutor(Executor):
             arrived.put((None, None))
 
 
-def append_parts(out, results: Iterable[tuple], bar) -> list[list]:
-    """For each worker result `(part, records, *rest)` in order: append the part to `out` (`io.append_file`, a
-    kernel copy), remove it, advance `bar` by its records. Returns the `rest` of each."""
-    rests = []
-    for part, n, *rest in results:
-        append_file(out, part)
-        os.remove(part)
-        bar.update(n)
-        rests.append(rest)
-    return rests
-
-
-# ---------------------------------------------------------------------------------------------- preprocess
-def _preprocess_task(task: tuple) -> tuple:
-    """Worker: `("rows", spec_index, spec, fmt, rows)` converts rows the driver read (as locally);
-    `("range", spec_index, spec, fmt, path, start, end, lines_before)` reads and converts the lines of a .jsonl
-    byte range. Returns (kind, spec_index, path, lines_before, lines in the range, rows read, results) with
-    `convert_chunk`'s results; a range's sources are `path:+n` (n: line within the range) until the driver,
-    which knows where the range starts, rewrites them."""
-    if task[0] == "rows":
-        _, spec_index, spec, fmt, rows = task
-        return "rows", spec_index, None, None, 0, len(rows), preprocess.convert_chunk((spec_index, spec, fmt, rows))[1]
-    if task[0] == "row_group":
-        import pyarrow.parquet as pq
-
-        _, spec_index, spec, fmt, path, group, first_row = task
-        with pq.ParquetFile(path) as pf:
-            rows = [(f"{path}:{first_row + i}", row) for i, row in enumerate(pf.read_row_group(group).to_pylist())]
-        return "rows", spec_index, None, None, 0, len(rows), preprocess.convert_chunk((spec_index, spec, fmt, rows))[1]
-    _, spec_index, spec, fmt, path, start, end, lines_before = task
-    n_lines, rows = iter_jsonl_range(path, start, end)
-    readable = [(row_or_error.source if isinstance(row_or_error, RecordError) else f"{path}:+{n}", row_or_error)
-                for n, row_or_error in rows]
-    converted = iter(preprocess.convert_chunk(
-        (spec_index, spec, fmt, [(src, row) for src, row in readable if not isinstance(row, RecordError)]))[1])
-    results = [("err", row.source, row.field, row.message, row.reason) if isinstance(row, RecordError)
-               else next(converted) for _, row in readable]
-    return "range", spec_index, path, lines_before, n_lines, len(rows), results
-
-
-def _detect_in_jsonl(path: str, rows: preprocess.RowChunker, cfg: DataConfig):
-    """The format of a .jsonl input from its first row of a detectable format, read here as `preprocess._tasks`
-    reads it (rows before it count as dropped under skip, `rows.count_dropped`): (format, spec, its byte offset,
-    lines before it), or None when no row of the file has one."""
-    offset = 0
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            start, offset = offset, offset + len(line)
-            if lineno == 1:
-                line = line.removeprefix(UTF8_BOM)
-            if not line.strip():
-                continue
-            source = f"{path}:{lineno}"
-            row = parse_jsonl_line(line, source)
-            try:
-                if isinstance(row, RecordError):
-                    raise row
-                fmt, resolved = preprocess.detect_format(row, rows.spec, source)
-            except RecordError as exc:
-                if cfg.on_error != "skip":
-                    raise
-                rows.count_dropped(exc)
-                continue
-            return fmt, resolved, start, lineno - 1
-    return None
-
-
-def _parquet_row_groups(path: str) -> list[int] | None:
-    """Rows per row group of a readable .parquet file (its footer only); None for any other input, for a file
-    pyarrow cannot open (read here then, so it fails as locally) and for one with a row group over
-    `MAX_ROW_GROUP_BYTES` (a worker reads a row group whole and its rows come back as one result)."""
-    if not (path.lower().endswith(".parquet") and os.path.isfile(path)):
-        return None
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        with pq.ParquetFile(path) as pf:
-            groups = [pf.metadata.row_group(k) for k in range(pf.num_row_groups)]
-    except (pa.ArrowException, OSError):
-        return None
-    if any(group.total_byte_size > MAX_ROW_GROUP_BYTES for group in groups):
-        return None
-    return [group.num_rows for group in groups]
-
-
-def _preprocess_tasks(cfg: DataConfig, stats: list[dict], dropped: dict,
-                      dropped_at: DroppedAt) -> Iterator[tuple]:
-    """`preprocess._tasks` with the reading moved to the workers where an input splits cheaply: .jsonl into
-    byte ranges (once the input's format is known: a set one, or detected here from its first rows), .parquet
-    into row groups (when the input's format is set; `auto` needs a row). Other inputs (.json arrays, .csv,
-    .arrow, datasets directories) are read here in chunks of rows, as locally."""
-    for spec_index, spec in enumerate(cfg.inputs):
-        st = stats[spec_index]
-        rows = preprocess.RowChunker(cfg, spec, st, dropped, dropped_at, count_kept=False)  # kept: from results
-        for path in expand_inputs(spec.path):
-            split, local = split_spec(path)
-            if split is None and local.lower().endswith(".jsonl") and os.path.isfile(local):
-                start, lines_before = 0, 0
-                if rows.fmt is None:
-                    found = _detect_in_jsonl(path, rows, cfg)
-                    if found is None:
-                        continue
-                    rows.fmt, rows.spec, start, lines_before = found
-                    st["format"] = rows.fmt
-                for chunk_spec, fmt, chunk in rows.flush():
-                    yield "rows", spec_index, chunk_spec, fmt, chunk
-                for k, (a, b) in enumerate(jsonl_byte_ranges(path, start, INPUT_RANGE_BYTES)):
-                    yield "range", spec_index, rows.spec, rows.fmt, path, a, b, lines_before if k == 0 else None
-                continue
-            known = rows.fmt is not None or rows.spec.format != "auto"  # a set format needs no row to detect it
-            row_groups = _parquet_row_groups(local) if split is None and known else None
-            if row_groups is not None:
-                rows.fmt = rows.fmt or rows.spec.format
-                st["format"] = rows.fmt
-                for chunk_spec, fmt, chunk in rows.flush():
-                    yield "rows", spec_index, chunk_spec, fmt, chunk
-                first_row = 0
-                for group, n_rows in enumerate(row_groups):
-                    yield "row_group", spec_index, rows.spec, rows.fmt, path, group, first_row
-                    first_row += n_rows
-                continue
-            for chunk_spec, fmt, chunk in rows.add_rows(path):
-                yield "rows", spec_index, chunk_spec, fmt, chunk
-        for chunk_spec, fmt, chunk in rows.flush():
-            yield "rows", spec_index, chunk_spec, fmt, chunk
-
-
-def _convert_to_part(parts_dir: str, numbered: tuple[int, tuple]) -> tuple:
-    """Worker, preprocess's first pass: task `k`'s rows converted (`_preprocess_task`) and its kept records
-    written to a part as `[category, source, record]` lines; returns what the driver's accounting needs:
-    (kind, spec_index, path, lines_before, lines, rows, kept, {category: kept, in order of first appearance},
-    {drop reason: count}, {drop reason: its first `DROPPED_AT_LIMIT` sources}, the first error as (source, field,
-    message, reason) or None, part). A task's rows are a stretch of one input in order, so the first sources
-    of each task hold the first of the whole run."""
-    k, task = numbered
-    kind, spec_index, path, lines_before, n_lines, n_rows, results = _preprocess_task(task)
-    part = os.path.join(parts_dir, f"converted_{k:08d}.jsonl")
-    categories: dict[str, int] = {}
-    dropped: dict[str, int] = {}
-    dropped_at: dict[str, list[str]] = {}
-    first_error = None
-    with atomic_writer(part) as out:
-        for result in results:
-            if result[0] == "ok":
-                _, source, rec, category = result
-                out.write(orjson.dumps([category, source, rec]) + b"\n")
-                categories[category] = categories.get(category, 0) + 1
-                continue
-            if result[0] == "filtered":
-                reason = "filtered_by_function"
-            else:
-                _, source, field, message, reason = result
-                first_error = first_error or (source, field, message, reason)
-            dropped[reason] = dropped.get(reason, 0) + 1
-            sources = dropped_at.setdefault(reason, [])
-            if len(sources) < DROPPED_AT_LIMIT:
-                sources.append(result[1])
-    return (kind, spec_index, path, lines_before, n_lines, n_rows, sum(categories.values()), categories, dropped,
-            dropped_at, first_error, part)
-
-
-def _finish_part(task: tuple[str, str, int, dict[str, int], tuple[int, int] | None]) -> tuple[str, int]:
-    """Worker, preprocess's second pass: a first-pass part's records as canonical.jsonl lines (`canonical_line`),
-    uids from `first_uid`, category ids from `ids`; a range's `path:+n` sources become `path:(base + n)` (`shift`:
-    (length of `path:+`, base)). Returns (the finished part, its records)."""
-    part, finished, first_uid, ids, shift = task
-    n = 0
-    with open(part, "rb") as f, atomic_writer(finished) as out:
-        for n, line in enumerate(f, 1):
-            category, source, rec = orjson.loads(line)
-            if shift is not None:
-                source = f"{source[:shift[0] - 1]}{shift[1] + int(source[shift[0]:])}"
-            out.write(preprocess.canonical_line(rec, category, ids[category], first_uid + n - 1, source))
-    return finished, n
-
-
-def _shifted(source: str, path: str, base: int) -> str:
-    """A range's source `path:+n` as the local one, `path:(base + n)` (`base`: the lines before the range)."""
-    return f"{path}:{base + int(source[len(path) + 2:])}"
-
-
-def convert_on_workers(parallel_map: _StageMap, cfg: DataConfig, stats: list[dict], dropped: dict,
-                       dropped_at: DroppedAt, category_ids: preprocess.CategoryIds, sizes: dict, out,
-                       bar) -> int:
-    """`preprocess.run`'s reading, converting and writing on the workers, in two passes. First the workers
-    convert their tasks (`.jsonl` byte ranges, `.parquet` row groups, or rows the driver read) and write the kept
-    records as parts; the driver does the accounting from their summaries in task order: line numbers (each
-    range's lines shifted by those of the ranges before it, so sources and errors read `path:line` as locally),
-    the first error, drop counts and sources, category ids in order of first appearance, each part's first uid. Then the
-    workers write each part's canonical.jsonl lines and the driver appends the parts to `out` (a kernel copy)."""
-    next_line: dict[str, int] = {}
-    finish: list[tuple] = []
-    uid = 0
-    with scratch_dir(Path(cfg.canonical_path).parent, "preprocess-parts") as parts_dir:
-        numbered = enumerate(_preprocess_tasks(cfg, stats, dropped, dropped_at))
-        fn = functools.partial(_convert_to_part, str(parts_dir))
-        with contextlib.closing(parallel_map(fn, numbered)) as done:
-            for (kind, spec_index, path, lines_before, n_lines, n_rows, n_kept, categories, part_dropped,
-                 part_dropped_at, first_error, part) in done:
-                st = stats[spec_index]
-                st["in"] += n_rows
-                shift = None
-                if kind == "range":
-                    base = lines_before if lines_before is not None else next_line[path]
-                    next_line[path] = base + n_lines
-                    shift = (len(path) + 2, base)  # a range's sources are `path:+n`
-                if first_error is not None and cfg.on_error != "skip":
-                    source, field, message, reason = first_error
-                    if shift is not None:
-                        source = _shifted(source, path, base)
-                    raise RecordError(source, field, message, reason)
-                for reason, n in part_dropped.items():
-                    st["dropped"] += n
-                    dropped[reason] = dropped.get(reason, 0) + n
-                for reason, sources in part_dropped_at.items():
-                    for source in sources:
-                        dropped_at.add(reason, source if shift is None else _shifted(source, path, base))
-                for category, n in categories.items():
-                    category_ids(category)
-                    sizes[category] = sizes.get(category, 0) + n
-                st["out"] += n_kept
-                if n_kept:
-                    finish.append((part, uid, shift))
-                uid += n_kept
-                bar.update(n_rows)
-        tasks = ((part, part[:-len(".jsonl")] + ".canonical.jsonl", first_uid, category_ids.ids, shift)
-                 for part, first_uid, shift in finish)
-        with progress(total=uid, desc="preprocess: canonical lines", unit="rec") as written, \
-                contextlib.closing(parallel_map.for_ranges()(_finish_part, tasks)) as finished:
-            append_parts(out, finished, written)
-    return uid
-
-
-# ---------------------------------------------------------------------------------------------- sample
-def _scan_range(task: tuple[str, int, int]) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
-    """Worker: each line's length and category id in a byte range of canonical.jsonl, and the category names
-    (`sample.scan` over the range)."""
-    lines = read_lines(*task)  # lines as iterating the file gives them (`JsonlIndex`)
-    lengths = np.fromiter(map(len, lines), dtype=np.int64, count=len(lines))
-    categories = np.empty(len(lines), dtype=np.int64)
-    names: dict[int, str] = {}
-    for i, line in enumerate(lines):
-        meta = orjson.loads(line)["meta"]
-        categories[i] = cid = meta["category_id"]
-        names.setdefault(cid, meta.get("category_name", str(cid)))
-    return lengths, categories, names
-
-
-def scan_on_workers(parallel_map: _StageMap, path: Path) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
-    """`sample.scan` with the records read by the workers, by byte ranges; the driver keeps 16 bytes a record."""
-    ranges = list(jsonl_byte_ranges(str(path), 0, RANGE_BYTES))
-    lengths, categories, names = [np.zeros(1, dtype=np.int64)], [np.zeros(0, dtype=np.int64)], {}
-    with contextlib.closing(parallel_map(_scan_range, ((str(path), a, b) for a, b in ranges))) as done:
-        for range_lengths, range_categories, range_names in done:
-            lengths.append(range_lengths)
-            categories.append(range_categories)
-            for cid, name in range_names.items():
-                names.setdefault(cid, name)
-    return np.cumsum(np.concatenate(lengths)), np.concatenate(categories), names
-
-
-def _write_sampled(task: tuple[str, np.ndarray, np.ndarray, np.ndarray, str]) -> tuple[str, int]:
-    """Worker: a slice of the sample plan, its records read from canonical.jsonl by offset and written as a part
-    (`sample.sampled_line`). Returns (part, records)."""
-    path, starts, ends, copies, part = task
-    with open(path, "rb") as f, atomic_writer(part) as out:
-        for start, end, copy in zip(starts.tolist(), ends.tolist(), copies.tolist()):
-            f.seek(start)
-            out.write(sample.sampled_line(f.read(end - start).rstrip(b"\n"), copy))
-    return part, len(starts)
-
-
-def write_sampled_on_workers(parallel_map: _StageMap, cfg: DataConfig, offsets: np.ndarray, records: np.ndarray,
-                             copies: np.ndarray, out) -> None:
-    """`sample.write` on the workers: the plan cut into slices of about `RANGE_BYTES` of output, each written
-    as a part by a worker, the parts appended to `out` in order (a kernel copy)."""
-    output_ends = np.diff(offsets)[records]  # each planned line's bytes, then (in place) where it ends in the output
-    np.cumsum(output_ends, out=output_ends)
-    total = int(output_ends[-1]) if len(output_ends) else 0
-    cuts = np.searchsorted(output_ends, np.arange(RANGE_BYTES, total, RANGE_BYTES))
-    del output_ends
-    bounds = np.unique(np.concatenate([[0], cuts, [len(records)]]))
-    with scratch_dir(Path(cfg.sampled_path).parent, "sample-parts") as parts_dir:
-        tasks = ((str(cfg.canonical_path), offsets[records[a:b]], offsets[records[a:b] + 1], copies[a:b],
-                  str(parts_dir / f"part_{k:08d}.jsonl"))
-                 for k, (a, b) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())))
-        with progress(total=len(records), desc="sample", unit="rec") as bar, \
-                contextlib.closing(parallel_map(_write_sampled, tasks)) as done:
-            append_parts(out, done, bar)
-
-
-# ---------------------------------------------------------------------------------------------- tokenize
-def _count_lines(task: tuple[str, int, int]) -> tuple[int, int]:
-    """Worker: (lines, non-blank lines) of a byte range of a .jsonl file, split as iterating the file splits it."""
-    lines = read_lines(*task)
-    return len(lines), sum(1 for line in lines if line.strip())
-
-
-_TOKENIZE_CONFIG: tuple[bytes, DataConfig] | None = None  # the config the worker's TokenizeContext was built from
-
-
-def _tokenize_part(cfg_dict: dict, parts_dir: str, task: tuple[int, int, int, int, int]
-                   ) -> tuple[TokenizeTally, int, str | None]:
-    """Worker: tokenize the records of byte range `index` of merged.jsonl (`[start, end)`, after
-    `records_before` records in `lines_before` lines: `tokenize.iter_chunks`'s record indices and line numbers)
-    and write its kept sequences as a dataset of their own (a part) under `parts_dir`; returns the range's tally
-    (with each row's token count), its input bytes and the part (None when nothing was kept). A fatal bad record
-    is raised (and raised again by the driver, in range order). The context is built once per config (Ray reuses
-    worker processes across tasks)."""
-    global _TOKENIZE_CONFIG
-    key = orjson.dumps(cfg_dict)
-    if _TOKENIZE_CONFIG is None or _TOKENIZE_CONFIG[0] != key:
-        tokenize.init_tokenize_worker(cfg_dict)
-        _TOKENIZE_CONFIG = (key, from_dict(DataConfig, cfg_dict))
-    cfg = _TOKENIZE_CONFIG[1]
-    index, start, end, records_before, lines_before = task
-    lines = read_lines(cfg.merged_path, start, end)  # lines as iterating the file gives them
-    chunk = []
-    for lineno, line in enumerate(lines, lines_before + 1):
-        if line.strip():
-            chunk.append((records_before + len(chunk), lineno, line))
-    results, n_bytes = tokenize.tokenize_in_worker(chunk)
-    fields = list(REQUIRED_TOKEN_FIELDS) + (list(STRUCTURE_TOKEN_FIELDS) if cfg.structure else [])
-    part = Path(parts_dir) / f"chunk_{index:08d}"
-    tally = TokenizeTally()
-    with ShardWriter(part, token_fields=fields, max_shard_bytes=PART_SHARD_BYTES, kind="tokenized") as writer:
-        tally.add_results(results, writer, cfg)
-        if not tally.n_out:
-            return tally, n_bytes, None
-        writer.close()
-    tally.row_tokens = np.asarray(tally.row_tokens, dtype=np.int32)  # 4 bytes per row on the driver
-    return tally, n_bytes, str(part)
-
-
-def _copy_rows(task: tuple[list[str], int, str, list[tuple[str, int, int]]]) -> str:
-    """Worker: one output shard of tokenized/, its rows copied from the parts' `[start, end)` row segments,
-    as a dataset of its own at `out_dir` (added as `tokenize.run` adds a row)."""
-    token_fields, max_shard_bytes, out_dir, segments = task
-    with ShardWriter(out_dir, token_fields=token_fields, max_shard_bytes=max_shard_bytes, kind="tokenized") as writer:
-        for part_dir, start, end in segments:
-            src = PackedDataset(part_dir)
-            for i in range(start, end):
-                writer.add_row([src.row_tokens(i)], record_indices=[int(src.row_sequences(i)["record_index"][0])],
-                               uids=[src.row_uids(i)[0]])
-        writer.close()
-    return out_dir
-
-
-def assemble_parts(shard_map: _StageMap, writer: ShardWriter, parts: list[tuple[str, np.ndarray]]) -> None:
-    """Re-cut the per-chunk parts (dir, tokens of each row) into the shards one writer would have cut
-    (`shard_ranges`), one Ray task per shard, and append those to `writer` in order."""
-    if not parts:
-        return
-    lengths = np.concatenate([n for _, n in parts])
-    bounds = np.concatenate([[0], np.cumsum([len(n) for _, n in parts])])  # part k holds rows bounds[k]..bounds[k+1]
-    out = writer.tmp_dir / "ray-shards"
-    out.mkdir()
-
-    def tasks():
-        row_nbytes = lengths.astype(np.int64) * writer.dtype.itemsize
-        for k, (start, end) in enumerate(shard_ranges(row_nbytes, writer.max_shard_bytes)):
-            first = int(np.searchsorted(bounds, start, side="right")) - 1
-            segments = []
-            for p in range(first, len(parts)):
-                if bounds[p] >= end:
-                    break
-                segments.append((parts[p][0], max(start, int(bounds[p])) - int(bounds[p]),
-                                 min(end, int(bounds[p + 1])) - int(bounds[p])))
-            yield writer.token_fields, writer.max_shard_bytes, str(out / f"shard_{k:05d}"), segments
-
-    with contextlib.closing(shard_map(_copy_rows, tasks())) as shard_dirs:
-        for shard_dir in shard_dirs:
-            writer.append_dataset(shard_dir)
-    shutil.rmtree(out)  # empty, or the temp dirs of attempts Ray retried
-
-
-def tokenize_tallies(parallel_map: _StageMap, shard_map: _StageMap, cfg: DataConfig, ctx, workers: int,
-                     writer: ShardWriter) -> Iterator[tuple[TokenizeTally, int]]:
-    """`tokenize.run`'s chunk tallies: the workers count the lines of byte ranges of merged.jsonl, then tokenize
-    each range and write it as a part; the driver adds up their tallies in range order (the lines in file
-    order), then the parts are re-cut into `writer`'s shards."""
-    parts_dir = writer.tmp_dir / "ray-parts"  # inside the writer's temp dir: an aborted writer removes it too
-    parts_dir.mkdir()
-    parts: list[tuple[str, np.ndarray]] = []
-    path = str(cfg.merged_path)
-    ranges = list(jsonl_byte_ranges(path, 0, TOKENIZE_RANGE_BYTES))
-    with contextlib.closing(parallel_map(_count_lines, ((path, a, b) for a, b in ranges))) as done:
-        counts = list(done)
-
-    def tasks():
-        records_before = lines_before = 0
-        for k, ((a, b), (n_lines, n_records)) in enumerate(zip(ranges, counts)):
-            if n_records:
-                yield k, a, b, records_before, lines_before
-            records_before += n_records
-            lines_before += n_lines
-
-    fn = functools.partial(_tokenize_part, to_dict(cfg), str(parts_dir))
-    with contextlib.closing(parallel_map(fn, tasks())) as results:
-        for tally, n_bytes, part in results:
-            if part is not None:
-                parts.append((part, tally.row_tokens))
-            tally.row_tokens = []
-            yield tally, n_bytes
-    assemble_parts(shard_map, writer, parts)
-    shutil.rmtree(parts_dir)
-
-
-# ---------------------------------------------------------------------------------------------- pack
-def _write_part(task: tuple[str, list[str], int, str, str, pack.RowPlan]) -> str:
-    """Worker: one output shard, `rows` copied from the tokenized dataset by `pack.write_rows`, as a dataset
-    of its own at `part_dir` (the driver shows the progress, by shard)."""
-    src_path, token_fields, max_shard_bytes, kind, part_dir, rows = task
-    src = PackedDataset(src_path)
-    writer = ShardWriter(part_dir, token_fields=token_fields, max_shard_bytes=max_shard_bytes, kind=kind)
-    with writer:
-        pack.write_rows(writer, src, rows, np.asarray(src.row_n_tokens, dtype=np.int64), show_progress=False)
-        writer.close()
-    return part_dir
-
-
-def write_rows_on_workers(parallel_map: _StageMap, writer: ShardWriter, src: PackedDataset,
-                          rows: pack.RowPlan, lengths: np.ndarray) -> None:
-    """`pack.run`'s row writer: one Ray task per output shard, the shards appended to `writer` in order."""
-    row_nbytes = (rows.sums(lengths) * writer.dtype.itemsize).tolist()
-    shards = shard_ranges(row_nbytes, writer.max_shard_bytes)
-    parts = writer.tmp_dir / "ray-parts"  # inside the writer's temp dir: an aborted writer removes it too
-    parts.mkdir()
-    tasks = ((str(src.path), writer.token_fields, writer.max_shard_bytes, writer.kind, str(parts / f"part_{k:05d}"),
-              rows.slice(start, end)) for k, (start, end) in enumerate(shards))
-    with progress(total=len(rows), desc="pack", unit="row") as bar, \
-            contextlib.closing(parallel_map(_write_part, tasks)) as part_dirs:
-        for part_dir, (start, end) in zip(part_dirs, shards):
-            writer.append_dataset(part_dir)
-            bar.update(end - start)
-    shutil.rmtree(parts)  # empty, or the temp dirs of attempts Ray retried
-
-
 # ---------------------------------------------------------------------------------------------- pipeline
-class _StageMap:
-    """Transitional: an executor's map in the shape the stages' old engine hooks take."""
-
-    def __init__(self, executor: Executor, size: TaskSize):
-        self.executor, self.size, self.workers = executor, size, executor.workers
-
-    def __call__(self, fn: Callable, chunks: Iterable) -> Iterator:
-        return self.executor.map(fn, chunks, self.size)
-
-    def for_ranges(self) -> "_StageMap":
-        return _StageMap(self.executor, "ranges")
-
-
-def stage_runners(executor: RayExecutor) -> dict[str, Callable[[DataConfig, Executor], dict]]:
-    """Each stage's `run` with its parallel parts on Ray."""
-    parallel_map = _StageMap(executor, "records")
-    range_map = _StageMap(executor, "ranges")
-    shard_map = _StageMap(executor, "shards")
-    return {
-        "preprocess": lambda cfg, executor: preprocess.run(
-            cfg, convert_all=functools.partial(convert_on_workers, parallel_map)),
-        "sample": lambda cfg, executor: sample.run(
-            cfg, scan_all=functools.partial(scan_on_workers, range_map),
-            write_all=functools.partial(write_sampled_on_workers, range_map)),
-        "tokenize": lambda cfg, executor: tokenize.run(
-            cfg, chunk_tallies=functools.partial(tokenize_tallies, range_map, shard_map)),
-        "pack": lambda cfg, executor: pack.run(cfg, write=functools.partial(write_rows_on_workers, shard_map)),
-    }
-
-
 def run_pipeline(cfg: DataConfig, run_stages: Callable[..., dict[str, dict]]) -> dict[str, dict]:
     """Every stage of `cfg.stages`, in pipeline order, in one Ray session; returns their report sections.
     `run_stages` is the driver's (`data.pipeline.run_stages`), passed in so that this module, which the driver
     imports, does not import it back."""
     with ray_session(cfg) as workers:
-        executor = RayExecutor(workers)
-        return run_stages(cfg, executor, stage_runners(executor).get)
+        return run_stages(cfg, RayExecutor(workers))

@@ -160,18 +160,20 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         f.write(data)
 
 
-def replace_dir(src: Path, dst: Path) -> None:
+def replace_dir(src: Path, dst: Path, durable: bool = True) -> None:
     """Move `src` to `dst`; an existing `dst` is renamed aside first and deleted after the swap.
 
     A process killed between the two renames leaves no `dst` and the previous one at `.NAME.old-*`
     (`set_aside`): the next writer of `dst` moves it back, and reading `dst` meanwhile names it.
-    The parent directory is fsynced after the swap (`src`'s content is the caller's to sync before)."""
+    The parent directory is fsynced after the swap unless not `durable` (`src`'s content is the caller's to sync
+    before)."""
     old = None
     if dst.exists():
         old = temp_sibling(dst, "old")
         os.replace(dst, old)
     os.replace(src, dst)
-    fsync_dir(dst.parent)
+    if durable:
+        fsync_dir(dst.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -1,29 +1,40 @@
 """Pack stage: assign tokenized sequences to fixed-capacity rows (bin packing) and write packed/.
 
-`plan_rows()` is the pure core: best-fit decreasing or first-fit decreasing over the whole dataset. After an
+`plan_rows()` is the pure core: best-fit decreasing or first-fit decreasing over a set of lengths. After an
 O(N log N) sort, best fit finds the tightest row with a two-level bitset over room values (a few operations on
 small Python ints per item), first fit descends a max segment tree over rows (O(log rows) per item):
 about 1-2 CPU seconds per million lengths (benchmarks/results/pack.md). Its result is a `RowPlan`: flat
-arrays, 16 bytes a sequence, where lists of Python ints took several times that on the driver of a large run
-(BENCHMARKS.md, "The driver's memory per record"); `plan()` gives the same rows as lists.
-`run()` reads tokenized/, writes packed/ (rows and the sequences inside each row in seeded random order,
-`layout`), stats.json and stats.png, and returns the stage's report section.
+arrays, 16 bytes a sequence; `plan()` gives the same rows as lists.
+
+`run()` plans by partitions: each worker plans `PARTITION_SEQUENCES` consecutive tokenized rows on its own
+(`plan_partition`, seeded by (seed, partition index)), keeps the rows that are full enough in a seeded order
+(`layout`) and releases its emptiest ones (`released_rows`, a few per partition); the driver re-packs the
+released sequences in one global pass (`plan_all`), whose rows come last. The workers then write the output
+shards (`write_shard`, one task per shard), which the driver appends in order; then stats.json, stats.png and
+the accounting (every tokenized row in exactly one packed row). The result depends on the seed and the data
+only, never on the worker count or the engine.
 """
 from __future__ import annotations
 
 import array
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from data.config import DataConfig, output_config
+from data.executor import Executor, LocalExecutor
 from data.progress import progress
-from data.shards import RESERVED_META_KEYS, PackedDataset, ShardWriter, dump_json
+from data.randomness import PACK_LEFTOVERS, PACK_PARTITION, record_keys
+from data.shards import RESERVED_META_KEYS, PackedDataset, ShardWriter, dump_json, shard_ranges
 
 ALGORITHMS = ("best_fit", "first_fit")
 RELEASE_BYTES = 16 << 20  # unmap the source's pages after copying this much (page faults map ~2-3x as much)
 PLAN_CHUNK = 1 << 16  # lengths handed to the planning loop as Python ints at a time (bounds its memory)
+PARTITION_SEQUENCES = 1 << 20  # tokenized rows planned together by one worker (~1-2 s; fewer leave more waste)
+RELEASE_SHARE = 0.05  # at most this share of a partition's rows (its emptiest) goes back to the global pass
+RELEASE_MIN_ROOM = 2048  # a row with less room than max_length / this stays where its partition put it
 
 
 @dataclass(frozen=True)
@@ -246,6 +257,147 @@ def layout(rows: RowPlan, seed: int) -> RowPlan:
     return RowPlan(members, starts)
 
 
+def released_rows(rows: RowPlan, lengths: np.ndarray, max_length: int) -> np.ndarray:
+    """Which rows of a partition's plan go back to the global pass (a bool per row): the emptiest, at most
+    `RELEASE_SHARE` of them, among those with room for the partition's shortest sequence and at least
+    max_length / `RELEASE_MIN_ROOM` tokens of room (less cannot move the row count)."""
+    room = max_length - rows.sums(lengths)
+    candidates = np.flatnonzero(room >= max(int(lengths.min()), max_length // RELEASE_MIN_ROOM))
+    keep_at_most = int(np.ceil(len(rows) * RELEASE_SHARE))
+    if candidates.size > keep_at_most:
+        candidates = candidates[np.argsort(-room[candidates], kind="stable")[:keep_at_most]]
+    released = np.zeros(len(rows), dtype=bool)
+    released[candidates] = True
+    return released
+
+
+def select_rows(rows: RowPlan, keep: np.ndarray) -> RowPlan:
+    """The rows where `keep` is true, in their order."""
+    sizes = rows.sizes[keep]
+    starts = np.zeros(sizes.shape[0] + 1, dtype=np.int64)
+    np.cumsum(sizes, out=starts[1:])
+    return RowPlan(rows.members[np.repeat(keep, rows.sizes)], starts)
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Worker task: plan tokenized rows `[first, end)` on their own (`plan_partition`); `seed` is the
+    partition's (`partition_seed`), `plan_path` where its kept rows go."""
+    source: PackedDataset  # pickles as its path
+    first: int
+    end: int
+    max_length: int
+    algorithm: str
+    seed: int
+    plan_path: str
+    max_shard_bytes: int
+
+
+@dataclass(frozen=True)
+class PlacedRows:
+    """Rows saved as a plan file (`save_rows`) in their written order: tokens and sequences per row, and the
+    `[start, end)` row ranges of the output shards they fill (`shards.shard_ranges`)."""
+    plan_path: str
+    row_tokens: np.ndarray
+    row_sequences: np.ndarray
+    shards: list[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    """What `plan_partition` returns: the rows it kept (saved), and the sequences of the rows it released for
+    the global pass (tokenized row indices and their lengths)."""
+    kept: PlacedRows
+    released: np.ndarray
+    released_lengths: np.ndarray
+
+
+@dataclass(frozen=True)
+class ShardSlice:
+    """Worker task: rows `[first, end)` of a plan file written as one output shard, a dataset at `part_dir`."""
+    source: PackedDataset
+    plan_path: str
+    first: int
+    end: int
+    part_dir: str
+    max_shard_bytes: int
+
+
+def save_rows(rows: RowPlan, row_tokens: np.ndarray, plan_path: str, max_shard_bytes: int,
+              token_bytes: int) -> PlacedRows:
+    """Save `rows` (tokenized row indices, `row_tokens` tokens each) to `plan_path` (.members.npy, .starts.npy)
+    and cut them into output shards."""
+    np.save(f"{plan_path}.members.npy", rows.members)
+    np.save(f"{plan_path}.starts.npy", rows.starts)
+    return PlacedRows(plan_path, row_tokens, rows.sizes,
+                      shard_ranges((row_tokens * token_bytes).tolist(), max_shard_bytes))
+
+
+def load_rows(plan_path: str, first: int, end: int) -> RowPlan:
+    """Rows `[first, end)` of a plan file `save_rows` wrote (memory-mapped)."""
+    return RowPlan(np.load(f"{plan_path}.members.npy", mmap_mode="r"),
+                   np.load(f"{plan_path}.starts.npy", mmap_mode="r")).slice(first, end)
+
+
+def partition_seed(seed: int, index: int) -> int:
+    """The seed of partition `index` (tie-breaking, row order and in-row order) for the run's `seed`."""
+    return int(record_keys(seed, PACK_PARTITION, index))
+
+
+def leftovers_seed(seed: int) -> int:
+    """The seed of the global pass over the released rows' sequences."""
+    return int(record_keys(seed, PACK_LEFTOVERS, 0))
+
+
+def partition_rows(lengths: np.ndarray, max_length: int, seed: int, algorithm: str) -> tuple[RowPlan, np.ndarray]:
+    """One partition's plan (`plan_rows`): the rows it keeps, in seeded order (`layout`), and the sequences of
+    the rows it releases (`released_rows`), as indices into `lengths`."""
+    rows = plan_rows(lengths, max_length, seed=seed, algorithm=algorithm)
+    released = released_rows(rows, lengths, max_length)
+    return layout(select_rows(rows, ~released), seed), select_rows(rows, released).members
+
+
+def plan_partition(task: Partition) -> PartitionPlan:
+    """Worker: the partition's rows (`partition_rows`) over its lengths read from the tokenized index; the kept
+    rows saved to `plan_path`, the released sequences returned."""
+    src = task.source
+    lengths = np.asarray(src.row_n_tokens[task.first:task.end], dtype=np.int64)
+    kept, loose = partition_rows(lengths, task.max_length, task.seed, task.algorithm)
+    placed = save_rows(RowPlan(kept.members + task.first, kept.starts), kept.sums(lengths), task.plan_path,
+                       task.max_shard_bytes, src.dtype.itemsize)
+    return PartitionPlan(placed, loose + task.first, lengths[loose])
+
+
+def write_rows(writer: ShardWriter, src: PackedDataset, rows: RowPlan, lengths: np.ndarray) -> None:
+    """Add the packed rows (of tokenized row indices) to `writer`, copying the tokens from `src`."""
+    mapped = 0
+    for row in rows:
+        members = row.tolist()
+        writer.add_row(
+            [src.row_tokens(j) for j in members],
+            record_indices=members,
+            uids=[src.row_uids(j)[0] for j in members],
+        )
+        mapped += int(lengths[row].sum())
+        if mapped * src.dtype.itemsize > RELEASE_BYTES:
+            src.release()  # the rows were copied: keep the mapped tokenized data out of our resident set
+            mapped = 0
+    src.release()
+
+
+def write_shard(task: ShardSlice) -> str:
+    """Worker: one output shard, its rows copied from the tokenized dataset, as a dataset of its own at
+    `part_dir` (appended to packed/ by the driver, `ShardWriter.append_dataset`)."""
+    src = task.source
+    writer = ShardWriter(task.part_dir, token_fields=src.token_fields, max_shard_bytes=task.max_shard_bytes,
+                         kind="packed")
+    with writer:
+        write_rows(writer, src, load_rows(task.plan_path, task.first, task.end),
+                   np.asarray(src.row_n_tokens, dtype=np.int64))
+        writer.close()
+    return task.part_dir
+
+
 def _check_accounting(src: PackedDataset, packed: PackedDataset) -> dict:
     """Every tokenized row is in exactly one packed row, with the same length and uids. Raises on a mismatch."""
     n_in = len(src)
@@ -260,33 +412,37 @@ def _check_accounting(src: PackedDataset, packed: PackedDataset) -> dict:
     return {"uids_in": int(uids_in.shape[0]), "uids_out": int(uids_out.shape[0]), "every_record_once": True}
 
 
-def write_rows(writer: ShardWriter, src: PackedDataset, rows: RowPlan, lengths: np.ndarray,
-               show_progress: bool = True) -> None:
-    """Add the packed rows (of tokenized row indices) to `writer`, copying the tokens from `src`."""
-    mapped = 0
-    for row in progress(rows, desc="pack", unit="row") if show_progress else rows:
-        members = row.tolist()
-        writer.add_row(
-            [src.row_tokens(j) for j in members],
-            record_indices=members,
-            uids=[src.row_uids(j)[0] for j in members],
-        )
-        mapped += int(lengths[row].sum())
-        if mapped * src.dtype.itemsize > RELEASE_BYTES:
-            src.release()  # the rows were copied: keep the mapped tokenized data out of our resident set
-            mapped = 0
-    src.release()
+def plan_all(executor: Executor, src: PackedDataset, cfg: DataConfig, plans_dir: Path) -> list[PlacedRows]:
+    """Every partition planned by the workers, then the global pass over the sequences they released: the
+    placed rows in written order (the partitions' in partition order, the global pass's last)."""
+    cap, algorithm, shard_bytes = cfg.pack_max_length, cfg.pack.algorithm, cfg.pack.shard_size_mb << 20
+    tasks = (Partition(src, first, min(first + PARTITION_SEQUENCES, len(src)), cap, algorithm,
+                       partition_seed(cfg.seed, k), str(plans_dir / f"partition_{k:06d}"),
+                       shard_bytes)
+             for k, first in enumerate(range(0, len(src), PARTITION_SEQUENCES)))
+    placed, released, released_lengths = [], [], []
+    for plan in executor.map(plan_partition, tasks):
+        placed.append(plan.kept)
+        released.append(plan.released)
+        released_lengths.append(plan.released_lengths)
+    loose = np.concatenate(released) if released else np.zeros(0, dtype=np.int64)
+    loose_lengths = np.concatenate(released_lengths) if released else np.zeros(0, dtype=np.int64)
+    seed = leftovers_seed(cfg.seed)
+    rows = layout(plan_rows(loose_lengths, cap, seed=seed, algorithm=algorithm), seed)
+    placed.append(save_rows(RowPlan(loose[rows.members], rows.starts), rows.sums(loose_lengths),
+                            str(plans_dir / "global"), shard_bytes, src.dtype.itemsize))
+    return placed
 
 
-def run(cfg: DataConfig, write: Callable[[ShardWriter, PackedDataset, RowPlan, np.ndarray], None] | None = None,
-        executor=None) -> dict:
+def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
     """tokenized/ -> packed/ (+ stats.json, stats.png); records and returns the `pack` report section.
 
-    `write` adds the planned rows to the writer (default `write_rows`, in this process; the Ray engine passes
-    one that spreads the shards over its workers)."""
+    The workers plan partitions of `PARTITION_SEQUENCES` tokenized rows, the driver re-packs the rows they
+    released (`plan_all`), the workers write the output shards, which the driver appends in order."""
     from data.report import check_arithmetic, read_report, update_report
     from data.stats import format_table, pack_statistics, plot_stats
 
+    executor = executor or LocalExecutor(cfg.workers)
     src = PackedDataset(cfg.tokenized_dir)
     if src.kind != "tokenized":
         raise ValueError(f"{cfg.tokenized_dir}: expected a tokenized dataset, found kind {src.kind!r}")
@@ -301,16 +457,21 @@ def run(cfg: DataConfig, write: Callable[[ShardWriter, PackedDataset, RowPlan, n
             f"{cfg.tokenized_dir}: row {i} has {int(lengths[i])} tokens > pack.max_length={cap} "
             f"({over.size} such rows); tokenize with max_length <= pack.max_length"
         )
-    rows = layout(plan_rows(lengths, cap, seed=cfg.seed, algorithm=cfg.pack.algorithm), cfg.seed)
 
     writer = ShardWriter(
         cfg.packed_dir, token_fields=src.token_fields, max_shard_bytes=cfg.pack.shard_size_mb << 20, kind="packed"
     )
-    with writer:
-        (write or write_rows)(writer, src, rows, lengths)
+    with writer, executor.scratch(cfg.packed_dir.parent, "pack-parts") as scratch:
+        placed = plan_all(executor, src, cfg, scratch)
+        slices = [ShardSlice(src, rows.plan_path, start, end, str(scratch / f"part_{n:05d}"), writer.max_shard_bytes)
+                  for n, (rows, (start, end)) in enumerate((rows, cut) for rows in placed for cut in rows.shards)]
+        with progress(total=sum(len(rows.row_tokens) for rows in placed), desc="pack", unit="row") as bar:
+            for task, part_dir in zip(slices, executor.map(write_shard, slices, size="shards")):
+                writer.append_dataset(part_dir)
+                bar.update(task.end - task.first)
         counts = writer.counts
-        row_n_tokens = rows.sums(lengths)
-        row_n_seqs = rows.sizes
+        row_n_tokens = np.concatenate([rows.row_tokens for rows in placed])
+        row_n_seqs = np.concatenate([rows.row_sequences for rows in placed])
         seq_categories = src.first_token_column("category_ids")
         stats = pack_statistics(
             lengths, row_n_tokens, row_n_seqs, cap,

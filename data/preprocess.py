@@ -18,27 +18,33 @@ come from the ratio file; new categories get the next free id, in order of first
 """
 from __future__ import annotations
 
+import collections
+import dataclasses
 import importlib.util
+import itertools
+import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
-from data.config import ConfigError, DataConfig, InputSpec, closest_key_hint
+from data.config import ConfigError, DataConfig, InputSpec, closest_key_hint, split_spec
+from data.executor import ByteRange, Executor, LocalExecutor, byte_ranges
 from data.fsutil import atomic_write_bytes, atomic_writer
-from data.io import expand_inputs, input_is_empty, ordered_parallel_map, read_rows
+from data.io import UTF8_BOM, expand_inputs, input_is_empty, iter_jsonl_range, parse_jsonl_line, read_rows
 from data.progress import progress
 from data.records import MAX_CATEGORY_ID, RecordError, parse_json_field, validate_canonical
-
-from data.report import DroppedAt, check_arithmetic, sorted_counts, update_report
+from data.report import DROPPED_AT_LIMIT, DroppedAt, check_arithmetic, sorted_counts, update_report
 
 MAX_SAMPLE_RATE = 1000  # a larger rate is a typo (1e15 copies would exhaust memory), not a weighting
 RATIO_FILE_KEYS = ("categories",)
 RATIO_ENTRY_KEYS = ("category_id", "category_name", "size", "sample_rate")
 
-CHUNK_ROWS = 256
+CHUNK_ROWS = 256  # rows per task of an input read by the driver
+INPUT_RANGE_BYTES = 16 << 20  # .jsonl input bytes per task (a worker holds its rows at once)
+MAX_ROW_GROUP_BYTES = 16 << 20  # a .parquet input with a larger row group is read by the driver
 UNTRACKED = "untracked"  # category 0
 META_KEYS = ("category_id", "category_name", "uid", "source")  # set here; others from a user function pass
 SHAREGPT_ROLES = {
@@ -261,26 +267,6 @@ def convert_row(raw: dict, spec: InputSpec, fmt: str, source: str) -> tuple[dict
     return canonical, category_of(raw, canonical, spec, source)
 
 
-# ---------------------------------------------------------------------------------------------- workers
-def convert_chunk(task: tuple[int, InputSpec, str, list]) -> tuple[int, list[tuple]]:
-    """Worker (local pool or Ray): convert a chunk of rows of input `spec_index` (`convert_row`); returns
-    (spec_index, per row ("ok", source, record, category), ("err", source, field, message, reason) or
-    ("filtered", source))."""
-    spec_index, spec, fmt, rows = task
-    out = []
-    for source, raw in rows:
-        try:
-            result = convert_row(raw, spec, fmt, source)
-        except RecordError as exc:
-            out.append(("err", source, exc.field, exc.message, exc.reason))
-            continue
-        if result is None:
-            out.append(("filtered", source))
-        else:
-            out.append(("ok", source, result[0], result[1]))
-    return spec_index, out
-
-
 # ---------------------------------------------------------------------------------------------- ratio file
 def _check_known_keys(obj: dict, known: tuple[str, ...], where: str) -> None:
     """A key the ratio file does not define is a typo (`sample_rat`) that would silently run at the default and
@@ -388,19 +374,194 @@ class CategoryIds:
         return cid
 
 
-# ---------------------------------------------------------------------------------------------- stage
-class RowChunker:
-    """Chunks of raw rows of one input spec, read in this process, its format detected from its first row (under
-    skip: its first row of a detectable format). Unreadable rows and undetectable first rows get the error policy
-    here and are counted in `st` / `dropped` / `dropped_at`; kept rows are counted in `st["in"]` here when
-    `count_kept` (the Ray engine counts them from its workers' results instead). `fmt` / `spec` may be set from
-    outside (an input whose format was found another way); `add_rows(path)` and `flush()` yield
-    `(spec, fmt, chunk)`."""
+# ---------------------------------------------------------------------------------------------- first pass
+Where = int | str  # a row's place in its task: its source (`path:line`, `path:row`, ...), or in a .jsonl range
+# its line number within the range (the driver, which knows the lines before the range, makes the source)
 
-    def __init__(self, cfg: DataConfig, spec: InputSpec, st: dict, dropped: dict, dropped_at: DroppedAt,
-                 count_kept: bool = True):
-        self.cfg, self.spec, self.st, self.count_kept = cfg, spec, st, count_kept
-        self.dropped, self.dropped_at = dropped, dropped_at
+
+@dataclasses.dataclass(frozen=True)
+class ConvertTask:
+    """Rows of one input to convert (`convert_to_part`): its index in `cfg.inputs`, its spec (with the
+    prompt/response keys `detect_format` found), its format, and the part file the kept records go to."""
+    spec_index: int
+    spec: InputSpec
+    fmt: str
+    part: str
+
+    # the most sources a worker returns per drop reason (None: all); enough where the rows are in source order
+    dropped_at_limit: ClassVar[int | None] = DROPPED_AT_LIMIT
+
+    def read(self) -> tuple[int, list[tuple[Where, dict | RecordError]]]:
+        """(lines read: a .jsonl range's, else 0; each row, or the RecordError that rejects it, with its place)."""
+        raise NotImplementedError
+
+    def source(self, where: Where, lines_before: int) -> str:
+        """The source of the row at `where`; `lines_before`: the lines of the file before a .jsonl range."""
+        return where
+
+
+@dataclasses.dataclass(frozen=True)
+class JsonlRangeTask(ConvertTask):
+    """The lines of a byte range of a .jsonl input, read by the worker. `lines_before`: the file's lines before
+    the range where the driver knows them (an input's first range, after the lines it read to detect the
+    format); None for the next ranges, whose lines follow those of the range before (`Converted.lines`)."""
+    range: ByteRange
+    lines_before: int | None
+
+    def read(self) -> tuple[int, list[tuple[int, dict | RecordError]]]:
+        return iter_jsonl_range(self.range.path, self.range.start, self.range.end)
+
+    def source(self, where: int, lines_before: int) -> str:
+        return f"{self.range.path}:{lines_before + where}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RowGroupTask(ConvertTask):
+    """Row group `group` of a .parquet input (whose rows before it number `first_row`), read by the worker."""
+    path: str
+    group: int
+    first_row: int
+
+    def read(self) -> tuple[int, list[tuple[str, dict]]]:
+        import pyarrow.parquet as pq
+
+        with pq.ParquetFile(self.path) as pf:
+            rows = pf.read_row_group(self.group).to_pylist()
+        return 0, [(f"{self.path}:{self.first_row + i}", row) for i, row in enumerate(rows)]
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsTask(ConvertTask):
+    """At most `CHUNK_ROWS` rows the driver read (`RowChunker`: inputs that do not split), with their sources."""
+    rows: list[tuple[str, dict]]
+
+    # every source: the rows of a .json object of arrays come key by key, not in source order
+    dropped_at_limit: ClassVar[int | None] = None
+
+    def read(self) -> tuple[int, list[tuple[str, dict]]]:
+        return 0, self.rows
+
+
+@dataclasses.dataclass(frozen=True)
+class RowError:
+    """A row's RecordError, at its place in its task."""
+    where: Where
+    field: str
+    message: str
+    reason: str
+
+
+@dataclasses.dataclass
+class Converted:
+    """What `convert_to_part` found in a task, for the driver's accounting (the kept records are in its part)."""
+    lines: int  # a .jsonl range's lines (blank ones too), from which the next range's are numbered
+    rows: int  # rows read, kept and dropped
+    categories: dict[str, int] = dataclasses.field(default_factory=dict)  # kept, in order of first appearance
+    dropped: dict[str, int] = dataclasses.field(default_factory=dict)  # per reason
+    dropped_at: dict[str, list[Where]] = dataclasses.field(default_factory=dict)  # the first per reason
+    first_error: RowError | None = None
+
+    @property
+    def kept(self) -> int:
+        return sum(self.categories.values())
+
+
+def line_pieces(rec: dict) -> tuple[bytes, bytes]:
+    """A converted record's canonical.jsonl line but for the values of the meta keys the driver decides (its
+    category id, uid and source; category_name between them): the bytes before and after them. The line is
+    `orjson.dumps(rec)` with `rec["meta"] = {category_id, category_name, uid, source, <its other meta keys>}`,
+    in `validate_canonical`'s key order (messages, labels, meta, then the others)."""
+    head = b'{"messages":%s,"labels":%s,"meta":{"category_id":' % (orjson.dumps(rec["messages"]),
+                                                                    orjson.dumps(rec["labels"]))
+    rest = {k: v for k, v in rec.items() if k not in ("messages", "labels", "meta")}
+    tail = b"}," + orjson.dumps(rest)[1:] if rest else b"}}"
+    extra = {k: v for k, v in rec["meta"].items() if k not in META_KEYS}  # a user function's, kept after ours
+    return head, b"," + orjson.dumps(extra)[1:-1] + tail if extra else tail
+
+
+def canonical_line(head: bytes, category_id: int, category: bytes, uid: int, source: bytes, tail: bytes) -> bytes:
+    """A line of canonical.jsonl from `line_pieces` and the meta values (`category` and `source` as JSON)."""
+    return b"".join((head, b"%d" % category_id, b',"category_name":', category, b',"uid":', b"%d" % uid,
+                     b',"source":', source, tail, b"\n"))
+
+
+def convert_to_part(task: ConvertTask) -> Converted:
+    """Worker, first pass: the task's rows read and converted (`convert_row`); each kept record written to the
+    task's part as `where, category, line_pieces` (JSON and numbers, which hold no tab, joined by tabs)."""
+    n_lines, rows = task.read()
+    done = Converted(n_lines, len(rows))
+    limit = task.dropped_at_limit
+    with open(task.part, "wb") as out:  # a scratch file (not synced): it lives until canonical.jsonl is written
+        for where, row in rows:
+            try:
+                if isinstance(row, RecordError):
+                    raise row
+                # the source names a range's row only for an error, whose source the driver makes from `where`
+                converted = convert_row(row, task.spec, task.fmt, str(where))
+                reason = None if converted is not None else "filtered_by_function"
+            except RecordError as exc:
+                reason = exc.reason
+                done.first_error = done.first_error or RowError(where, exc.field, exc.message, exc.reason)
+            if reason is not None:
+                done.dropped[reason] = done.dropped.get(reason, 0) + 1
+                sources = done.dropped_at.setdefault(reason, [])
+                if limit is None or len(sources) < limit:
+                    sources.append(where)
+                continue
+            rec, category = converted
+            place = b"%d" % where if isinstance(where, int) else orjson.dumps(where)
+            out.write(b"%s\t%s\t%s\t%s\n" % (place, orjson.dumps(category), *line_pieces(rec)))
+            done.categories[category] = done.categories.get(category, 0) + 1
+    return done
+
+
+# ---------------------------------------------------------------------------------------------- second pass
+@dataclasses.dataclass(frozen=True)
+class FinishTask:
+    """A first-pass part to write as canonical.jsonl lines (`out`): uids from `first_uid`, `category_ids` by
+    name; `range_path`: the .jsonl input of a range's part (its places are line numbers within the range, after
+    `lines_before` lines), None for a part whose places are sources."""
+    part: str
+    out: str
+    first_uid: int
+    category_ids: dict[str, int]
+    range_path: str | None
+    lines_before: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishedPart:
+    path: str
+    records: int
+
+
+def finish_part(task: FinishTask) -> FinishedPart:
+    """Worker, second pass: a part's canonical.jsonl lines (`canonical_line`), written to `task.out`."""
+    ids = {orjson.dumps(name): cid for name, cid in task.category_ids.items()}
+    in_range = task.range_path is not None
+    source_head = orjson.dumps(f"{task.range_path}:")[:-1] if in_range else b""  # `"path:`, JSON-escaped
+    uid = task.first_uid
+    with open(task.part, "rb") as f, open(task.out, "wb") as out:  # a scratch file too
+        for line in f:
+            place, category, head, tail = line[:-1].split(b"\t")
+            source = b'%s%d"' % (source_head, task.lines_before + int(place)) if in_range else place
+            out.write(canonical_line(head, ids[category], category, uid, source, tail))
+            uid += 1
+    return FinishedPart(task.out, uid - task.first_uid)
+
+
+# ---------------------------------------------------------------------------------------------- tasks
+class RowChunker:
+    """The driver's reading of one input spec: `RowsTask`s of the rows of inputs that do not split (read here),
+    and the detection of the spec's format from its first row (under skip: its first row of a detectable
+    format). Rows dropped here (unreadable, or undetectable first rows) get the error policy here and are
+    counted in `st` / `dropped` / `dropped_at`; the workers count the others. `fmt` / `spec` may be set from
+    outside (an input whose format was found another way)."""
+
+    def __init__(self, cfg: DataConfig, spec_index: int, st: dict, dropped: dict, dropped_at: DroppedAt,
+                 part_paths: Iterator[str]):
+        self.cfg, self.spec_index, self.spec, self.st = cfg, spec_index, cfg.inputs[spec_index], st
+        self.dropped, self.dropped_at, self.part_paths = dropped, dropped_at, part_paths
         self.fmt: str | None = None
         self.chunk: list = []
 
@@ -411,37 +572,113 @@ class RowChunker:
         self.dropped[exc.reason] = self.dropped.get(exc.reason, 0) + 1
         self.dropped_at.add(exc.reason, exc.source)
 
-    def add_rows(self, path: str) -> Iterator[tuple[InputSpec, str, list]]:
-        for source, row in read_rows(path, self.cfg.on_error, on_skip=self.count_dropped):
-            if self.fmt is None:
-                try:
-                    self.fmt, self.spec = detect_format(row, self.spec, source)
-                except RecordError as exc:  # under skip: count the row, detect again on the next one
-                    if self.cfg.on_error != "skip":
-                        raise
-                    self.count_dropped(exc)
-                    continue
-                self.st["format"] = self.fmt
-            self.st["in"] += self.count_kept
-            self.chunk.append((source, row))
-            if len(self.chunk) >= CHUNK_ROWS:
-                yield from self.flush()
+    def detect(self, row: Any, source: str) -> bool:
+        """Whether `row` (a row or the RecordError that rejects it) gave the spec's format; under skip, a row
+        that did not is counted as dropped."""
+        try:
+            if isinstance(row, RecordError):
+                raise row
+            self.fmt, self.spec = detect_format(row, self.spec, source)
+        except RecordError as exc:
+            if self.cfg.on_error != "skip":
+                raise
+            self.count_dropped(exc)
+            return False
+        self.st["format"] = self.fmt
+        return True
 
-    def flush(self) -> Iterator[tuple[InputSpec, str, list]]:
+    def detect_in_jsonl(self, path: str) -> tuple[int, int] | None:
+        """The format from the first rows of a .jsonl input, read here as `io.iter_rows` reads them: (byte offset
+        of the row that gave it, lines before it), or None when no row of the file does."""
+        offset = 0
+        with open(path, "rb") as f:
+            for lineno, line in enumerate(f, 1):
+                start, offset = offset, offset + len(line)
+                if lineno == 1:
+                    line = line.removeprefix(UTF8_BOM)
+                if not line.strip():
+                    continue
+                source = f"{path}:{lineno}"
+                if self.detect(parse_jsonl_line(line, source), source):
+                    return start, lineno - 1
+        return None
+
+    def add_rows(self, path: str) -> Iterator[RowsTask]:
+        """The rows of `path`, read here. A read error raised under on_error=error goes out after the rows
+        before it (which may hold an earlier error)."""
+        try:
+            for source, row in read_rows(path, self.cfg.on_error, on_skip=self.count_dropped):
+                if self.fmt is None and not self.detect(row, source):
+                    continue
+                self.chunk.append((source, row))
+                if len(self.chunk) >= CHUNK_ROWS:
+                    yield from self.flush()
+        except Exception:
+            yield from self.flush()
+            raise
+
+    def flush(self) -> Iterator[RowsTask]:
         if self.chunk:
-            yield self.spec, self.fmt, self.chunk
+            yield RowsTask(self.spec_index, self.spec, self.fmt, next(self.part_paths), self.chunk)
             self.chunk = []
 
 
-def _tasks(cfg: DataConfig, stats: list[dict], dropped: dict, dropped_at: DroppedAt):
-    """Chunks of raw rows for the workers, inputs in order (`RowChunker`)."""
-    for spec_index, spec in enumerate(cfg.inputs):
-        chunker = RowChunker(cfg, spec, stats[spec_index], dropped, dropped_at)
-        for path in expand_inputs(spec.path):
-            for chunk_spec, fmt, chunk in chunker.add_rows(path):
-                yield (spec_index, chunk_spec, fmt, chunk)
-        for chunk_spec, fmt, chunk in chunker.flush():
-            yield (spec_index, chunk_spec, fmt, chunk)
+def _parquet_row_groups(path: str) -> list[int] | None:
+    """Rows per row group of a readable .parquet file (its footer only); None for any other input, for a file
+    pyarrow cannot open (read by the driver then, so that it fails as any input does) and for one with a row
+    group over `MAX_ROW_GROUP_BYTES` (a worker holds a row group's rows at once)."""
+    if not (path.lower().endswith(".parquet") and os.path.isfile(path)):
+        return None
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        with pq.ParquetFile(path) as pf:
+            groups = [pf.metadata.row_group(k) for k in range(pf.num_row_groups)]
+    except (pa.ArrowException, OSError):
+        return None
+    if any(group.total_byte_size > MAX_ROW_GROUP_BYTES for group in groups):
+        return None
+    return [group.num_rows for group in groups]
+
+
+def convert_tasks(cfg: DataConfig, parts_dir: str | os.PathLike, stats: list[dict], dropped: dict,
+                  dropped_at: DroppedAt) -> Iterator[ConvertTask]:
+    """The first pass's tasks, inputs in order: the workers read the inputs that split cheaply, .jsonl by byte
+    ranges (once the input's format is known: a set one, or detected here from its first rows) and .parquet by
+    row groups (when the input's format is set: `auto` needs a row); the others (.json arrays, .csv, .arrow,
+    datasets directories) are read here, in `RowsTask`s."""
+    part_paths = (os.path.join(parts_dir, f"converted_{k:08d}.jsonl") for k in itertools.count())
+    for spec_index in range(len(cfg.inputs)):
+        st = stats[spec_index]
+        rows = RowChunker(cfg, spec_index, st, dropped, dropped_at, part_paths)
+        for path in expand_inputs(cfg.inputs[spec_index].path):
+            split, local = split_spec(path)
+            if split is None and local.lower().endswith(".jsonl") and os.path.isfile(local):
+                start, lines_before = 0, 0
+                if rows.fmt is None:
+                    found = rows.detect_in_jsonl(path)
+                    if found is None:
+                        continue
+                    start, lines_before = found
+                yield from rows.flush()
+                for k, byte_range in enumerate(byte_ranges(path, INPUT_RANGE_BYTES, start)):
+                    yield JsonlRangeTask(spec_index, rows.spec, rows.fmt, next(part_paths), byte_range,
+                                         lines_before if k == 0 else None)
+                continue
+            known = rows.fmt is not None or rows.spec.format != "auto"  # a set format needs no row to detect it
+            row_groups = _parquet_row_groups(local) if split is None and known else None
+            if row_groups is not None:
+                rows.fmt = rows.fmt or rows.spec.format
+                st["format"] = rows.fmt
+                yield from rows.flush()
+                first_row = 0
+                for group, n_rows in enumerate(row_groups):
+                    yield RowGroupTask(spec_index, rows.spec, rows.fmt, next(part_paths), path, group, first_row)
+                    first_row += n_rows
+                continue
+            yield from rows.add_rows(path)
+        yield from rows.flush()
 
 
 def source_order(paths: list[str]) -> Callable[[str], tuple[int, int]]:
@@ -464,21 +701,69 @@ def source_order(paths: list[str]) -> Callable[[str], tuple[int, int]]:
     return order
 
 
-def canonical_line(rec: dict, category: str, category_id: int, uid: int, source: str) -> bytes:
-    """A converted record's line of canonical.jsonl: its meta set here (user-function keys kept after ours)."""
-    extra = {k: v for k, v in rec["meta"].items() if k not in META_KEYS}
-    rec["meta"] = {"category_id": category_id, "category_name": category, "uid": uid, "source": source, **extra}
-    return orjson.dumps(rec) + b"\n"
+# ---------------------------------------------------------------------------------------------- stage
+def convert_all(cfg: DataConfig, executor: Executor, parts_dir: Path, stats: list[dict], dropped: dict,
+                dropped_at: DroppedAt, category_ids: CategoryIds, sizes: dict[str, int]) -> list[FinishTask]:
+    """The first pass: the workers convert the tasks (`convert_tasks`) and write the kept records as parts; the
+    driver does the accounting in task order: line numbers (a range's lines follow those of the ranges before
+    it, so sources and errors read `path:line`), under on_error=error the first error in input order, drop
+    counts and sources, category ids in order of first appearance, each part's first uid. Returns the second
+    pass's tasks."""
+    in_flight: collections.deque[ConvertTask] = collections.deque()  # the tasks whose results are to come
+    failed: list[Exception] = []
+
+    def tasks() -> Iterator[ConvertTask]:
+        """An error of the driver's own reading is raised after the results of the tasks before it."""
+        try:
+            for task in convert_tasks(cfg, parts_dir, stats, dropped, dropped_at):
+                in_flight.append(task)
+                yield task
+        except Exception as exc:
+            failed.append(exc)
+
+    next_line: dict[str, int] = {}  # a .jsonl input's lines numbered so far
+    parts: list[tuple[str, int, str | None, int]] = []  # (part, first uid, range path, lines before)
+    uid = 0
+    with progress(desc="preprocess", unit="rec") as bar:
+        for done in executor.map(convert_to_part, tasks(), size="records"):
+            task = in_flight.popleft()
+            st = stats[task.spec_index]
+            range_path, lines_before = None, 0
+            if isinstance(task, JsonlRangeTask):
+                range_path = task.range.path
+                lines_before = next_line[range_path] if task.lines_before is None else task.lines_before
+                next_line[range_path] = lines_before + done.lines
+            error = done.first_error
+            if error is not None and cfg.on_error != "skip":
+                raise RecordError(task.source(error.where, lines_before), error.field, error.message, error.reason)
+            st["in"] += done.rows
+            for reason, n in done.dropped.items():
+                st["dropped"] += n
+                dropped[reason] = dropped.get(reason, 0) + n
+            for reason, places in done.dropped_at.items():
+                for where in places:
+                    dropped_at.add(reason, task.source(where, lines_before))
+            for category, n in done.categories.items():
+                category_ids(category)
+                sizes[category] = sizes.get(category, 0) + n
+            if done.kept:
+                parts.append((task.part, uid, range_path, lines_before))
+            st["out"] += done.kept
+            uid += done.kept
+            bar.update(done.rows)
+    if failed:
+        raise failed[0]
+    return [FinishTask(part, part.removesuffix(".jsonl") + ".canonical.jsonl", first_uid, category_ids.ids,
+                       range_path, lines_before) for part, first_uid, range_path, lines_before in parts]
 
 
-def run(cfg: DataConfig, parallel_map: Callable[[Callable, Iterable], Iterator] | None = None,
-        convert_all: Callable[..., int] | None = None, executor=None) -> dict:
+def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
     """Convert every input to canonical.jsonl, update the ratio file, record the `preprocess` report section.
 
-    `parallel_map(fn, chunks)` yields `fn(chunk)` in chunk order (default: `ordered_parallel_map` over
-    `num_workers` local processes). `convert_all(cfg, stats, dropped, dropped_at, category_ids, sizes, out, bar)`
-    replaces reading, converting and writing (the Ray engine's workers do all three): it writes canonical.jsonl's
-    lines to `out` in input order, does this loop's accounting and returns the records written."""
+    Two passes of the workers: they convert the inputs into parts of kept records (`convert_all`, with the
+    driver's accounting), then write each part's canonical.jsonl lines with the uids and category ids the driver
+    gave (`finish_part`), which the driver appends to canonical.jsonl in order (a kernel copy)."""
+    executor = executor or LocalExecutor(cfg.workers)
     paths = [path for spec in cfg.inputs for path in expand_inputs(spec.path)]
     empty = [path for path in paths if input_is_empty(path)]
     if paths and len(empty) == len(paths):
@@ -490,39 +775,17 @@ def run(cfg: DataConfig, parallel_map: Callable[[Callable, Iterable], Iterator] 
     dropped: dict[str, int] = {}
     dropped_at = DroppedAt(source_order(paths))
     sizes: dict[str, int] = {}
-    uid = 0
-    with atomic_writer(cfg.canonical_path) as out, progress(desc="preprocess", unit="rec") as bar:
-        if convert_all is not None:
-            uid = convert_all(cfg, stats, dropped, dropped_at, category_ids, sizes, out, bar)
-        else:
-            tasks = _tasks(cfg, stats, dropped, dropped_at)
-            results_in_order = (parallel_map(convert_chunk, tasks) if parallel_map is not None
-                                else ordered_parallel_map(convert_chunk, tasks, cfg.workers))
-            for spec_index, results in results_in_order:
-                st = stats[spec_index]
-                for result in results:
-                    kind, source = result[0], result[1]
-                    if kind == "ok":
-                        rec, category = result[2], result[3]
-                        out.write(canonical_line(rec, category, category_ids(category), uid, source))
-                        sizes[category] = sizes.get(category, 0) + 1
-                        st["out"] += 1
-                        uid += 1
-                        continue
-                    if kind == "filtered":
-                        reason = "filtered_by_function"
-                    else:
-                        _, source, field, message, reason = result
-                        if cfg.on_error != "skip":
-                            raise RecordError(source, field, message, reason)
-                    st["dropped"] += 1
-                    dropped[reason] = dropped.get(reason, 0) + 1
-                    dropped_at.add(reason, source)
-                bar.update(len(results))
+    with atomic_writer(cfg.canonical_path) as out, \
+            executor.scratch(Path(cfg.canonical_path).parent, "preprocess-parts") as parts_dir:
+        finish = convert_all(cfg, executor, parts_dir, stats, dropped, dropped_at, category_ids, sizes)
         check_ratio_names(existing, sizes, ratio_path)  # before canonical.jsonl is replaced
+        n_out = sum(st["out"] for st in stats)
+        with progress(total=n_out, desc="preprocess: canonical lines", unit="rec") as bar:
+            finished = executor.map(finish_part, finish, size="ranges")
+            executor.append(out, (bar.update(part.records) or part.path for part in finished))
     write_ratio_file(ratio_path, merge_ratio_categories(existing, category_ids.ids, sizes))
     section = {
-        "in": sum(st["in"] for st in stats), "out": uid, "dropped": sorted_counts(dropped),
+        "in": sum(st["in"] for st in stats), "out": n_out, "dropped": sorted_counts(dropped),
         "dropped_at": dropped_at.section(), "inputs": stats,
         "category_sizes": {name: sizes[name] for name in sorted(sizes, key=category_ids)},
         "ratio_file": str(ratio_path), "output": str(cfg.canonical_path),

@@ -21,7 +21,7 @@ import shutil
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import orjson
@@ -138,8 +138,9 @@ class _ShardBuffer:
     """The shard being written: tokens streamed to disk and hashed by a helper thread (hashlib and file writes
     release the GIL, so this overlaps with preparing the next row), indices kept in memory."""
 
-    def __init__(self, directory: Path, index: int):
+    def __init__(self, directory: Path, index: int, durable: bool):
         self.name = _shard_name(index)
+        self.durable = durable
         self.tokens_path = directory / _shard_file(self.name, "tokens")
         self.file = open(self.tokens_path, "wb")
         self.hash = hashlib.blake2b(digest_size=32)
@@ -179,7 +180,8 @@ class _ShardBuffer:
             if self._pending is not None:
                 self._pending.result()
             self.file.flush()
-            os.fsync(self.file.fileno())
+            if self.durable:
+                os.fsync(self.file.fileno())
         finally:
             self._io.shutdown()
             self.file.close()
@@ -195,7 +197,8 @@ class ShardWriter:
 
     A row is a list of sequences; a sequence is a mapping field -> 1-D integer array, or a structured numpy
     array with those fields (e.g. `PackedDataset.row_tokens(i)` of another dataset; copied as bytes when its
-    dtype is the writer's). Used as a context manager, a writer that is not closed is aborted.
+    dtype is the writer's). Used as a context manager, a writer that is not closed is aborted. `durable=False`:
+    nothing is fsynced (a scratch dataset, copied elsewhere and removed: a crash loses nothing of value).
     """
 
     def __init__(
@@ -204,6 +207,7 @@ class ShardWriter:
         token_fields: Iterable[str] | None = None,
         max_shard_bytes: int = 1 << 30,
         kind: str = "packed",
+        durable: bool = True,
     ):
         if kind not in ("packed", "tokenized"):
             raise ValueError(f"kind must be 'packed' or 'tokenized', got {kind!r}")
@@ -214,6 +218,7 @@ class ShardWriter:
         self.token_fields = normalize_token_fields(token_fields)
         self.dtype = token_dtype(self.token_fields)
         self.max_shard_bytes = int(max_shard_bytes)
+        self.durable = durable
         self.out_dir.parent.mkdir(parents=True, exist_ok=True)
         aside = set_aside(self.out_dir)
         if len(aside) == 1:  # an earlier run died inside replace_dir: put the previous output back first
@@ -324,7 +329,7 @@ class ShardWriter:
             self._finish_shard()
             shard = None
         if shard is None:
-            shard = self._current = _ShardBuffer(self.tmp_dir, len(self._shards))
+            shard = self._current = _ShardBuffer(self.tmp_dir, len(self._shards), self.durable)
         seq_offset = len(shard.seqs)
         for k in range(n):
             shard.seqs.append((seq_lens[k], recs[k], seq_loss[k], seq_turns[k], len(shard.uids), len(seq_uids[k])))
@@ -381,6 +386,62 @@ class ShardWriter:
         self._max_token_id = max(self._max_token_id, part["max_token_id"])
         shutil.rmtree(part_dir)
 
+    def add_rows(self, src: "PackedDataset", start: int, end: int) -> None:
+        """Rows `[start, end)` of `src` (a dataset with this writer's token fields) added as `add_row` adds each
+        of them, giving the same bytes and cut (`ShardCutter`), but copied in bulk: token records as bytes (rows
+        valid as `src` holds them), index entries with their offsets shifted."""
+        if self._closed:
+            raise RuntimeError("ShardWriter is closed")
+        if src.token_fields != self.token_fields:
+            raise ValueError(f"{src.path}: token fields {src.token_fields} differ from this dataset's "
+                             f"{self.token_fields}")
+        for k, (first, last) in enumerate(zip(src._row_starts[:-1].tolist(), src._row_starts[1:].tolist())):
+            a, b = max(start, first) - first, min(end, last) - first  # this source shard's rows, locally
+            if a >= b:
+                continue
+            rows = src._rows[k][a:b]
+            cutter = ShardCutter(self.max_shard_bytes, self._current.n_bytes if self._current is not None else 0)
+            cuts = cutter.cut(rows["n_tokens"] * self.dtype.itemsize)
+            for j, (run_start, run_end) in enumerate(zip([0, *cuts], [*cuts, len(rows)])):
+                if j:  # a run after a cut starts a shard (the first may be empty: a cut before the first row)
+                    self._finish_shard()
+                if run_end > run_start:
+                    self._copy_run(src, k, rows[run_start:run_end])
+
+    def _copy_run(self, src: "PackedDataset", k: int, rows: np.ndarray) -> None:
+        """Append consecutive `rows` (index entries of `src`'s shard `k`) to the current shard, which takes them
+        all."""
+        shard = self._current
+        if shard is None:
+            shard = self._current = _ShardBuffer(self.tmp_dir, len(self._shards), self.durable)
+        first, last = rows[0], rows[-1]
+        tok_lo, tok_hi = int(first["token_offset"]), int(last["token_offset"] + last["n_tokens"])
+        seq_lo, seq_hi = int(first["seq_offset"]), int(last["seq_offset"] + last["n_seqs"])
+        seqs = np.array(src._seqs[k][seq_lo:seq_hi])
+        uid_lo = int(seqs[0]["uid_offset"])
+        uids = src._uids[k][uid_lo:uid_lo + int(seqs["n_uids"].sum())]
+        tokens = src._tokens[k][tok_lo:tok_hi]
+        rows = np.array(rows)
+        rows["token_offset"] += shard.n_tokens - tok_lo
+        rows["seq_offset"] += len(shard.seqs) - seq_lo
+        seqs["uid_offset"] += len(shard.uids) - uid_lo
+        shard.rows.extend(rows.tolist())
+        shard.seqs.extend(seqs.tolist())
+        shard.uids.extend(uids.tolist())
+        shard.append(tokens.view(np.uint8))
+        shard.n_tokens += tokens.shape[0]
+        shard.n_bytes += tokens.nbytes
+        self._add_category_counts(tokens["category_ids"], tokens["labels"] != IGNORE_INDEX)
+        self._max_token_id = max(self._max_token_id, int(tokens["input_ids"].max()))
+        c = self._counts
+        c["rows"] += len(rows)
+        c["sequences"] += len(seqs)
+        c["tokens"] += tokens.shape[0]
+        c["loss_tokens"] += int(rows["n_loss_tokens"].sum())
+        c["trained_turns"] += int(rows["n_trained_turns"].sum())
+        c["samples"] += int(rows["n_samples"].sum())
+        c["uids"] += len(uids)
+
     def _grow_categories(self, size: int) -> None:
         grow = size - self._category_tokens.shape[0]
         if grow > 0:
@@ -425,7 +486,8 @@ class ShardWriter:
             with open(path, "wb") as f:
                 np.save(f, arr, allow_pickle=False)
                 f.flush()
-                os.fsync(f.fileno())
+                if self.durable:
+                    os.fsync(f.fileno())
             files[kind] = {"file": path.name, "bytes": path.stat().st_size, "blake2b": file_blake2b(path)}
         self._shards.append(
             {
@@ -456,8 +518,9 @@ class ShardWriter:
             self.abort()
             raise ValueError(f"extra_files may not be named {bad}")
         self._finish_shard()
+        write = write_synced if self.durable else Path.write_bytes
         for name, data in files.items():
-            write_synced(self.tmp_dir / name, data)
+            write(self.tmp_dir / name, data)
         meta = orjson.loads(dump_json({  # as read back: the checksum covers what readers parse
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
@@ -470,10 +533,11 @@ class ShardWriter:
             "shards": self._shards,
         }))
         meta[MANIFEST_CHECKSUM] = manifest_checksum(meta)
-        write_synced(self.tmp_dir / "meta.json", dump_json(meta))
-        fsync_dir(self.tmp_dir)
+        write(self.tmp_dir / "meta.json", dump_json(meta))
+        if self.durable:
+            fsync_dir(self.tmp_dir)
         self._closed = True
-        replace_dir(self.tmp_dir, self.out_dir)
+        replace_dir(self.tmp_dir, self.out_dir, self.durable)
         return meta
 
     def abort(self) -> None:
@@ -492,19 +556,46 @@ class ShardWriter:
             self.abort()
 
 
+class ShardCutter:
+    """The shard cut of `ShardWriter.add_row` over rows given a batch at a time: a row that would take a non-empty
+    shard past `max_shard_bytes` starts the next one. Costs O(shards) steps over numpy sums, not a step a row."""
+
+    def __init__(self, max_shard_bytes: int, fill: int = 0):
+        self.max_shard_bytes = int(max_shard_bytes)
+        self.fill = int(fill)  # bytes of the shard being filled
+
+    def cut(self, row_nbytes: Sequence[int]) -> list[int]:
+        """The next rows (their byte sizes, each > 0): the indices among them of the rows that start a shard."""
+        ends = np.cumsum(np.asarray(row_nbytes, dtype=np.int64))  # ends[i]: bytes of rows 0..i
+        cuts: list[int] = []
+        start, before = 0, 0  # the shard's first row here, and the bytes of the rows before it
+        while start < len(ends):
+            over = int(np.searchsorted(ends, self.max_shard_bytes - self.fill + before, side="right"))
+            if over == start and self.fill == 0:  # a row larger than a shard fills an empty one alone
+                over += 1
+            if over >= len(ends):
+                self.fill += int(ends[-1]) - before
+                break
+            cuts.append(over)
+            start, before, self.fill = over, int(ends[over - 1]) if over else 0, 0
+        return cuts
+
+    def cut_lazily(self, nbytes: int, row_nbytes: Callable[[], Sequence[int]]) -> list[int]:
+        """`cut` for rows of `nbytes` in all, whose sizes `row_nbytes()` gives: called only when a cut falls among
+        them (rows that fit the current shard need no per-row sizes)."""
+        if self.fill + nbytes <= self.max_shard_bytes:
+            self.fill += int(nbytes)
+            return []
+        return self.cut(row_nbytes())
+
+
 def shard_ranges(row_nbytes: Sequence[int], max_shard_bytes: int) -> list[tuple[int, int]]:
-    """`[start, end)` row ranges of the shards `ShardWriter.add_row` cuts for rows of these byte sizes: a row
-    that would take a non-empty shard past `max_shard_bytes` starts the next one (the rule in `add_row`)."""
-    ranges: list[tuple[int, int]] = []
-    start, size = 0, 0
-    for i, nbytes in enumerate(row_nbytes):
-        if size > 0 and size + nbytes > max_shard_bytes:
-            ranges.append((start, i))
-            start, size = i, 0
-        size += int(nbytes)
-    if len(row_nbytes) > start:
-        ranges.append((start, len(row_nbytes)))
-    return ranges
+    """`[start, end)` row ranges of the shards `ShardWriter.add_row` cuts for rows of these byte sizes
+    (`ShardCutter`)."""
+    if not len(row_nbytes):
+        return []
+    starts = [0, *ShardCutter(max_shard_bytes).cut(row_nbytes)]
+    return list(zip(starts, starts[1:] + [len(row_nbytes)]))
 
 
 # ---------------------------------------------------------------------------------------------- reader

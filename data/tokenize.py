@@ -23,24 +23,31 @@ import multiprocessing
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
 from data.chat_template import TemplateInfo, analyze_template, load_chat_tokenizer
 from data.config import ConfigError, DataConfig, output_config, to_dict
+from data.executor import ByteRange, Executor, LocalExecutor, byte_ranges, count_lines
 from data.fidelity import STAT_KEYS, FidelityOptions, Rendered, asked_chars, render_merged, template_renders_reasoning
 from data.progress import progress
 from data.records import RecordError, message_category, record_uids, validate_canonical
 from data.report import DROPPED_AT_LIMIT, check_arithmetic, format_tokenize_summary, sorted_counts, update_report
-from data.fsutil import file_blake2b, tokenizer_hash
-from data.io import ordered_parallel_map, parse_jsonl_line
-from data.shards import IGNORE_INDEX, REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, ShardWriter
+from data.fsutil import file_blake2b, read_lines, tokenizer_hash
+from data.io import parse_jsonl_line
+from data.shards import (IGNORE_INDEX, REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, PackedDataset, ShardCutter,
+                         ShardWriter)
 from data.token_bound import TokenBound
 
 OVERLONG_POLICIES = ("drop", "error", "truncate", "left", "right")
-CHUNK_RECORDS = 256  # records per batch encode / per worker task
-CHUNK_BYTES = 8 << 20  # ... or fewer when their JSON is this large (bounds memory per task)
+# merged.jsonl bytes per worker task (a range, written as one part): RANGE_BYTES, or down to MIN_RANGE_BYTES so that
+# a smaller input still gives every worker RANGES_PER_WORKER ranges
+RANGE_BYTES = 1 << 20
+MIN_RANGE_BYTES = 64 << 10
+RANGES_PER_WORKER = 4
+BATCH_RECORDS = 256  # records per batch encode
+PART_SHARD_BYTES = 1 << 62  # a part is one shard, whatever its size: the parts are re-cut into tokenized/'s shards
 
 
 @dataclass
@@ -363,69 +370,10 @@ def tokenize_records(
     return out
 
 
-# ---------------------------------------------------------------------------------------------- streaming + workers
-def _tokenize_chunk(chunk: list[tuple[int, int, bytes]], path: str, ctx: TokenizeContext):
-    """chunk: (record_index, line number, raw line) -> (results, bytes consumed)."""
-    sources = [f"{path}:{lineno}" for _, lineno, _ in chunk]
-    records = [parse_jsonl_line(line, src, require_object=False) for (_, _, line), src in zip(chunk, sources)]
-    results = tokenize_records(records, ctx, sources, [idx for idx, _, _ in chunk])
-    return results, sum(len(line) for _, _, line in chunk)
-
-
-_WORKER: dict = {}
-
-
-def init_tokenize_worker(cfg_dict: dict) -> None:
-    """Worker initializer (local pool or Ray): build this process's TokenizeContext from a `to_dict` config, for
-    `tokenize_in_worker`."""
-    from data.config import from_dict
-
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers are the parallelism
-    cfg = from_dict(DataConfig, cfg_dict)
-    _WORKER["ctx"] = TokenizeContext.from_config(cfg)
-    _WORKER["path"] = str(cfg.merged_path)
-
-
-def tokenize_in_worker(chunk: list[tuple[int, int, bytes]]):
-    """Worker: `_tokenize_chunk` with the context `init_tokenize_worker` built -> (results, bytes consumed)."""
-    return _tokenize_chunk(chunk, _WORKER["path"], _WORKER["ctx"])
-
-
-def iter_chunks(path: str | os.PathLike) -> Iterator[list[tuple[int, int, bytes]]]:
-    """Stream a JSONL file as chunks of (record_index, line number, line); blank lines are skipped."""
-    chunk: list[tuple[int, int, bytes]] = []
-    size = 0
-    index = 0
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            chunk.append((index, lineno, line))
-            index += 1
-            size += len(line)
-            if len(chunk) >= CHUNK_RECORDS or size >= CHUNK_BYTES:
-                yield chunk
-                chunk, size = [], 0
-    if chunk:
-        yield chunk
-
-
-def _ordered_results(cfg: DataConfig, ctx: TokenizeContext | None, workers: int) -> Iterator[tuple[list, int]]:
-    """Results chunk by chunk in input order; with workers > 1 at most 2 x workers chunks are in flight."""
-    path = str(cfg.merged_path)
-    if workers <= 1:  # inline, with the caller's context (ordered_parallel_map would build another)
-        for chunk in iter_chunks(path):
-            yield _tokenize_chunk(chunk, path, ctx)
-        return
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    yield from ordered_parallel_map(tokenize_in_worker, iter_chunks(path), workers, init_tokenize_worker,
-                                    (to_dict(cfg),), start_method=method)
-
-
 @dataclass
 class TokenizeTally:
-    """The stage's accounting of a run of chunks: mergeable, so a chunk can be counted where it was tokenized
-    (a Ray worker) and the driver adds the tallies up in chunk order."""
+    """The stage's accounting of a run of records: mergeable, so a range is counted by the worker that tokenized
+    it and the driver adds the tallies up in range order."""
 
     n_in: int = 0
     n_out: int = 0
@@ -435,13 +383,12 @@ class TokenizeTally:
     n_loss: int = 0
     n_turns: int = 0
     dropped: dict = field(default_factory=dict)
-    # reason -> sources of its first DROPPED_AT_LIMIT drops: chunks come in input order, and tallies merge in it
+    # reason -> sources of its first DROPPED_AT_LIMIT drops: records come in input order, and tallies merge in it
     dropped_at: dict = field(default_factory=dict)
     cats: dict = field(default_factory=dict)  # category id -> counters
     names: dict = field(default_factory=dict)  # category id -> name, first seen
     stats: dict = field(default_factory=lambda: dict.fromkeys(STAT_KEYS, 0))  # fidelity counters of kept records
     lost: dict = field(default_factory=dict)  # reason -> [records, characters asked to train and not trained]
-    row_tokens: list = field(default_factory=list)  # tokens of each row written, in order
 
     def _cat_row(self, cid: int) -> dict:
         return self.cats.setdefault(cid, {"before": 0, "after": 0, "tokens_before": 0, "loss_tokens_before": 0,
@@ -467,7 +414,7 @@ class TokenizeTally:
         entry[1] += chars
 
     def add_results(self, results: list, writer: ShardWriter, cfg: DataConfig) -> None:
-        """Count one chunk's `tokenize_records` results and add its kept sequences to `writer`; a bad record
+        """Count a batch's `tokenize_records` results and add its kept sequences to `writer`; a bad record
         raises its RecordError when the policy says so (`on_error`, `overlong: error`)."""
         for res in results:
             self.n_in += 1
@@ -487,7 +434,6 @@ class TokenizeTally:
                 continue
             writer.add_row([res.token_fields()], record_indices=[res.record_index], uids=[res.uids])
             n = res.input_ids.shape[0]
-            self.row_tokens.append(n)
             self.n_out += 1
             self.n_truncated += res.truncated
             self.n_plain += res.structure_kept_plain
@@ -512,7 +458,7 @@ class TokenizeTally:
                     self._count_lost(reason, 1, res.fidelity[f"{reason}_chars"])
 
     def merge(self, other: "TokenizeTally") -> None:
-        """Add the tally of the chunks that follow this one's."""
+        """Add the tally of the records that follow this one's."""
         for key in ("n_in", "n_out", "n_truncated", "n_plain", "n_tokens", "n_loss", "n_turns"):
             setattr(self, key, getattr(self, key) + getattr(other, key))
         for reason, n in other.dropped.items():
@@ -533,51 +479,179 @@ class TokenizeTally:
             self.stats[key] += value
         for reason, (records, chars) in other.lost.items():
             self._count_lost(reason, records, chars)
-        self.row_tokens.extend(other.row_tokens)
 
 
-def _local_chunk_tallies(cfg: DataConfig, ctx: TokenizeContext, workers: int, writer: ShardWriter,
-                         ordered_results: Callable | None = None) -> Iterator[tuple[TokenizeTally, int]]:
-    """Each chunk's tally in input order, its rows written by this process."""
-    with contextlib.closing((ordered_results or _ordered_results)(cfg, ctx, workers)) as stream:
-        for results, n_bytes in stream:
-            tally = TokenizeTally()
-            tally.add_results(results, writer, cfg)
-            tally.row_tokens.clear()  # only engines that re-cut shards need the lengths
-            yield tally, n_bytes
+# ---------------------------------------------------------------------------------------------- workers
+_WORKER: dict = {}  # this process's TokenizeContext and config (`init_tokenize_worker`)
 
 
-def run(cfg: DataConfig, workers: int | None = None,
-        ordered_results: Callable[[DataConfig, TokenizeContext, int], Iterator[tuple[list, int]]] | None = None,
-        chunk_tallies: Callable[[DataConfig, TokenizeContext, int, ShardWriter],
-                                Iterator[tuple[TokenizeTally, int]]] | None = None, executor=None) -> dict:
-    """Tokenize cfg.merged_path into cfg.tokenized_dir; returns the stage's report section.
+def init_tokenize_worker(cfg_dict: dict) -> None:
+    """Worker set-up (`Executor.map`'s `setup`, once per process): this process's TokenizeContext and config, from
+    a `to_dict` config. A pool's worker encodes on one thread (the workers are the parallelism); with one worker
+    the tasks run in the driver's own process, whose tokenizer may use the cores."""
+    from data.config import from_dict
 
-    `ordered_results` yields each chunk's `_tokenize_chunk` result in input order (default `_ordered_results`
-    over local processes). `chunk_tallies(cfg, ctx, workers, writer)` replaces the whole row writing: it
-    yields each chunk's `TokenizeTally` in input order and has put every row into `writer` when it ends (the
-    Ray engine's workers write the rows; default: this process writes the rows of `ordered_results`).
+    if multiprocessing.parent_process() is not None:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    cfg = from_dict(DataConfig, cfg_dict)
+    _WORKER["ctx"] = TokenizeContext.from_config(cfg)
+    _WORKER["cfg"] = cfg
+
+
+@dataclass(frozen=True)
+class RangeTask:
+    """A byte range of merged.jsonl to tokenize: its records are numbered after `records_before` records and its
+    lines after `lines_before` lines (record indices and `path:line` sources of the whole file); its kept rows go
+    to the dataset `part`."""
+    lines: ByteRange
+    records_before: int
+    lines_before: int
+    part: str
+
+
+@dataclass
+class RangeResult:
+    """A tokenized range: its tally, its bytes of merged.jsonl, and its part (None: no record kept; else
+    `tally.n_out` rows of `tally.n_tokens` tokens)."""
+    tally: TokenizeTally
+    n_bytes: int
+    part: str | None
+
+
+def tokenize_range(task: RangeTask) -> RangeResult:
+    """Worker: tokenize a range's records, a batch encode per BATCH_RECORDS, count them and write the kept ones to
+    the part. A bad record that the policy makes fatal is raised (the executor raises it in range order)."""
+    ctx, cfg = _WORKER["ctx"], _WORKER["cfg"]
+    path = task.lines.path
+    lines = [(lineno, line) for lineno, line in enumerate(read_lines(path, task.lines.start, task.lines.end),
+                                                         task.lines_before + 1) if line.strip()]
+    tally = TokenizeTally()
+    with ShardWriter(task.part, token_fields=token_fields(cfg), max_shard_bytes=PART_SHARD_BYTES,
+                     kind="tokenized", durable=False) as writer:
+        for first in range(0, len(lines), BATCH_RECORDS):
+            batch = lines[first:first + BATCH_RECORDS]
+            sources = [f"{path}:{lineno}" for lineno, _ in batch]
+            records = [parse_jsonl_line(line, src, require_object=False) for (_, line), src in zip(batch, sources)]
+            indices = list(range(task.records_before + first, task.records_before + first + len(batch)))
+            tally.add_results(tokenize_records(records, ctx, sources, indices), writer, cfg)
+        if not tally.n_out:
+            return RangeResult(tally, task.lines.end - task.lines.start, None)
+        writer.close()
+    return RangeResult(tally, task.lines.end - task.lines.start, task.part)
+
+
+@dataclass(frozen=True)
+class RowSegment:
+    """Rows `[start, end)` of the part dataset `part`."""
+    part: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    """One shard of tokenized/: its rows, segments of parts in order, written as a dataset of its own at `out`."""
+    segments: tuple[RowSegment, ...]
+    out: str
+    token_fields: tuple[str, ...]
+    max_shard_bytes: int
+
+
+def write_shard(task: ShardTask) -> str:
+    """Worker: one shard of tokenized/, the segments' rows copied (`ShardWriter.add_rows`) into a dataset of its
+    own at `task.out` (for `ShardWriter.append_dataset`)."""
+    with ShardWriter(task.out, token_fields=task.token_fields, max_shard_bytes=task.max_shard_bytes,
+                     kind="tokenized") as writer:
+        for segment in task.segments:
+            writer.add_rows(PackedDataset(segment.part, verify="off"), segment.start, segment.end)
+        writer.close()
+    return task.out
+
+
+class ShardPlan:
+    """tokenized/'s shards over the parts, cut by the writer's rule (`ShardCutter`) as the parts come in order,
+    from their byte sizes alone: a part's row sizes are read (from the part) only when a cut falls inside it. The
+    driver holds a few values per part and shard, nothing per row."""
+
+    def __init__(self, writer: ShardWriter):
+        self.writer = writer
+        self.cutter = ShardCutter(writer.max_shard_bytes)
+        self.shards: list[list[RowSegment]] = [[]]
+
+    def add(self, part: str, rows: int, tokens: int) -> None:
+        """The next part: `rows` rows of `tokens` tokens in all."""
+        itemsize = self.writer.dtype.itemsize
+        cuts = self.cutter.cut_lazily(tokens * itemsize,
+                                      lambda: PackedDataset(part, verify="off").row_n_tokens * itemsize)
+        for j, (start, end) in enumerate(zip([0, *cuts], [*cuts, rows])):
+            if j:  # a run after a cut starts a shard (the first may be empty: a cut before the first row)
+                self.shards.append([])
+            if end > start:
+                self.shards[-1].append(RowSegment(part, start, end))
+
+    def tasks(self, scratch: Path) -> Iterator[ShardTask]:
+        """A `write_shard` task per shard, in order (writing under `scratch`)."""
+        for k, segments in enumerate(self.shards):
+            if segments:
+                yield ShardTask(tuple(segments), str(scratch / f"shard_{k:08d}"), tuple(self.writer.token_fields),
+                                self.writer.max_shard_bytes)
+
+
+def token_fields(cfg: DataConfig) -> list[str]:
+    """The token fields of tokenized/: the structure mode's too when it is on."""
+    return list(REQUIRED_TOKEN_FIELDS) + (list(STRUCTURE_TOKEN_FIELDS) if cfg.structure else [])
+
+
+def tokenize_ranges(cfg: DataConfig, executor: Executor, parts: Path) -> Iterator[RangeResult]:
+    """Each range's result in file order: the workers count the lines of byte ranges of merged.jsonl (so that
+    record indices and line numbers are those of the whole file), then tokenize each range into a part under
+    `parts`."""
+    per_worker = os.path.getsize(cfg.merged_path) // (RANGES_PER_WORKER * executor.workers)
+    ranges = byte_ranges(cfg.merged_path, min(RANGE_BYTES, max(MIN_RANGE_BYTES, per_worker)))
+    with contextlib.closing(executor.map(count_lines, ranges)) as done:
+        counts = list(done)
+
+    def tasks() -> Iterator[RangeTask]:
+        records_before = lines_before = 0
+        for lines, count in zip(ranges, counts):
+            if count.records:
+                yield RangeTask(lines, records_before, lines_before, str(parts / f"part_{lines.index:08d}"))
+            records_before += count.records
+            lines_before += count.lines
+
+    with contextlib.closing(executor.map(tokenize_range, tasks(),
+                                         setup=functools.partial(init_tokenize_worker, to_dict(cfg)))) as done:
+        yield from done
+
+
+def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
+    """Tokenize cfg.merged_path into cfg.tokenized_dir on `executor` (default: `cfg.workers` local processes);
+    returns the stage's report section.
+
+    The workers tokenize byte ranges of merged.jsonl, each written as a part with its tally; the driver adds the
+    tallies up in range order and plans tokenized/'s shards from the parts' sizes (`ShardPlan`); the workers
+    re-cut the parts into those shards, which the driver appends in order: the bytes of one writer adding every
+    kept row in file order, whatever the engine and worker count.
 
     Bad records follow `on_error` (raise, or count under their reason); overlong ones follow
     `cfg.effective_overlong` (`error` raises whatever on_error says, the others count or truncate).
     """
     if not Path(cfg.merged_path).is_file():
         raise ConfigError(f"tokenize: input {cfg.merged_path} does not exist (run the merge stage first)")
-    ctx = TokenizeContext.from_config(cfg)  # fails early on a tokenizer without template, also when workers > 1
-    workers = workers or cfg.workers
-    fields = list(REQUIRED_TOKEN_FIELDS) + (list(STRUCTURE_TOKEN_FIELDS) if cfg.structure else [])
-    writer = ShardWriter(cfg.tokenized_dir, token_fields=fields, max_shard_bytes=cfg.pack.shard_size_mb << 20,
-                         kind="tokenized")
+    ctx = TokenizeContext.from_config(cfg)  # fails early on a tokenizer without template
+    executor = executor or LocalExecutor(cfg.workers)
+    writer = ShardWriter(cfg.tokenized_dir, token_fields=token_fields(cfg),
+                         max_shard_bytes=cfg.pack.shard_size_mb << 20, kind="tokenized")
     tally = TokenizeTally()
-    if chunk_tallies is None:
-        chunk_tallies = functools.partial(_local_chunk_tallies, ordered_results=ordered_results)
-
-    # closing the stream on an error stops the workers at once
-    with writer, contextlib.closing(chunk_tallies(cfg, ctx, workers, writer)) as stream, \
-            progress(total=os.path.getsize(cfg.merged_path), unit="B", unit_scale=True, desc="tokenize") as bar:
-        for chunk_tally, n_bytes in stream:
-            tally.merge(chunk_tally)
-            bar.update(n_bytes)
+    plan = ShardPlan(writer)
+    with writer, executor.scratch(Path(cfg.tokenized_dir).parent, "tokenize-parts") as scratch:
+        with progress(total=os.path.getsize(cfg.merged_path), unit="B", unit_scale=True, desc="tokenize") as bar, \
+                contextlib.closing(tokenize_ranges(cfg, executor, scratch)) as ranges:  # an error stops the workers
+            for done in ranges:
+                tally.merge(done.tally)
+                bar.update(done.n_bytes)
+                if done.part is not None:
+                    plan.add(done.part, done.tally.n_out, done.tally.n_tokens)
         if tally.n_out == 0:
             raise ConfigError(f"tokenize: no record of {cfg.merged_path} survived ({tally.n_in} in, dropped "
                               f"{sorted_counts(tally.dropped)})")
@@ -609,6 +683,9 @@ def run(cfg: DataConfig, workers: int | None = None,
                               f"would be trained (max_length {cfg.max_length}, overlong: {cfg.effective_overlong}, "
                               f"on_error: {cfg.on_error}). Raise max_length, fix the records, or set the "
                               f"sample_rate to 0 in {cfg.ratio_file} to leave a category out on purpose")
+        with contextlib.closing(executor.map(write_shard, plan.tasks(scratch), size="shards")) as shards:
+            for shard in shards:
+                writer.append_dataset(shard)
         categories_meta = {c: names.get(c, str(c)) for c in sorted(cats)}
         writer.close({
             "tokenizer_path": os.path.abspath(cfg.tokenizer_path),  # the trainer exports it, from any directory

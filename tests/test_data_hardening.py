@@ -24,7 +24,7 @@ def _dead_pid() -> int:
 def _fake_stage(name, calls):
     module = types.ModuleType(f"data.{name}")
 
-    def run(cfg):
+    def run(cfg, executor=None):
         calls.append(name)
         return {"in": 0, "out": 0, "dropped": {}}
 

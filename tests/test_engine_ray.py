@@ -4,15 +4,15 @@ import dataclasses
 import shutil
 from pathlib import Path
 
-import numpy as np
 import orjson
 import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -r requirements-ray.txt)")
 pytestmark = pytest.mark.timeout(300)  # a worker that cannot start is retried by Ray forever: fail instead
 
-from data import engine_ray, pack, pipeline, tokenize  # noqa: E402
+from data import engine_ray, pack, pipeline, preprocess, tokenize  # noqa: E402
 from data.config import STAGES, load_config  # noqa: E402
+from data.executor import LocalExecutor  # noqa: E402
 from data.records import RecordError  # noqa: E402
 from data.shards import PackedDataset, ShardWriter  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402
@@ -22,9 +22,9 @@ OUTPUTS = ("canonical.jsonl", "sampled.jsonl", "merged.jsonl", "tokenized", "pac
 
 def fault_hooks(fault_dir: Path):
     """A Ray worker start-up hook (a closure, so Ray ships it by value: workers cannot import tests/) that wraps
-    the tokenize chunk function to misbehave when the test arms it. `sleep`: a random delay per chunk (results
-    finish out of order); `kill`: the first chunk to run after arming kills its worker process (os._exit, as an
-    OOM kill would), once. Every chunk also leaves `node-<id>` naming the Ray node that ran it."""
+    the tokenize range function to misbehave when the test arms it. `sleep`: a random delay per range (results
+    finish out of order); `kill`: the first range to run after arming kills its worker process (os._exit, as an
+    OOM kill would), once. Every range also leaves `node-<id>` naming the Ray node that ran it."""
 
     root = str(ROOT)
 
@@ -37,9 +37,9 @@ def fault_hooks(fault_dir: Path):
         sys.path.insert(0, root)  # the hook runs before Ray puts the driver's sys.path on the worker's
         from data import tokenize
 
-        real = tokenize.tokenize_in_worker
+        real = tokenize.tokenize_range
 
-        def chunk_with_faults(chunk):
+        def range_with_faults(task):
             import ray
 
             (fault_dir / f"node-{ray.get_runtime_context().get_node_id()}").touch()
@@ -52,9 +52,9 @@ def fault_hooks(fault_dir: Path):
                     pass
                 else:
                     os._exit(1)
-            return real(chunk)
+            return real(task)
 
-        tokenize.tokenize_in_worker = chunk_with_faults
+        tokenize.tokenize_range = range_with_faults
 
     return install
 
@@ -167,23 +167,24 @@ def test_stage_module_cli_runs_its_stage_on_ray(fault_dir, local_example, tmp_pa
     finally:
         shutil.rmtree(local_example.out)
         shutil.copytree(snapshot, local_example.out)
-    assert "[tokenize] in=343 out=343" in capsys.readouterr().out
+    assert "[tokenize] in=348 out=348" in capsys.readouterr().out
 
 
-def test_pack_shards_written_by_workers_equal_one_writer(fault_dir, local_example, tmp_path):
-    src = PackedDataset(local_example.tokenized_dir)
-    lengths = np.asarray(src.row_n_tokens, dtype=np.int64)
-    rows = pack.layout(pack.plan_rows(lengths, 2048, seed=7), 7)
+def test_pack_on_ray_equals_local_for_any_worker_count(fault_dir, local_example, tmp_path, monkeypatch):
+    """pack.run's one program on Ray and on 1 or 3 local processes: the same packed/, with several partitions
+    (each planned by a worker, its rows released to the global pass) and several shards per partition."""
+    monkeypatch.setattr(pack, "PARTITION_SEQUENCES", 64)  # read by the driver only
+    cfg = dataclasses.replace(local_example, output_dir=str(tmp_path / "out"),
+                              pack=dataclasses.replace(local_example.pack, shard_size_mb=1))
+    shutil.copytree(local_example.out, cfg.out, ignore=shutil.ignore_patterns("packed"))
     outputs = {}
-    shard_map = engine_ray._StageMap(engine_ray.RayExecutor(2), "shards")
-    for name, write in (("local", pack.write_rows),
-                        ("ray", lambda *a: engine_ray.write_rows_on_workers(shard_map, *a))):
-        with ShardWriter(tmp_path / name, token_fields=src.token_fields, max_shard_bytes=50_000) as writer:
-            write(writer, src, rows, lengths)
-            meta = writer.close({"max_length": 2048})
-        outputs[name] = tree(tmp_path / name)
-    assert len(meta["shards"]) > 5
-    assert outputs["ray"] == outputs["local"]
+    for name, executor in (("local1", LocalExecutor(1)), ("local3", LocalExecutor(3)),
+                           ("ray", engine_ray.RayExecutor(2))):
+        pack.run(cfg, executor=executor)
+        outputs[name] = tree(cfg.packed_dir)
+    meta = orjson.loads(outputs["ray"]["meta.json"])
+    assert len(meta["shards"]) > len(PackedDataset(cfg.tokenized_dir)) // 64  # a shard (at least) per partition
+    assert outputs["ray"] == outputs["local1"] == outputs["local3"]
 
 
 def test_chunk_map_yields_chunk_order_when_ray_does_not(fault_dir):
@@ -271,7 +272,7 @@ def test_bad_record_gives_the_same_error_and_the_same_skip_count(fault_dir, tmp_
 def test_a_record_rejected_in_a_worker_raises_the_same_error(fault_dir, local_example, tmp_path, monkeypatch):
     """tokenize: the RecordError is made in the Ray worker and raised by the driver, as with local processes,
     naming the same merged.jsonl line although the worker read a byte range of ~1 record (500 bytes)."""
-    monkeypatch.setattr(engine_ray, "TOKENIZE_RANGE_BYTES", 500)
+    monkeypatch.setattr(tokenize, "RANGE_BYTES", 500)
     cfg = example_config(tmp_path, "out", "num_workers=1", "max_length=300", "pack.max_length=300",
                          "overlong=error")  # one worker: see test_bad_record_gives_the_same_error...
     cfg.stages = ["tokenize"]
@@ -284,38 +285,44 @@ def test_a_record_rejected_in_a_worker_raises_the_same_error(fault_dir, local_ex
 
 
 def test_tokenize_rows_are_written_by_the_workers_not_the_driver(fault_dir, local_example, tmp_path, monkeypatch):
-    """engine ray: the driver adds no tokenized row itself (the workers write a part per chunk, and the parts are
-    re-cut into the writer's shards on the workers too), and tokenized/ has the bytes of one local writer, also
+    """engine ray: the driver adds no tokenized row itself (the workers write a part per range, and the parts are
+    re-cut into the writer's shards on the workers too), and tokenized/ has the bytes of the local run, also
     when shard boundaries fall inside parts (20 kB shards, 16 kB ranges of merged.jsonl). The driver reads no
-    line of merged.jsonl (`tokenize.iter_chunks`): the workers read their byte ranges."""
-    real_init, real_add_row = ShardWriter.__init__, ShardWriter.add_row
+    line of merged.jsonl: the workers read their byte ranges."""
+    real_init = ShardWriter.__init__
 
     def small_shards(self, *args, max_shard_bytes=1 << 30, **kwargs):
         real_init(self, *args, max_shard_bytes=min(max_shard_bytes, 20_000), **kwargs)
 
     monkeypatch.setattr(ShardWriter, "__init__", small_shards)  # this process only: Ray workers are others
-    monkeypatch.setattr(engine_ray, "TOKENIZE_RANGE_BYTES", 16_000)  # ranges are cut by the driver
+    monkeypatch.setattr(tokenize, "RANGE_BYTES", 16_000)  # ranges are cut by the driver
     cfg = example_config(tmp_path, "out", "num_workers=1")
     cfg.stages = ["tokenize"]
     shutil.copytree(local_example.out, cfg.out, ignore=shutil.ignore_patterns("tokenized", "packed"))
     pipeline.run_pipeline(cfg)
     shutil.move(cfg.tokenized_dir, tmp_path / "local")
 
-    driver_rows = []
+    driver_rows, driver_reads = [], []
 
-    def counted_add_row(self, *args, **kwargs):
-        driver_rows.append(self.out_dir)
-        return real_add_row(self, *args, **kwargs)
+    def counted(method):
+        def wrapper(self, *args, **kwargs):
+            driver_rows.append(self.out_dir)
+            return method(self, *args, **kwargs)
+        return wrapper
 
-    monkeypatch.setattr(ShardWriter, "add_row", counted_add_row)
-    driver_chunks = []
-    monkeypatch.setattr(tokenize, "iter_chunks", lambda path: driver_chunks.append(path) or iter(()))
+    def reads_of_merged(path, *args, **kwargs):
+        driver_reads.append(path)
+        raise AssertionError(f"the driver read {path}")
+
+    monkeypatch.setattr(ShardWriter, "add_row", counted(ShardWriter.add_row))
+    monkeypatch.setattr(ShardWriter, "add_rows", counted(ShardWriter.add_rows))
+    monkeypatch.setattr(tokenize, "read_lines", reads_of_merged)
     pipeline.run_pipeline(dataclasses.replace(cfg, engine="ray"))
-    assert driver_rows == [] and driver_chunks == []
+    assert driver_rows == [] and driver_reads == []
     assert tree(cfg.tokenized_dir) == tree(tmp_path / "local")
     meta = orjson.loads((cfg.tokenized_dir / "meta.json").read_bytes())
-    assert len(meta["shards"]) > 3 and meta["counts"]["rows"] == 343
-    assert not list(cfg.out.glob(".tokenized*")), "parts or temp dirs left behind"
+    assert len(meta["shards"]) > 3 and meta["counts"]["rows"] == 348
+    assert not list(cfg.out.glob(".tokenize*")), "parts or temp dirs left behind"
 
 
 def _deep_bad_input(tmp_path, *extra_lines):
@@ -343,7 +350,7 @@ def test_input_byte_ranges_give_the_errors_and_skips_of_local(fault_dir, tmp_pat
     (canonical.jsonl) and every count are those of the local run."""
     from data.io import jsonl_byte_ranges
 
-    monkeypatch.setattr(engine_ray, "INPUT_RANGE_BYTES", 300)
+    monkeypatch.setattr(preprocess, "INPUT_RANGE_BYTES", 300)
     inputs, path, bad_line = _deep_bad_input(tmp_path / "error")
     assert len(list(jsonl_byte_ranges(str(path), 0, 300))) > 5
     cfg = example_config(tmp_path / "error", "out", "num_workers=1", inputs)
@@ -368,7 +375,7 @@ def test_dropped_sources_are_those_of_local(fault_dir, tmp_path, monkeypatch):
     from data.io import jsonl_byte_ranges
     from data.report import DROPPED_AT_LIMIT
 
-    monkeypatch.setattr(engine_ray, "INPUT_RANGE_BYTES", 300)
+    monkeypatch.setattr(preprocess, "INPUT_RANGE_BYTES", 300)
     code = (ROOT / "data/example/raw/code.jsonl").read_bytes().splitlines(True)
     first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
     first.write_bytes(b"{oops\n" + b'{"foo": 1}\n' + b"".join(line + b"[1]\n" for line in code[:45]))
@@ -399,7 +406,7 @@ def test_parquet_row_groups_give_the_errors_and_skips_of_local(fault_dir, tmp_pa
     rows = [{"q": f"question {i}", "a": None if i == 37 else f"answer {i}"} for i in range(60)]
     path = tmp_path / "qa.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=7)
-    assert engine_ray._parquet_row_groups(str(path)) == [7] * 8 + [4]
+    assert preprocess._parquet_row_groups(str(path)) == [7] * 8 + [4]
     spec = {"path": str(path), "format": "prompt_response", "prompt_key": "q", "response_key": "a",
             "category_name": "qa"}
     overrides = ("inputs=" + orjson.dumps([spec]).decode(), f"ratio_path={tmp_path / 'qa_ratios.json'}")
@@ -463,28 +470,25 @@ def test_merge_groups_straddling_range_boundaries_give_the_local_bytes(fault_dir
 
 def test_preprocess_and_sample_lines_are_written_by_the_workers(fault_dir, tmp_path, monkeypatch):
     """preprocess and sample on Ray, over many byte ranges (~2 KB) and with rates that copy and subsample
-    (2.5, 0.4, 0): the driver writes no canonical.jsonl or sampled.jsonl line itself (the workers write parts it
-    appends) and both files, the ratio file and the report equal the local ones."""
-    from data import preprocess, sample
+    (2.5, 0.4, 0): the driver writes no sampled.jsonl line itself (the workers write parts it appends, on either
+    engine) and both files, the ratio file and the report equal the local ones."""
+    from data import sample
 
     ratios = tmp_path / "ratios.json"
     categories = orjson.loads((ROOT / "configs/data/example_ratios.json").read_bytes())["categories"]
     for cat, rate in zip(categories, [2.5, 0.4, 0, 1.3, 1]):
         cat["sample_rate"] = rate
     ratios.write_bytes(orjson.dumps({"categories": categories}))
-    monkeypatch.setattr(engine_ray, "INPUT_RANGE_BYTES", 2000)
-    monkeypatch.setattr(engine_ray, "RANGE_BYTES", 2000)
+    monkeypatch.setattr(preprocess, "INPUT_RANGE_BYTES", 2000)
+    monkeypatch.setattr(sample, "RANGE_BYTES", 2000)
     written = []
-    for module, name in ((preprocess, "canonical_line"), (sample, "sampled_line")):
-        real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, real=real, name=name: written.append(name) or real(*a))
+    real = sample.sampled_line
+    monkeypatch.setattr(sample, "sampled_line", lambda *a: written.append(a) or real(*a))
     cfg = example_config(tmp_path, "out", "num_workers=2", f"ratio_path={ratios}")
     cfg.stages = ["preprocess", "sample"]
     pipeline.run_pipeline(cfg)
-    assert written, "the local run writes through the module functions"
     shutil.move(cfg.out, tmp_path / "local")
     local_ratios = ratios.read_bytes()
-    written.clear()
     pipeline.run_pipeline(dataclasses.replace(cfg, engine="ray"))
     assert written == []
     assert ratios.read_bytes() == local_ratios

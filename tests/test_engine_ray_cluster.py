@@ -5,7 +5,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -r requirements-ray.txt)")
 pytestmark = pytest.mark.timeout(300)
 
-from data import engine_ray, merge  # noqa: E402
+from data import merge, tokenize  # noqa: E402
 from tests.test_engine_ray import assert_same_outputs, fault_hooks, run_local_then_ray  # noqa: E402
 
 
@@ -31,7 +31,7 @@ def two_nodes(tmp_path_factory):
 
 def test_two_node_cluster_output_is_byte_identical_to_local(two_nodes, tmp_path, monkeypatch):
     """Small byte ranges (16 kB, ~14 of merged.jsonl) so that tokenize has tasks for both nodes."""
-    monkeypatch.setattr(engine_ray, "TOKENIZE_RANGE_BYTES", 16_000)
+    monkeypatch.setattr(tokenize, "RANGE_BYTES", 16_000)
     monkeypatch.setattr(merge, "MERGE_RANGE_BYTES", 16_000)
     assert len([n for n in ray.nodes() if n["Alive"]]) == 2
     local_dir, ray_dir = run_local_then_ray(tmp_path, "num_workers=0")  # 0: every CPU of the cluster (2)

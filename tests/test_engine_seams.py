@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from data.config import ConfigError, DataConfig, InputSpec, output_config
-from data.shards import ShardWriter, shard_ranges
+from data.shards import PackedDataset, ShardCutter, ShardWriter, shard_ranges
 from tests.test_shards import make_sequence
 
 
@@ -64,6 +64,58 @@ def test_shards_written_as_parts_are_byte_identical_to_one_writer(tmp_path, max_
         assert not (tmp_path / f"part_{k}").exists()
     assembled.close(extra)
     assert _tree(tmp_path / "assembled") == _tree(tmp_path / "one")
+
+
+def test_shard_cutter_fed_in_batches_cuts_as_the_writer():
+    """`ShardCutter` over rows given in batches (sizes, or a total with sizes asked only when needed) cuts where
+    `add_row` does (a step a row), rows larger than a shard included."""
+    def one_by_one(sizes, max_shard_bytes):
+        cuts, size = [], 0
+        for i, n in enumerate(sizes):
+            if size > 0 and size + n > max_shard_bytes:
+                cuts.append(i)
+                size = 0
+            size += n
+        return cuts
+
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        sizes = rng.integers(1, 120, int(rng.integers(1, 40))).tolist()
+        max_shard_bytes = int(rng.integers(1, 300))
+        cutter, cuts, pos = ShardCutter(max_shard_bytes), [], 0
+        while pos < len(sizes):
+            batch = sizes[pos:pos + int(rng.integers(1, 8))]
+            if rng.random() < 0.5:
+                cuts += [pos + c for c in cutter.cut(batch)]
+            else:
+                cuts += [pos + c for c in cutter.cut_lazily(sum(batch), lambda: batch)]
+            pos += len(batch)
+        assert cuts == one_by_one(sizes, max_shard_bytes), (sizes, max_shard_bytes)
+
+
+@pytest.mark.parametrize("max_shard_bytes", [1, 700, 3000, 1 << 30])
+def test_add_rows_of_other_datasets_give_the_bytes_of_add_row(tmp_path, max_shard_bytes):
+    """Rows copied in bulk (`add_rows`) from scratch datasets (not fsynced, of other shard sizes), in segments
+    that start and end anywhere, give the bytes of one writer adding the rows one by one."""
+    rows = _rows(40)
+    extra = {"categories": {1: "a", 2: "b", 3: "c"}}
+    one = ShardWriter(tmp_path / "one", max_shard_bytes=max_shard_bytes)
+    _add(one, rows)
+    one.close(extra)
+    record, parts = 0, []
+    for k, (start, end, part_shard_bytes) in enumerate([(0, 7, 1 << 30), (7, 8, 500), (8, 30, 900), (30, 40, 1)]):
+        part = ShardWriter(tmp_path / f"part_{k}", max_shard_bytes=part_shard_bytes, durable=False)
+        record = _add(part, rows[start:end], record)
+        part.close()
+        parts.append((PackedDataset(tmp_path / f"part_{k}", verify="off"), start))
+    copied = ShardWriter(tmp_path / "copied", max_shard_bytes=max_shard_bytes)
+    for lo, hi in [(0, 3), (3, 7), (7, 7), (7, 9), (9, 29), (29, 31), (31, 40)]:
+        for part, first in parts:
+            a, b = max(lo, first) - first, min(hi, first + len(part)) - first
+            if a < b:
+                copied.add_rows(part, a, b)
+    copied.close(extra)
+    assert _tree(tmp_path / "copied") == _tree(tmp_path / "one")
 
 
 def test_append_dataset_refuses_other_token_fields(tmp_path):

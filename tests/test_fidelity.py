@@ -198,8 +198,8 @@ def test_report_counts_reasoning_tools_and_losses(tmp_path, capsys):
     reasoning_chars = sum(len(r["messages"][1]["reasoning_content"]) for r in recs[:4])
     for policy in ("auto", "template"):
         cfg = DataConfig(inputs=[], output_dir=str(tmp_path), tokenizer_path=str(tokenizer_dir("qwen2_5_instruct")),
-                         on_error="skip", reasoning=policy)
-        section = check_arithmetic(run(cfg, workers=1))
+                         on_error="skip", reasoning=policy, num_workers=1)
+        section = check_arithmetic(run(cfg))
         assert section["dropped"] == {"bad_tool_arguments": 1}
         bad_chars = len("get_weather") + len("{bad") + len("It is 21 degrees.")
         assert section["lost"]["bad_tool_arguments"] == {"records": 1, "chars": bad_chars}

@@ -52,7 +52,7 @@ def merged_and_tokenized(sampled_path, out, tokenizer, probability):
     cfg.out.mkdir(parents=True)
     shutil.copyfile(sampled_path, cfg.sampled_path)
     merge_section = merge.run(cfg)
-    section = check_arithmetic(tokenize.run(cfg, workers=1))
+    section = check_arithmetic(tokenize.run(cfg))
     return merge_section, section, PackedDataset(cfg.tokenized_dir)
 
 

@@ -35,7 +35,7 @@ def write_tokenized(out_dir, n=300, max_length=256, seed=0, structure=False):
 
 def config(tmp_path, **pack):
     return DataConfig(inputs=[], output_dir=str(tmp_path), tokenizer_path="/tok", max_length=256, seed=11,
-                      merge=MergeConfig(), pack=PackConfig(shard_size_mb=1, **pack))
+                      num_workers=1, merge=MergeConfig(), pack=PackConfig(shard_size_mb=1, **pack))
 
 
 def seq_key(fields):
@@ -156,11 +156,12 @@ def test_empty_tokenized_dataset(tmp_path):
 
 
 @pytest.mark.parametrize("fault", ["row_written_twice", "row_left_out", "sequence_swapped"])
-def test_accounting_catches_a_writer_that_loses_or_repeats_a_sequence(tmp_path, fault):
+def test_accounting_catches_a_writer_that_loses_or_repeats_a_sequence(tmp_path, monkeypatch, fault):
     """pack.run checks what was written against the tokenized input: each row once, with its length and uids."""
     from data import pack
 
     write_tokenized(tmp_path / "tokenized")
+    real = pack.write_rows
 
     def faulty_write(writer, src, rows, lengths):
         if fault == "row_written_twice":
@@ -173,10 +174,11 @@ def test_accounting_catches_a_writer_that_loses_or_repeats_a_sequence(tmp_path, 
             other = int(np.flatnonzero(lengths[members] != lengths[members[0]])[0])
             members[other] = members[0]
             rows = pack.RowPlan(members, rows.starts)
-        pack.write_rows(writer, src, rows, lengths)
+        real(writer, src, rows, lengths)
 
+    monkeypatch.setattr(pack, "write_rows", faulty_write)  # the shard writer's (num_workers=1: in this process)
     with pytest.raises(AssertionError, match="exactly once"):
-        run(config(tmp_path), write=faulty_write)
+        run(config(tmp_path))
 
 
 def test_accounting_catches_a_wrong_length(tmp_path, monkeypatch):

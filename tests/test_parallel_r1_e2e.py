@@ -148,7 +148,7 @@ def test_on_error_error_names_the_malformed_record(pipeline_cfg, tmp_path):
         cfg.stages = ["tokenize"]
         cfg.validate()
         with pytest.raises(RecordError) as info:
-            tokenize.run(cfg, workers=1)
+            tokenize.run(cfg)
     message = str(info.value)
     assert f"merged.jsonl:{line} (from ../shared/fixtures/data/parallel_r1_gsm8k_sft_train.parquet:{MALFORMED_UID}): " \
            "structure:" in message, message  # names the raw row too

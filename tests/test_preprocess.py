@@ -380,3 +380,114 @@ def test_one_and_two_workers_write_identical_bytes(tmp_path, monkeypatch):
         outputs.append((cfg.canonical_path.read_bytes(), cfg.ratio_file.read_bytes(), section["out"]))
     assert outputs[0] == outputs[1]
     assert outputs[0][2] == 500 + 50 + 341
+
+
+def _hostile_inputs(tmp_path) -> list[InputSpec]:
+    """Inputs of every kind of task: .jsonl ranges (a BOM, blank lines, malformed and undetectable lines before the
+    first detectable row, bad records, a user function that filters rows and adds meta keys, tools after meta),
+    .parquet row groups, and rows the driver reads (.csv, a .json object of arrays with bad rows in both arrays)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    fn_file = tmp_path / "conv.py"
+    fn_file.write_text(
+        "def to_record(row):\n"
+        "    if row['q'].endswith('7'):\n"
+        "        return None\n"
+        "    return {'messages': [{'role': row.get('role', 'user'), 'content': row['q']},\n"
+        "                         {'role': 'assistant', 'content': 'a'}], 'meta': {'origin': row['q'], 'n': 1}}\n")
+    lines = [b"\xef\xbb\xbf\n", b"{oops\n", b'{"foo": 1}\n', b"\n"]
+    for i in range(300):
+        rec = {"question": f"q {i} \u00e9\t\"x\"", "answer": f"a {i}", "tools": [{"name": f"f{i}"}]}
+        lines.append(orjson.dumps(rec if i % 11 else {"question": f"q {i}"}) + b"\n")
+        lines += [b"   \n"] if i % 13 == 0 else []
+        lines += [b"[1]\n"] if i % 17 == 0 else []
+    qa = tmp_path / "qa.jsonl"
+    qa.write_bytes(b"".join(lines))
+    fn_rows = tmp_path / "fn.jsonl"
+    fn_rows.write_bytes(b"".join(orjson.dumps({"q": f"row {i}", **({"role": "robot"} if i % 19 == 0 else {})})
+                                 + b"\n" for i in range(200)))
+    table = pa.Table.from_pylist([{"q": f"pq {i}", "a": None if i % 23 == 0 else f"b {i}"} for i in range(120)])
+    parquet = tmp_path / "qa.parquet"
+    pq.write_table(table, parquet, row_group_size=9)
+    csv_file = tmp_path / "qa.csv"
+    csv_file.write_text("question,answer\n" + "".join(f"c {i},d {i}\n" if i % 7 else f"c {i}\n" for i in range(80)))
+    arrays = tmp_path / "arrays.json"
+    arrays.write_bytes(orjson.dumps({"train": [GOOD] * 5 + [BAD["unknown_role"][0]] * 150,
+                                     "test": [BAD["unknown_role"][0]] * 150 + [GOOD] * 3}))
+    return [InputSpec(path=[str(qa)]),
+            InputSpec(path=[str(fn_rows)], format="function", function=f"{fn_file}:to_record", category_name="fn"),
+            InputSpec(path=[str(parquet)], format="prompt_response", prompt_key="q", response_key="a"),
+            InputSpec(path=[str(csv_file)], category_name="csv"), InputSpec(path=[str(arrays)])]
+
+
+def _outputs(cfg) -> tuple[bytes, bytes, dict]:
+    section = orjson.loads(cfg.report_path.read_bytes())["preprocess"]
+    for key in ("output", "ratio_file"):
+        section.pop(key)
+    return cfg.canonical_path.read_bytes(), cfg.ratio_file.read_bytes(), section
+
+
+def test_outputs_do_not_depend_on_range_size_or_worker_count(tmp_path, monkeypatch):
+    """canonical.jsonl, the ratio file and the report (sources, counts, `dropped_at`) are the same whatever size
+    the .jsonl ranges are (one line each, a few lines, the whole file) and whatever the worker count: a range's
+    line numbers follow those of the ranges before it, uids and category ids follow the input order."""
+    inputs = _hostile_inputs(tmp_path)
+    outputs = {}
+    for range_bytes, workers in ((preprocess.INPUT_RANGE_BYTES, 1), (1, 1), (1, 2), (700, 3), (700, 1)):
+        monkeypatch.setattr(preprocess, "INPUT_RANGE_BYTES", range_bytes)
+        cfg = make_cfg(tmp_path / f"{range_bytes}_{workers}", inputs, num_workers=workers, on_error="skip")
+        preprocess.run(cfg)
+        outputs[range_bytes, workers] = _outputs(cfg)
+        assert [p.name for p in cfg.out.glob(".*")] == [], "parts or temp files left behind"
+    first = next(iter(outputs.values()))
+    assert all(out == first for out in outputs.values())
+    canonical, _, section = first
+    records = [orjson.loads(line) for line in canonical.splitlines()]
+    assert [r["meta"]["uid"] for r in records] == list(range(len(records))) == list(range(section["out"]))
+    assert section["dropped"] == {"filtered_by_function": 20, "malformed_csv": 12, "malformed_json": 1 + 18,
+                                  "missing_field": 27 + 6, "unknown_format": 2, "unknown_role": 10 + 300}
+    qa = inputs[0].path[0]
+    assert section["dropped_at"]["malformed_json"][:3] == [f"{qa}:2", f"{qa}:7", f"{qa}:26"]
+    assert section["dropped_at"]["unknown_format"] == [f"{qa}:3", f"{qa}:5"]
+    # the .json object of arrays: its bad rows by row number, then key (not in the order they are read)
+    arrays = inputs[4].path[0]
+    assert [s for s in section["dropped_at"]["unknown_role"] if s.startswith(arrays)][:7] == [
+        f"{arrays}:test[{row}]" for row in range(5)] + [f"{arrays}:test[5]", f"{arrays}:train[5]"]
+    fn_record = next(r for r in records if r["meta"]["category_name"] == "fn")
+    assert list(fn_record["meta"]) == ["category_id", "category_name", "uid", "source", "origin", "n"]
+
+
+def test_line_pieces_make_the_records_line():
+    """`canonical_line(line_pieces(rec), ...)` is `orjson.dumps` of the record with its meta set (ours first, a
+    user function's keys after), whatever optional keys follow meta."""
+    base = validate_canonical(GOOD, "x")
+    variants = [base, {**base, "meta": {"origin": "é\n", "category_id": 9}},
+                {**base, "tools": [{"type": "function", "function": {"name": "f"}}], "enable_thinking": False},
+                {**base, "meta": {"k": [1]}, "structure": {"a": 1}}]
+    for rec in variants:
+        extra = {k: v for k, v in rec["meta"].items() if k not in preprocess.META_KEYS}
+        source = 'd:\\ir/"x".jsonl:12'
+        expected = orjson.dumps({**rec, "meta": {"category_id": 3, "category_name": "ca\"t", "uid": 17,
+                                                 "source": source, **extra}}) + b"\n"
+        head, tail = preprocess.line_pieces(rec)
+        assert preprocess.canonical_line(head, 3, orjson.dumps('ca"t'), 17, orjson.dumps(source), tail) == expected
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_first_error_in_input_order_is_raised(tmp_path, workers):
+    """on_error=error: a bad record deep in a .jsonl input (read by a worker) is raised before a malformed row of a
+    later .json input (read by the driver, which reads ahead), and a bad record of a .json input before a
+    malformed row after it in the same file."""
+    lines = [orjson.dumps(GOOD) + b"\n"] * 400 + [orjson.dumps(BAD["unknown_role"][0]) + b"\n"]
+    jsonl = tmp_path / "a.jsonl"
+    jsonl.write_bytes(b"".join(lines))
+    array = tmp_path / "b.json"
+    array.write_bytes(orjson.dumps([{"question": "q", "answer": "a"}, {"question": "q"}, 5]))
+    qa = InputSpec(path=[str(array)], format="prompt_response", prompt_key="question", response_key="answer")
+    cfg = make_cfg(tmp_path, [InputSpec(path=[str(jsonl)], format="messages"), qa], num_workers=workers)
+    with pytest.raises(RecordError, match=rf"^{jsonl}:401: messages\[0\].role: unknown role"):
+        preprocess.run(cfg)
+    cfg.inputs = [qa]
+    with pytest.raises(RecordError, match=rf"^{array}:1: answer: missing field"):
+        preprocess.run(cfg)

@@ -1,4 +1,6 @@
 """Ratio sampling: exact counts per rate, copies, seeded determinism, errors, report arithmetic."""
+import dataclasses
+import tracemalloc
 from collections import Counter
 
 import numpy as np
@@ -9,6 +11,7 @@ from data import sample
 from data.config import DataConfig
 from data.io import iter_jsonl
 from data.preprocess import write_ratio_file
+from data.randomness import SAMPLE_EVAL, SAMPLE_FRACTION, SAMPLE_ORDER, record_keys
 from data.report import check_arithmetic, read_report
 
 
@@ -17,32 +20,104 @@ def test_fraction_count_rounds_half_up():
     assert sample.fraction_count(0.999, 3) == 3
 
 
-@pytest.mark.parametrize("rate,expected", [(0.0, 0), (0.3, 3), (1.0, 10), (1.5, 15), (2.0, 20), (2.25, 23)])
-def test_plan_counts_and_copies(rate, expected):
-    categories = np.array([1] * 10 + [2] * 4)
-    records, copies = sample.plan(categories, {1: rate, 2: 1.0}, seed=0)
-    cat1 = categories[records] == 1
-    assert cat1.sum() == expected and (~cat1).sum() == 4
-    per_record = Counter(records[cat1].tolist())
-    full = int(rate)
-    assert all(full <= c <= full + 1 for c in per_record.values())  # without replacement within a copy
-    assert sum(c == full + 1 for c in per_record.values()) == expected - 10 * full
-    for rec in set(records[cat1].tolist()):  # each record's copies are numbered 0, 1, ...
-        assert sorted(copies[records == rec].tolist()) == list(range(per_record[rec]))
+def brute_force(cfg: DataConfig, rates: dict[str, float], eval_size=None) -> tuple[bytes, bytes]:
+    """sampled.jsonl and eval/sampled.jsonl by the documented rule, record by record: per category, the eval
+    records are the m with the smallest SAMPLE_EVAL keys, the fractional part the training records with the
+    smallest SAMPLE_FRACTION keys; the output is every (record, copy) pair sorted by SAMPLE_ORDER key."""
+    lines = [line for line in cfg.canonical_path.read_bytes().splitlines() if line.strip()]
+    categories = np.array([orjson.loads(line)["meta"]["category_id"] for line in lines])
+    names = {orjson.loads(line)["meta"]["category_id"]: orjson.loads(line)["meta"]["category_name"] for line in lines}
+    index = np.arange(len(lines))
+
+    def smallest(stream, members, m):
+        return members[np.argsort(record_keys(cfg.seed, stream, members))[:m]]
+
+    held = np.zeros(0, dtype=np.int64)
+    if eval_size is not None:
+        sizes = {int(c): int((categories == c).sum()) for c in np.unique(categories) if rates[names[int(c)]] > 0}
+        held = np.concatenate([smallest(SAMPLE_EVAL, index[categories == c], m)
+                               for c, m in sample.eval_quotas(sizes, eval_size).items()])
+    training = np.ones(len(lines), dtype=bool)
+    training[held] = False
+    pairs = []
+    for c in np.unique(categories).tolist():
+        members = index[(categories == c) & training]
+        rate = rates[names[c]]
+        full = int(rate)
+        pairs += [(i, k) for i in members.tolist() for k in range(full)]
+        pairs += [(i, full) for i in smallest(SAMPLE_FRACTION, members, sample.fraction_count(rate, len(members)))]
+    pairs.sort(key=lambda p: (int(record_keys(cfg.seed, SAMPLE_ORDER, p[0], p[1])), p[0], p[1]))
+    return (b"".join(sample.sampled_line(lines[i], k) for i, k in pairs),
+            b"".join(lines[i] + b"\n" for i in sorted(held.tolist())))
 
 
-def test_plan_is_seeded_and_shuffled():
-    categories = np.repeat([1, 2, 3], 50)
-    rates = {1: 0.5, 2: 1.0, 3: 1.7}
-    a = sample.plan(categories, rates, seed=1)
-    b = sample.plan(categories, rates, seed=1)
-    c = sample.plan(categories, rates, seed=2)
-    assert all(np.array_equal(x, y) for x, y in zip(a, b))
-    assert not np.array_equal(a[0], c[0])
-    assert not np.all(np.diff(a[0]) >= 0)  # not in input order
-    # the picks of one category do not depend on another category's rate
-    d = sample.plan(categories, {**rates, 2: 0.0}, seed=1)
-    assert sorted(a[0][categories[a[0]] == 1].tolist()) == sorted(d[0][categories[d[0]] == 1].tolist())
+RATES = {"a": 0.37, "b": 2.5, "c": 0.0, "d": 1.0, "e": 0.999}
+SIZES = {"a": 300, "b": 41, "c": 17, "d": 60, "e": 3}
+
+
+@pytest.mark.parametrize("eval_size", [None, 0.1, 25])
+def test_output_is_the_documented_rule_whatever_the_ranges_buckets_and_workers(tmp_path, monkeypatch, eval_size):
+    """Exact counts per category, the fractional and eval records those with the smallest keys, the order the
+    key sort: equal to the rule computed record by record, with one range or ranges of ~200 bytes, one output
+    bucket or many, 1 or 3 workers."""
+    cfg = dataclasses.replace(_setup(tmp_path, RATES, SIZES), eval_size=eval_size)
+    expected, expected_eval = brute_force(cfg, RATES, eval_size)
+    outputs = set()
+    for range_bytes, bucket_bytes, workers in ((1 << 30, 1 << 30, 1), (200, 2000, 1), (200, 2000, 3),
+                                               (1000, 300, 2)):
+        monkeypatch.setattr(sample, "RANGE_BYTES", range_bytes)
+        monkeypatch.setattr(sample, "BUCKET_BYTES", bucket_bytes)
+        section = sample.run(dataclasses.replace(cfg, num_workers=workers))
+        eval_out = cfg.eval_config().sampled_path.read_bytes() if eval_size is not None else b""
+        outputs.add((cfg.sampled_path.read_bytes(), eval_out))
+        check_arithmetic(section)
+    assert outputs == {(expected, expected_eval)}
+    recs = list(iter_jsonl(cfg.sampled_path))
+    held = Counter(r["meta"]["category_name"] for r in iter_jsonl(cfg.eval_config().sampled_path)) \
+        if eval_size is not None else Counter()
+    for name, n in SIZES.items():
+        rate, n_train = RATES[name], n - held[name]
+        assert section["categories"][name]["after"] == int(rate) * n_train + sample.fraction_count(rate, n_train)
+        assert sum(r["meta"]["category_name"] == name for r in recs) == section["categories"][name]["after"]
+    if eval_size is not None:
+        eligible = {k + 1: n for k, (name, n) in enumerate(SIZES.items()) if RATES[name] > 0}
+        quotas = sample.eval_quotas(eligible, eval_size)
+        assert {name: held[name] for name in SIZES} == {name: quotas.get(k + 1, 0) for k, name in enumerate(SIZES)}
+    assert [p.name for p in cfg.out.glob(".*")] == [], "parts or temp files left behind"
+
+
+def test_choices_are_seeded_per_record(tmp_path):
+    """Another seed gives other choices; a category's choices do not depend on the other categories, their
+    rates or the records around: the keys are the record's own."""
+    def picked(cfg):
+        recs = list(iter_jsonl(cfg.sampled_path))
+        return [(r["meta"]["uid"], r["meta"].get("copy", 0)) for r in recs], \
+            sorted(r["meta"]["uid"] for r in recs if r["meta"]["category_name"] == "a")
+
+    cfg = _setup(tmp_path, {"a": 0.5, "b": 1.7}, {"a": 40, "b": 40})
+    sample.run(cfg)
+    order, a_picks = picked(cfg)
+    assert len(a_picks) == 20 and order != sorted(order)  # shuffled
+    sample.run(dataclasses.replace(cfg, seed=4))
+    assert picked(cfg)[1] != a_picks
+    write_ratio_file(cfg.ratio_file, [{"category_id": 1, "category_name": "a", "size": 40, "sample_rate": 0.5},
+                                      {"category_id": 2, "category_name": "b", "size": 40, "sample_rate": 0.0}])
+    sample.run(cfg)
+    assert picked(cfg)[1] == a_picks
+
+
+def test_driver_memory_is_flat_in_the_record_count(tmp_path):
+    """The driver keeps numbers per range, category and bucket, none per record: its peak traced memory grows
+    by far less than a byte a record from N to 4N records (the workers, other processes, are not traced)."""
+    peaks = []
+    for n in (5_000, 20_000):
+        cfg = dataclasses.replace(_setup(tmp_path / str(n), {"a": 0.5, "b": 2.5}, {"a": n // 2, "b": n // 2}),
+                                  eval_size=0.1, num_workers=2)
+        tracemalloc.start()
+        sample.run(cfg)
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    assert peaks[1] - peaks[0] < 15_000, peaks
 
 
 def _setup(tmp_path, rates: dict[str, float], sizes: dict[str, int]) -> DataConfig:
@@ -120,3 +195,17 @@ def test_category_missing_from_ratio_file_is_an_error(tmp_path):
     cfg = _setup(tmp_path, {"a": 1.0}, {"a": 2, "b": 1})
     with pytest.raises(sample.SamplingError, match=r"categories \[2\] of the data have no entry: 'b' \(id 2\)"):
         sample.run(cfg)
+
+
+def test_empty_canonical_and_a_last_line_without_newline(tmp_path):
+    """canonical.jsonl's last line without its newline gives the bytes it gives with one; an empty file samples
+    nothing."""
+    cfg = _setup(tmp_path, {"a": 1.5}, {"a": 9})
+    sample.run(cfg)
+    expected = cfg.sampled_path.read_bytes()
+    cfg.canonical_path.write_bytes(cfg.canonical_path.read_bytes().rstrip(b"\n"))
+    sample.run(cfg)
+    assert cfg.sampled_path.read_bytes() == expected and expected.count(b"\n") == 14
+    write_ratio_file(cfg.ratio_file, [])
+    cfg.canonical_path.write_bytes(b"")
+    assert sample.run(cfg)["out"] == 0 and cfg.sampled_path.read_bytes() == b""

@@ -66,7 +66,7 @@ def run_front(cfg: DataConfig) -> None:
 
 
 def run_tokenize(cfg: DataConfig) -> tuple[dict, PackedDataset]:
-    section = check_arithmetic(tokenize.run(cfg, workers=1))
+    section = check_arithmetic(tokenize.run(cfg))
     return section, PackedDataset(cfg.tokenized_dir)
 
 
@@ -206,7 +206,7 @@ def test_gsm8k_truncation_error_names_the_record(gsm8k_merged, tmp_path):
     for on_error in ("error", "skip"):  # truncation: error is fatal whatever on_error says
         cfg = tokenize_gsm8k(gsm8k_merged, tmp_path / on_error, truncation="error", on_error=on_error)
         with pytest.raises(RecordError) as info:
-            tokenize.run(cfg, workers=1)
+            tokenize.run(cfg)
         message = str(info.value)
         assert message.startswith(f"{cfg.merged_path}:{lineno} (from {origin}): messages: ")  # and the raw row
         assert f"{n_tokens} tokens > max_length {TRUNCATE_AT}" in message

@@ -11,9 +11,10 @@ from tests.test_tokenize_templates import _gsm8k_records, check_turn_text, refer
 
 from data.chat_template import analyze_template, load_chat_tokenizer
 from data.config import ConfigError, DataConfig
+from data.executor import LocalExecutor
 from data.records import RecordError
 from data.report import check_arithmetic
-from data.shards import PackedDataset
+from data.shards import PackedDataset, ShardWriter
 from data.pipeline import cli_main
 from data.tokenize import IGNORE_INDEX, TokenizeContext, run, tokenize_records
 
@@ -57,7 +58,7 @@ def test_run_writes_dataset_and_report(tmp_path, qwen):
     no_train = {"messages": recs[0]["messages"], "labels": [0] * len(recs[0]["messages"]),
                 "meta": {"uid": 99, "category_id": 1}}
     _write_merged(tmp_path, recs[:5] + [no_train] + recs[5:], extra_lines=[b"{not json"])
-    section = check_arithmetic(run(_cfg(tmp_path, on_error="skip"), workers=1))
+    section = check_arithmetic(run(_cfg(tmp_path, on_error="skip"), LocalExecutor(1)))
     assert (section["in"], section["out"]) == (14, 12)
     assert section["dropped"] == {"malformed_json": 1, "no_trainable_token": 1}
     merged = tmp_path / "merged.jsonl"
@@ -90,19 +91,20 @@ def test_run_writes_dataset_and_report(tmp_path, qwen):
 def test_on_error_raises_with_source(tmp_path, workers):
     _write_merged(tmp_path, _many_records(2), extra_lines=[b'{"messages": [{"role": "robot", "content": "x"}]}'])
     with pytest.raises(RecordError) as err:
-        run(_cfg(tmp_path), workers=workers)
+        run(_cfg(tmp_path), LocalExecutor(workers))
     assert err.value.reason == "unknown_role" and str(err.value).startswith(f"{tmp_path}/merged.jsonl:3: messages[0]")
     assert not (tmp_path / "tokenized").exists()
     if workers == 1:  # overlong=error raises even when other errors are skipped
         with pytest.raises(RecordError, match="max_length 64") as err:
-            run(_cfg(tmp_path, on_error="skip", overlong="error", max_length=64), workers=1)
+            run(_cfg(tmp_path, on_error="skip", overlong="error", max_length=64), LocalExecutor(1))
         assert err.value.reason == "overlong"
 
 
 def test_workers_output_byte_identical(tmp_path, monkeypatch):
     import data.tokenize as tk
 
-    monkeypatch.setattr(tk, "CHUNK_RECORDS", 4)  # several chunks in flight across the 2 workers
+    monkeypatch.setattr(tk, "RANGE_BYTES", 2000)  # several ranges in flight across the 2 workers
+    monkeypatch.setattr(tk, "BATCH_RECORDS", 2)
     recs = _many_records(14)
     outs = []
     for workers in (1, 2):
@@ -124,6 +126,50 @@ def test_workers_output_byte_identical(tmp_path, monkeypatch):
     meta_b["config"]["output_dir"] = meta_a["config"]["output_dir"]
     meta_b["manifest_blake2b"] = meta_a["manifest_blake2b"]
     assert meta_a == meta_b
+
+
+@pytest.mark.parametrize("range_bytes", [1, 3000, 1 << 20])
+def test_tokenized_is_the_bytes_of_one_writer_whatever_the_ranges_and_workers(tmp_path, monkeypatch, qwen,
+                                                                              range_bytes):
+    """The workers write each byte range's rows as a part and the parts are re-cut into tokenized/'s shards: the
+    shards are those of one writer adding every kept row in file order (`add_row`), for ranges of one record to
+    all of them, 1 to 3 workers, and shards (20 kB) that end inside parts, parts of several shards too."""
+    import data.tokenize as tk
+
+    real_init = ShardWriter.__init__
+
+    def small_shards(self, *args, max_shard_bytes=1 << 30, **kwargs):
+        real_init(self, *args, max_shard_bytes=min(max_shard_bytes, 20_000), **kwargs)
+
+    monkeypatch.setattr(ShardWriter, "__init__", small_shards)  # forked workers inherit it
+    monkeypatch.setattr(tk, "RANGE_BYTES", range_bytes)
+    recs = _many_records(20)
+    recs[3]["messages"][1]["role"] = "robot"  # dropped (on_error: skip): record indices skip it
+    lines = [b"", b"[1, 2"]  # a blank line (not a record) and a malformed one
+    ctx = _ctx(qwen, max_length=8192)
+    kept = [res for res in tokenize_records(recs, ctx) if not isinstance(res, RecordError)]
+    with ShardWriter(tmp_path / "one", token_fields=["input_ids", "labels", "category_ids", "turn_ids"],
+                     kind="tokenized") as one:
+        for res in kept:
+            one.add_row([res.token_fields()], record_indices=[res.record_index], uids=[res.uids])
+        expected = one.close()
+    assert len(expected["shards"]) > 3
+    sections = []
+    for workers in (1, 2, 3):
+        out = tmp_path / f"w{workers}"
+        _write_merged(out, recs, extra_lines=lines)
+        sections.append(run(_cfg(out, on_error="skip", max_length=8192), LocalExecutor(workers)))
+        meta = json.loads((out / "tokenized" / "meta.json").read_bytes())
+        for key in ("counts", "max_token_id", "shards"):
+            assert meta[key] == expected[key], key
+        for shard in expected["shards"]:
+            for entry in shard["files"].values():
+                assert (out / "tokenized" / entry["file"]).read_bytes() == (tmp_path / "one" / entry["file"]).read_bytes()
+        assert not [p.name for p in out.iterdir() if p.name.startswith(".")], "parts or temp dirs left behind"
+    for section in sections:
+        section.pop("dropped_at")  # names the output_dir
+        assert section == sections[0]
+    assert sections[0]["dropped"] == {"malformed_json": 1, "unknown_role": 1} and sections[0]["out"] == 19
 
 
 def test_cli_writes_report(tmp_path, capsys):
@@ -241,7 +287,7 @@ def test_gpt2_without_template_is_a_clear_error(tmp_path):
     _write_merged(tmp_path, _many_records(1))
     cfg = DataConfig(inputs=[], output_dir=str(tmp_path), tokenizer_path=str(tokenizer_dir("gpt2")))
     with pytest.raises(ConfigError, match="no chat template"):
-        run(cfg, workers=1)
+        run(cfg, LocalExecutor(1))
 
 
 TEMPLATE = """{%- for m in messages -%}
@@ -295,5 +341,5 @@ def test_meta_records_the_tokenizer_path_resolved(tmp_path, monkeypatch):
     tok = tokenizer_dir(QWEN)
     monkeypatch.chdir(tok.parent)
     _write_merged(tmp_path, _many_records(2))
-    run(DataConfig(inputs=[], output_dir=str(tmp_path), tokenizer_path=tok.name), workers=1)
+    run(DataConfig(inputs=[], output_dir=str(tmp_path), tokenizer_path=tok.name), LocalExecutor(1))
     assert PackedDataset(tmp_path / "tokenized").meta["tokenizer_path"] == str(tok)

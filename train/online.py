@@ -22,8 +22,9 @@ __all__ = ["OnlinePackedDataset", "epoch_plan", "open_train_dataset"]
 def epoch_plan(
     lengths: np.ndarray, max_length: int, seed: int, epoch: int = 0, algorithm: str = "best_fit"
 ) -> RowPlan:
-    """The rows of one epoch: the offline pack stage's rows for seed + epoch (`plan_rows`, then `layout`: rows
-    and the sequences inside each row in a seeded random order). Pure and deterministic."""
+    """The rows of one epoch: the pack stage's planner over all lengths at once, seeded with seed + epoch
+    (`plan_rows`, then `layout`: rows and the sequences inside each row in a seeded random order). Pure and
+    deterministic."""
     epoch_seed = int(seed) + int(epoch)
     return layout(plan_rows(lengths, max_length, seed=epoch_seed, algorithm=algorithm), epoch_seed)
 
