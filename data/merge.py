@@ -233,7 +233,11 @@ def join_draws(seed: int, probability: float, first: int, count: int) -> np.ndar
 
 
 # ---------------------------------------------------------------------------------------------- worker tasks
-MERGE_RANGE_BYTES = 1 << 20  # sampled.jsonl bytes per worker task
+# sampled.jsonl bytes per worker task: MERGE_RANGE_BYTES, or down to MIN_RANGE_BYTES so that a smaller input
+# still gives every worker RANGES_PER_WORKER ranges (the token counting is the work to spread)
+MERGE_RANGE_BYTES = 1 << 20
+MIN_RANGE_BYTES = 64 << 10
+RANGES_PER_WORKER = 4
 COPY_RANGE_BYTES = 16 << 20  # the same with probability 0 (a plain copy: fewer, larger parts are cheaper to sync)
 
 
@@ -483,8 +487,9 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
         else:
             settings = MergeSettings(cfg.seed, probability, budget, cfg.loss_turns, tokenizer_key,
                                      FidelityOptions.from_config(cfg))
-            n_in, zeroed, blocked, group_sizes = decide_and_write(executor, byte_ranges(path, MERGE_RANGE_BYTES),
-                                                                  settings, scratch, out)
+            per_worker = os.path.getsize(path) // (RANGES_PER_WORKER * executor.workers)
+            ranges = byte_ranges(path, min(MERGE_RANGE_BYTES, max(MIN_RANGE_BYTES, per_worker)))
+            n_in, zeroed, blocked, group_sizes = decide_and_write(executor, ranges, settings, scratch, out)
     n_out = sum(group_sizes.values())
     section = {
         "in": n_in, "out": n_out,
