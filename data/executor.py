@@ -109,6 +109,19 @@ def byte_ranges(path: str | os.PathLike, target_bytes: int, start: int = 0) -> l
     return [ByteRange(str(path), a, b, k) for k, (a, b) in enumerate(jsonl_byte_ranges(str(path), start, target_bytes))]
 
 
+# A range-sized stage cuts its input into ranges of at most its own maximum, but no larger than a share of the file
+# that gives every worker RANGES_PER_WORKER of them (down to MIN_RANGE_BYTES): a small input still keeps every
+# worker busy. Results never depend on the ranges (each stage's tests vary them).
+MIN_RANGE_BYTES = 64 << 10
+RANGES_PER_WORKER = 4
+
+
+def spread_ranges(path: str | os.PathLike, workers: int, max_bytes: int) -> list[ByteRange]:
+    """`byte_ranges` of at most `max_bytes`, smaller for a small file (`RANGES_PER_WORKER` per worker)."""
+    share = os.path.getsize(path) // (RANGES_PER_WORKER * workers)
+    return byte_ranges(path, min(max_bytes, max(MIN_RANGE_BYTES, share)))
+
+
 def count_lines(task: ByteRange) -> RangeCount:
     """Worker: the lines and non-blank lines of a range, split as iterating the file splits them."""
     lines = read_lines(task.path, task.start, task.end)

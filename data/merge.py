@@ -37,7 +37,7 @@ import orjson
 from data.chat_template import analyze_template, load_chat_tokenizer
 from data.config import ConfigError, DataConfig
 from data.fidelity import FidelityOptions, render_record, template_renders_reasoning
-from data.executor import ByteRange, Executor, LocalExecutor, byte_ranges, count_lines
+from data.executor import ByteRange, Executor, LocalExecutor, byte_ranges, count_lines, spread_ranges
 from data.fsutil import atomic_writer, read_lines
 from data.io import require_stage_input
 from data.records import RecordError, validate_canonical
@@ -233,12 +233,8 @@ def join_draws(seed: int, probability: float, first: int, count: int) -> np.ndar
 
 
 # ---------------------------------------------------------------------------------------------- worker tasks
-# sampled.jsonl bytes per worker task: MERGE_RANGE_BYTES, or down to MIN_RANGE_BYTES so that a smaller input
-# still gives every worker RANGES_PER_WORKER ranges (the token counting is the work to spread)
-MERGE_RANGE_BYTES = 1 << 20
-MIN_RANGE_BYTES = 64 << 10
-RANGES_PER_WORKER = 4
-COPY_RANGE_BYTES = 16 << 20  # the same with probability 0 (a plain copy: fewer, larger parts are cheaper to sync)
+MERGE_RANGE_BYTES = 1 << 20  # sampled.jsonl bytes per worker task at most (`executor.spread_ranges`)
+COPY_RANGE_BYTES = 16 << 20  # the same with probability 0 (a plain copy: fewer, larger parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +266,7 @@ class CopiedPart:
 def copy_records(task: CopyTask) -> CopiedPart:
     """Worker: every record of the range as a group of its own (loss_turns applied), written as a part."""
     zeroed = n = 0
-    with atomic_writer(task.part) as out:
+    with open(task.part, "wb") as out:  # a scratch part (not synced: merged.jsonl, built from it, is)
         for line in read_lines(task.range.path, task.range.start, task.range.end):
             if line.strip():
                 rec = orjson.loads(line)
@@ -338,7 +334,7 @@ def decide_groups(task: DecideTask) -> RangeDecisions:
     part = None
     if len(starts) > 1:  # groups that end in the range (the last one is still open)
         part = task.part
-        with atomic_writer(part) as out:
+        with open(part, "wb") as out:  # a scratch part
             for start, end in zip(starts, starts[1:]):
                 out.write(orjson.dumps(merge_records(records[start:end])) + b"\n")
     return RangeDecisions(
@@ -360,9 +356,9 @@ class SpanTask:
 
 
 def write_span(task: SpanTask) -> str:
-    """Worker: the merged records (`merge_records`, loss_turns applied) of a span's groups, written as a part
-    (atomically: a retried task rewrites it)."""
-    with open(task.path, "rb") as f, atomic_writer(task.part) as out:
+    """Worker: the merged records (`merge_records`, loss_turns applied) of a span's groups, written as a part (a
+    retried task rewrites it)."""
+    with open(task.path, "rb") as f, open(task.part, "wb") as out:
         f.seek(task.offset)
         lines = (line for line in f if line.strip())
         for size in task.sizes:
@@ -487,8 +483,7 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
         else:
             settings = MergeSettings(cfg.seed, probability, budget, cfg.loss_turns, tokenizer_key,
                                      FidelityOptions.from_config(cfg))
-            per_worker = os.path.getsize(path) // (RANGES_PER_WORKER * executor.workers)
-            ranges = byte_ranges(path, min(MERGE_RANGE_BYTES, max(MIN_RANGE_BYTES, per_worker)))
+            ranges = spread_ranges(path, executor.workers, MERGE_RANGE_BYTES)
             n_in, zeroed, blocked, group_sizes = decide_and_write(executor, ranges, settings, scratch, out)
     n_out = sum(group_sizes.values())
     section = {

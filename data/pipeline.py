@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import importlib
 import shutil
 import sys
@@ -139,8 +140,8 @@ def stale_input_warnings(cfg: DataConfig) -> list[str]:
 
 
 def run_pipeline(cfg: DataConfig, stage_fn: Callable[[str], StageFn | None] = lambda _: None) -> dict[str, dict]:
-    """Every stage of `cfg.stages`, in pipeline order (local engine: `stage_fn` as in run_stages); returns their
-    report sections (first, `inputs`: warnings about inputs of earlier stages that changed since they ran)."""
+    """Every stage of `cfg.stages`, in pipeline order (`stage_fn` as in run_stages), on the config's engine; returns
+    their report sections (first, `inputs`: warnings about inputs of earlier stages that changed since they ran)."""
     clean_up(cfg)
     stale = stale_input_warnings(cfg)
     for warning in stale:
@@ -148,7 +149,7 @@ def run_pipeline(cfg: DataConfig, stage_fn: Callable[[str], StageFn | None] = la
     if cfg.engine == "ray":
         from data.engine_ray import run_pipeline as run_on_ray
 
-        sections = run_on_ray(cfg, run_stages)
+        sections = run_on_ray(cfg, functools.partial(run_stages, stage_fn=stage_fn))
     else:
         sections = run_stages(cfg, LocalExecutor(cfg.workers), stage_fn)
     return {"inputs": {"warnings": stale}, **sections} if stale else sections
@@ -184,7 +185,7 @@ def cli_main(stage_fn: StageFn, stage: str, argv: list[str] | None = None) -> No
         args, overrides = parse_args(argv, f"python -m data.{stage}", stage_option=False)
         cfg = load(args, overrides, [stage])
         with directory_lock(cfg.out):
-            sections = run_pipeline(cfg, lambda _: stage_fn)  # the Ray engine runs its own version of the stage
+            sections = run_pipeline(cfg, lambda _: stage_fn)  # this module's `run` (it may be `__main__`)
         print_warnings(sections)
 
     _guard(body)

@@ -29,7 +29,7 @@ import numpy as np
 
 from data.chat_template import TemplateInfo, analyze_template, load_chat_tokenizer
 from data.config import ConfigError, DataConfig, output_config, to_dict
-from data.executor import ByteRange, Executor, LocalExecutor, byte_ranges, count_lines
+from data.executor import ByteRange, Executor, LocalExecutor, count_lines, spread_ranges
 from data.fidelity import STAT_KEYS, FidelityOptions, Rendered, asked_chars, render_merged, template_renders_reasoning
 from data.progress import progress
 from data.records import RecordError, message_category, record_uids, validate_canonical
@@ -41,11 +41,7 @@ from data.shards import (IGNORE_INDEX, REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FI
 from data.token_bound import TokenBound
 
 OVERLONG_POLICIES = ("drop", "error", "truncate", "left", "right")
-# merged.jsonl bytes per worker task (a range, written as one part): RANGE_BYTES, or down to MIN_RANGE_BYTES so that
-# a smaller input still gives every worker RANGES_PER_WORKER ranges
-RANGE_BYTES = 1 << 20
-MIN_RANGE_BYTES = 64 << 10
-RANGES_PER_WORKER = 4
+RANGE_BYTES = 1 << 20  # merged.jsonl bytes per worker task (a range, one part) at most (`executor.spread_ranges`)
 BATCH_RECORDS = 256  # records per batch encode
 PART_SHARD_BYTES = 1 << 62  # a part is one shard, whatever its size: the parts are re-cut into tokenized/'s shards
 
@@ -606,8 +602,7 @@ def tokenize_ranges(cfg: DataConfig, executor: Executor, parts: Path) -> Iterato
     """Each range's result in file order: the workers count the lines of byte ranges of merged.jsonl (so that
     record indices and line numbers are those of the whole file), then tokenize each range into a part under
     `parts`."""
-    per_worker = os.path.getsize(cfg.merged_path) // (RANGES_PER_WORKER * executor.workers)
-    ranges = byte_ranges(cfg.merged_path, min(RANGE_BYTES, max(MIN_RANGE_BYTES, per_worker)))
+    ranges = spread_ranges(cfg.merged_path, executor.workers, RANGE_BYTES)
     with contextlib.closing(executor.map(count_lines, ranges)) as done:
         counts = list(done)
 
