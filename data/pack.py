@@ -26,8 +26,10 @@ import numpy as np
 from data.config import DataConfig, output_config
 from data.executor import Executor, LocalExecutor
 from data.progress import progress
-from data.randomness import PACK_LEFTOVERS, PACK_PARTITION, record_keys
+from data.randomness import (PACK_CHECK_LENGTHS, PACK_CHECK_RECORDS, PACK_CHECK_UIDS, PACK_LEFTOVERS, PACK_PARTITION,
+                             record_keys)
 from data.shards import RESERVED_META_KEYS, PackedDataset, ShardWriter, dump_json, shard_ranges
+from data.stats import Counts, add_category_counts, category_counts
 
 ALGORITHMS = ("best_fit", "first_fit")
 RELEASE_BYTES = 16 << 20  # unmap the source's pages after copying this much (page faults map ~2-3x as much)
@@ -295,32 +297,78 @@ class Partition:
 
 @dataclass(frozen=True)
 class PlacedRows:
-    """Rows saved as a plan file (`save_rows`) in their written order: tokens and sequences per row, and the
-    `[start, end)` row ranges of the output shards they fill (`shards.shard_ranges`)."""
+    """Rows saved as a plan file (`save_rows`) in their written order: how many, the counts of their tokens and
+    of their sequences, and the `[start, end)` row ranges of the output shards they fill (`shards.shard_ranges`)."""
     plan_path: str
-    row_tokens: np.ndarray
-    row_sequences: np.ndarray
+    rows: int
+    row_tokens: Counts
+    row_sequences: Counts
     shards: list[tuple[int, int]]
 
 
 @dataclass(frozen=True)
-class PartitionPlan:
-    """What `plan_partition` returns: the rows it kept (saved), and the sequences of the rows it released for
-    the global pass (tokenized row indices and their lengths)."""
-    kept: PlacedRows
-    released: np.ndarray
-    released_lengths: np.ndarray
+class Overlong:
+    """Tokenized rows longer than pack.max_length in a partition: the first (its row and length) and how many."""
+    row: int
+    length: int
+    count: int
+
+    def __add__(self, later: "Overlong") -> "Overlong":
+        """The first row of this one, the count of both (`later`: a later partition's)."""
+        return Overlong(self.row, self.length, self.count + later.count)
 
 
 @dataclass(frozen=True)
-class ShardSlice:
-    """Worker task: rows `[first, end)` of a plan file written as one output shard, a dataset at `part_dir`."""
+class SequenceTally:
+    """The sequences of part of a dataset, summed so that parts add up and two datasets compare in memory that
+    does not grow with them: how many sequences and uids, and 64-bit multiset hashes (sums of `record_keys`
+    mod 2^64) of their record indices, of their (record index, length) pairs and of their uids. Equal multisets
+    give equal tallies; different ones the same hash with probability 2^-64."""
+    sequences: int = 0
+    uids: int = 0
+    records_hash: int = 0
+    lengths_hash: int = 0
+    uids_hash: int = 0
+
+    @classmethod
+    def of(cls, record_index: np.ndarray, length: np.ndarray, uids: np.ndarray) -> "SequenceTally":
+        def hashed(stream: int, index, value=0) -> int:
+            return int(np.sum(record_keys(0, stream, index, value), dtype=np.uint64))
+
+        return cls(int(record_index.shape[0]), int(uids.shape[0]), hashed(PACK_CHECK_RECORDS, record_index),
+                   hashed(PACK_CHECK_LENGTHS, record_index, length), hashed(PACK_CHECK_UIDS, uids))
+
+    def __add__(self, other: "SequenceTally") -> "SequenceTally":
+        mask = (1 << 64) - 1
+        return SequenceTally(self.sequences + other.sequences, self.uids + other.uids,
+                             (self.records_hash + other.records_hash) & mask,
+                             (self.lengths_hash + other.lengths_hash) & mask,
+                             (self.uids_hash + other.uids_hash) & mask)
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    """What `plan_partition` returns: the rows it kept (saved), the sequences of the rows it released for the
+    global pass (tokenized row indices and their lengths), the counts of its sequences' lengths per category,
+    the tally of what it read; or, for a partition with rows over pack.max_length, those rows and nothing else."""
+    kept: PlacedRows | None
+    released: np.ndarray
+    released_lengths: np.ndarray
+    seq_lengths: dict[int, Counts]
+    read: SequenceTally
+    overlong: Overlong | None = None
+
+
+@dataclass(frozen=True)
+class RowSpan:
+    """Worker task: rows `[first, end)` of a dataset (`tally_rows`), or of a plan file written as one output shard,
+    a dataset at `part_dir` (`write_shard`)."""
     source: PackedDataset
-    plan_path: str
     first: int
     end: int
-    part_dir: str
-    max_shard_bytes: int
+    plan_path: str = ""
+    part_dir: str = ""
+    max_shard_bytes: int = 0
 
 
 def save_rows(rows: RowPlan, row_tokens: np.ndarray, plan_path: str, max_shard_bytes: int,
@@ -329,7 +377,7 @@ def save_rows(rows: RowPlan, row_tokens: np.ndarray, plan_path: str, max_shard_b
     and cut them into output shards."""
     np.save(f"{plan_path}.members.npy", rows.members)
     np.save(f"{plan_path}.starts.npy", rows.starts)
-    return PlacedRows(plan_path, row_tokens, rows.sizes,
+    return PlacedRows(plan_path, len(rows), Counts.of(row_tokens), Counts.of(rows.sizes),
                       shard_ranges((row_tokens * token_bytes).tolist(), max_shard_bytes))
 
 
@@ -359,60 +407,84 @@ def partition_rows(lengths: np.ndarray, max_length: int, seed: int, algorithm: s
 
 def plan_partition(task: Partition) -> PartitionPlan:
     """Worker: the partition's rows (`partition_rows`) over its lengths read from the tokenized index; the kept
-    rows saved to `plan_path`, the released sequences returned."""
+    rows saved to `plan_path`, the released sequences returned, with the partition's length counts and tally."""
     src = task.source
-    lengths = np.asarray(src.row_n_tokens[task.first:task.end], dtype=np.int64)
+    seqs, uids = src.row_range_sequences(task.first, task.end)
+    if seqs.shape[0] != task.end - task.first:
+        n_seqs = src.row_column("n_seqs", task.first, task.end)
+        row = task.first + int(np.flatnonzero(n_seqs != 1)[0])
+        raise ValueError(f"{src.path}: row {row} holds {int(n_seqs[row - task.first])} sequences; a tokenized "
+                         "dataset holds one sequence per row")
+    lengths = np.asarray(seqs["length"], dtype=np.int64)
+    seq_lengths = category_counts(lengths, src.first_token_column("category_ids", task.first, task.end))
+    read = SequenceTally.of(np.arange(task.first, task.end), lengths, uids)
+    empty = np.zeros(0, dtype=np.int64)
+    over = np.flatnonzero(lengths > task.max_length)
+    if over.size:
+        return PartitionPlan(None, empty, empty, seq_lengths, read,
+                             Overlong(task.first + int(over[0]), int(lengths[over[0]]), int(over.size)))
     kept, loose = partition_rows(lengths, task.max_length, task.seed, task.algorithm)
     placed = save_rows(RowPlan(kept.members + task.first, kept.starts), kept.sums(lengths), task.plan_path,
                        task.max_shard_bytes, src.dtype.itemsize)
-    return PartitionPlan(placed, loose + task.first, lengths[loose])
+    return PartitionPlan(placed, loose + task.first, lengths[loose], seq_lengths, read)
 
 
-def write_rows(writer: ShardWriter, src: PackedDataset, rows: RowPlan, lengths: np.ndarray) -> None:
+def write_rows(writer: ShardWriter, src: PackedDataset, rows: RowPlan) -> None:
     """Add the packed rows (of tokenized row indices) to `writer`, copying the tokens from `src`."""
     mapped = 0
     for row in rows:
         members = row.tolist()
-        writer.add_row(
-            [src.row_tokens(j) for j in members],
-            record_indices=members,
-            uids=[src.row_uids(j)[0] for j in members],
-        )
-        mapped += int(lengths[row].sum())
-        if mapped * src.dtype.itemsize > RELEASE_BYTES:
+        tokens = [src.row_tokens(j) for j in members]
+        writer.add_row(tokens, record_indices=members, uids=[src.row_uids(j)[0] for j in members])
+        mapped += sum(t.nbytes for t in tokens)
+        if mapped > RELEASE_BYTES:
             src.release()  # the rows were copied: keep the mapped tokenized data out of our resident set
             mapped = 0
     src.release()
 
 
-def write_shard(task: ShardSlice) -> str:
-    """Worker: one output shard, its rows copied from the tokenized dataset, as a dataset of its own at
-    `part_dir` (appended to packed/ by the driver, `ShardWriter.append_dataset`)."""
+def write_shard(task: RowSpan) -> str:
+    """Worker: one output shard, rows `[first, end)` of the plan file copied from the tokenized dataset, as a
+    dataset of its own at `part_dir` (appended to packed/ by the driver, `ShardWriter.append_dataset`)."""
     src = task.source
     writer = ShardWriter(task.part_dir, token_fields=src.token_fields, max_shard_bytes=task.max_shard_bytes,
                          kind="packed")
     with writer:
-        write_rows(writer, src, load_rows(task.plan_path, task.first, task.end),
-                   np.asarray(src.row_n_tokens, dtype=np.int64))
+        write_rows(writer, src, load_rows(task.plan_path, task.first, task.end))
         writer.close()
     return task.part_dir
 
 
-def _check_accounting(src: PackedDataset, packed: PackedDataset) -> dict:
-    """Every tokenized row is in exactly one packed row, with the same length and uids. Raises on a mismatch."""
-    n_in = len(src)
-    rec = packed.seq_column("record_index")
-    if rec.shape[0] != n_in or not (np.bincount(rec, minlength=n_in) == 1).all():
-        raise AssertionError(f"pack: packed sequences do not cover each of the {n_in} tokenized rows exactly once")
-    if not np.array_equal(packed.seq_column("length"), np.asarray(src.row_n_tokens)[rec]):
+def tally_rows(task: RowSpan) -> SequenceTally:
+    """Worker: the tally of the sequences of rows `[first, end)` of a packed dataset as written (record index:
+    the tokenized row each came from)."""
+    seqs, uids = task.source.row_range_sequences(task.first, task.end)
+    return SequenceTally.of(np.asarray(seqs["record_index"]), np.asarray(seqs["length"]), np.asarray(uids))
+
+
+def check_accounting(read: SequenceTally, written: SequenceTally) -> dict:
+    """Every tokenized row is in exactly one packed row, with the same length and uids (the tallies of the
+    tokenized input and of packed/ as written agree). Raises on a mismatch."""
+    if (written.sequences, written.records_hash) != (read.sequences, read.records_hash):
+        raise AssertionError(f"pack: packed sequences do not cover each of the {read.sequences} tokenized rows "
+                             "exactly once")
+    if written.lengths_hash != read.lengths_hash:
         raise AssertionError("pack: a packed sequence's length differs from its tokenized row")
-    uids_in, uids_out = np.sort(src.all_uids), np.sort(packed.all_uids)
-    if not np.array_equal(uids_in, uids_out):
+    if (written.uids, written.uids_hash) != (read.uids, read.uids_hash):
         raise AssertionError("pack: the multiset of source uids changed while packing")
-    return {"uids_in": int(uids_in.shape[0]), "uids_out": int(uids_out.shape[0]), "every_record_once": True}
+    return {"uids_in": read.uids, "uids_out": written.uids, "every_record_once": True}
 
 
-def plan_all(executor: Executor, src: PackedDataset, cfg: DataConfig, plans_dir: Path) -> list[PlacedRows]:
+@dataclass
+class PackPlan:
+    """`plan_all`'s result: the placed rows in written order, the sequence lengths counted per category, and
+    the tally of the tokenized rows read."""
+    placed: list[PlacedRows]
+    seq_lengths: dict[int, Counts]
+    read: SequenceTally
+
+
+def plan_all(executor: Executor, src: PackedDataset, cfg: DataConfig, plans_dir: Path) -> PackPlan:
     """Every partition planned by the workers, then the global pass over the sequences they released: the
     placed rows in written order (the partitions' in partition order, the global pass's last)."""
     cap, algorithm, shard_bytes = cfg.pack_max_length, cfg.pack.algorithm, cfg.pack.shard_size_mb << 20
@@ -420,25 +492,38 @@ def plan_all(executor: Executor, src: PackedDataset, cfg: DataConfig, plans_dir:
                        partition_seed(cfg.seed, k), str(plans_dir / f"partition_{k:06d}"),
                        shard_bytes)
              for k, first in enumerate(range(0, len(src), PARTITION_SEQUENCES)))
-    placed, released, released_lengths = [], [], []
+    result = PackPlan([], {}, SequenceTally())
+    released, released_lengths, overlong = [], [], []
     for plan in executor.map(plan_partition, tasks):
-        placed.append(plan.kept)
+        add_category_counts(result.seq_lengths, plan.seq_lengths)
+        result.read += plan.read
+        if plan.overlong is not None:
+            overlong.append(plan.overlong)
+            continue
+        result.placed.append(plan.kept)
         released.append(plan.released)
         released_lengths.append(plan.released_lengths)
+    if overlong:
+        every = sum(overlong[1:], overlong[0])
+        raise ValueError(
+            f"{cfg.tokenized_dir}: row {every.row} has {every.length} tokens > pack.max_length={cap} "
+            f"({every.count} such rows); tokenize with max_length <= pack.max_length")
     loose = np.concatenate(released) if released else np.zeros(0, dtype=np.int64)
     loose_lengths = np.concatenate(released_lengths) if released else np.zeros(0, dtype=np.int64)
     seed = leftovers_seed(cfg.seed)
     rows = layout(plan_rows(loose_lengths, cap, seed=seed, algorithm=algorithm), seed)
-    placed.append(save_rows(RowPlan(loose[rows.members], rows.starts), rows.sums(loose_lengths),
-                            str(plans_dir / "global"), shard_bytes, src.dtype.itemsize))
-    return placed
+    result.placed.append(save_rows(RowPlan(loose[rows.members], rows.starts), rows.sums(loose_lengths),
+                                   str(plans_dir / "global"), shard_bytes, src.dtype.itemsize))
+    return result
 
 
 def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
     """tokenized/ -> packed/ (+ stats.json, stats.png); records and returns the `pack` report section.
 
-    The workers plan partitions of `PARTITION_SEQUENCES` tokenized rows, the driver re-packs the rows they
-    released (`plan_all`), the workers write the output shards, which the driver appends in order."""
+    The workers plan partitions of `PARTITION_SEQUENCES` tokenized rows (counting their lengths and tallying
+    what they read), the driver re-packs the rows they released (`plan_all`), the workers write the output
+    shards, which the driver appends in order, then tally packed/ as written, which must match what was read.
+    The driver holds counts and tallies, never a per-sequence array but the released sequences'."""
     from data.report import check_arithmetic, read_report, update_report
     from data.stats import format_table, pack_statistics, plot_stats
 
@@ -446,36 +531,24 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
     src = PackedDataset(cfg.tokenized_dir)
     if src.kind != "tokenized":
         raise ValueError(f"{cfg.tokenized_dir}: expected a tokenized dataset, found kind {src.kind!r}")
-    if len(src) and int(np.max(src.row_n_seqs)) != 1:
-        raise ValueError(f"{cfg.tokenized_dir}: a tokenized dataset holds one sequence per row")
     cap = cfg.pack_max_length
-    lengths = np.asarray(src.row_n_tokens, dtype=np.int64)
-    over = np.flatnonzero(lengths > cap)
-    if over.size:
-        i = int(over[0])
-        raise ValueError(
-            f"{cfg.tokenized_dir}: row {i} has {int(lengths[i])} tokens > pack.max_length={cap} "
-            f"({over.size} such rows); tokenize with max_length <= pack.max_length"
-        )
-
     writer = ShardWriter(
         cfg.packed_dir, token_fields=src.token_fields, max_shard_bytes=cfg.pack.shard_size_mb << 20, kind="packed"
     )
     with writer, executor.scratch(cfg.packed_dir.parent, "pack-parts") as scratch:
-        placed = plan_all(executor, src, cfg, scratch)
-        slices = [ShardSlice(src, rows.plan_path, start, end, str(scratch / f"part_{n:05d}"), writer.max_shard_bytes)
+        planned = plan_all(executor, src, cfg, scratch)
+        placed = planned.placed
+        slices = [RowSpan(src, start, end, rows.plan_path, str(scratch / f"part_{n:05d}"), writer.max_shard_bytes)
                   for n, (rows, (start, end)) in enumerate((rows, cut) for rows in placed for cut in rows.shards)]
-        with progress(total=sum(len(rows.row_tokens) for rows in placed), desc="pack", unit="row") as bar:
+        with progress(total=sum(rows.rows for rows in placed), desc="pack", unit="row") as bar:
             for task, part_dir in zip(slices, executor.map(write_shard, slices, size="shards")):
                 writer.append_dataset(part_dir)
                 bar.update(task.end - task.first)
         counts = writer.counts
-        row_n_tokens = np.concatenate([rows.row_tokens for rows in placed])
-        row_n_seqs = np.concatenate([rows.row_sequences for rows in placed])
-        seq_categories = src.first_token_column("category_ids")
+        row_tokens = Counts.total(rows.row_tokens for rows in placed)
         stats = pack_statistics(
-            lengths, row_n_tokens, row_n_seqs, cap,
-            counts["category_tokens"], counts["category_loss_tokens"], src.categories, seq_categories,
+            planned.seq_lengths, row_tokens, Counts.total(rows.row_sequences for rows in placed), cap,
+            counts["category_tokens"], counts["category_loss_tokens"], src.categories,
         )
         tokenize_section = read_report(cfg.report_path).get("tokenize")
         tokenize_losses = None if tokenize_section is None else {
@@ -488,12 +561,15 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
             pack={"algorithm": cfg.pack.algorithm, "seed": cfg.seed},
             source={"path": str(cfg.tokenized_dir), "kind": src.kind, "counts": src.meta["counts"]},
         )
-        png = plot_stats(lengths, row_n_tokens, cap, stats["categories"], seq_categories, tokenize_losses)
+        png = plot_stats(planned.seq_lengths, row_tokens, cap, stats["categories"], tokenize_losses)
         writer.close(meta_extra, extra_files={"stats.json": dump_json(stats) + b"\n", "stats.png": png})
     print(format_table(stats), flush=True)
 
     packed = PackedDataset(cfg.packed_dir)
-    trace = _check_accounting(src, packed)
+    written = SequenceTally()
+    for tally in executor.map(tally_rows, [RowSpan(packed, a, b) for a, b in packed.shard_row_ranges()]):
+        written += tally
+    trace = check_accounting(planned.read, written)
     section = {
         "in": len(src),
         "out": int(packed.meta["counts"]["sequences"]),
@@ -504,7 +580,8 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
         "max_length": cap,
         "fill": stats["fill"],
         "rows_over_lower_bound": stats["rows_over_lower_bound"],
-        "trace": dict(trace, where=f"{cfg.packed_dir}: per-sequence record_index (tokenized row) and uids"),
+        "trace": dict(trace, where=f"{cfg.packed_dir}: per-sequence record_index (tokenized row) and uids, "
+                                   "compared with the tokenized rows by counts and 64-bit multiset hashes"),
         "output": str(cfg.packed_dir),
     }
     check_arithmetic(section)

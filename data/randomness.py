@@ -17,6 +17,10 @@ SAMPLE_EVAL = 3  # the eval split: the records with the smallest keys of each ca
 SAMPLE_ORDER = 4  # sampled.jsonl's order: (record, copy) pairs sorted by key
 PACK_PARTITION = 5  # the seed of pack's partition k (tie-breaking, row and in-row order): the key of index k
 PACK_LEFTOVERS = 6  # the seed of pack's global pass over the rows the partitions released: the key of index 0
+# pack's accounting check hashes what it compares (pack.SequenceTally): record indices, (index, length), uids
+PACK_CHECK_RECORDS = 7
+PACK_CHECK_LENGTHS = 8
+PACK_CHECK_UIDS = 9
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)

@@ -21,7 +21,7 @@ import shutil
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import orjson
@@ -683,6 +683,23 @@ def _concat_shards(parts: list[np.ndarray], dtype) -> np.ndarray:
     return np.concatenate(parts)
 
 
+class WholeRowColumn:
+    """A `PackedDataset` attribute: one row-index column of the whole dataset (`row_column`), built on first use
+    and then kept."""
+
+    def __init__(self, field: str):
+        self.field = field
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.attribute = name
+
+    def __get__(self, ds, owner=None):
+        if ds is None:
+            return self
+        column = ds.__dict__[self.attribute] = ds.row_column(self.field)
+        return column
+
+
 class PackedDataset:
     """Random access to the rows of an indexed dataset (packed/ or tokenized/), all memory-mapped.
 
@@ -759,15 +776,51 @@ class PackedDataset:
         self._n = int(self._row_starts[-1])
         if self._n != meta["counts"]["rows"]:
             raise ShardFormatError(f"{self.path}: shards hold {self._n} rows, manifest counts {meta['counts']['rows']}")
-        self.row_n_tokens = self._row_column("n_tokens")
-        self.row_n_seqs = self._row_column("n_seqs")
-        self.row_n_loss_tokens = self._row_column("n_loss_tokens")
-        self.row_n_trained_turns = self._row_column("n_trained_turns")
-        self.row_n_samples = self._row_column("n_samples")
 
-    def _row_column(self, name: str) -> np.ndarray:
-        """One row-index column over all shards: a memmap view for one shard, else a (small) concatenation."""
-        return _concat_shards([r[name] for r in self._rows], np.int64)
+    # Whole-dataset row columns, built on first use: a memmap view for one shard, else a concatenation (8 bytes a
+    # row), which readers of a slice (`row_column`) never pay for.
+    row_n_tokens = WholeRowColumn("n_tokens")
+    row_n_seqs = WholeRowColumn("n_seqs")
+    row_n_loss_tokens = WholeRowColumn("n_loss_tokens")
+    row_n_trained_turns = WholeRowColumn("n_trained_turns")
+    row_n_samples = WholeRowColumn("n_samples")
+
+    def _shard_spans(self, start: int, end: int) -> Iterator[tuple[int, int, int]]:
+        """(shard, first, end) local row ranges of the shards holding rows `[start, end)`, in row order."""
+        if end <= start:
+            return
+        first = max(0, int(np.searchsorted(self._row_starts, start, side="right")) - 1)
+        for k in range(first, len(self._rows)):
+            lo, hi = int(self._row_starts[k]), int(self._row_starts[k + 1])
+            if lo >= end:
+                break
+            if hi > start:
+                yield k, max(start, lo) - lo, min(end, hi) - lo
+
+    def shard_row_ranges(self) -> list[tuple[int, int]]:
+        """Each shard's rows `[start, end)`."""
+        bounds = self._row_starts.tolist()
+        return list(zip(bounds[:-1], bounds[1:]))
+
+    def row_column(self, name: str, start: int = 0, end: int | None = None) -> np.ndarray:
+        """One row-index column (`ROW_DTYPE` field) of rows `[start, end)`, reading only the shards that hold them
+        (a memmap view when one shard does)."""
+        end = self._n if end is None else min(end, self._n)
+        return _concat_shards([self._rows[k][name][a:b] for k, a, b in self._shard_spans(start, end)],
+                              ROW_DTYPE[name])
+
+    def row_range_sequences(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """The per-sequence index records (`SEQ_DTYPE`) and the uids of rows `[start, end)`, in row order."""
+        seqs, uids = [], []
+        for k, a, b in self._shard_spans(start, min(end, self._n)):
+            rows = self._rows[k][a:b]
+            lo, hi = int(rows["seq_offset"][0]), int(rows["seq_offset"][-1] + rows["n_seqs"][-1])
+            shard_seqs = self._seqs[k][lo:hi]
+            seqs.append(shard_seqs)
+            if hi > lo:
+                first, last = shard_seqs[0], shard_seqs[-1]
+                uids.append(self._uids[k][int(first["uid_offset"]):int(last["uid_offset"] + last["n_uids"])])
+        return _concat_shards(seqs, SEQ_DTYPE), _concat_shards(uids, UID_DTYPE)
 
     # ------------------------------------------------------------------ pickling (DataLoader workers)
     def __getstate__(self) -> dict:
@@ -827,11 +880,13 @@ class PackedDataset:
         """The structured token records of row `i` (a memory-mapped view, nothing copied; checked per `verify`)."""
         return self._checked_view(*self._locate(i))
 
-    def first_token_column(self, field: str) -> np.ndarray:
-        """`field` of every row's first token, in row order, reading one token per row (e.g. the category of
-        each sequence of a tokenized dataset: that of its first record's first message)."""
-        return _concat_shards([tokens[field][rows["token_offset"]] for tokens, rows in zip(self._tokens, self._rows)],
-                              self.dtype[field])
+    def first_token_column(self, field: str, start: int = 0, end: int | None = None) -> np.ndarray:
+        """`field` of the first token of rows `[start, end)` (all by default), in row order, reading one token per
+        row (e.g. the category of each sequence of a tokenized dataset: that of its first record's first
+        message)."""
+        end = self._n if end is None else min(end, self._n)
+        return _concat_shards([self._tokens[k][field][self._rows[k]["token_offset"][a:b]]
+                               for k, a, b in self._shard_spans(start, end)], self.dtype[field])
 
     def row_sequences(self, i: int) -> np.ndarray:
         """The per-sequence index records (SEQ_DTYPE) of row `i`."""

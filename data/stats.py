@@ -4,43 +4,96 @@ from __future__ import annotations
 
 import io
 import math
-from typing import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
 
-def _summary(values: np.ndarray) -> dict:
-    if values.size == 0:
-        return {"min": 0, "mean": 0.0, "median": 0.0, "max": 0}
-    return {
-        "min": int(values.min()),
-        "mean": float(values.mean()),
-        "median": float(np.median(values)),
-        "max": int(values.max()),
-    }
+@dataclass(frozen=True)
+class Counts:
+    """How often each integer value occurs (`values` increasing and distinct, `counts` positive): a column of
+    lengths in memory bounded by its distinct values (at most max_length), not by its size. Workers count their
+    parts (`of`), the driver adds them; summaries and plots read the counts, exactly as they would the column."""
+
+    values: np.ndarray  # int64
+    counts: np.ndarray  # int64
+
+    @classmethod
+    def of(cls, column) -> "Counts":
+        values, counts = np.unique(np.asarray(column, dtype=np.int64), return_counts=True)
+        return cls(values, counts.astype(np.int64))
+
+    @classmethod
+    def total(cls, parts: Iterable["Counts"]) -> "Counts":
+        parts = [p for p in parts if p.values.size]
+        if not parts:
+            return cls(np.zeros(0, np.int64), np.zeros(0, np.int64))
+        values = np.concatenate([p.values for p in parts])
+        counts = np.concatenate([p.counts for p in parts])
+        order = np.argsort(values, kind="stable")
+        values, counts = values[order], counts[order]
+        starts = np.flatnonzero(np.concatenate([[True], values[1:] != values[:-1]]))
+        return cls(values[starts], np.add.reduceat(counts, starts))
+
+    def __add__(self, other: "Counts") -> "Counts":
+        return Counts.total([self, other])
+
+    @property
+    def n(self) -> int:
+        return int(self.counts.sum())
+
+    @property
+    def sum(self) -> int:
+        return int(self.values @ self.counts)
+
+    def nth(self, rank: int) -> int:
+        """The value at position `rank` (0-based) of the sorted column."""
+        return int(self.values[np.searchsorted(np.cumsum(self.counts), rank, side="right")])
+
+    def summary(self) -> dict:
+        """min, mean, median (the mean of the two middle values of an even count) and max, as numpy gives them
+        for the column."""
+        n = self.n
+        if n == 0:
+            return {"min": 0, "mean": 0.0, "median": 0.0, "max": 0}
+        return {
+            "min": int(self.values[0]),
+            "mean": self.sum / n,
+            "median": (self.nth((n - 1) // 2) + self.nth(n // 2)) / 2,
+            "max": int(self.values[-1]),
+        }
+
+
+def category_counts(column, categories) -> dict[int, Counts]:
+    """`Counts` of `column` per category id (`categories`: one per element of `column`)."""
+    column, categories = np.asarray(column, dtype=np.int64), np.asarray(categories)
+    return {int(c): Counts.of(column[categories == c]) for c in np.unique(categories)}
+
+
+def add_category_counts(total: dict[int, Counts], part: Mapping[int, Counts]) -> None:
+    """`part`'s counts added into `total`, per category id."""
+    for cid, counts in part.items():
+        total[cid] = total[cid] + counts if cid in total else counts
 
 
 def pack_statistics(
-    seq_lengths: np.ndarray,
-    row_n_tokens: np.ndarray,
-    row_n_seqs: np.ndarray,
+    seq_lengths: Mapping[int, Counts],
+    row_tokens: Counts,
+    row_sequences: Counts,
     max_length: int,
     category_tokens: Mapping[int, int],
     category_loss_tokens: Mapping[int, int],
     categories: Mapping[int, str] | None = None,
-    seq_categories: np.ndarray | None = None,
 ) -> dict:
-    """Everything stats.json reports about a packed dataset, from its index arrays and per-category counts
-    (`seq_categories`: each sequence's category, for per-category sequence lengths).
+    """Everything stats.json reports about a packed dataset, from counts: sequence lengths per category id (each
+    sequence's category), the tokens and the sequences of each row, tokens and loss tokens per category.
 
     Padding is what fixed rows of `max_length` would add (`rows * max_length - tokens`); nothing is stored.
     The lower bound on the number of rows is ceil(tokens / max_length).
     """
-    seq_lengths = np.asarray(seq_lengths, dtype=np.int64)
-    row_n_tokens = np.asarray(row_n_tokens, dtype=np.int64)
-    row_n_seqs = np.asarray(row_n_seqs, dtype=np.int64)
-    rows = int(row_n_tokens.shape[0])
-    tokens = int(row_n_tokens.sum())
+    rows = row_tokens.n
+    tokens = row_tokens.sum
     capacity = rows * int(max_length)
     lower_bound = math.ceil(tokens / max_length)
     names = {int(k): v for k, v in (categories or {}).items()}
@@ -50,15 +103,15 @@ def pack_statistics(
             "tokens": int(n),
             "loss_tokens": int(category_loss_tokens.get(c, 0)),
             "token_share": n / tokens if tokens else 0.0,
-            **({} if seq_categories is None else
-               {"sequence_length": _summary(seq_lengths[np.asarray(seq_categories) == int(c)])}),
+            "sequence_length": seq_lengths.get(int(c), Counts.of([])).summary(),
         }
         for c, n in sorted(category_tokens.items())
     }
+    all_lengths = Counts.total(seq_lengths.values())
     return {
         "max_length": int(max_length),
         "rows": rows,
-        "sequences": int(seq_lengths.shape[0]),
+        "sequences": all_lengths.n,
         "tokens": tokens,
         "loss_tokens": int(sum(category_loss_tokens.values())),
         "capacity_tokens": capacity,
@@ -66,9 +119,9 @@ def pack_statistics(
         "fill": tokens / capacity if capacity else 0.0,
         "lower_bound_rows": lower_bound,
         "rows_over_lower_bound": rows / lower_bound if lower_bound else 1.0,
-        "sequences_per_row": _summary(row_n_seqs),
-        "row_tokens": _summary(row_n_tokens),
-        "sequence_length": _summary(seq_lengths),
+        "sequences_per_row": row_sequences.summary(),
+        "row_tokens": row_tokens.summary(),
+        "sequence_length": all_lengths.summary(),
         "categories": per_category,
     }
 
@@ -115,45 +168,43 @@ def tokenize_losses_text(tokenize_losses: Mapping | None) -> str:
     return f"dropped in tokenize: {dropped}; truncated {tokenize_losses.get('truncated', 0):,}"
 
 
-def stats_figure(seq_lengths: np.ndarray, row_n_tokens: np.ndarray, max_length: int,
-                 categories: Mapping[int, dict] | None = None, seq_categories: np.ndarray | None = None,
-                 tokenize_losses: Mapping | None = None):
-    """The stats.png figure: sequence-length histogram (log-spaced bins, log counts; one outline per category
-    with `seq_categories`, and the records tokenize dropped or truncated, `tokenize_losses`, in its title), the
-    histogram of row fill, and each category's share of the tokens and of the loss tokens (`categories`:
-    stats.json's)."""
+def stats_figure(seq_lengths: Mapping[int, Counts], row_tokens: Counts, max_length: int,
+                 categories: Mapping[int, dict] | None = None, tokenize_losses: Mapping | None = None):
+    """The stats.png figure: sequence-length histogram (log-spaced bins, log counts; one outline per category of
+    `categories`, stats.json's, and the records tokenize dropped or truncated, `tokenize_losses`, in its title),
+    the histogram of row fill, and each category's share of the tokens and of the loss tokens."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    seq_lengths = np.asarray(seq_lengths)
-    fill = np.asarray(row_n_tokens) / max_length
+    lengths = Counts.total(seq_lengths.values())
     fig = Figure(figsize=(16, 4), dpi=100)
     ax1, ax2, ax3 = fig.subplots(1, 3)
-    if seq_lengths.size:
-        hi = max(int(seq_lengths.max()), 2)
+    if lengths.n:
+        hi = max(int(lengths.values[-1]), 2)
         bins = np.unique(np.geomspace(1, hi + 1, 60).astype(np.int64))
-        ax1.hist(seq_lengths, bins=bins, color="#3b75af", label="all")
-        if seq_categories is not None:
-            for cid, c in (categories or {}).items():
-                ax1.hist(seq_lengths[np.asarray(seq_categories) == int(cid)], bins=bins, histtype="step",
-                         linewidth=1.2, label=f"{cid}:{c['name']}"[:20])
+        ax1.hist(lengths.values, bins=bins, weights=lengths.counts, color="#3b75af", label="all")
+        for cid, c in (categories or {}).items():
+            own = seq_lengths.get(int(cid), Counts.of([]))
+            ax1.hist(own.values, bins=bins, weights=own.counts, histtype="step", linewidth=1.2,
+                     label=f"{cid}:{c['name']}"[:20])
         ax1.set_xscale("log")
         ax1.set_yscale("log")
     ax1.axvline(max_length, color="#c44e52", linestyle="--", label=f"max_length {max_length:,}")
     ax1.set_xlabel("sequence length (tokens)")
     ax1.set_ylabel("sequences")
-    ax1.set_title(f"{seq_lengths.size:,} sequences" + (f"\n{tokenize_losses_text(tokenize_losses)}"
-                                                      if tokenize_losses else ""), fontsize="medium")
+    ax1.set_title(f"{lengths.n:,} sequences" + (f"\n{tokenize_losses_text(tokenize_losses)}"
+                                                if tokenize_losses else ""), fontsize="medium")
     ax1.legend(loc="upper right", fontsize="small")
-    if fill.size:
-        ax2.hist(fill, bins=np.linspace(0, 1, 51), color="#55a868")
+    if row_tokens.n:
+        ax2.hist(row_tokens.values / max_length, bins=np.linspace(0, 1, 51), weights=row_tokens.counts,
+                 color="#55a868")
         ax2.set_yscale("log")
-    mean_fill = float(fill.mean()) if fill.size else 0.0
+    mean_fill = row_tokens.sum / (row_tokens.n * max_length) if row_tokens.n else 0.0
     ax2.set_xlabel("row fill (tokens / max_length)")
     ax2.set_ylabel("rows")
-    ax2.set_title(f"{fill.size:,} rows, mean fill {mean_fill:.2%}")
+    ax2.set_title(f"{row_tokens.n:,} rows, mean fill {mean_fill:.2%}")
     labels, token_share, loss_share = category_shares(categories or {})
     y = np.arange(len(labels))
     ax3.barh(y - 0.2, token_share, height=0.4, color="#3b75af", label="tokens")
@@ -169,11 +220,10 @@ def stats_figure(seq_lengths: np.ndarray, row_n_tokens: np.ndarray, max_length: 
     return fig
 
 
-def plot_stats(seq_lengths: np.ndarray, row_n_tokens: np.ndarray, max_length: int,
-               categories: Mapping[int, dict] | None = None, seq_categories: np.ndarray | None = None,
-               tokenize_losses: Mapping | None = None) -> bytes:
+def plot_stats(seq_lengths: Mapping[int, Counts], row_tokens: Counts, max_length: int,
+               categories: Mapping[int, dict] | None = None, tokenize_losses: Mapping | None = None) -> bytes:
     """stats.png (`stats_figure`) as PNG bytes, without a timestamp (so it is deterministic)."""
     buf = io.BytesIO()
-    stats_figure(seq_lengths, row_n_tokens, max_length, categories, seq_categories,
-                 tokenize_losses).savefig(buf, format="png", metadata={"Software": None})
+    stats_figure(seq_lengths, row_tokens, max_length, categories, tokenize_losses).savefig(
+        buf, format="png", metadata={"Software": None})
     return buf.getvalue()

@@ -370,14 +370,15 @@ def test_stages_print_whole_progress_lines_when_not_on_a_terminal(example_run, t
 
 # ---------------------------------------------------------------------------------------------- item 17
 def test_stats_png_shows_per_category_shares():
-    from data.stats import pack_statistics, plot_stats, stats_figure
+    from data.stats import Counts, pack_statistics, plot_stats, stats_figure
 
-    stats = pack_statistics(np.array([5, 7, 9]), np.array([12, 9]), np.array([2, 1]), 16, {1: 12, 3: 9}, {1: 3, 3: 6},
+    lengths = {1: Counts.of([5, 7]), 3: Counts.of([9])}
+    stats = pack_statistics(lengths, Counts.of([12, 9]), Counts.of([2, 1]), 16, {1: 12, 3: 9}, {1: 3, 3: 6},
                             {1: "math", 3: "chat"})
-    fig = stats_figure(np.array([5, 7, 9]), np.array([12, 9]), 16, stats["categories"])
+    fig = stats_figure(lengths, Counts.of([12, 9]), 16, stats["categories"])
     shares = fig.axes[2]
     assert shares.get_title() == "per-category shares"
     assert [t.get_text() for t in shares.get_yticklabels()] == ["1:math", "3:chat"]
     widths = [round(p.get_width(), 6) for p in shares.patches]
     assert widths == [round(12 / 21, 6), round(9 / 21, 6), round(3 / 9, 6), round(6 / 9, 6)]  # tokens, then loss
-    assert plot_stats(np.array([5]), np.array([5]), 16, stats["categories"]).startswith(b"\x89PNG")
+    assert plot_stats({1: Counts.of([5])}, Counts.of([5]), 16, stats["categories"]).startswith(b"\x89PNG")

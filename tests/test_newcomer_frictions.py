@@ -125,13 +125,14 @@ def test_sequences_longer_than_the_model_positions_are_a_warning(setup, tmp_path
 
 
 def test_stats_png_shows_lengths_per_category_and_what_tokenize_dropped(tmp_path):
-    from data.stats import pack_statistics, stats_figure
+    from data.stats import Counts, category_counts, pack_statistics, stats_figure
 
-    lengths, seq_categories = np.array([5, 7, 9, 40]), np.array([1, 1, 3, 3])
-    stats = pack_statistics(lengths, np.array([12, 9, 40]), np.array([2, 1, 1]), 64, {1: 12, 3: 49}, {1: 3, 3: 6},
-                            {1: "math", 3: "chat"}, seq_categories)
+    lengths = category_counts(np.array([5, 7, 9, 40]), np.array([1, 1, 3, 3]))
+    rows = Counts.of([12, 9, 40])
+    stats = pack_statistics(lengths, rows, Counts.of([2, 1, 1]), 64, {1: 12, 3: 49}, {1: 3, 3: 6},
+                            {1: "math", 3: "chat"})
     assert stats["categories"][3]["sequence_length"] == {"min": 9, "mean": 24.5, "median": 24.5, "max": 40}
-    fig = stats_figure(lengths, np.array([12, 9, 40]), 64, stats["categories"], seq_categories,
+    fig = stats_figure(lengths, rows, 64, stats["categories"],
                        {"dropped": {"overlong": 3, "bad_label": 1}, "truncated": 2})
     lengths_ax = fig.axes[0]
     assert lengths_ax.get_title() == "4 sequences\ndropped in tokenize: overlong 3, bad_label 1; truncated 2"

@@ -163,7 +163,8 @@ def test_accounting_catches_a_writer_that_loses_or_repeats_a_sequence(tmp_path, 
     write_tokenized(tmp_path / "tokenized")
     real = pack.write_rows
 
-    def faulty_write(writer, src, rows, lengths):
+    def faulty_write(writer, src, rows):
+        lengths = np.asarray(src.row_n_tokens)
         if fault == "row_written_twice":
             rows = pack.RowPlan(np.concatenate([rows.members, rows.row(0)]),
                                 np.append(rows.starts, rows.starts[-1] + len(rows.row(0))))
@@ -174,7 +175,7 @@ def test_accounting_catches_a_writer_that_loses_or_repeats_a_sequence(tmp_path, 
             other = int(np.flatnonzero(lengths[members] != lengths[members[0]])[0])
             members[other] = members[0]
             rows = pack.RowPlan(members, rows.starts)
-        real(writer, src, rows, lengths)
+        real(writer, src, rows)
 
     monkeypatch.setattr(pack, "write_rows", faulty_write)  # the shard writer's (num_workers=1: in this process)
     with pytest.raises(AssertionError, match="exactly once"):
@@ -185,12 +186,15 @@ def test_accounting_catches_a_wrong_length(tmp_path, monkeypatch):
     from data import pack
 
     write_tokenized(tmp_path / "tokenized")
-    real = PackedDataset.seq_column
+    real = PackedDataset.row_range_sequences
 
-    def shifted(self, name):
-        column = real(self, name)
-        return column + 1 if name == "length" and self.kind == "packed" else column
+    def shifted(self, start, end):
+        seqs, uids = real(self, start, end)
+        if self.kind == "packed":
+            seqs = seqs.copy()
+            seqs["length"][0] += 1
+        return seqs, uids
 
-    monkeypatch.setattr(PackedDataset, "seq_column", shifted)
+    monkeypatch.setattr(PackedDataset, "row_range_sequences", shifted)
     with pytest.raises(AssertionError, match="length differs"):
         pack.run(config(tmp_path))
