@@ -114,7 +114,7 @@ main_cpu: dict[str, float] = {}  # the last run's driver CPU seconds per stage i
 driver_alloc: dict[str, int] = {}
 
 
-ray_tasks: dict[str, int] = {}  # the last Ray run's tasks (Ray Data blocks) per stage
+ray_maps: dict[str, list] = {}  # the last Ray run's maps per stage: (size class, chunks)
 
 
 def run_once(cfg: DataConfig, engine: str, workers: int) -> tuple[dict, dict, dict, ProcessSampler]:
@@ -127,7 +127,7 @@ def run_once(cfg: DataConfig, engine: str, workers: int) -> tuple[dict, dict, di
     wall, driver_cpu, worker_cpu = {}, {}, {}
     main_cpu.clear()
     driver_alloc.clear()
-    ray_tasks.clear()
+    ray_maps.clear()
 
     def timed(stage, fn):
         sampler.sample()
@@ -154,9 +154,9 @@ def run_once(cfg: DataConfig, engine: str, workers: int) -> tuple[dict, dict, di
                 # worker processes start and import the stage modules once
                 timed("startup", lambda _: list(executor.map(_import_stages, range(4 * n), size="records")))
                 for stage in STAGES:
-                    before = executor.tasks
+                    maps_before = len(executor.maps)
                     timed(stage, functools.partial(STAGE_RUNS[stage], executor=executor))
-                    ray_tasks[stage] = executor.tasks - before
+                    ray_maps[stage] = executor.maps[maps_before:]
         else:
             for stage in STAGES:
                 timed(stage, STAGE_RUNS[stage])
@@ -223,7 +223,7 @@ def main() -> None:
             digests.add(digest(cfg))
             if engine == "ray" and w == max(args.workers):
                 ray_cpu = (driver_cpu, worker_cpu, dict(main_cpu), times)
-                ray_tasks_large = dict(ray_tasks)
+                ray_maps_large = dict(ray_maps)
                 ray_alloc = dict(driver_alloc)
                 ray_sampler = sampler
             if driver_alloc:
@@ -270,24 +270,33 @@ def main() -> None:
                 print(f"| {s} | {lo / 2**20:.1f} | {hi / 2**20:.1f} | {(hi - lo) / (records - small_records):.0f} |")
         driver_cpu, worker_cpu, main, _ = ray_cpu
         gib = (input_bytes - small_bytes) / 2**30
+        from data.engine_ray import ray_tasks as projected_tasks
+
+        scale = 2**40 / input_bytes
         print(f"\nThe issue's projection: per GiB (a) the driver's main thread, marginal between the two sizes, plus "
-              f"(b) Ray Data's per-task driver cost ({RAY_TASK_DRIVER_S * 1e3:.0f} ms) times the tasks per GiB of the "
-              f"large run; workers' CPU marginal; 1 TB as max(driver, workers / (nodes x {args.cores_per_node} "
-              "cores)):\n")
-        print("| stage | driver main thread s/GiB (marginal) | tasks per GiB | driver s/GiB (a + b) | workers CPU s/GiB "
-              "(marginal) | 1 TB, 8 nodes (h) | 1 TB, 64 nodes (h) |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
+              f"(b) Ray Data's per-task driver cost ({RAY_TASK_DRIVER_S * 1e3:.0f} ms) times the Ray tasks per GiB that "
+              f"RayExecutor launches for 1 TB on 8 and 64 nodes of {args.cores_per_node} cores (each map of the large "
+              "run, its chunks scaled to 1 TB, `engine_ray.ray_tasks`); workers' CPU marginal; 1 TB as max(driver, "
+              f"workers / (nodes x {args.cores_per_node} cores)):\n")
+        print("| stage | driver main thread s/GiB (marginal) | maps (size: chunks) in this run | Ray tasks per GiB, 8 / 64 "
+              "nodes | driver s/GiB (a + b), 8 / 64 nodes | workers CPU s/GiB (marginal) | 1 TB, 8 nodes (h) | 1 TB, "
+              "64 nodes (h) |")
+        print("|---|---:|---|---:|---:|---:|---:|---:|")
         totals = {8: 0.0, 64: 0.0}
-        large_gib = input_bytes / 2**30
         for s in STAGES:
             a = (main[s] - small_main[s]) / gib
-            tasks = ray_tasks_large[s] / large_gib
-            d, w = a + tasks * RAY_TASK_DRIVER_S, (worker_cpu[s] - small_workers[s]) / gib
-            proj = {nodes: max(d, w / (nodes * args.cores_per_node)) * 1024 / 3600 for nodes in totals}
+            w = (worker_cpu[s] - small_workers[s]) / gib
+            tasks, d, proj = {}, {}, {}
             for nodes in totals:
+                workers = nodes * args.cores_per_node
+                tasks[nodes] = sum(projected_tasks(round(n * scale), size, workers) for size, n in ray_maps_large[s]) / 1024
+                d[nodes] = a + tasks[nodes] * RAY_TASK_DRIVER_S
+                proj[nodes] = max(d[nodes], w / workers) * 1024 / 3600
                 totals[nodes] += proj[nodes]
-            print(f"| {s} | {a:.2f} | {tasks:.0f} | {d:.1f} | {w:,.0f} | {proj[8]:.1f} | {proj[64]:.1f} |")
-        print(f"| total | | | | | {totals[8]:.1f} | {totals[64]:.1f} |")
+            maps = ", ".join(f"{size}: {n}" for size, n in ray_maps_large[s])
+            print(f"| {s} | {a:.2f} | {maps} | {tasks[8]:.1f} / {tasks[64]:.1f} | {d[8]:.2f} / {d[64]:.2f} | {w:,.0f} "
+                  f"| {proj[8]:.2f} | {proj[64]:.2f} |")
+        print(f"| total | | | | | | {totals[8]:.2f} | {totals[64]:.2f} |")
         print(f"\nMarginal CPU seconds per GiB (Ray, {max(args.workers)} workers, {small_bytes / 2**20:.1f} MiB vs "
               f"{input_bytes / 2**20:.1f} MiB) and 1 TB projected as max(driver, workers / (nodes x "
               f"{args.cores_per_node} cores)):\n")

@@ -36,10 +36,42 @@ TASKS_PER_WORKER = 2
 # Maps over byte ranges and plan slices (size "ranges"): Ray Data's driver spends ~20-30 ms of CPU per
 # task and block (BENCHMARKS.md, bench_ray_overhead.py), so their windows are large (max(RANGE_WINDOW_CHUNKS,
 # RANGE_WINDOW_CHUNKS_PER_WORKER x workers) chunks of ~1 MiB) and cut into RANGE_TASKS_PER_WORKER tasks per
-# worker, one block each: >= 32 MiB a task, whatever the worker count.
+# worker, one block each: >= 128 MiB a task on a large input, whatever the worker count (~30 tasks per GiB and
+# stage, bench_ray.py's projection). The next window, running beside, keeps the workers busy.
 RANGE_WINDOW_CHUNKS = 1024
 RANGE_WINDOW_CHUNKS_PER_WORKER = 256
-RANGE_TASKS_PER_WORKER = 8
+RANGE_TASKS_PER_WORKER = 2
+
+
+def map_shape(size: TaskSize, workers: int, window: int | None = None) -> tuple[int, int | None, int]:
+    """How `RayExecutor.map` runs chunks of a size class on `workers`: (chunks per window, chunks per Ray task
+    or None for "split each window into tasks_per_worker tasks per worker", tasks_per_worker)."""
+    chunks = max(MIN_WINDOW_CHUNKS, WINDOW_CHUNKS_PER_WORKER * workers)
+    chunks_per_task, tasks_per_worker = None, TASKS_PER_WORKER
+    if size == "ranges":
+        chunks = max(chunks, RANGE_WINDOW_CHUNKS, RANGE_WINDOW_CHUNKS_PER_WORKER * workers)
+        tasks_per_worker = RANGE_TASKS_PER_WORKER
+    elif size == "shards":
+        chunks_per_task = 1
+    return window or chunks, chunks_per_task, tasks_per_worker
+
+
+def chunks_per_window_task(window_chunks: int, chunks_per_task: int | None, tasks_per_worker: int,
+                           workers: int) -> int:
+    """Chunks per Ray task in a window of `window_chunks` chunks."""
+    return chunks_per_task or max(1, window_chunks // (tasks_per_worker * workers))
+
+
+def ray_tasks(chunks: int, size: TaskSize, workers: int, window: int | None = None) -> int:
+    """The Ray tasks (blocks) `RayExecutor(workers, window).map` launches for `chunks` chunks of a size class: what
+    Ray Data's driver pays per (the projection of a larger input and cluster reads it)."""
+    window, chunks_per_task, tasks_per_worker = map_shape(size, workers, window)
+    full, last = divmod(chunks, window)
+    total = 0
+    for n, windows in ((window, full), (last, 1 if last else 0)):
+        if windows:
+            total += windows * -(-n // chunks_per_window_task(n, chunks_per_task, tasks_per_worker, workers))
+    return total
 
 
 # ---------------------------------------------------------------------------------------------- session
@@ -107,28 +139,24 @@ class RayExecutor(Executor):
         self.workers = workers
         self.window = window  # tasks per execution, whatever `size` (None: by size and workers)
         self.tasks = 0  # Ray tasks (one block each) launched so far: what Ray Data's driver pays per
+        self.maps: list[tuple[TaskSize, int]] = []  # each map run so far: its size class and its chunks
 
     def map(self, fn: Callable, tasks: Iterable, size: TaskSize = "ranges",
             setup: Callable[[], None] | None = None) -> Iterator:
-        window = max(MIN_WINDOW_CHUNKS, WINDOW_CHUNKS_PER_WORKER * self.workers)
-        chunks_per_task, tasks_per_worker = None, TASKS_PER_WORKER
-        if size == "ranges":
-            window = max(window, RANGE_WINDOW_CHUNKS, RANGE_WINDOW_CHUNKS_PER_WORKER * self.workers)
-            tasks_per_worker = RANGE_TASKS_PER_WORKER
-        elif size == "shards":
-            chunks_per_task = 1
-        window = self.window or window
-        return self._map(with_setup(fn, setup), tasks, window, chunks_per_task, tasks_per_worker)
+        window, chunks_per_task, tasks_per_worker = map_shape(size, self.workers, self.window)
+        return self._map(with_setup(fn, setup), tasks, window, chunks_per_task, tasks_per_worker, size)
 
     def _map(self, fn: Callable, chunks: Iterable, window: int, chunks_per_task: int | None,
-             tasks_per_worker: int) -> Iterator:
+             tasks_per_worker: int, size: TaskSize) -> Iterator:
         runner = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ray-window")
         failed: list[Exception] = []  # an error of `chunks` itself: raised after the chunks before it are yielded
+        chunks_seen = 0
         try:
             running = None
             for first, items in self._windows(chunks, window, failed):
+                chunks_seen += len(items)
                 arrived: queue.SimpleQueue = queue.SimpleQueue()
-                per_task = chunks_per_task or max(1, len(items) // (tasks_per_worker * self.workers))
+                per_task = chunks_per_window_task(len(items), chunks_per_task, tasks_per_worker, self.workers)
                 following = (first, len(items), arrived, runner.submit(self._run_window, fn, items, per_task, arrived))
                 if running is not None:
                     yield from self._in_order(*running)
@@ -139,6 +167,7 @@ class RayExecutor(Executor):
                 raise failed[0]
         finally:  # stopped early (an error, or the caller closed us): a window not started yet never starts
             runner.shutdown(wait=True, cancel_futures=True)
+            self.maps.append((size, chunks_seen))
 
     @staticmethod
     def _windows(chunks: Iterable, window: int, failed: list[Exception]) -> Iterator[tuple[int, list[dict]]]:

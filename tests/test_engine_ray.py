@@ -208,6 +208,16 @@ def test_chunk_map_yields_chunk_order_when_ray_does_not(fault_dir):
     assert out == [x * x for x in range(40)]
 
 
+@pytest.mark.parametrize("size, chunks, window", [("ranges", 40, 16), ("ranges", 3, None), ("records", 9, None),
+                                                  ("records", 300, None), ("shards", 5, None)])
+def test_ray_tasks_is_what_a_map_launches(fault_dir, size, chunks, window):
+    """`ray_tasks` (the projection's count of Ray tasks) is what `RayExecutor.map` launches."""
+    executor = engine_ray.RayExecutor(2, window=window)
+    assert list(executor.map(abs, range(chunks), size=size)) == list(range(chunks))
+    assert executor.tasks == engine_ray.ray_tasks(chunks, size, 2, window)
+    assert executor.maps == [(size, chunks)]
+
+
 def _fails_on_seven(x):
     if x == 7:
         raise ValueError("chunk 7")
