@@ -294,6 +294,16 @@ class PackConfig:
     algorithm: Literal["best_fit", "first_fit"] = "best_fit"  # both over lengths in decreasing order
 
 
+class UnderOutput:
+    """A read-only path attribute of `DataConfig`: `name` under its output_dir."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, cfg, owner=None):
+        return self if cfg is None else Path(cfg.output_dir) / self.name
+
+
 @dataclass
 class DataConfig:
     inputs: list[InputSpec]  # the raw inputs (keys of each below)
@@ -339,33 +349,13 @@ class DataConfig:
     def ratio_file(self) -> Path:
         return Path(self.ratio_path) if self.ratio_path else self.out / "ratios.json"
 
-    @property
-    def canonical_path(self) -> Path:
-        return self.out / "canonical.jsonl"
-
-    @property
-    def sampled_path(self) -> Path:
-        return self.out / "sampled.jsonl"
-
-    @property
-    def merged_path(self) -> Path:
-        return self.out / "merged.jsonl"
-
-    @property
-    def tokenized_dir(self) -> Path:
-        return self.out / "tokenized"
-
-    @property
-    def packed_dir(self) -> Path:
-        return self.out / "packed"
-
-    @property
-    def report_path(self) -> Path:
-        return self.out / "report.json"
-
-    @property
-    def eval_dir(self) -> Path:
-        return self.out / "eval"
+    canonical_path = UnderOutput("canonical.jsonl")
+    sampled_path = UnderOutput("sampled.jsonl")
+    merged_path = UnderOutput("merged.jsonl")
+    tokenized_dir = UnderOutput("tokenized")
+    packed_dir = UnderOutput("packed")
+    report_path = UnderOutput("report.json")
+    eval_dir = UnderOutput("eval")
 
     def eval_config(self) -> "DataConfig":
         """The config the eval split's merge, tokenize and pack stages run with: the same settings with every
