@@ -22,6 +22,7 @@ from data.executor import Executor, LocalExecutor
 from data.io import remove_stale_temporaries
 from data.lock import LockHeldError, directory_lock
 from data.preflight import preflight
+from data.ratios import ratio_file_digest
 from data.records import RecordError
 from data.report import read_report, record_failure
 
@@ -127,7 +128,6 @@ def run_stages(cfg: DataConfig, executor: Executor, stage_fn: Callable[[str], St
 
 def stale_input_warnings(cfg: DataConfig) -> list[str]:
     """Stages run without the sample stage after the ratio file was edited would pack the old sample: say so."""
-    from data.sample import ratio_file_digest
 
     later = [stage for stage in ("merge", "tokenize", "pack") if stage in cfg.stages]
     if "sample" in cfg.stages or not later:

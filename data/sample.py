@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import math
 import mmap
 import os
@@ -47,7 +46,7 @@ from data.config import DataConfig
 from data.executor import ByteRange, Executor, LocalExecutor, byte_ranges
 from data.fsutil import atomic_writer, read_lines
 from data.io import require_stage_input
-from data.preprocess import MAX_SAMPLE_RATE, check_ratio_names, read_ratio_file
+from data.ratios import MAX_SAMPLE_RATE, check_ratio_names, ratio_file_digest, read_ratio_file
 from data.progress import progress
 from data.randomness import SAMPLE_EVAL, SAMPLE_FRACTION, SAMPLE_ORDER, record_keys
 from data.report import ReportError, check_arithmetic, update_report
@@ -137,15 +136,6 @@ def sampled_line(line: bytes, copy: int) -> bytes:
         rec["meta"]["copy"] = copy
         line = orjson.dumps(rec)
     return line + b"\n"
-
-
-def ratio_file_digest(path) -> str | None:
-    """sha256 of the ratio file as sampling read it (None when there is none): later stages run on their own can
-    tell that it was edited since (data.pipeline.stale_input_warnings)."""
-    try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    except FileNotFoundError:
-        return None
 
 
 # ---------------------------------------------------------------------------------------------- tasks, results

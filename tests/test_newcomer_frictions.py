@@ -193,7 +193,7 @@ def test_data_tokenizer_path_takes_a_hub_id_from_the_cache(tmp_path, monkeypatch
     from huggingface_hub import constants
 
     from data.config import check_tokenizer_dir
-    from data.hub import pretrained_dir
+    from data.config import pretrained_dir
 
     pretrained_dir.cache_clear()
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))

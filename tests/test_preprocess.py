@@ -4,7 +4,7 @@ import itertools
 import orjson
 import pytest
 
-from data import preprocess
+from data import preprocess, ratios
 from data.config import DataConfig, InputSpec
 from data.io import iter_jsonl, iter_rows
 from data.records import RecordError, validate_canonical
@@ -302,7 +302,7 @@ def test_ratio_file_update_semantics(tmp_path):
     cfg = make_cfg(tmp_path, [InputSpec(path=[a], category_name="alpha"), InputSpec(path=[b], category_name="beta"),
                               InputSpec(path=[c])])
     preprocess.run(cfg)
-    cats = preprocess.read_ratio_file(cfg.ratio_file)
+    cats = ratios.read_ratio_file(cfg.ratio_file)
     assert cats == [
         {"category_id": 0, "category_name": "untracked", "size": 4, "sample_rate": 1.0},
         {"category_id": 1, "category_name": "alpha", "size": 3, "sample_rate": 1.0},
@@ -310,7 +310,7 @@ def test_ratio_file_update_semantics(tmp_path):
     ]
     # the user edits a rate; the next run drops beta, adds gamma and changes alpha's size
     cats[1]["sample_rate"] = 0.25
-    preprocess.write_ratio_file(cfg.ratio_file, cats)
+    ratios.write_ratio_file(cfg.ratio_file, cats)
     _jsonl(tmp_path / "a.jsonl", qa * 5)
     g = _jsonl(tmp_path / "g.jsonl", qa)
     cfg.inputs = [InputSpec(path=[g], category_name="gamma"), InputSpec(path=[a], category_name="alpha")]
@@ -319,9 +319,9 @@ def test_ratio_file_update_semantics(tmp_path):
                        r"data \(categories: \['alpha', 'gamma'\]\); .*delete the entry if the category is gone"):
         preprocess.run(cfg)  # an entry without data is an error (untracked, managed by the pipeline, may go)
     assert cfg.canonical_path.read_bytes() == before
-    preprocess.write_ratio_file(cfg.ratio_file, [c for c in cats if c["category_name"] != "beta"])
+    ratios.write_ratio_file(cfg.ratio_file, [c for c in cats if c["category_name"] != "beta"])
     preprocess.run(cfg)
-    assert preprocess.read_ratio_file(cfg.ratio_file) == [
+    assert ratios.read_ratio_file(cfg.ratio_file) == [
         {"category_id": 0, "category_name": "untracked", "size": 0, "sample_rate": 1.0},
         {"category_id": 1, "category_name": "alpha", "size": 5, "sample_rate": 0.25},
         {"category_id": 2, "category_name": "gamma", "size": 1, "sample_rate": 1.0},  # beta's id was freed
@@ -334,18 +334,18 @@ def test_ratio_file_invalid(tmp_path):
     path.write_bytes(orjson.dumps({"categories": [{"category_id": 1, "category_name": "a"},
                                                   {"category_id": 1, "category_name": "b"}]}))
     with pytest.raises(ValueError, match="duplicate category id 1"):
-        preprocess.read_ratio_file(path)
+        ratios.read_ratio_file(path)
     path.write_bytes(orjson.dumps({"categories": [{"category_id": 40000, "category_name": "big"}]}))
     with pytest.raises(ValueError, match=r"r.json: categories\[0\]: category_id must be an integer in 0..32767"):
-        preprocess.read_ratio_file(path)
+        ratios.read_ratio_file(path)
     for rate in (-0.5, 1e15, True, "2"):
         path.write_bytes(orjson.dumps({"categories": [{"category_id": 1, "category_name": "a", "sample_rate": rate}]}))
         with pytest.raises(ValueError, match=r"r.json: categories\[0\] \('a'\): sample_rate must be a number in "
                            r"0..1000 \(copies of each record\), got "):
-            preprocess.read_ratio_file(path)
+            ratios.read_ratio_file(path)
     path.write_bytes(b'{"categories": [{"category_id": 1, "category_name": "a", "sample_rate": NaN}]}')
     with pytest.raises(ValueError, match="r.json: invalid JSON"):
-        preprocess.read_ratio_file(path)
+        ratios.read_ratio_file(path)
 
 
 def test_renamed_ratio_entry_is_an_error_not_a_new_category(tmp_path):
@@ -354,9 +354,9 @@ def test_renamed_ratio_entry_is_an_error_not_a_new_category(tmp_path):
     cfg = make_cfg(tmp_path, [InputSpec(path=[_jsonl(tmp_path / "m.jsonl", qa * 4)], category_name="math"),
                               InputSpec(path=[_jsonl(tmp_path / "c.jsonl", qa * 2)], category_name="chat")])
     preprocess.run(cfg)
-    cats = preprocess.read_ratio_file(cfg.ratio_file)
+    cats = ratios.read_ratio_file(cfg.ratio_file)
     cats[0].update(category_name="maths", sample_rate=0.5)
-    preprocess.write_ratio_file(cfg.ratio_file, cats)
+    ratios.write_ratio_file(cfg.ratio_file, cats)
     message = r"entry 'maths' \(id 1, sample_rate 0.5\) matches no category of the data \(categories: \['chat', 'math'\]\)"
     with pytest.raises(ValueError, match=message):
         preprocess.run(cfg)

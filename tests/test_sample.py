@@ -10,7 +10,7 @@ import pytest
 from data import sample
 from data.config import DataConfig
 from data.io import iter_jsonl
-from data.preprocess import write_ratio_file
+from data.ratios import write_ratio_file
 from data.randomness import SAMPLE_EVAL, SAMPLE_FRACTION, SAMPLE_ORDER, record_keys
 from data.report import check_arithmetic, read_report
 

@@ -29,7 +29,7 @@ from data.config import (
     relative_note,
     to_dict,
 )
-from data.hub import pretrained_dir
+from data.config import pretrained_dir
 
 logger = logging.getLogger(__name__)
 
