@@ -4,8 +4,9 @@ and appending parts in order.
 Every stage is one program over an `Executor`: the driver builds small task dataclasses (a byte range, a row
 group, a slice of a plan), `executor.map(fn, tasks)` runs `fn` on each and yields the results in task order,
 and the driver reduces them (accounting, the decisions that span ranges) and appends the parts the workers
-wrote. `LocalExecutor` runs the workers in a local process pool; `data.engine_ray.RayExecutor` on Ray Data. A
-stage never knows which one it has, so both engines write the same bytes.
+wrote into its outputs (`concatenate`). `LocalExecutor` runs the workers in a local process pool;
+`data.engine_ray.RayExecutor` on Ray Data. A stage never knows which one it has, so both engines write the same
+bytes.
 
 Worker functions and tasks must pickle: a function defined at module level (or a `functools.partial` of one),
 tasks of plain values, numpy arrays and dataclasses. An exception a worker raises comes back with its own type
@@ -20,10 +21,10 @@ import os
 import pickle
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO, Literal
+from typing import Literal
 
-from data.fsutil import read_lines, scratch_dir
-from data.io import append_file, jsonl_byte_ranges, ordered_parallel_map
+from data.fsutil import atomic_writer, read_lines, scratch_dir
+from data.io import append_file, copy_into, jsonl_byte_ranges, ordered_parallel_map
 
 # How big a task is, which an executor may use to batch tasks: "records" (a chunk of records held in the task
 # itself), "ranges" (a descriptor: a byte range, a row group, a plan slice), "shards" (a whole output shard).
@@ -46,13 +47,14 @@ class Executor:
         its content when the block ends."""
         return scratch_dir(near, name)
 
-    @staticmethod
-    def append(out: BinaryIO, parts: Iterable[str | os.PathLike]) -> None:
-        """Each part's bytes appended to `out` in order (a kernel copy where the filesystem offers it), then the
-        part removed."""
-        for part in parts:
-            append_file(out, part)
-            os.remove(part)
+    def concatenate(self, out: str | os.PathLike, parts: Iterable["Part"]) -> None:
+        """`out` written atomically (`fsutil.atomic_writer`) as the parts' bytes in order, each part removed once
+        copied. Here the driver appends them (a kernel copy; on one machine, within the page cache);
+        `RayExecutor` has its workers copy them."""
+        with atomic_writer(out) as f:
+            for part in parts:
+                append_file(f, part.path)
+                os.remove(part.path)
 
 
 class LocalExecutor(Executor):
@@ -87,6 +89,32 @@ def with_setup(fn: Callable, setup: Callable[[], None] | None) -> Callable:
 
 
 # ---------------------------------------------------------------------------------------------- shared tasks
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """A scratch file a worker wrote, a piece of a stage's output (`Executor.concatenate`): its path and size,
+    read by the worker that wrote it (so the driver never stats a part)."""
+    path: str
+    size: int
+
+    @classmethod
+    def written(cls, path: str | os.PathLike) -> "Part":
+        return cls(str(path), os.path.getsize(path))
+
+
+@dataclasses.dataclass(frozen=True)
+class PartCopy:
+    """Worker task: `part` copied into `out` at `offset` (`copy_part`)."""
+    part: str
+    out: str
+    offset: int
+
+
+def copy_part(task: PartCopy) -> None:
+    """Worker: a part's bytes into the output file at its offset (a kernel copy), then the part removed."""
+    copy_into(task.part, task.out, task.offset)
+    os.remove(task.part)
+
+
 @dataclasses.dataclass(frozen=True)
 class ByteRange:
     """Bytes `[start, end)` of a .jsonl file holding whole lines (`io.jsonl_byte_ranges`); `index`: its position

@@ -134,24 +134,36 @@ def scratch_dir(near: str | os.PathLike, name: str) -> Iterator[Path]:
 
 # ---------------------------------------------------------------------------------------------- atomic writes
 @contextlib.contextmanager
-def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
-    """Binary file opened on a temp file next to `path`; fsynced and renamed over `path` on success (the directory
-    fsynced after), removed on error. The temp name carries the writer's pid and start (`stale_temporaries`)."""
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A temp file next to `path` (empty, with the mode open() would give), for writers that open it themselves,
+    other processes included; fsynced and renamed over `path` on success (the directory fsynced after), removed
+    on error. The temp name carries the writer's pid and start (`stale_temporaries`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path.name), dir=path.parent)
     try:
-        os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp creates 0600; give the mode open() would
-        with os.fdopen(fd, "wb", buffering=1 << 20) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
+        os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp creates 0600
+        os.close(fd)
+        yield Path(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+@contextlib.contextmanager
+def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """Binary file opened on a temp file next to `path`, which replaces `path` on success (`atomic_path`)."""
+    with atomic_path(path) as tmp, open(tmp, "r+b", buffering=1 << 20) as f:
+        yield f
+        f.flush()
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

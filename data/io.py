@@ -294,6 +294,26 @@ def append_file(out: BinaryIO, path: str | os.PathLike) -> None:
         shutil.copyfileobj(src, out, 1 << 20)  # what the kernel did not copy (from where it stopped)
 
 
+def copy_into(path: str | os.PathLike, out: str | os.PathLike, offset: int) -> None:
+    """The bytes of file `path` written into the existing file `out` at `offset` (beyond its end it grows), copied by
+    the kernel where it can (`os.copy_file_range`), by pread/pwrite where it cannot."""
+    with open(path, "rb") as src, open(out, "r+b") as dst:
+        size = os.fstat(src.fileno()).st_size
+        done = 0
+        try:
+            while done < size and (copied := os.copy_file_range(src.fileno(), dst.fileno(), size - done, done,
+                                                                offset + done)):
+                done += copied
+        except OSError:  # not offered here (another filesystem, an old kernel)
+            pass
+        while done < size:
+            block = os.pread(src.fileno(), min(1 << 20, size - done), done)
+            if not block:
+                raise OSError(f"{path}: shorter than its size ({done} of {size} bytes read)")
+            os.pwrite(dst.fileno(), block, offset + done)
+            done += len(block)
+
+
 def remove_stale_temporaries(cfg: DataConfig) -> list[tuple[Path, int]]:
     """Delete what killed runs left behind: temporaries in `output_dir` and the ratio file's, whose writer process is
     gone. Returns (path, bytes) of each one removed."""

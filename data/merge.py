@@ -37,8 +37,8 @@ import orjson
 from data.chat_template import analyze_template, load_chat_tokenizer
 from data.config import ConfigError, DataConfig
 from data.fidelity import FidelityOptions, render_record, template_renders_reasoning
-from data.executor import ByteRange, Executor, LocalExecutor, byte_ranges, count_lines, spread_ranges
-from data.fsutil import atomic_writer, read_lines
+from data.executor import ByteRange, Executor, LocalExecutor, Part, byte_ranges, count_lines, spread_ranges
+from data.fsutil import read_lines
 from data.io import require_stage_input
 from data.records import RecordError, validate_canonical
 from data.preflight import tokenizer_identity
@@ -258,7 +258,7 @@ class CopyTask:
 
 @dataclasses.dataclass(frozen=True)
 class CopiedPart:
-    part: str
+    part: Part
     records: int
     zeroed: int
 
@@ -273,7 +273,7 @@ def copy_records(task: CopyTask) -> CopiedPart:
                 zeroed += apply_loss_turns(rec, task.loss_turns)
                 out.write(orjson.dumps(rec) + b"\n")
                 n += 1
-    return CopiedPart(task.part, n, zeroed)
+    return CopiedPart(Part.written(task.part), n, zeroed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,7 +309,7 @@ class RangeDecisions:
     prefix_tokens: list[int | None]
     prefix_keys: list[tuple]
     open_group: OpenGroup | None
-    part: str | None
+    part: Part | None
     blocked: dict[str, int]
     group_sizes: dict[int, int]
 
@@ -333,10 +333,10 @@ def decide_groups(task: DecideTask) -> RangeDecisions:
     starts = [i for i in range(own, n) if decider.starts_group(joins[i], counts[i], keys[i])]
     part = None
     if len(starts) > 1:  # groups that end in the range (the last one is still open)
-        part = task.part
-        with open(part, "wb") as out:  # a scratch part
+        with open(task.part, "wb") as out:  # a scratch part
             for start, end in zip(starts, starts[1:]):
                 out.write(orjson.dumps(merge_records(records[start:end])) + b"\n")
+        part = Part.written(task.part)
     return RangeDecisions(
         records=n, zeroed=sum(zeroed), prefix_tokens=counts[:own], prefix_keys=keys[:own],
         open_group=(OpenGroup(decider.head_key, decider.group_tokens, n - starts[-1], at[starts[-1]])
@@ -355,7 +355,7 @@ class SpanTask:
     loss_turns: str
 
 
-def write_span(task: SpanTask) -> str:
+def write_span(task: SpanTask) -> Part:
     """Worker: the merged records (`merge_records`, loss_turns applied) of a span's groups, written as a part (a
     retried task rewrites it)."""
     with open(task.path, "rb") as f, open(task.part, "wb") as out:
@@ -366,7 +366,7 @@ def write_span(task: SpanTask) -> str:
             for rec in group:
                 apply_loss_turns(rec, task.loss_turns)
             out.write(orjson.dumps(merge_records(group)) + b"\n")
-    return task.part
+    return Part.written(task.part)
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -376,7 +376,7 @@ class Span:
     record count of each (the last still growing while `GroupLinker` walks on); `own_part`: that range's part
     (`RangeDecisions.part`), which comes just before the span in merged.jsonl."""
     offset: int
-    own_part: str | None
+    own_part: Part | None
     sizes: list[int] = dataclasses.field(default_factory=list)
 
 
@@ -406,13 +406,13 @@ class GroupLinker:
         return dict(self.group_sizes + collections.Counter(n for span in self.spans for n in span.sizes))
 
 
-def copy_all(executor: Executor, ranges: list[ByteRange], loss_turns: str, scratch: Path, out
+def copy_all(executor: Executor, ranges: list[ByteRange], loss_turns: str, scratch: Path, out: Path
              ) -> tuple[int, int]:
     """probability 0: every record a group of its own, copied by the workers range by range with loss_turns
     applied (no tokenizer, no decision). Returns (records, labels zeroed)."""
     records = zeroed = 0
 
-    def parts() -> Iterator[str]:
+    def parts() -> Iterator[Part]:
         nonlocal records, zeroed
         tasks = [CopyTask(r, str(scratch / f"part_{r.index:08d}.jsonl"), loss_turns) for r in ranges]
         with progress(desc="merge", unit="rec") as bar:
@@ -422,14 +422,14 @@ def copy_all(executor: Executor, ranges: list[ByteRange], loss_turns: str, scrat
                 bar.update(copied.records)
                 yield copied.part
 
-    executor.append(out, parts())
+    executor.concatenate(out, parts())
     return records, zeroed
 
 
-def decide_and_write(executor: Executor, ranges: list[ByteRange], settings: MergeSettings, scratch: Path, out
+def decide_and_write(executor: Executor, ranges: list[ByteRange], settings: MergeSettings, scratch: Path, out: Path
                      ) -> tuple[int, int, dict[str, int], dict[int, int]]:
     """The groups decided and written range by range, linked across ranges on the driver, the groups that reach
-    across ranges written by the workers too; every part appended to `out` in order. Returns (records, labels
+    across ranges written by the workers too; every part concatenated into `out` in order. Returns (records, labels
     zeroed, blocked joins by reason, groups by size)."""
     counts = [counted.records for counted in executor.map(count_lines, ranges)]
     firsts = list(itertools.accumulate(counts, initial=0))
@@ -446,13 +446,13 @@ def decide_and_write(executor: Executor, ranges: list[ByteRange], settings: Merg
     spans = [SpanTask(str(ranges[0].path), span.offset, tuple(span.sizes), str(scratch / f"span_{k:08d}.jsonl"),
                       settings.loss_turns) for k, span in enumerate(linker.spans)]
 
-    def parts() -> Iterator[str]:
+    def parts() -> Iterator[Part]:
         for span, written in zip(linker.spans, executor.map(write_span, spans)):
             if span.own_part is not None:
                 yield span.own_part
             yield written
 
-    executor.append(out, parts())
+    executor.concatenate(out, parts())
     return n_in, zeroed, linker.decider.blocked, linker.all_group_sizes()
 
 
@@ -476,15 +476,16 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
         tokenizer_key = (str(cfg.tokenizer_path), cfg.chat_template)
         _template(_tokenizer(tokenizer_key))  # fail early in the parent; forked workers inherit both
     path = require_stage_input(cfg.sampled_path, "sample")
-    with executor.scratch(cfg.merged_path.parent, "merge-parts") as scratch, atomic_writer(cfg.merged_path) as out:
+    with executor.scratch(cfg.merged_path.parent, "merge-parts") as scratch:
         if budget is None:
-            n_in, zeroed = copy_all(executor, byte_ranges(path, COPY_RANGE_BYTES), cfg.loss_turns, scratch, out)
+            n_in, zeroed = copy_all(executor, byte_ranges(path, COPY_RANGE_BYTES), cfg.loss_turns, scratch,
+                                    cfg.merged_path)
             blocked, group_sizes = {}, ({1: n_in} if n_in else {})
         else:
             settings = MergeSettings(cfg.seed, probability, budget, cfg.loss_turns, tokenizer_key,
                                      FidelityOptions.from_config(cfg))
             ranges = spread_ranges(path, executor.workers, MERGE_RANGE_BYTES)
-            n_in, zeroed, blocked, group_sizes = decide_and_write(executor, ranges, settings, scratch, out)
+            n_in, zeroed, blocked, group_sizes = decide_and_write(executor, ranges, settings, scratch, cfg.merged_path)
     n_out = sum(group_sizes.values())
     section = {
         "in": n_in, "out": n_out,

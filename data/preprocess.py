@@ -31,8 +31,7 @@ from typing import Any, ClassVar
 import orjson
 
 from data.config import ConfigError, DataConfig, InputSpec, split_spec
-from data.executor import ByteRange, Executor, LocalExecutor, byte_ranges
-from data.fsutil import atomic_writer
+from data.executor import ByteRange, Executor, LocalExecutor, Part, byte_ranges
 from data.io import UTF8_BOM, expand_inputs, input_is_empty, iter_jsonl_range, parse_jsonl_line, read_rows
 from data.progress import progress
 from data.ratios import UNTRACKED, check_ratio_names, merge_ratio_categories, read_ratio_file, write_ratio_file
@@ -443,7 +442,7 @@ class FinishTask:
 
 @dataclasses.dataclass(frozen=True)
 class FinishedPart:
-    path: str
+    part: Part
     records: int
 
 
@@ -459,7 +458,7 @@ def finish_part(task: FinishTask) -> FinishedPart:
             source = b'%s%d"' % (source_head, task.lines_before + int(place)) if in_range else place
             out.write(canonical_line(head, ids[category], category, uid, source, tail))
             uid += 1
-    return FinishedPart(task.out, uid - task.first_uid)
+    return FinishedPart(Part.written(task.out), uid - task.first_uid)
 
 
 # ---------------------------------------------------------------------------------------------- tasks
@@ -674,7 +673,7 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
 
     Two passes of the workers: they convert the inputs into parts of kept records (`convert_all`, with the
     driver's accounting), then write each part's canonical.jsonl lines with the uids and category ids the driver
-    gave (`finish_part`), which the driver appends to canonical.jsonl in order (a kernel copy)."""
+    gave (`finish_part`), concatenated into canonical.jsonl in order (`Executor.concatenate`)."""
     executor = executor or LocalExecutor(cfg.workers)
     paths = [path for spec in cfg.inputs for path in expand_inputs(spec.path)]
     empty = [path for path in paths if input_is_empty(path)]
@@ -687,14 +686,13 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
     dropped: dict[str, int] = {}
     dropped_at = DroppedAt(source_order(paths))
     sizes: dict[str, int] = {}
-    with atomic_writer(cfg.canonical_path) as out, \
-            executor.scratch(Path(cfg.canonical_path).parent, "preprocess-parts") as parts_dir:
+    with executor.scratch(Path(cfg.canonical_path).parent, "preprocess-parts") as parts_dir:
         finish = convert_all(cfg, executor, parts_dir, stats, dropped, dropped_at, category_ids, sizes)
         check_ratio_names(existing, sizes, ratio_path)  # before canonical.jsonl is replaced
         n_out = sum(st["out"] for st in stats)
         with progress(total=n_out, desc="preprocess: canonical lines", unit="rec") as bar:
             finished = executor.map(finish_part, finish, size="ranges")
-            executor.append(out, (bar.update(part.records) or part.path for part in finished))
+            executor.concatenate(cfg.canonical_path, (bar.update(done.records) or done.part for done in finished))
     write_ratio_file(ratio_path, merge_ratio_categories(existing, category_ids.ids, sizes))
     section = {
         "in": sum(st["in"] for st in stats), "out": n_out, "dropped": sorted_counts(dropped),

@@ -24,7 +24,7 @@ category and per bucket, never per record:
 3. `plan_range`: each range's selected pairs (order key, place, copy), sorted by key, so grouped by output bucket
    (`order_bucket`: ~`BUCKET_BYTES` of sampled.jsonl each); its eval records' lines as a part.
 4. `write_bucket`: one task per bucket sorts its pairs from every range's plan by key and writes their lines,
-   read from canonical.jsonl by place; the driver appends the buckets in order (and the eval parts in range
+   read from canonical.jsonl by place; the buckets are concatenated in order (and the eval parts in range
    order).
 """
 from __future__ import annotations
@@ -43,8 +43,8 @@ import numpy as np
 import orjson
 
 from data.config import DataConfig
-from data.executor import ByteRange, Executor, LocalExecutor, byte_ranges
-from data.fsutil import atomic_writer, read_lines
+from data.executor import ByteRange, Executor, LocalExecutor, Part, byte_ranges
+from data.fsutil import read_lines
 from data.io import require_stage_input
 from data.ratios import MAX_SAMPLE_RATE, check_ratio_names, ratio_file_digest, read_ratio_file
 from data.progress import progress
@@ -216,10 +216,12 @@ class PlanTask:
 @dataclasses.dataclass(frozen=True)
 class RangePlan:
     """`bucket_starts[b]`: the first of the range's pairs in output bucket b (the last entry: the pairs).
-    `sampled`, `held_out`: the pairs and the held-out records per category id."""
+    `sampled`, `held_out`: the pairs and the held-out records per category id; `eval_part`: the held-out
+    records' lines (None without an eval split)."""
     bucket_starts: np.ndarray
     sampled: dict[int, int]
     held_out: dict[int, int]
+    eval_part: Part | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +238,7 @@ class BucketTask:
 
 @dataclasses.dataclass(frozen=True)
 class BucketWritten:
-    part: str
+    part: Part
     lines: int
 
 
@@ -348,7 +350,8 @@ def plan_range(task: PlanTask) -> RangePlan:
         return {cid: n for cid, n in zip(ids.tolist(), counts.tolist()) if n}
 
     return RangePlan(np.searchsorted(order_bucket(pairs["key"], task.buckets), np.arange(task.buckets + 1)),
-                     per_category(copies), per_category(held))
+                     per_category(copies), per_category(held),
+                     None if task.eval_part is None else Part.written(task.eval_part))
 
 
 @contextlib.contextmanager
@@ -377,7 +380,7 @@ def write_bucket(task: BucketTask) -> BucketWritten:
             batch = pairs[a:a + WRITE_BATCH]
             out.write(b"".join([sampled_line(canonical[start:end], copy) for start, end, copy in
                                 zip(batch["start"].tolist(), batch["end"].tolist(), batch["copy"].tolist())]))
-    return BucketWritten(task.part, len(pairs))
+    return BucketWritten(Part.written(task.part), len(pairs))
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -442,23 +445,22 @@ def write_sampled(cfg: DataConfig, executor: Executor, ranges: list[RangeTask], 
     with_eval = cfg.eval_size is not None
     tasks = [PlanTask(r, rule, buckets, range_plan(scratch, k), str(scratch / f"eval_{k:08d}.jsonl") if with_eval
                       else None) for k, r in enumerate(ranges)]
-    sampled, held = Counter(), Counter()
+    sampled, held, eval_parts = Counter(), Counter(), []
     for k, planned in enumerate(executor.map(plan_range, tasks)):
         starts[k] = planned.bucket_starts
         sampled.update(planned.sampled)
         held.update(planned.held_out)
+        if planned.eval_part is not None:
+            eval_parts.append(planned.eval_part)
     starts.flush()
     del starts
     bucket_tasks = [BucketTask(b, str(cfg.canonical_path), str(scratch), str(starts_path),
                                str(scratch / f"bucket_{b:08d}.jsonl")) for b in range(buckets)]
-    with atomic_writer(cfg.sampled_path) as out, \
-            progress(total=sum(sampled.values()), desc="sample", unit="rec") as bar:
-        for done in executor.map(write_bucket, bucket_tasks, size="shards"):
-            executor.append(out, [done.part])
-            bar.update(done.lines)
+    with progress(total=sum(sampled.values()), desc="sample", unit="rec") as bar:
+        executor.concatenate(cfg.sampled_path, (bar.update(done.lines) or done.part
+                                                for done in executor.map(write_bucket, bucket_tasks, size="shards")))
     if with_eval:
-        with atomic_writer(cfg.eval_config().sampled_path) as out:
-            executor.append(out, [task.eval_part for task in tasks])
+        executor.concatenate(cfg.eval_config().sampled_path, eval_parts)
     return sampled, held
 
 

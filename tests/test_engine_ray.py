@@ -12,7 +12,7 @@ pytestmark = pytest.mark.timeout(300)  # a worker that cannot start is retried b
 
 from data import engine_ray, pack, pipeline, preprocess, tokenize  # noqa: E402
 from data.config import STAGES, load_config  # noqa: E402
-from data.executor import LocalExecutor  # noqa: E402
+from data.executor import LocalExecutor, Part  # noqa: E402
 from data.records import RecordError  # noqa: E402
 from data.shards import PackedDataset, ShardWriter  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402
@@ -216,6 +216,36 @@ def test_ray_tasks_is_what_a_map_launches(fault_dir, size, chunks, window):
     assert list(executor.map(abs, range(chunks), size=size)) == list(range(chunks))
     assert executor.tasks == engine_ray.ray_tasks(chunks, size, 2, window)
     assert executor.maps == [(size, chunks)]
+
+
+def _written_parts(directory: Path, contents: list[bytes]) -> list[Part]:
+    directory.mkdir()
+    for k, content in enumerate(contents):
+        (directory / f"part{k}").write_bytes(content)
+    return [Part.written(directory / f"part{k}") for k in range(len(contents))]
+
+
+@pytest.mark.parametrize("sizes", [[], [0], [5, 0, 3 << 20, 1, 0]])
+def test_concatenate_writes_the_same_file_on_both_executors(fault_dir, tmp_path, sizes):
+    """Local: the driver appends the parts; Ray: the workers copy each to its offset. The same bytes, the parts
+    removed; a failure while the parts arrive leaves the previous output as it was and no temporary."""
+    contents = [bytes([k % 251]) * size for k, size in enumerate(sizes)]
+    for name, executor in (("local", LocalExecutor(2)), ("ray", engine_ray.RayExecutor(2, window=2))):
+        parts = _written_parts(tmp_path / name, contents)
+        out = tmp_path / f"{name}.out"
+        executor.concatenate(out, iter(parts))
+        assert out.read_bytes() == b"".join(contents)
+        assert not any(Path(part.path).exists() for part in parts)
+
+        def failing():
+            yield from _written_parts(tmp_path / f"{name}-again", [b"new"] * 3)
+            raise RecordError("later.jsonl:1", "line", "unreadable", "malformed_json")
+
+        with pytest.raises(RecordError):
+            executor.concatenate(out, failing())
+        assert out.read_bytes() == b"".join(contents)
+        assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == sorted(
+            f"{n}.out" for n in ("local", "ray")[:1 + (name == "ray")])
 
 
 def _fails_on_seven(x):

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from data.fsutil import atomic_write_bytes, atomic_writer
-from data.io import JsonlIndex, append_file, expand_inputs, iter_rows, ordered_parallel_map, read_rows
+from data.io import JsonlIndex, append_file, copy_into, expand_inputs, iter_rows, ordered_parallel_map, read_rows
 from data.records import RecordError
 
 ROWS = [{"question": f"q{i}", "answer": f"a{i}"} for i in range(5)]
@@ -223,3 +223,25 @@ def test_append_file_adds_parts_between_buffered_writes(tmp_path, monkeypatch, k
             assert out.tell() == end  # the file object knows where the kernel's copy ended
             out.write(b"|")
     assert out_path.read_bytes() == b"head" + b"".join(p.read_bytes() + b"|" for p in parts)
+
+
+@pytest.mark.parametrize("kernel_copy", [True, False])
+def test_copy_into_writes_each_part_at_its_offset_in_any_order(tmp_path, monkeypatch, kernel_copy):
+    """Parts copied into one file at their offsets, last first (past the end the file grows, the gap filled
+    later), by the kernel or by pread/pwrite where `os.copy_file_range` fails: the file is their concatenation."""
+    if not kernel_copy:
+        def unsupported(*args):
+            raise OSError(18, "Invalid cross-device link")
+        monkeypatch.setattr(os, "copy_file_range", unsupported)
+    parts, offsets, end = [], [], 0
+    for k, size in enumerate([3 << 20, 0, 1, 5000, 7]):
+        part = tmp_path / f"part{k}"
+        part.write_bytes(os.urandom(size))
+        parts.append(part)
+        offsets.append(end)
+        end += size
+    out = tmp_path / "out.bin"
+    out.write_bytes(b"")
+    for part, offset in reversed(list(zip(parts, offsets))):
+        copy_into(part, out, offset)
+    assert out.read_bytes() == b"".join(p.read_bytes() for p in parts)
