@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from data.config import DataConfig
-from data.executor import Executor, Part, PartCopy, TaskSize, copy_part, with_setup
+from data.executor import Executor, Part, TaskSize, copy_parts, copy_tasks, with_setup
 from data.fsutil import atomic_path
 
 # Chunks per Ray Data execution (a window): bounds the driver's memory (a chunk is <= 256 records) and amortizes
@@ -151,19 +151,11 @@ class RayExecutor(Executor):
     def concatenate(self, out: str | os.PathLike, parts: Iterable[Part]) -> None:
         """`out` written atomically as the parts' bytes in order: the workers copy each part to its offset (a kernel
         copy on the output's filesystem: no byte passes through the driver's node) and remove it, as the parts
-        arrive; the driver adds up the sizes, then syncs and renames the file (`fsutil.atomic_path`)."""
+        arrive (`copy_tasks`); the driver adds up the sizes, then syncs and renames the file
+        (`fsutil.atomic_path`)."""
         with atomic_path(out) as tmp:
-            end = 0
-
-            def copies() -> Iterator[PartCopy]:
-                nonlocal end
-                for part in parts:
-                    yield PartCopy(part.path, str(tmp), end)
-                    end += part.size
-
-            for _ in self.map(copy_part, copies()):
+            for _ in self.map(copy_parts, copy_tasks(str(tmp), parts)):
                 pass
-            os.truncate(tmp, end)  # the last parts may be empty
 
     def _map(self, fn: Callable, chunks: Iterable, window: int, chunks_per_task: int | None,
              tasks_per_worker: int, size: TaskSize) -> Iterator:

@@ -103,16 +103,36 @@ class Part:
 
 @dataclasses.dataclass(frozen=True)
 class PartCopy:
-    """Worker task: `part` copied into `out` at `offset` (`copy_part`)."""
-    part: str
+    """Worker task: each (part, offset) of `parts` copied into `out` at its offset (`copy_parts`)."""
     out: str
-    offset: int
+    parts: tuple[tuple[str, int], ...]
 
 
-def copy_part(task: PartCopy) -> None:
-    """Worker: a part's bytes into the output file at its offset (a kernel copy), then the part removed."""
-    copy_into(task.part, task.out, task.offset)
-    os.remove(task.part)
+# Consecutive parts copied by one task (`PartCopy`) up to this many bytes: a copy costs little per byte, so few
+# tasks (Ray Data's driver pays per task).
+COPY_TASK_BYTES = 256 << 20
+
+
+def copy_tasks(out: str, parts: Iterable[Part]) -> Iterator[PartCopy]:
+    """The parts, in order, as `PartCopy` tasks of consecutive parts (up to `COPY_TASK_BYTES`, or one larger part),
+    each at the offset where the parts before it end."""
+    batch, batch_bytes, end = [], 0, 0
+    for part in parts:
+        if batch and batch_bytes + part.size > COPY_TASK_BYTES:
+            yield PartCopy(out, tuple(batch))
+            batch, batch_bytes = [], 0
+        batch.append((part.path, end))
+        batch_bytes += part.size
+        end += part.size
+    if batch:
+        yield PartCopy(out, tuple(batch))
+
+
+def copy_parts(task: PartCopy) -> None:
+    """Worker: each part's bytes into the output file at its offset (a kernel copy), then the part removed."""
+    for part, offset in task.parts:
+        copy_into(part, task.out, offset)
+        os.remove(part)
 
 
 @dataclasses.dataclass(frozen=True)
