@@ -1,4 +1,6 @@
-"""Packing quality and speed: data.pack.plan (best fit / first fit decreasing) vs the OpenSFT greedy packer.
+"""Packing quality and speed: data.pack.plan (best fit / first fit decreasing), the pack stage's rule (partitions of
+2^20 sequences planned on their own, then a global pass over the rows they release: `plan_by_partitions`) and the
+OpenSFT greedy packer.
 
     python benchmarks/bench_pack.py [--n 1000000] [--opensft-n N] [--seed 0]
     python benchmarks/bench_pack.py --stage-n 100000 [--stage-max-length 16384]   # the whole pack stage
@@ -21,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data.pack import plan  # noqa: E402
+from data.pack import PARTITION_SEQUENCES, plan, plan_by_partitions  # noqa: E402
 
 MEDIAN = 1500
 P_ABOVE_16K = 0.05
@@ -190,6 +192,11 @@ def main() -> None:
             rows, wall, cpu = timed(plan, lengths, cap, seed=args.seed, algorithm=algorithm)
             results.append(summarize(algorithm, rows, lengths, cap, wall, cpu, args.n))
             print(results[-1], flush=True)
+        partitions = -(-args.n // PARTITION_SEQUENCES)
+        plan_rows, wall, cpu = timed(plan_by_partitions, lengths, cap, seed=args.seed)
+        results.append(summarize(f"best_fit by {partitions} partitions + global pass (pack.run)", plan_rows.tolist(),
+                                 lengths, cap, wall, cpu, args.n))
+        print(results[-1], flush=True)
         m = args.opensft_n or args.n
         rows, wall, cpu = timed(opensft_greedy, lengths[:m], cap)
         results.append(summarize("opensft_greedy", rows, lengths, cap, wall, cpu, m))

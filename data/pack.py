@@ -405,6 +405,41 @@ def partition_rows(lengths: np.ndarray, max_length: int, seed: int, algorithm: s
     return layout(select_rows(rows, ~released), seed), select_rows(rows, released).members
 
 
+def global_pass(loose: np.ndarray, loose_lengths: np.ndarray, max_length: int, seed: int, algorithm: str
+                ) -> tuple[RowPlan, np.ndarray]:
+    """The rows of the sequences the partitions released (`loose`, with their lengths), in seeded order (the last
+    rows of packed/), and their tokens."""
+    seed = leftovers_seed(seed)
+    rows = layout(plan_rows(loose_lengths, max_length, seed=seed, algorithm=algorithm), seed)
+    return RowPlan(loose[rows.members], rows.starts), rows.sums(loose_lengths)
+
+
+def plan_by_partitions(lengths: np.ndarray, max_length: int, seed: int = 0, algorithm: str = "best_fit",
+                       partition: int | None = None) -> RowPlan:
+    """`run`'s rows over `lengths` in one process (`plan_all` spreads the same over workers): each partition of
+    `partition` (default `PARTITION_SEQUENCES`) consecutive sequences planned on its own, then the global pass."""
+    size = partition or PARTITION_SEQUENCES
+    kept, loose = [], []
+    for k, first in enumerate(range(0, len(lengths), size)):
+        rows, released = partition_rows(lengths[first:first + size], max_length, partition_seed(seed, k), algorithm)
+        kept.append(RowPlan(rows.members + first, rows.starts))
+        loose.append(released + first)
+    loose = np.concatenate(loose) if loose else np.zeros(0, dtype=np.int64)
+    kept.append(global_pass(loose, lengths[loose], max_length, seed, algorithm)[0])
+    return concat_plans(kept)
+
+
+def concat_plans(plans: list[RowPlan]) -> RowPlan:
+    """Rows of `plans` one after the other."""
+    starts = [np.zeros(1, dtype=np.int64)]
+    offset = 0
+    for plan in plans:
+        starts.append(plan.starts[1:] + offset)
+        offset += len(plan.members)
+    members = np.concatenate([plan.members for plan in plans]) if plans else np.zeros(0, dtype=np.int64)
+    return RowPlan(members, np.concatenate(starts))
+
+
 def plan_partition(task: Partition) -> PartitionPlan:
     """Worker: the partition's rows (`partition_rows`) over its lengths read from the tokenized index; the kept
     rows saved to `plan_path`, the released sequences returned, with the partition's length counts and tally."""
@@ -510,10 +545,8 @@ def plan_all(executor: Executor, src: PackedDataset, cfg: DataConfig, plans_dir:
             f"({every.count} such rows); tokenize with max_length <= pack.max_length")
     loose = np.concatenate(released) if released else np.zeros(0, dtype=np.int64)
     loose_lengths = np.concatenate(released_lengths) if released else np.zeros(0, dtype=np.int64)
-    seed = leftovers_seed(cfg.seed)
-    rows = layout(plan_rows(loose_lengths, cap, seed=seed, algorithm=algorithm), seed)
-    result.placed.append(save_rows(RowPlan(loose[rows.members], rows.starts), rows.sums(loose_lengths),
-                                   str(plans_dir / "global"), shard_bytes, src.dtype.itemsize))
+    rows, row_tokens = global_pass(loose, loose_lengths, cap, cfg.seed, algorithm)
+    result.placed.append(save_rows(rows, row_tokens, str(plans_dir / "global"), shard_bytes, src.dtype.itemsize))
     return result
 
 

@@ -8,26 +8,15 @@ import orjson
 import pytest
 
 from data import pack
-from data.pack import RowPlan, plan_rows
+from data.pack import plan_rows
 from data.shards import PackedDataset
 from tests.conftest import fixture_path, tokenizer_dir
 from tests.test_pack_roundtrip import config, write_tokenized
 
 
 def partitioned(lengths, max_length, seed=0, algorithm="best_fit"):
-    """pack.run's rows (`plan_all`) over `lengths` without a dataset: (rows, the released sequences)."""
-    size = pack.PARTITION_SEQUENCES
-    kept, loose = [], []
-    for k, first in enumerate(range(0, len(lengths), size)):
-        rows, released = pack.partition_rows(lengths[first:first + size], max_length, pack.partition_seed(seed, k),
-                                             algorithm)
-        kept.append(RowPlan(rows.members + first, rows.starts))
-        loose.append(released + first)
-    loose = np.concatenate(loose)
-    leftovers_seed = pack.leftovers_seed(seed)
-    last = pack.layout(plan_rows(lengths[loose], max_length, leftovers_seed, algorithm), leftovers_seed)
-    kept.append(RowPlan(loose[last.members], last.starts))
-    return [row for rows in kept for row in rows.tolist()], loose
+    """pack.run's rows over `lengths` without a dataset (`plan_by_partitions`), as lists."""
+    return pack.plan_by_partitions(lengths, max_length, seed, algorithm).tolist()
 
 
 def check_rows(rows, lengths, max_length):
@@ -81,7 +70,7 @@ def test_rows_within_the_bound_over_several_partitions(monkeypatch, fixture_leng
     monkeypatch.setattr(pack, "PARTITION_SEQUENCES", 1 << 15)  # ~5 partitions of 150,000 sequences
     rng = np.random.default_rng(max_length)
     lengths = distributions(name, max_length, 150_000, rng, fixture_lengths)
-    rows, _ = partitioned(lengths, max_length, seed=3)
+    rows = partitioned(lengths, max_length, seed=3)
     check_rows(rows, lengths, max_length)
     bound = math.ceil(lengths.sum() / max_length)
     old = len(plan_rows(lengths, max_length, seed=3))
@@ -97,7 +86,7 @@ def test_uniform_lengths_within_the_bound_at_the_partition_size():
     partitions of PARTITION_SEQUENCES keep it within the bound."""
     rng = np.random.default_rng(5)
     lengths = rng.integers(1, 2049, 2 * pack.PARTITION_SEQUENCES + 50_000)
-    rows, _ = partitioned(lengths, 2048)
+    rows = partitioned(lengths, 2048)
     check_rows(rows, lengths, 2048)
     assert len(rows) <= 1.001 * math.ceil(lengths.sum() / 2048)
 
@@ -105,9 +94,10 @@ def test_uniform_lengths_within_the_bound_at_the_partition_size():
 def test_one_partition_is_at_most_the_global_plan():
     rng = np.random.default_rng(2)
     lengths = np.clip(np.rint(rng.lognormal(np.log(300), 1.0, 20_000)), 1, 4096).astype(np.int64)
-    rows, loose = partitioned(lengths, 4096, seed=1)
+    rows = partitioned(lengths, 4096, seed=1)
     check_rows(rows, lengths, 4096)
     assert len(rows) <= len(plan_rows(lengths, 4096, seed=pack.partition_seed(1, 0)))
+    _, loose = pack.partition_rows(lengths, 4096, pack.partition_seed(1, 0), "best_fit")
     assert 0 < len(loose) < 0.1 * len(lengths)
 
 
@@ -135,4 +125,4 @@ def test_packed_rows_are_the_partition_plan_for_any_worker_count(tmp_path, monke
     ds = PackedDataset(cfg.packed_dir)
     lengths = np.asarray(PackedDataset(cfg.tokenized_dir).row_n_tokens, dtype=np.int64)
     written = [ds[i]["record_index"].tolist() for i in range(len(ds))]
-    assert written == partitioned(lengths, 256, seed=cfg.seed)[0]
+    assert written == partitioned(lengths, 256, seed=cfg.seed)
