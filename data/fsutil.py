@@ -124,7 +124,8 @@ def stale_temporaries(directory: str | os.PathLike, names: Iterable[str] | None 
 @contextlib.contextmanager
 def scratch_dir(near: str | os.PathLike, name: str) -> Iterator[Path]:
     """A temporary directory `.NAME.tmp-…` in directory `near` (on the output's filesystem, so its files can be
-    renamed or copied into the output cheaply), removed with its content when the block ends."""
+    renamed or copied into the output cheaply; created if missing), removed with its content when the block ends."""
+    Path(near).mkdir(parents=True, exist_ok=True)
     path = Path(tempfile.mkdtemp(prefix=temp_prefix(name), dir=near))
     try:
         yield path
