@@ -1,5 +1,5 @@
 """The Ray driver's own CPU per task of `RayExecutor.map` (Ray Data's per-execution, per-task and per-block work),
-for the task sizes the stages use: `shards` (one task a Ray task), `records` and `ranges` (many tasks a Ray task).
+for the task sizes the stages use: `records` and `ranges` (many tasks a Ray task).
 Each task's function only sleeps, so the driver's CPU is all engine overhead.
 
     python benchmarks/bench_ray_overhead.py --workers 2
@@ -40,7 +40,7 @@ def main() -> None:
     print(f"{args.chunks} chunks of {args.seconds * 1000:.0f} ms sleep, {args.workers} workers, ray {ray.__version__}\n")
     print("| size | tasks | Ray tasks | wall s | driver CPU s | driver CPU ms per task | driver CPU % of a core |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for size in ("shards", "records", "ranges"):
+    for size in ("records", "ranges"):
         cpu, wall, ray_tasks = time.process_time(), time.perf_counter(), executor.tasks
         out = list(executor.map(nap, [args.seconds] * args.chunks, size=size))
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu

@@ -35,44 +35,39 @@ from data.fsutil import atomic_path
 WINDOW_CHUNKS_PER_WORKER = 8
 MIN_WINDOW_CHUNKS = 64
 TASKS_PER_WORKER = 2
-# Maps over byte ranges and plan slices (size "ranges"): Ray Data's driver spends ~20-30 ms of CPU per
-# task and block (BENCHMARKS.md, bench_ray_overhead.py), so their windows are large (max(RANGE_WINDOW_CHUNKS,
-# RANGE_WINDOW_CHUNKS_PER_WORKER x workers) chunks of ~1 MiB) and cut into RANGE_TASKS_PER_WORKER tasks per
-# worker, one block each: >= 128 MiB a task on a large input, whatever the worker count (~30 tasks per GiB and
-# stage, bench_ray.py's projection). The next window, running beside, keeps the workers busy.
+# Maps over task descriptors (size "ranges": byte ranges, plan slices, output shards): Ray Data's driver spends
+# ~20-30 ms of CPU per task and block (BENCHMARKS.md, bench_ray_overhead.py), so their windows are large
+# (max(RANGE_WINDOW_CHUNKS, RANGE_WINDOW_CHUNKS_PER_WORKER x workers) chunks, ~1 MiB of input each for byte
+# ranges) and cut into RANGE_TASKS_PER_WORKER tasks per worker, one block each: ~256 MiB a task on a large input,
+# whatever the worker count (~4 Ray tasks per GiB and pass, bench_ray.py's projection); a small input still gives
+# every worker its tasks. The next window, running beside, keeps the workers busy.
 RANGE_WINDOW_CHUNKS = 1024
-RANGE_WINDOW_CHUNKS_PER_WORKER = 256
+RANGE_WINDOW_CHUNKS_PER_WORKER = 512
 RANGE_TASKS_PER_WORKER = 2
 
 
-def map_shape(size: TaskSize, workers: int, window: int | None = None) -> tuple[int, int | None, int]:
-    """How `RayExecutor.map` runs chunks of a size class on `workers`: (chunks per window, chunks per Ray task
-    or None for "split each window into tasks_per_worker tasks per worker", tasks_per_worker)."""
-    chunks = max(MIN_WINDOW_CHUNKS, WINDOW_CHUNKS_PER_WORKER * workers)
-    chunks_per_task, tasks_per_worker = None, TASKS_PER_WORKER
+def map_shape(size: TaskSize, workers: int, window: int | None = None) -> tuple[int, int]:
+    """How `RayExecutor.map` runs chunks of a size class on `workers`: (chunks per window, Ray tasks per worker
+    in a window)."""
     if size == "ranges":
-        chunks = max(chunks, RANGE_WINDOW_CHUNKS, RANGE_WINDOW_CHUNKS_PER_WORKER * workers)
-        tasks_per_worker = RANGE_TASKS_PER_WORKER
-    elif size == "shards":
-        chunks_per_task = 1
-    return window or chunks, chunks_per_task, tasks_per_worker
+        return window or max(RANGE_WINDOW_CHUNKS, RANGE_WINDOW_CHUNKS_PER_WORKER * workers), RANGE_TASKS_PER_WORKER
+    return window or max(MIN_WINDOW_CHUNKS, WINDOW_CHUNKS_PER_WORKER * workers), TASKS_PER_WORKER
 
 
-def chunks_per_window_task(window_chunks: int, chunks_per_task: int | None, tasks_per_worker: int,
-                           workers: int) -> int:
+def chunks_per_task(window_chunks: int, tasks_per_worker: int, workers: int) -> int:
     """Chunks per Ray task in a window of `window_chunks` chunks."""
-    return chunks_per_task or max(1, window_chunks // (tasks_per_worker * workers))
+    return max(1, window_chunks // (tasks_per_worker * workers))
 
 
 def ray_tasks(chunks: int, size: TaskSize, workers: int, window: int | None = None) -> int:
     """The Ray tasks (blocks) `RayExecutor(workers, window).map` launches for `chunks` chunks of a size class: what
     Ray Data's driver pays per (the projection of a larger input and cluster reads it)."""
-    window, chunks_per_task, tasks_per_worker = map_shape(size, workers, window)
+    window, tasks_per_worker = map_shape(size, workers, window)
     full, last = divmod(chunks, window)
     total = 0
     for n, windows in ((window, full), (last, 1 if last else 0)):
         if windows:
-            total += windows * -(-n // chunks_per_window_task(n, chunks_per_task, tasks_per_worker, workers))
+            total += windows * -(-n // chunks_per_task(n, tasks_per_worker, workers))
     return total
 
 
@@ -134,8 +129,7 @@ class RayExecutor(Executor):
     Tasks are read a window at a time (one Ray Data execution each); the next window is submitted while the caller
     consumes one, and runs beside it (its tasks fill the workers the current window's last tasks leave idle), so
     the driver holds at most two windows of tasks and results. Ray Data's driver pays per execution, task and
-    block, so maps over small task descriptors (`size="ranges"`) use large windows; `size="shards"` runs one task
-    (a whole output shard) per Ray task."""
+    block, so maps over task descriptors (`size="ranges"`) use large windows and large tasks."""
 
     def __init__(self, workers: int, window: int | None = None):
         self.workers = workers
@@ -145,8 +139,8 @@ class RayExecutor(Executor):
 
     def map(self, fn: Callable, tasks: Iterable, size: TaskSize = "ranges",
             setup: Callable[[], None] | None = None) -> Iterator:
-        window, chunks_per_task, tasks_per_worker = map_shape(size, self.workers, self.window)
-        return self._map(with_setup(fn, setup), tasks, window, chunks_per_task, tasks_per_worker, size)
+        window, tasks_per_worker = map_shape(size, self.workers, self.window)
+        return self._map(with_setup(fn, setup), tasks, window, tasks_per_worker, size)
 
     def concatenate(self, out: str | os.PathLike, parts: Iterable[Part]) -> None:
         """`out` written atomically as the parts' bytes in order: the workers copy each part to its offset (a kernel
@@ -157,8 +151,7 @@ class RayExecutor(Executor):
             for _ in self.map(copy_parts, copy_tasks(str(tmp), parts)):
                 pass
 
-    def _map(self, fn: Callable, chunks: Iterable, window: int, chunks_per_task: int | None,
-             tasks_per_worker: int, size: TaskSize) -> Iterator:
+    def _map(self, fn: Callable, chunks: Iterable, window: int, tasks_per_worker: int, size: TaskSize) -> Iterator:
         runner = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ray-window")
         failed: list[Exception] = []  # an error of `chunks` itself: raised after the chunks before it are yielded
         chunks_seen = 0
@@ -167,7 +160,7 @@ class RayExecutor(Executor):
             for first, items in self._windows(chunks, window, failed):
                 chunks_seen += len(items)
                 arrived: queue.SimpleQueue = queue.SimpleQueue()
-                per_task = chunks_per_window_task(len(items), chunks_per_task, tasks_per_worker, self.workers)
+                per_task = chunks_per_task(len(items), tasks_per_worker, self.workers)
                 following = (first, len(items), arrived, runner.submit(self._run_window, fn, items, per_task, arrived))
                 if running is not None:
                     yield from self._in_order(*running)

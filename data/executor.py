@@ -27,8 +27,8 @@ from data.fsutil import atomic_writer, read_lines, scratch_dir
 from data.io import append_file, copy_into, jsonl_byte_ranges, ordered_parallel_map
 
 # How big a task is, which an executor may use to batch tasks: "records" (a chunk of records held in the task
-# itself), "ranges" (a descriptor: a byte range, a row group, a plan slice), "shards" (a whole output shard).
-TaskSize = Literal["records", "ranges", "shards"]
+# itself: few at a time), "ranges" (a descriptor: a byte range, a row group, a plan slice, an output shard).
+TaskSize = Literal["records", "ranges"]
 
 
 class Executor:

@@ -574,7 +574,7 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
         slices = [RowSpan(src, start, end, rows.plan_path, str(scratch / f"part_{n:05d}"), writer.max_shard_bytes)
                   for n, (rows, (start, end)) in enumerate((rows, cut) for rows in placed for cut in rows.shards)]
         with progress(total=sum(rows.rows for rows in placed), desc="pack", unit="row") as bar:
-            for task, part_dir in zip(slices, executor.map(write_shard, slices, size="shards")):
+            for task, part_dir in zip(slices, executor.map(write_shard, slices)):
                 writer.append_dataset(part_dir)
                 bar.update(task.end - task.first)
         counts = writer.counts

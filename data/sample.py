@@ -458,7 +458,7 @@ def write_sampled(cfg: DataConfig, executor: Executor, ranges: list[RangeTask], 
                                str(scratch / f"bucket_{b:08d}.jsonl")) for b in range(buckets)]
     with progress(total=sum(sampled.values()), desc="sample", unit="rec") as bar:
         executor.concatenate(cfg.sampled_path, (bar.update(done.lines) or done.part
-                                                for done in executor.map(write_bucket, bucket_tasks, size="shards")))
+                                                for done in executor.map(write_bucket, bucket_tasks)))
     if with_eval:
         executor.concatenate(cfg.eval_config().sampled_path, eval_parts)
     return sampled, held

@@ -678,7 +678,7 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
                               f"would be trained (max_length {cfg.max_length}, overlong: {cfg.effective_overlong}, "
                               f"on_error: {cfg.on_error}). Raise max_length, fix the records, or set the "
                               f"sample_rate to 0 in {cfg.ratio_file} to leave a category out on purpose")
-        with contextlib.closing(executor.map(write_shard, plan.tasks(scratch), size="shards")) as shards:
+        with contextlib.closing(executor.map(write_shard, plan.tasks(scratch))) as shards:
             for shard in shards:
                 writer.append_dataset(shard)
         categories_meta = {c: names.get(c, str(c)) for c in sorted(cats)}

@@ -209,7 +209,7 @@ def test_chunk_map_yields_chunk_order_when_ray_does_not(fault_dir):
 
 
 @pytest.mark.parametrize("size, chunks, window", [("ranges", 40, 16), ("ranges", 3, None), ("records", 9, None),
-                                                  ("records", 300, None), ("shards", 5, None)])
+                                                  ("records", 300, None), ("ranges", 5000, None)])
 def test_ray_tasks_is_what_a_map_launches(fault_dir, size, chunks, window):
     """`ray_tasks` (the projection's count of Ray tasks) is what `RayExecutor.map` launches."""
     executor = engine_ray.RayExecutor(2, window=window)
