@@ -14,7 +14,8 @@ With `--marginal-copies N` engine ray also runs on N copies (twice, first: the f
 one-time imports), and a second projection uses the difference of CPU seconds between the two sizes (the per-GiB
 cost, without the fixed costs a small input inflates). `--trace-memory` traces the driver's allocations
 (tracemalloc, numpy arrays included) and prints each stage's peak, and with `--marginal-copies` the bytes per
-added input record; it slows the driver, so the CPU figures of such a run are not comparable.
+added input record; it slows the driver, so the CPU figures of such a run are not comparable, and it samples
+resident memory only between stages (the sampling thread's own allocations would count as the driver's).
 
     python benchmarks/bench_ray.py --copies 6 --workers 1 2 --marginal-copies 2
 """
@@ -123,7 +124,8 @@ def run_once(cfg: DataConfig, engine: str, workers: int) -> tuple[dict, dict, di
     if cfg.out.exists():
         shutil.rmtree(cfg.out)
     sampler = ProcessSampler()
-    sampler.start()
+    if not tracemalloc.is_tracing():  # its own allocations (psutil's) would count as the driver's
+        sampler.start()
     wall, driver_cpu, worker_cpu = {}, {}, {}
     main_cpu.clear()
     driver_alloc.clear()
@@ -162,7 +164,8 @@ def run_once(cfg: DataConfig, engine: str, workers: int) -> tuple[dict, dict, di
                 timed(stage, STAGE_RUNS[stage])
     finally:
         sampler.stop.set()
-        sampler.join()
+        if sampler.is_alive():
+            sampler.join()
     return wall, driver_cpu, worker_cpu, sampler
 
 
