@@ -1,5 +1,6 @@
-"""Readers for every input format, atomic writers, the JSONL byte index and the ordered parallel map."""
+"""Readers for every input format, atomic writers, file hashing, the JSONL byte index and the ordered parallel map."""
 import csv
+import hashlib
 import os
 
 import orjson
@@ -7,7 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data.fsutil import atomic_write_bytes, atomic_writer
+from data import fsutil
+from data.fsutil import atomic_write_bytes, atomic_writer, file_blake2b
 from data.io import JsonlIndex, append_file, copy_into, expand_inputs, iter_rows, ordered_parallel_map, read_rows
 from data.records import RecordError
 
@@ -245,3 +247,13 @@ def test_copy_into_writes_each_part_at_its_offset_in_any_order(tmp_path, monkeyp
     for part, offset in reversed(list(zip(parts, offsets))):
         copy_into(part, out, offset)
     assert out.read_bytes() == b"".join(p.read_bytes() for p in parts)
+
+
+@pytest.mark.parametrize("size_in_chunks", [0, 0.5, 1, 2.5, 3])
+def test_file_blake2b_is_the_hash_of_the_whole_file_across_read_buffers(tmp_path, monkeypatch, size_in_chunks):
+    monkeypatch.setattr(fsutil, "HASH_CHUNK", 1024)
+    payload = os.urandom(int(1024 * size_in_chunks) + (7 if size_in_chunks else 0))
+    path = tmp_path / "blob"
+    path.write_bytes(payload)
+    assert file_blake2b(path) == hashlib.blake2b(payload, digest_size=32).hexdigest()
+    assert file_blake2b(path, sync=True) == file_blake2b(path)
