@@ -293,7 +293,9 @@ class PackConfig:
 
     max_length: int | None = None  # row capacity; None: DataConfig.max_length
     shard_size_mb: int = 1024  # shard size of tokenized/ and packed/ (MB)
-    algorithm: Literal["best_fit", "first_fit"] = "best_fit"  # both over lengths in decreasing order
+    # exact_fill: rows filled one at a time toward exact sums (never more rows than best_fit); best_fit and
+    # first_fit over lengths in decreasing order
+    algorithm: Literal["exact_fill", "best_fit", "first_fit"] = "exact_fill"
 
 
 class UnderOutput:

@@ -1,10 +1,13 @@
 """Pack stage: assign tokenized sequences to fixed-capacity rows (bin packing) and write packed/.
 
-`plan_rows()` is the pure core: best-fit decreasing or first-fit decreasing over a set of lengths. After an
-O(N log N) sort, best fit finds the tightest row with a two-level bitset over room values (a few operations on
-small Python ints per item), first fit descends a max segment tree over rows (O(log rows) per item):
-about 1-2 CPU seconds per million lengths (benchmarks/results/pack.md). Its result is a `RowPlan`: flat
-arrays, 16 bytes a sequence; `plan()` gives the same rows as lists.
+`plan_rows()` is the pure core: exact fill (the default), best-fit decreasing or first-fit decreasing over a
+set of lengths. Exact fill builds one row at a time from the counts of each length: the longest sequence left,
+then the longest that still leaves room for the shortest, until one sequence or a pair fills the row exactly
+(`_exact_fill`); where that leaves more rows than best fit would, best fit's plan is used. Best fit finds the
+tightest row with a two-level bitset over room values (a few operations on small Python ints per item), first
+fit descends a max segment tree over rows (O(log rows) per item): about 1-2 CPU seconds per million lengths
+each (benchmarks/results/pack.md). The result is a `RowPlan`: flat arrays, 16 bytes a sequence; `plan()` gives
+the same rows as lists.
 
 `run()` plans by partitions: each worker plans `PARTITION_SEQUENCES` consecutive tokenized rows on its own
 (`plan_partition`, seeded by (seed, partition index)), keeps the rows that are full enough in a seeded order
@@ -17,6 +20,7 @@ only, never on the worker count or the engine.
 from __future__ import annotations
 
 import array
+import bisect
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +35,8 @@ from data.randomness import (PACK_CHECK_LENGTHS, PACK_CHECK_RECORDS, PACK_CHECK_
 from data.shards import RESERVED_META_KEYS, PackedDataset, ShardWriter, dump_json, shard_ranges
 from data.stats import Counts, add_category_counts, category_counts
 
-ALGORITHMS = ("best_fit", "first_fit")
+ALGORITHMS = ("exact_fill", "best_fit", "first_fit")
+DEFAULT_ALGORITHM = "exact_fill"
 RELEASE_BYTES = 16 << 20  # unmap the source's pages after copying this much (page faults map ~2-3x as much)
 PLAN_CHUNK = 1 << 16  # lengths handed to the planning loop as Python ints at a time (bounds its memory)
 PARTITION_SEQUENCES = 1 << 20  # tokenized rows planned together by one worker (~1-2 s; fewer leave more waste)
@@ -114,13 +119,15 @@ def _check_lengths(lengths, max_length: int) -> np.ndarray:
     return arr
 
 
-def plan_rows(lengths, max_length: int, seed: int = 0, algorithm: str = "best_fit") -> RowPlan:
+def plan_rows(lengths, max_length: int, seed: int = 0, algorithm: str = DEFAULT_ALGORITHM) -> RowPlan:
     """Group item indices into rows of total length <= max_length, each index exactly once.
 
-    Items are placed in decreasing length; `best_fit` puts each into the open row with the least room that
-    still fits it, `first_fit` into the oldest such row; a new row is opened when none fits. Rows are numbered
-    in the order they are opened, and a row's items are in the order they were placed.
-    The result is a deterministic function of (lengths, max_length, seed, algorithm).
+    `exact_fill` fills one row at a time (`_exact_fill`) and, where that gives more rows than the lower bound
+    ceil(sum / max_length) and more than best fit, takes best fit's plan. `best_fit` and `first_fit` place the
+    items in decreasing length, each into the open row with the least room that still fits it (best) or into
+    the oldest such row (first); a new row is opened when none fits. Rows are numbered in the order they are
+    opened (filled), and a row's items are in decreasing length. Equal lengths are taken in a seeded order: the
+    result is a deterministic function of (lengths, max_length, seed, algorithm).
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
@@ -128,12 +135,20 @@ def plan_rows(lengths, max_length: int, seed: int = 0, algorithm: str = "best_fi
     if arr.size == 0:
         return RowPlan(np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64))
     order = _decreasing_order(arr, seed)
-    place = _best_fit if algorithm == "best_fit" else _first_fit
-    row_of, n_rows = place(arr[order], int(max_length))
+    sizes = arr[order]
+    cap = int(max_length)
+    if algorithm == "exact_fill":
+        row_of, n_rows = _exact_fill(sizes, cap)
+        if n_rows > -(-int(sizes.sum()) // cap):
+            best = _best_fit(sizes, cap)
+            if best[1] < n_rows:
+                row_of, n_rows = best
+    else:
+        row_of, n_rows = (_best_fit if algorithm == "best_fit" else _first_fit)(sizes, cap)
     return RowPlan.from_assignment(order, row_of, n_rows)
 
 
-def plan(lengths, max_length: int, seed: int = 0, algorithm: str = "best_fit") -> list[list[int]]:
+def plan(lengths, max_length: int, seed: int = 0, algorithm: str = DEFAULT_ALGORITHM) -> list[list[int]]:
     """`plan_rows` as a list of rows, each a list of item indices."""
     return plan_rows(lengths, max_length, seed, algorithm).tolist()
 
@@ -142,6 +157,62 @@ def _chunks_as_ints(sizes: np.ndarray) -> Iterator[int]:
     """The sizes as Python ints, converted `PLAN_CHUNK` at a time (not all at once: 36 bytes each)."""
     for lo in range(0, sizes.shape[0], PLAN_CHUNK):
         yield from sizes[lo:lo + PLAN_CHUNK].tolist()
+
+
+def _exact_fill(sizes: np.ndarray, cap: int) -> tuple[np.ndarray, int]:
+    """Rows one at a time over `sizes` in decreasing order: (the row of each item, the number of rows).
+
+    A row starts with the longest item left. While it has room r: an item of length r, else the most even
+    pair of lengths summing to r (one vectorised pass over the lengths left), closes it exactly; else it takes
+    the longest item that leaves room for the shortest one left (or, if none, the longest that fits). Items of
+    equal length are taken in their order in `sizes`. Best fit's waste sits in rows whose room is smaller
+    than any item left; aiming every row at an exact sum leaves that room in the last rows only, which on real
+    length distributions is the lower bound (benchmarks/results/pack.md).
+    """
+    counts_by_length = np.bincount(sizes, minlength=cap + 1)
+    available = counts_by_length > 0  # as a bool array, for the pair search
+    next_item = (np.cumsum(counts_by_length[::-1])[::-1] - counts_by_length).tolist()  # first index of a length
+    counts = counts_by_length.tolist()
+    lengths_left = np.flatnonzero(available).tolist()  # ascending, each once
+    row_of = array.array("q", bytes(8 * sizes.shape[0]))
+    row = 0
+
+    def take(length: int) -> None:
+        i = next_item[length]
+        next_item[length] = i + 1
+        row_of[i] = row
+        counts[length] -= 1
+        if not counts[length]:
+            available[length] = False
+            del lengths_left[bisect.bisect_left(lengths_left, length)]
+
+    while lengths_left:
+        first = lengths_left[-1]
+        take(first)
+        room = cap - first
+        while room and lengths_left and room >= lengths_left[0]:
+            shortest = lengths_left[0]
+            if counts[room]:
+                take(room)
+                break
+            half = room >> 1
+            if shortest <= half and room <= 2 * lengths_left[-1]:
+                # a in shortest..half pairs with room - a in room - shortest..room - half
+                pairs = np.flatnonzero(available[shortest:half + 1] & available[room - half:room - shortest + 1][::-1])
+                if pairs.size:
+                    a = shortest + int(pairs[-1])
+                    if a == room - a and counts[a] < 2:
+                        a = shortest + int(pairs[-2]) if pairs.size > 1 else 0
+                    if a:
+                        take(a)
+                        take(room - a)
+                        break
+            k = bisect.bisect_right(lengths_left, room - shortest) - 1
+            length = lengths_left[k] if k >= 0 else lengths_left[bisect.bisect_right(lengths_left, room) - 1]
+            take(length)
+            room -= length
+        row += 1
+    return np.frombuffer(row_of, dtype=np.int64), row
 
 
 def _best_fit(sizes: np.ndarray, cap: int) -> tuple[np.ndarray, int]:
@@ -414,7 +485,7 @@ def global_pass(loose: np.ndarray, loose_lengths: np.ndarray, max_length: int, s
     return RowPlan(loose[rows.members], rows.starts), rows.sums(loose_lengths)
 
 
-def plan_by_partitions(lengths: np.ndarray, max_length: int, seed: int = 0, algorithm: str = "best_fit",
+def plan_by_partitions(lengths: np.ndarray, max_length: int, seed: int = 0, algorithm: str = DEFAULT_ALGORITHM,
                        partition: int | None = None) -> RowPlan:
     """`run`'s rows over `lengths` in one process (`plan_all` spreads the same over workers): each partition of
     `partition` (default `PARTITION_SEQUENCES`) consecutive sequences planned on its own, then the global pass."""

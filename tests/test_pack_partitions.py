@@ -14,7 +14,7 @@ from tests.conftest import fixture_path, tokenizer_dir
 from tests.test_pack_roundtrip import config, write_tokenized
 
 
-def partitioned(lengths, max_length, seed=0, algorithm="best_fit"):
+def partitioned(lengths, max_length, seed=0, algorithm=pack.DEFAULT_ALGORITHM):
     """pack.run's rows over `lengths` without a dataset (`plan_by_partitions`), as lists."""
     return pack.plan_by_partitions(lengths, max_length, seed, algorithm).tolist()
 
@@ -66,7 +66,8 @@ def distributions(name, max_length, n, rng, fixture_lengths):
                                   "over_half"])
 def test_rows_within_the_bound_over_several_partitions(monkeypatch, fixture_lengths, name, max_length):
     """<= 1.001 x ceil(tokens / max_length) where the global plan (the old rule) meets it; where even it cannot
-    (sequences of ~100-500 tokens at 2,048, many just over half a row) at most 0.01% + 2 rows more than it."""
+    (sequences of ~100-500 tokens at 2,048, many just over half a row) at most 0.01% + 2 rows more than it; never
+    more rows than best fit over all lengths at once."""
     monkeypatch.setattr(pack, "PARTITION_SEQUENCES", 1 << 15)  # ~5 partitions of 150,000 sequences
     rng = np.random.default_rng(max_length)
     lengths = distributions(name, max_length, 150_000, rng, fixture_lengths)
@@ -78,6 +79,7 @@ def test_rows_within_the_bound_over_several_partitions(monkeypatch, fixture_leng
         assert len(rows) <= 1.001 * bound
     else:
         assert len(rows) <= old * 1.0001 + 2
+    assert len(rows) <= len(plan_rows(lengths, max_length, seed=3, algorithm="best_fit"))
 
 
 @pytest.mark.slow

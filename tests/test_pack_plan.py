@@ -7,7 +7,7 @@ import pytest
 from data import pack
 from data.pack import RowPlan, _decreasing_order, layout, plan, plan_rows
 
-ALGORITHMS = ["best_fit", "first_fit"]
+ALGORITHMS = list(pack.ALGORITHMS)
 
 
 def check_partition(rows, lengths, max_length):
@@ -62,7 +62,69 @@ def test_partition_and_bound(algorithm, max_length):
     assert len(rows) <= 11 / 9 * lower + 1
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def reference_exact_fill(lengths, max_length, order):
+    """Exact fill by its definition, over Python lists: one row at a time, the longest item left first; then an
+    item of exactly the room, else the most even pair summing to it, else the longest item leaving room for the
+    shortest (else the longest that fits); items of equal length in `order`."""
+    left = list(order)  # decreasing length
+    rows = []
+    while left:
+        row = [left.pop(0)]
+        room = max_length - lengths[row[0]]
+        while left and room >= lengths[left[-1]]:
+            shortest = lengths[left[-1]]
+            exact = [i for i in left if lengths[i] == room]
+            if exact:
+                row.append(exact[0])
+                left.remove(exact[0])
+                break
+            pairs = [(a, b) for a in left for b in left if a != b and lengths[a] <= lengths[b]
+                     and lengths[a] + lengths[b] == room]
+            if pairs:
+                a = max(lengths[a] for a, _ in pairs)
+                first = next(i for i in left if lengths[i] == a)
+                second = next(i for i in left if lengths[i] == room - a and i != first)
+                row += [first, second]
+                left.remove(first)
+                left.remove(second)
+                break
+            fits = [i for i in left if lengths[i] <= room - shortest] or [i for i in left if lengths[i] <= room]
+            row.append(fits[0])
+            left.remove(fits[0])
+            room -= lengths[fits[0]]
+        rows.append(sorted(row, key=order.index))
+    return rows
+
+
+@pytest.mark.parametrize("max_length", [100, 257, 1000])
+def test_exact_fill_matches_its_definition(max_length):
+    """`_exact_fill` (counts, a bool array, a sorted list) gives the plain-list definition's rows, in its order."""
+    rng = np.random.default_rng(max_length)
+    for trial in range(4):
+        lengths = rng.integers(1, max_length // (trial + 1) + 1, 250)
+        order = _decreasing_order(lengths, trial)
+        ref = reference_exact_fill(lengths.tolist(), max_length, order.tolist())
+        assert RowPlan.from_assignment(order, *pack._exact_fill(lengths[order], max_length)).tolist() == ref
+
+
+def test_exact_fill_is_never_worse_than_best_fit():
+    """Where filling rows one at a time leaves more rows than best fit (few long items of distinct lengths),
+    exact fill returns best fit's plan."""
+    rng = np.random.default_rng(0)
+    worse = 0
+    for trial in range(40):
+        lengths = rng.integers(100, 4000, 300)
+        bf = plan_rows(lengths, 4096, seed=trial, algorithm="best_fit")
+        own = pack._exact_fill(lengths[_decreasing_order(lengths, trial)], 4096)[1]
+        ef = plan_rows(lengths, 4096, seed=trial, algorithm="exact_fill")
+        assert len(ef) == min(len(bf), own)
+        if own > len(bf):
+            worse += 1
+            assert ef.tolist() == bf.tolist()
+    assert worse  # the fallback was exercised
+
+
+@pytest.mark.parametrize("algorithm", ["best_fit", "first_fit"])
 def test_matches_brute_force(algorithm):
     """Same rows as the O(N * rows) definition processing the same decreasing order. Best fit may choose a
     different row among rows of equal room, which leaves the multiset of row loads unchanged."""

@@ -42,7 +42,7 @@ def seq_key(fields):
     return tuple(tuple(np.asarray(fields[k]).tolist()) for k in sorted(fields))
 
 
-@pytest.mark.parametrize("algorithm", ["best_fit", "first_fit"])
+@pytest.mark.parametrize("algorithm", ["exact_fill", "best_fit", "first_fit"])
 def test_round_trip(tmp_path, capsys, algorithm):
     seqs = write_tokenized(tmp_path / "tokenized")
     cfg = config(tmp_path, algorithm=algorithm)

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import numpy as np
 
-from data.pack import ALGORITHMS, RowPlan, layout, plan_rows
+from data.pack import ALGORITHMS, DEFAULT_ALGORITHM, RowPlan, layout, plan_rows
 from data.shards import SEQ_DTYPE, PackedDataset, ShardFormatError, read_meta
 
 __all__ = ["OnlinePackedDataset", "epoch_plan", "open_train_dataset"]
 
 
 def epoch_plan(
-    lengths: np.ndarray, max_length: int, seed: int, epoch: int = 0, algorithm: str = "best_fit"
+    lengths: np.ndarray, max_length: int, seed: int, epoch: int = 0, algorithm: str = DEFAULT_ALGORITHM
 ) -> RowPlan:
     """The rows of one epoch: the pack stage's planner over all lengths at once, seeded with seed + epoch
     (`plan_rows`, then `layout`: rows and the sequences inside each row in a seeded random order). Pure and
@@ -41,7 +41,7 @@ class OnlinePackedDataset:
         tokenized_dir: str | os.PathLike,
         max_length: int,
         seed: int = 0,
-        algorithm: str = "best_fit",
+        algorithm: str = DEFAULT_ALGORITHM,
         epoch: int = 0,
         verify: str = "rows",
     ):
@@ -168,7 +168,7 @@ class OnlinePackedDataset:
 
 
 def open_train_dataset(
-    path: str | os.PathLike, max_length: int | None = None, seed: int = 0, algorithm: str = "best_fit",
+    path: str | os.PathLike, max_length: int | None = None, seed: int = 0, algorithm: str = DEFAULT_ALGORITHM,
     verify: str = "rows",
 ):
     """A packed/ directory as a PackedDataset; a tokenized/ directory as an OnlinePackedDataset.
