@@ -1,14 +1,17 @@
-"""Packing quality and speed: data.pack.plan (best fit / first fit decreasing), the pack stage's rule (partitions of
-2^20 sequences planned on their own, then a global pass over the rows they release: `plan_by_partitions`) and the
-OpenSFT greedy packer.
+"""Packing quality and speed: data.pack.plan (exact fill, best fit / first fit decreasing), the pack stage's rule
+(partitions of 2^20 sequences planned on their own, then a global pass over the rows they release:
+`plan_by_partitions`) and the OpenSFT greedy packer.
 
     python benchmarks/bench_pack.py [--n 1000000] [--opensft-n N] [--seed 0]
+    python benchmarks/bench_pack.py --tokenized DIR [--max-lengths 4096,8192,16384,131072]   # a dataset's lengths
     python benchmarks/bench_pack.py --stage-n 100000 [--stage-max-length 16384]   # the whole pack stage
 
 Lengths: lognormal with median 1,500 tokens and ~5% above 16,384, rounded, at least 1 and capped at the row
 length (131,072; for the 16,384 run capped at 16,384). Prints a markdown table: rows, rows / lower bound, fill,
-seconds. OpenSFT greedy, re-implemented from its description: for each new row scan all unused records in
-index order, add each that fits, stop after 2,000 consecutive misses.
+seconds. `--tokenized`: the sequence lengths of a tokenized/ directory instead (e.g. the input bench_ray.py
+builds), planned by the three algorithms and the stage's rule at each row length. OpenSFT greedy, re-implemented
+from its description: for each new row scan all unused records in index order, add each that fits, stop after
+2,000 consecutive misses.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data.pack import PARTITION_SEQUENCES, plan, plan_by_partitions  # noqa: E402
+from data.pack import ALGORITHMS, DEFAULT_ALGORITHM, PARTITION_SEQUENCES, plan, plan_by_partitions  # noqa: E402
 
 MEDIAN = 1500
 P_ABOVE_16K = 0.05
@@ -175,9 +178,15 @@ def main() -> None:
                     help="also time the plain-loop OpenSFT greedy on this many records")
     ap.add_argument("--stage-n", type=int, default=0, help="run only the whole-stage benchmark on this many records")
     ap.add_argument("--stage-max-length", type=int, default=16384)
+    ap.add_argument("--tokenized", help="plan the sequence lengths of this tokenized/ directory instead")
+    ap.add_argument("--max-lengths", default="4096,8192,16384,131072", help="row lengths for --tokenized")
     args = ap.parse_args()
     if args.stage_n:
         bench_stage(args.stage_n, args.stage_max_length, args.seed)
+        return
+
+    if args.tokenized:
+        bench_tokenized(args.tokenized, [int(c) for c in args.max_lengths.split(",")], args.seed)
         return
 
     small = lognormal_lengths(args.check_opensft, 16384, args.seed + 1)
@@ -188,15 +197,7 @@ def main() -> None:
         lengths = lognormal_lengths(args.n, cap, args.seed)
         print(f"max_length {cap}: {args.n:,} lengths, median {np.median(lengths):.0f}, "
               f"{(lengths > 16384).mean():.2%} above 16384, {int(lengths.sum()):,} tokens", flush=True)
-        for algorithm in ("best_fit", "first_fit"):
-            rows, wall, cpu = timed(plan, lengths, cap, seed=args.seed, algorithm=algorithm)
-            results.append(summarize(algorithm, rows, lengths, cap, wall, cpu, args.n))
-            print(results[-1], flush=True)
-        partitions = -(-args.n // PARTITION_SEQUENCES)
-        plan_rows, wall, cpu = timed(plan_by_partitions, lengths, cap, seed=args.seed)
-        results.append(summarize(f"best_fit by {partitions} partitions + global pass (pack.run)", plan_rows.tolist(),
-                                 lengths, cap, wall, cpu, args.n))
-        print(results[-1], flush=True)
+        results += plan_all_ways(lengths, cap, args.seed)
         m = args.opensft_n or args.n
         rows, wall, cpu = timed(opensft_greedy, lengths[:m], cap)
         results.append(summarize("opensft_greedy", rows, lengths, cap, wall, cpu, m))
@@ -207,6 +208,43 @@ def main() -> None:
             results.append(summarize("opensft_greedy (plain loop)", rows, lengths, cap, wall, cpu, len(sub)))
             print(results[-1], flush=True)
 
+    print_table(results)
+
+
+def plan_all_ways(lengths: np.ndarray, cap: int, seed: int) -> list[dict]:
+    """Each algorithm over all lengths at once, then the stage's rule (its default algorithm by partitions)."""
+    results = []
+    for algorithm in ALGORITHMS:
+        rows, wall, cpu = timed(plan, lengths, cap, seed=seed, algorithm=algorithm)
+        results.append(summarize(algorithm, rows, lengths, cap, wall, cpu, len(lengths)))
+        print(results[-1], flush=True)
+    partitions = -(-len(lengths) // PARTITION_SEQUENCES)
+    plan_rows, wall, cpu = timed(plan_by_partitions, lengths, cap, seed=seed)
+    results.append(summarize(f"{DEFAULT_ALGORITHM} by {partitions} partitions + global pass (pack.run)",
+                             plan_rows.tolist(), lengths, cap, wall, cpu, len(lengths)))
+    print(results[-1], flush=True)
+    return results
+
+
+def bench_tokenized(path: str, caps: list[int], seed: int) -> None:
+    """The algorithms over the sequence lengths of a tokenized/ directory, at each row length in `caps`."""
+    from data.shards import PackedDataset
+
+    src = PackedDataset(path)
+    seqs, _ = src.row_range_sequences(0, len(src))
+    lengths = np.asarray(seqs["length"], dtype=np.int64)
+    print(f"{path}: {len(lengths):,} sequences, {int(lengths.sum()):,} tokens, lengths min {lengths.min()}, "
+          f"median {np.median(lengths):.0f}, max {lengths.max()}", flush=True)
+    results = []
+    for cap in caps:
+        if lengths.max() > cap:
+            print(f"max_length {cap:,}: skipped, sequences up to {lengths.max():,} tokens", flush=True)
+            continue
+        results += plan_all_ways(lengths, cap, seed)
+    print_table(results)
+
+
+def print_table(results: list[dict]) -> None:
     print()
     print("| max_length | algorithm | records | rows | lower bound | rows / lower bound | fill | wall s | CPU s |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
