@@ -420,14 +420,21 @@ class SequenceTally:
 @dataclass(frozen=True)
 class PartitionPlan:
     """What `plan_partition` returns: the rows it kept (saved), the sequences of the rows it released for the
-    global pass (tokenized row indices and their lengths), the counts of its sequences' lengths per category,
-    the tally of what it read; or, for a partition with rows over pack.max_length, those rows and nothing else."""
+    global pass (tokenized row indices and their lengths), the tally of what it read; or, for a partition with
+    rows over pack.max_length, those rows and nothing else."""
     kept: PlacedRows | None
     released: np.ndarray
     released_lengths: np.ndarray
-    seq_lengths: dict[int, Counts]
     read: SequenceTally
     overlong: Overlong | None = None
+
+
+@dataclass(frozen=True)
+class WrittenShard:
+    """What `write_shard` returns: the dataset it wrote (one shard) and the counts of its sequences' lengths per
+    category (a sequence's category is that of its first token), counted while the tokens were in hand."""
+    part_dir: str
+    seq_lengths: dict[int, Counts]
 
 
 @dataclass(frozen=True)
@@ -513,7 +520,8 @@ def concat_plans(plans: list[RowPlan]) -> RowPlan:
 
 def plan_partition(task: Partition) -> PartitionPlan:
     """Worker: the partition's rows (`partition_rows`) over its lengths read from the tokenized index; the kept
-    rows saved to `plan_path`, the released sequences returned, with the partition's length counts and tally."""
+    rows saved to `plan_path`, the released sequences returned, with the tally of what it read. It reads the
+    index only, never a token page."""
     src = task.source
     seqs, uids = src.row_range_sequences(task.first, task.end)
     if seqs.shape[0] != task.end - task.first:
@@ -522,43 +530,48 @@ def plan_partition(task: Partition) -> PartitionPlan:
         raise ValueError(f"{src.path}: row {row} holds {int(n_seqs[row - task.first])} sequences; a tokenized "
                          "dataset holds one sequence per row")
     lengths = np.asarray(seqs["length"], dtype=np.int64)
-    seq_lengths = category_counts(lengths, src.first_token_column("category_ids", task.first, task.end))
     read = SequenceTally.of(np.arange(task.first, task.end), lengths, uids)
     empty = np.zeros(0, dtype=np.int64)
     over = np.flatnonzero(lengths > task.max_length)
     if over.size:
-        return PartitionPlan(None, empty, empty, seq_lengths, read,
+        return PartitionPlan(None, empty, empty, read,
                              Overlong(task.first + int(over[0]), int(lengths[over[0]]), int(over.size)))
     kept, loose = partition_rows(lengths, task.max_length, task.seed, task.algorithm)
     placed = save_rows(RowPlan(kept.members + task.first, kept.starts), kept.sums(lengths), task.plan_path,
                        task.max_shard_bytes, src.dtype.itemsize)
-    return PartitionPlan(placed, loose + task.first, lengths[loose], seq_lengths, read)
+    return PartitionPlan(placed, loose + task.first, lengths[loose], read)
 
 
-def write_rows(writer: ShardWriter, src: PackedDataset, rows: RowPlan) -> None:
-    """Add the packed rows (of tokenized row indices) to `writer`, copying the tokens from `src`."""
+def write_rows(writer: ShardWriter, src: PackedDataset, rows: RowPlan) -> dict[int, Counts]:
+    """Add the packed rows (of tokenized row indices) to `writer`, copying the tokens from `src`; the counts of
+    the sequences' lengths per category (that of a sequence's first token)."""
     mapped = 0
+    lengths = array.array("q")
+    categories = array.array("q")
     for row in rows:
         members = row.tolist()
         tokens = [src.row_tokens(j) for j in members]
         writer.add_row(tokens, record_indices=members, uids=[src.row_uids(j)[0] for j in members])
+        lengths.extend(t.shape[0] for t in tokens)
+        categories.extend(int(t["category_ids"][0]) for t in tokens)
         mapped += sum(t.nbytes for t in tokens)
         if mapped > RELEASE_BYTES:
             src.release()  # the rows were copied: keep the mapped tokenized data out of our resident set
             mapped = 0
     src.release()
+    return category_counts(np.frombuffer(lengths, dtype=np.int64), np.frombuffer(categories, dtype=np.int64))
 
 
-def write_shard(task: RowSpan) -> str:
+def write_shard(task: RowSpan) -> WrittenShard:
     """Worker: one output shard, rows `[first, end)` of the plan file copied from the tokenized dataset, as a
     dataset of its own at `part_dir` (appended to packed/ by the driver, `ShardWriter.append_dataset`)."""
     src = task.source
     writer = ShardWriter(task.part_dir, token_fields=src.token_fields, max_shard_bytes=task.max_shard_bytes,
                          kind="packed")
     with writer:
-        write_rows(writer, src, load_rows(task.plan_path, task.first, task.end))
+        seq_lengths = write_rows(writer, src, load_rows(task.plan_path, task.first, task.end))
         writer.close()
-    return task.part_dir
+    return WrittenShard(task.part_dir, seq_lengths)
 
 
 def tally_rows(task: RowSpan) -> SequenceTally:
@@ -583,10 +596,8 @@ def check_accounting(read: SequenceTally, written: SequenceTally) -> dict:
 
 @dataclass
 class PackPlan:
-    """`plan_all`'s result: the placed rows in written order, the sequence lengths counted per category, and
-    the tally of the tokenized rows read."""
+    """`plan_all`'s result: the placed rows in written order and the tally of the tokenized rows read."""
     placed: list[PlacedRows]
-    seq_lengths: dict[int, Counts]
     read: SequenceTally
 
 
@@ -598,10 +609,9 @@ def plan_all(executor: Executor, src: PackedDataset, cfg: DataConfig, plans_dir:
                        partition_seed(cfg.seed, k), str(plans_dir / f"partition_{k:06d}"),
                        shard_bytes)
              for k, first in enumerate(range(0, len(src), PARTITION_SEQUENCES)))
-    result = PackPlan([], {}, SequenceTally())
+    result = PackPlan([], SequenceTally())
     released, released_lengths, overlong = [], [], []
     for plan in executor.map(plan_partition, tasks):
-        add_category_counts(result.seq_lengths, plan.seq_lengths)
         result.read += plan.read
         if plan.overlong is not None:
             overlong.append(plan.overlong)
@@ -624,9 +634,10 @@ def plan_all(executor: Executor, src: PackedDataset, cfg: DataConfig, plans_dir:
 def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
     """tokenized/ -> packed/ (+ stats.json, stats.png); records and returns the `pack` report section.
 
-    The workers plan partitions of `PARTITION_SEQUENCES` tokenized rows (counting their lengths and tallying
-    what they read), the driver re-packs the rows they released (`plan_all`), the workers write the output
-    shards, which the driver appends in order, then tally packed/ as written, which must match what was read.
+    The workers plan partitions of `PARTITION_SEQUENCES` tokenized rows from the index alone (tallying what they
+    read), the driver re-packs the rows they released (`plan_all`), the workers write the output shards
+    (counting the sequences' lengths per category as they copy them), which the driver appends in order, then
+    tally packed/ as written, which must match what was read.
     The driver holds counts and tallies, never a per-sequence array but the released sequences'."""
     from data.report import check_arithmetic, read_report, update_report
     from data.stats import format_table, pack_statistics, plot_stats
@@ -644,14 +655,16 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
         placed = planned.placed
         slices = [RowSpan(src, start, end, rows.plan_path, str(scratch / f"part_{n:05d}"), writer.max_shard_bytes)
                   for n, (rows, (start, end)) in enumerate((rows, cut) for rows in placed for cut in rows.shards)]
+        seq_lengths: dict[int, Counts] = {}
         with progress(total=sum(rows.rows for rows in placed), desc="pack", unit="row") as bar:
-            for task, part_dir in zip(slices, executor.map(write_shard, slices)):
-                writer.append_dataset(part_dir)
+            for task, shard in zip(slices, executor.map(write_shard, slices)):
+                writer.append_dataset(shard.part_dir)
+                add_category_counts(seq_lengths, shard.seq_lengths)
                 bar.update(task.end - task.first)
         counts = writer.counts
         row_tokens = Counts.total(rows.row_tokens for rows in placed)
         stats = pack_statistics(
-            planned.seq_lengths, row_tokens, Counts.total(rows.row_sequences for rows in placed), cap,
+            seq_lengths, row_tokens, Counts.total(rows.row_sequences for rows in placed), cap,
             counts["category_tokens"], counts["category_loss_tokens"], src.categories,
         )
         tokenize_section = read_report(cfg.report_path).get("tokenize")
@@ -665,7 +678,7 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
             pack={"algorithm": cfg.pack.algorithm, "seed": cfg.seed},
             source={"path": str(cfg.tokenized_dir), "kind": src.kind, "counts": src.meta["counts"]},
         )
-        png = plot_stats(planned.seq_lengths, row_tokens, cap, stats["categories"], tokenize_losses)
+        png = plot_stats(seq_lengths, row_tokens, cap, stats["categories"], tokenize_losses)
         writer.close(meta_extra, extra_files={"stats.json": dump_json(stats) + b"\n", "stats.png": png})
     print(format_table(stats), flush=True)
 

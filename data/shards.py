@@ -880,14 +880,6 @@ class PackedDataset:
         """The structured token records of row `i` (a memory-mapped view, nothing copied; checked per `verify`)."""
         return self._checked_view(*self._locate(i))
 
-    def first_token_column(self, field: str, start: int = 0, end: int | None = None) -> np.ndarray:
-        """`field` of the first token of rows `[start, end)` (all by default), in row order, reading one token per
-        row (e.g. the category of each sequence of a tokenized dataset: that of its first record's first
-        message)."""
-        end = self._n if end is None else min(end, self._n)
-        return _concat_shards([self._tokens[k][field][self._rows[k]["token_offset"][a:b]]
-                               for k, a, b in self._shard_spans(start, end)], self.dtype[field])
-
     def row_sequences(self, i: int) -> np.ndarray:
         """The per-sequence index records (SEQ_DTYPE) of row `i`."""
         shard, r = self._locate(i)

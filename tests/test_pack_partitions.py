@@ -128,3 +128,20 @@ def test_packed_rows_are_the_partition_plan_for_any_worker_count(tmp_path, monke
     lengths = np.asarray(PackedDataset(cfg.tokenized_dir).row_n_tokens, dtype=np.int64)
     written = [ds[i]["record_index"].tolist() for i in range(len(ds))]
     assert written == partitioned(lengths, 256, seed=cfg.seed)
+
+
+def test_planning_a_partition_reads_the_index_only(tmp_path):
+    """`plan_partition` plans from the index (lengths, uids): not one token of the tokenized data is read (at
+    1 TB that would be a whole extra pass over the token files); the categories are counted by `write_shard`."""
+
+    class Untouchable:
+        def __getitem__(self, key):
+            raise AssertionError("plan_partition read token data")
+
+    write_tokenized(tmp_path / "tokenized", n=300)
+    src = PackedDataset(tmp_path / "tokenized")
+    src._tokens = [Untouchable() for _ in src._tokens]
+    plan = pack.plan_partition(pack.Partition(src, 0, len(src), 256, pack.DEFAULT_ALGORITHM, 1,
+                                              str(tmp_path / "plan"), 1 << 20))
+    kept = pack.load_rows(plan.kept.plan_path, 0, plan.kept.rows)
+    assert sorted(kept.members.tolist() + plan.released.tolist()) == list(range(len(src)))

@@ -175,7 +175,7 @@ def test_accounting_catches_a_writer_that_loses_or_repeats_a_sequence(tmp_path, 
             other = int(np.flatnonzero(lengths[members] != lengths[members[0]])[0])
             members[other] = members[0]
             rows = pack.RowPlan(members, rows.starts)
-        real(writer, src, rows)
+        return real(writer, src, rows)
 
     monkeypatch.setattr(pack, "write_rows", faulty_write)  # the shard writer's (num_workers=1: in this process)
     with pytest.raises(AssertionError, match="exactly once"):
