@@ -190,23 +190,20 @@ def _exact_fill(sizes: np.ndarray, cap: int) -> tuple[np.ndarray, int]:
         first = lengths_left[-1]
         take(first)
         room = cap - first
-        while room and lengths_left and room >= lengths_left[0]:
+        while lengths_left and room >= lengths_left[0]:
             shortest = lengths_left[0]
             if counts[room]:
                 take(room)
                 break
-            half = room >> 1
-            if shortest <= half and room <= 2 * lengths_left[-1]:
-                # a in shortest..half pairs with room - a in room - shortest..room - half
-                pairs = np.flatnonzero(available[shortest:half + 1] & available[room - half:room - shortest + 1][::-1])
+            # a in shortest..top pairs with room - a in room - top..room - shortest (a = room / 2 needs two items)
+            top = room >> 1 if room & 1 or counts[room >> 1] > 1 else (room >> 1) - 1
+            if shortest <= top and room <= 2 * lengths_left[-1]:
+                pairs = np.flatnonzero(available[shortest:top + 1] & available[room - top:room - shortest + 1][::-1])
                 if pairs.size:
                     a = shortest + int(pairs[-1])
-                    if a == room - a and counts[a] < 2:
-                        a = shortest + int(pairs[-2]) if pairs.size > 1 else 0
-                    if a:
-                        take(a)
-                        take(room - a)
-                        break
+                    take(a)
+                    take(room - a)
+                    break
             k = bisect.bisect_right(lengths_left, room - shortest) - 1
             length = lengths_left[k] if k >= 0 else lengths_left[bisect.bisect_right(lengths_left, room) - 1]
             take(length)
