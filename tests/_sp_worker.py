@@ -309,9 +309,19 @@ def spawned_results(worker, nprocs: int, out_dir) -> dict:
     from tests._train_helpers import free_port
 
     out = os.path.join(str(out_dir), "results.json")
-    mp.spawn(worker, args=(nprocs, free_port(), out), nprocs=nprocs, join=True)
+    mp.spawn(run_then_release, args=(worker, nprocs, free_port(), out), nprocs=nprocs, join=True)
     with open(out) as fh:
         return json.load(fh)
+
+
+def run_then_release(rank: int, worker, *args) -> None:
+    """`worker(rank, *args)`, then gloo's process groups freed once its frame (the models, groups and graphs it
+    held) is gone, as `python -m train` does: else a rank could abort at exit (SIGABRT, "terminate called without
+    an active exception") while the interpreter tears a live gloo worker thread down."""
+    from train.__main__ import release_process_groups
+
+    worker(rank, *args)
+    release_process_groups()
 
 
 def write_results(results: dict, out_path: str, rank: int) -> None:

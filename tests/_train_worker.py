@@ -25,9 +25,10 @@ def main():
 
     trainer.grad_hook = dump
     trainer.train()
-    import torch.distributed as dist
+    from train.__main__ import release_process_groups
 
-    dist.destroy_process_group()  # as python -m train does: no gloo thread left running at exit (SIGABRT)
+    trainer = None
+    release_process_groups()  # as python -m train does: no gloo thread left running at exit (SIGABRT)
 
 
 if __name__ == "__main__":
