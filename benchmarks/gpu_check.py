@@ -1,0 +1,330 @@
+"""The whole GPU check in one unattended run, most valuable first, inside a time budget (scripts/gpu_check.sh).
+
+A lent GPU machine gives about 15 minutes a session and one command of at most 10 (BENCHMARKS.md), so everything
+runs from one command and nothing waits for a person. Phases, in order:
+
+1. `tests`: every `gpu`-marked test of tests/ (pytest -m gpu), pass / fail / skip per test with its reason;
+2. `train_32k_small`, `train_32k_large`: bench_train_gpu, Qwen2.5-0.5B then 1.5B shape at 32K rows, each backend
+   (and Liger);
+3. `trl`: TRL's SFTTrainer on the same sequences and the 0.5B shape (bench_trl);
+4. `train_128k`: both shapes at 128K rows, the fused backends;
+5. `profile`: torch.profiler over one step of the target furthest from its goal (its fastest backend).
+
+The packed data for both row lengths is built by the project's pipeline in the background while the tests run.
+Each phase ends by its own deadline (a share of the budget, leaving every later phase its floor), so a slow phase
+cannot starve the rest; whatever a phase measured before its deadline is kept. After every phase
+`<out>/gpu_check.json` (versions, every phase's results) and `<out>/gpu_check.md` (the tables) are rewritten
+atomically; `<out>/gpu_check.log` has all output, `<out>/gpu_tests.log` pytest's, `<out>/profile.txt` the profile.
+Without CUDA the GPU phases are recorded as skipped and the tests phase runs (every gpu test skips): the CPU check.
+
+    bash scripts/gpu_check.sh $OUT                # on the GPU machine (installs the carried wheels first)
+    python -m benchmarks.gpu_check --out /tmp/gc  # anywhere
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.util
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_train_gpu import write_atomic  # noqa: E402
+
+SHAPE_SMALL, SHAPE_LARGE = "qwen2.5-0.5b", "qwen2.5-1.5b"
+TARGETS = {  # (shape, row length) -> (metric, goal): issue 33's targets, one H100 80GB
+    (SHAPE_LARGE, 32768): ("mfu", 0.40),
+    (SHAPE_SMALL, 32768): ("tokens_per_s", 100_000.0),
+    (SHAPE_SMALL, 131072): ("tokens_per_s", 60_000.0),
+}
+SMOKE_TARGETS = {("example-tiny", 2048): ("tokens_per_s", float("inf"))}  # --smoke: the example's tiny model
+VERSIONED = ("torch", "transformers", "accelerate", "triton", "liger_kernel", "trl", "datasets", "orjson",
+             "flash_attn", "ring_flash_attn", "deepspeed", "peft")
+OUTCOMES = "PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS"
+TEST_LINE = re.compile(rf"^(tests/\S+::\S+)\s+({OUTCOMES})")  # pytest -v
+XDIST_LINE = re.compile(rf"^\[gw\d+\] \[\s*\d+%\] ({OUTCOMES}) (tests/\S+::\S+)")  # pytest -v -n N
+SKIP_LINE = re.compile(r"^SKIPPED \[\d+\] (\S+?):(\d+): (.*)$")
+
+
+@dataclass
+class Phase:
+    name: str
+    cap: float  # seconds at most
+    floor: float  # seconds kept for it while earlier phases run
+
+
+# Caps and floors from the first run on an H200 (2026-11-27): the gpu tests took 99 s with 4 workers (47 s for one
+# file with 8), a benchmark process 40-50 s besides its steps (imports, random init of the 1.5B shape on the CPU:
+# ~20 s), TRL's first FlexAttention step over a minute.
+PHASES = [Phase("tests", 120, 80), Phase("train_32k_small", 110, 60), Phase("train_32k_large", 120, 70),
+          Phase("trl", 130, 60), Phase("train_128k", 100, 50), Phase("profile", 60, 30)]
+DEFAULT_BUDGET = 540.0  # seconds: a 10-minute command less the wheels' install and a margin
+TRAIN_PHASES = ("train_32k_small", "train_32k_large", "train_128k")
+HEAVY_TEST_FILES = ("test_attention_backends.py", "test_step_options.py")  # trainer steps, compiles: run last
+
+
+def gpu_test_files(tests_dir: Path) -> list[str]:
+    """Every test file with a `gpu` mark, the ones that build trainers and compile last."""
+    files = sorted(p for p in tests_dir.glob("test_*.py") if "mark.gpu" in p.read_text())
+    files.sort(key=lambda p: p.name in HEAVY_TEST_FILES)
+    return [str(p.relative_to(ROOT)) for p in files]
+
+
+class Check:
+    def __init__(self, out: Path, budget: float, fixtures: Path, work: Path, steps: int, smoke: bool):
+        self.out, self.fixtures, self.work, self.steps, self.smoke = out, fixtures, work, steps, smoke
+        self.targets = SMOKE_TARGETS if smoke else TARGETS
+        self.bench_flags = ["--smoke"] if smoke else []
+        self.floor_scale = min(1.0, budget / DEFAULT_BUDGET)  # a shorter budget shrinks every floor alike
+        self.start = time.time()
+        self.end = self.start + budget
+        self.log = open(out / "gpu_check.log", "a", buffering=1)
+        self.report: dict = {"date": dt.date.today().isoformat(), "budget_s": budget, "phases": {}}
+        self.tables: dict[str, str] = {}
+
+    # ---------------------------------------------------------------------------------------- plumbing
+    def say(self, text: str) -> None:
+        line = f"[gpu_check {time.time() - self.start:6.1f}s] {text}"
+        print(line, flush=True)
+        self.log.write(line + "\n")
+
+    def deadline(self, name: str) -> float:
+        """This phase's end: its cap, and never into the floors of the phases after it."""
+        later = PHASES[[p.name for p in PHASES].index(name) + 1:]
+        cap = next(p.cap for p in PHASES if p.name == name)
+        return min(time.time() + cap, self.end - self.floor_scale * sum(p.floor for p in later))
+
+    def run(self, cmd: list[str], deadline: float, log_path: Path) -> tuple[int | None, float]:
+        """Run `cmd` in the repo root until `deadline`, its output into `log_path` and then the main log.
+        (returncode, seconds); returncode None when it was stopped at the deadline (its whole process group)."""
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+                   PYTHONUNBUFFERED="1")
+        self.say("$ " + " ".join(cmd))
+        t0 = time.time()
+        with open(log_path, "a") as sink:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                code: int | None = proc.wait(timeout=max(1.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                code = None
+        self.log.write(log_path.read_text(errors="replace"))
+        if code is None:
+            self.say(f"stopped at the phase's deadline after {time.time() - t0:.0f} s")
+        return code, time.time() - t0
+
+    def save(self) -> None:
+        self.report["elapsed_s"] = round(time.time() - self.start, 1)
+        write_atomic(self.out / "gpu_check.json", json.dumps(self.report, indent=1) + "\n")
+        header = (f"# GPU check, {self.report['date']}\n\nMachine: {self.report.get('machine', '?')}. "
+                  f"Versions: {self.report.get('versions', {})}\n\n")
+        write_atomic(self.out / "gpu_check.md", header + "\n".join(self.tables.values()))
+
+    # ---------------------------------------------------------------------------------------- phases
+    def environment(self) -> None:
+        import importlib.metadata as md
+
+        import torch
+
+        from benchmarks.bench_memory import machine_description
+
+        self.cuda = torch.cuda.is_available()
+        self.benches = self.cuda or self.smoke  # --smoke: every phase on the CPU, the example's data and tiny model
+        self.report["machine"] = machine_description("cuda" if self.cuda else "cpu")
+        self.report["python"] = platform.python_version()
+        versions = {}
+        for name in VERSIONED:
+            try:
+                versions[name] = md.version(name.replace("_", "-"))
+            except md.PackageNotFoundError:
+                versions[name] = None
+        versions["cuda"] = torch.version.cuda
+        self.report["versions"] = versions
+        self.say(f"{self.report['machine']}; {versions}")
+        self.save()
+
+    def start_data(self) -> subprocess.Popen | None:
+        """The packed rows of both lengths, built on the CPU while the GPU runs the tests."""
+        if not self.benches:
+            return None
+        cmd = [sys.executable, "-m", "benchmarks.bench_train_gpu", "--prepare", str(self.work / "data"),
+               "--row-lengths", "32768,131072", "--fixtures", str(self.fixtures), *self.bench_flags]
+        self.say("background: " + " ".join(cmd))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(self.work / "prepare.log", "w"),
+                                stderr=subprocess.STDOUT)
+
+    def tests(self) -> None:
+        log = self.out / "gpu_tests.log"
+        cmd = [sys.executable, "-m", "pytest", *gpu_test_files(ROOT / "tests"), "-m", "gpu", "-p", "no:cacheprovider",
+               "-v", "-rs", "--continue-on-collection-errors", "--timeout", "120"]
+        if self.cuda and importlib.util.find_spec("xdist") is not None:
+            cmd += ["-n", "8"]  # the compiles (inductor, FlexAttention, Triton) run on the CPU: 8 at once
+        code, seconds = self.run(cmd, self.deadline("tests"), log)
+        results, reasons = {}, {}
+        for line in log.read_text().splitlines():
+            if m := TEST_LINE.match(line):
+                results[m.group(1)] = m.group(2)
+            elif m := XDIST_LINE.match(line):
+                results[m.group(2)] = m.group(1)
+            elif m := SKIP_LINE.match(line):
+                reasons[f"{m.group(1)}:{m.group(2)}"] = m.group(3)
+        counts: dict[str, int] = {}
+        for outcome in results.values():
+            counts[outcome] = counts.get(outcome, 0) + 1
+        failed = [t for t, o in results.items() if o in ("FAILED", "ERROR")]
+        self.report["phases"]["tests"] = {"returncode": code, "seconds": round(seconds, 1), "counts": counts,
+                                          "results": results, "skip_reasons": reasons, "failed": failed}
+        lines = ["## gpu tests", "", f"{counts} in {seconds:.0f} s (pytest exit {code})", ""]
+        lines += [f"- {t}: {o}" for t, o in results.items() if o != "PASSED"]
+        self.tables["tests"] = "\n".join(lines) + "\n"
+        self.say(f"tests: {counts}; failed: {failed}")
+        self.save()
+
+    def wait_data(self, prep: subprocess.Popen | None) -> dict[int, Path]:
+        if prep is None:
+            return {}
+        try:
+            prep.wait(timeout=max(1.0, self.end - time.time() - 60))
+        except subprocess.TimeoutExpired:
+            prep.kill()
+        self.log.write((self.work / "prepare.log").read_text())
+        found = {}
+        for length in (32768, 131072):
+            packed = self.work / "data" / f"data_{2048 if self.smoke else length}" / "packed"
+            if (packed / "meta.json").exists():
+                found[length] = packed
+        self.report["data"] = {str(k): str(v) for k, v in found.items()}
+        self.say(f"packed data: {self.report['data']} (prepare exit {prep.returncode})")
+        return found
+
+    def bench(self, phase: str, data: dict[int, Path], length: int, shapes: list[str], backends: list[str],
+              extra: list[str] = ()) -> None:
+        if not self.benches or length not in data:
+            self.report["phases"][phase] = {"skipped": "no CUDA" if not self.benches else f"no packed data at {length}"}
+            self.save()
+            return
+        deadline = self.deadline(phase)
+        result = self.work / phase
+        cmd = [sys.executable, "-m", "benchmarks.bench_train_gpu", "--packed", str(data[length]),
+               "--shapes", ",".join(shapes), "--row-lengths", str(length), "--backends", ",".join(backends),
+               "--steps", str(self.steps), "--timeout", "150", "--deadline", str(deadline - 5),
+               "--out", str(result), *extra, *self.bench_flags]
+        code, seconds = self.run(cmd, deadline, self.work / f"{phase}.log")
+        self.collect(phase, result, code, seconds)
+
+    def trl(self, data: dict[int, Path]) -> None:
+        if not self.benches or 32768 not in data:
+            self.report["phases"]["trl"] = {"skipped": "no CUDA" if not self.benches else "no packed data at 32768"}
+            self.save()
+            return
+        deadline = self.deadline("trl")
+        result = self.work / "trl"
+        cmd = [sys.executable, "-m", "benchmarks.bench_trl", "--packed", str(data[32768]), "--shape", SHAPE_SMALL,
+               "--tokenizer", str(self.fixtures / "tokenizers" / "qwen2_5_instruct"), "--attn",
+               "flex_attention,sdpa", "--steps", str(self.steps), "--timeout", "120", "--deadline", str(deadline - 5),
+               "--gradient-checkpointing", self.packsft_checkpointing(SHAPE_SMALL, 32768),
+               "--out", str(result), *self.bench_flags]
+        code, seconds = self.run(cmd, deadline, self.work / "trl.log")
+        self.collect("trl", result, code, seconds)
+
+    def packsft_checkpointing(self, shape: str, length: int) -> str:
+        """"true" / "false": what PackSFT's memory plan chose for this shape and length (TRL then does the same
+        recomputation); "true" when nothing was measured."""
+        for phase in TRAIN_PHASES:
+            for row in self.report["phases"].get(phase, {}).get("report", {}).get("results", []):
+                if (row["shape"], row["row_length"]) == (shape, length) and "checkpointing" in row:
+                    return "false" if row["checkpointing"].startswith("off") else "true"
+        return "true"
+
+    def collect(self, phase: str, result: Path, code: int | None, seconds: float) -> None:
+        entry = {"returncode": code, "seconds": round(seconds, 1)}
+        if result.with_suffix(".json").exists():
+            entry["report"] = json.loads(result.with_suffix(".json").read_text())
+            self.tables[phase] = result.with_suffix(".md").read_text()
+        self.report["phases"][phase] = entry
+        self.say(f"{phase}: exit {code} in {seconds:.0f} s")
+        self.save()
+
+    def furthest_target(self) -> tuple[str, int, str] | None:
+        """(shape, row length, backend) of the target furthest below its goal, with its fastest backend."""
+        worst = None
+        for phase in TRAIN_PHASES:
+            for row in self.report["phases"].get(phase, {}).get("report", {}).get("results", []):
+                key = (row["shape"], row["row_length"])
+                if key not in self.targets or row.get(self.targets[key][0]) is None:
+                    continue
+                metric, goal = self.targets[key]
+                ratio = row[metric] / goal
+                best = [r for r in self.report["phases"][phase]["report"]["results"]
+                        if (r["shape"], r["row_length"]) == key and r.get(metric) is not None]
+                fastest = max(best, key=lambda r: r[metric])
+                if fastest is row and (worst is None or ratio < worst[0]):
+                    worst = (ratio, row["shape"], row["row_length"], row["backend"])
+        return worst[1:] if worst else None
+
+    def profile(self, data: dict[int, Path]) -> None:
+        target = self.furthest_target() if self.benches else None
+        if target is None:
+            self.report["phases"]["profile"] = {"skipped": "no CUDA" if not self.benches else "no measured target"}
+            self.save()
+            return
+        shape, length, backend = target
+        deadline = self.deadline("profile")
+        result = self.work / "profile"
+        packed = next(p for p in data.values() if json.loads((p / "meta.json").read_text())["max_length"] == length)
+        cmd = [sys.executable, "-m", "benchmarks.bench_train_gpu", "--packed", str(packed), "--shapes", shape,
+               "--row-lengths", str(length), "--backends", backend, "--steps", "3", "--timeout", "120",
+               "--deadline", str(deadline - 3), "--out", str(result), "--profile-out", str(self.out / "profile.txt"),
+               *self.bench_flags]
+        code, seconds = self.run(cmd, deadline, self.work / "profile.log")
+        self.report["phases"]["profile"] = {"target": {"shape": shape, "row_length": length, "backend": backend},
+                                            "returncode": code, "seconds": round(seconds, 1),
+                                            "written": (self.out / "profile.txt").exists()}
+        self.save()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="directory for gpu_check.{json,md,log}, ...")
+    ap.add_argument("--budget", type=float, default=DEFAULT_BUDGET, help="seconds for all phases together")
+    ap.add_argument("--fixtures", type=Path, default=ROOT / ".fixtures",
+                    help="copy of ../shared/fixtures (benchmarks/gpu_wheels.sh makes .fixtures)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/packsft_gpu_check"))
+    ap.add_argument("--steps", type=int, default=6, help="optimizer steps per benchmark run (median of 3..)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="run every phase on the CPU too: the example data at 2K and its tiny model (the check's check)")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    check = Check(args.out, args.budget, args.fixtures, args.work, args.steps, args.smoke)
+    check.environment()
+    prep = check.start_data()
+    check.tests()
+    data = check.wait_data(prep)
+    # by value: the fastest kernel, then the fused kernels the profile asks for (elementwise work is half a step),
+    # then the other kernels and the SDPA loop (the losses' reference)
+    backends_32k = ["torch_varlen", "torch_varlen+liger", "flex", "sdpa"]
+    check.bench("train_32k_small", data, 32768, [SHAPE_SMALL], backends_32k)
+    check.bench("train_32k_large", data, 32768, [SHAPE_LARGE], backends_32k)
+    check.trl(data)
+    check.bench("train_128k", data, 131072, [SHAPE_LARGE, SHAPE_SMALL], ["torch_varlen", "flex"])
+    check.profile(data)
+    check.say(f"done in {time.time() - check.start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
