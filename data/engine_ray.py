@@ -20,12 +20,13 @@ import logging
 import os
 import pickle
 import queue
+import socket
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
-from data.config import DataConfig
+from data.config import ConfigError, DataConfig
 from data.executor import Executor, Part, TaskSize, copy_parts, copy_tasks, with_setup
 from data.fsutil import atomic_path
 
@@ -72,6 +73,33 @@ def ray_tasks(chunks: int, size: TaskSize, workers: int, window: int | None = No
 
 
 # ---------------------------------------------------------------------------------------------- session
+CONNECT_TIMEOUT_S = 5.0  # ray.init retries an unreachable address for 60-90 s before a traceback naming nothing
+
+
+def address_endpoint(address: str) -> tuple[str, int] | None:
+    """(host, port) that `ray_address` connects to: "ray://host:port" (Ray Client) or "host:port" (the GCS of a
+    cluster); None for "auto"/"local", which Ray resolves itself (and fails fast on)."""
+    rest = address.removeprefix("ray://")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def check_reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """Refuse an unreachable `ray_address` in seconds, naming the key and the address."""
+    endpoint = address_endpoint(address)
+    if endpoint is None:
+        return
+    try:
+        socket.create_connection(endpoint, timeout=timeout).close()
+    except OSError as exc:
+        raise ConfigError(
+            f"ray_address={address!r}: nothing answers at {endpoint[0]}:{endpoint[1]} ({exc or 'timed out'} within "
+            f"{timeout:.0f} s). Start the cluster there (`ray start --head`), fix the address, or set ray_address: "
+            "null to start a local Ray instance") from None
+
+
 @contextlib.contextmanager
 def ray_session(cfg: DataConfig) -> Iterator[int]:
     """Join `cfg.ray_address` (None: start a local instance) unless Ray is already initialized in this process;
@@ -82,9 +110,18 @@ def ray_session(cfg: DataConfig) -> Iterator[int]:
     started = not ray.is_initialized()
     if started:
         local = cfg.ray_address is None
-        ray.init(address=cfg.ray_address, include_dashboard=False if local else None,
-                 num_cpus=(cfg.num_workers or None) if local else None,
-                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+        if not local:
+            check_reachable(cfg.ray_address)
+        try:
+            ray.init(address=cfg.ray_address, include_dashboard=False if local else None,
+                     num_cpus=(cfg.num_workers or None) if local else None,
+                     runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            if local:
+                raise
+            raise ConfigError(f"ray_address={cfg.ray_address!r}: Ray could not join that cluster: {exc}. Start "
+                              "it (`ray start --head`), fix the address, or set ray_address: null for a local "
+                              "Ray instance") from exc
     try:
         context = ray.data.DataContext.get_current()
         context.execution_options.preserve_order = True

@@ -154,11 +154,13 @@ def test_lr_schedule():
 
 
 @pytest.mark.parametrize("path,world", [("configs/train/example.yaml", 1), ("configs/train/example_sp.yaml", 2)])
-def test_shipped_configs_parse(path, world):
+def test_shipped_configs_parse(path, world, tmp_path):
+    """Each shipped config parses. Its output_dir goes to tmp_path: a user's earlier run of the quick start in
+    outputs/ (which a re-run refuses to overwrite) must not decide this test."""
     from tests._train_helpers import ROOT
     from train.__main__ import launch_args
 
-    cfg = load_config(ROOT / path)
+    cfg = load_config(ROOT / path, [f"output_dir={tmp_path / 'out'}"])
     cfg.validate_values(world)
     args = launch_args(cfg)
     assert args[args.index("--num_processes") + 1] == str(world)
