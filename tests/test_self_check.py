@@ -158,3 +158,17 @@ def test_half_precision_judges_the_gradients_together(monkeypatch):
         lambda cu, device, **kw: real(torch.tensor([0, int(cu[-1])], dtype=torch.int32), device, **kw)))
     leaking = model_check.compare_packed_with_reference(model, sequences, gradient_probe=True)
     assert not leaking.ok and leaking.grad_error > 0.3, leaking.describe()
+
+
+def test_blt_is_refused_for_what_breaks_not_as_multimodal():
+    """BLT is a text-only byte-level model: its refusal names what leaks across packed sequences (byte-group
+    hashes, entropy patches, the patch-level transformer over the whole row), not a vision/audio tower."""
+    from types import SimpleNamespace
+
+    from train.model_support import check_model_support
+
+    with pytest.raises(UnsupportedModelError, match="model family 'blt'") as err:
+        check_model_support(SimpleNamespace(model_type="blt"))
+    text = str(err.value)
+    assert "multimodal" not in text and "vision" not in text
+    assert "byte-level" in text and "patch" in text and "hash" in text
