@@ -308,6 +308,7 @@ class Trainer:
         if cfg.resolved_tokenizer_path(self.dataset.meta) is None:  # none named anywhere (a named one must exist)
             self._warn("no tokenizer (tokenizer_path, model_path, the shards' meta.json): final/ will be exported "
                        "without one")
+        self.eval_dataset = self._open_eval_set()
         self.categories = {int(k): v for k, v in (self.dataset.meta.get("categories") or {}).items()}
         self.num_categories = max([0, *self.categories]) + 1
         self.structure = "block_ids" in self.dataset.token_fields
@@ -358,6 +359,15 @@ class Trainer:
                                      cfg.wandb_project, write_console=self._console_write)
 
     # ------------------------------------------------------------------ setup
+    def _open_eval_set(self):
+        """The eval set, opened (memory-mapped) once at start and held for the whole run, or None: every evaluation
+        reads the rows checked at start, even if its folder is removed or rewritten meanwhile (it was looked up
+        again at every evaluation, and a folder deleted mid-run silently ended the evaluations)."""
+        from data.shards import PackedDataset
+
+        path = self.cfg.eval_path()
+        return None if path is None else PackedDataset(path, verify=self.cfg.verify_data)
+
     def _choose_checkpointing(self, row_length: int) -> tuple[bool, str]:
         """gradient_checkpointing auto: on a GPU from the memory estimate of train/memory_plan.py (a micro-batch's
         activations without checkpointing vs the free memory less the model state); on CPU by row length."""
@@ -666,10 +676,9 @@ class Trainer:
     def evaluate(self) -> dict:
         """`eval_loss`, the token-mean loss over the whole eval set (whatever loss_reduction), and
         `eval_category_loss` {name: token-mean loss} (every rank its rows; fillers keep ranks in step)."""
-        from data.shards import PackedDataset
         from train.batch import StepTotals
 
-        ds = PackedDataset(self.cfg.eval_path())
+        ds = self.eval_dataset
         totals = StepTotals(int(np.sum(ds.row_n_loss_tokens)), int(np.sum(ds.row_n_trained_turns)),
                             int(np.sum(ds.row_n_samples)))
         mine = list(range(self.mesh.dp_rank, len(ds), self.mesh.dp_size))
@@ -696,7 +705,7 @@ class Trainer:
 
     def _evaluates_after(self, step: int) -> bool:
         """With an eval set: every eval_steps steps and after the last step."""
-        if self.cfg.eval_path() is None:
+        if self.eval_dataset is None:
             return False
         return step == self.total_steps or bool(self.cfg.eval_steps) and step % self.cfg.eval_steps == 0
 
@@ -890,8 +899,8 @@ class Trainer:
             + (f", router aux loss (coef {self.router_aux.coef:g}, {self.router_aux.num_experts} experts, top "
                f"{self.router_aux.top_k})" if self.router_aux is not None else "")
         )
-        if self.cfg.eval_path() is not None:
-            self._console_write(f"evaluating {self.cfg.eval_path()} after step {self.total_steps}"
+        if self.eval_dataset is not None:
+            self._console_write(f"evaluating {self.eval_dataset.path} after step {self.total_steps}"
                                 + (f" and every {cfg.eval_steps} steps" if cfg.eval_steps else ""))
         first_step, started = self.step, time.perf_counter()
         try:
