@@ -65,6 +65,7 @@ from train.data import StepPlan, StepSampler
 from train.distributed import Mesh, all_reduce_sum, build_mesh, init_distributed
 from train.lm_head import decoder_of, lm_head_of
 from train.loss import weighted_lm_loss
+from train.model_check import check_finite_weights
 from train.metrics import MetricsLogger, plot_losses, step_progress, truncate_log
 from train.moe import RouterAux, real_tokens, records_router_logits, resolve_router_aux
 from train.recurrent import install_sequence_restart
@@ -147,6 +148,7 @@ def build_lm(cfg: TrainConfig, dtype: torch.dtype, checkpointing: bool = False) 
 
     if cfg.model_path is not None:
         lm = AutoModelForCausalLM.from_pretrained(cfg.model_path, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype)
+        check_finite_weights(lm, cfg.model_path)  # a NaN / inf there is named now, not blamed on packing later
     else:
         model_cfg = AutoConfig.from_pretrained(cfg.model_config)
         lm = AutoModelForCausalLM.from_config(model_cfg, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype)
