@@ -55,6 +55,7 @@ from train.checkpoint import (
     load_deepspeed_files_safely,
     load_rng,
     load_trainer_state,
+    model_mismatch,
     remove_stale_temporaries,
     resume_candidates,
     safe_load,
@@ -715,7 +716,8 @@ class Trainer:
     def _trainer_state(self) -> dict:
         epoch, in_epoch = self.sampler.position(self.step)
         return {"step": self.step, "epoch": epoch, "step_in_epoch": in_epoch, **self._step_layout(),
-                "seed": self.cfg.seed, "world_size": self.mesh.world_size, "data": self._data_identity()}
+                "seed": self.cfg.seed, "world_size": self.mesh.world_size, "data": self._data_identity(),
+                "model": self._model_identity()}
 
     def _step_layout(self) -> dict:
         """What decides the rows and the lr of every step: a resume with other values is refused."""
@@ -725,6 +727,34 @@ class Trainer:
 
     def _data_identity(self) -> dict:
         return dataset_identity(self.cfg.data_path, len(self.dataset))
+
+    def _model_identity(self) -> dict:
+        """What a checkpoint remembers of its model (train.checkpoint.model_mismatch): the model config as
+        transformers reads it, and the LoRA settings that shape the adapters or scale them."""
+        import json
+
+        from transformers import AutoConfig
+
+        cfg = self.cfg
+        config = AutoConfig.from_pretrained(cfg.model_path or cfg.model_config)
+        lora = {"lora_rank": cfg.lora_rank}
+        if cfg.lora_rank:
+            targets = cfg.target_modules
+            lora.update(lora_alpha=cfg.lora_alpha,
+                        target_modules="all-linear" if targets == ["all-linear"] else sorted(targets))
+        return {"config": json.loads(config.to_json_string(use_diff=False)), "lora": lora}
+
+    def _check_same_model(self, path: Path, state: dict) -> None:
+        """Before any tensor of the checkpoint loads: its weights belong to the model it was trained as."""
+        cfg = self.cfg
+        source = f"model_path {cfg.model_path}" if cfg.model_path is not None else f"model_config {cfg.model_config}"
+        mismatch = model_mismatch(state.get("model"), self._model_identity(), source)
+        if mismatch:
+            raise CheckpointError(
+                f"resume from {path}: the model is not the one the checkpoint was trained as: {mismatch}. Its weights "
+                "and optimizer state belong to that model: resume with the checkpoint's model config and LoRA "
+                "settings, or start a new run (another output_dir, or overwrite_output_dir=true with resume=none)"
+            )
 
     def _state_bytes_estimate(self) -> int:
         """Size of a first checkpoint: the weights plus two fp32 Adam moments per trainable parameter."""
@@ -778,6 +808,7 @@ class Trainer:
                 "(some twice, some never); resume with the checkpoint's value, or start a new run (another output_dir, "
                 "or overwrite_output_dir=true with resume=none)"
             )
+        self._check_same_model(path, state)
         saved_world = state.get("world_size")
         if saved_world is not None and int(saved_world) != self.mesh.world_size:
             raise RuntimeError(
