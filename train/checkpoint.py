@@ -525,11 +525,13 @@ def model_mismatch(saved: dict | None, current: dict, source: str) -> str | None
     if not saved:
         return None
     current = orjson.loads(orjson.dumps(current))  # as the checkpoint stored it (tuples as lists, ...)
-    unset = object()
+
+    def shown(values: dict, key: str) -> str:
+        return repr(values[key]) if key in values else "unset"
 
     def differences(before: dict, now: dict, keys) -> list[str]:
-        return [f"{key} is {now.get(key, unset)!r} here, {before.get(key, unset)!r} in the checkpoint"
-                .replace(repr(unset), "unset") for key in keys if before.get(key, unset) != now.get(key, unset)]
+        return [f"{key} is {shown(now, key)} here, {shown(before, key)} in the checkpoint" for key in keys
+                if key not in before or key not in now or before[key] != now[key]]
 
     before, now = _flat_config(saved.get("config") or {}), _flat_config(current["config"])
     config_diffs = differences(before, now, sorted(set(before) | set(now)))

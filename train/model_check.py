@@ -26,7 +26,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from data.config import ConfigError, pretrained_dir
-
 from train.attention import AttentionContext
 
 # Relative tolerances of a correct packed path against the eager reference. In fp32 a gradient's error is measured
@@ -218,7 +217,7 @@ def check_finite_weights(model: torch.nn.Module, model_path: str | os.PathLike) 
         for name, *counts in itertools.chain.from_iterable(gathered):
             totals[name] = [a + b for a, b in zip(totals.get(name, [0, 0, 0]), counts)]
         found = [(name, *counts) for name, counts in totals.items()]
-    if not found:  # (unpartitioned, every rank loaded the same weights and finds the same)
+    if not found:  # unpartitioned, every rank loaded the whole model and found the same
         return
     directory = pretrained_dir(str(model_path), "model_path")
     name, nan, inf, numel = found[0]

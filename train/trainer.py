@@ -66,8 +66,8 @@ from train.data import StepPlan, StepSampler
 from train.distributed import Mesh, all_reduce_sum, build_mesh, init_distributed
 from train.lm_head import decoder_of, lm_head_of
 from train.loss import weighted_lm_loss
-from train.model_check import check_finite_weights
 from train.metrics import MetricsLogger, plot_losses, step_progress, truncate_log
+from train.model_check import check_finite_weights
 from train.moe import RouterAux, real_tokens, records_router_logits, resolve_router_aux
 from train.recurrent import install_sequence_restart
 from train.varlen_kernels import queued_copy
