@@ -120,7 +120,8 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
         if value is None and type(None) in args:
             return None
         errors = []
-        for arg in args:
+        # a value whose own type is one of the union's keeps it: `int | float` reads 1.0 as a float, not a count
+        for arg in sorted(args, key=lambda arg: arg is not type(value)):
             if arg is type(None):
                 continue
             try:
@@ -329,7 +330,8 @@ class DataConfig:
     # warning at the end of the run and in report.json; one that loses all of them is an error
     category_loss_warning: float = 0.5
     # held-out eval split, taken per category before sampling copies and merging, packed into <output_dir>/eval/:
-    # a fraction in (0, 1) of each category, or a count of records shared out over the categories by size; null: none
+    # a fraction in (0, 1) of each category (0.05), or an integer count of records shared out over the categories by
+    # size (40; 1.0 is a fraction, refused); null: none
     eval_size: int | float | None = None
     merge: MergeConfig = field(default_factory=MergeConfig)
     # ---- fidelity: what a record asks to train reaches the loss (docs/DATA.md, "What is trained")
@@ -401,9 +403,7 @@ class DataConfig:
             raise ConfigError(f"category_loss_warning must be in [0, 1], got {self.category_loss_warning}")
         if self.pack.shard_size_mb <= 0:
             raise ConfigError(f"pack.shard_size_mb must be positive, got {self.pack.shard_size_mb}")
-        if self.eval_size is not None and not (0 < self.eval_size < 1 if isinstance(self.eval_size, float)
-                                               else self.eval_size >= 1):
-            raise ConfigError(f"eval_size must be a fraction in (0, 1) or a count >= 1 of records, got {self.eval_size}")
+        self._validate_eval_size()
         if "preprocess" in self.stages:
             for i, spec in enumerate(self.inputs):
                 for pattern in spec.path:
@@ -419,6 +419,18 @@ class DataConfig:
             raise ConfigError(f"chat_template: {self.chat_template} is not a file{relative_note(self.chat_template)}")
         self._validate_fidelity()
         self._validate_engine()
+
+    def _validate_eval_size(self) -> None:
+        """An integer is a count of records, a number with a decimal point a fraction of each category: 1 holds
+        out one record, 1.0 every record (refused, as is any fraction outside (0, 1))."""
+        size = self.eval_size
+        if isinstance(size, float) and not 0 < size < 1:
+            whole = (f": {size} would hold out every record and leave nothing to train" if size == 1 else "")
+            raise ConfigError(f"eval_size={size}: a fraction (a number with a decimal point) must be in (0, 1)"
+                              f"{whole}; for a count of records write an integer (eval_size: 1 holds out one record)")
+        if isinstance(size, int) and size < 1:
+            raise ConfigError(f"eval_size={size}: a count of records must be >= 1 (a fraction in (0, 1) holds out "
+                              "that share of each category; null: no eval split)")
 
     def _validate_fidelity(self) -> None:
         tags = self.reasoning_tags

@@ -41,11 +41,31 @@ def test_eval_quotas_fraction_per_category_count_shared_out_by_size():
 
 
 def test_eval_size_is_validated(tmp_path):
-    for bad in ("eval_size=0", "eval_size=1.5", "eval_size=-3"):
-        with pytest.raises(ConfigError, match="eval_size must be a fraction in \\(0, 1\\) or a count"):
+    for bad, message in (("eval_size=0", "eval_size=0: a count of records must be >= 1"),
+                         ("eval_size=-3", "eval_size=-3: a count of records must be >= 1"),
+                         ("eval_size=1.5", r"eval_size=1.5: a fraction \(a number with a decimal point\) must be in "
+                                           r"\(0, 1\)")):
+        with pytest.raises(ConfigError, match=message):
             load_config(_example_config(tmp_path), [bad]).validate()
     assert load_config(_example_config(tmp_path), ["eval_size=0.25"]).eval_size == 0.25
     assert load_config(_example_config(tmp_path), ["eval_size=40"]).eval_size == 40
+
+
+def test_eval_size_integer_is_a_count_float_a_fraction(tmp_path):
+    """`1` holds out one record; `1.0` is the fraction 1.0 (every record: nothing left to train), refused naming
+    the key and the value, from an override or from the config file alike; no float becomes a count."""
+    one = load_config(_example_config(tmp_path), ["eval_size=1"])
+    assert one.eval_size == 1 and isinstance(one.eval_size, int)
+    one.validate()
+    for config, overrides in ((_example_config(tmp_path), ["eval_size=1.0"]),
+                              (_example_config(tmp_path, eval_size=1.0), [])):
+        cfg = load_config(config, overrides)
+        assert cfg.eval_size == 1.0 and isinstance(cfg.eval_size, float)
+        with pytest.raises(ConfigError, match=r"eval_size=1.0: a fraction .* must be in \(0, 1\): 1.0 would hold out "
+                                              r"every record and leave nothing to train; .*eval_size: 1"):
+            cfg.validate()
+    two = load_config(_example_config(tmp_path, eval_size=2.0), [])
+    assert isinstance(two.eval_size, float)
 
 
 def test_eval_split_is_held_out_before_sampling_and_merging_and_packed_beside(tmp_path, capsys):

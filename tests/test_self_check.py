@@ -158,3 +158,52 @@ def test_half_precision_judges_the_gradients_together(monkeypatch):
         lambda cu, device, **kw: real(torch.tensor([0, int(cu[-1])], dtype=torch.int32), device, **kw)))
     leaking = model_check.compare_packed_with_reference(model, sequences, gradient_probe=True)
     assert not leaking.ok and leaking.grad_error > 0.3, leaking.describe()
+
+
+def test_blt_is_refused_for_what_breaks_not_as_multimodal():
+    """BLT is a text-only byte-level model: its refusal names what leaks across packed sequences (byte-group
+    hashes, entropy patches, the patch-level transformer over the whole row), not a vision/audio tower."""
+    from types import SimpleNamespace
+
+    from train.model_support import check_model_support
+
+    with pytest.raises(UnsupportedModelError, match="model family 'blt'") as err:
+        check_model_support(SimpleNamespace(model_type="blt"))
+    text = str(err.value)
+    assert "multimodal" not in text and "vision" not in text
+    assert "byte-level" in text and "patch" in text and "hash" in text
+
+
+@pytest.mark.parametrize("sharded, zero3", [(False, False), (True, False), (False, True)])
+def test_non_finite_weights_are_named_before_the_self_check(tmp_path, sharded, zero3):
+    """A NaN / inf in model_path's weights stops the start naming the tensor and the file holding it, whatever
+    self_check: the self-check would blame packing ("does not reproduce this model on packed rows"). Under ZeRO-3
+    the weights load partitioned (and the self-check is skipped): the partitions are checked."""
+    import json
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    from data.config import ConfigError
+    from tests._train_helpers import tiny_model
+    from train.trainer import Trainer
+
+    model = tmp_path / "model"
+    lm = tiny_model()
+    lm.config._attn_implementation = "sdpa"
+    lm.save_pretrained(model, **({"max_shard_size": "60KB"} if sharded else {}))
+    name = "model.layers.1.mlp.up_proj.weight"
+    if sharded:
+        file = model / json.loads((model / "model.safetensors.index.json").read_text())["weight_map"][name]
+        assert file.name != "model-00001-of-00006.safetensors"
+    else:
+        file = model / "model.safetensors"
+    tensors = load_file(file)
+    tensors[name][3, 5] = float("nan")
+    tensors[name][0, 0] = float("inf")
+    save_file(tensors, file, metadata={"format": "pt"})
+    for self_check in (True, False):
+        with pytest.raises(ConfigError, match=rf"model_path: {re.escape(str(file))}: tensor '{re.escape(name)}' "
+                                              r"holds 1 NaN and 1 infinite value"):
+            Trainer(_config(tmp_path, model_path=str(model), self_check=self_check,
+                            deepspeed={"stage": 3 if zero3 else None}), console=lambda *_: None)

@@ -67,6 +67,30 @@ def test_trainer_evaluates_every_eval_steps_and_after_the_last_step(tmp_path, pi
     assert curves["tokens_seen"][1][-1] == sum(r["tokens"] for r in records)
 
 
+def test_eval_set_removed_during_the_run_is_still_evaluated(tmp_path, pipeline_output, one_thread):
+    """The eval set is opened and checked at start and held: deleting its folder after step 1 changes nothing,
+    every announced evaluation runs on the rows checked at start (the same losses as an undisturbed run)."""
+    import shutil
+
+    from train.trainer import Trainer
+
+    out = tmp_path / "out"
+    shutil.copytree(pipeline_output, out)
+    config = _config(tmp_path, out, max_steps=2, eval_steps=1)
+    undisturbed = Trainer(load_config(config, [f"output_dir={tmp_path / 'undisturbed'}"]), console=lambda *_: None)
+    expected = [r["eval_loss"] for r in undisturbed.train()]
+
+    lines = []
+    trainer = Trainer(load_config(config), console=lines.append)
+    trainer.grad_hook = lambda _: shutil.rmtree(out / "eval", ignore_errors=True)  # gone before step 1 evaluates
+    records = trainer.train()
+    assert not (out / "eval").exists()
+    assert any(line.startswith(f"evaluating {out / 'eval' / 'packed'} after step 2 and every 1 steps")
+               for line in lines)
+    assert [r.get("eval_loss") for r in records] == expected
+    assert [r.get("eval_loss") for r in read_log(tmp_path / "run")] == expected
+
+
 def test_step_progress_text():
     assert step_progress(3, 10, 0, 30.0) == "[3/10, elapsed 0:00:30, eta 0:01:10]"
     assert step_progress(12, 20, 10, 4000.0) == "[12/20, elapsed 1:06:40, eta 4:26:40]"  # resumed at step 10

@@ -198,3 +198,84 @@ def test_resume_with_another_step_layout_is_refused(setup, override, message):
     with pytest.raises(CheckpointError, match=message):
         Trainer(load_config(config, [f"output_dir={out}", "resume=latest", override]), console=lambda *_: None)
     assert _train(config, out, "resume=latest", "stop_at_step=3").step == 3  # the same layout resumes
+
+
+def _model_copy(source, target, **changes):
+    """A copy of the saved tiny model whose config.json has `changes` (dotted keys reach into sections)."""
+    import json
+
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    for key, value in changes.items():
+        node, *path = key.split(".")
+        holder = config
+        while path:
+            holder, node = holder[node], path.pop(0)
+        holder[node] = value
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def _hidden_size_config(source, target):
+    """A model_config json: the saved model's config.json with a bigger hidden size (every other key equal)."""
+    import json
+
+    config = json.loads((source / "config.json").read_text())
+    target.write_text(json.dumps({**config, "hidden_size": 96}))
+    return target
+
+
+def test_resume_with_another_model_config_is_refused(setup):
+    """A model config that keeps every shape (rope_theta) would resume and export silently with the new config; one
+    that changes a shape (hidden size) failed in torch's load_state_dict ("size mismatch for ..."), naming neither
+    the checkpoint nor the key. Both are refused before any tensor of the checkpoint loads, naming the checkpoint,
+    the key and both values."""
+    import re
+
+    from train.checkpoint import CheckpointError
+
+    tmp, config = setup
+    out = tmp / "model-config"
+    _train(config, out, "stop_at_step=2")
+    step = re.escape(str(checkpoint_root(out) / "step-000002"))
+    rope = _model_copy(tmp / "model", tmp / "model-rope", **{"rope_parameters.rope_theta": 500000.0})
+    with pytest.raises(CheckpointError, match=rf"resume from {step}: .*model_path {re.escape(str(rope))}: "
+                                              r"rope_parameters.rope_theta is 500000.0 here, 10000.0 in the checkpoint"
+                                              r".*resume with the checkpoint's model"):
+        Trainer(load_config(config, [f"output_dir={out}", "resume=latest", f"model_path={rope}"]),
+                console=lambda *_: None)
+    wide = _hidden_size_config(tmp / "model", tmp / "wide.json")
+    with pytest.raises(CheckpointError, match=rf"resume from {step}: .*model_config {re.escape(str(wide))}: "
+                                              r"hidden_size is 96 here, 64 in the checkpoint"):
+        Trainer(load_config(config, [f"output_dir={out}", "resume=latest", f"model_config={wide}"]),
+                console=lambda *_: None)
+    assert sorted(p.name for p in checkpoint_root(out).glob("step-*")) == ["step-000002"]  # nothing written
+
+
+@pytest.mark.parametrize("rank", [4, 0])
+def test_resume_with_another_lora_rank_is_refused(setup, rank):
+    """LoRA rank 8 -> 4 (other adapter shapes) or 0 (full fine-tuning: other parameters) failed in torch's
+    load_state_dict; now refused naming the checkpoint and lora_rank with both values."""
+    import re
+
+    from train.checkpoint import CheckpointError
+
+    tmp, config = setup
+    out = tmp / f"lora-{rank}"
+    _train(config, out, "stop_at_step=2", "lora_rank=8")
+    step = re.escape(str(checkpoint_root(out) / "step-000002"))
+    with pytest.raises(CheckpointError, match=rf"resume from {step}: .*lora_rank is {rank} here, 8 in the checkpoint"):
+        Trainer(load_config(config, [f"output_dir={out}", "resume=latest", f"lora_rank={rank}"]),
+                console=lambda *_: None)
+
+
+def test_resume_may_change_what_does_not_change_the_weights_function(setup):
+    """Dropout (the model config's and LoRA's) changes how the run trains, not what the weights compute: a resume
+    with another value continues."""
+    tmp, config = setup
+    out = tmp / "dropout"
+    _train(config, out, "stop_at_step=2", "lora_rank=8")
+    dropout = _model_copy(tmp / "model", tmp / "model-dropout", attention_dropout=0.1)
+    resumed = _train(config, out, "resume=latest", "stop_at_step=3", "lora_rank=8", "lora_dropout=0.1",
+                     f"model_path={dropout}")
+    assert resumed.step == 3

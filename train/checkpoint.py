@@ -486,3 +486,56 @@ def layout_mismatch(saved: dict, current: dict, compare_steps: bool = True) -> s
         return (f"{key}={current[key]} ({current['total_steps']} steps), but the checkpoint was saved with "
                 f"{key}={saved.get(key, 'unrecorded')} ({saved['total_steps']} steps; another lr schedule)")
     return None
+
+
+# Model config keys a resumed run may change: they change how it trains, what it outputs or how the config is filed,
+# not the function the weights compute. Any key with "dropout" in its name (or gpt2's `*_pdrop`) is one too.
+RESUME_FREE_MODEL_KEYS = frozenset({
+    "_name_or_path", "transformers_version", "dtype", "torch_dtype",  # filing; the trainer sets the precision
+    "attn_implementation", "_attn_implementation", "use_cache",  # the attention kernel and the inference cache
+    "output_attentions", "output_hidden_states", "return_dict", "chunk_size_feed_forward",  # outputs, chunking
+    "id2label", "label2id", "problem_type",  # classification heads, unused by a causal LM
+    "initializer_range",  # random init only: a resume loads every weight
+    "output_router_logits", "router_aux_loss_coef",  # the MoE aux loss: part of the objective (train keys too)
+})
+
+
+def _resume_free(key: str) -> bool:
+    return key in RESUME_FREE_MODEL_KEYS or "dropout" in key or key.endswith("_pdrop")
+
+
+def _flat_config(config: dict, prefix: str = "") -> dict:
+    """Dotted keys (`rope_parameters.rope_theta`) of a config's leaves, the keys a resume may change left out."""
+    flat = {}
+    for key, value in config.items():
+        if _resume_free(key):
+            continue
+        if isinstance(value, dict) and value:
+            flat.update(_flat_config(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def model_mismatch(saved: dict | None, current: dict, source: str) -> str | None:
+    """How this run's model differs from the checkpoint's (None: the same, or a checkpoint that predates the
+    record): each model config key (`source` names where this run's config comes from) and LoRA setting with both
+    values. `current` / `saved`: {"config": the model config as a dict, "lora": {"lora_rank", and with a rank
+    "lora_alpha", "target_modules"}}."""
+    if not saved:
+        return None
+    current = orjson.loads(orjson.dumps(current))  # as the checkpoint stored it (tuples as lists, ...)
+
+    def shown(values: dict, key: str) -> str:
+        return repr(values[key]) if key in values else "unset"
+
+    def differences(before: dict, now: dict, keys) -> list[str]:
+        return [f"{key} is {shown(now, key)} here, {shown(before, key)} in the checkpoint" for key in keys
+                if key not in before or key not in now or before[key] != now[key]]
+
+    before, now = _flat_config(saved.get("config") or {}), _flat_config(current["config"])
+    config_diffs = differences(before, now, sorted(set(before) | set(now)))
+    diffs = [f"{source}: " + "; ".join(config_diffs)] if config_diffs else []
+    lora_before, lora_now = saved.get("lora") or {"lora_rank": 0}, current["lora"]
+    diffs += differences(lora_before, lora_now, [k for k in lora_now if k == "lora_rank" or k in lora_before])
+    return "; and ".join(diffs) or None

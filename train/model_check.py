@@ -13,13 +13,19 @@ product with a seeded random direction, so no second copy of the gradients is ke
 """
 from __future__ import annotations
 
+import itertools
+import json
 import math
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from data.config import ConfigError, pretrained_dir
 from train.attention import AttentionContext
 
 # Relative tolerances of a correct packed path against the eager reference. In fp32 a gradient's error is measured
@@ -177,3 +183,71 @@ def _compare(model, lm, params, sequences, n_targets, device, dtype, guard, grad
         loss_error = math.inf
     grad_error = worst_error if dtype == torch.float32 else together
     return PackedCheck(loss_packed, loss_reference, loss_error, grad_error, worst, dtype, worst_error)
+
+
+# ---------------------------------------------------------------------------------------------- loaded weights
+FINITE_CHUNK = 1 << 24  # elements per isfinite pass: a bounded temporary, whatever the tensor's size
+
+
+def non_finite_tensors(model: torch.nn.Module) -> list[tuple[str, int, int, int]]:
+    """(name, NaN count, infinite count, elements) of every floating-point parameter or buffer of `model` holding a
+    non-finite value: one pass over the weights (ZeRO-3: this rank's partitions, `ds_tensor`)."""
+    found = []
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        tensor = getattr(tensor, "ds_tensor", tensor).detach()
+        if not tensor.is_floating_point():
+            continue
+        flat = tensor.reshape(-1)
+        if all(bool(torch.isfinite(chunk).all()) for chunk in flat.split(FINITE_CHUNK)):
+            continue
+        found.append((name, int(torch.isnan(flat).sum()), int(torch.isinf(flat).sum()), flat.numel()))
+    return found
+
+
+def check_finite_weights(model: torch.nn.Module, model_path: str | os.PathLike) -> None:
+    """Right after the weights of `model_path` load: a NaN or inf among them stops the run with a ConfigError
+    naming the tensor and the file holding it (every rank raises together), before the start-up self-check
+    would blame packing for the non-finite losses they give."""
+    found = non_finite_tensors(model)
+    partitioned = any(hasattr(p, "ds_tensor") for p in model.parameters())
+    if partitioned and dist.is_initialized() and dist.get_world_size() > 1:  # ZeRO-3: each rank saw its partitions
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, found)
+        totals: dict[str, list[int]] = {}
+        for name, *counts in itertools.chain.from_iterable(gathered):
+            totals[name] = [a + b for a, b in zip(totals.get(name, [0, 0, 0]), counts)]
+        found = [(name, *counts) for name, counts in totals.items()]
+    if not found:  # unpartitioned, every rank loaded the whole model and found the same
+        return
+    directory = pretrained_dir(str(model_path), "model_path")
+    name, nan, inf, numel = found[0]
+    file, key = weights_file_of(directory, name)
+    more = f"; {len(found) - 1} more tensor(s) too: {', '.join(n for n, *_ in found[1:6])}" if len(found) > 1 else ""
+    raise ConfigError(
+        f"model_path: {file}: tensor {key!r} holds {nan} NaN and {inf} infinite value{'' if inf == 1 else 's'} (of "
+        f"{numel:,}){more}. The model's weights are broken before any training (a failed download or conversion, "
+        "or a run that diverged): re-download or re-export the model; PackSFT does not train from them"
+    )
+
+
+def weights_file_of(directory: Path, name: str) -> tuple[Path, str]:
+    """The weights file of a pretrained directory holding parameter `name`, and its key there (a key may carry a
+    prefix the loaded model's name does not, or the reverse); the directory itself when no file names it."""
+
+    def matches(key: str) -> bool:
+        return key == name or key.endswith("." + name) or name.endswith("." + key)
+
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (directory / index).is_file():
+            weight_map = json.loads((directory / index).read_text())["weight_map"]
+            for key in sorted(weight_map, key=lambda k: k != name):
+                if matches(key):
+                    return directory / weight_map[key], key
+    if (directory / "model.safetensors").is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(directory / "model.safetensors"), "pt") as weights:
+            for key in sorted(weights.keys(), key=lambda k: k != name):
+                if matches(key):
+                    return directory / "model.safetensors", key
+    return directory, name

@@ -66,13 +66,18 @@ for _family in ("codegen", "gptj", "gpt_neo", "gpt_neox_japanese", "falcon", "mp
     REFUSED[_family] = _OWN_ATTENTION
 REFUSED["bloom"] = _NO_CAUSAL_MASK
 REFUSED["xlnet"] = _UNPACKED_ONLY
-for _family in ("blt", "emu3", "fuyu", "gemma3", "gemma3n", "gemma4", "gemma4_unified", "git", "got_ocr2", "llama4",
+for _family in ("emu3", "fuyu", "gemma3", "gemma3n", "gemma4", "gemma4_unified", "git", "got_ocr2", "llama4",
                 "mllama", "moss_transcribe_diarize", "phi4_multimodal", "qwen3_5", "qwen3_5_moe", "qwen4_exp",
                 "dots3_note"):
     REFUSED[_family] = _MULTIMODAL
 for _family in ("deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4", "dots3_note_text"):
     REFUSED[_family] = _SPARSE_INDEXER
 REFUSED["llama4_text"] = _CHUNKED_ATTENTION
+REFUSED["blt"] = Refusal(
+    "a byte-level text model whose local encoder, global transformer and local decoder work on patches of bytes cut "
+    "over the whole row (its entropy patcher sees the row as one sequence): the byte-group hash embeddings of a "
+    "sequence's first bytes read the bytes before it, a patch can span two packed sequences, and the global "
+    "transformer numbers the row's patches from the row's start, so packed sequences leak into each other")
 REFUSED["minimax_m3_vl_text"] = Refusal(
     "a lightning indexer selects key blocks over the whole row and passes them to attention (`block_indices`), "
     "across packed sequences")

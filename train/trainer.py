@@ -55,6 +55,7 @@ from train.checkpoint import (
     load_deepspeed_files_safely,
     load_rng,
     load_trainer_state,
+    model_mismatch,
     remove_stale_temporaries,
     resume_candidates,
     safe_load,
@@ -66,6 +67,7 @@ from train.distributed import Mesh, all_reduce_sum, build_mesh, init_distributed
 from train.lm_head import decoder_of, lm_head_of
 from train.loss import weighted_lm_loss
 from train.metrics import MetricsLogger, plot_losses, step_progress, truncate_log
+from train.model_check import check_finite_weights
 from train.moe import RouterAux, real_tokens, records_router_logits, resolve_router_aux
 from train.recurrent import install_sequence_restart
 from train.varlen_kernels import queued_copy
@@ -147,6 +149,7 @@ def build_lm(cfg: TrainConfig, dtype: torch.dtype, checkpointing: bool = False) 
 
     if cfg.model_path is not None:
         lm = AutoModelForCausalLM.from_pretrained(cfg.model_path, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype)
+        check_finite_weights(lm, cfg.model_path)  # a NaN / inf there is named now, not blamed on packing later
     else:
         model_cfg = AutoConfig.from_pretrained(cfg.model_config)
         lm = AutoModelForCausalLM.from_config(model_cfg, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype)
@@ -308,6 +311,7 @@ class Trainer:
         if cfg.resolved_tokenizer_path(self.dataset.meta) is None:  # none named anywhere (a named one must exist)
             self._warn("no tokenizer (tokenizer_path, model_path, the shards' meta.json): final/ will be exported "
                        "without one")
+        self.eval_dataset = self._open_eval_set()
         self.categories = {int(k): v for k, v in (self.dataset.meta.get("categories") or {}).items()}
         self.num_categories = max([0, *self.categories]) + 1
         self.structure = "block_ids" in self.dataset.token_fields
@@ -358,6 +362,15 @@ class Trainer:
                                      cfg.wandb_project, write_console=self._console_write)
 
     # ------------------------------------------------------------------ setup
+    def _open_eval_set(self):
+        """The eval set, opened (memory-mapped) once at start and held for the whole run, or None: every evaluation
+        reads the rows checked at start, even if its folder is removed or rewritten meanwhile (it was looked up
+        again at every evaluation, and a folder deleted mid-run silently ended the evaluations)."""
+        from data.shards import PackedDataset
+
+        path = self.cfg.eval_path()
+        return None if path is None else PackedDataset(path, verify=self.cfg.verify_data)
+
     def _choose_checkpointing(self, row_length: int) -> tuple[bool, str]:
         """gradient_checkpointing auto: on a GPU from the memory estimate of train/memory_plan.py (a micro-batch's
         activations without checkpointing vs the free memory less the model state); on CPU by row length."""
@@ -666,10 +679,9 @@ class Trainer:
     def evaluate(self) -> dict:
         """`eval_loss`, the token-mean loss over the whole eval set (whatever loss_reduction), and
         `eval_category_loss` {name: token-mean loss} (every rank its rows; fillers keep ranks in step)."""
-        from data.shards import PackedDataset
         from train.batch import StepTotals
 
-        ds = PackedDataset(self.cfg.eval_path())
+        ds = self.eval_dataset
         totals = StepTotals(int(np.sum(ds.row_n_loss_tokens)), int(np.sum(ds.row_n_trained_turns)),
                             int(np.sum(ds.row_n_samples)))
         mine = list(range(self.mesh.dp_rank, len(ds), self.mesh.dp_size))
@@ -696,7 +708,7 @@ class Trainer:
 
     def _evaluates_after(self, step: int) -> bool:
         """With an eval set: every eval_steps steps and after the last step."""
-        if self.cfg.eval_path() is None:
+        if self.eval_dataset is None:
             return False
         return step == self.total_steps or bool(self.cfg.eval_steps) and step % self.cfg.eval_steps == 0
 
@@ -704,7 +716,8 @@ class Trainer:
     def _trainer_state(self) -> dict:
         epoch, in_epoch = self.sampler.position(self.step)
         return {"step": self.step, "epoch": epoch, "step_in_epoch": in_epoch, **self._step_layout(),
-                "seed": self.cfg.seed, "world_size": self.mesh.world_size, "data": self._data_identity()}
+                "seed": self.cfg.seed, "world_size": self.mesh.world_size, "data": self._data_identity(),
+                "model": self._model_identity()}
 
     def _step_layout(self) -> dict:
         """What decides the rows and the lr of every step: a resume with other values is refused."""
@@ -714,6 +727,34 @@ class Trainer:
 
     def _data_identity(self) -> dict:
         return dataset_identity(self.cfg.data_path, len(self.dataset))
+
+    def _model_identity(self) -> dict:
+        """What a checkpoint remembers of its model (train.checkpoint.model_mismatch): the model config as
+        transformers reads it, and the LoRA settings that shape the adapters or scale them."""
+        import json
+
+        from transformers import AutoConfig
+
+        cfg = self.cfg
+        config = AutoConfig.from_pretrained(cfg.model_path or cfg.model_config)
+        lora = {"lora_rank": cfg.lora_rank}
+        if cfg.lora_rank:
+            targets = cfg.target_modules
+            lora.update(lora_alpha=cfg.lora_alpha,
+                        target_modules="all-linear" if targets == ["all-linear"] else sorted(targets))
+        return {"config": json.loads(config.to_json_string(use_diff=False)), "lora": lora}
+
+    def _check_same_model(self, path: Path, state: dict) -> None:
+        """Before any tensor of the checkpoint loads: its weights belong to the model it was trained as."""
+        cfg = self.cfg
+        source = f"model_path {cfg.model_path}" if cfg.model_path is not None else f"model_config {cfg.model_config}"
+        mismatch = model_mismatch(state.get("model"), self._model_identity(), source)
+        if mismatch:
+            raise CheckpointError(
+                f"resume from {path}: the model is not the one the checkpoint was trained as: {mismatch}. Its weights "
+                "and optimizer state belong to that model: resume with the checkpoint's model config and LoRA "
+                "settings, or start a new run (another output_dir, or overwrite_output_dir=true with resume=none)"
+            )
 
     def _state_bytes_estimate(self) -> int:
         """Size of a first checkpoint: the weights plus two fp32 Adam moments per trainable parameter."""
@@ -767,6 +808,7 @@ class Trainer:
                 "(some twice, some never); resume with the checkpoint's value, or start a new run (another output_dir, "
                 "or overwrite_output_dir=true with resume=none)"
             )
+        self._check_same_model(path, state)
         saved_world = state.get("world_size")
         if saved_world is not None and int(saved_world) != self.mesh.world_size:
             raise RuntimeError(
@@ -890,8 +932,8 @@ class Trainer:
             + (f", router aux loss (coef {self.router_aux.coef:g}, {self.router_aux.num_experts} experts, top "
                f"{self.router_aux.top_k})" if self.router_aux is not None else "")
         )
-        if self.cfg.eval_path() is not None:
-            self._console_write(f"evaluating {self.cfg.eval_path()} after step {self.total_steps}"
+        if self.eval_dataset is not None:
+            self._console_write(f"evaluating {self.eval_dataset.path} after step {self.total_steps}"
                                 + (f" and every {cfg.eval_steps} steps" if cfg.eval_steps else ""))
         first_step, started = self.step, time.perf_counter()
         try:
