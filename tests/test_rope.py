@@ -103,3 +103,22 @@ def test_sequence_parallel_refuses_length_dependent_ropes():
     with pytest.raises(ValueError, match="sequence parallelism"):
         install_per_sequence_rope(_model("phi3-longrope")).set_row(
             AttentionContext(torch.tensor([0, 4], dtype=torch.int32), 4, sp=object()))
+
+
+def test_the_trainer_refuses_them_under_sequence_parallelism_before_the_model_loads(tmp_path):
+    from types import SimpleNamespace
+
+    from train.config import ConfigError
+    from train.trainer import Trainer
+
+    model_type, overrides = CONFIGS["phi3-longrope"]
+    tiny_config(model_type, **overrides).to_json_file(tmp_path / "phi3.json")
+    trainer = Trainer.__new__(Trainer)  # only the family check: it runs before build_lm
+    trainer.cfg = SimpleNamespace(model_path=None, model_config=str(tmp_path / "phi3.json"), self_check=True)
+    trainer.mesh = SimpleNamespace(sp_size=2)
+    with pytest.raises(ConfigError, match="sequence_parallel_size > 1 cannot train model_type 'phi3' with rope_type "
+                                          "longrope"):
+        trainer._check_family()
+    trainer.mesh = SimpleNamespace(sp_size=1)
+    assert trainer._check_family() == "phi3"
+

@@ -45,6 +45,18 @@ def test_refused_family_stops_before_the_model_loads(tmp_path, monkeypatch):
         trainer_module.Trainer(_config(tmp_path, model_config=str(model_config)), console=lambda *_: None)
 
 
+def test_refused_setting_stops_before_the_model_loads(tmp_path, monkeypatch):
+    """HRM-Text's default config is a prefix-LM: refused from the config, whatever the family's status."""
+    from tests.model_zoo import tiny_config
+    from train import trainer as trainer_module
+
+    config = tiny_config("hrm_text", prefix_lm=True)
+    config.to_json_file(tmp_path / "hrm.json")
+    monkeypatch.setattr(trainer_module, "build_lm", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(UnsupportedModelError, match="model family 'hrm_text' .* with `prefix_lm: True`"):
+        trainer_module.Trainer(_config(tmp_path, model_config=str(tmp_path / "hrm.json")), console=lambda *_: None)
+
+
 def test_self_check_passes_on_an_exact_family(tmp_path):
     from train.trainer import Trainer
 

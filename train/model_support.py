@@ -93,6 +93,7 @@ for _family in ("gemma4_assistant", "gemma4_unified_assistant"):
         "a draft (assistant) model for speculative decoding that reads the target model's hidden states: not a "
         "standalone causal LM", "fine-tune the target model (`gemma4_text`)")
 
+
 @dataclass(frozen=True)
 class SettingRefusal:
     """A model config setting PackSFT refuses in whichever family has it."""
@@ -103,13 +104,14 @@ class SettingRefusal:
     what_to_do: str
 
 
-# Settings that change which tokens a token attends to. Packed attention is causal within each sequence and
-# transformers' masks never reach it, so with one of these a packed row would train another model (the eager
-# reference would not: the conformance suite runs without them). First match wins.
+# Settings that change which tokens a token attends to. Packed attention is causal within each sequence, and
+# neither transformers' masks nor a layer's `is_causal` reach it: with one of these set, a packed row would
+# silently train another model. First match wins.
 ATTENTION_SETTINGS = (
     SettingRefusal(
         "use_bidirectional_attention", lambda value: value is True or value == "all",
-        "it makes the attention layers bidirectional (Gemma's embedding variants: `is_causal = False`), so every "
+        "it makes the attention layers bidirectional (embedding models such as EmbeddingGemma; the layers' "
+        "`is_causal = False`), so every "
         "token attends to the tokens after it, the one it is trained to predict included; PackSFT's packed attention "
         "is causal",
         "set use_bidirectional_attention to false / null in the model config (a causal LM) or train another model"),

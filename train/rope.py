@@ -46,12 +46,11 @@ def length_dependent(rope_type) -> bool:
     return isinstance(rope_type, str) and (rope_type == LONGROPE or "dynamic" in rope_type)
 
 
-def length_dependent_ropes(config) -> dict[str, dict]:
-    """{layer type ('' for the whole model): its rope parameters} of the config's length-dependent ropes."""
+def length_dependent_ropes(config) -> list[dict]:
+    """The rope parameters (the model's, or one per layer type) of the config's length-dependent ropes."""
     params = getattr(config, "rope_parameters", None) or {}
-    entries = {"": params} if "rope_type" in params else params  # else one entry per layer type
-    return {label: entry for label, entry in entries.items()
-            if isinstance(entry, dict) and length_dependent(entry.get("rope_type"))}
+    entries = [params] if "rope_type" in params else params.values()  # else one entry per layer type
+    return [entry for entry in entries if isinstance(entry, dict) and length_dependent(entry.get("rope_type"))]
 
 
 def switch_points(config) -> list[int]:
@@ -59,7 +58,7 @@ def switch_points(config) -> list[int]:
     `original_max_position_embeddings`, dynamic NTK's `max_position_embeddings` (read from the config, not from
     the wrappers, so that the start-up self-check does not take them from the code it checks)."""
     return sorted({int(entry["original_max_position_embeddings"]) if entry["rope_type"] == LONGROPE
-                   else int(config.max_position_embeddings) for entry in length_dependent_ropes(config).values()})
+                   else int(config.max_position_embeddings) for entry in length_dependent_ropes(config)})
 
 
 def sequence_parallel_problem(config) -> str | None:
@@ -67,7 +66,7 @@ def sequence_parallel_problem(config) -> str | None:
     ropes = length_dependent_ropes(config)
     if not ropes:
         return None
-    kinds = ", ".join(sorted({entry["rope_type"] for entry in ropes.values()}))
+    kinds = ", ".join(sorted({entry["rope_type"] for entry in ropes}))
     return (
         f"sequence_parallel_size > 1 cannot train model_type {getattr(config, 'model_type', None)!r} with "
         f"rope_type {kinds} exactly: its rotary frequencies depend on the length of each sequence, and sequence "
