@@ -50,6 +50,7 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma4_text": {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16},
     "gemma4_unified_text": {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16},
     "gptj": {"rotary_dim": 8},
+    "hrm_text": {"prefix_lm": False},  # a prefix-LM config is refused (train/model_support.py ATTENTION_SETTINGS)
     **{mt: {"head_dim": 8} for mt in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa",
                                       "longcat_flash", "minicpm3", "youtu", "axk1", "axk2")},
 }
@@ -96,8 +97,9 @@ RECURRENT_FAMILIES = {
 FAMILY_OVERRIDES.update(RECURRENT_FAMILIES)
 
 
-def tiny_config(model_type: str):
-    """The family's tiny config (a PretrainedConfig), or raises if the family cannot be built small."""
+def tiny_config(model_type: str, **overrides):
+    """The family's tiny config (a PretrainedConfig), or raises if the family cannot be built small. `overrides`:
+    config values set on top (a feature a test turns on)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
@@ -123,6 +125,7 @@ def tiny_config(model_type: str):
         kwargs["layer_types"] = _layer_types(default_types, kwargs.get("num_hidden_layers", 2))
         kwargs["num_hidden_layers"] = len(kwargs["layer_types"])
     kwargs.update(FAMILY_OVERRIDES.get(model_type, {}))
+    kwargs.update(overrides)
     kwargs = {k: v for k, v in kwargs.items() if not isinstance(getattr(cls, k, None), property)}  # derived
     if isinstance(kwargs.get("layer_types"), list) and _has(default, "num_hidden_layers"):
         kwargs["num_hidden_layers"] = len(kwargs["layer_types"])

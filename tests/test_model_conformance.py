@@ -61,17 +61,103 @@ def test_refused_family_stops_before_training(model_type):
     assert REFUSED[model_type].why in str(err.value)
 
 
-@pytest.mark.parametrize("model_type", [f for f in FAMILIES if family_status(f) == "exact"])
-def test_exact_family_packed_equals_unpacked(model_type):
-    config = tiny_config(model_type)
+def _packed_check(config, lengths):
+    """compare_packed_with_reference on a fresh tiny model of `config` and random sequences of `lengths`."""
     model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     torch.manual_seed(0)
     lm = model_cls._from_config(config, attn_implementation="packsft", dtype=torch.float32)
     model = PackedCausalLM(lm, chunk_size=5, num_categories=1, attn_backend="sdpa")
     gen = torch.Generator().manual_seed(1)
-    sequences = [torch.randint(3, VOCAB, (n,), generator=gen) for n in SEQUENCE_LENGTHS]
-    result = compare_packed_with_reference(model, sequences)
+    sequences = [torch.randint(3, VOCAB, (n,), generator=gen) for n in lengths]
+    return compare_packed_with_reference(model, sequences)
+
+
+@pytest.mark.parametrize("model_type", [f for f in FAMILIES if family_status(f) == "exact"])
+def test_exact_family_packed_equals_unpacked(model_type):
+    config = tiny_config(model_type)
+    assert check_model_support(config) == "exact"  # the suite's config is one PackSFT accepts
+    result = _packed_check(config, SEQUENCE_LENGTHS)
     assert result.ok, f"{model_type}: {result.describe()}"
+
+
+SWITCH = 16  # tokens: where the length-dependent ropes below change their frequencies
+LONG_FACTORS = [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]  # one per frequency of head dim 16
+
+
+def _longrope(**extra) -> dict:
+    return {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": LONG_FACTORS,
+            "original_max_position_embeddings": SWITCH, **extra}
+
+
+_DYNAMIC = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
+# rope types whose frequencies depend on the length of the sequence (train/rope.py): longrope (Phi-3 / Phi-3.5 /
+# Phi-4-mini; PhiMoE also switches its scale) switches to its long factors past original_max_position_embeddings,
+# dynamic NTK scales its base to the length past max_position_embeddings (also on one layer type of two). No
+# sliding window here: the rope's effect is not confined to 4 tokens.
+LENGTH_DEPENDENT_ROPES = {
+    "phi3-longrope": ("phi3", dict(sliding_window=None, original_max_position_embeddings=SWITCH,
+                                   rope_parameters=_longrope())),
+    "phimoe-longrope": ("phimoe", dict(sliding_window=None,
+                                       rope_parameters=_longrope(short_mscale=1.0, long_mscale=1.3))),
+    "llama-dynamic": ("llama", dict(max_position_embeddings=SWITCH, rope_parameters=_DYNAMIC)),
+    "gemma3_text-dynamic-full-layers": ("gemma3_text", dict(max_position_embeddings=SWITCH, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}, "full_attention": _DYNAMIC})),
+}
+# both sides of the switch point in one packed row: 10 and 16 tokens (short factors, unscaled), 40 and 23 (long
+# factors; dynamic NTK scaled to 40 and to 23)
+ROPE_SEQUENCE_LENGTHS = (10, 40, 16, 23)
+
+
+@pytest.mark.parametrize("case", sorted(LENGTH_DEPENDENT_ROPES))
+def test_length_dependent_rope_packed_equals_unpacked(case):
+    """transformers picks these frequencies from the longest position of a call; packed, each sequence must still
+    get those of its own length (the model's own forward on it alone)."""
+    model_type, overrides = LENGTH_DEPENDENT_ROPES[case]
+    config = tiny_config(model_type, **overrides)
+    assert check_model_support(config) == "exact"
+    result = _packed_check(config, ROPE_SEQUENCE_LENGTHS)
+    assert result.ok, f"{case}: {result.describe()}"
+
+
+# config values that change which tokens a token attends to (train/model_support.py ATTENTION_SETTINGS)
+ATTENTION_CHANGES = [
+    ("gemma", "use_bidirectional_attention", True),
+    ("gemma2", "use_bidirectional_attention", True),
+    ("gemma3_text", "use_bidirectional_attention", True),
+    ("gemma4_text", "use_bidirectional_attention", "all"),
+    ("gemma4_unified_text", "use_bidirectional_attention", "all"),
+    ("hrm_text", "prefix_lm", True),
+    ("qwen2", "is_causal", False),
+]
+
+
+@pytest.mark.parametrize("model_type,key,value", ATTENTION_CHANGES)
+def test_attention_changing_config_is_refused(model_type, key, value):
+    config = tiny_config(model_type, **{key: value})
+    with pytest.raises(UnsupportedModelError, match=f"model family '{model_type}' cannot be trained on packed rows "
+                                                    f"with `{key}: {value}`"):
+        check_model_support(config)
+
+
+@pytest.mark.parametrize("model_type,key,value", [c for c in ATTENTION_CHANGES if c[0] != "gemma2"])
+def test_refused_attention_change_matters(model_type, key, value):
+    """Those refusals are not vacuous: with the value set, the model's own forward lets a later token change the
+    output at position 0 (bidirectional attention; HRM's prefix-LM over the tokens its `token_type_ids` mark), which
+    PackSFT's causal packed attention cannot reproduce. Gemma 2 reads it only under flash attention (not on CPU);
+    Gemma 1 under sdpa, the default."""
+    ids = torch.randint(3, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
+    later = ids.clone()
+    later[0, 2] = (ids[0, 2] + 1) % VOCAB
+    extra = {"token_type_ids": torch.tensor([[1, 1, 1, 0, 0, 0, 0, 0]])} if key == "prefix_lm" else {}
+    first_position = {}
+    for setting in (value, not value if isinstance(value, bool) else None):
+        config = tiny_config(model_type, **{key: setting})
+        torch.manual_seed(0)
+        lm = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]._from_config(config, attn_implementation="sdpa").eval()
+        with torch.no_grad():
+            first_position[setting] = [lm(input_ids=x, use_cache=False, **extra).logits[0, 0] for x in (ids, later)]
+    changed = {setting: not torch.equal(*outputs) for setting, outputs in first_position.items()}
+    assert changed == {value: True, not value if isinstance(value, bool) else None: False}, changed
 
 
 def test_the_docs_table_is_current():

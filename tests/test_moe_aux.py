@@ -56,6 +56,10 @@ def tiny_moe(family: str, **overrides):
     elif family == "gpt_oss":
         config = transformers.GptOssConfig(num_local_experts=4, head_dim=16, **common)
         model = transformers.GptOssForCausalLM
+    elif family == "jetmoe":  # its coefficient key is aux_loss_coef (router_aux_loss_coef is not given)
+        jet = {k: v for k, v in common.items() if k not in ("num_attention_heads", "router_aux_loss_coef")}
+        config = transformers.JetMoeConfig(num_local_experts=4, kv_channels=16, aux_loss_coef=COEF, **jet)
+        model = transformers.JetMoeForCausalLM
     else:  # deepseek_v3: no load-balancing loss in transformers
         config = transformers.DeepseekV3Config(n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=32,
                                                first_k_dense_replace=0, n_group=1, topk_group=1, q_lora_rank=None,
@@ -87,7 +91,7 @@ def _assert_same_grads(got: dict, ref: dict, what: str):
 
 
 # ------------------------------------------------------------------------------------ the definition (HF's)
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe", "jetmoe"])
 def test_packed_row_equals_hf_padded_batch(family):
     rng = np.random.default_rng(1)
     seqs = [synthetic_sequence(rng, 11, 2, 1), synthetic_sequence(rng, 17, 3, 2), untrained_sequence(rng, 5),
@@ -122,7 +126,7 @@ def test_packed_row_equals_hf_padded_batch(family):
     assert _rel_err(aux.detach(), ref.detach()) <= RTOL
     grads = {n: p.grad for n, p in packed_lm.named_parameters() if p.grad is not None}
     ref_grads = {n: p.grad for n, p in ref_lm.named_parameters() if p.grad is not None}
-    assert any("gate" in n for n in ref_grads)
+    assert any("gate" in n or "router" in n for n in ref_grads)
     _assert_same_grads(grads, ref_grads, family)
 
 
@@ -136,6 +140,16 @@ def test_gpt_oss_router_logits_give_hf_aux_loss():
     router_aux, _ = resolve_router_aux(lm, None, None)
     ours = router_aux.share(out.router_logits, mask.reshape(-1))
     assert _rel_err(ours.detach(), COEF * out.aux_loss.detach()) <= RTOL
+
+
+def test_each_family_reads_its_own_coefficient_key():
+    """JetMoe weighs its aux loss with `aux_loss_coef` (its causal LM multiplies by that), the others with
+    `router_aux_loss_coef`; the train key overrides either."""
+    jetmoe = tiny_moe("jetmoe", aux_loss_coef=0.3)
+    assert not hasattr(jetmoe.config, "router_aux_loss_coef")
+    assert resolve_router_aux(jetmoe, None, None)[0].coef == 0.3 == jetmoe.aux_loss_coef
+    assert resolve_router_aux(jetmoe, None, 0.5)[0].coef == 0.5
+    assert resolve_router_aux(tiny_moe("mixtral", router_aux_loss_coef=0.2), None, None)[0].coef == 0.2
 
 
 def test_families_without_hf_aux_loss():

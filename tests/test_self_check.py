@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 
+import numpy as np
 import pytest
 import torch
 
@@ -42,6 +43,18 @@ def test_refused_family_stops_before_the_model_loads(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer_module, "build_lm", lambda *a, **k: pytest.fail("the model was built"))
     with pytest.raises(UnsupportedModelError, match="model family 'bloom'.*causal mask"):
         trainer_module.Trainer(_config(tmp_path, model_config=str(model_config)), console=lambda *_: None)
+
+
+def test_refused_setting_stops_before_the_model_loads(tmp_path, monkeypatch):
+    """HRM-Text's default config is a prefix-LM: refused from the config, whatever the family's status."""
+    from tests.model_zoo import tiny_config
+    from train import trainer as trainer_module
+
+    config = tiny_config("hrm_text", prefix_lm=True)
+    config.to_json_file(tmp_path / "hrm.json")
+    monkeypatch.setattr(trainer_module, "build_lm", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(UnsupportedModelError, match="model family 'hrm_text' .* with `prefix_lm: True`"):
+        trainer_module.Trainer(_config(tmp_path, model_config=str(tmp_path / "hrm.json")), console=lambda *_: None)
 
 
 def test_self_check_passes_on_an_exact_family(tmp_path):
@@ -123,6 +136,53 @@ def test_train_command_refuses_an_unsupported_family(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "model not supported: model family 'bloom' cannot be trained on packed rows" in proc.stderr
     assert not (tmp_path / "out" / "final").exists()
+
+
+def _longrope_run(tmp_path):
+    """A Phi-3 config with longrope switching at 16 tokens, and data whose first 9 rows hold only sequences of 6-12
+    tokens: the only longer one (40 tokens) is in row 9."""
+    from tests._train_helpers import synthetic_sequence
+    from transformers import Phi3Config
+
+    Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256, original_max_position_embeddings=16,
+               sliding_window=None, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+               rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                                "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
+                                "original_max_position_embeddings": 16}).to_json_file(tmp_path / "phi3.json")
+    rows = random_rows(0, 9, seqs_per_row=3, min_len=6, max_len=12)
+    rows.append([synthetic_sequence(np.random.default_rng(1), 40, 2, 1)])
+    data = write_packed(tmp_path / "data", rows)
+    return write_config(tmp_path / "run.yaml", data_path=str(data), output_dir=str(tmp_path / "out"), max_steps=1,
+                        loss_chunk_size=8, plot=False, model_config=str(tmp_path / "phi3.json"))
+
+
+def test_self_check_covers_both_sides_of_a_rope_switch_point(tmp_path):
+    """A rope whose frequencies switch with the sequence length (longrope at 16 tokens): the self-check packs
+    sequences of at most 16 tokens with one longer (the first one of the data past the switch point, cut to 17)."""
+    from train.config import load_config
+    from train.rope import switch_points
+    from train.trainer import Trainer
+
+    lines = []
+    trainer = Trainer(load_config(_longrope_run(tmp_path)), console=lines.append)
+    assert switch_points(trainer.lm.config) == [16]
+    lengths = [len(s) for s in trainer._self_check_sequences(switch_points=[16])]
+    assert max(lengths) == 17 and sorted(lengths)[-2] <= 16, lengths
+    assert any(line.startswith("self-check: packed = unpacked on 4 sequences") and "rope switch point 16" in line
+               for line in lines), lines
+
+
+def test_self_check_stops_a_rope_taken_from_the_longest_sequence(tmp_path, monkeypatch):
+    """Without per-sequence rope (transformers' choice from the row's longest sequence, as before train/rope.py)
+    the check fails: it only can because one of its sequences is past the switch point."""
+    from train import trainer as trainer_module
+    from train.config import load_config
+    from train.rope import PerSequenceRopes
+
+    monkeypatch.setattr(trainer_module, "install_per_sequence_rope", lambda lm: PerSequenceRopes())
+    with pytest.raises(RuntimeError, match="start-up self-check failed for model family 'phi3'"):
+        trainer_module.Trainer(load_config(_longrope_run(tmp_path)), console=lambda *_: None)
 
 
 def _deep_bf16_model():

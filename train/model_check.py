@@ -155,7 +155,9 @@ def _compare(model, lm, params, sequences, n_targets, device, dtype, guard, grad
 
     with model.unpacked(), guard:
         total = None
-        for seq in sequences:
+        # shortest first: transformers' dynamic-NTK rope keeps the frequencies of the longest length it has seen,
+        # so in this order each sequence gets those of its own length, as alone in a fresh model (train/rope.py)
+        for seq in sorted(sequences, key=len):
             logits = lm(input_ids=seq[None], use_cache=False).logits[0, :-1].float()
             ce = F.cross_entropy(logits, seq[1:], reduction="sum") / n_targets
             total = ce if total is None else total + ce

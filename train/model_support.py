@@ -6,13 +6,15 @@ packed row exactly as transformers' own unpacked eager forward on each sequence 
 gradient, fp32); a refused family must be refused by `check_model_support` before any weight is loaded, with the
 family and the reason. A family the table does not know (a newer transformers, remote code) trains only behind the
 start-up self-check (`self_check: true`, train/model_check.py), which compares the packed path with the model's own
-forward on the user's data.
+forward on the user's data. Beyond the family, `check_model_support` reads the config: a setting that changes which
+tokens attend to which (`ATTENTION_SETTINGS`: bidirectional attention, prefix-LM) is refused in any family.
 
 `python -m train.model_support` prints the supported-models table of docs/TRAINING.md from this module.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 
 class UnsupportedModelError(ValueError):
@@ -96,16 +98,53 @@ for _family in ("gemma4_assistant", "gemma4_unified_assistant"):
         "a draft (assistant) model for speculative decoding that reads the target model's hidden states: not a "
         "standalone causal LM", "fine-tune the target model (`gemma4_text`)")
 
+
+@dataclass(frozen=True)
+class SettingRefusal:
+    """A model config setting PackSFT refuses in whichever family has it."""
+
+    key: str
+    applies: Callable[[Any], bool]  # the config's value -> refused
+    why: str
+    what_to_do: str
+
+
+# Settings that change which tokens a token attends to. Packed attention is causal within each sequence, and
+# neither transformers' masks nor a layer's `is_causal` reach it: with one of these set, a packed row would
+# silently train another model. First match wins.
+ATTENTION_SETTINGS = (
+    SettingRefusal(
+        "use_bidirectional_attention", lambda value: value is True or value == "all",
+        "it makes the attention layers bidirectional (embedding models such as EmbeddingGemma; the layers' "
+        "`is_causal = False`), so every "
+        "token attends to the tokens after it, the one it is trained to predict included; PackSFT's packed attention "
+        "is causal",
+        "set use_bidirectional_attention to false / null in the model config (a causal LM) or train another model"),
+    SettingRefusal(
+        "prefix_lm", bool,
+        "the tokens its `token_type_ids` mark (the instruction) attend to each other bidirectionally; packed rows "
+        "carry no token_type_ids and PackSFT's packed attention is causal, so the instruction would train as causal "
+        "text, not as the prefix-LM the model is",
+        "set prefix_lm: false in the model config to fine-tune it as a plain causal LM (its instruction then attends "
+        "causally), or train another family"),
+    SettingRefusal(
+        "is_causal", lambda value: value is False,
+        "transformers then builds a bidirectional mask (every token attends to the tokens after it); PackSFT's "
+        "packed attention is causal",
+        "remove is_causal: false from the model config"),
+)
+
 # model_type -> what the conformance suite exercises beyond plain causal attention
 EXACT: dict[str, str] = {}
 for _family in ("apertus", "arcee", "aria_text", "biogpt", "bitnet", "ctrl", "diffllama", "dots1", "ernie4_5",
                 "ernie4_5_moe", "flex_olmo", "gemma", "glm", "glm4", "glm4_moe", "gpt-sw3", "gpt2", "gpt_bigcode",
-                "gpt_neox", "helium", "hrm_text", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3",
+                "gpt_neox", "helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3",
                 "hyperclovax", "internlm3", "iquestcoder", "jais2", "jetmoe", "laguna", "llama", "mellum",
                 "minimax_m2", "moshi", "olmo", "olmo2", "olmoe", "opt", "persimmon", "phi",
                 "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "seed_oss", "smollm3", "solar_open", "whisper",
                 "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash", "youtu", "axk1"):
     EXACT[_family] = "causal attention"
+EXACT["hrm_text"] = "causal attention (`prefix_lm: false`; a prefix-LM config is refused)"
 for _family in ("granite", "granitemoe", "granitemoeshared"):
     EXACT[_family] = "logits divided by `logits_scaling` (train/lm_head.py)"
 EXACT["cohere"] = "logits multiplied by `logit_scale` (train/lm_head.py)"
@@ -124,6 +163,8 @@ _WINDOW = "sliding-window layers (window shorter than the sequences in the suite
 for _family in ("mistral", "ministral", "ministral3", "mixtral", "phi3", "phimoe", "starcoder2", "olmo3", "exaone4",
                 "exaone_moe", "afmoe", "cwm", "kolibri1", "beam", "qwen2_moe", "cohere_compass_text"):
     EXACT[_family] = _WINDOW
+for _family in ("phi3", "phimoe"):  # their long-context checkpoints use longrope
+    EXACT[_family] = _WINDOW + ", longrope frequencies per packed sequence (train/rope.py)"
 EXACT["cohere2"] = EXACT["cohere2_moe"] = _WINDOW + ", logits multiplied by `logit_scale`"
 for _family in ("gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "gemma4_unified_text", "vaultgemma"):
     EXACT[_family] = _WINDOW + ", attention-logit and final-logit softcaps where the family has them"
@@ -149,7 +190,8 @@ def family_status(model_type: str) -> str:
 
 
 def check_model_support(config, *, self_check: bool = True) -> str:
-    """Raise UnsupportedModelError for a family that cannot train exactly on packed rows; return its status.
+    """Raise UnsupportedModelError for a family that cannot train exactly on packed rows, or a config setting
+    (ATTENTION_SETTINGS) that no family can; return the family's status.
 
     An unverified family passes only with the start-up self-check on (it then proves the packed path on the
     user's own data before step 1)."""
@@ -161,6 +203,13 @@ def check_model_support(config, *, self_check: bool = True) -> str:
             f"model family {model_type!r} cannot be trained on packed rows: {refusal.why}. "
             f"What to do: {refusal.what_to_do.replace('<family>', model_type)}."
         )
+    for setting in ATTENTION_SETTINGS:
+        value = getattr(config, setting.key, None)
+        if setting.applies(value):
+            raise UnsupportedModelError(
+                f"model family {model_type!r} cannot be trained on packed rows with `{setting.key}: {value}`: "
+                f"{setting.why}. What to do: {setting.what_to_do}."
+            )
     if status == "unverified" and not self_check:
         raise UnsupportedModelError(
             f"model family {model_type!r} is not in PackSFT's verified table (train/model_support.py) and "

@@ -36,13 +36,17 @@ if TYPE_CHECKING:
 # the signature of transformers' load_balancing_loss_func that computes the definition above (doge's, with
 # `num_keys`, and the encoder-decoder routers' are other losses)
 HF_SIGNATURE = ["gate_logits", "num_experts", "top_k", "attention_mask"]
+# model_type -> the config key of the aux-loss coefficient its causal LM multiplies the loss by, where it is not
+# `router_aux_loss_coef` (DEFAULT_COEF_KEY)
+COEF_KEYS = {"jetmoe": "aux_loss_coef"}
+DEFAULT_COEF_KEY = "router_aux_loss_coef"
 
 
 @dataclass(frozen=True)
 class RouterAux:
     num_experts: int
     top_k: int
-    coef: float  # router_aux_loss_coef
+    coef: float  # the train key router_aux_loss_coef, else the model config's (coef_key)
 
     def share(self, router_logits: Sequence[torch.Tensor], real_tokens: torch.Tensor,
               sp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -119,9 +123,9 @@ def resolve_router_aux(lm: nn.Module, output_router_logits: bool | None,
                        coef: float | None) -> tuple[RouterAux | None, str | None]:
     """(the router aux loss to train with, or None; a warning for the log, or None).
 
-    `output_router_logits` / `coef`: the train config's keys, None: the model config's. An explicit `true` for a
-    model transformers computes no load-balancing loss for is an error; the model config's `true` for such a model
-    trains without one and says so."""
+    `output_router_logits` / `coef`: the train config's keys, None: the model config's (the coefficient under the
+    family's own key, `coef_key`). An explicit `true` for a model transformers computes no load-balancing loss for
+    is an error; the model config's `true` for such a model trains without one and says so."""
     causal_lm = _causal_lm(lm)
     config = causal_lm.config
     requested = output_router_logits
@@ -140,7 +144,13 @@ def resolve_router_aux(lm: nn.Module, output_router_logits: bool | None,
         return None, (f"the model config sets output_router_logits, but transformers adds no router load-balancing "
                       f"loss to {model}: training without one")
     if coef is None:
-        coef = getattr(causal_lm, "router_aux_loss_coef", getattr(config, "router_aux_loss_coef", None))
-    if coef is None:
-        raise ConfigError(f"{model} has no router_aux_loss_coef in its config: set router_aux_loss_coef")
+        key = coef_key(config)
+        coef = getattr(causal_lm, key, getattr(config, key, None))
+        if coef is None:
+            raise ConfigError(f"{model} has no {key} in its config: set router_aux_loss_coef")
     return RouterAux(*shape, coef=float(coef)), None
+
+
+def coef_key(config) -> str:
+    """The model config key of the family's aux-loss coefficient (COEF_KEYS, else router_aux_loss_coef)."""
+    return COEF_KEYS.get(getattr(config, "model_type", None), DEFAULT_COEF_KEY)

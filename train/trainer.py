@@ -70,6 +70,8 @@ from train.metrics import MetricsLogger, plot_losses, step_progress, truncate_lo
 from train.model_check import check_finite_weights
 from train.moe import RouterAux, real_tokens, records_router_logits, resolve_router_aux
 from train.recurrent import install_sequence_restart
+from train.rope import install_per_sequence_rope
+from train.rope import switch_points as rope_switch_points
 from train.varlen_kernels import queued_copy
 
 logger = logging.getLogger("packsft.train")
@@ -94,6 +96,8 @@ class PackedCausalLM(nn.Module):
         self.head = lm_head_of(lm)  # what *ForCausalLM.forward does between the hidden states and the logits
         # recurrent mixers (linear attention, state spaces, short convolutions) restart at every packed sequence
         self.recurrent = install_sequence_restart(lm)
+        # ropes whose frequencies depend on the sequence length (longrope, dynamic NTK): per packed sequence
+        self.ropes = install_per_sequence_rope(lm)
         self.router_aux = router_aux
         # an MoE decoder records its router logits only when asked (the model config may ask for unused ones)
         self._router_kwargs = (
@@ -114,6 +118,8 @@ class PackedCausalLM(nn.Module):
         token, 0.0 for sequence-parallel padding or a filler row; None: every token is real)."""
         if self.recurrent:  # left set after the forward: activation-checkpoint recomputation in backward reads them
             self.recurrent.set_boundaries(attn.bounds.host_cu_q)
+        if self.ropes:
+            self.ropes.set_row(attn)
         outputs = decoder_of(self.lm)(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, packsft=attn, **self._router_kwargs
         )
@@ -136,6 +142,7 @@ class PackedCausalLM(nn.Module):
         previous = self.lm.config._attn_implementation
         self.lm.set_attn_implementation("eager")
         self.recurrent.clear()
+        self.ropes.clear()
         try:
             yield
         finally:
@@ -410,8 +417,9 @@ class Trainer:
         status = check_model_support(config, self_check=self.cfg.self_check)
         if self.mesh.sp_size > 1:
             from train.recurrent import sequence_parallel_problem
+            from train.rope import sequence_parallel_problem as rope_sequence_parallel_problem
 
-            problem = sequence_parallel_problem(config)
+            problem = rope_sequence_parallel_problem(config) or sequence_parallel_problem(config)
             if problem:
                 raise ConfigError(problem)
         if status == "unverified":
@@ -419,23 +427,44 @@ class Trainer:
                        "self-check decides whether it trains exactly")
         return model_type_of(config)
 
-    def _self_check_sequences(self, n_sequences: int = 4, max_tokens: int = 64) -> list[torch.Tensor]:
+    def _self_check_sequences(self, n_sequences: int = 4, max_tokens: int = 64,
+                              switch_points: list[int] = ()) -> list[torch.Tensor]:
         """Up to `n_sequences` packed sequences of the first rows, each cut to `max_tokens` (at least two
-        sequences: a lone one is split in two, which is still two sequences to keep apart)."""
+        sequences: a lone one is split in two, which is still two sequences to keep apart).
+
+        `switch_points`: the lengths at which the model's rope changes its frequencies (train/rope.py). Then the
+        sequences are cut to the smallest one (the short side) and the last is replaced by the data's first
+        sequence longer than the largest one, cut just past it (the long side, at the least attention cost)."""
+        if switch_points:
+            max_tokens = min(max_tokens, switch_points[0])
         seqs: list[torch.Tensor] = []
         for r in range(min(len(self.dataset), 8)):
-            row = self.dataset[r]
-            ids = torch.from_numpy(np.asarray(row["input_ids"], dtype=np.int64))
-            starts = np.concatenate([[0], np.cumsum(row["seq_lens"])[:-1]])
-            for start, length in zip(starts, row["seq_lens"]):
-                if length >= 2 and len(seqs) < n_sequences:
-                    seqs.append(ids[int(start): int(start) + min(int(length), max_tokens)])
+            seqs += [seq[:max_tokens] for seq in self._row_sequences(r) if seq.numel() >= 2]
             if len(seqs) >= n_sequences:
                 break
+        seqs = seqs[:n_sequences]
+        if switch_points and (long := self._first_sequence_longer_than(switch_points[-1])) is not None:
+            seqs = [*seqs[: n_sequences - 1], long[: switch_points[-1] + 1]]
         if len(seqs) == 1 and seqs[0].numel() >= 4:
             half = seqs[0].numel() // 2
             seqs = [seqs[0][:half], seqs[0][half:]]
         return seqs
+
+    def _row_sequences(self, r: int) -> list[torch.Tensor]:
+        row = self.dataset[r]
+        ids = torch.from_numpy(np.asarray(row["input_ids"], dtype=np.int64))
+        return list(ids.split([int(n) for n in row["seq_lens"]]))
+
+    def _first_sequence_longer_than(self, tokens: int) -> torch.Tensor | None:
+        """The data's first sequence of more than `tokens` tokens (found in the sequence index), or None."""
+        lengths = np.asarray(self.dataset.seq_index["length"])
+        longer = np.flatnonzero(lengths > tokens)
+        if longer.size == 0:
+            return None
+        row_ends = np.cumsum(np.asarray(self.dataset.row_n_seqs, dtype=np.int64))
+        row = int(np.searchsorted(row_ends, longer[0], side="right"))
+        first_of_row = int(row_ends[row - 1]) if row else 0
+        return self._row_sequences(row)[int(longer[0]) - first_of_row]
 
     def _self_check(self, zero3: bool) -> None:
         """Packed path vs the model's own unpacked eager forward on a few sequences of the data, same weights:
@@ -445,7 +474,8 @@ class Trainer:
         if zero3 and self.cfg.model_path is not None:
             self.console("self-check skipped: ZeRO-3 loads the weights partitioned (self_check covers ZeRO-0/1/2)")
             return
-        seqs = self._self_check_sequences()
+        switch_points = rope_switch_points(self.lm.config)
+        seqs = self._self_check_sequences(switch_points=switch_points)
         if len(seqs) < 2:
             self.console("self-check skipped: the data has no sequence of 2 tokens or more")
             return
@@ -462,8 +492,14 @@ class Trainer:
                 "not reproduce this model on packed rows; do not train it packed (self_check=false skips this check "
                 "at your own risk)"
             )
+        rope = ""
+        if switch_points:
+            longest = max(seq.numel() for seq in seqs)
+            rope = (f"; rope switch point {switch_points[-1]}: " + (
+                f"sequences of at most {switch_points[0]} tokens and one of {longest}" if longest > switch_points[-1]
+                else "no sequence of the data is longer, so its long side never trains"))
         self.console(f"self-check: packed = unpacked on {len(seqs)} sequences (loss difference "
-                     f"{result.loss_error:.1e}, gradient difference {result.grad_error:.1e}) in {elapsed:.2f} s")
+                     f"{result.loss_error:.1e}, gradient difference {result.grad_error:.1e}{rope}) in {elapsed:.2f} s")
 
     def _resolve_attention(self) -> str:
         """The attention backend every micro-batch uses (resolved once, from the device, dtype and the model's
