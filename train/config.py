@@ -117,7 +117,7 @@ class TrainConfig:
     resume: str = "none"  # none | latest | a checkpoint directory
     resume_corrupt: Literal["fallback", "error"] = "fallback"  # a checkpoint failing its manifest: use the previous one
     resume_data_mismatch: Literal["error", "allow"] = "error"  # data_path differs from the checkpoint's data
-    overwrite_output_dir: bool = False  # resume=none into an output_dir with checkpoints: start over (else an error)
+    overwrite_output_dir: bool = False  # resume=none into an output_dir with checkpoints: remove PackSFT's checkpoints, start over
     stop_at_step: int | None = None  # stop (with a checkpoint) after this step, as a time-limited job would
     tokenizer_mismatch: Literal["warn", "error"] = "error"  # shards' tokenizer hash vs the model's tokenizer
     plot: bool = True  # loss curves PNG at the end
@@ -168,6 +168,7 @@ class TrainConfig:
     # ------------------------------------------------------------------ invariants
     def validate(self, world_size: int = 1) -> None:
         """Every check that needs no model weights; raises ConfigError naming the field."""
+        self.validate_output_dir()
         self.validate_values(world_size)
         self.validate_paths()
         self.validate_data()
@@ -314,6 +315,27 @@ class TrainConfig:
                     "resume=latest continues it, overwrite_output_dir=true starts over, or use another output_dir"
                 )
 
+    def validate_output_dir(self) -> None:
+        """What output_dir already holds. PackSFT writes, replaces and removes its outputs there and never follows a
+        link (a link to another folder would receive the checkpoints, and pruning or overwrite_output_dir would
+        delete there): a link among them is refused. So is a step-N/ PackSFT did not write when starting over, and a
+        log.jsonl that is not PackSFT's log (the new run would truncate it)."""
+        from train.checkpoint import foreign_step_dirs
+        from train.metrics import read_log
+
+        links = output_links(self.output_dir)
+        if links:
+            raise ConfigError(
+                f"output_dir: {links[0]} is a symbolic link to {os.readlink(links[0])}: PackSFT writes, replaces and "
+                "removes its outputs in output_dir and follows no link there. Replace the link by a directory (move "
+                "its content in), or set output_dir to a directory on that storage (output_dir itself may be a link)"
+            )
+        foreign = foreign_step_dirs(self.output_dir) if self.resume == "none" and self.overwrite_output_dir else []
+        if foreign:
+            raise ConfigError(f"output_dir: {foreign[0]}; overwrite_output_dir=true removes only PackSFT's own "
+                              "checkpoints and the new run would replace this directory: move it out of output_dir")
+        read_log(self.output_dir)
+
     def validate_paths(self) -> None:
         if not Path(self.data_path).is_dir():
             raise ConfigError(f"data_path: {self.data_path} is not a directory (run sh data_process.sh first?)"
@@ -419,6 +441,20 @@ class TrainConfig:
         meta = meta if meta is not None else read_meta(self.data_path)
         tok = _meta_tokenizer_path(meta)
         return (tok, "the shards' meta.json") if tok and Path(tok).exists() else (None, "")
+
+
+def output_links(output_dir: str | os.PathLike) -> list[Path]:
+    """The symbolic links among what PackSFT writes in output_dir: its outputs, and the checkpoint directories
+    and `latest` pointer in checkpoints/."""
+    from train.checkpoint import CHECKPOINT_DIR, FINAL_DIR, LATEST, checkpoint_root
+    from train.metrics import LOG_FILE, PLOT_FILE, TENSORBOARD_DIR, WANDB_DIR
+
+    out = Path(output_dir)
+    candidates = [out / name for name in (CHECKPOINT_DIR, FINAL_DIR, TENSORBOARD_DIR, WANDB_DIR, LOG_FILE, PLOT_FILE)]
+    root = checkpoint_root(out)
+    if root.is_dir() and not root.is_symlink():
+        candidates += [p for p in sorted(root.iterdir()) if p.name == LATEST or p.name.startswith(("step-", ".step-"))]
+    return [p for p in candidates if p.is_symlink()]
 
 
 def pipeline_eval_split(data_path: str) -> Path:

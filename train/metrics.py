@@ -12,20 +12,47 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from data.config import ConfigError
 from data.fsutil import atomic_write_bytes, atomic_writer
 
 logger = logging.getLogger("packsft.train")
 
 LOG_FILE = "log.jsonl"
+PLOT_FILE = "loss.png"
+TENSORBOARD_DIR = "tensorboard"
+WANDB_DIR = "wandb"  # wandb.init(dir=output_dir) writes there
 
 
 def read_log(path: str | os.PathLike) -> list[dict]:
+    """The records of a training log (a file, or output_dir). A line that is not a JSON object is a ConfigError
+    naming the file and line (the trainer would otherwise truncate a file that is not its log); an incomplete last
+    line, which a run killed in the middle of writing it leaves, is dropped with a warning."""
     file = Path(path)
     if file.is_dir():
         file = file / LOG_FILE
     if not file.is_file():
         return []
-    return [orjson.loads(line) for line in file.read_bytes().splitlines() if line.strip()]
+    content = file.read_bytes()
+    lines = content.splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            record = None
+            if number == len(lines) and not content.endswith(b"\n"):
+                logger.warning(f"{file}:{number}: an incomplete last line (a run killed while writing it): dropped")
+                continue
+        if not isinstance(record, dict):
+            raise ConfigError(
+                f"{file}:{number}: not a JSON object ({line[:60].decode(errors='replace')!r}): {LOG_FILE} in "
+                "output_dir is PackSFT's training log, one JSON object per step, and this file is not one; move it "
+                "out of output_dir (or set another output_dir): the run would truncate it"
+            )
+        records.append(record)
+    return records
 
 
 def truncate_log(output_dir: str | os.PathLike, last_step: int) -> None:
@@ -79,7 +106,7 @@ class MetricsLogger:
         if "tensorboard" in backends:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(self.out / "tensorboard"))
+            self._tb = SummaryWriter(log_dir=str(self.out / TENSORBOARD_DIR))
         if "wandb" in backends:
             try:
                 import wandb
@@ -230,7 +257,7 @@ def plot_losses(output_dir: str | os.PathLike, path: str | os.PathLike | None = 
     import matplotlib.pyplot as plt
 
     fig = loss_figure(records)
-    target = Path(path) if path else Path(output_dir) / "loss.png"
+    target = Path(path) if path else Path(output_dir) / PLOT_FILE
     try:
         with atomic_writer(target) as f:
             fig.savefig(f, format="png", dpi=100)
