@@ -119,6 +119,9 @@ class TrainConfig:
     resume_data_mismatch: Literal["error", "allow"] = "error"  # data_path differs from the checkpoint's data
     overwrite_output_dir: bool = False  # resume=none into an output_dir with checkpoints: remove PackSFT's checkpoints, start over
     stop_at_step: int | None = None  # stop (with a checkpoint) after this step, as a time-limited job would
+    # a step whose loss or gradient norm is inf / nan: stop there (the last checkpoint stays finite, nothing is
+    # exported) or skip_step: skip its update and train on (plain torch optimizer only)
+    nonfinite: Literal["stop", "skip_step"] = "stop"
     tokenizer_mismatch: Literal["warn", "error"] = "error"  # shards' tokenizer hash vs the model's tokenizer
     plot: bool = True  # loss curves PNG at the end
     # LoRA (train/lora.py); lora_rank 0 = full fine-tuning
@@ -295,6 +298,11 @@ class TrainConfig:
             raise ConfigError(f"deepspeed.offload_param needs deepspeed.stage 3, got {ds.stage}")
         if ds.offload_optimizer and ds.stage not in (2, 3):
             raise ConfigError(f"deepspeed.offload_optimizer needs deepspeed.stage 2 or 3, got {ds.stage}")
+        if self.nonfinite == "skip_step" and self.uses_deepspeed:
+            raise ConfigError(
+                f"nonfinite=skip_step needs deepspeed.stage null (got {ds.stage}): DeepSpeed applies the update inside "
+                "its engine, which PackSFT can stop before but not skip; use nonfinite=stop"
+            )
         if self.bf16 and not _cuda_available():
             raise ConfigError("bf16: true needs a GPU (CUDA is not available); use bf16=false on CPU")
         if self.liger:
@@ -420,10 +428,15 @@ class TrainConfig:
         model_hash = tokenizer_hash(tok_path)
         if model_hash is None or model_hash == data_hash:
             return None
+        if self.model_path is not None:  # its embeddings belong to its own tokenizer's ids
+            advice = (f"the model is pretrained, its embeddings belong to the ids of its own tokenizer, so "
+                      f"re-tokenize the data with the model's tokenizer: tokenizer_path: {tok_path} in the data config, "
+                      "then sh data_process.sh again")
+        else:
+            advice = "set tokenizer_path to the tokenizer the data was tokenized with"
         return (
             f"the shards were tokenized with {data_tok} (tokenizer hash {data_hash}) but the tokenizer exported with "
-            f"the model, {tok_path} (from {key}), has hash {model_hash}: set tokenizer_path to the tokenizer the data "
-            "was tokenized with"
+            f"the model, {tok_path} (from {key}), has hash {model_hash}: {advice}"
         )
 
     def resolved_tokenizer_path(self, meta: dict | None = None) -> str | None:
