@@ -127,3 +127,17 @@ def test_a_torn_last_log_line_of_a_killed_run_is_dropped_with_a_warning(tmp_path
     with caplog.at_level("WARNING"):
         assert read_log(tmp_path) == [{"step": 1, "loss": 2.0}]
     assert f"{log}:2: an incomplete last line" in caplog.text
+
+
+def test_rotation_removes_only_packsft_checkpoints(setup, tmp_path):
+    """save_total_limit prunes the oldest checkpoints: a `step-N/` PackSFT did not write is not one of them."""
+    _, config = setup
+    out = tmp_path / "run"
+    _train(config, out, "max_steps=3", "stop_at_step=2")
+    root = checkpoint_root(out)
+    foreign = root / "step-000000" / "notes.txt"
+    foreign.parent.mkdir()
+    foreign.write_text("mine")
+    _train(config, out, "max_steps=3", "resume=latest")
+    assert foreign.read_text() == "mine"
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-000000", "step-000002", "step-000003"]

@@ -433,7 +433,8 @@ def discard_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
 
 
 def _prune(root: Path, keep: int) -> None:
-    steps = list_checkpoints(root.parent)
+    """Remove all but the newest `keep` checkpoints PackSFT wrote (a `step-N/` it did not write is left alone)."""
+    steps = [p for p in list_checkpoints(root.parent) if not_packsft_checkpoint(p) is None]
     latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
     for path in steps[:-keep] if keep > 0 else []:
         if path.name != latest:
