@@ -1,11 +1,13 @@
 """An exclusive lock on a directory, so two runs never write one output directory at once.
 
 The lock is a file (`.packsft.lock`) created whole and exclusively (a hard link), holding who took it: pid, host, the process's start
-time and the command. A second run is refused with the holder's identity. A lock whose holder is gone is taken
-over (and said so): on the same host, gone means the pid is not running, or runs a process that started at
-another time than the holder did (pids are reused); a lock taken on another host cannot be judged from here and
-is refused (delete the file if that run is gone). Reusable by any stage or by the trainer: `with
-directory_lock(path): ...`.
+time, the command and a run token. A second run is refused with the holder's identity. A lock whose holder is gone
+is taken over (and said so): on the same host, gone means the pid is not running, or runs a process that started at
+another time than the holder did (pids are reused), and no process that the holder started while it held the lock
+is left: those carry the run token in their environment (`LOCKS_ENV`, inherited), so a run whose holder was killed
+keeps its lock until its last process (e.g. a trainer rank in the middle of a save) has ended. A lock taken on
+another host cannot be judged from here and is refused (delete the file if that run is gone). Reusable by any
+stage or by the trainer: `with directory_lock(path): ...`.
 """
 from __future__ import annotations
 
@@ -15,10 +17,12 @@ import json
 import os
 import socket
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 LOCK_NAME = ".packsft.lock"
+LOCKS_ENV = "PACKSFT_LOCKS"  # the run tokens of the locks held by this process's ancestors, space-separated
 
 
 class LockHeldError(RuntimeError):
@@ -44,6 +48,24 @@ def pid_running(pid: int) -> bool:
     except PermissionError:  # alive, another user's
         return True
     return True
+
+
+def processes_with_env(name: str, token: str) -> list[int]:
+    """The live processes of this host (readable by this user) started with `token` among the space-separated
+    words of environment variable `name` (their environment as it was at exec, /proc/PID/environ; Linux)."""
+    entry = f"{name}=".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes()
+        except OSError:  # gone meanwhile, or another user's
+            continue
+        for variable in environ.split(b"\0"):
+            if variable.startswith(entry) and token.encode() in variable[len(entry):].split():
+                found.append(int(proc.name))
+    return sorted(found)
 
 
 def _holder_gone(holder: dict) -> bool:
@@ -116,7 +138,7 @@ def directory_lock(directory: str | os.PathLike, name: str = LOCK_NAME) -> Itera
     path = directory / name
     me = {"pid": os.getpid(), "host": socket.gethostname(), "start": process_start(os.getpid()),
           "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-          "command": " ".join(sys.argv)}
+          "command": " ".join(sys.argv), "run": uuid.uuid4().hex}
     content = json.dumps(me).encode()
     while not _create(path, content):
         holder = _read(path)
@@ -125,10 +147,23 @@ def directory_lock(directory: str | os.PathLike, name: str = LOCK_NAME) -> Itera
         if not _holder_gone(holder):
             raise LockHeldError(f"{directory} is in use by another run ({_describe(holder)}); wait for it to end or "
                                 f"use another output directory (if that run is gone, delete {path})")
+        left = processes_with_env(LOCKS_ENV, holder["run"]) if isinstance(holder.get("run"), str) else []
+        if left:
+            raise LockHeldError(
+                f"{directory} is in use by another run: its holder is gone ({_describe(holder)}) but process(es) it "
+                f"started still run ({', '.join(map(str, left))}); wait for them to end (or stop them: kill "
+                f"{' '.join(map(str, left))}), then start again"
+            )
         if _take_over(path, holder):
             print(f"[lock] took over {path} from a run that is gone ({_describe(holder)})", flush=True)
+    previous = os.environ.get(LOCKS_ENV)
+    os.environ[LOCKS_ENV] = f"{previous or ''} {me['run']}".strip()  # inherited by every process started from here
     try:
         yield path
     finally:
+        if previous is None:
+            os.environ.pop(LOCKS_ENV, None)
+        else:
+            os.environ[LOCKS_ENV] = previous
         if _read(path) == me:
             path.unlink()

@@ -237,3 +237,28 @@ def test_missing_export_tokenizer_is_an_error_at_start(setup, monkeypatch):
     load_config(config, [f"data_path={data}", f"tokenizer_path={ROOT / 'data/example/tokenizer'}"]).validate()
     monkeypatch.chdir(ROOT)
     cfg.validate()
+
+
+def test_tokenizer_mismatch_with_a_pretrained_model_says_to_retokenize_the_data(setup, tmp_path):
+    """A pretrained model's embeddings belong to the ids of its own tokenizer: exporting it with the data's tokenizer
+    would not fix the ids it trained on, so the advice is to re-tokenize the data with the model's tokenizer."""
+    import shutil
+
+    from tests._train_helpers import ROOT
+
+    _, config = setup
+    model = save_tiny_model(tmp_path / "pretrained")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ROOT / "data" / "example" / "tokenizer" / name, model / name)
+    data_tok = tmp_path / "data_tok"
+    data_tok.mkdir()
+    (data_tok / "tokenizer.json").write_text('{"model": "b"}')
+    write_packed(tmp_path / "data", random_rows(2, 1), {"tokenizer": {"path": str(data_tok), "hash": "0" * 64}})
+    cfg = load_config(config, [f"data_path={tmp_path / 'data'}", f"model_path={model}"])
+    with pytest.raises(ConfigError) as exc:
+        cfg.validate()
+    message = str(exc.value)
+    assert f"the tokenizer exported with the model, {model} (from model_path), has hash" in message
+    assert (f"re-tokenize the data with the model's tokenizer: tokenizer_path: {model} in the data config, then "
+            "sh data_process.sh again") in message
+    assert "set tokenizer_path to the tokenizer the data was tokenized with" not in message

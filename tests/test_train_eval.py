@@ -94,3 +94,18 @@ def test_eval_set_removed_during_the_run_is_still_evaluated(tmp_path, pipeline_o
 def test_step_progress_text():
     assert step_progress(3, 10, 0, 30.0) == "[3/10, elapsed 0:00:30, eta 0:01:10]"
     assert step_progress(12, 20, 10, 4000.0) == "[12/20, elapsed 1:06:40, eta 4:26:40]"  # resumed at step 10
+
+
+def test_evaluation_shows_its_progress(tmp_path, pipeline_output, one_thread, monkeypatch):
+    """A pass over the eval set takes minutes on a large one: a line when it starts, then one every
+    EVAL_PROGRESS_EVERY_S seconds (0 here: after every row) and at the end."""
+    import train.metrics
+    from train.trainer import Trainer
+
+    monkeypatch.setattr(train.metrics, "EVAL_PROGRESS_EVERY_S", 0.0)
+    config = _config(tmp_path, pipeline_output, max_steps=1)
+    lines = []
+    Trainer(load_config(config), console=lines.append).train()
+    progress = [line for line in lines if line.startswith("evaluating: ")]
+    assert [line.split(" [")[0] for line in progress] == [f"evaluating: {n}/3 rows" for n in range(4)]
+    assert progress[-1].endswith(", eta 0:00:00]") and "[elapsed 0:00:" in progress[-1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import signal
 import sys
 
 from data.config import ConfigError
@@ -65,31 +66,37 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as exc:
             print(f"config error: {exc}", file=sys.stderr)
             return 2
-        command = [sys.executable, "-m", "accelerate.commands.launch", *launch_args(cfg), "-m", "train", config_path,
-                   *argv]
+        command = [sys.executable, "-m", "train.launch", *launch_args(cfg), "-m", "train", config_path, *argv]
         try:  # machine 0 holds the lock of the shared output_dir for every machine of the run
             return supervise(command, cfg.output_dir if cfg.launch.machine_rank == 0 else None)
         except LockHeldError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+    from train.launch import die_with_supervisor
+
+    die_with_supervisor()  # under train.sh: never outlive it (kill -9 to it leaves no orphan training on)
     config_path = argv.pop(0) if argv and "=" not in argv[0] else DEFAULT_CONFIG
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from train.config import load_config
 
+    received = stop_on_signals()
+    cfg = trainer = None
     try:
         cfg = load_config(config_path, argv)
         cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))  # before the model (and most imports) load
+        from train.checkpoint import CheckpointError
+        from train.lm_head import UnsupportedLMHead
+        from train.model_check import SelfCheckError
+        from train.model_support import UnsupportedModelError
+        from train.nonfinite import NonFiniteError
+        from train.recurrent import UnsupportedRecurrentModel
+        from train.trainer import Trainer
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    from train.checkpoint import CheckpointError
-    from train.lm_head import UnsupportedLMHead
-    from train.model_check import SelfCheckError
-    from train.model_support import UnsupportedModelError
-    from train.recurrent import UnsupportedRecurrentModel
-    from train.trainer import Trainer
-
-    trainer = None
+    except Interrupted as exc:
+        report_interrupt(exc.signum, None, cfg, config_path, argv)
+        return 128 + exc.signum
     try:
         trainer = Trainer(cfg, validate=False)
         trainer.train()
@@ -104,13 +111,71 @@ def main(argv: list[str] | None = None) -> int:
     except SelfCheckError as exc:
         print(f"self-check failed: {exc}", file=sys.stderr)
         return 1
+    except NonFiniteError as exc:
+        print(f"training stopped: {exc}", file=sys.stderr)
+        return 1
     except CheckpointError as exc:  # resume: no usable checkpoint, other data; a save: full disk, write error
         print(f"checkpoint error: {exc}", file=sys.stderr)
         return 1
+    except BaseException:
+        if not received:
+            raise
+        # Interrupted, or the error a collective raised on this rank when another rank stopped first
+        report_interrupt(received[0], trainer, cfg, config_path, argv)
+        return 128 + received[0]
     finally:
         trainer = None
         release_process_groups()
     return 0
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT, SIGTERM or SIGHUP while training (a KeyboardInterrupt: no `except Exception` swallows it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def stop_on_signals() -> list[int]:
+    """Make SIGINT, SIGTERM and SIGHUP raise Interrupted at once (the first one; later ones are ignored while the
+    run stops): the run then says where it stopped instead of dying silently (SIGTERM) or with a traceback
+    (Ctrl-C). Returns the list the received signal goes into."""
+    from train.launch import FORWARDED_SIGNALS
+
+    received: list[int] = []
+
+    def handler(signum, _frame) -> None:
+        if not received:
+            received.append(signum)
+            raise Interrupted(signum)
+
+    for sig in FORWARDED_SIGNALS:
+        signal.signal(sig, handler)
+    return received
+
+
+def report_interrupt(signum: int, trainer, cfg, config_path: str, argv: list[str]) -> None:
+    """On the main rank: the step reached, the last complete checkpoint and the command that resumes from it,
+    as stop_at_step says them. Nothing of the interrupted step is saved; a checkpoint being written stays a
+    `.step-N.tmp/`, removed by the next start."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    name = signal.Signals(signum).name
+    where = (f"stopped at step {trainer.step} of {trainer.total_steps} ({name})" if trainer is not None else
+             f"stopped before the first step ({name})")
+    if cfg is None:
+        print(where, flush=True)
+        return
+    from train.checkpoint import CheckpointError, resolve_resume
+
+    try:
+        last = resolve_resume("latest", cfg.output_dir)
+    except CheckpointError:
+        last = None
+    print(f"{where}; last checkpoint: {last if last is not None else 'none yet (resume=latest starts at step 0)'}",
+          flush=True)
+    print(f"resume with: {resume_command(config_path, argv)}", flush=True)
 
 
 def release_process_groups() -> None:

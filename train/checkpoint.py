@@ -368,13 +368,73 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     return [p for _, p in steps]
 
 
-def discard_checkpoints(output_dir: str | os.PathLike) -> None:
-    """Start over in output_dir (overwrite_output_dir): remove the earlier run's checkpoints."""
-    shutil.rmtree(checkpoint_root(output_dir), ignore_errors=True)
+def not_packsft_checkpoint(directory: Path) -> str | None:
+    """Why `directory` is not a checkpoint PackSFT wrote (None when it is): one is a real directory whose
+    manifest.json (PackSFT's format) lists every file it holds, and holds no link. Names only: nothing is hashed."""
+    if directory.is_symlink():
+        return "a symbolic link"
+    manifest_file = directory / MANIFEST
+    if manifest_file.is_symlink() or not manifest_file.is_file():
+        return f"no {MANIFEST}"
+    try:
+        manifest = orjson.loads(manifest_file.read_bytes())
+        listed = set(manifest["files"]) if manifest["format_version"] == MANIFEST_FORMAT else None
+    except (OSError, orjson.JSONDecodeError, KeyError, TypeError):
+        listed = None
+    if listed is None:
+        return f"its {MANIFEST} is not PackSFT's"
+    links, extra = [], []
+    for parent, dirs, files in os.walk(directory):  # does not follow links
+        for name in dirs + files:
+            path = Path(parent, name)
+            relative = path.relative_to(directory).as_posix()
+            if path.is_symlink():
+                links.append(relative)
+            elif name in files and relative != MANIFEST and relative not in listed:
+                extra.append(relative)
+    if links:
+        return f"it holds the symbolic link {links[0]}"
+    if extra:
+        return f"{', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''} {'is' if len(extra) == 1 else 'are'} not in " \
+               f"its {MANIFEST}"
+    return None
+
+
+def foreign_step_dirs(output_dir: str | os.PathLike) -> list[str]:
+    """Each `step-N` entry of checkpoints/ that PackSFT did not write, with the reason (overwrite_output_dir removes
+    only PackSFT's own checkpoints, and a new run's step N would replace one of these)."""
+    root = checkpoint_root(output_dir)
+    if root.is_symlink() or not root.is_dir():
+        return []
+    return [f"{entry} is not a checkpoint PackSFT wrote ({problem})" for entry in sorted(root.iterdir())
+            if _STEP_DIR.match(entry.name) and (problem := not_packsft_checkpoint(entry))]
+
+
+def discard_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Start over in output_dir (overwrite_output_dir): remove the earlier run's checkpoints, the `step-N/`
+    directories PackSFT wrote (`not_packsft_checkpoint`), and the `latest` pointer; anything else in checkpoints/
+    stays (config validation refuses a `step-N` that is not PackSFT's, and links). Returns what was removed."""
+    root = checkpoint_root(output_dir)
+    if root.is_symlink() or not root.is_dir():
+        return []
+    removed = [p for p in list_checkpoints(output_dir) if not_packsft_checkpoint(p) is None]
+    pointer = root / LATEST
+    if pointer.is_file() and not pointer.is_symlink():
+        removed.append(pointer)
+        pointer.unlink()
+    for path in removed:
+        if path.is_dir():
+            shutil.rmtree(path)
+    kept = sorted(p.name for p in root.iterdir())
+    if removed:
+        logger.info("overwrite_output_dir: removed the earlier run's %s%s", ", ".join(p.name for p in removed),
+                    f"; kept what PackSFT did not write in {root}: {', '.join(kept)}" if kept else "")
+    return removed
 
 
 def _prune(root: Path, keep: int) -> None:
-    steps = list_checkpoints(root.parent)
+    """Remove all but the newest `keep` checkpoints PackSFT wrote (a `step-N/` it did not write is left alone)."""
+    steps = [p for p in list_checkpoints(root.parent) if not_packsft_checkpoint(p) is None]
     latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
     for path in steps[:-keep] if keep > 0 else []:
         if path.name != latest:

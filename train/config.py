@@ -117,8 +117,11 @@ class TrainConfig:
     resume: str = "none"  # none | latest | a checkpoint directory
     resume_corrupt: Literal["fallback", "error"] = "fallback"  # a checkpoint failing its manifest: use the previous one
     resume_data_mismatch: Literal["error", "allow"] = "error"  # data_path differs from the checkpoint's data
-    overwrite_output_dir: bool = False  # resume=none into an output_dir with checkpoints: start over (else an error)
+    overwrite_output_dir: bool = False  # resume=none into an output_dir with checkpoints: remove PackSFT's checkpoints, start over
     stop_at_step: int | None = None  # stop (with a checkpoint) after this step, as a time-limited job would
+    # a step whose loss or gradient norm is inf / nan: stop there (the last checkpoint stays finite, nothing is
+    # exported) or skip_step: skip its update and train on (plain torch optimizer only)
+    nonfinite: Literal["stop", "skip_step"] = "stop"
     tokenizer_mismatch: Literal["warn", "error"] = "error"  # shards' tokenizer hash vs the model's tokenizer
     plot: bool = True  # loss curves PNG at the end
     # LoRA (train/lora.py); lora_rank 0 = full fine-tuning
@@ -168,6 +171,7 @@ class TrainConfig:
     # ------------------------------------------------------------------ invariants
     def validate(self, world_size: int = 1) -> None:
         """Every check that needs no model weights; raises ConfigError naming the field."""
+        self.validate_output_dir()
         self.validate_values(world_size)
         self.validate_paths()
         self.validate_data()
@@ -294,6 +298,11 @@ class TrainConfig:
             raise ConfigError(f"deepspeed.offload_param needs deepspeed.stage 3, got {ds.stage}")
         if ds.offload_optimizer and ds.stage not in (2, 3):
             raise ConfigError(f"deepspeed.offload_optimizer needs deepspeed.stage 2 or 3, got {ds.stage}")
+        if self.nonfinite == "skip_step" and self.uses_deepspeed:
+            raise ConfigError(
+                f"nonfinite=skip_step needs deepspeed.stage null (got {ds.stage}): DeepSpeed applies the update inside "
+                "its engine, which PackSFT can stop before but not skip; use nonfinite=stop"
+            )
         if self.bf16 and not _cuda_available():
             raise ConfigError("bf16: true needs a GPU (CUDA is not available); use bf16=false on CPU")
         if self.liger:
@@ -313,6 +322,27 @@ class TrainConfig:
                     f"output_dir: {self.output_dir} holds checkpoints of an earlier run ({earlier[-1].name}); "
                     "resume=latest continues it, overwrite_output_dir=true starts over, or use another output_dir"
                 )
+
+    def validate_output_dir(self) -> None:
+        """What output_dir already holds. PackSFT writes, replaces and removes its outputs there and never follows a
+        link (a link to another folder would receive the checkpoints, and pruning or overwrite_output_dir would
+        delete there): a link among them is refused. So is a step-N/ PackSFT did not write when starting over, and a
+        log.jsonl that is not PackSFT's log (the new run would truncate it)."""
+        from train.checkpoint import foreign_step_dirs
+        from train.metrics import read_log
+
+        links = output_links(self.output_dir)
+        if links:
+            raise ConfigError(
+                f"output_dir: {links[0]} is a symbolic link to {os.readlink(links[0])}: PackSFT writes, replaces and "
+                "removes its outputs in output_dir and follows no link there. Replace the link by a directory (move "
+                "its content in), or set output_dir to a directory on that storage (output_dir itself may be a link)"
+            )
+        foreign = foreign_step_dirs(self.output_dir) if self.resume == "none" and self.overwrite_output_dir else []
+        if foreign:
+            raise ConfigError(f"output_dir: {foreign[0]}; overwrite_output_dir=true removes only PackSFT's own "
+                              "checkpoints and the new run would replace this directory: move it out of output_dir")
+        read_log(self.output_dir)
 
     def validate_paths(self) -> None:
         if not Path(self.data_path).is_dir():
@@ -398,10 +428,15 @@ class TrainConfig:
         model_hash = tokenizer_hash(tok_path)
         if model_hash is None or model_hash == data_hash:
             return None
+        if self.model_path is not None:  # its embeddings belong to its own tokenizer's ids
+            advice = (f"the model is pretrained, its embeddings belong to the ids of its own tokenizer, so "
+                      f"re-tokenize the data with the model's tokenizer: tokenizer_path: {tok_path} in the data config, "
+                      "then sh data_process.sh again")
+        else:
+            advice = "set tokenizer_path to the tokenizer the data was tokenized with"
         return (
             f"the shards were tokenized with {data_tok} (tokenizer hash {data_hash}) but the tokenizer exported with "
-            f"the model, {tok_path} (from {key}), has hash {model_hash}: set tokenizer_path to the tokenizer the data "
-            "was tokenized with"
+            f"the model, {tok_path} (from {key}), has hash {model_hash}: {advice}"
         )
 
     def resolved_tokenizer_path(self, meta: dict | None = None) -> str | None:
@@ -419,6 +454,20 @@ class TrainConfig:
         meta = meta if meta is not None else read_meta(self.data_path)
         tok = _meta_tokenizer_path(meta)
         return (tok, "the shards' meta.json") if tok and Path(tok).exists() else (None, "")
+
+
+def output_links(output_dir: str | os.PathLike) -> list[Path]:
+    """The symbolic links among what PackSFT writes in output_dir: its outputs, and the checkpoint directories
+    and `latest` pointer in checkpoints/."""
+    from train.checkpoint import CHECKPOINT_DIR, FINAL_DIR, LATEST, checkpoint_root
+    from train.metrics import LOG_FILE, PLOT_FILE, TENSORBOARD_DIR, WANDB_DIR
+
+    out = Path(output_dir)
+    candidates = [out / name for name in (CHECKPOINT_DIR, FINAL_DIR, TENSORBOARD_DIR, WANDB_DIR, LOG_FILE, PLOT_FILE)]
+    root = checkpoint_root(out)
+    if root.is_dir() and not root.is_symlink():
+        candidates += [p for p in sorted(root.iterdir()) if p.name == LATEST or p.name.startswith(("step-", ".step-"))]
+    return [p for p in candidates if p.is_symlink()]
 
 
 def pipeline_eval_split(data_path: str) -> Path:

@@ -1,35 +1,72 @@
 """What `sh train.sh` runs: one supervising process that holds the output directory's lock and starts
-`accelerate launch` in a process group of its own.
+`accelerate launch` in a process group of its own, and (`python -m train.launch`) accelerate's launcher as it runs
+under that supervisor.
 
 Why: `kill <train.sh pid>`, `timeout` or a closed terminal signal that one process; accelerate's launcher died of
 it (-15) while its trainer child trained on, exported `final/`, and a restart with resume=latest read the orphan's
 checkpoint while it was still being written. Here SIGTERM, SIGINT and SIGHUP are forwarded to the whole group
 (accelerate and its trainer processes; torchrun, which starts its workers in sessions of their own, stops them on
-the same signals), and the lock is released only once no process of the group is left, so a second run into the
+the same signals), and the lock is released only once no process of the run is left, so a second run into the
 same output directory is refused (naming the holder) for as long as anything of the first one runs.
+
+A signal cannot be forwarded by a supervisor that SIGKILL ended (`kill -9` to it or to train.sh's process group):
+then every process of the run dies with it. The supervisor starts accelerate's launcher with the parent-death
+signal SIGKILL (Linux `PR_SET_PDEATHSIG`), every trainer rank sets the same on itself (`die_with_supervisor`, so it
+dies with the launcher that started it), and the processes of the run carry the supervisor in their environment
+(`SUPERVISOR_ENV`) and the lock's run token (`data.lock.LOCKS_ENV`): the lock is not taken over while one of them is
+alive, and the supervisor waits for all of them, torchrun's workers in their own sessions included.
+
+accelerate's launcher ends a failed run with its own traceback (`CalledProcessError`, torchrun's `ChildFailedError`)
+after the trainer's message, and exits 1 whatever the trainer's status: `run_accelerate` runs it in-process and
+exits with the trainer's status instead, printing only what the trainer could not (a rank killed by a signal).
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
-from data.lock import directory_lock
+from data.lock import directory_lock, pid_running, process_start, processes_with_env
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-STOP_GRACE_S = 30.0  # after the launcher exits, how long what is left of its group may take before SIGKILL
+STOP_GRACE_S = 30.0  # after the launcher exits, how long what is left of the run may take before SIGKILL
+SUPERVISOR_ENV = "PACKSFT_SUPERVISOR"  # "pid:start" of the supervising process, in every process of the run
+_PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, value: int) -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
 
 
 def _become_subreaper() -> None:
     """Orphans of the run (a trainer whose launcher died) become our children, so we can reap them: an init that
     does not reap (containers) would otherwise leave zombies that keep the group alive (Linux only)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def _supervisor_marker() -> str:
+    return f"{os.getpid()}:{process_start(os.getpid()) or ''}"
+
+
+def die_with_supervisor() -> None:
+    """In a process started under the supervisor (SUPERVISOR_ENV set; nothing otherwise, so `python -m train`
+    started by hand or under nohup is left alone): be SIGKILLed when the process that started this one dies, and end
+    at once if the supervisor is already gone (it died before this process could ask)."""
+    marker = os.environ.get(SUPERVISOR_ENV)
+    if not marker:
+        return
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    pid, start = marker.split(":", 1)
+    if not pid_running(int(pid)) or (start and process_start(int(pid)) != start):
+        os._exit(128 + signal.SIGKILL)
 
 
 def _reap_orphans() -> None:
@@ -47,28 +84,39 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def _wait_for_group(pgid: int) -> None:
-    """Until no process of group `pgid` is left; SIGKILL what still runs after STOP_GRACE_S."""
+def _wait_for_run(pgid: int, marker: str) -> None:
+    """Until no process of group `pgid` and no process started with `marker` (torchrun's workers, in sessions of
+    their own) is left; SIGKILL what still runs after STOP_GRACE_S."""
     deadline = time.monotonic() + STOP_GRACE_S
-    while _group_alive(pgid):
+    while _group_alive(pgid) or processes_with_env(SUPERVISOR_ENV, marker):
         if time.monotonic() > deadline:
             print(f"[train.sh] processes of the run still alive {STOP_GRACE_S:.0f} s after the launcher exited: "
                   "killing them", flush=True)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
+            for pid in processes_with_env(SUPERVISOR_ENV, marker):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             deadline = float("inf")
         time.sleep(0.1)
 
 
 def supervise(command: list[str], lock_dir: str | os.PathLike | None) -> int:
     """Run `command` in a new process group, holding the lock of `lock_dir` (None: no lock) until every process
-    of the group has ended; forward FORWARDED_SIGNALS to the group. Returns the exit code for the shell (128 + the
-    signal when one was forwarded or killed the launcher)."""
+    of the run has ended; forward FORWARDED_SIGNALS to the group. Returns the exit code for the shell (128 + the
+    signal when one was forwarded or killed the launcher, else the launcher's: the trainer's status)."""
     lock = directory_lock(Path(lock_dir)) if lock_dir is not None else contextlib.nullcontext()
     with lock:
         _become_subreaper()
         received: list[int] = []
         child: subprocess.Popen | None = None
+        me = os.getpid()
+        marker = _supervisor_marker()
+
+        def die_with_me() -> None:  # in the child, before exec
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            if os.getppid() != me:  # died between the fork and the prctl
+                os._exit(128 + signal.SIGKILL)
 
         def forward(signum, _frame) -> None:
             received.append(signum)
@@ -78,14 +126,59 @@ def supervise(command: list[str], lock_dir: str | os.PathLike | None) -> int:
 
         previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
         try:
-            child = subprocess.Popen(command, start_new_session=True)
+            child = subprocess.Popen(command, start_new_session=True, env={**os.environ, SUPERVISOR_ENV: marker},
+                                     preexec_fn=die_with_me)
             if received:  # arrived before the group existed
                 os.killpg(child.pid, received[0])
             code = child.wait()
-            _wait_for_group(child.pid)
+            _wait_for_run(child.pid, marker)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
     if received:
         return 128 + received[0]
     return code if code >= 0 else 128 - code
+
+
+def _status(code: int, who: str) -> int:
+    """The shell's exit status for a trainer process's return code; one line when a signal killed it (then it
+    printed nothing itself)."""
+    if code >= 0:
+        return code
+    print(f"[train.sh] {who} was killed by {signal.Signals(-code).name}", file=sys.stderr, flush=True)
+    return 128 - code
+
+
+def run_accelerate(argv: list[str]) -> int:
+    """`accelerate launch ARGV` in this process; returns the trainer's exit status (the first failed rank's under
+    torchrun) instead of raising accelerate's and torchrun's tracebacks over the trainer's own message."""
+    import torch.distributed.run  # noqa: F401  (imports the elastic modules below)
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    # "failed (exitcode: 2) local_rank: 0 …" and "Sending process … closing signal …": the trainer said why
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    args = launch_command_parser().parse_args(argv)
+    if not args.multi_gpu:
+        # accelerate's single-process launcher: the trainer is in this process group and receives the forwarded
+        # signal itself; this process waits for it (dying first would SIGKILL it through its parent-death signal,
+        # before it could say where it stopped). torchrun's agent installs its own handlers and stops its workers.
+        for sig in FORWARDED_SIGNALS:
+            signal.signal(sig, lambda *_: None)
+    try:
+        launch_command(args)
+    except subprocess.CalledProcessError as exc:  # the single-process launcher
+        return _status(exc.returncode, "the trainer")
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        return _status(failure.exitcode, f"rank {rank} (pid {failure.pid})")
+    except SignalException as exc:  # torchrun's agent was signalled and has stopped its workers
+        return 128 + int(exc.sigval)
+    except KeyboardInterrupt:  # SIGINT before torchrun's agent installed its handlers
+        return 128 + signal.SIGINT
+    return 0
+
+
+if __name__ == "__main__":  # the supervisor's command (train/__main__.py): it set our parent-death signal
+    sys.exit(run_accelerate(sys.argv[1:]))

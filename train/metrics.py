@@ -12,20 +12,47 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from data.config import ConfigError
 from data.fsutil import atomic_write_bytes, atomic_writer
 
 logger = logging.getLogger("packsft.train")
 
 LOG_FILE = "log.jsonl"
+PLOT_FILE = "loss.png"
+TENSORBOARD_DIR = "tensorboard"
+WANDB_DIR = "wandb"  # wandb.init(dir=output_dir) writes there
 
 
 def read_log(path: str | os.PathLike) -> list[dict]:
+    """The records of a training log (a file, or output_dir). A line that is not a JSON object is a ConfigError
+    naming the file and line (the trainer would otherwise truncate a file that is not its log); an incomplete last
+    line, which a run killed in the middle of writing it leaves, is dropped with a warning."""
     file = Path(path)
     if file.is_dir():
         file = file / LOG_FILE
     if not file.is_file():
         return []
-    return [orjson.loads(line) for line in file.read_bytes().splitlines() if line.strip()]
+    content = file.read_bytes()
+    lines = content.splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            record = None
+            if number == len(lines) and not content.endswith(b"\n"):
+                logger.warning(f"{file}:{number}: an incomplete last line (a run killed while writing it): dropped")
+                continue
+        if not isinstance(record, dict):
+            raise ConfigError(
+                f"{file}:{number}: not a JSON object ({line[:60].decode(errors='replace')!r}): {LOG_FILE} in "
+                "output_dir is PackSFT's training log, one JSON object per step, and this file is not one; move it "
+                "out of output_dir (or set another output_dir): the run would truncate it"
+            )
+        records.append(record)
+    return records
 
 
 def truncate_log(output_dir: str | os.PathLike, last_step: int) -> None:
@@ -64,6 +91,46 @@ def step_progress(step: int, total: int, first_step: int, elapsed: float) -> str
     return f"[{step}/{total}, elapsed {_duration(elapsed)}, eta {_duration(eta)}]"
 
 
+EVAL_PROGRESS_EVERY_S = 10.0  # without a terminal: a progress line of an evaluation at most this often
+
+
+class EvalProgress:
+    """What an evaluation shows while it runs (a pass over 12 long rows took 97 s in silence): a tqdm bar on a
+    terminal, else a line when it starts, one every EVAL_PROGRESS_EVERY_S seconds and one at the end. Only where
+    `enabled` (the main rank); rows are counted over all ranks."""
+
+    def __init__(self, total_rows: int, write, bar: bool, enabled: bool):
+        import time
+
+        self.total, self.write, self.enabled = total_rows, write, enabled
+        self._clock = time.perf_counter
+        self._start = self._last = self._clock()
+        self._bar = None
+        if enabled and bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_rows, desc="eval", unit="row", leave=False, dynamic_ncols=True)
+        elif enabled:
+            self._line(0)
+
+    def _line(self, done: int) -> None:
+        elapsed = self._clock() - self._start
+        eta = elapsed / done * (self.total - done) if done else 0.0
+        self.write(f"evaluating: {done}/{self.total} rows [elapsed {_duration(elapsed)}, eta {_duration(eta)}]")
+        self._last = self._clock()
+
+    def update(self, done: int) -> None:
+        """`done` rows evaluated so far."""
+        if self._bar is not None:
+            self._bar.update(done - self._bar.n)
+        elif self.enabled and (done == self.total or self._clock() - self._last >= EVAL_PROGRESS_EVERY_S):
+            self._line(done)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
 class MetricsLogger:
     def __init__(self, output_dir: str | os.PathLike, enabled: bool, backends: list[str], run_config: dict,
                  wandb_project: str = "packsft", write_console=None):
@@ -79,7 +146,7 @@ class MetricsLogger:
         if "tensorboard" in backends:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(self.out / "tensorboard"))
+            self._tb = SummaryWriter(log_dir=str(self.out / TENSORBOARD_DIR))
         if "wandb" in backends:
             try:
                 import wandb
@@ -134,8 +201,8 @@ def smoothed(values: list[float], weight: float) -> list[float]:
 def loss_curves(records: list[dict]) -> dict:
     """What loss.png shows, as data: train/eval loss, the router aux loss (MoE), per-category (raw and smoothed,
     each over the steps where the category had loss tokens; eval points), lr, grad norm and the tokens trained by
-    the end of each step."""
-    records = [r for r in records if "loss" in r]
+    the end of each step. A step skipped for a non-finite loss (logged as null) is left out."""
+    records = [r for r in records if r.get("loss") is not None]
     curves = {
         "tokens_seen": ([r["step"] for r in records if "tokens" in r],
                         np.cumsum([r["tokens"] for r in records if "tokens" in r]).tolist()),
@@ -224,13 +291,13 @@ def loss_figure(records: list[dict]):
 
 def plot_losses(output_dir: str | os.PathLike, path: str | os.PathLike | None = None) -> Path | None:
     """loss.png from log.jsonl (None when there is nothing to plot), written atomically."""
-    records = [r for r in read_log(output_dir) if "loss" in r]
+    records = [r for r in read_log(output_dir) if r.get("loss") is not None]
     if not records:
         return None
     import matplotlib.pyplot as plt
 
     fig = loss_figure(records)
-    target = Path(path) if path else Path(output_dir) / "loss.png"
+    target = Path(path) if path else Path(output_dir) / PLOT_FILE
     try:
         with atomic_writer(target) as f:
             fig.savefig(f, format="png", dpi=100)

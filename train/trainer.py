@@ -66,9 +66,10 @@ from train.data import StepPlan, StepSampler
 from train.distributed import Mesh, all_reduce_sum, build_mesh, init_distributed
 from train.lm_head import decoder_of, lm_head_of
 from train.loss import weighted_lm_loss
-from train.metrics import MetricsLogger, plot_losses, step_progress, truncate_log
+from train.metrics import EvalProgress, MetricsLogger, plot_losses, step_progress, truncate_log
 from train.model_check import check_finite_weights
 from train.moe import RouterAux, real_tokens, records_router_logits, resolve_router_aux
+from train.nonfinite import SKIPPED, NonFiniteError, nonfinite_problem, nonfinite_tensors, stop_message
 from train.recurrent import install_sequence_restart
 from train.rope import install_per_sequence_rope
 from train.rope import switch_points as rope_switch_points
@@ -642,7 +643,8 @@ class Trainer:
         C = self.num_categories
         # [loss, cat_loss_sum[C], cat_count[C], aux_loss] on the communication device: no host sync per micro-batch
         local = torch.zeros(2 + 2 * C, dtype=torch.float64, device=self._comm_device())
-        for mb in plan.micro_batches:
+        last = len(plan.micro_batches) - 1
+        for i, mb in enumerate(plan.micro_batches):
             batch = self._micro_batch(plan, mb.rows, mb.filler)
             weighted, cat_sum, cat_count, router_aux = self.forward_micro_batch(batch, mb.filler)
             objective = weighted
@@ -654,15 +656,17 @@ class Trainer:
             if self.engine is not None:
                 self.engine.backward(loss, scale_wrt_gas=False)
                 # DeepSpeed counts micro-batches in step(): it only updates (and steps the lr scheduler) at the
-                # gradient-accumulation boundary, i.e. after the last micro-batch of the optimizer step
-                self.engine.step()
+                # gradient-accumulation boundary, after the last micro-batch, which _optimizer_step takes once the
+                # step's loss is known to be finite
+                if i < last:
+                    self.engine.step()
             else:
                 loss.backward()
             local[0] += weighted.detach().double()
             local[1 : 1 + C] += cat_sum.double()
             local[1 + C : 1 + 2 * C] += cat_count.double()
-        grad_norm = self._optimizer_step()
         stats = all_reduce_sum(local).cpu()
+        grad_norm, skipped = self._optimizer_step(plan.step + 1, float(stats[0]), lr)
         elapsed = time.perf_counter() - start
         n_tokens = int(np.asarray(self.dataset.row_n_tokens)[plan.step_rows].sum())
         cat_loss = {}
@@ -683,18 +687,29 @@ class Trainer:
         }
         if self.router_aux is not None:
             record["aux_loss"] = float(stats[-1])
+        if skipped:
+            record["skipped"] = SKIPPED
         return record
 
     def _comm_device(self) -> torch.device:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
-    def _optimizer_step(self) -> float:
+    def _optimizer_step(self, step: int, loss: float, lr: float) -> tuple[float, bool]:
+        """Apply step `step`'s update unless its loss (all-reduced) or gradient norm is not finite: then stop
+        (NonFiniteError) or, with nonfinite=skip_step, drop its gradients. Returns (gradient norm, skipped)."""
         cfg = self.cfg
-        if self.engine is not None:  # already stepped with the last micro-batch (see train_step)
-            if not self.engine.was_step_applied():
-                raise RuntimeError("DeepSpeed did not apply the optimizer step at the accumulation boundary")
-            norm = self.engine.get_global_grad_norm()
-            return float(norm) if norm is not None else float("nan")
+        if self.engine is not None:  # the accumulation boundary's engine.step() (see train_step)
+            problem = nonfinite_problem(loss)
+            if problem is None:
+                self.engine.step()
+                if not self.engine.was_step_applied():  # ZeRO 1-3 skip an update whose gradients hold inf / nan
+                    problem = "the gradients hold inf or nan (DeepSpeed skipped the update)"
+                norm = self.engine.get_global_grad_norm()
+                norm = float(norm) if norm is not None else float("nan")
+                problem = problem or nonfinite_problem(loss, norm)
+            if problem:  # skip_step is a config error under DeepSpeed
+                raise NonFiniteError(stop_message(step, problem, lr, self._saved_path))
+            return norm, False
         params = [p for p in self.model.parameters() if p.requires_grad]
         if dist.is_initialized():
             for p in params:
@@ -704,11 +719,17 @@ class Trainer:
         if self.grad_hook is not None:
             self.grad_hook(self)
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        self.optimizer.step()
-        self.scheduler.step()
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))  # the same on every rank (reduced gradients)
+        problem = nonfinite_problem(loss, norm)
+        if problem and cfg.nonfinite == "stop":
+            raise NonFiniteError(stop_message(step, problem, lr, self._saved_path))
+        if problem:
+            self._console_write(f"step {step}: {problem}: its update is skipped (nonfinite=skip_step)")
+        else:
+            self.optimizer.step()
+        self.scheduler.step()  # a skipped step still counts: the lr stays a function of the step
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm, problem is not None
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -726,6 +747,7 @@ class Trainer:
         self.model.eval()
         C = self.num_categories
         local = torch.zeros(1 + 2 * C, dtype=torch.float64)  # [loss, cat_loss_sum[C], cat_count[C]], as train_step
+        progress = EvalProgress(len(ds), self._console_write, bar=self.progress_bar, enabled=self.mesh.is_main)
         for k in range(n_iter):
             row = mine[k] if k < len(mine) else 0
             batch = make_batch([ds[row]], totals, "token", structure=self.structure)
@@ -736,6 +758,8 @@ class Trainer:
             local[0] += weighted.double().cpu()
             local[1:1 + C] += cat_sum.double().cpu()
             local[1 + C:] += cat_count.double().cpu()
+            progress.update(min(len(ds), (k + 1) * self.mesh.dp_size))
+        progress.close()
         self.model.train(was_training)
         stats = all_reduce_sum(local.to(self._comm_device())).cpu()
         return {"eval_loss": float(stats[0]), "eval_category_loss": {
@@ -883,6 +907,7 @@ class Trainer:
         error = None
         if self.mesh.is_main:
             try:
+                self._refuse_nonfinite_export(out_dir, state)
                 self._write_export(out_dir, state)
             except CheckpointError as exc:  # a full disk: every rank stops with rank 0's message
                 error = str(exc)
@@ -890,6 +915,17 @@ class Trainer:
         if error:
             raise CheckpointError(error)
         return out_dir
+
+    def _refuse_nonfinite_export(self, out_dir: Path, state: dict | None) -> None:
+        """A model with inf / nan weights is never exported (state None: LoRA, whose export reads the model)."""
+        tensors = state.items() if state is not None else self.lm.state_dict().items()
+        bad, total = nonfinite_tensors(tensors)
+        if bad:
+            names = ", ".join(name.removeprefix("lm.") for name in bad[:5]) + (", ..." if len(bad) > 5 else "")
+            raise CheckpointError(
+                f"export directory {out_dir}: refused: {len(bad)} of {total} tensors hold inf or nan ({names}): the "
+                "training diverged; nothing was written. Lower lr and resume from a checkpoint before the divergence"
+            )
 
     def _write_export(self, out_dir: Path, state: dict | None) -> None:
         prefix = "lm."

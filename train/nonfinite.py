@@ -1,0 +1,47 @@
+"""Non-finite training: the `nonfinite` policy of an optimizer step, and the check of the weights before an export.
+
+Why: a diverging run (lr far too high) turned its loss nan at step 2 and went on for every later step without a
+word, pruned the finite checkpoints and exported a `final/` whose every tensor was nan. The step's loss and
+gradient norm are the same on every rank (both all-reduced), so every rank takes the same decision.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+SKIPPED = "nonfinite"  # the `skipped` value of a step record whose update nonfinite=skip_step skipped
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradient is inf or nan and `nonfinite` is `stop`: the message names the step, what was
+    non-finite, the last (finite) checkpoint and what to do."""
+
+
+def nonfinite_problem(loss: float, grad_norm: float | None = None) -> str | None:
+    """What is not finite in a step ("the loss is nan", "the gradient norm is inf", both), None when nothing."""
+    parts = []
+    if not math.isfinite(loss):
+        parts.append(f"the loss is {loss}")
+    if grad_norm is not None and not math.isfinite(grad_norm):
+        parts.append(f"the gradient norm is {grad_norm}")
+    return " and ".join(parts) or None
+
+
+def stop_message(step: int, problem: str, lr: float, last_checkpoint) -> str:
+    where = (f"the last checkpoint, {last_checkpoint}, holds finite weights" if last_checkpoint is not None else
+             "no checkpoint was saved before it")
+    return (f"step {step}: {problem} (lr {lr:.3g}): stopped there (nonfinite=stop); nothing of that step was saved "
+            f"or exported, and {where}. Lower lr (or max_grad_norm), then continue with resume=latest (or start "
+            "over), or set nonfinite=skip_step to skip the update of such steps and train on")
+
+
+def nonfinite_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[str], int]:
+    """(names of the floating-point tensors holding inf or nan, number of tensors looked at)."""
+    bad, total = [], 0
+    for name, tensor in named_tensors:
+        total += 1
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad.append(name)
+    return bad, total
