@@ -279,3 +279,27 @@ def test_resume_may_change_what_does_not_change_the_weights_function(setup):
     resumed = _train(config, out, "resume=latest", "stop_at_step=3", "lora_rank=8", "lora_dropout=0.1",
                      f"model_path={dropout}")
     assert resumed.step == 3
+
+
+def test_resume_of_a_checkpoint_without_a_model_record_names_it_when_the_weights_do_not_fit(setup):
+    """A checkpoint written before trainer_state.json recorded the model: another hidden size fails in torch's
+    load_state_dict; the error names the checkpoint and the keys to look at, not torch's bare "size mismatch"."""
+    import re
+
+    import orjson
+
+    from train.checkpoint import CheckpointError, write_manifest
+
+    tmp, config = setup
+    out = tmp / "legacy"
+    _train(config, out, "stop_at_step=2")
+    step_dir = checkpoint_root(out) / "step-000002"
+    state = orjson.loads((step_dir / "trainer_state.json").read_bytes())
+    state.pop("model")
+    (step_dir / "trainer_state.json").write_bytes(orjson.dumps(state))
+    write_manifest(step_dir, 2)  # the checkpoint as the older release wrote it: consistent, with no model record
+    wide = _hidden_size_config(tmp / "model", tmp / "wide-legacy.json")
+    with pytest.raises(CheckpointError, match=rf"resume from {re.escape(str(step_dir))}: its weights do not fit this "
+                                              r"model \(model_config / model_path / lora_rank .*size mismatch"):
+        Trainer(load_config(config, [f"output_dir={out}", "resume=latest", f"model_config={wide}"]),
+                console=lambda *_: None)

@@ -883,7 +883,14 @@ class Trainer:
         else:
             if not (path / "model.pt").is_file():
                 raise RuntimeError(f"{path} was saved with DeepSpeed; resume with the same deepspeed.stage")
-            self.model.load_state_dict(safe_load(path / "model.pt"))
+            try:
+                self.model.load_state_dict(safe_load(path / "model.pt"))
+            except RuntimeError as exc:  # a checkpoint older than the model record of trainer_state.json
+                lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+                raise CheckpointError(
+                    f"resume from {path}: its weights do not fit this model (model_config / model_path / lora_rank "
+                    f"differ from the run that saved it): {lines[1] if len(lines) > 1 else lines[0]} ... Resume with "
+                    "that run's model settings, or start a new run (another output_dir)") from exc
             self.optimizer.load_state_dict(safe_load(path / "optimizer.pt"))  # moves the state to the params' device
             self.scheduler.load_state_dict(safe_load(path / "scheduler.pt"))
         load_rng(path, self.mesh.rank)
