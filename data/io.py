@@ -20,7 +20,7 @@ import orjson
 
 from data.config import DataConfig, split_spec
 from data.records import RecordError
-from data.fsutil import split_lines, stale_temporaries
+from data.fsutil import split_lines, stale_temporaries, undecided_temporaries
 
 BATCH_ROWS = 1024
 UTF8_BOM = b"\xef\xbb\xbf"  # some editors and Excel exports start files with it; orjson rejects it
@@ -314,10 +314,15 @@ def copy_into(path: str | os.PathLike, out: str | os.PathLike, offset: int) -> N
             done += len(block)
 
 
+def _temporary_places(cfg: DataConfig) -> list[tuple[Path, list[str] | None]]:
+    """Where the pipeline's temporaries are: any in `output_dir`, the ratio file's next to it."""
+    return [(cfg.out, None), (cfg.ratio_file.parent, [cfg.ratio_file.name])]
+
+
 def remove_stale_temporaries(cfg: DataConfig) -> list[tuple[Path, int]]:
     """Delete what killed runs left behind: temporaries in `output_dir` and the ratio file's, whose writer process is
     gone. Returns (path, bytes) of each one removed."""
-    found = stale_temporaries(cfg.out) + stale_temporaries(cfg.ratio_file.parent, [cfg.ratio_file.name])
+    found = [path for where, names in _temporary_places(cfg) for path in stale_temporaries(where, names)]
     removed = []
     for path in dict.fromkeys(found):
         if path.is_dir() and not path.is_symlink():
@@ -328,6 +333,13 @@ def remove_stale_temporaries(cfg: DataConfig) -> list[tuple[Path, int]]:
             path.unlink()
         removed.append((path, size))
     return removed
+
+
+def undecided_output_temporaries(cfg: DataConfig) -> list[tuple[Path, int]]:
+    """The pipeline's temporaries named by pid alone (older versions) whose pid is running, with that pid
+    (`fsutil.undecided_temporaries`): kept by `remove_stale_temporaries`."""
+    found = [item for where, names in _temporary_places(cfg) for item in undecided_temporaries(where, names)]
+    return list(dict.fromkeys(found))
 
 
 def require_stage_input(path: str | os.PathLike, stage: str) -> Path:

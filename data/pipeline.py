@@ -19,7 +19,7 @@ import orjson
 
 from data.config import STAGES, ConfigError, DataConfig, InputSpec, key_help_lines, load_config
 from data.executor import Executor, LocalExecutor
-from data.io import remove_stale_temporaries
+from data.io import remove_stale_temporaries, undecided_output_temporaries
 from data.lock import LockHeldError, directory_lock
 from data.preflight import preflight
 from data.ratios import ratio_file_digest
@@ -100,14 +100,21 @@ def run_stage(cfg: DataConfig, stage: str, executor: Executor, stage_fn: StageFn
 
 
 def clean_up(cfg: DataConfig) -> None:
-    """Remove the temporaries of killed runs (writer process gone), the eval split's too, and say so in one line."""
-    removed = remove_stale_temporaries(cfg)
-    if cfg.eval_dir.is_dir():
-        removed += remove_stale_temporaries(cfg.eval_config())
+    """Remove the temporaries of killed runs (writer process gone), the eval split's too, and say so in one line;
+    say in another which temporaries of the older pid-only naming are kept because their pid runs."""
+    configs = [cfg, cfg.eval_config()] if cfg.eval_dir.is_dir() else [cfg]
+    removed = [item for c in configs for item in remove_stale_temporaries(c)]
+    kept = [item for c in configs for item in undecided_output_temporaries(c)]
     if removed:
         mb = sum(size for _, size in removed) / 1e6
         print(f"[cleanup] removed {len(removed)} temporaries of killed runs ({mb:.1f} MB): "
               f"{', '.join(str(p) for p, _ in removed)}", flush=True)
+    if kept:
+        one = len(kept) == 1
+        print(f"[cleanup] kept {len(kept)} {'temporary' if one else 'temporaries'} named by pid alone (the naming of "
+              f"older versions) whose pid is running, so {'it' if one else 'they'} cannot be told from a live "
+              f"writer's; delete {'it' if one else 'them'} if no run of an older version is writing there: "
+              f"{', '.join(f'{p} (pid {pid})' for p, pid in kept)}", flush=True)
 
 
 def run_stages(cfg: DataConfig, executor: Executor, stage_fn: Callable[[str], StageFn | None] = lambda _: None

@@ -71,13 +71,17 @@ with atomic_writer({str(out / 'canonical.jsonl')!r}) as f, atomic_writer({str(tm
     calls = []
     monkeypatch.setitem(sys.modules, "data.pack", _fake_stage("pack", calls))
     pipeline.main([str(_minimal_config(tmp_path)), "--stages", "pack"])
-    first = capsys.readouterr().out.splitlines()[0]
+    first, kept = capsys.readouterr().out.splitlines()[:2]
     assert first.startswith("[cleanup] removed 4 temporaries of killed runs (")
+    assert kept.startswith("[cleanup] kept 1 temporary named by pid alone") and kept.endswith(f"{live} (pid {os.getpid()})")
     for name in left[:2]:
         assert str(out / name) in first
     assert sorted(p.name for p in out.iterdir()) == sorted([live.name, aside.name, "sampled.jsonl"])
     assert not list(tmp_path.glob(".ratios.json.*"))
     assert calls == ["pack"]
+    pipeline.main([str(_minimal_config(tmp_path)), "--stages", "pack"])  # nothing left to remove
+    assert capsys.readouterr().out.splitlines()[0].startswith("[cleanup] kept 1 temporary named by pid alone")
+    live.rmdir()
     pipeline.main([str(_minimal_config(tmp_path)), "--stages", "pack"])  # nothing left: no cleanup line
     assert not capsys.readouterr().out.startswith("[cleanup]")
 

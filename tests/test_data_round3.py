@@ -1,0 +1,85 @@
+"""Nothing lost, nothing silently wrong, round 3 (data side): stale inputs of partial runs, up-sampled copies
+packed together, inputs lost to a wrong format, inputs the outputs would overwrite, out-of-memory parsing, long
+ratio paths, looping chat templates, temporaries of the older naming."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import orjson
+import pytest
+
+from data import pipeline
+from data.config import DataConfig, InputSpec
+from data.report import read_report
+from tests.conftest import ROOT
+
+
+def _dead_pid() -> int:
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(proc.stdout)
+
+
+def _jsonl(path, rows):
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    return str(path)
+
+
+QA = {"messages": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}]}
+
+
+def _cfg(tmp_path, inputs, **kw) -> DataConfig:
+    kw.setdefault("num_workers", 1)
+    kw.setdefault("tokenizer_path", str(ROOT / "data/example/tokenizer"))
+    return DataConfig(inputs=inputs, output_dir=str(tmp_path / "out"), **kw)
+
+
+# ---------------------------------------------------------------------------------------------- item 18
+def test_a_long_ratio_path_keeps_its_temporaries_within_name_max(tmp_path, capsys):
+    """A 245-character file name is legal (NAME_MAX 255); its temporary's suffix must not push it over."""
+    ratio = tmp_path / ("r" * 240 + ".json")
+    assert len(ratio.name) == 245 <= os.pathconf(tmp_path, "PC_NAME_MAX")
+    cfg = _cfg(tmp_path, [InputSpec(path=[_jsonl(tmp_path / "a.jsonl", [QA] * 3)], category_name="chat")],
+               ratio_path=str(ratio), stages=["preprocess", "sample"])
+    pipeline.run_pipeline(cfg)
+    assert orjson.loads(ratio.read_bytes())["categories"][0]["size"] == 3
+    assert read_report(cfg.report_path)["sample"]["out"] == 3
+    # a writer of it killed mid-write leaves a temporary that the next run recognises and removes
+    killed = subprocess.Popen([sys.executable, "-c", f"""
+import os
+from data.fsutil import atomic_writer
+with atomic_writer({str(ratio)!r}) as f:
+    f.write(b"partial")
+    f.flush()
+    os.kill(os.getpid(), 9)
+"""], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert killed.wait() == -9
+    (left,) = [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert len(left.name) <= 255 and f".tmp-{killed.pid}-" in left.name
+    capsys.readouterr()
+    pipeline.run_pipeline(dataclasses.replace(cfg, stages=["sample"]))
+    assert capsys.readouterr().out.startswith(f"[cleanup] removed 1 temporaries of killed runs (0.0 MB): {left}")
+    assert not left.exists()
+
+
+# ---------------------------------------------------------------------------------------------- item 20
+def test_a_temporary_of_the_older_pid_only_naming_with_a_live_pid_is_kept_and_said_so(tmp_path, capsys):
+    """A temporary named by pid alone (older versions) whose pid runs cannot be told from a live writer's: it is
+    kept, and the cleanup line says so, naming it (it was kept silently)."""
+    cfg = _cfg(tmp_path, [InputSpec(path=[_jsonl(tmp_path / "a.jsonl", [QA] * 2)], category_name="chat")],
+               ratio_path=str(tmp_path / "ratios.json"), stages=["preprocess"])
+    out = tmp_path / "out"
+    out.mkdir()
+    legacy_live = out / f".canonical.jsonl.tmp-{os.getpid()}-abcd1234"
+    legacy_live.write_bytes(b"x" * 10)
+    legacy_dead = out / f".sampled.jsonl.tmp-{_dead_pid()}-abcd1234"
+    legacy_dead.write_bytes(b"y")
+    pipeline.run_pipeline(cfg)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"[cleanup] removed 1 temporaries of killed runs (0.0 MB): {legacy_dead}"
+    assert lines[1] == (f"[cleanup] kept 1 temporary named by pid alone (the naming of older versions) whose pid "
+                        f"is running, so it cannot be told from a live writer's; delete it if no run of an older "
+                        f"version is writing there: {legacy_live} (pid {os.getpid()})")
+    assert legacy_live.exists() and not legacy_dead.exists()
