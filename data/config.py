@@ -412,6 +412,7 @@ class DataConfig:
                         raise ConfigError(f"inputs[{i}].path: no file matches {pattern!r}{relative_note(local)}")
                 if spec.format == "function" and not spec.function:
                     raise ConfigError(f"inputs[{i}]: format 'function' needs function: 'file.py:name'")
+        self._validate_inputs_are_not_outputs()
         needs_tokenizer = {"tokenize", "merge"} & set(self.stages)
         if needs_tokenizer:
             self.tokenizer_path = str(check_tokenizer_dir(self.tokenizer_path))  # a Hub id: its cached snapshot
@@ -419,6 +420,29 @@ class DataConfig:
             raise ConfigError(f"chat_template: {self.chat_template} is not a file{relative_note(self.chat_template)}")
         self._validate_fidelity()
         self._validate_engine()
+
+    def written_paths(self) -> list[tuple[Path, str]]:
+        """What the stages write (a file, or a directory and everything under it), each with who writes it."""
+        return [(self.canonical_path, "preprocess"), (self.ratio_file, "preprocess (the ratio file)"),
+                (self.sampled_path, "sample"), (self.merged_path, "merge"), (self.tokenized_dir, "tokenize"),
+                (self.packed_dir, "pack"), (self.eval_dir, "the eval split's stages"),
+                (self.report_path, "every stage")]
+
+    def _validate_inputs_are_not_outputs(self) -> None:
+        """An input that a stage writes over (canonical.jsonl or merged.jsonl in output_dir, a file under packed/,
+        the ratio file) would be lost the first time that stage runs, or read back as its own output: refused,
+        whichever stages this run has."""
+        written = [(os.path.realpath(path), who) for path, who in self.written_paths()]
+        for i, spec in enumerate(self.inputs):
+            for pattern in spec.path:
+                for match in sorted(glob.glob(split_spec(pattern)[1])):
+                    real = os.path.realpath(match)
+                    for path, who in written:
+                        if real == path or real.startswith(path + os.sep):
+                            raise ConfigError(
+                                f"inputs[{i}].path: {match} is an output of {who} (output_dir {self.output_dir}): a "
+                                "run would write over this input, or read an earlier run's output as input; move "
+                                "the input out of the output directory, or set another output_dir")
 
     def _validate_fidelity(self) -> None:
         tags = self.reasoning_tags

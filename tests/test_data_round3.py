@@ -83,3 +83,44 @@ def test_a_temporary_of_the_older_pid_only_naming_with_a_live_pid_is_kept_and_sa
                         f"is running, so it cannot be told from a live writer's; delete it if no run of an older "
                         f"version is writing there: {legacy_live} (pid {os.getpid()})")
     assert legacy_live.exists() and not legacy_dead.exists()
+
+
+def _config_file(tmp_path, inputs, **kw) -> str:
+    raw = {"inputs": inputs, "output_dir": str(tmp_path / "out"), "num_workers": 1,
+           "tokenizer_path": str(ROOT / "data/example/tokenizer"), **kw}
+    path = tmp_path / "config.json"
+    path.write_bytes(orjson.dumps(raw))
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------------------- item 5
+@pytest.mark.parametrize("name, stage", [("canonical.jsonl", "preprocess"), ("merged.jsonl", "merge"),
+                                         ("tokenized/raw.jsonl", "tokenize"), ("report.json", "every stage")])
+def test_an_input_that_a_stage_would_write_over_is_refused(tmp_path, capsys, name, stage):
+    """Inputs named like an output inside output_dir were overwritten (exit 0, the source data gone)."""
+    source = tmp_path / "out" / name
+    source.parent.mkdir(parents=True)
+    _jsonl(source, [QA] * 3)
+    before = source.read_bytes()
+    config = _config_file(tmp_path, [{"path": str(source), "category_name": "chat"}])
+    for stages in ("preprocess,sample,merge", "tokenize"):  # whichever stages run: the next full run would
+        with pytest.raises(SystemExit) as exit_info:
+            pipeline.main([config, "--stages", stages])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith(f"error: inputs[0].path: {source} is an output of {stage} (output_dir "
+                              f"{tmp_path / 'out'}): a run would write over this input")
+        assert "move the input out of the output directory, or set another output_dir" in err
+    assert source.read_bytes() == before
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted({name.split("/")[0]})
+
+
+def test_a_glob_that_matches_an_earlier_runs_output_is_refused(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    _jsonl(out / "mine.jsonl", [QA] * 2)
+    _jsonl(out / "sampled.jsonl", [QA])  # an earlier run's output, matched by the glob
+    config = _config_file(tmp_path, [{"path": str(out / "*.jsonl"), "category_name": "chat"}])
+    with pytest.raises(SystemExit):
+        pipeline.main([config, "--stages", "preprocess"])
+    assert f"error: inputs[0].path: {out / 'sampled.jsonl'} is an output of sample" in capsys.readouterr().err
