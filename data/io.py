@@ -112,12 +112,39 @@ def _iter_jsonl(path: str) -> Iterator[tuple[str, Any]]:
                 yield source, parse_jsonl_line(line, source)
 
 
+class LineMemoryError(MemoryError):
+    """A line (or a whole .json file) that the parser could not hold in memory: it may be valid, so it is neither
+    reported as malformed nor dropped under `on_error: skip`; the run stops naming it (`source: detail`)."""
+
+    def __init__(self, source: str, detail: str):
+        super().__init__(source, detail)
+        self.source, self.detail = source, detail
+
+    def __str__(self) -> str:
+        return f"{self.source}: {self.detail}"
+
+
+def _out_of_memory(exc: Exception) -> bool:
+    """Whether a parse failure is the parser running out of memory (orjson says so in a JSONDecodeError)."""
+    return isinstance(exc, MemoryError) or str(exc).startswith("Not enough memory")
+
+
+def memory_error(source: str, what: str, size: int, exc: Exception) -> LineMemoryError:
+    cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return LineMemoryError(source, f"not enough memory to parse this {what} ({size:,} bytes; {cause}); the record may "
+                           "be valid, and nothing was dropped: raise the memory limit (ulimit -v, the container's or "
+                           "the job's), lower num_workers, or split the record")
+
+
 def parse_jsonl_line(line: bytes, source: str, require_object: bool = True) -> Any:
     """One non-blank input line: the row object, or the RecordError that rejects it (`malformed_json`).
-    `require_object=False` returns any JSON value (the caller validates it) and rejects only malformed JSON."""
+    `require_object=False` returns any JSON value (the caller validates it) and rejects only malformed JSON.
+    A line the parser cannot hold in memory raises `LineMemoryError`."""
     try:
         row = orjson.loads(line)
-    except orjson.JSONDecodeError as exc:
+    except (orjson.JSONDecodeError, MemoryError) as exc:
+        if _out_of_memory(exc):
+            raise memory_error(source, "line", len(line), exc) from None
         return RecordError(source, "line", f"malformed JSON: {exc}", "malformed_json")
     if require_object and not isinstance(row, dict):
         return RecordError(source, "line", f"expected a JSON object, got {type(row).__name__}", "malformed_json")
@@ -142,8 +169,8 @@ def jsonl_byte_ranges(path: str, start: int, target_bytes: int) -> Iterator[tupl
 
 def iter_jsonl_range(path: str, start: int, end: int) -> tuple[int, list[tuple[int, dict | RecordError]]]:
     """The lines of `[start, end)` (from `jsonl_byte_ranges`) as `_iter_jsonl` reads them: (lines in the range,
-    [(line number within the range, 1-based; row or RecordError)] for the non-blank lines). The RecordErrors
-    name `path:+n` (n within the range): the caller knows where the range starts and rewrites the source."""
+    [(line number within the range, 1-based; row, RecordError or LineMemoryError)] for the non-blank lines). The
+    errors name `path:+n` (n within the range): the caller knows where the range starts and rewrites the source."""
     with open(path, "rb") as f:
         f.seek(start)
         data = f.read(end - start)
@@ -153,7 +180,10 @@ def iter_jsonl_range(path: str, start: int, end: int) -> tuple[int, list[tuple[i
     rows = []
     for n, line in enumerate(lines, 1):
         if line.strip():
-            rows.append((n, parse_jsonl_line(line, f"{path}:+{n}")))
+            try:
+                rows.append((n, parse_jsonl_line(line, f"{path}:+{n}")))
+            except LineMemoryError as exc:
+                rows.append((n, exc))
     return len(lines), rows
 
 
@@ -162,7 +192,10 @@ def _iter_json(path: str) -> Iterator[tuple[str, Any]]:
     The one reader that holds a whole file in memory (JSON has no record boundaries); use .jsonl for big data."""
     try:
         data = orjson.loads(Path(path).read_bytes().removeprefix(UTF8_BOM))
-    except orjson.JSONDecodeError as exc:
+    except (orjson.JSONDecodeError, MemoryError) as exc:
+        if _out_of_memory(exc):
+            raise memory_error(path, "file (a .json file is read whole: .jsonl is read line by line)",
+                               os.path.getsize(path), exc) from None
         raise RecordError(path, "file", f"malformed JSON: {exc}", "malformed_json") from None
     if isinstance(data, list):
         groups = [(None, data)]

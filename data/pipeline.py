@@ -19,7 +19,7 @@ import orjson
 
 from data.config import STAGES, ConfigError, DataConfig, InputSpec, key_help_lines, load_config
 from data.executor import Executor, LocalExecutor
-from data.io import remove_stale_temporaries, undecided_output_temporaries
+from data.io import LineMemoryError, remove_stale_temporaries, undecided_output_temporaries
 from data.lock import LockHeldError, directory_lock
 from data.preflight import preflight
 from data.ratios import ratio_file_digest
@@ -179,7 +179,8 @@ def _guard(body: Callable[[], None]) -> None:
     line and exit code 2."""
     try:
         body()
-    except (ConfigError, RecordError, FileNotFoundError, ValueError, DiskFullError, LockHeldError) as exc:
+    except (ConfigError, RecordError, FileNotFoundError, ValueError, DiskFullError, LockHeldError,
+            LineMemoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
 

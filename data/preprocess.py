@@ -32,7 +32,8 @@ import orjson
 
 from data.config import ConfigError, DataConfig, InputSpec, split_spec
 from data.executor import ByteRange, Executor, LocalExecutor, Part, byte_ranges
-from data.io import UTF8_BOM, expand_inputs, input_is_empty, iter_jsonl_range, parse_jsonl_line, read_rows
+from data.io import (UTF8_BOM, LineMemoryError, expand_inputs, input_is_empty, iter_jsonl_range, parse_jsonl_line,
+                     read_rows)
 from data.progress import progress
 from data.ratios import UNTRACKED, check_ratio_names, merge_ratio_categories, read_ratio_file, write_ratio_file
 from data.records import MAX_CATEGORY_ID, RecordError, parse_json_field, validate_canonical
@@ -371,6 +372,7 @@ class Converted:
     dropped: dict[str, int] = dataclasses.field(default_factory=dict)  # per reason
     dropped_at: dict[str, list[Where]] = dataclasses.field(default_factory=dict)  # the first per reason
     first_error: RowError | None = None
+    out_of_memory: RowError | None = None  # a line the parser could not hold: fatal whatever on_error says
 
     @property
     def kept(self) -> int:
@@ -404,6 +406,9 @@ def convert_to_part(task: ConvertTask) -> Converted:
     limit = task.dropped_at_limit
     with open(task.part, "wb") as out:  # a scratch file (not synced): it lives until canonical.jsonl is written
         for where, row in rows:
+            if isinstance(row, LineMemoryError):  # the run stops here: nothing after it matters
+                done.out_of_memory = RowError(where, "line", row.detail, "out_of_memory")
+                break
             try:
                 if isinstance(row, RecordError):
                     raise row
@@ -647,6 +652,8 @@ def convert_all(cfg: DataConfig, executor: Executor, parts_dir: Path, stats: lis
             error = done.first_error
             if error is not None and cfg.on_error != "skip":
                 raise RecordError(task.source(error.where, lines_before), error.field, error.message, error.reason)
+            if done.out_of_memory is not None:
+                raise LineMemoryError(task.source(done.out_of_memory.where, lines_before), done.out_of_memory.message)
             st["in"] += done.rows
             for reason, n in done.dropped.items():
                 st["dropped"] += n

@@ -124,3 +124,46 @@ def test_a_glob_that_matches_an_earlier_runs_output_is_refused(tmp_path, capsys)
     with pytest.raises(SystemExit):
         pipeline.main([config, "--stages", "preprocess"])
     assert f"error: inputs[0].path: {out / 'sampled.jsonl'} is an output of sample" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- item 14
+@pytest.mark.parametrize("failure", ["orjson", "python"])
+def test_a_record_too_large_for_memory_is_an_error_that_says_memory(tmp_path, monkeypatch, capsys, failure):
+    """A valid record whose line does not fit in memory was reported (or under skip dropped) as malformed JSON.
+    Simulated without allocating: the parser fails on one line as orjson does under a memory limit."""
+    path = tmp_path / "big.jsonl"
+    big = {**QA, "messages": [{"role": "user", "content": "HUGE"}, QA["messages"][1]]}
+    _jsonl(path, [QA, big, QA])
+    real_loads = orjson.loads
+
+    def loads(data):
+        if b"HUGE" in bytes(data if not isinstance(data, str) else data.encode()):
+            if failure == "orjson":
+                raise orjson.JSONDecodeError("Not enough memory to allocate buffer for parsing", "", 0)
+            raise MemoryError()
+        return real_loads(data)
+
+    monkeypatch.setattr(orjson, "loads", loads)
+    config = _config_file(tmp_path, [{"path": str(path), "format": "messages", "category_name": "chat"}],
+                          on_error="skip")
+    with pytest.raises(SystemExit) as exit_info:
+        pipeline.main([config, "--stages", "preprocess"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    size = len(path.read_bytes().splitlines(True)[1])
+    assert err.startswith(f"error: {path}:2: not enough memory to parse this line ({size} bytes")
+    assert "malformed" not in err and "nothing was dropped" in err and "raise the memory limit" in err
+    assert not (tmp_path / "out" / "canonical.jsonl").exists()
+    assert "preprocess" not in read_report(tmp_path / "out" / "report.json")
+
+
+def test_parse_jsonl_line_raises_memory_errors_and_returns_malformed_json():
+    from data.io import LineMemoryError, parse_jsonl_line
+    from data.records import RecordError
+
+    assert isinstance(parse_jsonl_line(b'{"a": ', "f.jsonl:3"), RecordError)
+    assert parse_jsonl_line(b'{"a": 1}\n', "f.jsonl:3") == {"a": 1}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(orjson, "loads", lambda data: (_ for _ in ()).throw(MemoryError()))
+        with pytest.raises(LineMemoryError, match=r"^f\.jsonl:3: not enough memory to parse this line \(9 bytes"):
+            parse_jsonl_line(b'{"a": 1}\n', "f.jsonl:3")
