@@ -328,6 +328,9 @@ class DataConfig:
     # a category that loses more than this fraction of its records in tokenize (overlong, bad records) is a
     # warning at the end of the run and in report.json; one that loses all of them is an error
     category_loss_warning: float = 0.5
+    # an input that loses more than this fraction of its rows in preprocess (bad rows under on_error: skip; rows a
+    # user function filters out do not count) is a warning; one that loses all of them is an error
+    input_loss_warning: float = 0.5
     # held-out eval split, taken per category before sampling copies and merging, packed into <output_dir>/eval/:
     # a fraction in (0, 1) of each category, or a count of records shared out over the categories by size; null: none
     eval_size: int | float | None = None
@@ -397,8 +400,9 @@ class DataConfig:
             raise ConfigError(f"num_workers must be >= 0, got {self.num_workers}")
         if self.seed < 0:
             raise ConfigError(f"seed must be >= 0, got {self.seed}")
-        if not 0.0 <= self.category_loss_warning <= 1.0:
-            raise ConfigError(f"category_loss_warning must be in [0, 1], got {self.category_loss_warning}")
+        for key in ("category_loss_warning", "input_loss_warning"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ConfigError(f"{key} must be in [0, 1], got {getattr(self, key)}")
         if self.pack.shard_size_mb <= 0:
             raise ConfigError(f"pack.shard_size_mb must be positive, got {self.pack.shard_size_mb}")
         if self.eval_size is not None and not (0 < self.eval_size < 1 if isinstance(self.eval_size, float)

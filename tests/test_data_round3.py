@@ -167,3 +167,50 @@ def test_parse_jsonl_line_raises_memory_errors_and_returns_malformed_json():
         patch.setattr(orjson, "loads", lambda data: (_ for _ in ()).throw(MemoryError()))
         with pytest.raises(LineMemoryError, match=r"^f\.jsonl:3: not enough memory to parse this line \(9 bytes"):
             parse_jsonl_line(b'{"a": 1}\n', "f.jsonl:3")
+
+
+# ---------------------------------------------------------------------------------------------- item 0c
+def _qa_rows(n, bad=()):
+    """GSM8K-style rows (question/answer); rows in `bad` lack the answer."""
+    return [{"question": f"q {i}"} if i in bad else {"question": f"q {i}", "answer": f"a {i}"} for i in range(n)]
+
+
+def test_an_input_that_loses_every_row_under_skip_is_an_error_naming_it(tmp_path, capsys):
+    """A wrongly declared format under on_error: skip dropped 100% of the input (150/150 missing_field) with
+    `warnings: []`."""
+    good = _jsonl(tmp_path / "good.jsonl", [QA] * 3)
+    wrong = _jsonl(tmp_path / "gsm8k.jsonl", _qa_rows(150))
+    config = _config_file(tmp_path, [{"path": good, "category_name": "chat"},
+                                     {"path": wrong, "format": "prompt_response", "category_name": "math"}],
+                          on_error="skip")
+    with pytest.raises(SystemExit) as exit_info:
+        pipeline.main([config, "--stages", "preprocess"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"error: preprocess: inputs[1] ({wrong}, format prompt_response) lost all its 150 rows "
+                   f"(missing_field 150; the first: {wrong}:1: prompt: missing field 'prompt'; row has ['answer', "
+                   "'question']): nothing of it would be trained. Check its format and keys (prompt_key 'prompt', "
+                   "response_key 'response'), or remove it from inputs")
+    assert not (tmp_path / "out" / "canonical.jsonl").exists()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_an_input_that_loses_most_of_its_rows_is_a_warning(tmp_path, capsys, workers):
+    good = _jsonl(tmp_path / "good.jsonl", [QA] * 3)
+    mostly = _jsonl(tmp_path / "qa.jsonl", _qa_rows(10, bad={1, 2, 4, 5, 6, 7}))
+    fine = _jsonl(tmp_path / "fine.jsonl", _qa_rows(10, bad={3}))
+    config = _config_file(tmp_path, [{"path": good, "category_name": "chat"},
+                                     {"path": mostly, "format": "prompt_response", "prompt_key": "question",
+                                      "response_key": "answer", "category_name": "math"},
+                                     {"path": fine, "category_name": "math"}],
+                          on_error="skip", num_workers=workers)
+    pipeline.main([config, "--stages", "preprocess"])
+    warning = (f"inputs[1] ({mostly}, format prompt_response) lost 6 of its 10 rows (60%: missing_field 6; the first: "
+               f"{mostly}:2: answer: missing field 'answer'; row has ['question']), more than input_loss_warning 0.5")
+    section = read_report(tmp_path / "out" / "report.json")["preprocess"]
+    assert section["warnings"] == [warning]
+    assert [(st["dropped"], st["dropped_by_reason"]) for st in section["inputs"]] == [
+        (0, {}), (6, {"missing_field": 6}), (1, {"missing_field": 1})]
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"WARNING: preprocess: {warning}"
+    pipeline.main([config, "--stages", "preprocess", "input_loss_warning=0.6"])
+    assert read_report(tmp_path / "out" / "report.json")["preprocess"]["warnings"] == []
