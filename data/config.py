@@ -34,7 +34,8 @@ DATA_KEY_ALIASES = {
     "val_size": "eval_size", "test_size": "eval_size", "validation_split": "eval_size", "eval_split": "eval_size",
 }
 DEFAULT_REASONING_TAGS = ("<think>\n", "\n</think>\n\n")
-EXECUTION_KEYS = ("num_workers", "stages", "engine", "ray_address")  # how a run executes, not what it outputs
+# how a run executes, not what it outputs
+EXECUTION_KEYS = ("num_workers", "stages", "engine", "ray_address", "render_timeout")
 
 
 class ConfigError(ValueError):
@@ -325,6 +326,9 @@ class DataConfig:
     loss_turns: Literal["all", "last"] = "all"  # rllm: cumulative (all assistant turns) or stepwise (last only)
     structure: Literal["parallel_thinking"] | None = None  # Parallel-R1 data: per-token block and path ids
     enable_thinking: bool | None = None  # default for records without their own `enable_thinking`
+    # seconds the chat template may take to render one record (and a probe conversation); longer is an error naming
+    # the template and the record (a template that loops); null: no bound
+    render_timeout: float | None = 10.0
     # a category that loses more than this fraction of its records in tokenize (overlong, bad records) is a
     # warning at the end of the run and in report.json; one that loses all of them is an error
     category_loss_warning: float = 0.5
@@ -403,6 +407,9 @@ class DataConfig:
         for key in ("category_loss_warning", "input_loss_warning"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise ConfigError(f"{key} must be in [0, 1], got {getattr(self, key)}")
+        if self.render_timeout is not None and not self.render_timeout > 0:
+            raise ConfigError(f"render_timeout must be a positive number of seconds (null: no bound), got "
+                              f"{self.render_timeout}")
         if self.pack.shard_size_mb <= 0:
             raise ConfigError(f"pack.shard_size_mb must be positive, got {self.pack.shard_size_mb}")
         if self.eval_size is not None and not (0 < self.eval_size < 1 if isinstance(self.eval_size, float)

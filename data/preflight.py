@@ -76,5 +76,5 @@ def preflight(cfg: DataConfig) -> None:
     if "tokenize" in cfg.stages:
         from data.chat_template import load_chat_tokenizer
 
-        check_max_length(cfg, load_chat_tokenizer(cfg.tokenizer_path, cfg.chat_template))
+        check_max_length(cfg, load_chat_tokenizer(cfg.tokenizer_path, cfg.chat_template, cfg.render_timeout))
     check_tokenizer_consistency(cfg)

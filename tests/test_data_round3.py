@@ -214,3 +214,74 @@ def test_an_input_that_loses_most_of_its_rows_is_a_warning(tmp_path, capsys, wor
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"WARNING: preprocess: {warning}"
     pipeline.main([config, "--stages", "preprocess", "input_loss_warning=0.6"])
     assert read_report(tmp_path / "out" / "report.json")["preprocess"]["warnings"] == []
+
+
+# ---------------------------------------------------------------------------------------------- item 19
+LOOP = ("{%- for i in range(100000) -%}{%- for j in range(100000) -%}{%- endfor -%}{%- endfor -%}")  # 10^10
+
+
+def _looping_template(tmp_path, when: str) -> str:
+    """The example ChatML template, looping 10^10 times for a message that holds `when` ('' : every message)."""
+    text = (ROOT / "data/example/chatml.jinja").read_text()
+    marker = "{%- for message in messages -%}"
+    loop = LOOP if not when else f"{{%- if '{when}' in (message.content or '') -%}}{LOOP}{{%- endif -%}}"
+    path = tmp_path / "loop.jinja"
+    path.write_text(text.replace(marker, marker + loop, 1))
+    return str(path)
+
+
+def _run_bounded(args, timeout=120):
+    """The pipeline in a child process: before the bound, a looping template hung it (the timeout fails the test)."""
+    return subprocess.run([sys.executable, "-m", "data.pipeline", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+@pytest.mark.parametrize("stage, workers", [("tokenize", 1), ("tokenize", 2), ("merge", 1)])
+def test_a_template_that_loops_on_one_record_is_an_error_naming_template_and_record(tmp_path, stage, workers):
+    template = _looping_template(tmp_path, "SPIN")
+    out = tmp_path / "out"
+    out.mkdir()
+    spin = {**QA, "messages": [{"role": "user", "content": "SPIN please"}, QA["messages"][1]]}
+    rows = [{**r, "meta": {"category_id": 1, "category_name": "chat", "uid": k, "source": f"raw.jsonl:{k + 1}"}}
+            for k, r in enumerate([QA, QA, spin, QA])]
+    name = "merged.jsonl" if stage == "tokenize" else "sampled.jsonl"
+    _jsonl(out / name, rows)
+    config = _config_file(tmp_path, [], chat_template=template, render_timeout=0.5, num_workers=workers,
+                          max_length=512, merge={"probability": 0.9})
+    result = _run_bounded([config, "--stages", stage])
+    assert result.returncode == 2, result.stderr
+    source = f"{out / name}:3" + (" (from raw.jsonl:3)" if stage == "tokenize" else "")
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: chat_template: {template} (tokenizer {ROOT / 'data/example/tokenizer'}): rendering {source} took "
+        "more than render_timeout 0.5 s (the template may loop): fix the template, or raise render_timeout "
+        "(null: no bound)")
+
+
+def test_a_template_that_loops_on_every_conversation_is_refused_before_any_stage(tmp_path):
+    template = _looping_template(tmp_path, "")
+    config = _config_file(tmp_path, [], chat_template=template, render_timeout=0.5)
+    result = _run_bounded([config, "--stages", "tokenize"])
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: chat_template: {template} (tokenizer {ROOT / 'data/example/tokenizer'}): rendering a "
+        "user/assistant exchange (a probe) took more than render_timeout 0.5 s (the template may loop): fix the "
+        "template, or raise render_timeout (null: no bound)")
+
+
+def test_time_bound_costs_little_and_leaves_nothing_behind():
+    import time
+
+    from data.timebound import TimeBoundExceeded, time_bound
+
+    with pytest.raises(TimeBoundExceeded):
+        with time_bound(0.05):
+            while True:
+                pass
+    start = time.perf_counter()
+    for _ in range(10_000):
+        with time_bound(10):
+            pass
+    assert (time.perf_counter() - start) / 10_000 < 50e-6  # per record, far below a render (~100 us)
+    time.sleep(0.3)  # the watchdog looks again: nothing fires outside a bound
+    with time_bound(None):
+        pass
