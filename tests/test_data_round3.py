@@ -285,3 +285,94 @@ def test_time_bound_costs_little_and_leaves_nothing_behind():
     time.sleep(0.3)  # the watchdog looks again: nothing fires outside a bound
     with time_bound(None):
         pass
+
+
+# ---------------------------------------------------------------------------------------------- item 0
+def _two_categories(tmp_path) -> str:
+    math = _jsonl(tmp_path / "math.jsonl", _qa_rows(40))
+    chat = _jsonl(tmp_path / "chat.jsonl", [QA] * 20)
+    return _config_file(tmp_path, [{"path": math, "category_name": "math"}, {"path": chat, "category_name": "chat"}],
+                        max_length=256, seed=3)
+
+
+def _sh(args, cwd):
+    """A command as a user types it (`sh data_process.sh ...` from `cwd`)."""
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def _packed_categories(out) -> dict[str, int]:
+    """Packed sequences per category name (one record each: merge.probability is 0)."""
+    from data.shards import PackedDataset
+
+    names = {rec["meta"]["uid"]: rec["meta"]["category_name"]
+             for rec in map(orjson.loads, (out / "canonical.jsonl").read_bytes().splitlines())}
+    ds = PackedDataset(out / "packed")
+    counts: dict[str, int] = {}
+    for row in range(len(ds)):
+        for uids in ds.row_uids(row):
+            counts[names[int(uids[0])]] = counts.get(names[int(uids[0])], 0) + 1
+    return counts
+
+
+def test_an_edited_ratio_file_takes_effect_by_running_the_command_the_warning_prints(tmp_path):
+    """math 1.0 -> 0.1 was silently ignored by the command the stale-ratio warning recommended (sample,tokenize,pack:
+    tokenize read the old merged.jsonl). The warning now prints a complete command; running it as printed, the new
+    rate is what is packed."""
+    import shlex
+
+    config = _two_categories(tmp_path)
+    out = tmp_path / "out"
+    first = _sh(["sh", str(ROOT / "data_process.sh"), config], tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert _packed_categories(out) == {"math": 40, "chat": 20}
+    ratios = orjson.loads((out / "ratios.json").read_bytes())
+    for entry in ratios["categories"]:
+        entry["sample_rate"] = 0.1 if entry["category_name"] == "math" else 1.0
+    (out / "ratios.json").write_bytes(orjson.dumps(ratios))
+
+    later = _sh(["sh", str(ROOT / "data_process.sh"), config, "--stages", "tokenize,pack"], tmp_path)
+    assert later.returncode == 0, later.stderr
+    (warning,) = {line for line in later.stderr.splitlines() if line.startswith("WARNING: inputs:")}
+    command = warning.split("re-run from it: ", 1)[1]
+    assert command == f"sh {ROOT / 'data_process.sh'} {config} --stages sample,merge,tokenize,pack"
+    rerun = _sh(shlex.split(command), tmp_path)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "WARNING" not in rerun.stderr
+    assert _packed_categories(out) == {"math": 4, "chat": 20}
+
+
+def test_a_stage_refuses_an_input_older_than_its_upstreams_last_run(tmp_path, monkeypatch, capsys):
+    """`--stages sample,tokenize,pack` skipped merge (tokenize read the stale merged.jsonl, rc 0), and so did
+    `--stages sample` then `--stages tokenize,pack`: both are refused, naming the stale file and a complete
+    command; nothing is written."""
+    monkeypatch.chdir(tmp_path)  # outside the repository: the command names data_process.sh by its absolute path
+    config = _two_categories(tmp_path)
+    out = tmp_path / "out"
+    pipeline.main([config])
+    capsys.readouterr()
+    sampled = (out / "sampled.jsonl").read_bytes()
+    with pytest.raises(SystemExit) as exit_info:
+        pipeline.main([config, "--stages", "sample,tokenize,pack", "seed=4"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: tokenize reads {out / 'merged.jsonl'}, which would be older than this run's sample stage (merge is "
+        f"not in --stages): run the stages in between too: sh {ROOT / 'data_process.sh'} {config} --stages "
+        "sample,merge,tokenize,pack seed=4")
+    assert (out / "sampled.jsonl").read_bytes() == sampled  # refused before any stage ran
+
+    pipeline.main([config, "--stages", "sample", "seed=4"])
+    assert list(read_report(out / "report.json")["stale"]) == ["merge", "tokenize", "pack"]
+    capsys.readouterr()
+    for stages in ("tokenize,pack", "pack"):
+        with pytest.raises(SystemExit):
+            pipeline.main([config, "--stages", stages, "seed=4"])
+        first = stages.split(",")[0]
+        upstream = {"tokenize": "merge", "pack": "tokenize"}[first]
+        path = out / ("merged.jsonl" if first == "tokenize" else "tokenized")
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"error: {first} reads {path}, which {upstream} wrote before the last run of an earlier stage "
+            f"(report.json lists {upstream} under `stale`): run the stages in between too: sh "
+            f"{ROOT / 'data_process.sh'} {config} --stages merge,tokenize,pack seed=4")
+    pipeline.main([config, "--stages", "merge,tokenize,pack", "seed=4"])
+    report = read_report(out / "report.json")
+    assert "stale" not in report and report["pack"]["in"] == report["sample"]["out"]
