@@ -130,6 +130,7 @@ def _out_of_memory(exc: Exception) -> bool:
 
 
 def memory_error(source: str, what: str, size: int, exc: Exception) -> LineMemoryError:
+    """The error for a `what` ("line", "file") of `size` bytes at `source` that `exc` says did not fit in memory."""
     cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     return LineMemoryError(source, f"not enough memory to parse this {what} ({size:,} bytes; {cause}); the record may "
                            "be valid, and nothing was dropped: raise the memory limit (ulimit -v, the container's or "

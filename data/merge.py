@@ -488,8 +488,8 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
     if budget is not None:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         tokenizer_key = (str(cfg.tokenizer_path), cfg.chat_template, cfg.render_timeout)
-        _template(_tokenizer(tokenizer_key), RenderBound.of(*tokenizer_key))  # fail early in the parent; forked
-        # workers inherit both
+        # fail early in the parent; forked workers inherit both
+        _template(_tokenizer(tokenizer_key), RenderBound.of(*tokenizer_key))
     path = require_stage_input(cfg.sampled_path, "sample")
     with executor.scratch(cfg.merged_path.parent, "merge-parts") as scratch:
         if budget is None:

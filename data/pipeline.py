@@ -25,7 +25,7 @@ from data.config import STAGES, ConfigError, DataConfig, InputSpec, key_help_lin
 from data.executor import Executor, LocalExecutor
 from data.io import LineMemoryError, remove_stale_temporaries, undecided_output_temporaries
 from data.lock import LockHeldError, directory_lock
-from data.preflight import preflight
+from data.preflight import preflight, stages_option
 from data.ratios import ratio_file_digest
 from data.records import RecordError
 from data.report import read_report, record_failure
@@ -34,11 +34,6 @@ DEFAULT_CONFIG = "configs/data/example.json"
 EVAL_STAGES = ("merge", "tokenize", "pack")  # run a second time on the eval split (DataConfig.eval_config)
 StageFn = Callable[..., dict]  # a stage's `run(cfg, executor=...)` -> its report section
 DATA_PROCESS = Path(__file__).resolve().parents[1] / "data_process.sh"
-
-
-def stages_option(stages: list[str]) -> str:
-    """`--stages a,b`: what to re-run, where the command line that ran is not known (a call from Python)."""
-    return f"--stages {','.join(stages)}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -75,8 +75,13 @@ def check_tokenizer_consistency(cfg: DataConfig, command: Callable[[list[str]], 
                      command(["merge", "tokenize", "pack"]))
 
 
-def preflight(cfg: DataConfig, command: Callable[[list[str]], str] = lambda stages: f"--stages {','.join(stages)}"
-              ) -> None:
+def stages_option(stages: list[str]) -> str:
+    """`--stages a,b`: what to re-run, where the command line that ran is not known (a call from Python; the
+    pipeline's command line gives `pipeline.Invocation.command`)."""
+    return f"--stages {','.join(stages)}"
+
+
+def preflight(cfg: DataConfig, command: Callable[[list[str]], str] = stages_option) -> None:
     """Every check that needs the tokenizer or earlier outputs, before the first stage runs (`command`: the command
     that runs given stages, for the messages)."""
     if "tokenize" in cfg.stages:

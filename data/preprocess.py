@@ -703,9 +703,9 @@ def convert_all(cfg: DataConfig, executor: Executor, parts_dir: Path, stats: lis
             if done.out_of_memory is not None:
                 raise LineMemoryError(task.source(done.out_of_memory.where, lines_before), done.out_of_memory.message)
             st["in"] += done.rows
-            first = None if error is None else task.source(error.where, lines_before)
-            count_input_drops(st, done.dropped, first, first and f"{first}: {error.field}: {error.message}",
-                              dropped_at.order)
+            source = None if error is None else task.source(error.where, lines_before)
+            count_input_drops(st, done.dropped, source,
+                              None if error is None else f"{source}: {error.field}: {error.message}", dropped_at.order)
             for reason, n in done.dropped.items():
                 dropped[reason] = dropped.get(reason, 0) + n
             for reason, places in done.dropped_at.items():
