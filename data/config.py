@@ -486,8 +486,8 @@ def check_tokenizer_dir(path: str) -> Path:
 
 def output_config(cfg: DataConfig) -> dict:
     """The config stored in tokenized/ and packed/ meta.json: without the keys that do not change the output
-    (`num_workers`, `stages`, `engine`, `ray_address`), so meta.json is byte-identical whatever the worker
-    count, the stages run or the engine."""
+    (`EXECUTION_KEYS`: `num_workers`, `stages`, `engine`, `ray_address`, `render_timeout`), so meta.json is
+    byte-identical whatever the worker count, the stages run or the engine."""
     return {k: v for k, v in to_dict(cfg).items() if k not in EXECUTION_KEYS}
 
 
