@@ -16,16 +16,20 @@ generation prompt, which shares the characters `<|` with `<|assistant|>`.
 """
 from __future__ import annotations
 
+import contextlib
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from data.config import ConfigError
+from data.timebound import TimeBoundExceeded, time_bound
 
 PROBE_USER = "PackSFT probe question 1"
 PROBE_ANSWER = "PackSFT probe answer 2"
 PROBE_USER_2 = "PackSFT probe question 3"
 THINKING_VARIANTS = ({}, {"enable_thinking": True}, {"enable_thinking": False})
+DEFAULT_RENDER_TIMEOUT = 10.0  # `render_timeout`'s default (seconds)
 
 
 class SpanError(ValueError):
@@ -57,19 +61,47 @@ def template_origin(tokenizer_path: str, chat_template: str | None) -> str:
     return f"tokenizer_path: {tokenizer_path}: the chat template of {source.name}"
 
 
-def check_template_renders(tokenizer, tokenizer_path: str, chat_template: str | None) -> None:
-    """A template that does not compile, or raises for a plain user/assistant exchange, is a ConfigError naming
-    where it comes from and the template line (not a jinja traceback from deep inside a stage)."""
+@dataclass(frozen=True)
+class RenderBound:
+    """The time the chat template may take to render one record (`render_timeout`, None: no bound), and where the
+    template comes from (`template_origin`), for the error that names both."""
+    seconds: float | None
+    origin: str
+
+    @classmethod
+    def of(cls, tokenizer_path: str, chat_template: str | None, seconds: float | None) -> "RenderBound":
+        return cls(seconds, template_origin(tokenizer_path, chat_template))
+
+    @contextlib.contextmanager
+    def rendering(self, what: str) -> Iterator[None]:
+        """The block renders `what` (a record's source): past the bound, a ConfigError naming the template and it."""
+        try:
+            with time_bound(self.seconds):
+                yield
+        except TimeBoundExceeded:
+            raise ConfigError(f"{self.origin}: rendering {what} took more than render_timeout {self.seconds:g} s "
+                              "(the template may loop): fix the template, or raise render_timeout (null: no "
+                              "bound)") from None
+
+
+def check_template_renders(tokenizer, bound: RenderBound) -> None:
+    """A template that does not compile, raises for a plain user/assistant exchange, or renders it for longer than
+    `bound`, is a ConfigError naming where it comes from and the template line (not a jinja traceback from deep
+    inside a stage, nor a hang)."""
     probe = [{"role": "user", "content": PROBE_USER}, {"role": "assistant", "content": PROBE_ANSWER}]
     try:
-        _render(tokenizer, probe)
+        with bound.rendering("a user/assistant exchange (a probe)"):
+            _render(tokenizer, probe)
+    except ConfigError:
+        raise
     except Exception as exc:  # jinja's TemplateSyntaxError, the template's raise_exception, an undefined value
-        raise ConfigError(f"{template_origin(tokenizer_path, chat_template)}: cannot render a user/assistant "
-                          f"exchange: {template_error(exc)}") from None
+        raise ConfigError(f"{bound.origin}: cannot render a user/assistant exchange: {template_error(exc)}") from None
 
 
-def load_chat_tokenizer(tokenizer_path: str, chat_template: str | None = None):
-    """A fast tokenizer with a chat template (`chat_template`, a Jinja file, replaces the tokenizer's own)."""
+def load_chat_tokenizer(tokenizer_path: str, chat_template: str | None = None,
+                        render_timeout: float | None = DEFAULT_RENDER_TIMEOUT):
+    """A fast tokenizer with a chat template (`chat_template`, a Jinja file, replaces the tokenizer's own) that
+    renders a probe exchange within `render_timeout` seconds."""
     from transformers import AutoTokenizer
 
     try:
@@ -89,7 +121,7 @@ def load_chat_tokenizer(tokenizer_path: str, chat_template: str | None = None):
             f"tokenizer_path: the tokenizer at {tokenizer_path} has no chat template; "
             "set chat_template: path/to/template.jinja"
         )
-    check_template_renders(tokenizer, tokenizer_path, chat_template)
+    check_template_renders(tokenizer, RenderBound.of(tokenizer_path, chat_template, render_timeout))
     return tokenizer
 
 
@@ -128,20 +160,29 @@ def _generation_prompt(tokenizer, kwargs: dict) -> str:
     return with_gen[starts_gen[i]:]
 
 
-def analyze_template(tokenizer) -> TemplateInfo:
-    """Learn the assistant header and end-of-turn marker of the tokenizer's chat template from probe renders."""
-    try:
-        prompts = [_generation_prompt(tokenizer, kw) for kw in THINKING_VARIANTS]
-        header = prompts[0]
-        for other in prompts[1:]:
-            header = header[: _common_prefix_len(header, other)]
+def _probe_renders(tokenizer) -> tuple[list[str], str, str]:
+    """The generation prompt of each `THINKING_VARIANTS`, a user/assistant exchange and the same with a user turn
+    after it, rendered."""
+    prompts = [_generation_prompt(tokenizer, kw) for kw in THINKING_VARIANTS]
+    one = [{"role": "user", "content": PROBE_USER}, {"role": "assistant", "content": PROBE_ANSWER}]
+    two = one + [{"role": "user", "content": PROBE_USER_2}]
+    return prompts, _render(tokenizer, one), _render(tokenizer, two)
 
-        one = [{"role": "user", "content": PROBE_USER}, {"role": "assistant", "content": PROBE_ANSWER}]
-        two = one + [{"role": "user", "content": PROBE_USER_2}]
-        text_one = _render(tokenizer, one)
-        text_two = _render(tokenizer, two)
+
+def analyze_template(tokenizer, bound: RenderBound = RenderBound(DEFAULT_RENDER_TIMEOUT, "the chat template")
+                     ) -> TemplateInfo:
+    """Learn the assistant header and end-of-turn marker of the tokenizer's chat template from probe renders
+    (rendered within `bound`)."""
+    try:
+        with bound.rendering("the probe conversations"):
+            prompts, text_one, text_two = _probe_renders(tokenizer)
+    except ConfigError:
+        raise
     except Exception as exc:  # a template that cannot render a plain user/assistant exchange
         raise ConfigError(f"chat template cannot render a probe conversation: {type(exc).__name__}: {exc}") from exc
+    header = prompts[0]
+    for other in prompts[1:]:
+        header = header[: _common_prefix_len(header, other)]
     if not header.strip():
         raise ConfigError("chat template adds no generation prompt (add_generation_prompt=True changes nothing); "
                           "cannot tell where assistant turns start")

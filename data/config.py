@@ -34,7 +34,8 @@ DATA_KEY_ALIASES = {
     "val_size": "eval_size", "test_size": "eval_size", "validation_split": "eval_size", "eval_split": "eval_size",
 }
 DEFAULT_REASONING_TAGS = ("<think>\n", "\n</think>\n\n")
-EXECUTION_KEYS = ("num_workers", "stages", "engine", "ray_address")  # how a run executes, not what it outputs
+# how a run executes, not what it outputs
+EXECUTION_KEYS = ("num_workers", "stages", "engine", "ray_address", "render_timeout")
 
 
 class ConfigError(ValueError):
@@ -326,9 +327,15 @@ class DataConfig:
     loss_turns: Literal["all", "last"] = "all"  # rllm: cumulative (all assistant turns) or stepwise (last only)
     structure: Literal["parallel_thinking"] | None = None  # Parallel-R1 data: per-token block and path ids
     enable_thinking: bool | None = None  # default for records without their own `enable_thinking`
+    # seconds the chat template may take to render one record (and a probe conversation); longer is an error naming
+    # the template and the record (a template that loops); null: no bound
+    render_timeout: float | None = 10.0
     # a category that loses more than this fraction of its records in tokenize (overlong, bad records) is a
     # warning at the end of the run and in report.json; one that loses all of them is an error
     category_loss_warning: float = 0.5
+    # an input that loses more than this fraction of its rows in preprocess (bad rows under on_error: skip; rows a
+    # user function filters out do not count) is a warning; one that loses all of them is an error
+    input_loss_warning: float = 0.5
     # held-out eval split, taken per category before sampling copies and merging, packed into <output_dir>/eval/:
     # a fraction in (0, 1) of each category (0.05), or an integer count of records shared out over the categories by
     # size (40; 1.0 is a fraction, refused); null: none
@@ -399,8 +406,12 @@ class DataConfig:
             raise ConfigError(f"num_workers must be >= 0, got {self.num_workers}")
         if self.seed < 0:
             raise ConfigError(f"seed must be >= 0, got {self.seed}")
-        if not 0.0 <= self.category_loss_warning <= 1.0:
-            raise ConfigError(f"category_loss_warning must be in [0, 1], got {self.category_loss_warning}")
+        for key in ("category_loss_warning", "input_loss_warning"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ConfigError(f"{key} must be in [0, 1], got {getattr(self, key)}")
+        if self.render_timeout is not None and not self.render_timeout > 0:
+            raise ConfigError(f"render_timeout must be a positive number of seconds (null: no bound), got "
+                              f"{self.render_timeout}")
         if self.pack.shard_size_mb <= 0:
             raise ConfigError(f"pack.shard_size_mb must be positive, got {self.pack.shard_size_mb}")
         self._validate_eval_size()
@@ -412,6 +423,7 @@ class DataConfig:
                         raise ConfigError(f"inputs[{i}].path: no file matches {pattern!r}{relative_note(local)}")
                 if spec.format == "function" and not spec.function:
                     raise ConfigError(f"inputs[{i}]: format 'function' needs function: 'file.py:name'")
+        self._validate_inputs_are_not_outputs()
         needs_tokenizer = {"tokenize", "merge"} & set(self.stages)
         if needs_tokenizer:
             self.tokenizer_path = str(check_tokenizer_dir(self.tokenizer_path))  # a Hub id: its cached snapshot
@@ -431,6 +443,29 @@ class DataConfig:
         if isinstance(size, int) and size < 1:
             raise ConfigError(f"eval_size={size}: a count of records must be >= 1 (a fraction in (0, 1) holds out "
                               "that share of each category; null: no eval split)")
+
+    def written_paths(self) -> list[tuple[Path, str]]:
+        """What the stages write (a file, or a directory and everything under it), each with who writes it."""
+        return [(self.canonical_path, "preprocess"), (self.ratio_file, "preprocess (the ratio file)"),
+                (self.sampled_path, "sample"), (self.merged_path, "merge"), (self.tokenized_dir, "tokenize"),
+                (self.packed_dir, "pack"), (self.eval_dir, "the eval split's stages"),
+                (self.report_path, "every stage")]
+
+    def _validate_inputs_are_not_outputs(self) -> None:
+        """An input that a stage writes over (canonical.jsonl or merged.jsonl in output_dir, a file under packed/,
+        the ratio file) would be lost the first time that stage runs, or read back as its own output: refused,
+        whichever stages this run has."""
+        written = [(os.path.realpath(path), who) for path, who in self.written_paths()]
+        for i, spec in enumerate(self.inputs):
+            for pattern in spec.path:
+                for match in sorted(glob.glob(split_spec(pattern)[1])):
+                    real = os.path.realpath(match)
+                    for path, who in written:
+                        if real == path or real.startswith(path + os.sep):
+                            raise ConfigError(
+                                f"inputs[{i}].path: {match} is an output of {who} (output_dir {self.output_dir}): a "
+                                "run would write over this input, or read an earlier run's output as input; move "
+                                "the input out of the output directory, or set another output_dir")
 
     def _validate_fidelity(self) -> None:
         tags = self.reasoning_tags
@@ -463,8 +498,8 @@ def check_tokenizer_dir(path: str) -> Path:
 
 def output_config(cfg: DataConfig) -> dict:
     """The config stored in tokenized/ and packed/ meta.json: without the keys that do not change the output
-    (`num_workers`, `stages`, `engine`, `ray_address`), so meta.json is byte-identical whatever the worker
-    count, the stages run or the engine."""
+    (`EXECUTION_KEYS`: `num_workers`, `stages`, `engine`, `ray_address`, `render_timeout`), so meta.json is
+    byte-identical whatever the worker count, the stages run or the engine."""
     return {k: v for k, v in to_dict(cfg).items() if k not in EXECUTION_KEYS}
 
 

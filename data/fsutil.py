@@ -79,11 +79,25 @@ def _start_tag(pid: int) -> str:
     return hashlib.blake2b((process_start(pid) or "").encode(), digest_size=4).hexdigest()
 
 
+# a temporary adds up to 34 bytes to its NAME (`.`, `.tmp-`, a pid, `-s` and a tag, `-` and 8 random characters)
+TEMP_NAME_BYTES = 200
+
+
+def temp_name(name: str) -> str:
+    """NAME as temporaries carry it: itself when short, else its first bytes and `~` and 8 hex digits of its hash,
+    so that a temporary of a legal name (up to NAME_MAX, 255 bytes) stays within NAME_MAX."""
+    encoded = name.encode()
+    if len(encoded) <= TEMP_NAME_BYTES:
+        return name
+    head = encoded[:TEMP_NAME_BYTES - 9].decode(errors="ignore")  # a character cut in two is left out
+    return f"{head}~{hashlib.blake2b(encoded, digest_size=4).hexdigest()}"
+
+
 def temp_prefix(name: str, kind: str = "tmp") -> str:
-    """`.NAME.KIND-PID-sTAG-`, the start of every temporary's name: the writer's pid and start tag let a later run tell
-    a killed writer's leftovers (`stale_temporaries`) from a live one's. `kind` is `tmp` (being written) or `old`
-    (set aside)."""
-    return f".{name}.{kind}-{os.getpid()}-s{_start_tag(os.getpid())}-"
+    """`.NAME.KIND-PID-sTAG-`, the start of every temporary's name (NAME shortened by `temp_name`): the writer's pid
+    and start tag let a later run tell a killed writer's leftovers (`stale_temporaries`) from a live one's. `kind`
+    is `tmp` (being written) or `old` (set aside)."""
+    return f".{temp_name(name)}.{kind}-{os.getpid()}-s{_start_tag(os.getpid())}-"
 
 
 def temp_sibling(dst: Path, kind: str = "tmp") -> Path:
@@ -101,24 +115,39 @@ def _writer_alive(pid: int, start: str | None) -> bool:
     return pid_running(pid) and (start is None or _start_tag(pid) == start)
 
 
+def _temporaries(directory: Path, names: Iterable[str] | None) -> Iterator[tuple[Path, re.Match, set[str]]]:
+    """The temporaries (`temp_prefix` names) in `directory` for the outputs `names` (None: any), each with its name's
+    match and the `temp_name`s of the directory's entries."""
+    if not directory.is_dir():
+        return
+    entries = sorted(directory.iterdir())
+    present = {temp_name(entry.name) for entry in entries}
+    wanted = None if names is None else {temp_name(name) for name in names}
+    for entry in entries:
+        m = _TEMP_NAME.match(entry.name)
+        if m and (wanted is None or m["name"] in wanted):
+            yield entry, m, present
+
+
 def stale_temporaries(directory: str | os.PathLike, names: Iterable[str] | None = None) -> list[Path]:
     """Temporaries (`temp_prefix` names) in `directory` whose writer process is gone (its pid not running, or
     running a process that started at another time), for the outputs `names` (None: any). A set-aside `.NAME.old-*`
     whose NAME is missing is not stale: it is the previous output, which the next writer moves back (`set_aside`).
     Pids are of this machine: run one pipeline per output directory."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    wanted = None if names is None else set(names)
     out = []
-    for entry in sorted(directory.iterdir()):
-        m = _TEMP_NAME.match(entry.name)
-        if not m or (wanted is not None and m["name"] not in wanted) or _writer_alive(int(m["pid"]), m["start"]):
-            continue
-        if m["kind"] == "old" and not (directory / m["name"]).exists():
+    for entry, m, present in _temporaries(Path(directory), names):
+        if _writer_alive(int(m["pid"]), m["start"]) or (m["kind"] == "old" and m["name"] not in present):
             continue
         out.append(entry)
     return out
+
+
+def undecided_temporaries(directory: str | os.PathLike, names: Iterable[str] | None = None
+                          ) -> list[tuple[Path, int]]:
+    """Temporaries named by pid alone (older versions: no start tag) whose pid is running, with that pid: a live
+    writer's or a killed one's whose pid was reused, which cannot be told apart; kept, and worth saying so."""
+    return [(entry, int(m["pid"])) for entry, m, _ in _temporaries(Path(directory), names)
+            if m["start"] is None and pid_running(int(m["pid"]))]
 
 
 @contextlib.contextmanager
@@ -195,7 +224,7 @@ def set_aside(dst: Path) -> list[Path]:
     """When `dst` is missing: the `.NAME.old-*` siblings a `replace_dir` killed between its renames left."""
     if dst.exists():
         return []
-    return sorted(dst.parent.glob(f".{glob.escape(dst.name)}.old-*"))
+    return sorted(dst.parent.glob(f".{glob.escape(temp_name(dst.name))}.old-*"))
 
 
 @contextlib.contextmanager

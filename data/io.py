@@ -20,7 +20,7 @@ import orjson
 
 from data.config import DataConfig, split_spec
 from data.records import RecordError
-from data.fsutil import split_lines, stale_temporaries
+from data.fsutil import split_lines, stale_temporaries, undecided_temporaries
 
 BATCH_ROWS = 1024
 UTF8_BOM = b"\xef\xbb\xbf"  # some editors and Excel exports start files with it; orjson rejects it
@@ -112,12 +112,40 @@ def _iter_jsonl(path: str) -> Iterator[tuple[str, Any]]:
                 yield source, parse_jsonl_line(line, source)
 
 
+class LineMemoryError(MemoryError):
+    """A line (or a whole .json file) that the parser could not hold in memory: it may be valid, so it is neither
+    reported as malformed nor dropped under `on_error: skip`; the run stops naming it (`source: detail`)."""
+
+    def __init__(self, source: str, detail: str):
+        super().__init__(source, detail)
+        self.source, self.detail = source, detail
+
+    def __str__(self) -> str:
+        return f"{self.source}: {self.detail}"
+
+
+def _out_of_memory(exc: Exception) -> bool:
+    """Whether a parse failure is the parser running out of memory (orjson says so in a JSONDecodeError)."""
+    return isinstance(exc, MemoryError) or str(exc).startswith("Not enough memory")
+
+
+def memory_error(source: str, what: str, size: int, exc: Exception) -> LineMemoryError:
+    """The error for a `what` ("line", "file") of `size` bytes at `source` that `exc` says did not fit in memory."""
+    cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return LineMemoryError(source, f"not enough memory to parse this {what} ({size:,} bytes; {cause}); the record may "
+                           "be valid, and nothing was dropped: raise the memory limit (ulimit -v, the container's or "
+                           "the job's), lower num_workers, or split the record")
+
+
 def parse_jsonl_line(line: bytes, source: str, require_object: bool = True) -> Any:
     """One non-blank input line: the row object, or the RecordError that rejects it (`malformed_json`).
-    `require_object=False` returns any JSON value (the caller validates it) and rejects only malformed JSON."""
+    `require_object=False` returns any JSON value (the caller validates it) and rejects only malformed JSON.
+    A line the parser cannot hold in memory raises `LineMemoryError`."""
     try:
         row = orjson.loads(line)
-    except orjson.JSONDecodeError as exc:
+    except (orjson.JSONDecodeError, MemoryError) as exc:
+        if _out_of_memory(exc):
+            raise memory_error(source, "line", len(line), exc) from None
         return RecordError(source, "line", f"malformed JSON: {exc}", "malformed_json")
     if require_object and not isinstance(row, dict):
         return RecordError(source, "line", f"expected a JSON object, got {type(row).__name__}", "malformed_json")
@@ -142,8 +170,8 @@ def jsonl_byte_ranges(path: str, start: int, target_bytes: int) -> Iterator[tupl
 
 def iter_jsonl_range(path: str, start: int, end: int) -> tuple[int, list[tuple[int, dict | RecordError]]]:
     """The lines of `[start, end)` (from `jsonl_byte_ranges`) as `_iter_jsonl` reads them: (lines in the range,
-    [(line number within the range, 1-based; row or RecordError)] for the non-blank lines). The RecordErrors
-    name `path:+n` (n within the range): the caller knows where the range starts and rewrites the source."""
+    [(line number within the range, 1-based; row, RecordError or LineMemoryError)] for the non-blank lines). The
+    errors name `path:+n` (n within the range): the caller knows where the range starts and rewrites the source."""
     with open(path, "rb") as f:
         f.seek(start)
         data = f.read(end - start)
@@ -153,7 +181,10 @@ def iter_jsonl_range(path: str, start: int, end: int) -> tuple[int, list[tuple[i
     rows = []
     for n, line in enumerate(lines, 1):
         if line.strip():
-            rows.append((n, parse_jsonl_line(line, f"{path}:+{n}")))
+            try:
+                rows.append((n, parse_jsonl_line(line, f"{path}:+{n}")))
+            except LineMemoryError as exc:
+                rows.append((n, exc))
     return len(lines), rows
 
 
@@ -162,7 +193,10 @@ def _iter_json(path: str) -> Iterator[tuple[str, Any]]:
     The one reader that holds a whole file in memory (JSON has no record boundaries); use .jsonl for big data."""
     try:
         data = orjson.loads(Path(path).read_bytes().removeprefix(UTF8_BOM))
-    except orjson.JSONDecodeError as exc:
+    except (orjson.JSONDecodeError, MemoryError) as exc:
+        if _out_of_memory(exc):
+            raise memory_error(path, "file (a .json file is read whole: .jsonl is read line by line)",
+                               os.path.getsize(path), exc) from None
         raise RecordError(path, "file", f"malformed JSON: {exc}", "malformed_json") from None
     if isinstance(data, list):
         groups = [(None, data)]
@@ -314,10 +348,15 @@ def copy_into(path: str | os.PathLike, out: str | os.PathLike, offset: int) -> N
             done += len(block)
 
 
+def _temporary_places(cfg: DataConfig) -> list[tuple[Path, list[str] | None]]:
+    """Where the pipeline's temporaries are: any in `output_dir`, the ratio file's next to it."""
+    return [(cfg.out, None), (cfg.ratio_file.parent, [cfg.ratio_file.name])]
+
+
 def remove_stale_temporaries(cfg: DataConfig) -> list[tuple[Path, int]]:
     """Delete what killed runs left behind: temporaries in `output_dir` and the ratio file's, whose writer process is
     gone. Returns (path, bytes) of each one removed."""
-    found = stale_temporaries(cfg.out) + stale_temporaries(cfg.ratio_file.parent, [cfg.ratio_file.name])
+    found = [path for where, names in _temporary_places(cfg) for path in stale_temporaries(where, names)]
     removed = []
     for path in dict.fromkeys(found):
         if path.is_dir() and not path.is_symlink():
@@ -328,6 +367,13 @@ def remove_stale_temporaries(cfg: DataConfig) -> list[tuple[Path, int]]:
             path.unlink()
         removed.append((path, size))
     return removed
+
+
+def undecided_output_temporaries(cfg: DataConfig) -> list[tuple[Path, int]]:
+    """The pipeline's temporaries named by pid alone (older versions) whose pid is running, with that pid
+    (`fsutil.undecided_temporaries`): kept by `remove_stale_temporaries`."""
+    found = [item for where, names in _temporary_places(cfg) for item in undecided_temporaries(where, names)]
+    return list(dict.fromkeys(found))
 
 
 def require_stage_input(path: str | os.PathLike, stage: str) -> Path:

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from data.chat_template import analyze_template, load_chat_tokenizer
+from data.chat_template import RenderBound, analyze_template, load_chat_tokenizer
 from data.config import ConfigError, DataConfig
 from data.fidelity import FidelityOptions, render_record, template_renders_reasoning
 from data.executor import ByteRange, Executor, LocalExecutor, Part, byte_ranges, count_lines, spread_ranges
@@ -170,7 +170,10 @@ _TOKENIZER = None
 _TOKENIZER_KEY = None
 
 
-def _tokenizer(key: tuple[str, str | None]):
+TokenizerKey = tuple[str, str | None, float | None]  # tokenizer_path, chat_template, render_timeout
+
+
+def _tokenizer(key: TokenizerKey):
     """Per-process tokenizer (inherited from the parent under fork, loaded on first use otherwise)."""
     global _TOKENIZER, _TOKENIZER_KEY
     if _TOKENIZER is None or _TOKENIZER_KEY != key:
@@ -179,20 +182,23 @@ def _tokenizer(key: tuple[str, str | None]):
 
 
 @functools.lru_cache(maxsize=4)
-def _template(tokenizer) -> tuple:
+def _template(tokenizer, bound: RenderBound) -> tuple:
     """(TemplateInfo, renders reasoning) of a tokenizer's chat template, probed once per process."""
-    return analyze_template(tokenizer), template_renders_reasoning(tokenizer)
+    return analyze_template(tokenizer, bound), template_renders_reasoning(tokenizer)
 
 
-def count_tokens_batch(tokenizer, records: list[dict], opts: FidelityOptions) -> list[int | None]:
+def count_tokens_batch(tokenizer, records: list[dict], opts: FidelityOptions, sources: list[str] | None = None,
+                       bound: RenderBound = RenderBound(None, "the chat template")) -> list[int | None]:
     """Token count of each record rendered alone exactly as the tokenize stage renders it, or None for a record
-    that stage rejects before encoding (it is then never merged)."""
-    info, renders_reasoning = _template(tokenizer)
+    that stage rejects before encoding (it is then never merged). A record (`sources`: where each is) that the
+    template renders for longer than `bound` is a ConfigError naming both."""
+    info, renders_reasoning = _template(tokenizer, bound)
     texts: list[str | None] = []
-    for rec in records:
+    for rec, source in zip(records, sources or [f"record {k}" for k in range(len(records))]):
         try:
-            texts.append(render_record(tokenizer, info, validate_canonical(rec, "merge"), opts, renders_reasoning,
-                                       "merge").text)
+            with bound.rendering(source):
+                texts.append(render_record(tokenizer, info, validate_canonical(rec, source), opts, renders_reasoning,
+                                           source).text)
         except RecordError:
             texts.append(None)
     encoded = tokenizer.backend_tokenizer.encode_batch([t for t in texts if t is not None], add_special_tokens=False)
@@ -200,17 +206,20 @@ def count_tokens_batch(tokenizer, records: list[dict], opts: FidelityOptions) ->
     return [None if t is None else next(lengths) for t in texts]
 
 
-def prepare_records(records: list[dict], needed: list[bool], loss_turns: str, tokenizer_key,
-                    opts: FidelityOptions) -> tuple[list[int], list[int | None], list[tuple | None]]:
-    """Apply loss_turns (in place) and compute what the merge decision needs of each record: (labels zeroed,
-    token count, `merge_key`) lists. Count and key are None where not `needed` (`needs_counts`); a count is None
-    too when the record fails on its own (then it is never merged: `block_reason`)."""
+def prepare_records(records: list[dict], needed: list[bool], loss_turns: str, tokenizer_key: TokenizerKey,
+                    opts: FidelityOptions, sources: list[str]) -> tuple[list[int], list[int | None], list[tuple | None]]:
+    """Apply loss_turns (in place) and compute what the merge decision needs of each record (`sources`: where each
+    is): (labels zeroed, token count, `merge_key`) lists. Count and key are None where not `needed`
+    (`needs_counts`); a count is None too when the record fails on its own (then it is never merged:
+    `block_reason`)."""
     zeroed = [apply_loss_turns(rec, loss_turns) for rec in records]
     counts: list[int | None] = [None] * len(records)
     wanted = [i for i, need in enumerate(needed) if need]
     if wanted:
         tok = _tokenizer(tokenizer_key)
-        for i, n in zip(wanted, count_tokens_batch(tok, [records[i] for i in wanted], opts)):
+        bound = RenderBound.of(*tokenizer_key)
+        for i, n in zip(wanted, count_tokens_batch(tok, [records[i] for i in wanted], opts,
+                                                   [sources[i] for i in wanted], bound)):
             counts[i] = n
     keys = [merge_key(rec) if need else None for rec, need in zip(records, needed)]
     return zeroed, counts, keys
@@ -244,7 +253,7 @@ class MergeSettings:
     probability: float
     budget: int | None
     loss_turns: str
-    tokenizer_key: tuple[str, str | None] | None
+    tokenizer_key: TokenizerKey | None
     opts: FidelityOptions
 
 
@@ -278,10 +287,12 @@ def copy_records(task: CopyTask) -> CopiedPart:
 
 @dataclasses.dataclass(frozen=True)
 class DecideTask:
-    """Decide and write the groups of a range: `first_record` is the index of its first record, `last` says no
-    record follows it; `part`: where the groups the range decides alone go."""
+    """Decide and write the groups of a range: `first_record` is the index of its first record, `lines_before` the
+    lines of the file before it, `last` says no record follows it; `part`: where the groups the range decides alone
+    go."""
     range: ByteRange
     first_record: int
+    lines_before: int
     last: bool
     part: str
     settings: MergeSettings
@@ -323,11 +334,12 @@ def decide_groups(task: DecideTask) -> RangeDecisions:
     offsets = list(itertools.accumulate((len(line) for line in lines), initial=r.start))
     at = [offsets[i] for i, line in enumerate(lines) if line.strip()]  # each record's byte offset
     records = [orjson.loads(line) for line in lines if line.strip()]
+    sources = [f"{r.path}:{task.lines_before + i + 1}" for i, line in enumerate(lines) if line.strip()]
     n = len(records)
     joins = join_draws(s.seed, s.probability, task.first_record, n + 1).tolist()  # and the next record's draw
     next_join = joins.pop() and not task.last
     zeroed, counts, keys = prepare_records(records, needs_counts(joins, next_join), s.loss_turns, s.tokenizer_key,
-                                           s.opts)
+                                           s.opts, sources)
     own = joins.index(False) if False in joins else n  # the prefix's end
     decider = GroupDecider(s.budget)
     starts = [i for i in range(own, n) if decider.starts_group(joins[i], counts[i], keys[i])]
@@ -431,11 +443,13 @@ def decide_and_write(executor: Executor, ranges: list[ByteRange], settings: Merg
     """The groups decided and written range by range, linked across ranges on the driver, the groups that reach
     across ranges written by the workers too; every part concatenated into `out` in order. Returns (records, labels
     zeroed, blocked joins by reason, groups by size)."""
-    counts = [counted.records for counted in executor.map(count_lines, ranges)]
+    counted = list(executor.map(count_lines, ranges))
+    counts = [c.records for c in counted]
     firsts = list(itertools.accumulate(counts, initial=0))
+    lines_before = itertools.accumulate((c.lines for c in counted), initial=0)
     n_in = firsts[-1]
-    tasks = [DecideTask(r, first, first + n == n_in, str(scratch / f"own_{r.index:08d}.jsonl"), settings)
-             for r, first, n in zip(ranges, firsts, counts)]
+    tasks = [DecideTask(r, first, lines, first + n == n_in, str(scratch / f"own_{r.index:08d}.jsonl"), settings)
+             for r, first, lines, n in zip(ranges, firsts, lines_before, counts)]
     linker = GroupLinker(GroupDecider(settings.budget))
     zeroed = 0
     with progress(total=n_in, desc="merge", unit="rec") as bar:
@@ -473,8 +487,9 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
     tokenizer_key = None
     if budget is not None:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        tokenizer_key = (str(cfg.tokenizer_path), cfg.chat_template)
-        _template(_tokenizer(tokenizer_key))  # fail early in the parent; forked workers inherit both
+        tokenizer_key = (str(cfg.tokenizer_path), cfg.chat_template, cfg.render_timeout)
+        # fail early in the parent; forked workers inherit both
+        _template(_tokenizer(tokenizer_key), RenderBound.of(*tokenizer_key))
     path = require_stage_input(cfg.sampled_path, "sample")
     with executor.scratch(cfg.merged_path.parent, "merge-parts") as scratch:
         if budget is None:

@@ -12,10 +12,12 @@ the same rows as lists.
 `run()` plans by partitions: each worker plans `PARTITION_SEQUENCES` consecutive tokenized rows on its own
 (`plan_partition`, seeded by (seed, partition index)), keeps the rows that are full enough in a seeded order
 (`layout`) and releases its emptiest ones (`released_rows`, a few per partition); the driver re-packs the
-released sequences in one global pass (`plan_all`), whose rows come last. The workers then write the output
-shards (`write_shard`, one task per shard), which the driver appends in order; then stats.json, stats.png and
-the accounting (every tokenized row in exactly one packed row). The result depends on the seed and the data
-only, never on the worker count or the engine.
+released sequences in one global pass (`plan_all`), whose rows come last. Sequences that share a source record
+(the copies of an up-sampled record) are put in different copy layers (`copy_layers`), each planned on its own
+(`plan_layers`), so no row holds a record twice. The workers then write the output shards (`write_shard`, one task
+per shard), which the driver appends in order; then stats.json (with the duplicate rows, `count_duplicates`),
+stats.png and the accounting (every tokenized row in exactly one packed row). The result depends on the seed and
+the data only, never on the worker count or the engine.
 """
 from __future__ import annotations
 
@@ -30,8 +32,8 @@ import numpy as np
 from data.config import DataConfig, output_config
 from data.executor import Executor, LocalExecutor
 from data.progress import progress
-from data.randomness import (PACK_CHECK_LENGTHS, PACK_CHECK_RECORDS, PACK_CHECK_UIDS, PACK_LEFTOVERS, PACK_PARTITION,
-                             record_keys)
+from data.randomness import (PACK_CHECK_LENGTHS, PACK_CHECK_RECORDS, PACK_CHECK_UIDS, PACK_LAYER, PACK_LEFTOVERS,
+                             PACK_PARTITION, PACK_ROW_KEY, PACK_ROW_SEQUENCE, PACK_ROW_UNNAMED, record_keys)
 from data.shards import RESERVED_META_KEYS, PackedDataset, ShardWriter, dump_json, shard_ranges
 from data.stats import Counts, add_category_counts, category_counts
 
@@ -42,6 +44,7 @@ PLAN_CHUNK = 1 << 16  # lengths handed to the planning loop as Python ints at a 
 PARTITION_SEQUENCES = 1 << 20  # tokenized rows planned together by one worker (~1-2 s; fewer leave more waste)
 RELEASE_SHARE = 0.05  # at most this share of a partition's rows (its emptiest) goes back to the global pass
 RELEASE_MIN_ROOM = 2048  # a row with less room than max_length / this stays where its partition put it
+DUPLICATE_BUCKET_BYTES = 64 << 20  # row keys a worker sorts at once when counting duplicate rows, about
 
 
 @dataclass(frozen=True)
@@ -307,6 +310,132 @@ def _first_fit(sizes: np.ndarray, cap: int) -> tuple[np.ndarray, int]:
     return np.frombuffer(row_of, dtype=np.int64), n_rows
 
 
+# ---------------------------------------------------------------------------------------------- copy layers
+def _segment_sums(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Sums (uint64, mod 2^64) of consecutive segments of `values`, `counts[k]` values each (0 allowed)."""
+    total = np.zeros(values.shape[0] + 1, dtype=np.uint64)
+    np.cumsum(values, dtype=np.uint64, out=total[1:])
+    ends = np.cumsum(counts)
+    return total[ends] - total[ends - counts]
+
+
+def copy_layers(n_uids: np.ndarray, uids: np.ndarray) -> np.ndarray:
+    """The copy layer of each sequence (`n_uids[k]` source uids each, `uids` all of them in order): two sequences
+    that share a source uid (copies of an up-sampled record, merged conversations that hold one) are in different
+    layers, so that planning each layer on its own (`plan_layers`) never puts a record twice in a row. The k-th
+    single-record sequence of a record is in layer k; a merged one takes, in order, the lowest layer none of its
+    records has. Without a repeated uid every sequence is in layer 0."""
+    n_uids = np.asarray(n_uids, dtype=np.int64)
+    layers = np.zeros(n_uids.shape[0], dtype=np.int64)
+    if not uids.size:
+        return layers
+    _, inverse, counts = np.unique(uids, return_inverse=True, return_counts=True)
+    if counts.max() == 1:
+        return layers
+    starts = np.cumsum(n_uids) - n_uids
+    single = np.flatnonzero(n_uids == 1)
+    record = inverse[starts[single]]
+    order = np.argsort(record, kind="stable")
+    by_record = record[order]
+    layers[single[order]] = np.arange(by_record.shape[0]) - np.searchsorted(by_record, by_record)
+    repeated = _segment_sums((counts[inverse] > 1).astype(np.uint64), n_uids) > 0
+    merged = np.flatnonzero((n_uids > 1) & repeated).tolist()
+    taken = np.bincount(record, minlength=counts.shape[0]).tolist()  # layers 0..taken-1: the record's singles
+    extra: dict[int, set[int]] = {}  # the layers of the record's merged sequences so far
+    inverse, starts, n_uids = inverse.tolist(), starts.tolist(), n_uids.tolist()
+    chosen = []
+    for k in merged:  # a plain loop: ~3 s per million merged sequences that share a record
+        records = inverse[starts[k]:starts[k] + n_uids[k]]
+        layer = max([taken[r] for r in records])
+        used = [extra.setdefault(r, set()) for r in records]
+        while any([layer in u for u in used]):
+            layer += 1
+        for u in used:
+            u.add(layer)
+        chosen.append(layer)
+    layers[merged] = chosen
+    return layers
+
+
+def layer_seed(seed: int, layer: int) -> int:
+    """The seed of copy layer `layer` of a plan seeded `seed` (layer 0: `seed` itself, so data without copies plans
+    as it did before layers)."""
+    return seed if layer == 0 else int(record_keys(seed, PACK_LAYER, layer))
+
+
+def plan_layers(lengths: np.ndarray, layers: np.ndarray | None, max_length: int, seed: int, algorithm: str
+                ) -> RowPlan:
+    """`plan_rows` of each copy layer on its own (`layer_seed`), rows of layer 0 first; `layers` None: one layer."""
+    if layers is None or not layers.size or not layers.max():
+        return plan_rows(lengths, max_length, seed=seed, algorithm=algorithm)
+    order = np.argsort(layers, kind="stable")
+    bounds = np.concatenate([[0], np.cumsum(np.bincount(layers))])
+    plans = []
+    for layer, (lo, hi) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())):
+        members = order[lo:hi]
+        rows = plan_rows(lengths[members], max_length, seed=layer_seed(seed, layer), algorithm=algorithm)
+        plans.append(RowPlan(members[rows.members], rows.starts))
+    return concat_plans(plans)
+
+
+def select_uids(n_uids: np.ndarray, uids: np.ndarray, which: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The uid counts and the uids (in order) of sequences `which` (`n_uids`, `uids`: of all sequences)."""
+    n_uids = np.asarray(n_uids, dtype=np.int64)
+    counts = n_uids[which]
+    starts = (np.cumsum(n_uids) - n_uids)[which]
+    positions = np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
+    return counts, uids[positions]
+
+
+# ---------------------------------------------------------------------------------------------- duplicate rows
+def row_keys(seqs_per_row: np.ndarray, n_uids: np.ndarray, uids: np.ndarray, record_index: np.ndarray
+             ) -> tuple[np.ndarray, int]:
+    """(a 64-bit key per row, rows holding a source uid twice) of rows of `seqs_per_row` sequences each, the
+    sequences' `n_uids` uids (`uids` in order) and tokenized rows (`record_index`). A row's key hashes the multiset
+    of its sequences, each named by its ordered uids (or, without any, by its tokenized row): two rows get equal
+    keys exactly when they hold the same records (in any order), but for a 2^-64 collision."""
+    n_uids = np.asarray(n_uids, dtype=np.int64)
+    position = np.arange(uids.shape[0]) - np.repeat(np.cumsum(n_uids) - n_uids, n_uids)
+    named = _segment_sums(record_keys(0, PACK_ROW_SEQUENCE, uids, position + 1), n_uids)
+    sequence = np.where(n_uids > 0, named, record_keys(0, PACK_ROW_UNNAMED, record_index))
+    keys = _segment_sums(record_keys(0, PACK_ROW_KEY, sequence), seqs_per_row)
+    row_of_uid = np.repeat(np.repeat(np.arange(seqs_per_row.shape[0]), seqs_per_row), n_uids)
+    order = np.lexsort((uids, row_of_uid))
+    row_of_uid, uids = row_of_uid[order], uids[order]
+    again = (row_of_uid[1:] == row_of_uid[:-1]) & (uids[1:] == uids[:-1])
+    return keys, int(np.unique(row_of_uid[1:][again]).shape[0])
+
+
+@dataclass(frozen=True)
+class KeyBucket:
+    """Worker task: the row keys in `[lo, hi)` (hi None: to 2^64) of every sorted key file (`count_duplicates`)."""
+    files: tuple[str, ...]
+    lo: int
+    hi: int | None
+
+
+def duplicates_in_bucket(task: KeyBucket) -> int:
+    """Worker: how many of the bucket's keys repeat an earlier one (keys minus distinct keys)."""
+    found = []
+    for path in task.files:
+        keys = np.load(path, mmap_mode="r")
+        a = int(np.searchsorted(keys, np.uint64(task.lo)))
+        b = keys.shape[0] if task.hi is None else int(np.searchsorted(keys, np.uint64(task.hi)))
+        found.append(np.asarray(keys[a:b]))
+    keys = np.sort(np.concatenate(found)) if found else np.zeros(0, dtype=np.uint64)
+    return int(keys.shape[0] - (1 + np.count_nonzero(np.diff(keys)) if keys.shape[0] else 0))
+
+
+def count_duplicates(executor: Executor, key_files: list[str], rows: int) -> int:
+    """Rows whose key (`row_keys`) equals another row's, all but one of each: the workers sort the keys of each
+    output shard into a file (`write_shard`); one task per bucket of the key space (~`DUPLICATE_BUCKET_BYTES` of
+    keys) counts the repeats in its slice of every file. The driver holds file names and counts only."""
+    buckets = max(1, -(-rows * 8 // DUPLICATE_BUCKET_BYTES))
+    tasks = [KeyBucket(tuple(key_files), (b << 64) // buckets, None if b == buckets - 1 else ((b + 1) << 64) // buckets)
+             for b in range(buckets)]
+    return sum(executor.map(duplicates_in_bucket, tasks))
+
+
 # ---------------------------------------------------------------------------------------------- the stage
 def layout(rows: RowPlan, seed: int) -> RowPlan:
     """The rows in seeded random order, the sequences inside each row in seeded random order too (a stream
@@ -417,21 +546,26 @@ class SequenceTally:
 @dataclass(frozen=True)
 class PartitionPlan:
     """What `plan_partition` returns: the rows it kept (saved), the sequences of the rows it released for the
-    global pass (tokenized row indices and their lengths), the tally of what it read; or, for a partition with
-    rows over pack.max_length, those rows and nothing else."""
+    global pass (tokenized row indices, their lengths, their uid counts and uids), the tally of what it read; or,
+    for a partition with rows over pack.max_length, those rows and nothing else."""
     kept: PlacedRows | None
     released: np.ndarray
     released_lengths: np.ndarray
+    released_n_uids: np.ndarray
+    released_uids: np.ndarray
     read: SequenceTally
     overlong: Overlong | None = None
 
 
 @dataclass(frozen=True)
 class WrittenShard:
-    """What `write_shard` returns: the dataset it wrote (one shard) and the counts of its sequences' lengths per
-    category (a sequence's category is that of its first token), counted while the tokens were in hand."""
+    """What `write_shard` returns: the dataset it wrote (one shard), the counts of its sequences' lengths per
+    category (a sequence's category is that of its first token), counted while the tokens were in hand, its rows'
+    sorted keys (`row_keys`, a .npy file for `count_duplicates`) and how many of its rows hold a record twice."""
     part_dir: str
     seq_lengths: dict[int, Counts]
+    keys_path: str
+    rows_with_a_record_twice: int
 
 
 @dataclass(frozen=True)
@@ -472,35 +606,43 @@ def leftovers_seed(seed: int) -> int:
     return int(record_keys(seed, PACK_LEFTOVERS, 0))
 
 
-def partition_rows(lengths: np.ndarray, max_length: int, seed: int, algorithm: str) -> tuple[RowPlan, np.ndarray]:
-    """One partition's plan (`plan_rows`): the rows it keeps, in seeded order (`layout`), and the sequences of
-    the rows it releases (`released_rows`), as indices into `lengths`."""
-    rows = plan_rows(lengths, max_length, seed=seed, algorithm=algorithm)
+def partition_rows(lengths: np.ndarray, max_length: int, seed: int, algorithm: str,
+                   layers: np.ndarray | None = None) -> tuple[RowPlan, np.ndarray]:
+    """One partition's plan (`plan_layers` over its copy `layers`): the rows it keeps, in seeded order (`layout`),
+    and the sequences of the rows it releases (`released_rows`), as indices into `lengths`."""
+    rows = plan_layers(lengths, layers, max_length, seed, algorithm)
     released = released_rows(rows, lengths, max_length)
     return layout(select_rows(rows, ~released), seed), select_rows(rows, released).members
 
 
-def global_pass(loose: np.ndarray, loose_lengths: np.ndarray, max_length: int, seed: int, algorithm: str
-                ) -> tuple[RowPlan, np.ndarray]:
-    """The rows of the sequences the partitions released (`loose`, with their lengths), in seeded order (the last
-    rows of packed/), and their tokens."""
+def global_pass(loose: np.ndarray, loose_lengths: np.ndarray, max_length: int, seed: int, algorithm: str,
+                loose_layers: np.ndarray | None = None) -> tuple[RowPlan, np.ndarray]:
+    """The rows of the sequences the partitions released (`loose`, with their lengths and copy layers), in seeded
+    order (the last rows of packed/), and their tokens."""
     seed = leftovers_seed(seed)
-    rows = layout(plan_rows(loose_lengths, max_length, seed=seed, algorithm=algorithm), seed)
+    rows = layout(plan_layers(loose_lengths, loose_layers, max_length, seed, algorithm), seed)
     return RowPlan(loose[rows.members], rows.starts), rows.sums(loose_lengths)
 
 
 def plan_by_partitions(lengths: np.ndarray, max_length: int, seed: int = 0, algorithm: str = DEFAULT_ALGORITHM,
-                       partition: int | None = None) -> RowPlan:
+                       partition: int | None = None, n_uids: np.ndarray | None = None,
+                       uids: np.ndarray | None = None) -> RowPlan:
     """`run`'s rows over `lengths` in one process (`plan_all` spreads the same over workers): each partition of
-    `partition` (default `PARTITION_SEQUENCES`) consecutive sequences planned on its own, then the global pass."""
+    `partition` (default `PARTITION_SEQUENCES`) consecutive sequences planned on its own, then the global pass;
+    copies (sequences sharing one of their `n_uids` source `uids`, None: none) in different rows."""
     size = partition or PARTITION_SEQUENCES
+    if n_uids is None:
+        n_uids, uids = np.zeros(len(lengths), dtype=np.int64), np.zeros(0, dtype=np.int64)
     kept, loose = [], []
     for k, first in enumerate(range(0, len(lengths), size)):
-        rows, released = partition_rows(lengths[first:first + size], max_length, partition_seed(seed, k), algorithm)
+        part_n_uids, part_uids = select_uids(n_uids, uids, np.arange(first, min(first + size, len(lengths))))
+        rows, released = partition_rows(lengths[first:first + size], max_length, partition_seed(seed, k), algorithm,
+                                        copy_layers(part_n_uids, part_uids))
         kept.append(RowPlan(rows.members + first, rows.starts))
         loose.append(released + first)
     loose = np.concatenate(loose) if loose else np.zeros(0, dtype=np.int64)
-    kept.append(global_pass(loose, lengths[loose], max_length, seed, algorithm)[0])
+    kept.append(global_pass(loose, lengths[loose], max_length, seed, algorithm,
+                            copy_layers(*select_uids(n_uids, uids, loose)))[0])
     return concat_plans(kept)
 
 
@@ -531,24 +673,29 @@ def plan_partition(task: Partition) -> PartitionPlan:
     empty = np.zeros(0, dtype=np.int64)
     over = np.flatnonzero(lengths > task.max_length)
     if over.size:
-        return PartitionPlan(None, empty, empty, read,
+        return PartitionPlan(None, empty, empty, empty, empty, read,
                              Overlong(task.first + int(over[0]), int(lengths[over[0]]), int(over.size)))
-    kept, loose = partition_rows(lengths, task.max_length, task.seed, task.algorithm)
+    n_uids = np.asarray(seqs["n_uids"], dtype=np.int64)
+    kept, loose = partition_rows(lengths, task.max_length, task.seed, task.algorithm, copy_layers(n_uids, uids))
     placed = save_rows(RowPlan(kept.members + task.first, kept.starts), kept.sums(lengths), task.plan_path,
                        task.max_shard_bytes, src.dtype.itemsize)
-    return PartitionPlan(placed, loose + task.first, lengths[loose], read)
+    return PartitionPlan(placed, loose + task.first, lengths[loose], *select_uids(n_uids, uids, loose), read)
 
 
-def write_rows(writer: ShardWriter, src: PackedDataset, rows: RowPlan) -> dict[int, Counts]:
+def write_rows(writer: ShardWriter, src: PackedDataset, rows: RowPlan) -> tuple[dict[int, Counts], np.ndarray, int]:
     """Add the packed rows (of tokenized row indices) to `writer`, copying the tokens from `src`; the counts of
-    the sequences' lengths per category (that of a sequence's first token)."""
+    the sequences' lengths per category (that of a sequence's first token), the rows' keys and how many rows hold
+    a record twice (`row_keys`)."""
     mapped = 0
     lengths = array.array("q")
     categories = array.array("q")
+    seq_uids = []
     for row in rows:
         members = row.tolist()
         tokens = [src.row_tokens(j) for j in members]
-        writer.add_row(tokens, record_indices=members, uids=[src.row_uids(j)[0] for j in members])
+        uids = [src.row_uids(j)[0] for j in members]
+        seq_uids += uids
+        writer.add_row(tokens, record_indices=members, uids=uids)
         lengths.extend(t.shape[0] for t in tokens)
         categories.extend(int(t["category_ids"][0]) for t in tokens)
         mapped += sum(t.nbytes for t in tokens)
@@ -556,7 +703,11 @@ def write_rows(writer: ShardWriter, src: PackedDataset, rows: RowPlan) -> dict[i
             src.release()  # the rows were copied: keep the mapped tokenized data out of our resident set
             mapped = 0
     src.release()
-    return category_counts(np.frombuffer(lengths, dtype=np.int64), np.frombuffer(categories, dtype=np.int64))
+    n_uids = np.array([u.shape[0] for u in seq_uids], dtype=np.int64)
+    keys, twice = row_keys(rows.sizes, n_uids, np.concatenate(seq_uids or [np.zeros(0, np.int64)]).astype(np.int64),
+                           np.asarray(rows.members, dtype=np.int64))
+    return (category_counts(np.frombuffer(lengths, dtype=np.int64), np.frombuffer(categories, dtype=np.int64)),
+            keys, twice)
 
 
 def write_shard(task: RowSpan) -> WrittenShard:
@@ -566,9 +717,11 @@ def write_shard(task: RowSpan) -> WrittenShard:
     writer = ShardWriter(task.part_dir, token_fields=src.token_fields, max_shard_bytes=task.max_shard_bytes,
                          kind="packed")
     with writer:
-        seq_lengths = write_rows(writer, src, load_rows(task.plan_path, task.first, task.end))
+        seq_lengths, keys, twice = write_rows(writer, src, load_rows(task.plan_path, task.first, task.end))
         writer.close()
-    return WrittenShard(task.part_dir, seq_lengths)
+    keys_path = f"{task.part_dir}.row_keys.npy"
+    np.save(keys_path, np.sort(keys))  # scratch: a retried task rewrites it
+    return WrittenShard(task.part_dir, seq_lengths, keys_path, twice)
 
 
 def tally_rows(task: RowSpan) -> SequenceTally:
@@ -607,7 +760,7 @@ def plan_all(executor: Executor, src: PackedDataset, cfg: DataConfig, plans_dir:
                        shard_bytes)
              for k, first in enumerate(range(0, len(src), PARTITION_SEQUENCES)))
     result = PackPlan([], SequenceTally())
-    released, released_lengths, overlong = [], [], []
+    released, released_lengths, released_n_uids, released_uids, overlong = [], [], [], [], []
     for plan in executor.map(plan_partition, tasks):
         result.read += plan.read
         if plan.overlong is not None:
@@ -616,14 +769,19 @@ def plan_all(executor: Executor, src: PackedDataset, cfg: DataConfig, plans_dir:
         result.placed.append(plan.kept)
         released.append(plan.released)
         released_lengths.append(plan.released_lengths)
+        released_n_uids.append(plan.released_n_uids)
+        released_uids.append(plan.released_uids)
     if overlong:
         every = sum(overlong[1:], overlong[0])
         raise ValueError(
             f"{cfg.tokenized_dir}: row {every.row} has {every.length} tokens > pack.max_length={cap} "
             f"({every.count} such rows); tokenize with max_length <= pack.max_length")
-    loose = np.concatenate(released) if released else np.zeros(0, dtype=np.int64)
-    loose_lengths = np.concatenate(released_lengths) if released else np.zeros(0, dtype=np.int64)
-    rows, row_tokens = global_pass(loose, loose_lengths, cap, cfg.seed, algorithm)
+    def joined(arrays: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+
+    loose = joined(released)
+    rows, row_tokens = global_pass(loose, joined(released_lengths), cap, cfg.seed, algorithm,
+                                   copy_layers(joined(released_n_uids), joined(released_uids)))
     result.placed.append(save_rows(rows, row_tokens, str(plans_dir / "global"), shard_bytes, src.dtype.itemsize))
     return result
 
@@ -653,10 +811,13 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
         slices = [RowSpan(src, start, end, rows.plan_path, str(scratch / f"part_{n:05d}"), writer.max_shard_bytes)
                   for n, (rows, (start, end)) in enumerate((rows, cut) for rows in placed for cut in rows.shards)]
         seq_lengths: dict[int, Counts] = {}
+        key_files, twice = [], 0
         with progress(total=sum(rows.rows for rows in placed), desc="pack", unit="row") as bar:
             for task, shard in zip(slices, executor.map(write_shard, slices)):
                 writer.append_dataset(shard.part_dir)
                 add_category_counts(seq_lengths, shard.seq_lengths)
+                key_files.append(shard.keys_path)
+                twice += shard.rows_with_a_record_twice
                 bar.update(task.end - task.first)
         counts = writer.counts
         row_tokens = Counts.total(rows.row_tokens for rows in placed)
@@ -667,7 +828,9 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
         tokenize_section = read_report(cfg.report_path).get("tokenize")
         tokenize_losses = None if tokenize_section is None else {
             "dropped": tokenize_section["dropped"], "truncated": tokenize_section.get("truncated", 0)}
-        stats.update(algorithm=cfg.pack.algorithm, seed=cfg.seed, tokenize=tokenize_losses)
+        stats.update(duplicate_rows=count_duplicates(executor, key_files, counts["rows"]),
+                     rows_with_a_record_twice=twice, algorithm=cfg.pack.algorithm, seed=cfg.seed,
+                     tokenize=tokenize_losses)
         meta_extra = {k: v for k, v in src.meta.items() if k not in RESERVED_META_KEYS}
         meta_extra.update(
             max_length=cap,
@@ -694,6 +857,8 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
         "max_length": cap,
         "fill": stats["fill"],
         "rows_over_lower_bound": stats["rows_over_lower_bound"],
+        "duplicate_rows": stats["duplicate_rows"],
+        "rows_with_a_record_twice": stats["rows_with_a_record_twice"],
         "trace": dict(trace, where=f"{cfg.packed_dir}: per-sequence record_index (tokenized row) and uids, "
                                    "compared with the tokenized rows by counts and 64-bit multiset hashes"),
         "output": str(cfg.packed_dir),

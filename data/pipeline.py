@@ -7,21 +7,25 @@ Runs the requested stages (default: the config's `stages`) in pipeline order, ea
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import functools
 import importlib
+import os
+import shlex
 import shutil
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import orjson
 
 from data.config import STAGES, ConfigError, DataConfig, InputSpec, key_help_lines, load_config
 from data.executor import Executor, LocalExecutor
-from data.io import remove_stale_temporaries
+from data.io import LineMemoryError, remove_stale_temporaries, undecided_output_temporaries
 from data.lock import LockHeldError, directory_lock
-from data.preflight import preflight
+from data.preflight import preflight, stages_option
 from data.ratios import ratio_file_digest
 from data.records import RecordError
 from data.report import read_report, record_failure
@@ -29,6 +33,21 @@ from data.report import read_report, record_failure
 DEFAULT_CONFIG = "configs/data/example.json"
 EVAL_STAGES = ("merge", "tokenize", "pack")  # run a second time on the eval split (DataConfig.eval_config)
 StageFn = Callable[..., dict]  # a stage's `run(cfg, executor=...)` -> its report section
+DATA_PROCESS = Path(__file__).resolve().parents[1] / "data_process.sh"
+
+
+@dataclasses.dataclass(frozen=True)
+class Invocation:
+    """The command line a run came from (its config and `key=value` overrides), to suggest complete commands."""
+    config: str
+    overrides: tuple[str, ...] = ()
+
+    def command(self, stages: list[str]) -> str:
+        """`sh data_process.sh CONFIG --stages a,b OVERRIDES`, to run from the current directory as printed (the
+        script by a relative path from inside the repository, else absolute)."""
+        script = os.path.relpath(DATA_PROCESS)
+        script = str(DATA_PROCESS) if script.startswith("..") else script
+        return shlex.join(["sh", script, self.config, "--stages", ",".join(stages), *self.overrides])
 
 
 def keys_help() -> str:
@@ -63,7 +82,8 @@ def parse_args(argv: list[str], prog: str, stage_option: bool = True) -> tuple[a
     return args, overrides
 
 
-def load(args: argparse.Namespace, overrides: list[str], stages: list[str] | None) -> DataConfig:
+def load(args: argparse.Namespace, overrides: list[str], stages: list[str] | None,
+         command: Callable[[list[str]], str] = stages_option) -> DataConfig:
     cfg = load_config(args.config, overrides)
     if stages is not None:
         unknown = [s for s in stages if s not in STAGES]
@@ -71,14 +91,54 @@ def load(args: argparse.Namespace, overrides: list[str], stages: list[str] | Non
             raise ConfigError(f"--stages: unknown stage(s) {unknown}; known: {list(STAGES)}")
         cfg.stages = stages
     cfg.validate()
-    preflight(cfg)
+    preflight(cfg, command)
     return cfg
 
 
+def stage_outputs(cfg: DataConfig) -> dict[str, Path]:
+    """What each stage writes and the next one reads."""
+    return {"preprocess": cfg.canonical_path, "sample": cfg.sampled_path, "merge": cfg.merged_path,
+            "tokenize": cfg.tokenized_dir, "pack": cfg.packed_dir}
+
+
+class StaleInputError(ConfigError):
+    """A stage of the run would read an output older than the last run of a stage before it."""
+
+
+def check_stage_inputs(cfg: DataConfig, command: Callable[[list[str]], str] = stages_option) -> None:
+    """Refuse a run in which a stage would read the output of a stage not in the run (its upstream) while that
+    output predates the last run of an earlier stage: report.json lists the upstream under `stale` (an earlier
+    stage re-ran since), or an earlier stage of this very run will. The error names the file and the complete
+    command (every stage in between). The eval split's outputs (eval/report.json) are judged alike."""
+    planned = [s for s in STAGES if s in cfg.stages]
+    if not planned:
+        return
+    first, last = STAGES.index(planned[0]), STAGES.index(planned[-1])
+    problems, stale_from = [], [first]
+    chains = [(cfg, STAGES)] + ([(cfg.eval_config(), ("sample", *EVAL_STAGES))] if cfg.eval_size is not None else [])
+    for config, chain in chains:
+        stale = read_report(config.report_path).get("stale") or {}
+        stale_from += [STAGES.index(s) for s in stale if STAGES.index(s) <= last]
+        for stage in planned:
+            upstream = chain[chain.index(stage) - 1] if stage in chain[1:] else None
+            if upstream is None or upstream in planned:
+                continue
+            path = stage_outputs(config)[upstream]
+            if upstream in stale:
+                problems.append(f"{stage} reads {path}, which {upstream} wrote before the last run of an earlier "
+                                f"stage (report.json lists {upstream} under `stale`)")
+            elif first < STAGES.index(upstream):
+                problems.append(f"{stage} reads {path}, which would be older than this run's {planned[0]} stage "
+                                f"({upstream} is not in --stages)")
+    if problems:
+        raise StaleInputError(f"{problems[0]}: run the stages in between too: "
+                              f"{command(list(STAGES[min(stale_from):last + 1]))}")
+
+
 def run_stage(cfg: DataConfig, stage: str, executor: Executor, stage_fn: StageFn | None = None,
-              label: str | None = None) -> dict:
+              label: str | None = None, command: Callable[[list[str]], str] = stages_option) -> dict:
     """Run one stage on `executor` and print a one-line summary of its report section (`[label]`, default the
-    stage)."""
+    stage); `command` writes the command that re-runs stages (in the message of a full disk)."""
     fn = stage_fn or importlib.import_module(f"data.{stage}").run
     start = time.perf_counter()
     try:
@@ -89,7 +149,7 @@ def run_stage(cfg: DataConfig, stage: str, executor: Executor, stage_fn: StageFn
         free = shutil.disk_usage(cfg.out).free if cfg.out.is_dir() else 0
         message = (f"{stage}: no space left on device writing under {cfg.out} ({free / 1e6:.1f} MB free); its "
                    f"previous output, if any, is unchanged and report.json lists it under `stale`. Free space, then "
-                   f"re-run: --stages {','.join(s for s in STAGES[STAGES.index(stage):] if s in cfg.stages)}")
+                   f"re-run: {command([s for s in STAGES[STAGES.index(stage):] if s in cfg.stages])}")
         record_failure(cfg.report_path, stage, message)
         raise DiskFullError(message) from None
     dropped = section.get("dropped") or {}
@@ -100,18 +160,25 @@ def run_stage(cfg: DataConfig, stage: str, executor: Executor, stage_fn: StageFn
 
 
 def clean_up(cfg: DataConfig) -> None:
-    """Remove the temporaries of killed runs (writer process gone), the eval split's too, and say so in one line."""
-    removed = remove_stale_temporaries(cfg)
-    if cfg.eval_dir.is_dir():
-        removed += remove_stale_temporaries(cfg.eval_config())
+    """Remove the temporaries of killed runs (writer process gone), the eval split's too, and say so in one line;
+    say in another which temporaries of the older pid-only naming are kept because their pid runs."""
+    configs = [cfg, cfg.eval_config()] if cfg.eval_dir.is_dir() else [cfg]
+    removed = [item for c in configs for item in remove_stale_temporaries(c)]
+    kept = [item for c in configs for item in undecided_output_temporaries(c)]
     if removed:
         mb = sum(size for _, size in removed) / 1e6
         print(f"[cleanup] removed {len(removed)} temporaries of killed runs ({mb:.1f} MB): "
               f"{', '.join(str(p) for p, _ in removed)}", flush=True)
+    if kept:
+        one = len(kept) == 1
+        print(f"[cleanup] kept {len(kept)} {'temporary' if one else 'temporaries'} named by pid alone (the naming of "
+              f"older versions) whose pid is running, so {'it' if one else 'they'} cannot be told from a live "
+              f"writer's; delete {'it' if one else 'them'} if no run of an older version is writing there: "
+              f"{', '.join(f'{p} (pid {pid})' for p, pid in kept)}", flush=True)
 
 
-def run_stages(cfg: DataConfig, executor: Executor, stage_fn: Callable[[str], StageFn | None] = lambda _: None
-               ) -> dict[str, dict]:
+def run_stages(cfg: DataConfig, executor: Executor, stage_fn: Callable[[str], StageFn | None] = lambda _: None,
+               command: Callable[[list[str]], str] = stages_option) -> dict[str, dict]:
     """Every stage of `cfg.stages` in pipeline order on `executor`, `stage_fn(stage)` running it (None: the
     module's `run`); with an eval split, merge, tokenize and pack run again on it right after the training data's
     (sections `"<stage> eval"`). Both engines go through here, so they run the same stages on the same configs."""
@@ -120,14 +187,16 @@ def run_stages(cfg: DataConfig, executor: Executor, stage_fn: Callable[[str], St
     for stage in STAGES:
         if stage not in cfg.stages:
             continue
-        sections[stage] = run_stage(cfg, stage, executor, stage_fn(stage))
+        sections[stage] = run_stage(cfg, stage, executor, stage_fn(stage), command=command)
         if eval_cfg is not None and stage in EVAL_STAGES:
-            sections[f"{stage} eval"] = run_stage(eval_cfg, stage, executor, stage_fn(stage), label=f"{stage} eval")
+            sections[f"{stage} eval"] = run_stage(eval_cfg, stage, executor, stage_fn(stage), label=f"{stage} eval",
+                                                  command=command)
     return sections
 
 
-def stale_input_warnings(cfg: DataConfig) -> list[str]:
-    """Stages run without the sample stage after the ratio file was edited would pack the old sample: say so."""
+def stale_input_warnings(cfg: DataConfig, command: Callable[[list[str]], str] = stages_option) -> list[str]:
+    """Stages run without the sample stage after the ratio file was edited would pack the old sample: say so, with
+    the complete command that samples again (every stage from sample to the run's last)."""
 
     later = [stage for stage in ("merge", "tokenize", "pack") if stage in cfg.stages]
     if "sample" in cfg.stages or not later:
@@ -135,23 +204,28 @@ def stale_input_warnings(cfg: DataConfig) -> list[str]:
     sampled_with = (read_report(cfg.report_path).get("sample") or {}).get("ratio_file_sha256")
     if sampled_with is None or sampled_with == ratio_file_digest(cfg.ratio_file):
         return []
+    span = list(STAGES[STAGES.index("sample"):STAGES.index(later[-1]) + 1])
     return [f"the ratio file {cfg.ratio_file} changed after the sample stage ran: {', '.join(later)} use the old "
-            f"sample; re-run from it: --stages sample,{','.join(later)}"]
+            f"sample; re-run from it: {command(span)}"]
 
 
-def run_pipeline(cfg: DataConfig, stage_fn: Callable[[str], StageFn | None] = lambda _: None) -> dict[str, dict]:
-    """Every stage of `cfg.stages`, in pipeline order (`stage_fn` as in run_stages), on the config's engine; returns
-    their report sections (first, `inputs`: warnings about inputs of earlier stages that changed since they ran)."""
+def run_pipeline(cfg: DataConfig, stage_fn: Callable[[str], StageFn | None] = lambda _: None,
+                 command: Callable[[list[str]], str] = stages_option) -> dict[str, dict]:
+    """Every stage of `cfg.stages`, in pipeline order (`stage_fn` as in run_stages), on the config's engine, once
+    no stage would read a stale input (`check_stage_inputs`); returns their report sections (first, `inputs`:
+    warnings about inputs of earlier stages that changed since they ran). `command` writes the command that runs
+    given stages (`Invocation.command` for a command line) in what the run suggests."""
+    check_stage_inputs(cfg, command)
     clean_up(cfg)
-    stale = stale_input_warnings(cfg)
+    stale = stale_input_warnings(cfg, command)
     for warning in stale:
         print(f"WARNING: inputs: {warning}", file=sys.stderr, flush=True)
     if cfg.engine == "ray":
         from data.engine_ray import run_pipeline as run_on_ray
 
-        sections = run_on_ray(cfg, functools.partial(run_stages, stage_fn=stage_fn))
+        sections = run_on_ray(cfg, functools.partial(run_stages, stage_fn=stage_fn, command=command))
     else:
-        sections = run_stages(cfg, LocalExecutor(cfg.workers), stage_fn)
+        sections = run_stages(cfg, LocalExecutor(cfg.workers), stage_fn, command)
     return {"inputs": {"warnings": stale}, **sections} if stale else sections
 
 
@@ -172,7 +246,8 @@ def _guard(body: Callable[[], None]) -> None:
     line and exit code 2."""
     try:
         body()
-    except (ConfigError, RecordError, FileNotFoundError, ValueError, DiskFullError, LockHeldError) as exc:
+    except (ConfigError, RecordError, FileNotFoundError, ValueError, DiskFullError, LockHeldError,
+            LineMemoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
 
@@ -183,9 +258,10 @@ def cli_main(stage_fn: StageFn, stage: str, argv: list[str] | None = None) -> No
 
     def body() -> None:
         args, overrides = parse_args(argv, f"python -m data.{stage}", stage_option=False)
-        cfg = load(args, overrides, [stage])
+        command = Invocation(args.config, tuple(overrides)).command
+        cfg = load(args, overrides, [stage], command)
         with directory_lock(cfg.out):
-            sections = run_pipeline(cfg, lambda _: stage_fn)  # this module's `run` (it may be `__main__`)
+            sections = run_pipeline(cfg, lambda _: stage_fn, command)  # this module's `run` (it may be `__main__`)
         print_warnings(sections)
 
     _guard(body)
@@ -197,9 +273,10 @@ def main(argv: list[str] | None = None) -> None:
     def body() -> None:
         args, overrides = parse_args(argv, "data_process.sh")
         stages = [s.strip() for s in args.stages.split(",") if s.strip()] if args.stages else None
-        cfg = load(args, overrides, stages)
+        command = Invocation(args.config, tuple(overrides)).command
+        cfg = load(args, overrides, stages, command)
         with directory_lock(cfg.out):
-            sections = run_pipeline(cfg)
+            sections = run_pipeline(cfg, command=command)
         print_warnings(sections)
         if "pack" in cfg.stages:
             if cfg.eval_size is not None:

@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from data.config import ConfigError, DataConfig
@@ -43,6 +44,7 @@ def tokenizer_identity(cfg: DataConfig) -> dict:
 
 
 def _compare(recorded: dict, current: dict, what: str, cfg: DataConfig, rerun: str) -> None:
+    """`rerun`: the command that re-runs the stages from the one that made `what`."""
     for key in ("tokenizer_hash", "chat_template_hash"):
         if key in recorded and recorded[key] != current[key]:
             name = "tokenizer" if key == "tokenizer_hash" else "chat template"
@@ -50,12 +52,13 @@ def _compare(recorded: dict, current: dict, what: str, cfg: DataConfig, rerun: s
                 f"tokenizer_path: {what} was made with another {name} ({key} {str(recorded[key])[:12]}…, from "
                 f"{recorded.get('tokenizer_path', '?')}) than the config's {cfg.tokenizer_path}"
                 f"{f' + {cfg.chat_template}' if cfg.chat_template else ''} ({str(current[key])[:12]}…): re-run "
-                f"from that stage with this tokenizer (--stages {rerun}), or set tokenizer_path/chat_template back"
+                f"from that stage with this tokenizer ({rerun}), or set tokenizer_path/chat_template back"
             )
 
 
-def check_tokenizer_consistency(cfg: DataConfig) -> None:
-    """Refuse to run tokenize / pack on the output of earlier stages made with another tokenizer."""
+def check_tokenizer_consistency(cfg: DataConfig, command: Callable[[list[str]], str]) -> None:
+    """Refuse to run tokenize / pack on the output of earlier stages made with another tokenizer (`command`: the
+    command that runs given stages, for the message)."""
     if not Path(cfg.tokenizer_path).is_dir():
         return  # pack-only without the tokenizer: nothing to compare (pack itself does not tokenize)
     current = tokenizer_identity(cfg)
@@ -64,17 +67,25 @@ def check_tokenizer_consistency(cfg: DataConfig) -> None:
             meta = read_meta(cfg.tokenized_dir)
         except ShardFormatError:
             return  # the pack stage reports a missing or unreadable tokenized/ itself
-        _compare(meta, current, str(cfg.tokenized_dir), cfg, "tokenize,pack")
+        _compare(meta, current, str(cfg.tokenized_dir), cfg, command(["tokenize", "pack"]))
     if "tokenize" in cfg.stages and "merge" not in cfg.stages:
         merge = read_report(cfg.report_path).get("merge") or {}
         if merge.get("tokenizer_hash"):
-            _compare(merge, current, f"{cfg.merged_path} (merge counted its tokens)", cfg, "merge,tokenize,pack")
+            _compare(merge, current, f"{cfg.merged_path} (merge counted its tokens)", cfg,
+                     command(["merge", "tokenize", "pack"]))
 
 
-def preflight(cfg: DataConfig) -> None:
-    """Every check that needs the tokenizer or earlier outputs, before the first stage runs."""
+def stages_option(stages: list[str]) -> str:
+    """`--stages a,b`: what to re-run, where the command line that ran is not known (a call from Python; the
+    pipeline's command line gives `pipeline.Invocation.command`)."""
+    return f"--stages {','.join(stages)}"
+
+
+def preflight(cfg: DataConfig, command: Callable[[list[str]], str] = stages_option) -> None:
+    """Every check that needs the tokenizer or earlier outputs, before the first stage runs (`command`: the command
+    that runs given stages, for the messages)."""
     if "tokenize" in cfg.stages:
         from data.chat_template import load_chat_tokenizer
 
-        check_max_length(cfg, load_chat_tokenizer(cfg.tokenizer_path, cfg.chat_template))
-    check_tokenizer_consistency(cfg)
+        check_max_length(cfg, load_chat_tokenizer(cfg.tokenizer_path, cfg.chat_template, cfg.render_timeout))
+    check_tokenizer_consistency(cfg, command)

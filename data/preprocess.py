@@ -32,7 +32,8 @@ import orjson
 
 from data.config import ConfigError, DataConfig, InputSpec, split_spec
 from data.executor import ByteRange, Executor, LocalExecutor, Part, byte_ranges
-from data.io import UTF8_BOM, expand_inputs, input_is_empty, iter_jsonl_range, parse_jsonl_line, read_rows
+from data.io import (UTF8_BOM, LineMemoryError, expand_inputs, input_is_empty, iter_jsonl_range, parse_jsonl_line,
+                     read_rows)
 from data.progress import progress
 from data.ratios import UNTRACKED, check_ratio_names, merge_ratio_categories, read_ratio_file, write_ratio_file
 from data.records import MAX_CATEGORY_ID, RecordError, parse_json_field, validate_canonical
@@ -371,6 +372,7 @@ class Converted:
     dropped: dict[str, int] = dataclasses.field(default_factory=dict)  # per reason
     dropped_at: dict[str, list[Where]] = dataclasses.field(default_factory=dict)  # the first per reason
     first_error: RowError | None = None
+    out_of_memory: RowError | None = None  # a line the parser could not hold: fatal whatever on_error says
 
     @property
     def kept(self) -> int:
@@ -404,6 +406,9 @@ def convert_to_part(task: ConvertTask) -> Converted:
     limit = task.dropped_at_limit
     with open(task.part, "wb") as out:  # a scratch file (not synced): it lives until canonical.jsonl is written
         for where, row in rows:
+            if isinstance(row, LineMemoryError):  # the run stops here: nothing after it matters
+                done.out_of_memory = RowError(where, "line", row.detail, "out_of_memory")
+                break
             try:
                 if isinstance(row, RecordError):
                     raise row
@@ -479,7 +484,7 @@ class RowChunker:
     def count_dropped(self, exc: RecordError) -> None:
         """A row read here and dropped under skip."""
         self.st["in"] += 1
-        self.st["dropped"] += 1
+        count_input_drops(self.st, {exc.reason: 1}, exc.source, str(exc), self.dropped_at.order)
         self.dropped[exc.reason] = self.dropped.get(exc.reason, 0) + 1
         self.dropped_at.add(exc.reason, exc.source)
 
@@ -612,6 +617,54 @@ def source_order(paths: list[str]) -> Callable[[str], tuple[int, int]]:
     return order
 
 
+# ---------------------------------------------------------------------------------------------- per input losses
+FILTERED = "filtered_by_function"  # a drop the user asked for: not a loss
+
+
+def count_input_drops(st: dict, reasons: dict[str, int], source: str | None, error: str | None,
+                      order: Callable[[str], tuple]) -> None:
+    """Add drops to an input's stats (`dropped`, `dropped_by_reason`); `error` (`source: field: message`) is kept as
+    the input's first drop (`first_drop`) when `source` comes before the one kept (`order`: input order), so the
+    same row is kept whatever order the drops are found in."""
+    st["dropped"] += sum(reasons.values())
+    for reason, n in reasons.items():
+        st["dropped_by_reason"][reason] = st["dropped_by_reason"].get(reason, 0) + n
+    kept = st["first_drop"]
+    if error is not None and (kept is None or (order(source), source) < (order(kept[0]), kept[0])):
+        st["first_drop"] = (source, error)
+
+
+def _format_keys(spec: InputSpec, fmt: str) -> str:
+    """The keys of `spec` that `fmt` reads its rows with (for a message about rows that lack them)."""
+    keys = {"messages": ("messages_key",), "prompt_response": ("prompt_key", "response_key"),
+            "verl": ("prompt_key", "response_key"), "function": ("function",)}.get(fmt, ())
+    return ", ".join(f"{key} {getattr(spec, key)!r}" for key in keys)
+
+
+def input_losses(cfg: DataConfig, stats: list[dict]) -> tuple[list[str], list[str]]:
+    """(inputs that lost every row, inputs that lost more than `input_loss_warning` of them), as sentences naming
+    the input, its format, the drop reasons and its first dropped row. Rows a user function filters out are not
+    losses."""
+    emptied, warnings = [], []
+    for i, st in enumerate(stats):
+        reasons = {r: n for r, n in sorted(st["dropped_by_reason"].items()) if r != FILTERED}
+        lost = sum(reasons.values())
+        rows = st["in"] - st["dropped_by_reason"].get(FILTERED, 0)
+        if not lost:
+            continue
+        first = f"; the first: {st['first_drop'][1]}" if st["first_drop"] else ""
+        what = f"inputs[{i}] ({', '.join(st['path'])}, format {st['format']})"
+        counts = ", ".join(f"{reason} {n}" for reason, n in reasons.items())
+        if not st["out"]:
+            keys = _format_keys(cfg.inputs[i], st["format"])
+            emptied.append(f"{what} lost all its {lost} rows ({counts}{first}): nothing of it would be trained. Check "
+                           f"its format and keys{f' ({keys})' if keys else ''}, or remove it from inputs")
+        elif lost > cfg.input_loss_warning * rows:
+            warnings.append(f"{what} lost {lost} of its {rows} rows ({lost / rows:.0%}: {counts}{first}), more than "
+                            f"input_loss_warning {cfg.input_loss_warning:g}")
+    return emptied, warnings
+
+
 # ---------------------------------------------------------------------------------------------- stage
 def convert_all(cfg: DataConfig, executor: Executor, parts_dir: Path, stats: list[dict], dropped: dict,
                 dropped_at: DroppedAt, category_ids: CategoryIds, sizes: dict[str, int]) -> list[FinishTask]:
@@ -647,9 +700,13 @@ def convert_all(cfg: DataConfig, executor: Executor, parts_dir: Path, stats: lis
             error = done.first_error
             if error is not None and cfg.on_error != "skip":
                 raise RecordError(task.source(error.where, lines_before), error.field, error.message, error.reason)
+            if done.out_of_memory is not None:
+                raise LineMemoryError(task.source(done.out_of_memory.where, lines_before), done.out_of_memory.message)
             st["in"] += done.rows
+            source = None if error is None else task.source(error.where, lines_before)
+            count_input_drops(st, done.dropped, source,
+                              None if error is None else f"{source}: {error.field}: {error.message}", dropped_at.order)
             for reason, n in done.dropped.items():
-                st["dropped"] += n
                 dropped[reason] = dropped.get(reason, 0) + n
             for reason, places in done.dropped_at.items():
                 for where in places:
@@ -682,24 +739,32 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
     ratio_path = cfg.ratio_file
     existing = read_ratio_file(ratio_path)
     category_ids = CategoryIds(existing)
-    stats = [{"path": spec.path, "format": spec.format, "in": 0, "out": 0, "dropped": 0} for spec in cfg.inputs]
+    stats = [{"path": spec.path, "format": spec.format, "in": 0, "out": 0, "dropped": 0, "dropped_by_reason": {},
+              "first_drop": None} for spec in cfg.inputs]
     dropped: dict[str, int] = {}
     dropped_at = DroppedAt(source_order(paths))
     sizes: dict[str, int] = {}
     with executor.scratch(Path(cfg.canonical_path).parent, "preprocess-parts") as parts_dir:
         finish = convert_all(cfg, executor, parts_dir, stats, dropped, dropped_at, category_ids, sizes)
+        emptied, lossy = input_losses(cfg, stats)
+        if emptied:  # before canonical.jsonl is replaced
+            raise ConfigError(f"preprocess: {'; '.join(emptied)}")
         check_ratio_names(existing, sizes, ratio_path)  # before canonical.jsonl is replaced
         n_out = sum(st["out"] for st in stats)
         with progress(total=n_out, desc="preprocess: canonical lines", unit="rec") as bar:
             finished = executor.map(finish_part, finish, size="ranges")
             executor.concatenate(cfg.canonical_path, (bar.update(done.records) or done.part for done in finished))
     write_ratio_file(ratio_path, merge_ratio_categories(existing, category_ids.ids, sizes))
+    for st in stats:
+        st["dropped_by_reason"] = sorted_counts(st["dropped_by_reason"])
+        st["first_drop"] = st["first_drop"] and st["first_drop"][1]
     section = {
         "in": sum(st["in"] for st in stats), "out": n_out, "dropped": sorted_counts(dropped),
         "dropped_at": dropped_at.section(), "inputs": stats,
         "category_sizes": {name: sizes[name] for name in sorted(sizes, key=category_ids)},
         "ratio_file": str(ratio_path), "output": str(cfg.canonical_path),
-        "empty_inputs": empty, "warnings": [f"input {path} is empty (no row)" for path in empty],
+        "empty_inputs": empty, "warnings": [f"input {path} is empty (no row)" for path in empty] + lossy,
+        "input_loss_warning": cfg.input_loss_warning,
     }
     check_arithmetic(section)
     update_report(cfg.report_path, "preprocess", section)

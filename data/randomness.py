@@ -21,6 +21,11 @@ PACK_LEFTOVERS = 6  # the seed of pack's global pass over the rows the partition
 PACK_CHECK_RECORDS = 7
 PACK_CHECK_LENGTHS = 8
 PACK_CHECK_UIDS = 9
+PACK_LAYER = 10  # the seed of pack's copy layer l >= 1 within a plan (layer 0 plans with the plan's own seed)
+# pack's duplicate-row count hashes each row's sequences (their ordered source uids, or their tokenized row)
+PACK_ROW_SEQUENCE = 11
+PACK_ROW_UNNAMED = 12
+PACK_ROW_KEY = 13
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)

@@ -141,6 +141,9 @@ def format_table(stats: dict) -> str:
         f"{'rows / lower bound':<28}{stats['rows_over_lower_bound']:>16.5f}",
         f"{'sequences/row min/mean/max':<28}{spr['min']:>6,} {spr['mean']:>8.2f} {spr['max']:>6,}",
     ]
+    if "duplicate_rows" in stats:
+        lines.append(f"{'duplicate rows':<28}{stats['duplicate_rows']:>16,}")
+        lines.append(f"{'rows with a record twice':<28}{stats['rows_with_a_record_twice']:>16,}")
     if stats["categories"]:
         lines.append("")
         lines.append(f"{'category':<24}{'tokens':>16}{'loss tokens':>16}{'share':>9}")

@@ -27,7 +27,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from data.chat_template import TemplateInfo, analyze_template, load_chat_tokenizer
+from data.chat_template import RenderBound, TemplateInfo, analyze_template, load_chat_tokenizer
 from data.config import ConfigError, DataConfig, output_config, to_dict
 from data.executor import ByteRange, Executor, LocalExecutor, count_lines, spread_ranges
 from data.fidelity import STAT_KEYS, FidelityOptions, Rendered, asked_chars, render_merged, template_renders_reasoning
@@ -90,6 +90,7 @@ class TokenizeContext:
     reasoning: str = "auto"
     reasoning_tags: tuple[str, str] = FidelityOptions.reasoning_tags
     tool_arguments: str = "parse"
+    render_bound: RenderBound = RenderBound(None, "the chat template")  # time to render one record (render_timeout)
     backend: Any = field(init=False, repr=False)
     fidelity: FidelityOptions = field(init=False, repr=False)
     renders_reasoning: bool = field(init=False, repr=False)
@@ -107,11 +108,12 @@ class TokenizeContext:
 
     @classmethod
     def from_config(cls, cfg: DataConfig) -> "TokenizeContext":
-        tokenizer = load_chat_tokenizer(cfg.tokenizer_path, cfg.chat_template)
-        return cls(tokenizer=tokenizer, info=analyze_template(tokenizer), max_length=cfg.max_length,
+        tokenizer = load_chat_tokenizer(cfg.tokenizer_path, cfg.chat_template, cfg.render_timeout)
+        bound = RenderBound.of(cfg.tokenizer_path, cfg.chat_template, cfg.render_timeout)
+        return cls(tokenizer=tokenizer, info=analyze_template(tokenizer, bound), max_length=cfg.max_length,
                    overlong=cfg.effective_overlong, on_error=cfg.on_error,
                    structure=cfg.structure, enable_thinking=cfg.enable_thinking, reasoning=cfg.reasoning,
-                   reasoning_tags=tuple(cfg.reasoning_tags), tool_arguments=cfg.tool_arguments)
+                   reasoning_tags=tuple(cfg.reasoning_tags), tool_arguments=cfg.tool_arguments, render_bound=bound)
 
 
 # ---------------------------------------------------------------------------------------------- the pure core
@@ -341,7 +343,8 @@ def tokenize_records(
 
     Returns, per record in order, a TokenizedSequence or the RecordError that rejects it (reason keys:
     the validation reasons of data.records, `template_error`, `template_mismatch`, `no_trainable_token`,
-    `overlong`, `structure`). Policies are the caller's: nothing here raises for a bad record.
+    `overlong`, `structure`). Policies are the caller's: nothing here raises for a bad record. A record the
+    template renders for longer than `ctx.render_bound` raises a ConfigError naming the template and the record.
     """
     n = len(records)
     sources = sources if sources is not None else [f"record {i}" for i in range(n)]
@@ -351,7 +354,8 @@ def tokenize_records(
     prepared = []
     for i, rec in enumerate(records):
         try:
-            prepared.append((i,) + _prepare(rec, sources[i], ctx))
+            with ctx.render_bound.rendering(sources[i]):
+                prepared.append((i,) + _prepare(rec, sources[i], ctx))
         except RecordError as exc:
             exc.category_id, exc.category_name = _raw_category(rec), _raw_category_name(rec)
             out[i] = exc

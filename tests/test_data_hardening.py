@@ -71,13 +71,17 @@ with atomic_writer({str(out / 'canonical.jsonl')!r}) as f, atomic_writer({str(tm
     calls = []
     monkeypatch.setitem(sys.modules, "data.pack", _fake_stage("pack", calls))
     pipeline.main([str(_minimal_config(tmp_path)), "--stages", "pack"])
-    first = capsys.readouterr().out.splitlines()[0]
+    first, kept = capsys.readouterr().out.splitlines()[:2]
     assert first.startswith("[cleanup] removed 4 temporaries of killed runs (")
+    assert kept.startswith("[cleanup] kept 1 temporary named by pid alone") and kept.endswith(f"{live} (pid {os.getpid()})")
     for name in left[:2]:
         assert str(out / name) in first
     assert sorted(p.name for p in out.iterdir()) == sorted([live.name, aside.name, "sampled.jsonl"])
     assert not list(tmp_path.glob(".ratios.json.*"))
     assert calls == ["pack"]
+    pipeline.main([str(_minimal_config(tmp_path)), "--stages", "pack"])  # nothing left to remove
+    assert capsys.readouterr().out.splitlines()[0].startswith("[cleanup] kept 1 temporary named by pid alone")
+    live.rmdir()
     pipeline.main([str(_minimal_config(tmp_path)), "--stages", "pack"])  # nothing left: no cleanup line
     assert not capsys.readouterr().out.startswith("[cleanup]")
 
@@ -175,6 +179,7 @@ def test_disk_full_leaves_a_consistent_report_and_one_line(example_run, tmp_path
     from data import shards
     from data.report import read_report
 
+    monkeypatch.chdir(ROOT)  # the command the error suggests names data_process.sh from here
     config, out = _copy_run(example_run, tmp_path)
     before = read_report(out / "report.json")
     metas = {d: (out / d / "meta.json").read_bytes() for d in ("tokenized", "packed")}
@@ -190,7 +195,7 @@ def test_disk_full_leaves_a_consistent_report_and_one_line(example_run, tmp_path
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"error: tokenize: no space left on device writing under {out} (") and \
-        err[-1].endswith("re-run: --stages tokenize,pack")
+        err[-1].endswith(f"re-run: sh data_process.sh {config} --stages tokenize,pack")
     assert not any(line.startswith(("Traceback", "OSError")) for line in err)
     report = read_report(out / "report.json")
     assert [k for k in report if k in pipeline.STAGES] == ["preprocess", "sample", "merge"]
@@ -275,9 +280,10 @@ def test_empty_or_corrupt_parquet_names_the_file(tmp_path, capsys, content):
     assert not any("Traceback" in line for line in err)
 
 
-def test_stages_refuse_the_output_of_another_tokenizer(example_run, tmp_path, capsys):
+def test_stages_refuse_the_output_of_another_tokenizer(example_run, tmp_path, capsys, monkeypatch):
     import shutil
 
+    monkeypatch.chdir(ROOT)  # the command the error suggests names data_process.sh from here
     config, out = _copy_run(example_run, tmp_path)
     other = tmp_path / "other_tokenizer"
     shutil.copytree(ROOT / "data/example/tokenizer", other)
@@ -291,8 +297,8 @@ def test_stages_refuse_the_output_of_another_tokenizer(example_run, tmp_path, ca
             pipeline.main([str(config), "--stages", stages, f"tokenizer_path={other}"])
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"error: tokenizer_path: {made}") and f"from {original}) than the config's {other}" in err
-        assert err.endswith(f"re-run from that stage with this tokenizer (--stages {rerun}), or set "
-                            "tokenizer_path/chat_template back")
+        assert err.endswith(f"re-run from that stage with this tokenizer (sh data_process.sh {config} --stages "
+                            f"{rerun} tokenizer_path={other}), or set tokenizer_path/chat_template back")
     assert (out / "packed" / "meta.json").read_bytes() == packed_meta  # nothing ran
     pipeline.main([str(config), "--stages", "merge,tokenize,pack", f"tokenizer_path={other}"])  # the way out
     assert orjson.loads((out / "packed" / "meta.json").read_bytes())["tokenizer_path"] == str(other)

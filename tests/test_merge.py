@@ -238,7 +238,8 @@ def test_run_matches_a_reference_that_counts_every_record(tmp_path, monkeypatch)
 
     counted = []
     real = merge.count_tokens_batch
-    monkeypatch.setattr(merge, "count_tokens_batch", lambda t, recs, o: counted.extend(recs) or real(t, recs, o))
+    monkeypatch.setattr(merge, "count_tokens_batch",
+                        lambda t, recs, o, *rest: counted.extend(recs) or real(t, recs, o, *rest))
     cfg = setup(tmp_path, records, seed=seed, merge=MergeConfig(probability=p, max_tokens=budget))
     merge.run(cfg)
     got = [o["meta"].get("uids", [o["meta"].get("uid")]) for o in iter_jsonl(cfg.merged_path)]
@@ -257,7 +258,7 @@ def _synthetic_records(rng, n):
     return out
 
 
-def _fake_prepare_records(records, needed, loss_turns, tokenizer_key, opts):
+def _fake_prepare_records(records, needed, loss_turns, tokenizer_key, opts, sources):
     """`merge.prepare_records` with the records' own counts and keys; those not asked for are None, so a decision
     that used one would differ from the reference (a record error, or a key that compares unequal)."""
     zeroed = [merge.apply_loss_turns(r, loss_turns) for r in records]

@@ -41,15 +41,15 @@ def fake_stage(name, calls):
 def test_driver_runs_requested_stages_in_order_and_ends_with_packed_dir(tmp_path, monkeypatch, capsys):
     config = write_config(tmp_path)
     calls = []
-    for name in ("tokenize", "pack"):
+    for name in ("sample", "merge", "tokenize", "pack"):
         monkeypatch.setitem(sys.modules, f"data.{name}", fake_stage(name, calls))
-    pipeline.main([str(config), "--stages", "pack,preprocess,tokenize", "max_length=4096",
+    pipeline.main([str(config), "--stages", "pack,sample,merge,preprocess,tokenize", "max_length=4096",
                    "ratio_path=" + str(tmp_path / "r.json")])
     lines = capsys.readouterr().out.strip().splitlines()
-    assert [line.split("]")[0] for line in lines[:3]] == ["[preprocess", "[tokenize", "[pack"]
+    assert [line.split("]")[0] for line in lines[:5]] == ["[preprocess", "[sample", "[merge", "[tokenize", "[pack"]
     assert lines[0].startswith("[preprocess] in=530 out=530")
     assert lines[-1] == f"packed: {tmp_path / 'out' / 'packed'}"
-    assert calls == [("tokenize", 4096), ("pack", 4096)]
+    assert calls == [("sample", 4096), ("merge", 4096), ("tokenize", 4096), ("pack", 4096)]
     assert (tmp_path / "r.json").exists() and not (tmp_path / "out" / "sampled.jsonl").exists()
 
 
