@@ -538,21 +538,3 @@ def test_preprocess_and_sample_lines_are_written_by_the_workers(fault_dir, tmp_p
     assert cfg.canonical_path.stat().st_size > 20 * 2000  # many ranges
     assert [p.name for p in cfg.out.glob(".*")] == [], "parts or temp files left behind"
 
-
-def test_unreachable_ray_address_stops_the_pipeline_in_seconds(tmp_path):
-    """The whole pipeline with engine: ray and a ray_address nothing answers at: a ConfigError naming the key and
-    the address before any stage runs (not Ray's 60-90 s of retries and a traceback naming neither)."""
-    import socket
-    import time
-
-    from data.config import ConfigError
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cfg = example_config(tmp_path, "out", "engine=ray", f"ray_address=ray://127.0.0.1:{port}")
-    start = time.monotonic()
-    with pytest.raises(ConfigError, match=rf"ray_address='ray://127\.0\.0\.1:{port}'"):
-        pipeline.run_pipeline(cfg)
-    assert time.monotonic() - start < 10
-    assert not (cfg.out / "canonical.jsonl").exists()

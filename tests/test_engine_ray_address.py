@@ -1,8 +1,12 @@
 """`ray_address` that nothing answers at: refused in seconds naming the key and the address (Ray itself retries for
 60-90 s and then raises a traceback naming neither). Needs no Ray: the check runs before `ray.init`."""
+import os
 import socket
+import subprocess
+import sys
 import time
 
+import orjson
 import pytest
 
 from data.config import ConfigError
@@ -36,3 +40,27 @@ def test_reachable_address_passes():
         server.bind(("127.0.0.1", 0))
         server.listen()
         check_reachable(f"ray://127.0.0.1:{server.getsockname()[1]}")
+
+
+def test_data_process_with_an_unreachable_ray_address_stops_in_seconds_naming_it(tmp_path):
+    """The user's command, `data_process.sh config engine=ray ray_address=...` with nothing at the address: exit 2 in
+    seconds with one line naming the key and the address, before any stage writes."""
+    pytest.importorskip("ray", reason="Ray is not installed (pip install -r requirements-ray.txt)")
+    from tests.conftest import ROOT
+
+    raw = orjson.loads((ROOT / "configs/data/example.json").read_bytes())
+    raw.update(output_dir=str(tmp_path / "out"), ratio_path=str(ROOT / raw["ratio_path"]),
+               tokenizer_path=str(ROOT / raw["tokenizer_path"]),
+               inputs=[{**spec, "path": str(ROOT / spec["path"])} for spec in raw["inputs"]])
+    config = tmp_path / "config.json"
+    config.write_bytes(orjson.dumps(raw))
+    address = f"ray://127.0.0.1:{_closed_port()}"
+    start = time.monotonic()
+    proc = subprocess.run(["sh", str(ROOT / "data_process.sh"), str(config), "engine=ray", f"ray_address={address}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"ray_address='{address}': nothing answers at" in proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - start < 60  # Python, torch-free imports and the check: seconds, not Ray's 60-90 s
+    assert not (tmp_path / "out" / "canonical.jsonl").exists()

@@ -232,18 +232,14 @@ def _all_reduce_sum_bucketed(tensors: list[torch.Tensor], bucket_elements: int =
 
 
 def _init_single_process_group() -> None:
-    """A world of one (no launcher environment): rank 0 on a free local port."""
-    import socket
-
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    """A world of one (no launcher environment). Its rendezvous is an in-process store: a free port found by binding
+    and releasing it could be taken by another process before the group's store binds it again (EADDRINUSE, seen
+    under load)."""
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
-    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo", world_size=1, rank=0)
+    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(),
+                            world_size=1, rank=0)
 
 
 def choose_sp_backend(requested: str, structure: bool, half_precision: bool) -> str:
