@@ -3,12 +3,15 @@
 `tiny_config(model_type)` starts from the family's default config and shrinks every size it knows (hidden 64,
 2-4 layers, 4 heads, 2 kv heads, head dim 16, vocab 128, small experts and states), keeps one layer of every
 kind the default has (`layer_types`), zeroes dropout, and sets the features the suite must see bite: sliding
-windows shorter than the test sequences, softcaps small enough to matter, non-trivial logit scales.
+windows shorter than the test sequences, attention softcaps small enough to matter, and the logit transform of the
+family's spec (train/families.py) with values that change the logits.
 `FAMILY_OVERRIDES` holds what a family needs beyond that (its own size names, validated relations).
 """
 from __future__ import annotations
 
 from typing import Any
+
+from train.families import FAMILIES, LogitOp
 
 VOCAB = 128
 WINDOW = 4  # shorter than the conformance sequences, so a dropped window shows
@@ -26,11 +29,10 @@ SHRINK: dict[str, Any] = {
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
     "global_head_dim": 16, "num_global_key_value_heads": 2, "intermediate_size_mlp": 96,
     "index_head_dim": 16, "index_n_heads": 2, "index_topk": 4,
-    "attn_logit_softcapping": 0.5, "final_logit_softcapping": 0.3, "logits_soft_cap": 0.3,
-    "output_logit_soft_cap": 0.3,
+    "attn_logit_softcapping": 0.5,
 }
-# (attribute, value) set only when the default has a non-null value of that attribute: a feature the family has
-FEATURE_VALUES = {"logit_scale": 0.3, "logits_scaling": 4.0, "lm_head_multiplier": 0.5}
+# the value of each attribute of the family's logit transform, by how it applies (a padded vocabulary keeps its own)
+LOGIT_VALUES = {LogitOp.SOFTCAP: 0.3, LogitOp.MULTIPLY: 0.3, LogitOp.DIVIDE: 4.0, LogitOp.DIVIDE_HIDDEN: 4.0}
 
 
 def _layer_types(default_types: list, n_layers: int) -> list:
@@ -70,7 +72,7 @@ RECURRENT_FAMILIES = {
     "kimi_linear": dict(layer_types=LINEAR_THEN_FULL, linear_num_heads=4, linear_head_dim=16, q_lora_rank=None, **MLA),
     "bailing_hybrid": dict(layer_types=LINEAR_THEN_FULL, q_lora_rank=16, num_mtp_layers=0, first_k_dense_replace=2,
                            **MLA),
-    "falcon_h1": dict(mamba_d_head=32, mamba_d_ssm=None, lm_head_multiplier=0.5, **MAMBA2_HEADS),
+    "falcon_h1": dict(mamba_d_head=32, mamba_d_ssm=None, **MAMBA2_HEADS),
     "granitemoehybrid": dict(layer_types=["mamba", "attention"], shared_intermediate_size=32, **MAMBA2_HEADS),
     "bamba": dict(attn_layer_indices=[1], **MAMBA2_HEADS),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
@@ -105,10 +107,10 @@ def tiny_config(model_type: str, **overrides):
     cls = CONFIG_MAPPING[model_type]
     default = cls()
     kwargs = {k: v for k, v in SHRINK.items() if _has(default, k)}
-    for key, value in FEATURE_VALUES.items():
-        settable = not isinstance(getattr(cls, key, None), property)
-        if settable and _get(default, key) not in (None, 1, 1.0):
-            kwargs[key] = value
+    spec = FAMILIES.get(model_type)
+    for attribute, op in spec.logits if spec is not None else ():
+        if op in LOGIT_VALUES:  # a derived attribute (a property, MiniCPM3's) is dropped below
+            kwargs[attribute] = LOGIT_VALUES[op]
     if _has(default, "kv_lora_rank"):  # multi-head latent attention: as many kv heads as heads
         kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
     for key in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):

@@ -6,8 +6,9 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from train.lm_head import LMHead, UnsupportedLMHead, check_lm_head, decoder_of, lm_head_of, verify_lm_head
+from train.lm_head import LMHead, check_lm_head, decoder_of, lm_head_of, verify_lm_head
 from train.loss import weighted_lm_loss
+from train.model_support import UnsupportedModelError
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, vocab_size=128, attention_dropout=0.0, hidden_dropout=0.0, max_position_embeddings=256)
@@ -170,7 +171,7 @@ class LogitDoublingLlama(LlamaForCausalLM):
 def test_unknown_logit_transform_raises_a_clear_error():
     torch.manual_seed(0)
     lm = LogitDoublingLlama(LlamaConfig(**TINY))
-    with pytest.raises(UnsupportedLMHead, match=r"'llama'.*differ from the reproduced head.*table does not know"):
+    with pytest.raises(UnsupportedModelError, match=r"'llama'.*differ from the reproduced head.*table does not know"):
         verify_lm_head(lm)
 
 
@@ -179,10 +180,10 @@ def test_unreproducible_heads_raise_a_clear_error():
     prophetnet = AutoModelForCausalLM.from_config(CONFIG_MAPPING["prophetnet"](
         hidden_size=64, vocab_size=128, num_encoder_layers=1, num_decoder_layers=1, encoder_ffn_dim=128,
         decoder_ffn_dim=128, num_encoder_attention_heads=4, num_decoder_attention_heads=4))
-    with pytest.raises(UnsupportedLMHead, match=r"'prophetnet': .*n-gram streams.*To train it"):
+    with pytest.raises(UnsupportedModelError, match=r"'prophetnet': .*n-gram streams.*To train it"):
         lm_head_of(prophetnet)
     # BERT's prediction transform (dense + activation + norm) runs between the decoder and the output embedding
-    with pytest.raises(UnsupportedLMHead, match=r"'bert': .*nested in the head module cls"):
+    with pytest.raises(UnsupportedModelError, match=r"'bert': .*nested in the head module cls"):
         lm_head_of(tiny_lm("bert", is_decoder=True))
 
 
@@ -228,5 +229,5 @@ def test_chunked_head_with_bias_and_padded_vocabulary_matches_the_reference():
 def test_bf16_model_passes_the_start_up_check_and_the_plain_head_fails_it():
     lm = tiny_lm("gemma2", final_logit_softcapping=SOFTCAP).to(torch.bfloat16)
     assert verify_lm_head(lm) < 3e-2
-    with pytest.raises(UnsupportedLMHead):
+    with pytest.raises(UnsupportedModelError):
         verify_lm_head(lm, LMHead())

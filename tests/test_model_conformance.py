@@ -1,13 +1,15 @@
 """Every causal-LM family of the installed transformers trains exactly on a packed row, or is refused.
 
-For each family of transformers' causal-LM auto mapping (tests/model_zoo.py builds a tiny random-init config that
-exercises its features: windows shorter than the sequences, softcaps that bite, non-trivial logit scales):
-- `exact` (train/model_support.py): a packed row of four sequences through PackSFT (`PackedCausalLM`: packed
-  attention on the CPU reference backend, recurrent restarts, chunked loss head) equals transformers' own eager
-  forward on each sequence alone — loss within 1e-5 and every parameter's gradient within 1e-4 relative (fp32);
+Parametrized from the family table (train/families.py); for each family (tests/model_zoo.py builds a tiny
+random-init config that exercises its features: windows shorter than the sequences, softcaps that bite, the logit
+transform of its spec with non-trivial values):
+- `exact`: a packed row of four sequences through PackSFT (`PackedCausalLM`: packed attention on the CPU reference
+  backend, recurrent restarts, chunked loss head) equals transformers' own eager forward on each sequence alone —
+  loss within 1e-5 and every parameter's gradient within 1e-4 relative (fp32); so do the length-dependent ropes of
+  its spec (`ropes`), on both sides of their switch point;
 - `refused`: `check_model_support` stops it before any weight is loaded, naming the family and the reason.
-A family the table does not classify fails `test_every_family_is_classified`: a new transformers release that
-adds a family fails this suite until it is classified.
+A causal LM of transformers' auto mapping that the table does not classify fails `test_every_family_is_classified`:
+a new transformers release that adds a family fails this suite until it is classified.
 """
 from __future__ import annotations
 
@@ -15,21 +17,18 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import train.attention  # noqa: F401  (registers attn_implementation="packsft")
 from tests.model_zoo import VOCAB, tiny_config
+from train.families import FAMILIES
 from train.model_check import compare_packed_with_reference
-from train.model_support import (
-    EXACT,
-    REFUSED,
-    UnsupportedModelError,
-    check_model_support,
-    family_status,
-)
+from train.model_support import UnsupportedModelError, check_model_support
 from train.trainer import PackedCausalLM
 
-FAMILIES = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+EXACT = [model_type for model_type, spec in sorted(FAMILIES.items()) if spec.status == "exact"]
+REFUSED = [model_type for model_type, spec in sorted(FAMILIES.items()) if spec.status == "refused"]
 SEQUENCE_LENGTHS = (7, 11, 5, 9)
 
 
@@ -42,23 +41,25 @@ def _one_thread():
 
 
 def test_every_family_is_classified():
-    unclassified = [f for f in FAMILIES if family_status(f) == "unverified"]
+    unclassified = sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - set(FAMILIES))
     assert not unclassified, (
-        f"families of transformers' causal-LM mapping with no classification in train/model_support.py: "
-        f"{unclassified}; add each to EXACT (and make this suite pass for it) or to REFUSED with the reason")
+        f"families of transformers' causal-LM mapping with no spec in train/families.py: {unclassified}; add each, "
+        f"exact (and make this suite pass for it) or refused with the reason")
 
 
 def test_the_table_names_only_real_families():
-    stale = sorted((set(EXACT) | set(REFUSED)) - set(FAMILIES))
-    assert not stale, f"train/model_support.py classifies model types transformers does not have: {stale}"
+    stale = sorted(set(FAMILIES) - set(CONFIG_MAPPING_NAMES))
+    assert not stale, f"train/families.py has specs of model types transformers does not have: {stale}"
+    not_causal = sorted(set(EXACT) - set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+    assert not not_causal, f"exact families that AutoModelForCausalLM cannot build: {not_causal}"
 
 
-@pytest.mark.parametrize("model_type", [f for f in FAMILIES if family_status(f) == "refused"])
+@pytest.mark.parametrize("model_type", REFUSED)
 def test_refused_family_stops_before_training(model_type):
     config = SimpleNamespace(model_type=model_type)  # no weights, no config validation: the type alone decides
     with pytest.raises(UnsupportedModelError, match=f"model family '{model_type}'") as err:
         check_model_support(config)
-    assert REFUSED[model_type].why in str(err.value)
+    assert FAMILIES[model_type].refusal.why in str(err.value)
 
 
 def _packed_check(config, lengths):
@@ -72,7 +73,7 @@ def _packed_check(config, lengths):
     return compare_packed_with_reference(model, sequences)
 
 
-@pytest.mark.parametrize("model_type", [f for f in FAMILIES if family_status(f) == "exact"])
+@pytest.mark.parametrize("model_type", EXACT)
 def test_exact_family_packed_equals_unpacked(model_type):
     config = tiny_config(model_type)
     assert check_model_support(config) == "exact"  # the suite's config is one PackSFT accepts
@@ -90,33 +91,37 @@ def _longrope(**extra) -> dict:
 
 
 _DYNAMIC = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
-# rope types whose frequencies depend on the length of the sequence (train/rope.py): longrope (Phi-3 / Phi-3.5 /
-# Phi-4-mini; PhiMoE also switches its scale) switches to its long factors past original_max_position_embeddings,
-# dynamic NTK scales its base to the length past max_position_embeddings (also on one layer type of two). No
-# sliding window here: the rope's effect is not confined to 4 tokens.
-LENGTH_DEPENDENT_ROPES = {
-    "phi3-longrope": ("phi3", dict(sliding_window=None, original_max_position_embeddings=SWITCH,
-                                   rope_parameters=_longrope())),
-    "phimoe-longrope": ("phimoe", dict(sliding_window=None,
-                                       rope_parameters=_longrope(short_mscale=1.0, long_mscale=1.3))),
-    "llama-dynamic": ("llama", dict(max_position_embeddings=SWITCH, rope_parameters=_DYNAMIC)),
-    "gemma3_text-dynamic-full-layers": ("gemma3_text", dict(max_position_embeddings=SWITCH, rope_parameters={
-        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}, "full_attention": _DYNAMIC})),
+# (family, rope type) of the families' `ropes` -> the config that sets it: rope types whose frequencies depend on
+# the length of the sequence (train/rope.py): longrope (Phi-3 / Phi-3.5 / Phi-4-mini; PhiMoE also switches its
+# scale) switches to its long factors past original_max_position_embeddings, dynamic NTK scales its base to the
+# length past max_position_embeddings (gemma3_text: on its full-attention layers only). No sliding window here: the
+# rope's effect is not confined to 4 tokens.
+ROPE_CONFIGS = {
+    ("phi3", "longrope"): dict(sliding_window=None, original_max_position_embeddings=SWITCH,
+                               rope_parameters=_longrope()),
+    ("phimoe", "longrope"): dict(sliding_window=None, rope_parameters=_longrope(short_mscale=1.0, long_mscale=1.3)),
+    ("llama", "dynamic"): dict(max_position_embeddings=SWITCH, rope_parameters=_DYNAMIC),
+    ("gemma3_text", "dynamic"): dict(max_position_embeddings=SWITCH, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}, "full_attention": _DYNAMIC}),
 }
+ROPE_CASES = [(model_type, rope) for model_type, spec in sorted(FAMILIES.items()) for rope in spec.ropes]
 # both sides of the switch point in one packed row: 10 and 16 tokens (short factors, unscaled), 40 and 23 (long
 # factors; dynamic NTK scaled to 40 and to 23)
 ROPE_SEQUENCE_LENGTHS = (10, 40, 16, 23)
 
 
-@pytest.mark.parametrize("case", sorted(LENGTH_DEPENDENT_ROPES))
-def test_length_dependent_rope_packed_equals_unpacked(case):
+def test_every_rope_case_has_a_config():
+    assert sorted(ROPE_CONFIGS) == sorted(ROPE_CASES), "a family's `ropes` and ROPE_CONFIGS disagree"
+
+
+@pytest.mark.parametrize("model_type,rope_type", ROPE_CASES)
+def test_length_dependent_rope_packed_equals_unpacked(model_type, rope_type):
     """transformers picks these frequencies from the longest position of a call; packed, each sequence must still
     get those of its own length (the model's own forward on it alone)."""
-    model_type, overrides = LENGTH_DEPENDENT_ROPES[case]
-    config = tiny_config(model_type, **overrides)
+    config = tiny_config(model_type, **ROPE_CONFIGS[model_type, rope_type])
     assert check_model_support(config) == "exact"
     result = _packed_check(config, ROPE_SEQUENCE_LENGTHS)
-    assert result.ok, f"{case}: {result.describe()}"
+    assert result.ok, f"{model_type} with rope_type {rope_type}: {result.describe()}"
 
 
 # config values that change which tokens a token attends to (train/model_support.py ATTENTION_SETTINGS)

@@ -12,9 +12,9 @@ from torch import nn
 
 import train.attention  # noqa: F401  (registers attn_implementation="packsft")
 from train.attention import AttentionContext
+from train.model_support import UnsupportedModelError
 from train.recurrent import (
     SequenceRestart,
-    UnsupportedRecurrentModel,
     install_sequence_restart,
     recurrent_mixers,
     sequence_parallel_problem,
@@ -242,7 +242,7 @@ def test_unknown_recurrent_family_is_flagged_and_refused():
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB))
     lm.model.layers[1].mlp = SequenceConvolution(64)
     assert recurrent_mixers(lm) == ["model.layers.1.mlp"]
-    with pytest.raises(UnsupportedRecurrentModel, match="model.layers.1.mlp"):
+    with pytest.raises(UnsupportedModelError, match="model.layers.1.mlp"):
         install_sequence_restart(lm)
     assert "model.layers.1.mlp" in sequence_parallel_problem(lm)
 

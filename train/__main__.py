@@ -85,11 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(config_path, argv)
         cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))  # before the model (and most imports) load
         from train.checkpoint import CheckpointError
-        from train.lm_head import UnsupportedLMHead
         from train.model_check import SelfCheckError
         from train.model_support import UnsupportedModelError
         from train.nonfinite import NonFiniteError
-        from train.recurrent import UnsupportedRecurrentModel
         from train.trainer import Trainer
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
@@ -105,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    except (UnsupportedModelError, UnsupportedRecurrentModel, UnsupportedLMHead) as exc:
+    except UnsupportedModelError as exc:
         print(f"model not supported: {exc}", file=sys.stderr)
         return 2
     except SelfCheckError as exc:

@@ -37,6 +37,7 @@ import torch
 from transformers import AttentionInterface
 
 from train import varlen_kernels
+from train.families import FAMILIES
 from train.varlen_kernels import NO_FEATURES, AttentionFeatures, VarlenBounds, varlen_attention
 
 ATTN_IMPLEMENTATION = "packsft"
@@ -346,17 +347,17 @@ def model_attention_features(lm: torch.nn.Module) -> AttentionFeatures:
 WINDOW_FROM_MASK = object()  # the layer passed no `sliding_window` at all (None would mean "no window")
 
 
-MASK_WINDOW_FAMILIES = ("phimoe",)  # window only in the mask function, from config.sliding_window, every layer
-
-
 def mask_only_window(module: torch.nn.Module) -> int | None:
     """The window of a layer that passes no `sliding_window` to the attention function. Such families apply it
     through transformers' mask function alone: Qwen2-MoE on the layers it marks sliding (their attention module
-    holds `sliding_window`), PhiMoE on every layer whenever `config.sliding_window` is set. 0 means none."""
+    holds `sliding_window`), a family with `mask_only_window` (train/families.py: PhiMoE) on every layer whenever
+    `config.sliding_window` is set. 0 means none."""
+    config = getattr(module, "config", None)
+    spec = FAMILIES.get(getattr(config, "model_type", None))
     if hasattr(module, "sliding_window"):
         window = module.sliding_window
-    elif getattr(getattr(module, "config", None), "model_type", None) in MASK_WINDOW_FAMILIES:
-        window = module.config.sliding_window
+    elif spec is not None and spec.mask_only_window:
+        window = config.sliding_window
     else:
         window = None
     return window or None

@@ -5,7 +5,7 @@ The trainer computes the loss from the decoder body's final hidden states and th
 (train/loss.py), so it skips what `*ForCausalLM.forward` does between the two: Gemma-2's logit softcap, Cohere's
 logit scale, Granite's logits scaling, MiniCPM3's division of the hidden states... Without them a model trains on
 other logits than the ones it is evaluated and sampled with. `lm_head_of` reads the transform from the config
-through a table (family -> config attributes -> how each applies, written from the transformers 5.23 sources);
+through the family's `logits` in train/families.py (config attributes and how each applies);
 `check_lm_head` runs the model's own forward and compares its logits with the reproduced ones, which catches a
 family whose forward does something the table does not know (a new family, remote code, a patched forward).
 """
@@ -15,65 +15,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from train.families import FAMILIES, LogitOp
 from train.loss import LMHead
+from train.model_support import UnsupportedModelError
 
-# How a config attribute applies to the logits (None: the family applies nothing).
-SOFTCAP = "softcap"  # logits = value * tanh(logits / value)
-MULTIPLY = "multiply"  # logits *= value
-DIVIDE = "divide"  # logits /= value
-DIVIDE_HIDDEN = "divide_hidden"  # hidden /= value before the head; the same as DIVIDE for a head without bias
-VOCAB_SIZE = "vocab_size"  # logits = logits[..., :value] (a padded output embedding)
-
-_SOFTCAPPED = (("final_logit_softcapping", SOFTCAP),)
-_GRANITE = (("logits_scaling", DIVIDE),)
-
-# family (config.model_type) -> ((attribute of config.get_text_config(), how it applies), ...), in the order the
-# family's forward applies them. A family not listed applies nothing.
-LOGIT_TRANSFORMS: dict[str, tuple[tuple[str, str], ...]] = {
-    **dict.fromkeys(
-        ("gemma2", "gemma3_text", "gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gemma4_unified",
-         "gemma4_unified_text", "vaultgemma", "nanochat", "beam", "paligemma", "mistral_large4"),
-        _SOFTCAPPED,
-    ),
-    "recurrent_gemma": (("logits_soft_cap", SOFTCAP),),
-    "xlstm": (("output_logit_soft_cap", SOFTCAP),),
-    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe", "cohere_compass_text"), (("logit_scale", MULTIPLY),)),
-    **dict.fromkeys(
-        ("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "granitemoehybrid",
-         "granite4_vision", "granite_docling"),
-        _GRANITE,
-    ),
-    **dict.fromkeys(("hyperclovax", "hyperclovax_vision_v2"), (("logits_scaling", MULTIPLY),)),
-    "falcon_h1": (("lm_head_multiplier", MULTIPLY),),
-    **dict.fromkeys(("muse_spark", "muse_glimmer"), (("output_multiplier", MULTIPLY), *_SOFTCAPPED)),
-    "minicpm3": (("logits_scaling", DIVIDE_HIDDEN),),
-    "inkling_text": (("logits_mup_width_multiplier", DIVIDE_HIDDEN), ("unpadded_vocab_size", VOCAB_SIZE)),
-    **dict.fromkeys(("inkling2", "inkling2_text"), (*_SOFTCAPPED, ("unpadded_vocab_size", VOCAB_SIZE))),
-}
-
-# families whose head no LMHead expresses, with what their forward does
-UNREPRODUCIBLE: dict[str, str] = {
-    "chameleon": "its forward sets the logits of the image tokens to the dtype's minimum (out of the softmax)",
-    "prophetnet": "its forward predicts n-gram streams from a second hidden-state output",
-    **dict.fromkeys(
-        ("gemma4_assistant", "gemma4_unified_assistant"),
-        "its forward projects the hidden states and may compute the logits from a masked embedding",
-    ),
-}
-
-
-class UnsupportedLMHead(ValueError):
-    """The trainer cannot reproduce this model's output head, so its loss would not be the model's loss."""
-
-    def __init__(self, family: str, what: str):
-        super().__init__(
-            f"model family {family!r}: {what}. PackSFT computes the loss from the decoder's final hidden states and "
-            f"the output-embedding weight with the logit transform of train/lm_head.py, so it would train this "
-            f"model on other logits than its own forward produces. To train it, describe its head in "
-            f"train/lm_head.py (LOGIT_TRANSFORMS, or a new LMHead field in train/loss.py) and confirm with "
-            f"check_lm_head(lm) that the difference is at rounding level."
-        )
-        self.family = family
+def _unsupported_head(family: str, what: str) -> UnsupportedModelError:
+    """The error for a head the loss cannot reproduce: its loss would not be the model's loss."""
+    return UnsupportedModelError(
+        f"model family {family!r}: {what}. PackSFT computes the loss from the decoder's final hidden states and "
+        f"the output-embedding weight with the family's logit transform (train/families.py), so it would train "
+        f"this model on other logits than its own forward produces. To train it, describe its head in "
+        f"train/families.py (the family's `logits`, or a new LMHead field in train/loss.py) and confirm with "
+        f"check_lm_head(lm) that the difference is at rounding level."
+    )
 
 
 def causal_lm_of(lm: nn.Module) -> nn.Module:
@@ -93,52 +47,53 @@ def _check_head_structure(causal_lm: nn.Module, family: str) -> None:
     predictions, ModernBERT-decoder's head) that the loss would skip."""
     head = causal_lm.get_output_embeddings()
     if head is None:
-        raise UnsupportedLMHead(family, "it has no output embedding (get_output_embeddings() is None)")
+        raise _unsupported_head(family, "it has no output embedding (get_output_embeddings() is None)")
     decoder = decoder_of(causal_lm)
     if not any(child is head for child in causal_lm.children()):
         holder = next((f"{name} ({type(child).__name__})" for name, child in causal_lm.named_children()
                        if any(module is head for module in child.modules())), type(head).__name__)
-        raise UnsupportedLMHead(family, f"its output embedding is nested in the head module {holder}, whose forward "
-                                        f"the loss does not run")
+        raise _unsupported_head(family, f"its output embedding is nested in the head module {holder}, whose forward "
+                                         f"the loss does not run")
     extra = [name for name, child in causal_lm.named_children()
              if child is not head and child is not decoder and next(child.parameters(), None) is not None]
     if extra:
-        raise UnsupportedLMHead(family, f"module(s) {extra} with parameters sit beside the decoder and the output "
-                                        f"embedding; the loss would skip them")
+        raise _unsupported_head(family, f"module(s) {extra} with parameters sit beside the decoder and the output "
+                                         f"embedding; the loss would skip them")
 
 
 def lm_head_of(lm: nn.Module) -> LMHead:
-    """The logit transform of `lm` (a `*ForCausalLM`, possibly PEFT-wrapped), from its config and the table.
+    """The logit transform of `lm` (a `*ForCausalLM`, possibly PEFT-wrapped), from its config and its family's
+    `logits` (train/families.py; a family not in the table applies nothing).
 
-    Raises UnsupportedLMHead for a family whose head no LMHead expresses (listed, or with layers between the
-    decoder and the output embedding). A transform the table does not know is only found by `check_lm_head`.
+    Raises UnsupportedModelError for a family whose head no LMHead expresses (its `unreproducible_head`, or layers
+    between the decoder and the output embedding). A transform the table does not know is only found by
+    `check_lm_head`.
     """
     causal_lm = causal_lm_of(lm)
     family = causal_lm.config.model_type
-    if family in UNREPRODUCIBLE:
-        raise UnsupportedLMHead(family, UNREPRODUCIBLE[family])
+    spec = FAMILIES.get(family)
+    if spec is not None and spec.unreproducible_head:
+        raise _unsupported_head(family, spec.unreproducible_head)
     _check_head_structure(causal_lm, family)
     text_config = causal_lm.config.get_text_config()
     scale, softcap, vocab_size = 1.0, None, None
-    for attribute, how in LOGIT_TRANSFORMS.get(family, ()):
+    for attribute, op in spec.logits if spec is not None else ():
         value = getattr(text_config, attribute, None)
         if value is None:
             continue
-        if how == MULTIPLY:
+        if op is LogitOp.MULTIPLY:
             scale *= float(value)
-        elif how == DIVIDE:
+        elif op is LogitOp.DIVIDE:
             scale /= float(value)
-        elif how == DIVIDE_HIDDEN:
+        elif op is LogitOp.DIVIDE_HIDDEN:
             if getattr(causal_lm.get_output_embeddings(), "bias", None) is not None:
-                raise UnsupportedLMHead(family, f"it divides the hidden states by {attribute}={value} before an "
-                                                f"output embedding with a bias")
+                raise _unsupported_head(family, f"it divides the hidden states by {attribute}={value} before an "
+                                                 f"output embedding with a bias")
             scale /= float(value)
-        elif how == SOFTCAP:
+        elif op is LogitOp.SOFTCAP:
             softcap = float(value)
-        elif how == VOCAB_SIZE:
-            vocab_size = int(value)
         else:
-            raise AssertionError(f"LOGIT_TRANSFORMS[{family!r}]: unknown kind {how!r}")
+            vocab_size = int(value)  # LogitOp.VOCAB_SIZE
     return LMHead(scale=scale, softcap=softcap, vocab_size=vocab_size)
 
 
@@ -181,14 +136,14 @@ def check_lm_head(lm: nn.Module, head: LMHead | None = None, num_tokens: int = 1
 
 
 def verify_lm_head(lm: nn.Module, head: LMHead | None = None, tolerance: float | None = None) -> float:
-    """`check_lm_head`, raising UnsupportedLMHead above `tolerance` (default: 1e-4 for fp32 weights, 3e-2 for
+    """`check_lm_head`, raising UnsupportedModelError above `tolerance` (default: 1e-4 for fp32 weights, 3e-2 for
     16-bit ones, whose logits the model rounds). The trainer's start-up self-check. Returns the difference."""
     head = lm_head_of(lm) if head is None else head
     difference = check_lm_head(lm, head)
     if tolerance is None:
         tolerance = 1e-4 if causal_lm_of(lm).get_output_embeddings().weight.dtype == torch.float32 else 3e-2
     if not difference <= tolerance:
-        raise UnsupportedLMHead(
+        raise _unsupported_head(
             causal_lm_of(lm).config.model_type, f"its forward's logits differ from the reproduced head {head} by {difference:.3g} "
                            f"(relative, tolerance {tolerance:.1g}): its forward transforms the logits in a way the "
                            f"table does not know"

@@ -29,6 +29,7 @@ from torch import nn
 
 from train.config import ConfigError
 from train.distributed import differentiable_all_reduce_sum
+from train.families import DEFAULT_COEF_KEY, FAMILIES
 
 if TYPE_CHECKING:
     from train.sequence_parallel import SPContext
@@ -36,10 +37,6 @@ if TYPE_CHECKING:
 # the signature of transformers' load_balancing_loss_func that computes the definition above (doge's, with
 # `num_keys`, and the encoder-decoder routers' are other losses)
 HF_SIGNATURE = ["gate_logits", "num_experts", "top_k", "attention_mask"]
-# model_type -> the config key of the aux-loss coefficient its causal LM multiplies the loss by, where it is not
-# `router_aux_loss_coef` (DEFAULT_COEF_KEY)
-COEF_KEYS = {"jetmoe": "aux_loss_coef"}
-DEFAULT_COEF_KEY = "router_aux_loss_coef"
 
 
 @dataclass(frozen=True)
@@ -152,5 +149,7 @@ def resolve_router_aux(lm: nn.Module, output_router_logits: bool | None,
 
 
 def coef_key(config) -> str:
-    """The model config key of the family's aux-loss coefficient (COEF_KEYS, else router_aux_loss_coef)."""
-    return COEF_KEYS.get(getattr(config, "model_type", None), DEFAULT_COEF_KEY)
+    """The model config key of the family's aux-loss coefficient (its `aux_coef_key` in train/families.py, else
+    router_aux_loss_coef)."""
+    spec = FAMILIES.get(getattr(config, "model_type", None))
+    return DEFAULT_COEF_KEY if spec is None else spec.aux_coef_key

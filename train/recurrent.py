@@ -39,38 +39,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-# model_type (of the config or its text config) -> class names of the token mixers that carry state along the
-# sequence; every one of them is exact when called once per sequence
-FAMILY_MIXERS: dict[str, tuple[str, ...]] = {
-    "qwen3_next": ("Qwen3NextGatedDeltaNet",),
-    "qwen3_5_text": ("Qwen3_5GatedDeltaNet",),
-    "qwen3_5_moe_text": ("Qwen3_5MoeGatedDeltaNet",),
-    "qwen4_exp_text": ("Qwen4ExpTextGatedDeltaNet",),
-    "olmo_hybrid": ("OlmoHybridGatedDeltaNet",),
-    "kimi_linear": ("KimiLinearDeltaAttention",),
-    "bailing_hybrid": ("BailingHybridDeltaAttention",),
-    "falcon_h1": ("FalconH1Mixer",),
-    "granitemoehybrid": ("GraniteMoeHybridMambaLayer",),
-    "bamba": ("BambaMixer",),
-    "jamba": ("JambaMambaMixer",),
-    "nemotron_h": ("NemotronHMamba2Mixer",),
-    "zamba": ("ZambaMambaMixer",),
-    "zamba2": ("Zamba2MambaMixer",),
-    "mamba": ("MambaMixer",),
-    "mamba2": ("Mamba2Mixer",),
-    "falcon_mamba": ("FalconMambaMixer",),
-    "lfm2": ("Lfm2ShortConv",),
-    "lfm2_moe": ("Lfm2MoeShortConv",),
-    "lfm3": ("Lfm3ShortConv",),
-    "recurrent_gemma": ("RecurrentGemmaRecurrentBlock",),
-    "minimax": ("MiniMaxLightningAttention",),
-    "xlstm": ("xLSTMLayer",),
-    "rwkv": ("RwkvSelfAttention", "RwkvFeedForward"),  # both shift each token by one (time mixing)
-    "inkling_text": ("InklingShortConvolution",),
-    "inkling2_text": ("Inkling2ShortConvolution", "Inkling2DynamicShortConvolution"),
-    "zaya": ("ZayaCCAProjection",),  # convolution over q/k and a one-token-delayed v inside the attention block
-}
-KNOWN_MIXERS = frozenset(name for names in FAMILY_MIXERS.values() for name in names)
+from train.families import FAMILIES
+from train.model_support import UnsupportedModelError
+
+# class names of the token mixers that carry state along the sequence (the families' `mixers`); every one of them
+# is exact when called once per sequence
+KNOWN_MIXERS = frozenset(name for spec in FAMILIES.values() for name in spec.mixers)
 
 # class-name fragments of sequence mixers that do not go through the attention function (the generic detector)
 RECURRENT_NAME_FRAGMENTS = (
@@ -255,7 +229,7 @@ def _family_prefixes(lm: nn.Module) -> tuple[str, ...]:
 
 
 def _looks_recurrent(module: nn.Module, prefixes: tuple[str, ...]) -> bool:
-    """Generic detector for families not in FAMILY_MIXERS: a module below the decoder layers whose class name
+    """Generic detector for mixers no family lists: a module below the decoder layers whose class name
     (after the family prefix) names a recurrent mixer, or one owning a Conv1d (a convolution over the sequence)."""
     from transformers import PreTrainedModel
     from transformers.modeling_layers import GradientCheckpointingLayer
@@ -285,28 +259,24 @@ def _scan(lm: nn.Module) -> tuple[dict[str, nn.Module], dict[str, nn.Module]]:
 
 
 def recurrent_mixers(lm: nn.Module) -> list[str]:
-    """Names of the modules that mix tokens outside the attention function: the known mixers of FAMILY_MIXERS
-    (wrapped or not) and whatever the generic detector flags. Empty for a plain transformer."""
+    """Names of the modules that mix tokens outside the attention function: the known mixers (KNOWN_MIXERS, wrapped
+    or not) and whatever the generic detector flags. Empty for a plain transformer."""
     known, unknown = _scan(lm)
     return [*known, *unknown]
-
-
-class UnsupportedRecurrentModel(ValueError):
-    """The model has recurrent-looking token mixers this module does not know how to restart."""
 
 
 def install_sequence_restart(lm: nn.Module) -> RecurrentLayers:
     """Wrap every known recurrent mixer of `lm` (a causal LM, its body, or a PEFT wrapper) in a `SequenceRestart`
     sharing one boundaries holder. Idempotent: already wrapped mixers join the returned holder.
 
-    Raises UnsupportedRecurrentModel when the generic detector finds mixers of an unknown family: packed rows would
+    Raises UnsupportedModelError when the generic detector finds mixers of an unknown family: packed rows would
     leak through them, so training must not start."""
     known, unknown = _scan(lm)
     if unknown:
-        raise UnsupportedRecurrentModel(
+        raise UnsupportedModelError(
             f"{_family(lm)}: token mixers outside the attention function that PackSFT cannot restart at packed "
             f"sequence boundaries: {_abbreviate(unknown)}. Packed rows would leak between sequences; add their "
-            "classes to train/recurrent.py FAMILY_MIXERS once checked exact per sequence"
+            "classes to the family's `mixers` in train/families.py once checked exact per sequence"
         )
     layers = RecurrentLayers()
     modules = dict(lm.named_modules())

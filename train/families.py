@@ -1,0 +1,374 @@
+"""What PackSFT knows about each model family: one `FamilySpec` per `config.model_type`, in one table (`FAMILIES`).
+
+A spec holds the family's support status (exact, or refused with the reason and what to do instead) and every
+per-family piece the trainer needs to train it exactly on packed rows; each module reads its piece from here:
+- train/model_support.py: the status (`check_model_support`) and the docs table of docs/TRAINING.md;
+- train/lm_head.py: the logit transform of the family's `*ForCausalLM.forward`, or why no LMHead reproduces it;
+- train/recurrent.py: the class names of its recurrent token mixers, restarted at each packed sequence;
+- train/attention.py: whether its sliding window lives only in transformers' mask function;
+- train/moe.py: the config key of its router aux-loss coefficient.
+The conformance suite (tests/test_model_conformance.py) is parametrized from this table: every `exact` family
+trains on a packed row exactly as transformers' own unpacked forward (its length-dependent ropes included), every
+refused one is stopped before any weight loads, and every causal LM of the installed transformers is in it.
+
+The table covers every causal-LM model type of transformers 5.23 (its auto mapping) and the multimodal types whose
+text head the loss knows (they are not causal LMs there: refused, their transform recorded for their text model).
+A model type not in it (a newer transformers, remote code) is `unverified`: only the start-up self-check vouches
+for it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Literal
+
+DEFAULT_COEF_KEY = "router_aux_loss_coef"
+
+
+class LogitOp(Enum):
+    """How a config attribute (of the family's text config) applies between the hidden states and the logits; the
+    value is the phrase of the docs table."""
+
+    SOFTCAP = "final-logit softcap"  # logits = value * tanh(logits / value)
+    MULTIPLY = "logits multiplied by"  # logits *= value
+    DIVIDE = "logits divided by"  # logits /= value
+    DIVIDE_HIDDEN = "hidden states before the head divided by"  # hidden /= value: DIVIDE for a head without bias
+    VOCAB_SIZE = "vocabulary cut to"  # logits = logits[..., :value] (a padded output embedding)
+
+
+# rope types whose frequencies depend on the sequence length (train/rope.py), as the docs table names them
+ROPE_NOTES = {"longrope": "`rope_type: longrope`", "dynamic": "`rope_type: dynamic` (NTK)"}
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a family cannot train exactly on packed rows (`<family>` in what_to_do: its model type)."""
+
+    why: str  # what breaks on a packed row
+    what_to_do: str = "train another family (docs/TRAINING.md, 'Supported models')"
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """One model type; every field defaults to what a plain causal-attention decoder needs."""
+
+    model_type: str
+    refusal: Refusal | None = None  # None: exact, the conformance suite checks it packed = unpacked
+    note: str = ""  # exact: what the suite exercises beyond causal attention (attention features, recurrences)
+    logits: tuple[tuple[str, LogitOp], ...] = ()  # the head's transform, in the order its forward applies it
+    unreproducible_head: str | None = None  # what its forward does to the logits that no LMHead expresses
+    mixers: tuple[str, ...] = ()  # class names of its recurrent token mixers, exact when run once per sequence
+    mask_only_window: bool = False  # config.sliding_window on every layer, through the mask function alone
+    aux_coef_key: str = DEFAULT_COEF_KEY  # config key of the router aux-loss coefficient its causal LM uses
+    ropes: tuple[str, ...] = ()  # length-dependent rope types the suite checks per packed sequence
+
+    @property
+    def status(self) -> Literal["exact", "refused"]:
+        return "exact" if self.refusal is None else "refused"
+
+    def docs_note(self) -> str:
+        """The notes column of the docs table: the refusal's reason, or what the suite checks (the note, the logit
+        transform and the length-dependent ropes)."""
+        if self.refusal is not None:
+            return self.refusal.why
+        parts = [self.note or "causal attention"]
+        if self.logits:
+            steps = ", ".join(f"{op.value} `{attribute}`" for attribute, op in self.logits)
+            parts.append(f"{steps} (train/lm_head.py)")
+        if self.ropes:
+            parts.append(f"{' and '.join(ROPE_NOTES[rope] for rope in self.ropes)} frequencies per packed "
+                         "sequence (train/rope.py)")
+        return ", ".join(parts)
+
+
+def _exact(model_type: str, note: str = "", **fields) -> FamilySpec:
+    return FamilySpec(model_type, None, note, **fields)
+
+
+def _refused(model_type: str, refusal: Refusal, **fields) -> FamilySpec:
+    return FamilySpec(model_type, refusal, **fields)
+
+
+def _table(*specs: FamilySpec) -> dict[str, FamilySpec]:
+    table = {}
+    for spec in specs:
+        if spec.model_type in table:
+            raise ValueError(f"train/families.py: {spec.model_type!r} has two specs")
+        table[spec.model_type] = spec
+    return table
+
+
+ENCODER = Refusal(
+    "a BERT-style encoder used as a decoder: its self-attention is bidirectional unless `is_decoder` is set and its "
+    "position / token-type embeddings are not restarted per packed sequence, so packed sequences leak into each "
+    "other")
+ENCODER_DECODER = Refusal(
+    "the decoder of an encoder-decoder model: its position embeddings are computed from the row length (not "
+    "`position_ids`) and its layers expect encoder states, so every packed sequence after the first gets wrong "
+    "positions")
+OWN_ATTENTION = Refusal(
+    "its attention does not go through transformers' AttentionInterface (its own attention classes and masks), so "
+    "the packed boundaries never reach it and packed sequences attend to each other")
+NO_CAUSAL_MASK = Refusal(
+    "its attention is not routed through transformers' AttentionInterface and builds no causal mask there "
+    "(ALiBi inside its own attention): future tokens and other packed sequences leak into every position")
+MULTIMODAL = Refusal(
+    "a multimodal (composite) checkpoint: PackSFT trains text decoders on packed text and has not verified this "
+    "family's vision/audio towers and multimodal position ids on packed rows",
+    "train its text-only model type (e.g. `<family>_text` where transformers has one) or another family")
+SPARSE_INDEXER = Refusal(
+    "sparse attention with a learned indexer (DeepSeek Sparse Attention): the indexer scores and selects keys over "
+    "the whole row outside the attention function, across packed sequences")
+CHUNKED_ATTENTION = Refusal(
+    "chunked local attention (`attention_chunk_size`): its chunks are counted from the start of the row, not of "
+    "each packed sequence")
+UNPACKED_ONLY = Refusal(
+    "no sequence length limit / relative-position attention that its own modules compute over the whole row")
+BYTE_PATCHES = Refusal(
+    "a byte-level text model whose local encoder, global transformer and local decoder work on patches of bytes cut "
+    "over the whole row (its entropy patcher sees the row as one sequence): the byte-group hash embeddings of a "
+    "sequence's first bytes read the bytes before it, a patch can span two packed sequences, and the global "
+    "transformer numbers the row's patches from the row's start, so packed sequences leak into each other")
+BLOCK_INDEXER = Refusal(
+    "a lightning indexer selects key blocks over the whole row and passes them to attention (`block_indices`), "
+    "across packed sequences")
+COMPRESSED_ATTENTION = Refusal(
+    "its attention compresses keys and values over blocks of neighbouring tokens (compressed / hyper-connection "
+    "attention) outside the attention function, across packed sequences")
+DYNAMIC_MASK = Refusal(
+    "its attention builds its own learned dynamic mask over the whole row and passes it to the attention function, "
+    "which packed attention cannot combine with the packed boundaries")
+POSITION_BIAS = Refusal(
+    "its attention adds a learned relative-position bias (`position_bias`) that PackSFT's attention backends do not "
+    "implement")
+DRAFT_MODEL = Refusal(
+    "a draft (assistant) model for speculative decoding that reads the target model's hidden states: not a "
+    "standalone causal LM", "fine-tune the target model (`gemma4_text`)")
+
+WINDOW = "sliding-window layers (window shorter than the sequences in the suite)"
+SINKS = WINDOW + ", attention sinks (trained)"
+ATTENTION_SOFTCAP = WINDOW + ", attention-logit softcap"
+LINEAR_ATTENTION = "linear-attention layers restarted per sequence (train/recurrent.py)"
+MAMBA = "Mamba layers restarted per sequence (train/recurrent.py)"
+SHORT_CONVOLUTION = "short convolutions restarted per sequence (train/recurrent.py)"
+
+SOFTCAPPED = (("final_logit_softcapping", LogitOp.SOFTCAP),)
+LOGIT_SCALE = (("logit_scale", LogitOp.MULTIPLY),)
+GRANITE_SCALING = (("logits_scaling", LogitOp.DIVIDE),)
+MUSE_HEAD = (("output_multiplier", LogitOp.MULTIPLY), *SOFTCAPPED)
+DRAFT_HEAD = "its forward projects the hidden states and may compute the logits from a masked embedding"
+
+# Written from the transformers 5.23 sources; sorted by model type.
+FAMILIES: dict[str, FamilySpec] = _table(
+    _exact("afmoe", WINDOW),
+    _exact("apertus"),
+    _exact("arcee"),
+    _exact("aria_text"),
+    _exact("axk1"),
+    _refused("axk2", SPARSE_INDEXER),
+    _exact("bailing_hybrid", LINEAR_ATTENTION, mixers=("BailingHybridDeltaAttention",)),
+    _exact("bamba", MAMBA, mixers=("BambaMixer",)),
+    _refused("bart", ENCODER_DECODER),
+    _exact("beam", WINDOW, logits=SOFTCAPPED),
+    _refused("bert", ENCODER),
+    _refused("bert-generation", ENCODER),
+    _refused("big_bird", ENCODER),
+    _refused("bigbird_pegasus", ENCODER_DECODER),
+    _exact("biogpt"),
+    _exact("bitnet"),
+    _refused("blenderbot", ENCODER_DECODER),
+    _refused("blenderbot-small", ENCODER_DECODER),
+    _refused("bloom", NO_CAUSAL_MASK),
+    _refused("blt", BYTE_PATCHES),
+    _refused("camembert", ENCODER),
+    _refused("chameleon", MULTIMODAL, unreproducible_head=(
+        "its forward sets the logits of the image tokens to the dtype's minimum (out of the softmax)")),
+    _refused("codegen", OWN_ATTENTION),
+    _exact("cohere", logits=LOGIT_SCALE),
+    _exact("cohere2", WINDOW, logits=LOGIT_SCALE),
+    _exact("cohere2_moe", WINDOW, logits=LOGIT_SCALE),
+    _exact("cohere_compass_text", WINDOW, logits=LOGIT_SCALE),
+    _refused("cpmant", OWN_ATTENTION),
+    _exact("ctrl"),
+    _exact("cwm", WINDOW),
+    _refused("data2vec-text", ENCODER),
+    _refused("dbrx", OWN_ATTENTION),
+    _exact("deepseek_v2"),
+    _exact("deepseek_v3"),
+    _refused("deepseek_v32", SPARSE_INDEXER),
+    _refused("deepseek_v4", COMPRESSED_ATTENTION),
+    _exact("diffllama"),
+    _refused("doge", DYNAMIC_MASK),
+    _exact("dots1"),
+    _refused("dots3_note", MULTIMODAL),
+    _refused("dots3_note_text", SPARSE_INDEXER),
+    _refused("electra", ENCODER),
+    _refused("emu3", MULTIMODAL),
+    _refused("ernie", ENCODER),
+    _exact("ernie4_5"),
+    _exact("ernie4_5_moe"),
+    _exact("exaone4", WINDOW),
+    _exact("exaone_moe", WINDOW),
+    _refused("falcon", OWN_ATTENTION),
+    _exact("falcon_h1", MAMBA, logits=(("lm_head_multiplier", LogitOp.MULTIPLY),), mixers=("FalconH1Mixer",)),
+    _exact("falcon_mamba", MAMBA, mixers=("FalconMambaMixer",)),
+    _exact("flex_olmo"),
+    _exact("flint", SINKS),
+    _refused("fuyu", MULTIMODAL),
+    _exact("gemma"),
+    _exact("gemma2", ATTENTION_SOFTCAP, logits=SOFTCAPPED),
+    _refused("gemma3", MULTIMODAL),
+    _exact("gemma3_text", WINDOW, logits=SOFTCAPPED, ropes=("dynamic",)),
+    _refused("gemma3n", MULTIMODAL, logits=SOFTCAPPED),
+    _exact("gemma3n_text", WINDOW, logits=SOFTCAPPED),
+    _refused("gemma4", MULTIMODAL, logits=SOFTCAPPED),
+    _refused("gemma4_assistant", DRAFT_MODEL, unreproducible_head=DRAFT_HEAD),
+    _exact("gemma4_text", WINDOW, logits=SOFTCAPPED),
+    _refused("gemma4_unified", MULTIMODAL, logits=SOFTCAPPED),
+    _refused("gemma4_unified_assistant", DRAFT_MODEL, unreproducible_head=DRAFT_HEAD),
+    _exact("gemma4_unified_text", WINDOW, logits=SOFTCAPPED),
+    _refused("git", MULTIMODAL),
+    _exact("glm"),
+    _exact("glm4"),
+    _exact("glm4_moe"),
+    _exact("glm4_moe_lite"),
+    _refused("glm_moe_dsa", SPARSE_INDEXER),
+    _refused("got_ocr2", MULTIMODAL),
+    _exact("gpt-sw3"),
+    _exact("gpt2"),
+    _exact("gpt_bigcode"),
+    _refused("gpt_neo", OWN_ATTENTION),
+    _exact("gpt_neox"),
+    _refused("gpt_neox_japanese", OWN_ATTENTION),
+    _exact("gpt_oss", SINKS),
+    _refused("gptj", OWN_ATTENTION),
+    _exact("granite", logits=GRANITE_SCALING),
+    _refused("granite4_vision", MULTIMODAL, logits=GRANITE_SCALING),
+    _refused("granite_docling", MULTIMODAL, logits=GRANITE_SCALING),
+    _exact("granite_swa", SINKS, logits=GRANITE_SCALING),
+    _exact("granitemoe", logits=GRANITE_SCALING),
+    _exact("granitemoe_swa", SINKS, logits=GRANITE_SCALING),
+    _exact("granitemoehybrid", MAMBA, logits=GRANITE_SCALING, mixers=("GraniteMoeHybridMambaLayer",)),
+    _exact("granitemoeshared", logits=GRANITE_SCALING),
+    _exact("helium"),
+    _exact("hrm_text", "causal attention (`prefix_lm: false`; a prefix-LM config is refused)"),
+    _exact("hunyuan_v1_dense"),
+    _exact("hunyuan_v1_moe"),
+    _exact("hy_v3"),
+    _refused("hy_v4", SPARSE_INDEXER),
+    _exact("hyperclovax", logits=(("logits_scaling", LogitOp.MULTIPLY),)),
+    _refused("hyperclovax_vision_v2", MULTIMODAL, logits=(("logits_scaling", LogitOp.MULTIPLY),)),
+    _refused("inkling2", MULTIMODAL, logits=(*SOFTCAPPED, ("unpadded_vocab_size", LogitOp.VOCAB_SIZE))),
+    _refused("inkling2_text", POSITION_BIAS, logits=(*SOFTCAPPED, ("unpadded_vocab_size", LogitOp.VOCAB_SIZE)),
+             mixers=("Inkling2ShortConvolution", "Inkling2DynamicShortConvolution")),
+    _refused("inkling_text", POSITION_BIAS, logits=(("logits_mup_width_multiplier", LogitOp.DIVIDE_HIDDEN),
+                                                    ("unpadded_vocab_size", LogitOp.VOCAB_SIZE)),
+             mixers=("InklingShortConvolution",)),
+    _exact("internlm3"),
+    _exact("iquestcoder"),
+    _exact("jais2"),
+    _exact("jamba", MAMBA, mixers=("JambaMambaMixer",)),
+    _exact("jetmoe", aux_coef_key="aux_loss_coef"),
+    _exact("kimi_linear", LINEAR_ATTENTION, mixers=("KimiLinearDeltaAttention",)),
+    _exact("kolibri1", WINDOW),
+    _exact("laguna"),
+    _exact("lfm2", SHORT_CONVOLUTION, mixers=("Lfm2ShortConv",)),
+    _exact("lfm2_moe", SHORT_CONVOLUTION, mixers=("Lfm2MoeShortConv",)),
+    _exact("lfm3", SHORT_CONVOLUTION, mixers=("Lfm3ShortConv",)),
+    _exact("llama", ropes=("dynamic",)),
+    _refused("llama4", MULTIMODAL),
+    _refused("llama4_text", CHUNKED_ATTENTION),
+    _exact("longcat_flash"),
+    _exact("mamba", MAMBA, mixers=("MambaMixer",)),
+    _exact("mamba2", MAMBA, mixers=("Mamba2Mixer",)),
+    _refused("marian", ENCODER_DECODER),
+    _refused("mbart", ENCODER_DECODER),
+    _refused("megatron-bert", ENCODER),
+    _exact("mellum"),
+    _exact("mimo_v2_flash", SINKS),
+    _exact("minicpm3", logits=(("logits_scaling", LogitOp.DIVIDE_HIDDEN),)),  # hidden_size / dim_model_base
+    _exact("minimax", "lightning (linear) attention restarted per sequence (train/recurrent.py), sliding-window "
+                      "layers", mixers=("MiniMaxLightningAttention",)),
+    _exact("minimax_m2"),
+    _refused("minimax_m3_vl_text", BLOCK_INDEXER),
+    _exact("ministral", WINDOW),
+    _exact("ministral3", WINDOW),
+    _exact("mistral", WINDOW),
+    _refused("mistral_large4", MULTIMODAL, logits=SOFTCAPPED),
+    _exact("mixtral", WINDOW),
+    _refused("mllama", MULTIMODAL),
+    _refused("modernbert-decoder", OWN_ATTENTION),
+    _exact("moshi"),
+    _refused("moss_transcribe_diarize", MULTIMODAL),
+    _refused("mpt", OWN_ATTENTION),
+    _refused("muse_glimmer", MULTIMODAL, logits=MUSE_HEAD),
+    _refused("muse_spark", MULTIMODAL, logits=MUSE_HEAD),
+    _refused("musicgen", ENCODER_DECODER),
+    _refused("musicgen_melody", ENCODER_DECODER),
+    _refused("mvp", ENCODER_DECODER),
+    _exact("nanochat", logits=SOFTCAPPED),
+    _refused("nemotron", OWN_ATTENTION),
+    _exact("nemotron_h", MAMBA, mixers=("NemotronHMamba2Mixer",)),
+    _exact("olmo"),
+    _exact("olmo2"),
+    _exact("olmo3", WINDOW),
+    _exact("olmo_hybrid", LINEAR_ATTENTION, mixers=("OlmoHybridGatedDeltaNet",)),
+    _exact("olmoe"),
+    _refused("openai-gpt", OWN_ATTENTION),
+    _exact("opt"),
+    _refused("paligemma", MULTIMODAL, logits=SOFTCAPPED),
+    _refused("pegasus", ENCODER_DECODER),
+    _exact("persimmon"),
+    _exact("phi"),
+    _exact("phi3", WINDOW, ropes=("longrope",)),  # Phi-3 / Phi-3.5 / Phi-4-mini long-context checkpoints
+    _refused("phi4_multimodal", MULTIMODAL),
+    _exact("phimoe", WINDOW, mask_only_window=True, ropes=("longrope",)),
+    _refused("plbart", ENCODER_DECODER),
+    _refused("prophetnet", ENCODER_DECODER,
+             unreproducible_head="its forward predicts n-gram streams from a second hidden-state output"),
+    _exact("qwen2"),
+    _exact("qwen2_moe", WINDOW),
+    _exact("qwen3"),
+    _refused("qwen3_5", MULTIMODAL),
+    _refused("qwen3_5_moe", MULTIMODAL),
+    _exact("qwen3_5_moe_text", LINEAR_ATTENTION, mixers=("Qwen3_5MoeGatedDeltaNet",)),
+    _exact("qwen3_5_text", LINEAR_ATTENTION, mixers=("Qwen3_5GatedDeltaNet",)),
+    _exact("qwen3_moe"),
+    _exact("qwen3_next", LINEAR_ATTENTION, mixers=("Qwen3NextGatedDeltaNet",)),
+    _refused("qwen4_exp", MULTIMODAL),
+    _exact("qwen4_exp_text", LINEAR_ATTENTION, mixers=("Qwen4ExpTextGatedDeltaNet",)),
+    _exact("recurrent_gemma", "RG-LRU and convolutions restarted per sequence (train/recurrent.py), local "
+                              "attention window", logits=(("logits_soft_cap", LogitOp.SOFTCAP),),
+           mixers=("RecurrentGemmaRecurrentBlock",)),
+    _refused("reformer", OWN_ATTENTION),
+    _refused("rembert", ENCODER),
+    _refused("roberta", ENCODER),
+    _refused("roberta-prelayernorm", ENCODER),
+    _refused("roc_bert", ENCODER),
+    _refused("roformer", ENCODER),
+    # both mixers shift each token by one (time mixing)
+    _exact("rwkv", "token shift and WKV state restarted per sequence (train/recurrent.py)",
+           mixers=("RwkvSelfAttention", "RwkvFeedForward")),
+    _exact("seed_oss"),
+    _exact("smollm3"),
+    _exact("solar_open"),
+    _refused("stablelm", OWN_ATTENTION),
+    _exact("starcoder2", WINDOW),
+    _refused("trocr", ENCODER_DECODER),
+    _exact("vaultgemma", ATTENTION_SOFTCAP, logits=SOFTCAPPED),
+    _exact("whisper"),
+    _refused("xglm", OWN_ATTENTION),
+    _refused("xlm", ENCODER),
+    _refused("xlm-roberta", ENCODER),
+    _refused("xlm-roberta-xl", ENCODER),
+    _refused("xlnet", UNPACKED_ONLY),
+    _exact("xlstm", "mLSTM layers restarted per sequence (train/recurrent.py)",
+           logits=(("output_logit_soft_cap", LogitOp.SOFTCAP),), mixers=("xLSTMLayer",)),
+    _refused("xmod", ENCODER),
+    _exact("youtu"),
+    _exact("zamba", MAMBA, mixers=("ZambaMambaMixer",)),
+    _exact("zamba2", MAMBA, mixers=("Zamba2MambaMixer",)),
+    # a convolution over q/k and a one-token-delayed v inside the attention block
+    _exact("zaya", "attention-side convolution restarted per sequence (train/recurrent.py)",
+           mixers=("ZayaCCAProjection",)),
+)
