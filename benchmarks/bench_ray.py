@@ -38,8 +38,9 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from common.config import from_dict, to_dict  # noqa: E402
 from data import merge, pack, preprocess, sample, tokenize  # noqa: E402
-from data.config import STAGES, DataConfig, from_dict, to_dict  # noqa: E402
+from data.config import STAGES, DataConfig  # noqa: E402
 
 FIXTURES = ROOT.parent / "shared" / "fixtures" / "data"
 STAGE_RUNS = {"preprocess": preprocess.run, "sample": sample.run, "merge": merge.run, "tokenize": tokenize.run,

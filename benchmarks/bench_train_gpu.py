@@ -67,7 +67,8 @@ FIXTURE_INPUTS = [  # (file under <fixtures>/data, InputSpec fields)
 # ---------------------------------------------------------------------------------------------- data
 def build_packed(out_dir: Path, row_length: int, fixtures: Path | None, smoke: bool) -> Path:
     """Packed rows of `row_length` tokens through the project's pipeline (all stages), in `out_dir`."""
-    from data.config import DataConfig, from_dict
+    from common.config import from_dict
+    from data.config import DataConfig
     from data.pipeline import run_pipeline
 
     if smoke:

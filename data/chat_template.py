@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from data.config import ConfigError
+from common.config import ConfigError
 from data.timebound import TimeBoundExceeded, time_bound
 
 PROBE_USER = "PackSFT probe question 1"

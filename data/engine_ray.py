@@ -26,9 +26,10 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
-from data.config import ConfigError, DataConfig
+from common.config import ConfigError
+from common.fsutil import atomic_path
+from data.config import DataConfig
 from data.executor import Executor, Part, TaskSize, copy_parts, copy_tasks, with_setup
-from data.fsutil import atomic_path
 
 # Chunks per Ray Data execution (a window): bounds the driver's memory (a chunk is <= 256 records) and amortizes
 # the 0.3-1 s an execution takes to start. A task takes several chunks (a Ray task costs ~10-30 ms more than a

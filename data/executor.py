@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Literal
 
-from data.fsutil import atomic_writer, read_lines, scratch_dir
-from data.io import append_file, copy_into, jsonl_byte_ranges, ordered_parallel_map
+from common.fsutil import atomic_writer, scratch_dir
+from data.io import append_file, copy_into, jsonl_byte_ranges, ordered_parallel_map, read_lines
 
 # How big a task is, which an executor may use to batch tasks: "records" (a chunk of records held in the task
 # itself: few at a time), "ranges" (a descriptor: a byte range, a row group, a plan slice, an output shard).

@@ -32,8 +32,9 @@ from typing import Any
 
 import orjson
 
+from common.config import ConfigError
 from data.chat_template import SpanError, TemplateInfo, assistant_spans, template_error
-from data.config import DEFAULT_REASONING_TAGS, ConfigError
+from data.config import DEFAULT_REASONING_TAGS
 from data.records import RecordError
 
 REASONING_POLICIES = ("auto", "template", "drop", "error")

@@ -18,9 +18,9 @@ from typing import Any, BinaryIO
 import numpy as np
 import orjson
 
+from common.fsutil import stale_temporaries, undecided_temporaries
 from data.config import DataConfig, split_spec
 from data.records import RecordError
-from data.fsutil import split_lines, stale_temporaries, undecided_temporaries
 
 BATCH_ROWS = 1024
 UTF8_BOM = b"\xef\xbb\xbf"  # some editors and Excel exports start files with it; orjson rejects it
@@ -150,6 +150,24 @@ def parse_jsonl_line(line: bytes, source: str, require_object: bool = True) -> A
     if require_object and not isinstance(row, dict):
         return RecordError(source, "line", f"expected a JSON object, got {type(row).__name__}", "malformed_json")
     return row
+
+
+def split_lines(data: bytes) -> list[bytes]:
+    """`data` cut into lines as iterating a binary file cuts them: each ends at and keeps its b"\\n", but the last
+    when `data` does not end in one (no empty line after a final newline)."""
+    pieces = data.split(b"\n")
+    last = pieces.pop()  # after the last newline: b"", or a final line without one
+    lines = [piece + b"\n" for piece in pieces]
+    if last:
+        lines.append(last)
+    return lines
+
+
+def read_lines(path: str | os.PathLike, start: int, end: int) -> list[bytes]:
+    """The lines (`split_lines`) of bytes `[start, end)` of a file."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        return split_lines(f.read(end - start))
 
 
 def jsonl_byte_ranges(path: str, start: int, target_bytes: int) -> Iterator[tuple[int, int]]:

@@ -34,12 +34,12 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from common.config import ConfigError
 from data.chat_template import RenderBound, analyze_template, load_chat_tokenizer
-from data.config import ConfigError, DataConfig
+from data.config import DataConfig
 from data.fidelity import FidelityOptions, render_record, template_renders_reasoning
 from data.executor import ByteRange, Executor, LocalExecutor, Part, byte_ranges, count_lines, spread_ranges
-from data.fsutil import read_lines
-from data.io import require_stage_input
+from data.io import read_lines, require_stage_input
 from data.records import RecordError, validate_canonical
 from data.preflight import tokenizer_identity
 from data.progress import progress

@@ -21,10 +21,11 @@ from pathlib import Path
 
 import orjson
 
-from data.config import STAGES, ConfigError, DataConfig, InputSpec, key_help_lines, load_config
+from common.config import ConfigError, key_help_lines
+from common.lock import LockHeldError, directory_lock
+from data.config import STAGES, DataConfig, InputSpec, load_config
 from data.executor import Executor, LocalExecutor
 from data.io import LineMemoryError, remove_stale_temporaries, undecided_output_temporaries
-from data.lock import LockHeldError, directory_lock
 from data.preflight import preflight, stages_option
 from data.ratios import ratio_file_digest
 from data.records import RecordError

@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from data.config import ConfigError, DataConfig
+from common.config import ConfigError
+from common.fsutil import file_blake2b, tokenizer_hash
+from data.config import DataConfig
 from data.report import read_report
-from data.fsutil import file_blake2b, tokenizer_hash
 from data.shards import ShardFormatError, read_meta
 
 

@@ -30,7 +30,8 @@ from typing import Any, ClassVar
 
 import orjson
 
-from data.config import ConfigError, DataConfig, InputSpec, split_spec
+from common.config import ConfigError
+from data.config import DataConfig, InputSpec, split_spec
 from data.executor import ByteRange, Executor, LocalExecutor, Part, byte_ranges
 from data.io import (UTF8_BOM, LineMemoryError, expand_inputs, input_is_empty, iter_jsonl_range, parse_jsonl_line,
                      read_rows)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import orjson
 
-from data.config import closest_key_hint
-from data.fsutil import atomic_write_bytes
+from common.config import closest_key_hint
+from common.fsutil import atomic_write_bytes
 from data.records import MAX_CATEGORY_ID
 
 MAX_SAMPLE_RATE = 1000  # a larger rate is a typo (1e15 copies would exhaust memory), not a weighting

@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import orjson
 
+from common.fsutil import atomic_write_bytes
 from data.config import STAGES
-from data.fsutil import atomic_write_bytes
 
 
 class ReportError(AssertionError):

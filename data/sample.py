@@ -44,8 +44,7 @@ import orjson
 
 from data.config import DataConfig
 from data.executor import ByteRange, Executor, LocalExecutor, Part, byte_ranges
-from data.fsutil import read_lines
-from data.io import require_stage_input
+from data.io import read_lines, require_stage_input
 from data.ratios import MAX_SAMPLE_RATE, check_ratio_names, ratio_file_digest, read_ratio_file
 from data.progress import progress
 from data.randomness import SAMPLE_EVAL, SAMPLE_FRACTION, SAMPLE_ORDER, record_keys

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 import orjson
 
-from data.fsutil import file_blake2b, fsync_dir, replace_dir, set_aside, temp_sibling, write_synced
+from common.fsutil import file_blake2b, fsync_dir, replace_dir, set_aside, temp_sibling, write_synced
 
 FORMAT_NAME = "packsft-indexed"
 FORMAT_VERSION = 2  # 2: per-row checksums in rows.npy

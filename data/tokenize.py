@@ -27,15 +27,16 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from common.config import ConfigError, to_dict
+from common.fsutil import file_blake2b, tokenizer_hash
 from data.chat_template import RenderBound, TemplateInfo, analyze_template, load_chat_tokenizer
-from data.config import ConfigError, DataConfig, output_config, to_dict
+from data.config import DataConfig, output_config
 from data.executor import ByteRange, Executor, LocalExecutor, count_lines, spread_ranges
 from data.fidelity import STAT_KEYS, FidelityOptions, Rendered, asked_chars, render_merged, template_renders_reasoning
 from data.progress import progress
 from data.records import RecordError, message_category, record_uids, validate_canonical
 from data.report import DROPPED_AT_LIMIT, check_arithmetic, format_tokenize_summary, sorted_counts, update_report
-from data.fsutil import file_blake2b, read_lines, tokenizer_hash
-from data.io import parse_jsonl_line
+from data.io import parse_jsonl_line, read_lines
 from data.shards import (IGNORE_INDEX, REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, PackedDataset, ShardCutter,
                          ShardWriter)
 from data.token_bound import TokenBound
@@ -489,7 +490,7 @@ def init_tokenize_worker(cfg_dict: dict) -> None:
     """Worker set-up (`Executor.map`'s `setup`, once per process): this process's TokenizeContext and config, from
     a `to_dict` config. A pool's worker encodes on one thread (the workers are the parallelism); with one worker
     the tasks run in the driver's own process, whose tokenizer may use the cores."""
-    from data.config import from_dict
+    from common.config import from_dict
 
     if multiprocessing.parent_process() is not None:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"

@@ -46,7 +46,7 @@ def test_killed_writers_leave_temporaries_that_the_next_run_removes(tmp_path, mo
     killed = subprocess.Popen([sys.executable, "-c", f"""
 import os, numpy as np
 from data.shards import ShardWriter
-from data.fsutil import atomic_writer
+from common.fsutil import atomic_writer
 w = ShardWriter({str(out / 'tokenized')!r}, kind="tokenized")
 w.add_row([{{k: np.ones(1000, np.int32) for k in ("input_ids", "labels", "category_ids", "turn_ids")}}])
 with atomic_writer({str(out / 'canonical.jsonl')!r}) as f, atomic_writer({str(tmp_path / 'ratios.json')!r}) as g:
@@ -89,7 +89,7 @@ with atomic_writer({str(out / 'canonical.jsonl')!r}) as f, atomic_writer({str(tm
 def test_a_killed_writers_temporary_is_stale_when_its_pid_was_reused(tmp_path, monkeypatch, capsys):
     """Staleness does not rest on the pid alone: a temporary named with a live pid (reused since its writer was
     killed) but another process start is removed, and said so; this process's own temporaries stay."""
-    from data.fsutil import temp_sibling
+    from common.fsutil import temp_sibling
 
     out = tmp_path / "out"
     out.mkdir()
@@ -118,7 +118,7 @@ def test_writes_are_fsynced_before_the_renames_that_publish_them(tmp_path, monke
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
-    from data.fsutil import atomic_write_bytes
+    from common.fsutil import atomic_write_bytes
 
     for _ in range(2):  # the second time replaces an existing dataset
         with ShardWriter(tmp_path / "ds", max_shard_bytes=100) as w:

@@ -19,10 +19,11 @@ import orjson
 import pytest
 import yaml
 
+from common.config import ConfigError, field_help
+from common.lock import LOCK_NAME, LockHeldError, directory_lock
 from data import pipeline, preprocess, sample, tokenize
 from data.chat_template import analyze_template, load_chat_tokenizer
-from data.config import ConfigError, DataConfig, InputSpec, MergeConfig, PackConfig, field_help
-from data.lock import LOCK_NAME, LockHeldError, directory_lock
+from data.config import DataConfig, InputSpec, MergeConfig, PackConfig
 from data.pipeline import cli_main
 from data.records import RecordError
 from data.report import read_report
@@ -262,7 +263,7 @@ def test_a_second_run_into_a_locked_output_dir_is_refused_naming_the_holder(tmp_
     config = _preprocess_config(tmp_path, [])
     holder = subprocess.Popen([sys.executable, "-c", f"""
 import sys, time
-from data.lock import directory_lock
+from common.lock import directory_lock
 with directory_lock({str(tmp_path / 'out')!r}):
     print("locked", flush=True)
     time.sleep(60)

@@ -49,7 +49,7 @@ def test_a_long_ratio_path_keeps_its_temporaries_within_name_max(tmp_path, capsy
     # a writer of it killed mid-write leaves a temporary that the next run recognises and removes
     killed = subprocess.Popen([sys.executable, "-c", f"""
 import os
-from data.fsutil import atomic_writer
+from common.fsutil import atomic_writer
 with atomic_writer({str(ratio)!r}) as f:
     f.write(b"partial")
     f.flush()

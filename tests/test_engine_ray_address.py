@@ -9,7 +9,7 @@ import time
 import orjson
 import pytest
 
-from data.config import ConfigError
+from common.config import ConfigError
 from data.engine_ray import address_endpoint, check_reachable
 
 

@@ -5,7 +5,8 @@ import importlib.util
 import numpy as np
 import pytest
 
-from data.config import ConfigError, DataConfig, InputSpec, output_config
+from common.config import ConfigError
+from data.config import DataConfig, InputSpec, output_config
 from data.shards import PackedDataset, ShardCutter, ShardWriter, shard_ranges
 from tests.test_shards import make_sequence
 

@@ -6,8 +6,9 @@ import numpy as np
 import orjson
 import pytest
 
+from common.config import ConfigError
 from data import pipeline, sample
-from data.config import ConfigError, load_config
+from data.config import load_config
 from data.report import check_arithmetic, read_report
 from data.shards import PackedDataset
 from tests.conftest import ROOT

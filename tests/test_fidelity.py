@@ -222,7 +222,8 @@ def test_report_counts_reasoning_tools_and_losses(tmp_path, capsys):
 
 
 def test_config_keys_are_checked_before_any_work(tmp_path):
-    from data.config import ConfigError, DataConfig, from_dict
+    from common.config import ConfigError, from_dict
+    from data.config import DataConfig
 
     base = {"inputs": [], "output_dir": str(tmp_path), "tokenizer_path": str(tokenizer_dir("qwen3")),
             "stages": ["tokenize"]}

@@ -14,9 +14,10 @@ import pytest
 
 from tests.conftest import fixture_path, tokenizer_dir
 
+from common.config import from_dict
 from data import merge, preprocess, sample, tokenize
 from data.chat_template import load_chat_tokenizer
-from data.config import DataConfig, from_dict
+from data.config import DataConfig
 from data.report import check_arithmetic
 from data.shards import PackedDataset
 

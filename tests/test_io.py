@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data import fsutil
-from data.fsutil import atomic_write_bytes, atomic_writer, file_blake2b
+from common import fsutil
+from common.fsutil import atomic_write_bytes, atomic_writer, file_blake2b
 from data.io import JsonlIndex, append_file, copy_into, expand_inputs, iter_rows, ordered_parallel_map, read_rows
 from data.records import RecordError
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from common.config import ConfigError
 from tests._train_helpers import (  # noqa: F401  (one_thread is a fixture)
     ROOT,
     free_port,
@@ -24,7 +25,7 @@ from tests._train_helpers import (  # noqa: F401  (one_thread is a fixture)
 from train.attention import AttentionContext
 from train.batch import make_batch, step_totals
 from train.checkpoint import safe_load
-from train.config import ConfigError, load_config
+from train.config import load_config
 from train.metrics import loss_curves, plot_losses, read_log
 from train.moe import resolve_router_aux
 from train.trainer import PackedCausalLM, Trainer

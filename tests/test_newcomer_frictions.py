@@ -10,7 +10,7 @@ import numpy as np
 import orjson
 import pytest
 
-from data.config import ConfigError
+from common.config import ConfigError
 from tests._train_helpers import VOCAB, random_rows, save_tiny_model, write_config, write_packed
 from tests.conftest import ROOT
 from train.config import load_config
@@ -192,8 +192,8 @@ def _hub_snapshot(cache, repo: str, source_dir) -> None:
 def test_data_tokenizer_path_takes_a_hub_id_from_the_cache(tmp_path, monkeypatch):
     from huggingface_hub import constants
 
+    from common.config import pretrained_dir
     from data.config import check_tokenizer_dir
-    from data.config import pretrained_dir
 
     pretrained_dir.cache_clear()
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))

@@ -108,7 +108,7 @@ def test_sequence_parallel_refuses_length_dependent_ropes():
 def test_the_trainer_refuses_them_under_sequence_parallelism_before_the_model_loads(tmp_path):
     from types import SimpleNamespace
 
-    from train.config import ConfigError
+    from common.config import ConfigError
     from train.trainer import Trainer
 
     model_type, overrides = CONFIGS["phi3-longrope"]

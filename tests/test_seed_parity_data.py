@@ -1,7 +1,7 @@
 """Issue 6, data side: verl / rllm datasets through the real stages, checked against independent references.
 
 Every test runs data.preprocess.run -> data.sample.run -> data.merge.run -> data.tokenize.run on a config
-built with data.config.from_dict, on the real fixtures, and reads the tokenized output back with
+built with common.config.from_dict, on the real fixtures, and reads the tokenized output back with
 data.shards.PackedDataset. The reference for token ids is `apply_chat_template` of the whole conversation
 (with tools); the reference loss mask is built the OpenSFT way, from renders of prefixes (prompt with the
 generation prompt vs prompt + turn), which is valid for qwen2_5_instruct because its template is
@@ -22,8 +22,9 @@ import pytest
 
 from tests.conftest import fixture_path, tokenizer_dir
 
+from common.config import from_dict
 from data import merge, preprocess, sample, tokenize
-from data.config import DataConfig, from_dict
+from data.config import DataConfig
 from data.records import RecordError
 from data.report import check_arithmetic
 from data.shards import PackedDataset

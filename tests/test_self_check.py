@@ -244,7 +244,7 @@ def test_non_finite_weights_are_named_before_the_self_check(tmp_path, sharded, z
 
     from safetensors.torch import load_file, save_file
 
-    from data.config import ConfigError
+    from common.config import ConfigError
     from tests._train_helpers import tiny_model
     from train.trainer import Trainer
 

@@ -191,8 +191,8 @@ def test_backend_selection_without_cuda():
 
 def test_structure_data_picks_the_torch_backend(monkeypatch):
     """`auto` on a GPU with ring-flash-attn picks llama3, whose causal kernels cannot apply the Parallel-R1 mask."""
+    from common.config import ConfigError
     import train.sequence_parallel as sequence_parallel
-    from data.config import ConfigError
     from train.trainer import choose_sp_backend
 
     monkeypatch.setattr(sequence_parallel, "resolve_backend", lambda name, half_precision=True: "llama3")

@@ -7,6 +7,7 @@ import numpy as np
 import orjson
 import pytest
 
+from common.fsutil import tokenizer_hash
 from data.shards import (
     FORMAT_VERSION,
     IGNORE_INDEX,
@@ -14,7 +15,6 @@ from data.shards import (
     ShardFormatError,
     ShardWriter,
 )
-from data.fsutil import tokenizer_hash
 from tests.conftest import tokenizer_dir
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from data.config import ConfigError
+from common.config import ConfigError
 from tests._train_helpers import (  # noqa: F401  (one_thread is a fixture)
     one_thread,
     random_rows,

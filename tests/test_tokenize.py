@@ -9,8 +9,9 @@ import pytest
 from tests.conftest import fixture_path, tokenizer_dir
 from tests.test_tokenize_templates import _gsm8k_records, check_turn_text, reference_inputs
 
+from common.config import ConfigError
 from data.chat_template import analyze_template, load_chat_tokenizer
-from data.config import ConfigError, DataConfig
+from data.config import DataConfig
 from data.executor import LocalExecutor
 from data.records import RecordError
 from data.report import check_arithmetic

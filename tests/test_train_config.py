@@ -7,7 +7,7 @@ import logging
 import numpy as np
 import pytest
 
-from data.config import ConfigError
+from common.config import ConfigError
 from tests._train_helpers import random_rows, save_tiny_model, write_config, write_packed
 from train.config import load_config
 from train.deepspeed_config import build_deepspeed_config

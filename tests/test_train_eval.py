@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from data.config import ConfigError
+from common.config import ConfigError
 from tests._train_helpers import one_thread, random_rows, save_tiny_model, write_config, write_packed  # noqa: F401
 from train.config import load_config
 from train.metrics import loss_curves, read_log, step_progress

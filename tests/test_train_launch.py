@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from data.lock import LOCK_NAME
+from common.lock import LOCK_NAME
 from tests._train_helpers import ROOT, random_rows, write_packed
 
 
@@ -195,7 +195,7 @@ def test_kill_9_to_train_sh_leaves_no_process_of_the_run(run_dir, target):
 
 _HOLDER = """
 import subprocess, sys, time
-from data.lock import directory_lock
+from common.lock import directory_lock
 with directory_lock(sys.argv[1]):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     print(child.pid, flush=True)
@@ -205,7 +205,7 @@ with directory_lock(sys.argv[1]):
 
 def test_a_lock_is_kept_while_a_process_its_holder_started_runs(tmp_path, capsys):
     """The holder killed, a process it started (a trainer rank) still running: the lock is not taken over."""
-    from data.lock import LockHeldError, directory_lock
+    from common.lock import LockHeldError, directory_lock
 
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
                               text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))

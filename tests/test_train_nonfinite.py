@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from data.config import ConfigError
+from common.config import ConfigError
 from tests._train_helpers import ROOT, one_thread, random_rows, save_tiny_model, write_config, write_packed  # noqa: F401
 from train.checkpoint import CheckpointError, checkpoint_root, safe_load
 from train.config import load_config

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from data.config import ConfigError
+from common.config import ConfigError
 from tests._train_helpers import one_thread, random_rows, save_tiny_model, write_config, write_packed  # noqa: F401
 from train.checkpoint import checkpoint_root
 from train.config import load_config

@@ -168,7 +168,7 @@ def test_crash_between_the_renames_of_a_resave(setup, monkeypatch):
 def test_new_run_into_an_output_dir_with_checkpoints(setup):
     """resume=none where an earlier run left checkpoints is an error (its steps would mix with the new run's);
     overwrite_output_dir=true starts over and leaves only the new run's checkpoints."""
-    from data.config import ConfigError
+    from common.config import ConfigError
 
     tmp, config = setup
     out = tmp / "again"

@@ -10,10 +10,9 @@ import typing
 import numpy as np
 import pytest
 
-from data.config import ConfigError
+from common.config import ConfigError, field_help
 from tests._train_helpers import ROOT, one_thread, random_rows, save_tiny_model, write_config, write_packed  # noqa: F401
 from tests.conftest import fixture_path, tokenizer_dir
-from data.config import field_help
 from train.config import TrainConfig, load_config
 
 
@@ -149,7 +148,7 @@ def qwen_data(tmp_path_factory):
     import orjson
     from transformers import AutoTokenizer
 
-    from data.fsutil import tokenizer_hash
+    from common.fsutil import tokenizer_hash
 
     tok_dir = tokenizer_dir("qwen2_5_instruct")
     tok = AutoTokenizer.from_pretrained(tok_dir)

@@ -105,7 +105,8 @@ def test_layout_errors(backend, sp, ulysses, heads, message):
 
 
 def test_config_refuses_what_no_ulysses_can_do(tmp_path):
-    from train.config import ConfigError, LaunchSection, TrainConfig
+    from common.config import ConfigError
+    from train.config import LaunchSection, TrainConfig
 
     base = dict(model_config="configs/model/tiny_qwen2.json", data_path=str(tmp_path), output_dir=str(tmp_path / "o"))
     cfg = TrainConfig(**base, sequence_parallel_size=4, sp_ulysses_size=3)

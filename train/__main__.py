@@ -7,7 +7,7 @@ import shlex
 import signal
 import sys
 
-from data.config import ConfigError
+from common.config import ConfigError
 
 DEFAULT_CONFIG = "configs/train/example.yaml"
 
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     if argv and argv[0] == "--launch":  # train.sh: accelerate launch under a supervisor (train/launch.py)
-        from data.lock import LockHeldError
+        from common.lock import LockHeldError
         from train.config import load_config
         from train.launch import supervise
 

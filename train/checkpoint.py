@@ -41,8 +41,8 @@ import orjson
 import torch
 import torch.distributed as dist
 
-from data.fsutil import (apply_umask, atomic_directory, atomic_write_bytes, file_blake2b, fsync_dir, replace_dir,
-                         stale_temporaries)
+from common.fsutil import (apply_umask, atomic_directory, atomic_write_bytes, file_blake2b, fsync_dir, replace_dir,
+                           stale_temporaries)
 
 logger = logging.getLogger("packsft.train")
 

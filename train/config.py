@@ -18,7 +18,7 @@ from typing import Literal
 import numpy as np
 import yaml
 
-from data.config import (
+from common.config import (
     ConfigError,
     apply_overrides,
     check_keys,
@@ -26,10 +26,10 @@ from data.config import (
     from_dict,
     key_help_lines,
     key_tree,
+    pretrained_dir,
     relative_note,
     to_dict,
 )
-from data.config import pretrained_dir
 
 logger = logging.getLogger(__name__)
 
@@ -506,11 +506,11 @@ def _meta_tokenizer_hash(meta: dict) -> str | None:
 
 
 def tokenizer_hash(path: str | os.PathLike) -> str | None:
-    """The packing pipeline's tokenizer hash of `path` (data.fsutil.tokenizer_hash), None without tokenizer files."""
-    from data.fsutil import tokenizer_hash as data_tokenizer_hash
+    """The packing pipeline's tokenizer hash of `path` (common.fsutil.tokenizer_hash), None without tokenizer files."""
+    from common import fsutil
 
     try:
-        return data_tokenizer_hash(path)
+        return fsutil.tokenizer_hash(path)
     except FileNotFoundError:
         return None
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import orjson
 
-from train.config import ConfigError, TrainConfig
+from common.config import ConfigError
+from train.config import TrainConfig
 
 
 def _merge(base: dict, extra: dict) -> dict:

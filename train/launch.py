@@ -13,7 +13,7 @@ A signal cannot be forwarded by a supervisor that SIGKILL ended (`kill -9` to it
 then every process of the run dies with it. The supervisor starts accelerate's launcher with the parent-death
 signal SIGKILL (Linux `PR_SET_PDEATHSIG`), every trainer rank sets the same on itself (`die_with_supervisor`, so it
 dies with the launcher that started it), and the processes of the run carry the supervisor in their environment
-(`SUPERVISOR_ENV`) and the lock's run token (`data.lock.LOCKS_ENV`): the lock is not taken over while one of them is
+(`SUPERVISOR_ENV`) and the lock's run token (`common.lock.LOCKS_ENV`): the lock is not taken over while one of them is
 alive, and the supervisor waits for all of them, torchrun's workers in their own sessions included.
 
 accelerate's launcher ends a failed run with its own traceback (`CalledProcessError`, torchrun's `ChildFailedError`)
@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from data.lock import directory_lock, pid_running, process_start, processes_with_env
+from common.lock import directory_lock, pid_running, process_start, processes_with_env
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 STOP_GRACE_S = 30.0  # after the launcher exits, how long what is left of the run may take before SIGKILL

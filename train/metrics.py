@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from data.config import ConfigError
-from data.fsutil import atomic_write_bytes, atomic_writer
+from common.config import ConfigError
+from common.fsutil import atomic_write_bytes, atomic_writer
 
 logger = logging.getLogger("packsft.train")
 

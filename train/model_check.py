@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from data.config import ConfigError, pretrained_dir
+from common.config import ConfigError, pretrained_dir
 from train.attention import AttentionContext
 
 # Relative tolerances of a correct packed path against the eager reference. In fp32 a gradient's error is measured

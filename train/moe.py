@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from train.config import ConfigError
+from common.config import ConfigError
 from train.distributed import differentiable_all_reduce_sum
 from train.families import DEFAULT_COEF_KEY, FAMILIES
 

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from common.config import ConfigError
 import train.attention  # noqa: F401  (registers attn_implementation="packsft")
 from train.attention import ATTN_IMPLEMENTATION, AttentionContext, resolve_backend
 from train.attention import dispatched_feature_problems, model_attention_features
@@ -61,7 +62,7 @@ from train.checkpoint import (
     safe_load,
     save_checkpoint,
 )
-from train.config import ConfigError, TrainConfig
+from train.config import TrainConfig
 from train.data import StepPlan, StepSampler
 from train.distributed import Mesh, all_reduce_sum, build_mesh, init_distributed
 from train.lm_head import decoder_of, lm_head_of

@@ -1,9 +1,9 @@
 """Filesystem plumbing shared by the pipeline and the trainer: crash-safe writes of files and directories, the
-temporaries they leave when killed, fsync of directories, file hashes, and splitting bytes into lines.
+temporaries they leave when killed, fsync of directories and file hashes.
 
 Every temporary is named `.NAME.KIND-PID-sTAG-RANDOM` (`temp_prefix`): the writer's pid and start tag let a later
 run tell a killed writer's leftovers (`stale_temporaries`) from a live one's. Nothing here imports other modules
-of the project but `data.lock` (process liveness), so any of them (and train/) can use it.
+of the project but `common.lock` (process liveness).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from data.lock import pid_running, process_start
+from common.lock import pid_running, process_start
 
 HASH_CHUNK = 1 << 20  # one reused read buffer: hashing a shard costs the driver 1 MiB, whatever the shard's size
 
@@ -74,7 +74,7 @@ def apply_umask(directory: str | os.PathLike) -> None:
 
 # ---------------------------------------------------------------------------------------------- temporaries
 def _start_tag(pid: int) -> str:
-    """8 hex digits of process `pid`'s start (boot and start time, data.lock.process_start): a live process with a
+    """8 hex digits of process `pid`'s start (boot and start time, common.lock.process_start): a live process with a
     temporary's pid but another tag is not its writer, the pid was reused. Without /proc every process has one tag."""
     return hashlib.blake2b((process_start(pid) or "").encode(), digest_size=4).hexdigest()
 
@@ -270,21 +270,3 @@ def tokenizer_hash(tokenizer_dir: str | os.PathLike) -> str:
         h.update(data)
     return h.hexdigest()
 
-
-# ---------------------------------------------------------------------------------------------- lines
-def split_lines(data: bytes) -> list[bytes]:
-    """`data` cut into lines as iterating a binary file cuts them: each ends at and keeps its b"\\n", but the last
-    when `data` does not end in one (no empty line after a final newline)."""
-    pieces = data.split(b"\n")
-    last = pieces.pop()  # after the last newline: b"", or a final line without one
-    lines = [piece + b"\n" for piece in pieces]
-    if last:
-        lines.append(last)
-    return lines
-
-
-def read_lines(path: str | os.PathLike, start: int, end: int) -> list[bytes]:
-    """The lines (`split_lines`) of bytes `[start, end)` of a file."""
-    with open(path, "rb") as f:
-        f.seek(start)
-        return split_lines(f.read(end - start))
