@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import os
 import pickle
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Literal
@@ -66,7 +67,15 @@ class LocalExecutor(Executor):
 
     def map(self, fn: Callable, tasks: Iterable, size: TaskSize = "ranges",
             setup: Callable[[], None] | None = None) -> Iterator:
-        return ordered_parallel_map(fn, tasks, self.workers, initializer=setup)
+        return ordered_parallel_map(fn, tasks, self.workers, initializer=setup, start_method=pool_start_method())
+
+
+def pool_start_method() -> str | None:
+    """The platform's default (fork on Linux), except in a process that runs a Ray driver: a child forked from it
+    inherits Ray's threads' locks and can hang before its first task (seen once in a full test run, the local engine
+    beside the Ray tests' instance); the pool then starts its workers from a fork server, a fresh process."""
+    ray = sys.modules.get("ray")
+    return "forkserver" if ray is not None and ray.is_initialized() else None
 
 
 _LAST_SETUP: bytes | None = None  # the setup this worker process ran last (Ray reuses processes across maps)

@@ -538,3 +538,11 @@ def test_preprocess_and_sample_lines_are_written_by_the_workers(fault_dir, tmp_p
     assert cfg.canonical_path.stat().st_size > 20 * 2000  # many ranges
     assert [p.name for p in cfg.out.glob(".*")] == [], "parts or temp files left behind"
 
+
+
+def test_local_pools_start_from_a_fork_server_beside_a_ray_driver(fault_dir):
+    """The local engine in a process that runs a Ray driver (as this module does) forks no worker from it: a child
+    forked from Ray's threads can hang. The module's local runs went through that path."""
+    from data.executor import pool_start_method
+
+    assert ray.is_initialized() and pool_start_method() == "forkserver"
