@@ -23,7 +23,7 @@ ShareGPT chats, tool calls; Qwen2.5 tokenizer), packed at each row length; `--fi
 (repeatable) gives pre-built packed directories, matched to a row length by their meta.json max_length.
 `--smoke`: the CPU check of this script (the embedded example data and its tiny model, 2K rows, fp32, 3 steps).
 A backend may carry trainer options after `+`: `torch_varlen+liger` (Liger's fused kernels), `flex+compile`
-(`compile_layers`). `--prepare DIR` only builds the packed data (DIR/data_<length>/packed) and exits;
+(`compile_layers`), `+compile_loss` (the loss chunk's softmax and gradient compiled into one kernel). `--prepare DIR` only builds the packed data (DIR/data_<length>/packed) and exits;
 `--profile-out FILE` profiles one more step of each run with torch.profiler and appends its table to FILE.
 
     python -m benchmarks.bench_train_gpu --fixtures .fixtures --shapes qwen2.5-0.5b --row-lengths 32768,131072
@@ -51,7 +51,7 @@ if str(ROOT) not in sys.path:
 from benchmarks.bench_memory import SHAPES, machine_description  # noqa: E402
 
 BACKENDS = ("sdpa", "torch_varlen", "flex", "flash_varlen")
-BACKEND_OPTIONS = {"liger": "liger", "compile": "compile_layers"}  # `<backend>+<option>` -> trainer config key
+BACKEND_OPTIONS = {"liger": "liger", "compile": "compile_layers", "compile_loss": "compile_loss"}  # `+<option>` -> config key
 H100_BF16_DENSE_TFLOPS = 989.0
 MEDIAN_STEPS = slice(2, 8)  # steps 3..8 (1-based)
 FIXTURE_INPUTS = [  # (file under <fixtures>/data, InputSpec fields)

@@ -1,5 +1,5 @@
-"""Optional step paths: compiled decoder layers (same losses and gradients as eager), Liger kernels (GPU), and
-their config checks."""
+"""Optional step paths: compiled decoder layers and compiled loss chunks (same losses and gradients as eager),
+Liger kernels (GPU), and their config checks."""
 from __future__ import annotations
 
 import functools
@@ -58,6 +58,32 @@ def test_compiled_layers_train_like_eager(tmp_path, monkeypatch):
         torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_compiled_loss_trains_like_eager(tmp_path, monkeypatch):
+    """compile_loss: the trainer's loss runs train.loss's compiled chunk function (aot_eager on the CPU, as above);
+    two steps equal eager (1e-5)."""
+    import train.loss
+
+    _, eager_records, eager_grads = _steps(tmp_path, "eager", 2)
+    captured = torch.compile(train.loss.chunk_ce_grad, dynamic=True, backend="aot_eager")
+    calls = []
+    monkeypatch.setattr(train.loss, "_compiled_chunk_ce_grad", lambda *a: calls.append(1) or captured(*a))
+    _, records, grads = _steps(tmp_path, "fused", 2, compile_loss=True)
+    assert calls, "the compiled chunk function was not used"
+    np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in eager_records], rtol=1e-5)
+    for name in eager_grads:
+        torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-5, atol=1e-7)
+
+
+def test_compile_loss_needs_the_chunked_loss(tmp_path):
+    from train.config import load_config
+
+    cfg_path = write_config(tmp_path / "c.yaml", data_path=str(tmp_path), output_dir=str(tmp_path / "out"),
+                            model_config="configs/model/tiny_qwen2.json", compile_loss=True, loss_chunk_size=0)
+    with pytest.raises(ConfigError, match="loss_chunk_size"):
+        load_config(cfg_path).validate_values()
+
+
 def test_liger_needs_a_gpu_and_the_package(tmp_path):
     from train.config import load_config
 
@@ -87,9 +113,9 @@ def test_unknown_attn_backend_is_a_config_error(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("option", ["compile_layers", "liger"])
+@pytest.mark.parametrize("option", ["compile_layers", "compile_loss", "liger"])
 def test_fused_paths_match_eager_on_gpu(tmp_path, option):
-    """Inductor-compiled layers / Liger's RMSNorm, SwiGLU and RoPE: bf16 losses of three steps equal the plain
+    """Inductor-compiled layers / loss chunks / Liger's RMSNorm, SwiGLU and RoPE: bf16 losses of three steps equal the plain
     path within bf16 tolerance."""
     if option == "liger":
         pytest.importorskip("liger_kernel")

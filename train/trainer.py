@@ -89,10 +89,11 @@ class PackedCausalLM(nn.Module):
     """
 
     def __init__(self, lm: nn.Module, chunk_size: int, num_categories: int, zero3: bool = False,
-                 attn_backend: str = "auto", router_aux: RouterAux | None = None):
+                 attn_backend: str = "auto", router_aux: RouterAux | None = None, fused_loss: bool = False):
         super().__init__()
         self.lm = lm
         self.chunk_size = chunk_size
+        self.fused_loss = fused_loss  # train.loss's compiled chunk softmax and gradient
         self.num_categories = num_categories
         self.attn_backend = attn_backend  # what train.model_check's packed run asks for
         self.head = lm_head_of(lm)  # what *ForCausalLM.forward does between the hidden states and the logits
@@ -128,7 +129,7 @@ class PackedCausalLM(nn.Module):
         head = self.lm.get_output_embeddings()
         lm_loss = weighted_lm_loss(
             outputs.last_hidden_state[0], head.weight, targets, weights, target_categories, self.num_categories,
-            self.chunk_size, lm_head_bias=getattr(head, "bias", None), head=self.head,
+            self.chunk_size, lm_head_bias=getattr(head, "bias", None), head=self.head, fused=self.fused_loss,
         )
         if self.router_aux is None:
             return lm_loss
@@ -356,7 +357,8 @@ class Trainer:
         if router_warning:
             self._warn(router_warning)
         self.model = PackedCausalLM(self.lm, cfg.loss_chunk_size, self.num_categories, zero3=zero3,
-                                    attn_backend=self.attn_backend, router_aux=self.router_aux)
+                                    attn_backend=self.attn_backend, router_aux=self.router_aux,
+                                    fused_loss=cfg.compile_loss)
         if cfg.self_check:
             self._self_check(zero3)
         self.lr_factor = lr_lambda_factory(self.total_steps, self.warmup_steps, cfg.schedule, cfg.min_lr_ratio)
@@ -1004,7 +1006,8 @@ class Trainer:
             f"{self.mesh.sp_size}), {self.sampler.rows_per_step} rows/step, deepspeed stage {cfg.deepspeed.stage}, "
             f"attention {self._attention_description()}, loss {cfg.loss_reduction}, "
             f"activation checkpointing {self.checkpointing_reason}"
-            + (", compiled decoder layers" if cfg.compile_layers else "") + (", Liger kernels" if cfg.liger else "")
+            + (", compiled decoder layers" if cfg.compile_layers else "")
+            + (", compiled loss chunks" if cfg.compile_loss else "") + (", Liger kernels" if cfg.liger else "")
             + (f", router aux loss (coef {self.router_aux.coef:g}, {self.router_aux.num_experts} experts, top "
                f"{self.router_aux.top_k})" if self.router_aux is not None else "")
         )
