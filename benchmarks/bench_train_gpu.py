@@ -136,7 +136,7 @@ def run_one(spec: dict) -> dict:
         "bf16": spec["device"] == "cuda", "attn_backend": backend, "lr": 1e-5, "warmup_steps": 0,
         "max_steps": spec["steps"] + (1 if spec.get("profile_out") else 0), "micro_batch_rows": 1, "grad_accum": 1,
         "plot": False, "seed": 0, "gradient_checkpointing": spec["gradient_checkpointing"],
-        "compile_layers": spec["compile_layers"], "tokenizer_mismatch": "warn", **options,
+        "compile_layers": spec["compile_layers"], "compile_loss": False, "tokenizer_mismatch": "warn", **options,
     }))
     started = time.perf_counter()
     trainer = Trainer(load_config(cfg_path), console=lambda line: print(

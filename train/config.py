@@ -100,7 +100,8 @@ class TrainConfig:
     gradient_checkpointing: bool | Literal["auto"] = "auto"
     checkpointing_min_length: int = 8192  # tokens per rank from which gradient_checkpointing=auto turns on (CPU)
     compile_layers: bool = False  # torch.compile each decoder layer (the attention call stays eager)
-    compile_loss: bool = False  # torch.compile the lm-head chunk's softmax and gradient (train/loss.py, fused)
+    # torch.compile the lm-head chunk's softmax, loss and gradient into one kernel (train/loss.py); auto: on CUDA
+    compile_loss: bool | Literal["auto"] = "auto"
     liger: bool = False  # Liger-Kernel's fused RMSNorm / SwiGLU / RoPE (needs CUDA and liger-kernel)
     seed: int = 42  # data order, online packing plan, random init
     save_steps: int = 0  # checkpoint every N steps; 0: only the final checkpoint
@@ -304,7 +305,7 @@ class TrainConfig:
                 f"nonfinite=skip_step needs deepspeed.stage null (got {ds.stage}): DeepSpeed applies the update inside "
                 "its engine, which PackSFT can stop before but not skip; use nonfinite=stop"
             )
-        if self.compile_loss and not self.loss_chunk_size:
+        if self.compile_loss is True and not self.loss_chunk_size:
             raise ConfigError("compile_loss: true compiles the chunked loss; set loss_chunk_size > 0 (e.g. 4096)")
         if self.bf16 and not _cuda_available():
             raise ConfigError("bf16: true needs a GPU (CUDA is not available); use bf16=false on CPU")
