@@ -5,6 +5,8 @@ body with the packsft attention equals each sequence alone through the same mode
 and every parameter's gradient, fp32), with and without activation checkpointing; and without the boundaries the
 same packed row leaks between sequences (the comparison is sensitive to the restart).
 """
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,6 +19,9 @@ from train.model_support import UnsupportedModelError
 from train.recurrent import (
     KNOWN_MIXERS,
     ONE_CALL,
+    SHORT_CONVOLUTION,
+    PackedBoundaries,
+    RecurrentLayers,
     SequenceRestart,
     install_sequence_restart,
     recurrent_mixers,
@@ -220,6 +225,17 @@ def test_one_call_mixers_are_known_mixers():
     assert set(ONE_CALL) <= KNOWN_MIXERS
 
 
+def test_every_one_call_mixer_is_checked_by_a_family():
+    """Each mixer class of ONE_CALL is the mixer of a family the tests above run, so each one-call form (Mamba2,
+    gated delta rule, KDA, short convolution, in every family that has it) is compared with each sequence alone."""
+    checked = set()
+    for model_type in FAMILIES:
+        lm = tiny_model(model_type)
+        modules = dict(lm.named_modules())
+        checked |= {type(modules[name]).__name__ for name in recurrent_mixers(lm)}
+    assert set(ONE_CALL) <= checked, f"one-call mixers no family test runs: {sorted(set(ONE_CALL) - checked)}"
+
+
 def test_packed_row_exact_through_lora():
     """LoRA injected after the wrappers (the trainer's order: build_lm applies LoRA, then the restart is installed
     on the PEFT model, or the other way round): adapters inside the mixers train exactly."""
@@ -312,3 +328,49 @@ def test_sequence_parallel_refuses_recurrent_families():
     assert "model.layers.0.linear_attn" in problem and "sequence_parallel_size=1" in problem
     install_sequence_restart(lm)
     assert sequence_parallel_problem(lm) == problem  # wrapped or not, the mixers are the same
+
+
+def causal_conv1d_fn(x, weight, bias=None, activation=None, **kwargs):
+    """A module-level convolution kernel, called by name as transformers' mixers call theirs (no boundaries)."""
+    return F.conv1d(x, weight.unsqueeze(1), bias, padding=weight.shape[-1] - 1, groups=x.shape[1])[..., : x.shape[-1]]
+
+
+def hooked(forward):
+    """A decorator like transformers' `force_accelerate_hooks`: functools.wraps, the forward in its closure."""
+
+    @functools.wraps(forward)
+    def wrapped(self, *args, **kwargs):
+        return forward(self, *args, **kwargs)
+
+    return wrapped
+
+
+class ConvolutionThroughKernel(SequenceConvolution):
+    @hooked
+    def forward(self, hidden_states, **kwargs):
+        x = hidden_states.transpose(1, 2)
+        return causal_conv1d_fn(x, self.conv.weight.squeeze(1), self.conv.bias).transpose(1, 2)
+
+
+class ConvolutionInline(SequenceConvolution):
+    """Calls no kernel by name: its forward (SequenceConvolution's) convolves with its own module."""
+
+
+@pytest.mark.parametrize("mixer_class, one_call", [(ConvolutionThroughKernel, True), (ConvolutionInline, False)])
+def test_one_call_only_where_the_forward_calls_the_kernels(monkeypatch, mixer_class, one_call):
+    """A mixer listed in ONE_CALL runs in one call only when its forward (through its decorator) calls every kernel
+    of its form by name; otherwise (a transformers whose mixer computes differently) it runs once per sequence.
+    Either way the packed row equals each sequence alone, and the module's own kernel is left as it is."""
+    monkeypatch.setitem(ONE_CALL, mixer_class.__name__, SHORT_CONVOLUTION)
+    torch.manual_seed(0)
+    mixer = mixer_class(8)
+    layers = RecurrentLayers(boundaries=PackedBoundaries())
+    wrapper = SequenceRestart(mixer, layers.boundaries)
+    assert wrapper.one_call is one_call
+    x = torch.randn(1, sum(LENGTHS), 8)
+    starts = torch.tensor([0, *LENGTHS]).cumsum(0).tolist()
+    alone = torch.cat([mixer(x[:, lo:hi]) for lo, hi in zip(starts[:-1], starts[1:])], dim=1)
+    layers.set_boundaries(starts)
+    assert torch.allclose(wrapper(x), alone, atol=1e-6)
+    assert not torch.allclose(mixer(x), alone, atol=1e-3)  # the module itself still convolves across sequences
+

@@ -254,7 +254,9 @@ def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_st
     beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
     v_beta = value * beta.unsqueeze(-1)
     k_beta = key * beta.unsqueeze(-1)
-    query, key, k_beta, v_beta = [x.reshape(1, v_heads, -1, chunk_size, x.shape[-1]) for x in (query, key, k_beta, v_beta)]
+    query, key, k_beta, v_beta = [
+        x.reshape(1, v_heads, -1, chunk_size, x.shape[-1]) for x in (query, key, k_beta, v_beta)
+    ]
     same, to_end, carried, ends = _chunk_masks(row.chunk_ids(chunk_size, query.device))
     g = _segment_cumsum(g.reshape(1, v_heads, -1, chunk_size, 1), same)[..., 0]
     keep_state = ends[1:] == ends[:-1]  # [c]: the chunk ends in the sequence the previous one ended in
@@ -292,7 +294,9 @@ def chunk_kimi_delta_attention(query, key, value, g, beta, chunk_size=64, initia
                           cu_seqlens=row.cu_seqlens(query.device))
         return output, None
     initial_dtype = query.dtype
-    query, key, value, beta, g = [x.transpose(1, 2).contiguous().to(torch.float32) for x in (query, key, value, beta, g)]
+    query, key, value, beta, g = [
+        x.transpose(1, 2).contiguous().to(torch.float32) for x in (query, key, value, beta, g)
+    ]
     if use_qk_l2norm_in_kernel:
         query, key = _l2norm(query), _l2norm(key)
     heads, length, k_dim = key.shape[1:]
