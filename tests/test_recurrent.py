@@ -13,12 +13,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import train.attention  # noqa: F401  (registers attn_implementation="packsft")
+from train import recurrent_kernels as kernels
 from train.attention import AttentionContext
 from train.model_check import GRAD_FLOOR, TOLERANCES
 from train.model_support import UnsupportedModelError
 from train.recurrent import (
     KNOWN_MIXERS,
     ONE_CALL,
+    ROW_KERNELS,
     SHORT_CONVOLUTION,
     PackedBoundaries,
     RecurrentLayers,
@@ -374,3 +376,24 @@ def test_one_call_only_where_the_forward_calls_the_kernels(monkeypatch, mixer_cl
     assert torch.allclose(wrapper(x), alone, atol=1e-6)
     assert not torch.allclose(mixer(x), alone, atol=1e-3)  # the module itself still convolves across sequences
 
+
+def test_row_of_one_sequence_runs_the_mixer_unmasked(monkeypatch):
+    """A row of one sequence needs no restart: the one-call mixer runs its own kernels, not the masked forms."""
+    calls = []
+
+    def counted(*args, row, **kwargs):
+        calls.append(row.count)
+        return kernels.causal_conv1d(*args, row=row, **kwargs)
+
+    monkeypatch.setitem(ONE_CALL, ConvolutionThroughKernel.__name__, SHORT_CONVOLUTION)
+    monkeypatch.setitem(ROW_KERNELS, "causal_conv1d_fn", counted)
+    torch.manual_seed(0)
+    mixer = ConvolutionThroughKernel(8)
+    layers = RecurrentLayers(boundaries=PackedBoundaries())
+    wrapper = SequenceRestart(mixer, layers.boundaries)
+    x = torch.randn(1, sum(LENGTHS), 8)
+    layers.set_boundaries([0, x.shape[1]])
+    assert torch.equal(wrapper(x), mixer(x)) and calls == []
+    layers.set_boundaries([0, 3, x.shape[1]])
+    wrapper(x)
+    assert calls == [2]

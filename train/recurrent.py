@@ -171,7 +171,8 @@ class SequenceRestart(nn.Module):
                     f"{self._describe()}: a {name} was passed with packed boundaries set; packed training runs "
                     "with use_cache=False (clear() the boundaries for cached generation)"
                 )
-        if self._row_forward is not None:
+        # a row of one sequence needs no restart: the loop below makes it the mixer's own call, unmasked kernels
+        if self._row_forward is not None and row.count > 1:
             return self._row_forward(self.mixer, **arguments)
         bounds = row.offsets
         pieces = [
