@@ -6,8 +6,15 @@ mixers (gated delta rule, KDA, Mamba / Mamba2 scans, short convolutions, RG-LRU,
 time mixing) never see it: their convolutions and recurrent states would run across the boundaries of a packed row
 and each sequence would read its predecessors. `install_sequence_restart` puts a `SequenceRestart` wrapper in place
 of each such mixer (the way PEFT wraps layers; no transformers function or class is patched). While boundaries are
-set, the wrapper runs the mixer once per packed sequence (zero initial state, its own convolution padding) and
-concatenates the outputs: the same maths as running each sequence alone, on every device and with every kernel.
+set, the wrapper computes what the mixer computes on each sequence alone (zero initial state, its own convolution
+padding), in one of two ways:
+- one call over the whole row (`ONE_CALL`: the Mamba2, gated-delta-rule, KDA and short-convolution mixers): the
+  wrapper runs the mixer's own forward with the sequence kernels it calls by name (`causal_conv1d_fn`,
+  `mamba2_chunk_scan`, `torch_chunk_gated_delta_rule`, `chunk_kimi_delta_attention`) resolved to their
+  boundary-restarting forms in train/recurrent_kernels.py (the fused CUDA kernels with `seq_idx` / `cu_seqlens`
+  where installed, torch forms elsewhere). Memory and time go by tokens, whatever the number of sequences;
+- once per packed sequence, outputs concatenated, for the other mixers (Mamba1 scans, RG-LRU, lightning
+  attention, mLSTM, RWKV, Zaya's convolution): exact on every device, one mixer call per sequence.
 
 How the trainer uses it::
 
@@ -21,30 +28,52 @@ keyword arguments (the decoder layers do not forward them to every mixer). They 
 activation-checkpoint recomputation during backward restarts at the same places; `set_boundaries` of the next
 micro-batch replaces them, `clear()` returns the wrappers to plain HF behaviour (one call on the whole input).
 
-The fused GPU path, not implemented here: where the optional kernels are installed, transformers' mixers accept the
-boundaries natively (flash-linear-attention's chunk/recurrent gated delta rule and KDA take `cu_seqlens`, which the
-gated-delta-net mixers read from the `cu_seq_lens_q` keyword; mamba-ssm's `mamba_chunk_scan_combined` and
-causal-conv1d's `causal_conv1d_fn` take `seq_idx`). Without them transformers' torch fallbacks refuse packed
-boundaries, so the per-sequence path is the one that is exact everywhere; its cost is one mixer call per sequence.
-
 Sequence parallelism splits a row's tokens over ranks, so a rank's mixer would see a part of a sequence without the
 state its predecessor rank ended with: `sequence_parallel_problem` gives the refusal text.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import re
+import types
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from train import recurrent_kernels as kernels
 from train.families import FAMILIES
 from train.model_support import UnsupportedModelError
 
 # class names of the token mixers that carry state along the sequence (the families' `mixers`); every one of them
 # is exact when called once per sequence
 KNOWN_MIXERS = frozenset(name for spec in FAMILIES.values() for name in spec.mixers)
+
+# the module-level sequence kernels the mixers' forwards call by name -> their boundary-restarting forms
+ROW_KERNELS = {
+    "causal_conv1d_fn": kernels.causal_conv1d,
+    "mamba2_chunk_scan": kernels.mamba2_chunk_scan,
+    "torch_chunk_gated_delta_rule": kernels.chunk_gated_delta_rule,
+    "chunk_kimi_delta_attention": kernels.chunk_kimi_delta_attention,
+    # mamba-ssm's convolution + scan + norm + projection in one kernel (training, where installed) takes no
+    # boundaries through transformers' call; returning None sends the mixer to its unfused path (the two above)
+    "mamba2_split_conv1d_scan_combined": None,
+}
+SHORT_CONVOLUTION = ("causal_conv1d_fn",)
+MAMBA2 = ("mamba2_split_conv1d_scan_combined", "causal_conv1d_fn", "mamba2_chunk_scan")
+GATED_DELTA_RULE = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
+KIMI_DELTA_ATTENTION = ("causal_conv1d_fn", "chunk_kimi_delta_attention")
+# mixer class -> the kernels its forward calls, every token mixing of it among them (checked per family by
+# tests/test_recurrent.py): these run once over the whole row; every other known mixer once per sequence
+ONE_CALL = {
+    **dict.fromkeys(("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv"), SHORT_CONVOLUTION),
+    **dict.fromkeys(("Mamba2Mixer", "BambaMixer", "FalconH1Mixer", "GraniteMoeHybridMambaLayer",
+                     "NemotronHMamba2Mixer", "Zamba2MambaMixer"), MAMBA2),
+    **dict.fromkeys(("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet",
+                     "Qwen4ExpTextGatedDeltaNet", "OlmoHybridGatedDeltaNet"), GATED_DELTA_RULE),
+    **dict.fromkeys(("KimiLinearDeltaAttention", "BailingHybridDeltaAttention"), KIMI_DELTA_ATTENTION),
+}
 
 # class-name fragments of sequence mixers that do not go through the attention function (the generic detector)
 RECURRENT_NAME_FRAGMENTS = (
@@ -60,13 +89,15 @@ CACHE_ARGUMENTS = ("cache_params", "past_key_values", "past_key_value", "cache",
 
 @dataclass
 class PackedBoundaries:
-    """The host offsets [0, l1, l1+l2, ..., T] of the current packed row, shared by all wrappers of a model."""
+    """The current packed row (host offsets [0, l1, l1+l2, ..., T] and their index tensors), shared by all wrappers
+    of a model; None: no boundaries, plain HF calls."""
 
-    host_cu_seqlens: tuple[int, ...] | None = None
+    row: kernels.PackedRow | None = None
 
 
 class SequenceRestart(nn.Module):
-    """Runs `mixer` once per packed sequence while boundaries are set, else directly.
+    """Restarts `mixer` at each packed sequence while boundaries are set (in one call over the row for the mixers
+    of `ONE_CALL`, else once per sequence), calls it directly otherwise.
 
     Transparent: the wrapper shares the mixer's parameter, buffer and child dictionaries, so parameter and
     state-dict names are unchanged (checkpoints, LoRA targets and optimizer groups see the same model) and
@@ -82,9 +113,24 @@ class SequenceRestart(nn.Module):
         self._modules = mixer._modules
         self.training = mixer.training
         object.__setattr__(self, "mixer", mixer)
-        object.__setattr__(self, "boundaries", boundaries)
         self._signature = inspect.signature(mixer.forward)
         self._hidden_argument = next(iter(self._signature.parameters))
+        self.attach(boundaries)
+
+    def attach(self, boundaries: PackedBoundaries) -> None:
+        """Read the boundaries from `boundaries` from now on."""
+        object.__setattr__(self, "boundaries", boundaries)
+        kernel_names = ONE_CALL.get(type(self.mixer).__name__)
+        row_forward = None
+        if kernel_names is not None:
+            row_kernels = {name: _row_kernel(ROW_KERNELS[name], boundaries) for name in kernel_names}
+            row_forward = _with_globals(type(self.mixer).forward, row_kernels)
+        object.__setattr__(self, "_row_forward", row_forward)
+
+    @property
+    def one_call(self) -> bool:
+        """Whether packed rows run through the mixer in one call (else once per sequence)."""
+        return self._row_forward is not None
 
     def __getattr__(self, name: str):
         try:
@@ -101,22 +147,23 @@ class SequenceRestart(nn.Module):
         return self
 
     def extra_repr(self) -> str:
-        return f"restarts {type(self.mixer).__name__} at each packed sequence"
+        how = "in one call" if self.one_call else "once per sequence"
+        return f"restarts {type(self.mixer).__name__} at each packed sequence, {how}"
 
-    # host offsets drive a Python loop: compiled decoder layers break their graph here rather than guard on them
+    # host offsets drive Python-side indexing: compiled decoder layers break their graph here rather than guard on them
     @torch.compiler.disable
     def forward(self, *args, **kwargs):
-        bounds = self.boundaries.host_cu_seqlens
-        if bounds is None:
+        row = self.boundaries.row
+        if row is None:
             return self.mixer(*args, **kwargs)
         arguments = self._keyword_arguments(args, kwargs)
         hidden = arguments[self._hidden_argument]
         if hidden.ndim < 2 or hidden.shape[0] != 1:
             raise ValueError(f"{self._describe()}: packed input must be [1, T, ...], got {tuple(hidden.shape)}")
         total = hidden.shape[1]
-        if bounds[-1] != total:
+        if row.total != total:
             raise ValueError(
-                f"{self._describe()}: the packed boundaries cover {bounds[-1]} tokens, the input has {total}"
+                f"{self._describe()}: the packed boundaries cover {row.total} tokens, the input has {total}"
             )
         for name in CACHE_ARGUMENTS:
             if arguments.get(name) is not None:
@@ -124,6 +171,10 @@ class SequenceRestart(nn.Module):
                     f"{self._describe()}: a {name} was passed with packed boundaries set; packed training runs "
                     "with use_cache=False (clear() the boundaries for cached generation)"
                 )
+        # a row of one sequence needs no restart: the loop below makes it the mixer's own call, unmasked kernels
+        if self._row_forward is not None and row.count > 1:
+            return self._row_forward(self.mixer, **arguments)
+        bounds = row.offsets
         pieces = [
             self.mixer(**{name: _token_slice(value, lo, hi, total) for name, value in arguments.items()})
             for lo, hi in zip(bounds[:-1], bounds[1:])
@@ -147,6 +198,42 @@ class SequenceRestart(nn.Module):
 
     def _describe(self) -> str:
         return f"SequenceRestart({type(self.mixer).__name__})"
+
+
+def _row_kernel(kernel, boundaries: PackedBoundaries):
+    """`kernel` (a function of train/recurrent_kernels.py taking `row=`) with the holder's current row; None stays
+    None (a fused path that is skipped)."""
+    if kernel is None:
+        return lambda *args, **kwargs: None
+
+    @functools.wraps(kernel)
+    def restarted(*args, **kwargs):
+        return kernel(*args, row=boundaries.row, **kwargs)
+
+    return restarted
+
+
+def _with_globals(function, replacements: dict):
+    """A copy of `function` in which the global names of `replacements` resolve to the given values (transformers'
+    own function and module are left as they are); a decorator that wrapped it with functools.wraps and holds it in
+    its closure (transformers' `force_accelerate_hooks`) is copied around the copy. None when the function does not
+    call every replaced name (a transformers whose mixer no longer computes through these kernels)."""
+    inner = getattr(function, "__wrapped__", None)
+    if inner is None:
+        if not set(replacements) <= set(function.__code__.co_names):
+            return None
+        namespace = {**function.__globals__, **replacements}
+        closure = function.__closure__
+    else:
+        copy_of_inner = _with_globals(inner, replacements)
+        cells = function.__closure__ or ()
+        if copy_of_inner is None or not any(cell.cell_contents is inner for cell in cells):
+            return None
+        namespace = function.__globals__
+        closure = tuple(types.CellType(copy_of_inner) if cell.cell_contents is inner else cell for cell in cells)
+    copy = types.FunctionType(function.__code__, namespace, function.__name__, function.__defaults__, closure)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    return copy
 
 
 def _token_slice(value, lo: int, hi: int, total: int):
@@ -204,11 +291,11 @@ class RecurrentLayers:
         bounds = tuple(int(x) for x in host_cu_seqlens)
         if len(bounds) < 2 or bounds[0] != 0 or any(hi <= lo for lo, hi in zip(bounds[:-1], bounds[1:])):
             raise ValueError(f"packed boundaries must start at 0 and strictly increase, got {bounds}")
-        self.boundaries.host_cu_seqlens = bounds
+        self.boundaries.row = kernels.PackedRow(bounds)
 
     def clear(self) -> None:
         """Back to plain HF behaviour: each mixer call covers its whole input (one unpacked sequence)."""
-        self.boundaries.host_cu_seqlens = None
+        self.boundaries.row = None
 
 
 def _is_known_mixer(module: nn.Module) -> bool:
@@ -282,7 +369,7 @@ def install_sequence_restart(lm: nn.Module) -> RecurrentLayers:
     modules = dict(lm.named_modules())
     for name, module in known.items():
         if isinstance(module, SequenceRestart):
-            object.__setattr__(module, "boundaries", layers.boundaries)
+            module.attach(layers.boundaries)
         else:
             parent_name, _, child_name = name.rpartition(".")
             module = SequenceRestart(module, layers.boundaries)
