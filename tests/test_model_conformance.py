@@ -8,6 +8,9 @@ transform of its spec with non-trivial values):
   loss within 1e-5 and every parameter's gradient within 1e-4 relative (fp32); so do the length-dependent ropes of
   its spec (`ropes`), on both sides of their switch point;
 - `refused`: `check_model_support` stops it before any weight is loaded, naming the family and the reason.
+- composite checkpoints (`text_family`, train/composite.py): the composite class itself, towers loaded, against its own
+  forward on each sequence alone (tests/model_zoo.py's `tiny_composite_config`: the text decoder's tiny config,
+  shrunk towers); every composite of transformers' image-text-to-text mapping is classified.
 A causal LM of transformers' auto mapping that the table does not classify fails `test_every_family_is_classified`:
 a new transformers release that adds a family fails this suite until it is classified.
 """
