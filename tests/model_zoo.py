@@ -148,3 +148,56 @@ def _has(config, key) -> bool:
         return hasattr(config, key)
     except Exception:
         return False
+
+
+# a modality tower of a composite checkpoint, shrunk: text rows never run it, it only has to build small
+TOWER_SHRINK: dict[str, Any] = {
+    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+    "num_key_value_heads": 2, "head_dim": 16, "depth": 1, "num_heads": 2, "embed_dim": 32, "num_layers": 1,
+    "encoder_layers": 1, "d_model": 32, "encoder_attention_heads": 2, "encoder_ffn_dim": 64, "projection_dim": 32,
+}
+
+
+def _mrope(sections: list[int], **extra) -> dict:
+    return {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": sections, **extra}}
+
+
+# text decoders of composites with multimodal rotary positions: sections over the 8 frequencies of head dim 16
+# (GLM-4V rotates half of it: 4)
+FAMILY_OVERRIDES.update({
+    "qwen2_vl_text": _mrope([2, 3, 3]), "qwen2_5_vl_text": _mrope([2, 3, 3]),
+    "qwen3_vl_text": _mrope([2, 3, 3], mrope_interleaved=True),
+    "qwen3_vl_moe_text": _mrope([2, 3, 3], mrope_interleaved=True),
+    "glm4v_text": _mrope([1, 1, 2], partial_rotary_factor=0.5),
+    "glm4v_moe_text": _mrope([1, 1, 2], partial_rotary_factor=0.5),
+})
+
+
+def tiny_composite_config(model_type: str, **text_overrides):
+    """A composite checkpoint's tiny config: the text decoder of `tiny_config(text family)` (train/families.py's
+    `text_family`), every modality tower shrunk by TOWER_SHRINK, the composite's own settings left as they are."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    text = tiny_config(FAMILIES[model_type].text_family, **text_overrides)
+    kwargs: dict[str, Any] = {"text_config": text.to_dict()}
+    default = cls()
+    for key in getattr(cls, "sub_configs", {}):
+        tower = _get(default, key)
+        if key == "text_config" or tower is None or not hasattr(tower, "to_dict"):
+            continue
+        shrunk = tower.to_dict()
+        shrunk.update({k: v for k, v in TOWER_SHRINK.items() if k in shrunk})
+        if isinstance(shrunk.get("layer_types"), list):  # rebuilt for the shrunk depth (LFM3-VL's tower)
+            shrunk["layer_types"] = None
+        for k in ("out_hidden_size", "text_hidden_size"):
+            if k in shrunk:
+                shrunk[k] = text.hidden_size
+        kwargs[key] = shrunk
+    for key in dir(default):
+        if not key.startswith("_") and ("dropout" in key or "pdrop" in key) and isinstance(_get(default, key), float):
+            kwargs[key] = 0.0
+    config = cls(**kwargs)
+    config.use_cache = False
+    config.get_text_config().use_cache = False
+    return config

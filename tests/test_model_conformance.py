@@ -8,6 +8,9 @@ transform of its spec with non-trivial values):
   loss within 1e-5 and every parameter's gradient within 1e-4 relative (fp32); so do the length-dependent ropes of
   its spec (`ropes`), on both sides of their switch point;
 - `refused`: `check_model_support` stops it before any weight is loaded, naming the family and the reason.
+- composite checkpoints (`text_family`, train/composite.py): the composite class itself, towers loaded, against its own
+  forward on each sequence alone (tests/model_zoo.py's `tiny_composite_config`: the text decoder's tiny config,
+  shrunk towers); every composite of transformers' image-text-to-text mapping is classified.
 A causal LM of transformers' auto mapping that the table does not classify fails `test_every_family_is_classified`:
 a new transformers release that adds a family fails this suite until it is classified.
 """
@@ -18,16 +21,26 @@ from types import SimpleNamespace
 import pytest
 import torch
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+)
 
 import train.attention  # noqa: F401  (registers attn_implementation="packsft")
-from tests.model_zoo import VOCAB, tiny_config
+from tests.model_zoo import VOCAB, tiny_composite_config, tiny_config
+from train.composite import attn_implementation
 from train.families import FAMILIES
 from train.model_check import compare_packed_with_reference
 from train.model_support import UnsupportedModelError, check_model_support
 from train.trainer import PackedCausalLM
 
-EXACT = [model_type for model_type, spec in sorted(FAMILIES.items()) if spec.status == "exact"]
+EXACT = [model_type for model_type, spec in sorted(FAMILIES.items())
+         if spec.status == "exact" and not spec.text_family and not spec.composite_only]
+# composite checkpoints trained on text through their text decoder (train/composite.py)
+EXACT_COMPOSITES = [model_type for model_type, spec in sorted(FAMILIES.items())
+                    if spec.status == "exact" and spec.text_family]
 REFUSED = [model_type for model_type, spec in sorted(FAMILIES.items()) if spec.status == "refused"]
 SEQUENCE_LENGTHS = (7, 11, 5, 9)
 
@@ -52,6 +65,17 @@ def test_the_table_names_only_real_families():
     assert not stale, f"train/families.py has specs of model types transformers does not have: {stale}"
     not_causal = sorted(set(EXACT) - set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
     assert not not_causal, f"exact families that AutoModelForCausalLM cannot build: {not_causal}"
+    not_composite = sorted(set(EXACT_COMPOSITES) - set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES))
+    assert not not_composite, f"exact composites that AutoModelForImageTextToText cannot build: {not_composite}"
+    decoders = {spec.text_family for spec in FAMILIES.values()}
+    orphans = sorted(t for t, spec in FAMILIES.items() if spec.composite_only and t not in decoders)
+    assert not orphans, f"composite-only text decoders that no composite of the table names: {orphans}"
+
+
+def test_every_composite_is_classified():
+    unclassified = sorted(set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES) - set(FAMILIES))
+    assert not unclassified, (
+        f"composites of transformers' image-text-to-text mapping with no spec in train/families.py: {unclassified}")
 
 
 @pytest.mark.parametrize("model_type", REFUSED)
@@ -62,11 +86,13 @@ def test_refused_family_stops_before_training(model_type):
     assert FAMILIES[model_type].refusal.why in str(err.value)
 
 
-def _packed_check(config, lengths):
-    """compare_packed_with_reference on a fresh tiny model of `config` and random sequences of `lengths`."""
-    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+def _packed_check(config, lengths, mapping=MODEL_FOR_CAUSAL_LM_MAPPING):
+    """compare_packed_with_reference on a fresh tiny model of `config` (its class: `mapping`'s) and random
+    sequences of `lengths`."""
+    model_cls = mapping[type(config)]
     torch.manual_seed(0)
-    lm = model_cls._from_config(config, attn_implementation="packsft", dtype=torch.float32)
+    lm = model_cls._from_config(config, attn_implementation=attn_implementation(config, "packsft"),
+                                dtype=torch.float32)
     model = PackedCausalLM(lm, chunk_size=5, num_categories=1, attn_backend="sdpa")
     gen = torch.Generator().manual_seed(1)
     sequences = [torch.randint(3, VOCAB, (n,), generator=gen) for n in lengths]
@@ -79,6 +105,39 @@ def test_exact_family_packed_equals_unpacked(model_type):
     assert check_model_support(config) == "exact"  # the suite's config is one PackSFT accepts
     result = _packed_check(config, SEQUENCE_LENGTHS)
     assert result.ok, f"{model_type}: {result.describe()}"
+
+
+# the bar every family meets in fp32 (the model_check tolerances leave room for larger models and other devices)
+COMPOSITE_LOSS_BAR, COMPOSITE_GRAD_BAR = 2e-6, 3e-5
+
+
+@pytest.mark.parametrize("model_type", EXACT_COMPOSITES)
+def test_exact_composite_packed_equals_unpacked(model_type):
+    """The composite class itself (towers loaded, text decoder through PackSFT's packed path) against its own
+    forward on each sequence alone: M-RoPE positions, windows, softcaps and recurrent restarts of its text decoder
+    included."""
+    config = tiny_composite_config(model_type)
+    assert check_model_support(config) == "exact"
+    result = _packed_check(config, SEQUENCE_LENGTHS, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
+    assert result.ok, f"{model_type}: {result.describe()}"
+    assert result.loss_error <= COMPOSITE_LOSS_BAR and result.grad_error <= COMPOSITE_GRAD_BAR, result.describe()
+
+
+@pytest.mark.parametrize("model_type", sorted(t for t, spec in FAMILIES.items() if spec.composite_only))
+def test_composite_only_decoder_alone_is_refused(model_type):
+    with pytest.raises(UnsupportedModelError, match=f"model family '{model_type}' is the text decoder of a "
+                                                    "composite checkpoint"):
+        check_model_support(tiny_config(model_type))
+
+
+def test_unlisted_composite_is_refused_not_a_transformers_error(monkeypatch):
+    """A composite the table does not list (a newer transformers) stops with the family, not with transformers'
+    `Unrecognized configuration class ... for AutoModelForCausalLM` when the weights load."""
+    config = tiny_composite_config("mistral3")
+    monkeypatch.delitem(FAMILIES, "mistral3")
+    with pytest.raises(UnsupportedModelError, match="model family 'mistral3' cannot be trained on packed rows: a "
+                                                    r"composite checkpoint \(its text decoder is 'mistral'\)"):
+        check_model_support(config)
 
 
 SWITCH = 16  # tokens: where the length-dependent ropes below change their frequencies

@@ -134,6 +134,9 @@ class TrainConfig:
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
     lora_merge_on_save: bool = True  # LoRA: also export the merged model to final/merged/
+    # composite (multimodal) checkpoints trained on text (train/composite.py): keep the towers / projectors frozen
+    freeze_vision_tower: bool = True  # vision / audio towers
+    freeze_multi_modal_projector: bool = True  # the projectors between a tower and the text decoder
     # mixture-of-experts router load-balancing loss (train/moe.py): true | false | null (null: the model config's
     # output_router_logits); logged as aux_loss, added to the optimised objective
     output_router_logits: bool | None = None

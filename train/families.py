@@ -18,7 +18,7 @@ for it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Literal
 
@@ -61,6 +61,10 @@ class FamilySpec:
     mask_only_window: bool = False  # config.sliding_window on every layer, through the mask function alone
     aux_coef_key: str = DEFAULT_COEF_KEY  # config key of the router aux-loss coefficient its causal LM uses
     ropes: tuple[str, ...] = ()  # length-dependent rope types the suite checks per packed sequence
+    # a composite (multimodal) checkpoint trained on text: the model type of its text decoder, whose spec holds the
+    # decoder's pieces (mixers, window, ropes); `logits` stays the composite's own (its forward applies them)
+    text_family: str | None = None
+    composite_only: bool = False  # a text decoder transformers builds only inside its composite (no *ForCausalLM)
 
     @property
     def status(self) -> Literal["exact", "refused"]:
@@ -72,6 +76,10 @@ class FamilySpec:
         if self.refusal is not None:
             return self.refusal.why
         parts = [self.note or "causal attention"]
+        if self.text_family:
+            parts = [f"composite: text rows train its `{self.text_family}` decoder, towers kept (train/composite.py)"]
+        elif self.composite_only:
+            parts.append("trained inside its composite")
         if self.logits:
             steps = ", ".join(f"{op.value} `{attribute}`" for attribute, op in self.logits)
             parts.append(f"{steps} (train/lm_head.py)")
@@ -89,12 +97,24 @@ def _refused(model_type: str, refusal: Refusal, **fields) -> FamilySpec:
     return FamilySpec(model_type, refusal, **fields)
 
 
+def _composite(model_type: str, text_family: str, refusal: Refusal | None = None, note: str = "",
+               **fields) -> FamilySpec:
+    """A composite checkpoint (a `*ForConditionalGeneration` with towers) trained on packed text through its text
+    decoder; exact when its text family is (`_table` refuses it otherwise)."""
+    return FamilySpec(model_type, refusal, note, text_family=text_family, **fields)
+
+
 def _table(*specs: FamilySpec) -> dict[str, FamilySpec]:
     table = {}
     for spec in specs:
         if spec.model_type in table:
             raise ValueError(f"train/families.py: {spec.model_type!r} has two specs")
         table[spec.model_type] = spec
+    for model_type, spec in table.items():  # a composite is refused with its text decoder
+        text = table.get(spec.text_family) if spec.text_family else None
+        if spec.refusal is None and text is not None and text.refusal is not None:
+            table[model_type] = replace(spec, refusal=Refusal(
+                f"its text decoder `{spec.text_family}` is refused: {text.refusal.why}", text.refusal.what_to_do))
     return table
 
 
@@ -113,9 +133,19 @@ NO_CAUSAL_MASK = Refusal(
     "its attention is not routed through transformers' AttentionInterface and builds no causal mask there "
     "(ALiBi inside its own attention): future tokens and other packed sequences leak into every position")
 MULTIMODAL = Refusal(
-    "a multimodal (composite) checkpoint: PackSFT trains text decoders on packed text and has not verified this "
-    "family's vision/audio towers and multimodal position ids on packed rows",
+    "a multimodal (composite) checkpoint whose text decoder is not a family PackSFT trains exactly on packed rows "
+    "(or not where PackSFT trains a composite's: `model.language_model` beside `lm_head`)",
     "train its text-only model type (e.g. `<family>_text` where transformers has one) or another family")
+NESTED_CAUSAL_LM = Refusal(
+    "its language model is a whole causal LM nested in the composite (`language_model.lm_head`) and its forward "
+    "requires image inputs: PackSFT trains a composite's text decoder at `model.language_model` beside `lm_head`")
+TIMM_TOWER = Refusal(
+    "its vision tower is a timm model (TimmWrapper), which the conformance suite cannot build where it runs (timm "
+    "needs torchvision, which does not import beside the CPU build of torch): not verified packed = unpacked",
+    "train its text-only model type (e.g. `<family>_text`) or another family")
+PREFIX_IMAGE_TEXT = Refusal(
+    "a prefix-LM: its image and prompt tokens (marked by `token_type_ids`) attend to each other bidirectionally, and "
+    "packed text rows carry no token_type_ids, so the prompt would train as causal text, not as the model it is")
 SPARSE_INDEXER = Refusal(
     "sparse attention with a learned indexer (DeepSeek Sparse Attention): the indexer scores and selects keys over "
     "the whole row outside the attention function, across packed sequences")
@@ -145,6 +175,8 @@ DRAFT_MODEL = Refusal(
     "a draft (assistant) model for speculative decoding that reads the target model's hidden states: not a "
     "standalone causal LM", "fine-tune the target model (`gemma4_text`)")
 
+MROPE = ("multimodal rotary positions (M-RoPE): all components the packed 1-D position, restarted per sequence, as "
+         "its composite computes them for text")
 WINDOW = "sliding-window layers (window shorter than the sequences in the suite)"
 SINKS = WINDOW + ", attention sinks (trained)"
 ATTENTION_SOFTCAP = WINDOW + ", attention-logit softcap"
@@ -181,8 +213,6 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _refused("bloom", NO_CAUSAL_MASK),
     _refused("blt", BYTE_PATCHES),
     _refused("camembert", ENCODER),
-    _refused("chameleon", MULTIMODAL, unreproducible_head=(
-        "its forward sets the logits of the image tokens to the dtype's minimum (out of the softmax)")),
     _refused("codegen", OWN_ATTENTION),
     _exact("cohere", logits=LOGIT_SCALE),
     _exact("cohere2", WINDOW, logits=LOGIT_SCALE),
@@ -200,10 +230,8 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _exact("diffllama"),
     _refused("doge", DYNAMIC_MASK),
     _exact("dots1"),
-    _refused("dots3_note", MULTIMODAL),
     _refused("dots3_note_text", SPARSE_INDEXER),
     _refused("electra", ENCODER),
-    _refused("emu3", MULTIMODAL),
     _refused("ernie", ENCODER),
     _exact("ernie4_5"),
     _exact("ernie4_5_moe"),
@@ -214,26 +242,19 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _exact("falcon_mamba", MAMBA, mixers=("FalconMambaMixer",)),
     _exact("flex_olmo"),
     _exact("flint", SINKS),
-    _refused("fuyu", MULTIMODAL),
     _exact("gemma"),
     _exact("gemma2", ATTENTION_SOFTCAP, logits=SOFTCAPPED),
-    _refused("gemma3", MULTIMODAL),
     _exact("gemma3_text", WINDOW, logits=SOFTCAPPED, ropes=("dynamic",)),
-    _refused("gemma3n", MULTIMODAL, logits=SOFTCAPPED),
     _exact("gemma3n_text", WINDOW, logits=SOFTCAPPED),
-    _refused("gemma4", MULTIMODAL, logits=SOFTCAPPED),
     _refused("gemma4_assistant", DRAFT_MODEL, unreproducible_head=DRAFT_HEAD),
     _exact("gemma4_text", WINDOW, logits=SOFTCAPPED),
-    _refused("gemma4_unified", MULTIMODAL, logits=SOFTCAPPED),
     _refused("gemma4_unified_assistant", DRAFT_MODEL, unreproducible_head=DRAFT_HEAD),
     _exact("gemma4_unified_text", WINDOW, logits=SOFTCAPPED),
-    _refused("git", MULTIMODAL),
     _exact("glm"),
     _exact("glm4"),
     _exact("glm4_moe"),
     _exact("glm4_moe_lite"),
     _refused("glm_moe_dsa", SPARSE_INDEXER),
-    _refused("got_ocr2", MULTIMODAL),
     _exact("gpt-sw3"),
     _exact("gpt2"),
     _exact("gpt_bigcode"),
@@ -243,8 +264,6 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _exact("gpt_oss", SINKS),
     _refused("gptj", OWN_ATTENTION),
     _exact("granite", logits=GRANITE_SCALING),
-    _refused("granite4_vision", MULTIMODAL, logits=GRANITE_SCALING),
-    _refused("granite_docling", MULTIMODAL, logits=GRANITE_SCALING),
     _exact("granite_swa", SINKS, logits=GRANITE_SCALING),
     _exact("granitemoe", logits=GRANITE_SCALING),
     _exact("granitemoe_swa", SINKS, logits=GRANITE_SCALING),
@@ -257,8 +276,6 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _exact("hy_v3"),
     _refused("hy_v4", SPARSE_INDEXER),
     _exact("hyperclovax", logits=(("logits_scaling", LogitOp.MULTIPLY),)),
-    _refused("hyperclovax_vision_v2", MULTIMODAL, logits=(("logits_scaling", LogitOp.MULTIPLY),)),
-    _refused("inkling2", MULTIMODAL, logits=(*SOFTCAPPED, ("unpadded_vocab_size", LogitOp.VOCAB_SIZE))),
     _refused("inkling2_text", POSITION_BIAS, logits=(*SOFTCAPPED, ("unpadded_vocab_size", LogitOp.VOCAB_SIZE)),
              mixers=("Inkling2ShortConvolution", "Inkling2DynamicShortConvolution")),
     _refused("inkling_text", POSITION_BIAS, logits=(("logits_mup_width_multiplier", LogitOp.DIVIDE_HIDDEN),
@@ -276,7 +293,6 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _exact("lfm2_moe", SHORT_CONVOLUTION, mixers=("Lfm2MoeShortConv",)),
     _exact("lfm3", SHORT_CONVOLUTION, mixers=("Lfm3ShortConv",)),
     _exact("llama", ropes=("dynamic",)),
-    _refused("llama4", MULTIMODAL),
     _refused("llama4_text", CHUNKED_ATTENTION),
     _exact("longcat_flash"),
     _exact("mamba", MAMBA, mixers=("MambaMixer",)),
@@ -294,15 +310,11 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _exact("ministral", WINDOW),
     _exact("ministral3", WINDOW),
     _exact("mistral", WINDOW),
-    _refused("mistral_large4", MULTIMODAL, logits=SOFTCAPPED),
     _exact("mixtral", WINDOW),
-    _refused("mllama", MULTIMODAL),
     _refused("modernbert-decoder", OWN_ATTENTION),
     _exact("moshi"),
     _refused("moss_transcribe_diarize", MULTIMODAL),
     _refused("mpt", OWN_ATTENTION),
-    _refused("muse_glimmer", MULTIMODAL, logits=MUSE_HEAD),
-    _refused("muse_spark", MULTIMODAL, logits=MUSE_HEAD),
     _refused("musicgen", ENCODER_DECODER),
     _refused("musicgen_melody", ENCODER_DECODER),
     _refused("mvp", ENCODER_DECODER),
@@ -316,7 +328,6 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _exact("olmoe"),
     _refused("openai-gpt", OWN_ATTENTION),
     _exact("opt"),
-    _refused("paligemma", MULTIMODAL, logits=SOFTCAPPED),
     _refused("pegasus", ENCODER_DECODER),
     _exact("persimmon"),
     _exact("phi"),
@@ -329,13 +340,10 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _exact("qwen2"),
     _exact("qwen2_moe", WINDOW),
     _exact("qwen3"),
-    _refused("qwen3_5", MULTIMODAL),
-    _refused("qwen3_5_moe", MULTIMODAL),
     _exact("qwen3_5_moe_text", LINEAR_ATTENTION, mixers=("Qwen3_5MoeGatedDeltaNet",)),
     _exact("qwen3_5_text", LINEAR_ATTENTION, mixers=("Qwen3_5GatedDeltaNet",)),
     _exact("qwen3_moe"),
     _exact("qwen3_next", LINEAR_ATTENTION, mixers=("Qwen3NextGatedDeltaNet",)),
-    _refused("qwen4_exp", MULTIMODAL),
     _exact("qwen4_exp_text", LINEAR_ATTENTION, mixers=("Qwen4ExpTextGatedDeltaNet",)),
     _exact("recurrent_gemma", "RG-LRU and convolutions restarted per sequence (train/recurrent.py), local "
                               "attention window", logits=(("logits_soft_cap", LogitOp.SOFTCAP),),
@@ -371,4 +379,110 @@ FAMILIES: dict[str, FamilySpec] = _table(
     # a convolution over q/k and a one-token-delayed v inside the attention block
     _exact("zaya", "attention-side convolution restarted per sequence (train/recurrent.py)",
            mixers=("ZayaCCAProjection",)),
+    # Composite checkpoints (transformers' image-text-to-text mapping): trained on packed text through their text
+    # decoder (train/composite.py), towers kept; a refused text decoder refuses its composite (`_table`).
+    _composite("aria", "aria_text"),
+    _composite("aya_vision", "cohere2"),
+    _refused("blip", MULTIMODAL),
+    _composite("blip-2", "opt", NESTED_CAUSAL_LM),
+    _refused("chameleon", MULTIMODAL, unreproducible_head=(
+        "its forward sets the logits of the image tokens to the dtype's minimum (out of the softmax)")),
+    _composite("cohere2_vision", "cohere2"),
+    _composite("cohere_compass", "cohere_compass_text", logits=LOGIT_SCALE),
+    _refused("cosmos3_edge", MULTIMODAL),
+    _composite("cosmos3_omni", "qwen3_vl_text"),
+    _refused("deepseek_ocr2", MULTIMODAL),
+    _composite("deepseek_vl", "llama"),
+    _composite("deepseek_vl_hybrid", "llama"),
+    _refused("diffusion_gemma", MULTIMODAL),
+    _composite("dots3_note", "dots3_note_text"),
+    _refused("emu3", MULTIMODAL),
+    _refused("ernie4_5_vl_moe", MULTIMODAL),
+    _refused("evolla", MULTIMODAL),
+    _composite("exaone4_5", "exaone4"),
+    _composite("fast_vlm", "qwen2", TIMM_TOWER),
+    _composite("florence2", "bart"),
+    _composite("fuyu", "persimmon"),
+    _composite("gemma3", "gemma3_text"),
+    _composite("gemma3n", "gemma3n_text", TIMM_TOWER, logits=SOFTCAPPED),
+    _composite("gemma4", "gemma4_text", logits=SOFTCAPPED),
+    _composite("gemma4_unified", "gemma4_unified_text", logits=SOFTCAPPED),
+    _refused("git", MULTIMODAL),
+    _composite("glm46v", "glm4v_text"),
+    _composite("glm4v", "glm4v_text"),
+    _composite("glm4v_moe", "glm4v_moe_text"),
+    _exact("glm4v_moe_text", MROPE, composite_only=True),
+    _exact("glm4v_text", MROPE, composite_only=True),
+    _refused("glm5_next", MULTIMODAL),
+    _refused("glm_ocr", MULTIMODAL),
+    _composite("glmga", "glm4v_text"),
+    _composite("got_ocr2", "qwen2"),
+    _refused("granite4_vision", MULTIMODAL, logits=GRANITE_SCALING),
+    _refused("granite_docling", MULTIMODAL, logits=GRANITE_SCALING),
+    _refused("hunyuan_vl", MULTIMODAL),
+    _composite("hyperclovax_vision_v2", "hyperclovax", logits=(("logits_scaling", LogitOp.MULTIPLY),)),
+    _refused("idefics", MULTIMODAL),
+    _composite("idefics2", "mistral"),
+    _composite("idefics3", "llama"),
+    _composite("inkling2", "inkling2_text", logits=(*SOFTCAPPED, ("unpadded_vocab_size", LogitOp.VOCAB_SIZE))),
+    _composite("inkling_mm_model", "inkling_text"),
+    _composite("instructblip", "opt", NESTED_CAUSAL_LM),
+    _composite("instructblipvideo", "opt", NESTED_CAUSAL_LM),
+    _composite("internvl", "qwen2"),
+    _composite("janus", "llama"),
+    _composite("kimi_k25", "deepseek_v3"),
+    _refused("kosmos-2", MULTIMODAL),
+    _refused("kosmos-2.5", MULTIMODAL),
+    _composite("lfm2_vl", "lfm2"),
+    _composite("lfm3_vl", "lfm3"),
+    _composite("lighton_ocr", "qwen3"),
+    _composite("llama4", "llama4_text"),
+    _composite("llava", "llama"),
+    _composite("llava_next", "llama"),
+    _composite("llava_next_video", "llama"),
+    _composite("llava_onevision", "qwen2"),
+    _composite("minicpm_ocr", "qwen3_5_text"),
+    _composite("minicpmv4_6", "qwen3_5_text"),
+    _composite("minicpmv4_7", "qwen3_5_text"),
+    _composite("minimax_m3_vl", "minimax_m3_vl_text"),
+    _composite("mistral3", "mistral"),
+    _refused("mistral4", MULTIMODAL),
+    _refused("mistral_large4", MULTIMODAL, logits=SOFTCAPPED),
+    _refused("mllama", MULTIMODAL),
+    _refused("molmo2", MULTIMODAL),
+    _refused("muse_glimmer", MULTIMODAL, logits=MUSE_HEAD),
+    _refused("muse_spark", MULTIMODAL, logits=MUSE_HEAD),
+    _composite("nemotron_h_omni", "nemotron_h", NESTED_CAUSAL_LM),
+    _composite("ovis2", "qwen2"),
+    _refused("paddleocr_vl", MULTIMODAL),
+    _composite("paligemma", "gemma", PREFIX_IMAGE_TEXT, logits=SOFTCAPPED),
+    _composite("perception_lm", "llama", TIMM_TOWER),
+    _refused("pi0", MULTIMODAL),
+    _refused("pix2struct", MULTIMODAL),
+    _composite("pp_chart2table", "qwen2"),
+    _refused("pp_formulanet", MULTIMODAL),
+    _composite("qianfan_ocr", "qwen3"),
+    _refused("qwen2_5_omni_thinker", MULTIMODAL),
+    _composite("qwen2_5_vl", "qwen2_5_vl_text"),
+    _exact("qwen2_5_vl_text", MROPE, composite_only=True),
+    _composite("qwen2_vl", "qwen2_vl_text"),
+    _exact("qwen2_vl_text", MROPE, composite_only=True),
+    _composite("qwen3_5", "qwen3_5_text"),
+    _composite("qwen3_5_moe", "qwen3_5_moe_text"),
+    _refused("qwen3_omni_moe_thinker", MULTIMODAL),
+    _composite("qwen3_vl", "qwen3_vl_text"),
+    _composite("qwen3_vl_moe", "qwen3_vl_moe_text"),
+    _exact("qwen3_vl_moe_text", MROPE, composite_only=True),
+    _exact("qwen3_vl_text", MROPE, composite_only=True),
+    _composite("qwen4_exp", "qwen4_exp_text"),
+    _composite("shieldgemma2", "gemma3_text"),
+    _composite("smolvlm", "llama"),
+    _refused("step3p7", MULTIMODAL),
+    _refused("t5gemma2", MULTIMODAL),
+    _refused("udop", MULTIMODAL),
+    _refused("unlimited_ocr", MULTIMODAL),
+    _composite("video_llama_3", "qwen2"),
+    _composite("video_llava", "llama"),
+    _composite("vipllava", "llama"),
+    _composite("vision-encoder-decoder", "bert"),
 )

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from train.composite import attn_implementations, check_composite_structure, is_composite, text_decoder_of
 from train.families import FAMILIES, LogitOp
 from train.loss import LMHead
 from train.model_support import UnsupportedModelError
@@ -36,8 +37,11 @@ def causal_lm_of(lm: nn.Module) -> nn.Module:
 
 
 def decoder_of(lm: nn.Module) -> nn.Module:
-    """The transformer body (embeddings + layers + final norm) of a causal LM, also through a PEFT wrapper."""
+    """The transformer body (embeddings + layers + final norm) of a causal LM, also through a PEFT wrapper; of a
+    composite checkpoint, its text decoder (train/composite.py)."""
     causal_lm = causal_lm_of(lm)
+    if is_composite(causal_lm.config):
+        return text_decoder_of(causal_lm)
     return getattr(causal_lm, causal_lm.base_model_prefix)
 
 
@@ -45,6 +49,8 @@ def _check_head_structure(causal_lm: nn.Module, family: str) -> None:
     """The output embedding must be a direct child of the causal LM, beside the decoder and no other module with
     parameters: else layers run between the two (BERT's and RoBERTa's prediction transform, ELECTRA's generator
     predictions, ModernBERT-decoder's head) that the loss would skip."""
+    if is_composite(causal_lm.config):
+        return check_composite_structure(causal_lm)
     head = causal_lm.get_output_embeddings()
     if head is None:
         raise _unsupported_head(family, "it has no output embedding (get_output_embeddings() is None)")
@@ -120,7 +126,7 @@ def check_lm_head(lm: nn.Module, head: LMHead | None = None, num_tokens: int = 1
                               generator=torch.Generator().manual_seed(seed)).to(weight.device)
     decoder_outputs = []
     hook = decoder_of(causal_lm).register_forward_hook(lambda module, args, output: decoder_outputs.append(output))
-    attn_implementation, training = causal_lm.config._attn_implementation, causal_lm.training
+    attn_implementation, training = attn_implementations(causal_lm), causal_lm.training
     try:
         causal_lm.set_attn_implementation("eager")
         causal_lm.eval()

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from train.checkpoint import export_directory
+from train.composite import copy_processor_files, is_composite, text_decoder_targets
 
 __all__ = ["apply_lora", "save_lora", "merged_state_dict", "adapter_state_dict", "base_causal_lm", "is_peft_model"]
 
@@ -109,6 +110,12 @@ def apply_lora(
         missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
         if missing:
             raise ValueError(f"target_modules {missing} match no module of {type(model).__name__}")
+    if is_composite(model.config):  # the text decoder only, never the towers' layers of the same names
+        linear = [name for name, module in model.named_modules() if isinstance(module, nn.Linear) and name != head]
+        targets = text_decoder_targets(model, targets, linear)
+        if not targets:
+            raise ValueError(f"target_modules {target_modules} match no layer of the text decoder of "
+                             f"{type(model).__name__}: a composite checkpoint adapts its text decoder only")
     config = LoraConfig(
         task_type=TaskType.CAUSAL_LM,
         r=lora_rank,
@@ -240,6 +247,7 @@ def save_lora(
     tokenizer=None,
     is_main: bool | None = None,
     state_dict: dict[str, torch.Tensor] | None = None,
+    processor_dir: Path | None = None,
 ) -> Path | None:
     """Export the adapter to `out_dir` (adapter_config.json + adapter_model.safetensors, loadable with
     `PeftModel.from_pretrained(base, out_dir)`) and, with `merge`, the merged full model in HF format to
@@ -249,6 +257,7 @@ def save_lora(
     `merge` may also be a config with `lora_merge_on_save`. `state_dict`: a full PeftModel state dict (e.g.
     ZeRO-3 consolidated on the main rank) used instead of the live parameters; then nothing is gathered and
     calling on the main rank alone is fine. Without it, under ZeRO-3 call on EVERY rank (collective gathers).
+    `processor_dir`: a composite checkpoint's directory, whose processor files go next to both (train/composite.py).
     The main rank (torch.distributed rank 0 unless `is_main` says otherwise) writes and gets `out_dir`; the
     others get None.
     """
@@ -259,6 +268,9 @@ def save_lora(
     main = _is_main(is_main)
     adapter_sd = adapter_state_dict(peft_model, is_main=main, state_dict=state_dict)
     merged_sd = merged_state_dict(peft_model, is_main=main, state_dict=state_dict) if merge else None
+    if merged_sd is not None:  # a tied weight (the head of tied embeddings) is saved once, as the checkpoint has it
+        for tied in getattr(peft_model.get_base_model(), "all_tied_weights_keys", {}):
+            merged_sd.pop(tied, None)
     if not main:
         return None
     out = Path(out_dir)
@@ -272,12 +284,16 @@ def save_lora(
             )
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(tmp))
+            if processor_dir is not None:
+                copy_processor_files(processor_dir, tmp)
             if merge:
                 if use_cache is not None:
                     base.config.use_cache = True  # the trainer turns the cache off; generation wants it on
                 base.save_pretrained(str(tmp / "merged"), state_dict=merged_sd, safe_serialization=True)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(str(tmp / "merged"))
+                if processor_dir is not None:
+                    copy_processor_files(processor_dir, tmp / "merged")
     finally:
         if use_cache is not None:
             base.config.use_cache = use_cache

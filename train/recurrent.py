@@ -397,10 +397,10 @@ def sequence_parallel_problem(lm_or_config) -> str | None:
 
 
 def _meta_model(config) -> nn.Module:
-    from transformers import AutoModelForCausalLM
+    from train.composite import auto_model_class
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return auto_model_class(config).from_config(config)
 
 
 def _family(lm: nn.Module) -> str:

@@ -42,6 +42,8 @@ import train.attention  # noqa: F401  (registers attn_implementation="packsft")
 from train.attention import ATTN_IMPLEMENTATION, AttentionContext, resolve_backend
 from train.attention import dispatched_feature_problems, model_attention_features
 from train.batch import make_batch, step_totals
+from train.composite import attn_implementation, attn_implementations, auto_model_class, copy_processor_files
+from train.composite import freeze_towers, is_composite
 from train.checkpoint import (
     FINAL_DIR,
     CheckpointError,
@@ -142,7 +144,7 @@ class PackedCausalLM(nn.Module):
     def unpacked(self):
         """The model as transformers runs it unpacked (its own eager attention): the reference of
         train.model_check."""
-        previous = self.lm.config._attn_implementation
+        previous = attn_implementations(self.lm)  # a composite's towers and text decoder each keep their own
         self.lm.set_attn_implementation("eager")
         self.recurrent.clear()
         self.ropes.clear()
@@ -155,15 +157,19 @@ class PackedCausalLM(nn.Module):
 def build_lm(cfg: TrainConfig, dtype: torch.dtype, checkpointing: bool = False) -> nn.Module:
     """The HF causal LM with the packsft attention; optional Liger kernels, activation checkpointing, LoRA and
     compiled decoder layers (in that order: compile wraps the patched, checkpointed layers)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    if cfg.model_path is not None:
-        lm = AutoModelForCausalLM.from_pretrained(cfg.model_path, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype)
+    model_cfg = AutoConfig.from_pretrained(cfg.model_path or cfg.model_config)
+    model_class, attention = auto_model_class(model_cfg), attn_implementation(model_cfg, ATTN_IMPLEMENTATION)
+    if cfg.model_path is not None:  # a composite checkpoint loads with its own class (train/composite.py)
+        lm = model_class.from_pretrained(cfg.model_path, attn_implementation=attention, dtype=dtype)
         check_finite_weights(lm, cfg.model_path)  # a NaN / inf there is named now, not blamed on packing later
     else:
-        model_cfg = AutoConfig.from_pretrained(cfg.model_config)
-        lm = AutoModelForCausalLM.from_config(model_cfg, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype)
+        lm = model_class.from_config(model_cfg, attn_implementation=attention, dtype=dtype)
     lm.config.use_cache = False
+    if is_composite(lm.config):
+        lm.config.get_text_config().use_cache = False
+        freeze_towers(lm, cfg.freeze_vision_tower, cfg.freeze_multi_modal_projector)
     if cfg.liger:
         # fused RMSNorm / SwiGLU / RoPE (Triton); the loss stays PackSFT's chunked weighted loss, so Liger's cross
         # entropy kernels are not used
@@ -423,7 +429,7 @@ class Trainer:
             from train.recurrent import sequence_parallel_problem
             from train.rope import sequence_parallel_problem as rope_sequence_parallel_problem
 
-            problem = rope_sequence_parallel_problem(config) or sequence_parallel_problem(config)
+            problem = rope_sequence_parallel_problem(config.get_text_config()) or sequence_parallel_problem(config)
             if problem:
                 raise ConfigError(problem)
         if status == "unverified":
@@ -478,7 +484,7 @@ class Trainer:
         if zero3 and self.cfg.model_path is not None:
             self.console("self-check skipped: ZeRO-3 loads the weights partitioned (self_check covers ZeRO-0/1/2)")
             return
-        switch_points = rope_switch_points(self.lm.config)
+        switch_points = rope_switch_points(self.lm.config.get_text_config())
         seqs = self._self_check_sequences(switch_points=switch_points)
         if len(seqs) < 2:
             self.console("self-check skipped: the data has no sequence of 2 tokens or more")
@@ -950,7 +956,7 @@ class Trainer:
             from train.lora import save_lora
 
             save_lora(self.lm, out_dir, merge=self.cfg.lora_merge_on_save, tokenizer=tokenizer, is_main=True,
-                      state_dict=lm_state)
+                      state_dict=lm_state, processor_dir=self._processor_dir())
             return
         self.lm.config.use_cache = True  # generation wants the cache; training turned it off
         try:
@@ -958,8 +964,19 @@ class Trainer:
                 self.lm.save_pretrained(tmp, state_dict=lm_state, safe_serialization=True)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp)
+                if self._processor_dir() is not None:
+                    copy_processor_files(self._processor_dir(), tmp)
         finally:
             self.lm.config.use_cache = False
+
+    def _processor_dir(self) -> Path | None:
+        """A composite checkpoint's directory, whose processor files (image processor, chat template) its export
+        carries (train/composite.py); None otherwise."""
+        if self.cfg.model_path is None or not is_composite(self.lm.config):
+            return None
+        from common.config import pretrained_dir
+
+        return pretrained_dir(self.cfg.model_path, "model_path")
 
     # ------------------------------------------------------------------ the loop
     def _attention_description(self) -> str:
