@@ -73,6 +73,25 @@ def tiny_moe(family: str, **overrides):
     return model._from_config(config, attn_implementation="packsft", dtype=torch.float32)
 
 
+def tiny_composite_moe(model_type: str):
+    """A composite checkpoint (towers + MoE text decoder: 4 experts, top 2) whose forward adds the aux loss from
+    its text config."""
+    from transformers import AutoModelForImageTextToText
+
+    import train.attention  # noqa: F401  (registers attn_implementation="packsft")
+    from tests.model_zoo import tiny_composite_config
+    from train.composite import attn_implementation
+
+    config = tiny_composite_config(model_type, num_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                                   router_aux_loss_coef=COEF)
+    torch.manual_seed(0)
+    return AutoModelForImageTextToText.from_config(config, attn_implementation=attn_implementation(config, "packsft"),
+                                                   dtype=torch.float32)
+
+
+COMPOSITES = ("qwen3_vl_moe", "qwen3_5_moe")
+
+
 def save_tiny_moe(path, **overrides):
     model = tiny_moe("mixtral", **overrides)
     model.config._attn_implementation = "sdpa"
@@ -84,15 +103,15 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) / max(float(b.abs().max()), 1e-12)
 
 
-def _assert_same_grads(got: dict, ref: dict, what: str):
+def _assert_same_grads(got: dict, ref: dict, what: str, rtol: float = RTOL):
     assert got.keys() == ref.keys(), what
     for name in ref:
         err = _rel_err(got[name], ref[name])
-        assert err <= RTOL, f"{what}: {name} relative error {err:.2e}"
+        assert err <= rtol, f"{what}: {name} relative error {err:.2e}"
 
 
 # ------------------------------------------------------------------------------------ the definition (HF's)
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe", "jetmoe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe", "jetmoe", *COMPOSITES])
 def test_packed_row_equals_hf_padded_batch(family):
     rng = np.random.default_rng(1)
     seqs = [synthetic_sequence(rng, 11, 2, 1), synthetic_sequence(rng, 17, 3, 2), untrained_sequence(rng, 5),
@@ -103,16 +122,18 @@ def test_packed_row_equals_hf_padded_batch(family):
             "row_n_samples": [3]}
     batch = make_batch([row], step_totals(meta, [0]), "token")
 
-    packed_lm = tiny_moe(family)
+    build = tiny_composite_moe if family in COMPOSITES else tiny_moe
+    packed_lm = build(family)
     router_aux, _ = resolve_router_aux(packed_lm, None, None)
+    assert router_aux is not None and router_aux.coef == COEF
     model = PackedCausalLM(packed_lm, chunk_size=8, num_categories=3, router_aux=router_aux)
     attn = AttentionContext(batch["cu_seqlens"], batch["max_seqlen"], backend="sdpa")
     *_, aux = model(batch["input_ids"], batch["position_ids"], batch["targets"], batch["weights"],
                     batch["target_categories"], attn)
     aux.backward()
 
-    ref_lm = tiny_moe(family)
-    ref_lm.config._attn_implementation = "eager"
+    ref_lm = build(family)
+    ref_lm.set_attn_implementation("eager")
     ref_lm.load_state_dict(packed_lm.state_dict())
     longest = max(len(s["input_ids"]) for s in seqs)
     ids = torch.zeros(len(seqs), longest, dtype=torch.int64)
@@ -128,7 +149,9 @@ def test_packed_row_equals_hf_padded_batch(family):
     grads = {n: p.grad for n, p in packed_lm.named_parameters() if p.grad is not None}
     ref_grads = {n: p.grad for n, p in ref_lm.named_parameters() if p.grad is not None}
     assert any("gate" in n or "router" in n for n in ref_grads)
-    _assert_same_grads(grads, ref_grads, family)
+    # Qwen3.5's gated-delta-rule layers scan the packed row in other chunks than the padded batch: fp32 rounding of
+    # the scan reaches 1.2e-5 in single elements (the conformance suite's gradient bar is 3e-5)
+    _assert_same_grads(grads, ref_grads, family, rtol=3e-5 if family == "qwen3_5_moe" else RTOL)
 
 
 def test_gpt_oss_router_logits_give_hf_aux_loss():

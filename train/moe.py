@@ -105,7 +105,10 @@ def hf_load_balancing(lm: nn.Module) -> tuple[int, int] | None:
     func = getattr(sys.modules.get(type(causal_lm).__module__), "load_balancing_loss_func", None)
     if func is None or list(inspect.signature(func).parameters) != HF_SIGNATURE:
         return None
-    num_experts, top_k = getattr(causal_lm, "num_experts", None), getattr(causal_lm, "num_experts_per_tok", None)
+    text = causal_lm.config.get_text_config()  # a composite's forward passes its text config's (qwen3_vl_moe)
+    num_experts = getattr(causal_lm, "num_experts", None) or getattr(text, "num_experts", None) or getattr(
+        text, "num_local_experts", None)
+    top_k = getattr(causal_lm, "num_experts_per_tok", None) or getattr(text, "num_experts_per_tok", None)
     if not isinstance(num_experts, int) or not isinstance(top_k, int):
         return None
     return num_experts, top_k
@@ -124,13 +127,13 @@ def resolve_router_aux(lm: nn.Module, output_router_logits: bool | None,
     family's own key, `coef_key`). An explicit `true` for a model transformers computes no load-balancing loss for
     is an error; the model config's `true` for such a model trains without one and says so."""
     causal_lm = _causal_lm(lm)
-    config = causal_lm.config
+    config = causal_lm.config.get_text_config()  # a composite's MoE keys live in its text config
     requested = output_router_logits
     if requested is None:
         requested = bool(getattr(config, "output_router_logits", False))
     if not requested:
         return None, None
-    model = f"{type(causal_lm).__name__} (model_type {getattr(config, 'model_type', None)!r})"
+    model = f"{type(causal_lm).__name__} (model_type {getattr(causal_lm.config, 'model_type', None)!r})"
     shape = hf_load_balancing(lm)
     if shape is None:
         if output_router_logits:
