@@ -170,7 +170,9 @@ def run_layout(spec: dict) -> dict:
     import train.attention  # noqa: F401  (registers "packsft")
     from train.attention import AttentionContext
     from train.batch import make_batch
-    from train.config import TrainConfig
+    from transformers import AutoConfig
+
+    from train.config import from_keys
     from train.trainer import PackedCausalLM, build_lm
 
     cuda = spec["device"] == "cuda"
@@ -181,15 +183,17 @@ def run_layout(spec: dict) -> dict:
     all_totals = _totals(rows)
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = TrainConfig(data_path=spec["data"] or "-", output_dir=tmp, model_config=_model_config_path(spec, tmp),
-                          loss_chunk_size=spec["chunk_size"], attn_backend=spec["attn_backend"])
+        cfg = from_keys({"data_path": spec["data"] or "-", "output_dir": tmp,
+                         "model_config": _model_config_path(spec, tmp), "loss_chunk_size": spec["chunk_size"],
+                         "attn_backend": spec["attn_backend"]})
         torch.manual_seed(spec["seed"])
-        lm = build_lm(cfg, dtype, checkpointing=spec["checkpointing"])  # same seed -> same weights in both children
+        model_config = AutoConfig.from_pretrained(cfg.model.model_config)
+        lm = build_lm(cfg, model_config, dtype, checkpointing=spec["checkpointing"])  # same seed: same weights
     if layout == "padded":
         lm.set_attn_implementation("sdpa")
         model = lm.to(device)
     else:
-        model = PackedCausalLM(lm, cfg.loss_chunk_size, num_categories).to(device)
+        model = PackedCausalLM(lm, cfg.steps.loss_chunk_size, num_categories).to(device)
     model.train()
     pad_id = lm.config.pad_token_id if lm.config.pad_token_id is not None else 0
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -199,7 +203,7 @@ def run_layout(spec: dict) -> dict:
     def packed_loss(row, totals):
         batch = make_batch([row], totals, "token")
         attn = AttentionContext(cu_seqlens=batch["cu_seqlens"].to(device), max_seqlen=batch["max_seqlen"],
-                                backend=cfg.attn_backend)
+                                backend=cfg.model.attn_backend)
         weighted, _, _ = model(batch["input_ids"].to(device), batch["position_ids"].to(device),
                                batch["targets"].to(device), batch["weights"].to(device),
                                batch["target_categories"].to(device), attn)

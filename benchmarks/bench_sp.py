@@ -329,7 +329,7 @@ def sp_transient_bytes(shape, backend: str, row: int, sp: int, ulysses: int, act
     - Ulysses of degree u (inside sp): the exchanged q/k/v and output (send and receive buffers) of row/sp tokens,
       with kv heads repeated up to u: 2 · row/sp · (2 · q_dim + 2 · kv_dim'); in the hybrid, plus the torch
       gather of the rank's head slice over the row: 2 · row · 2 · kv_dim'/u."""
-    from train.ulysses import kv_heads_after_repeat
+    from train.sp_rules import kv_heads_after_repeat
 
     kv_dim, q_dim, local = shape.kv_dim, shape.n_heads * shape.head_dim, row // sp
     if backend in ("torch", "llama3"):
@@ -362,7 +362,7 @@ def longest_row(shape, backend: str, sp: int, ulysses: int = 1) -> int:
 
 def limits() -> list[str]:
     from train.memory_plan import ModelShape
-    from train.ulysses import allowed_degrees
+    from train.sp_rules import allowed_degrees
 
     lines = ["| model (H / kv heads) | sp | torch (gather) | llama3 | zigzag | Ulysses (degree) |",
              "|---|---|---|---|---|---|"]

@@ -16,6 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from train.sp_rules import degree_problem, processes_problem
+
 
 @dataclass
 class Mesh:
@@ -62,11 +64,9 @@ def build_mesh(sp_size: int = 1, device: torch.device | None = None, ulysses_siz
             raise ValueError(f"sequence_parallel_size={sp_size} needs {sp_size} processes, got a single process")
         return Mesh(1, 0, 1, 0, 1, 0, None, None, device)
     world, rank = dist.get_world_size(), dist.get_rank()
-    if sp_size < 1 or world % sp_size:
-        raise ValueError(f"world size {world} is not divisible by sequence_parallel_size={sp_size}")
+    if problem := processes_problem(world, f"world size {world}", sp_size) or degree_problem(sp_size, ulysses_size):
+        raise ValueError(problem)
     dp_size = world // sp_size
-    if ulysses_size < 1 or sp_size % ulysses_size:
-        raise ValueError(f"sp_ulysses_size={ulysses_size} does not divide sequence_parallel_size={sp_size}")
     if ulysses_size > 1:
         ring_size = sp_size // ulysses_size
         mesh = dist.device_mesh.init_device_mesh(

@@ -31,6 +31,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from common.config import ConfigError
+from train.sp_rules import (allowed_degrees, degree_problem, heads_problem, kv_heads_after_repeat, placement_problem,
+                            ulysses_size_problem)
 from train.varlen_kernels import NO_FEATURES, AttentionFeatures
 
 
@@ -67,29 +70,6 @@ def all_to_all(tensor: torch.Tensor, group: Any, scatter_dim: int, gather_dim: i
     return _AllToAll.apply(tensor, group, scatter_dim, gather_dim)
 
 
-# ---------------------------------------------------------------------------------------------- heads
-def kv_heads_after_repeat(n_kv_heads: int, degree: int) -> int:
-    """Key/value heads entering the exchange: repeated up to `degree` when fewer."""
-    return max(n_kv_heads, degree)
-
-
-def ulysses_heads_problem(n_heads: int, n_kv_heads: int, degree: int) -> str | None:
-    """Why a Ulysses group of `degree` ranks cannot split these heads (None: it can)."""
-    if n_heads % degree:
-        return f"{n_heads} attention heads are not divisible by the Ulysses degree {degree}"
-    if n_kv_heads >= degree and n_kv_heads % degree:
-        return f"{n_kv_heads} key/value heads are not divisible by the Ulysses degree {degree}"
-    if n_kv_heads < degree and degree % n_kv_heads:
-        return (f"{n_kv_heads} key/value heads cannot be repeated up to the Ulysses degree {degree} (it is not a "
-                "multiple of them)")
-    return None
-
-
-def allowed_degrees(n_heads: int, n_kv_heads: int, sp_size: int) -> list[int]:
-    """Ulysses degrees > 1 dividing `sp_size` that these heads allow, ascending."""
-    return [d for d in range(2, sp_size + 1) if sp_size % d == 0 and not ulysses_heads_problem(n_heads, n_kv_heads, d)]
-
-
 # ---------------------------------------------------------------------------------------------- the choice
 @dataclass(frozen=True)
 class SPLayout:
@@ -116,39 +96,32 @@ class SPLayout:
 def choose_sp_layout(sp_backend: str, sp_size: int, ulysses_size: int | None, n_heads: int, n_kv_heads: int,
                      processes_per_machine: int) -> SPLayout:
     """The Ulysses degree of an sp group, from the config (`sp_backend`, `sp_ulysses_size`), the model's heads and
-    the processes per machine. Raises ValueError naming the numbers and the alternatives when the config asks for
-    what the heads or the placement do not allow.
+    the processes per machine. Raises ConfigError naming the numbers and the alternatives when the config asks for
+    what the heads or the placement do not allow (the rules: train/sp_rules.py).
 
     - `sp_ulysses_size` set: that degree (1: no Ulysses; < sp: the hybrid);
     - `sp_backend: ulysses`: pure Ulysses (degree sp);
     - `sp_backend: auto`: the largest degree the heads allow that fits one machine: pure Ulysses when that is sp,
       the hybrid when it is smaller, no Ulysses (gather / ring) when the heads allow none;
     - `torch` / `llama3` / `zigzag`: no Ulysses, as before Ulysses existed."""
+    if problem := (ulysses_size_problem(sp_backend, sp_size, ulysses_size)
+                   or placement_problem(sp_backend, sp_size, ulysses_size, processes_per_machine)):
+        raise ConfigError(problem)
     heads = f"{n_heads} heads / {n_kv_heads} kv heads"
     allowed = allowed_degrees(n_heads, n_kv_heads, sp_size)
     alternatives = (f"degrees these heads allow for sequence_parallel_size={sp_size}: "
                     f"{allowed or 'none'}; alternatives: sp_ulysses_size=<one of those> (the hybrid when smaller "
                     f"than {sp_size}) or sp_backend=torch (all-gathered K/V, any head count)")
     if ulysses_size is not None:
-        if ulysses_size < 1 or sp_size % ulysses_size:
-            raise ValueError(f"sp_ulysses_size={ulysses_size} must divide sequence_parallel_size={sp_size}")
         if ulysses_size == 1:
-            if sp_backend == "ulysses":
-                raise ValueError("sp_backend=ulysses needs sp_ulysses_size > 1 (or null)")
             return SPLayout(sp_size, 1, "sp_ulysses_size=1: no Ulysses")
-        if sp_backend == "zigzag":
-            raise ValueError("sp_ulysses_size > 1 needs the contiguous layout; sp_backend=zigzag cannot be its "
-                             "ring part (use torch, llama3, ulysses or auto)")
-        if problem := ulysses_heads_problem(n_heads, n_kv_heads, ulysses_size):
-            raise ValueError(f"sp_ulysses_size={ulysses_size}: {problem}; {alternatives}")
-        if processes_per_machine % ulysses_size:
-            raise ValueError(f"sp_ulysses_size={ulysses_size} does not divide the {processes_per_machine} processes "
-                             "per machine: a Ulysses group must not span machines")
+        if problem := heads_problem(n_heads, n_kv_heads, ulysses_size):
+            raise ConfigError(f"sp_ulysses_size={ulysses_size}: {problem}; {alternatives}")
         return SPLayout(sp_size, ulysses_size, f"sp_ulysses_size={ulysses_size} set ({heads})")
     if sp_backend == "ulysses":
-        if problem := ulysses_heads_problem(n_heads, n_kv_heads, sp_size):
-            raise ValueError(f"sp_backend=ulysses with sequence_parallel_size={sp_size}: {problem}; "
-                             f"{alternatives}")
+        if problem := heads_problem(n_heads, n_kv_heads, sp_size):
+            raise ConfigError(f"sp_backend=ulysses with sequence_parallel_size={sp_size}: {problem}; "
+                              f"{alternatives}")
         return SPLayout(sp_size, sp_size, f"sp_backend=ulysses ({heads})")
     if sp_backend != "auto":
         return SPLayout(sp_size, 1, f"sp_backend={sp_backend} set")
@@ -210,8 +183,8 @@ def ulysses_context(spec: UlyssesSpec, sp_rank: int, sp_size: int, padded_cu: to
                     structure: dict[str, torch.Tensor] | None) -> UlyssesContext:
     """The UlyssesContext of rank `sp_rank` for a padded row with sequence offsets `padded_cu` (a multiple of sp
     tokens long) and, in structure mode, the padded row's seq/block/path ids."""
-    if spec.size < 2 or sp_size % spec.size:
-        raise ValueError(f"Ulysses degree {spec.size} must be > 1 and divide sp_size {sp_size}")
+    if spec.size < 2 or (problem := degree_problem(sp_size, spec.size)):
+        raise ValueError(f"Ulysses degree {spec.size}: must be > 1; {problem}")
     ring_size = sp_size // spec.size
     ring_rank, rank = divmod(sp_rank, spec.size)
     if ring_size == 1:
@@ -238,7 +211,7 @@ def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     group's tokens for H/u heads, attend, exchange back."""
     degree = uctx.size
     n_heads, n_kv_heads, length, head_dim = query.shape[1], key.shape[1], query.shape[2], query.shape[3]
-    if problem := ulysses_heads_problem(n_heads, n_kv_heads, degree):
+    if problem := heads_problem(n_heads, n_kv_heads, degree):
         raise ValueError(f"Ulysses: {problem}")
     repeat = kv_heads_after_repeat(n_kv_heads, degree) // n_kv_heads
     if repeat > 1:
