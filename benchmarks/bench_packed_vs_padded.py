@@ -169,6 +169,7 @@ def run_layout(spec: dict) -> dict:
 
     import train.attention  # noqa: F401  (registers "packsft")
     from train.attention import AttentionContext
+    from train.attention_plan import layer_kinds, packed_kernels
     from train.batch import make_batch
     from transformers import AutoConfig
 
@@ -194,6 +195,8 @@ def run_layout(spec: dict) -> dict:
         model = lm.to(device)
     else:
         model = PackedCausalLM(lm, cfg.steps.loss_chunk_size, num_categories).to(device)
+        probe = torch.empty((1, 1, 0, 1), device=device, dtype=dtype)
+        kernels = packed_kernels(cfg.model.attn_backend, probe, [features for features, _ in layer_kinds(lm)])
     model.train()
     pad_id = lm.config.pad_token_id if lm.config.pad_token_id is not None else 0
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -203,7 +206,7 @@ def run_layout(spec: dict) -> dict:
     def packed_loss(row, totals):
         batch = make_batch([row], totals, "token")
         attn = AttentionContext(cu_seqlens=batch["cu_seqlens"].to(device), max_seqlen=batch["max_seqlen"],
-                                backend=cfg.model.attn_backend)
+                                kernels=kernels)
         weighted, _, _ = model(batch["input_ids"].to(device), batch["position_ids"].to(device),
                                batch["targets"].to(device), batch["weights"].to(device),
                                batch["target_categories"].to(device), attn)

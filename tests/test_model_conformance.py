@@ -20,7 +20,7 @@ import torch
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-import train.attention  # noqa: F401  (registers attn_implementation="packsft")
+from train.attention import BACKENDS, LayerKernels  # (importing it registers attn_implementation="packsft")
 from tests.model_zoo import VOCAB, tiny_config
 from train.families import FAMILIES
 from train.model_check import compare_packed_with_reference
@@ -67,10 +67,10 @@ def _packed_check(config, lengths):
     model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     torch.manual_seed(0)
     lm = model_cls._from_config(config, attn_implementation="packsft", dtype=torch.float32)
-    model = PackedCausalLM(lm, chunk_size=5, num_categories=1, attn_backend="sdpa")
+    model = PackedCausalLM(lm, chunk_size=5, num_categories=1)
     gen = torch.Generator().manual_seed(1)
     sequences = [torch.randint(3, VOCAB, (n,), generator=gen) for n in lengths]
-    return compare_packed_with_reference(model, sequences)
+    return compare_packed_with_reference(model, sequences, LayerKernels(every=BACKENDS["sdpa"]))
 
 
 @pytest.mark.parametrize("model_type", EXACT)

@@ -217,8 +217,9 @@ def _first_step_losses(cfg) -> dict[str, float]:
         losses = {}
         with torch.no_grad():
             for name, (batch, mask_ids) in variants.items():
+                kernels = trainer.plan.train if mask_ids else trainer.plan.packed  # the Parallel-R1 mask, or none
                 attn = AttentionContext(cu_seqlens=batch["cu_seqlens"], max_seqlen=batch["max_seqlen"],
-                                        backend=cfg.model.attn_backend, **mask_ids)
+                                        kernels=kernels, **mask_ids)
                 weighted, _, _ = trainer.model(batch["input_ids"], batch["position_ids"], batch["targets"],
                                                batch["weights"], batch["target_categories"], attn)
                 losses[name] = float(weighted)

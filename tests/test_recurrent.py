@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import train.attention  # noqa: F401  (registers attn_implementation="packsft")
-from train.attention import AttentionContext
+from train.attention import BACKENDS, AttentionContext, LayerKernels
 from train.model_support import UnsupportedModelError
 from train.recurrent import (
     SequenceRestart,
@@ -33,6 +33,8 @@ COMMON = dict(
     num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, linear_num_key_heads=2,
     linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
 )
+
+SDPA_KERNELS = LayerKernels(every=BACKENDS["sdpa"])  # every layer through the SDPA loop
 
 
 def tiny_model(model_type: str) -> nn.Module:
@@ -109,7 +111,7 @@ def packed(seqs, layers=None):
     def run(lm):
         lm.set_attn_implementation("packsft")
         cu_seqlens = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
-        attn = AttentionContext(cu_seqlens, max(LENGTHS), backend="sdpa")
+        attn = AttentionContext(cu_seqlens, max(LENGTHS), SDPA_KERNELS)
         if layers is not None:
             layers.set_boundaries(attn.bounds.host_cu_q)
         input_ids = torch.cat(seqs)[None]

@@ -19,7 +19,10 @@ from tests._train_helpers import (  # noqa: F401  (one_thread is a fixture)
     write_config,
     write_packed,
 )
+from train.attention import BACKENDS, LayerKernels
 from train.model_support import UnsupportedModelError
+
+SDPA_KERNELS = LayerKernels(every=BACKENDS["sdpa"])  # every layer through the SDPA loop
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -75,8 +78,8 @@ def test_self_check_stops_a_packed_path_that_leaks(tmp_path, monkeypatch):
 
     real = AttentionContext.for_micro_batch
 
-    def one_sequence(cu_seqlens, device, **kwargs):
-        return real(torch.tensor([0, int(cu_seqlens[-1])], dtype=torch.int32), device, **kwargs)
+    def one_sequence(cu_seqlens, device, kernels, **kwargs):
+        return real(torch.tensor([0, int(cu_seqlens[-1])], dtype=torch.int32), device, kernels, **kwargs)
 
     monkeypatch.setattr(model_check.AttentionContext, "for_micro_batch", staticmethod(one_sequence))
     save_tiny_model(tmp_path / "model")
@@ -196,7 +199,7 @@ def _deep_bf16_model():
     lm = Qwen2ForCausalLM._from_config(config, attn_implementation="packsft", dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(1)
     sequences = [torch.randint(3, VOCAB, (n,), generator=gen) for n in (40, 33, 57, 25)]
-    return PackedCausalLM(lm, chunk_size=16, num_categories=1, attn_backend="sdpa"), sequences
+    return PackedCausalLM(lm, chunk_size=16, num_categories=1), sequences
 
 
 def test_half_precision_judges_the_gradients_together(monkeypatch):
@@ -207,7 +210,7 @@ def test_half_precision_judges_the_gradients_together(monkeypatch):
     from train.attention import AttentionContext
 
     model, sequences = _deep_bf16_model()
-    result = model_check.compare_packed_with_reference(model, sequences, gradient_probe=True)
+    result = model_check.compare_packed_with_reference(model, sequences, SDPA_KERNELS, gradient_probe=True)
     assert result.dtype == torch.bfloat16 and not result.per_parameter
     assert result.ok, result.describe()
     assert result.grad_error < 0.03, result.describe()  # rounding noise only: well under the 1e-1 tolerance
@@ -215,8 +218,9 @@ def test_half_precision_judges_the_gradients_together(monkeypatch):
 
     real = AttentionContext.for_micro_batch
     monkeypatch.setattr(model_check.AttentionContext, "for_micro_batch", staticmethod(
-        lambda cu, device, **kw: real(torch.tensor([0, int(cu[-1])], dtype=torch.int32), device, **kw)))
-    leaking = model_check.compare_packed_with_reference(model, sequences, gradient_probe=True)
+        lambda cu, device, kernels, **kw: real(torch.tensor([0, int(cu[-1])], dtype=torch.int32), device, kernels,
+                                             **kw)))
+    leaking = model_check.compare_packed_with_reference(model, sequences, SDPA_KERNELS, gradient_probe=True)
     assert not leaking.ok and leaking.grad_error > 0.3, leaking.describe()
 
 

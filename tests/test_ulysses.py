@@ -21,9 +21,9 @@ from tests._train_helpers import (
     write_packed,
 )
 from train.batch import make_batch
-from train.sequence_parallel import shard_batch
+from train.attention_plan import choose_sp_layout
 from train.sp_rules import allowed_degrees, heads_problem
-from train.ulysses import UlyssesSpec, choose_sp_layout
+from train.ulysses import UlyssesSpec, ulysses_shard
 
 LOSS_RTOL = 1e-6
 GRAD_RTOL = 1e-5
@@ -132,19 +132,20 @@ def test_hybrid_ring_block_is_the_ulysses_groups_slices(sp, ulysses):
     batch = make_batch([sample_rows()[0]], totals_of(sample_rows()), "token")
     for rank in range(sp):
         spec = UlyssesSpec(size=ulysses, group=None, ring_group=object(), ring_backend="torch")
-        local, ctx = shard_batch(batch, rank, sp, "ulysses", ulysses=spec)
+        local, ctx = ulysses_shard(batch, rank, sp, spec)
         assert ctx.padded_length % sp == 0 and local["input_ids"].shape[1] == ctx.padded_length // sp
         assert ctx.local_range == (rank * ctx.padded_length // sp, (rank + 1) * ctx.padded_length // sp)
         uctx = ctx.ulysses
         assert uctx.rank == rank % ulysses
         if ulysses == sp:
-            assert uctx.ring is None and uctx.row.bounds.host_cu_q == tuple(ctx.cu_seqlens.tolist())
+            assert uctx.local.sp is None and uctx.local.bounds.host_cu_q == tuple(ctx.cu_seqlens.tolist())
             continue
         block = ctx.padded_length // sp * ulysses
         group_start = rank // ulysses * block
-        assert uctx.ring.local_range == (group_start, group_start + block)
-        assert uctx.ring.sp_rank == rank // ulysses and uctx.ring.sp_size == sp // ulysses
-        assert torch.equal(uctx.ring.cu_seqlens, ctx.cu_seqlens)  # no second padding
+        ring = uctx.local.sp
+        assert ring.local_range == (group_start, group_start + block)
+        assert ring.sp_rank == rank // ulysses and ring.sp_size == sp // ulysses
+        assert torch.equal(ring.cu_seqlens, ctx.cu_seqlens)  # no second padding
 
 
 # ------------------------------------------------------------------------------ end to end
@@ -175,8 +176,8 @@ def test_train_under_torchrun_equals_single_process(e2e_setup, tmp_path):
     }
     for name, (nproc, overrides) in runs.items():
         proc = run_train(config, [f"output_dir={tmp_path / name}", *overrides], nproc=nproc)
-        expected = "sequence parallelism: ulysses 2" if name == "ulysses" else \
-            "sequence parallelism: hybrid ulysses 2 x torch 2"
+        expected = "attention: sequence parallelism ulysses 2" if name == "ulysses" else \
+            "attention: sequence parallelism hybrid ulysses 2 x torch 2"
         assert expected in proc.stdout + proc.stderr
         got = read_log(tmp_path / name)
         assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2]

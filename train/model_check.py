@@ -1,10 +1,10 @@
 """Packed vs unpacked: does a model train the same on a packed row as on each of its sequences alone?
 
-`compare_packed_with_reference(model, sequences)` runs the same weights twice:
+`compare_packed_with_reference(model, sequences, kernels)` runs the same weights twice:
 - reference: the model's own `*ForCausalLM.forward` on each sequence alone, with transformers' eager attention
   (its own masks, windows, softcaps, sinks and logit transforms), cross-entropy of every next token;
-- packed: the sequences concatenated into one row through `train.trainer.PackedCausalLM` (PackSFT's attention,
-  recurrent-layer restarts and chunked loss head), with the same token-mean weights;
+- packed: the sequences concatenated into one row through `train.trainer.PackedCausalLM` (PackSFT's attention
+  as `kernels` run it, recurrent-layer restarts and chunked loss head), with the same token-mean weights;
 and returns the relative loss difference and the worst per-parameter gradient difference.
 
 Used by the conformance suite on tiny configs of every family (full gradients) and by the trainer's start-up
@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from common.config import ConfigError, pretrained_dir
-from train.attention import AttentionContext
+from train.attention import AttentionContext, LayerKernels
 
 # Relative tolerances of a correct packed path against the eager reference. In fp32 a gradient's error is measured
 # per parameter, against the larger of its own magnitude and 1e-3 of the largest gradient of the model: parameters
@@ -126,10 +126,12 @@ def _gradient_errors(packed: dict, reference: dict, probe: bool) -> tuple[float,
     return errors[name], name, together
 
 
-def compare_packed_with_reference(model, sequences: list[torch.Tensor], *, gradient_probe: bool = False,
-                                  seed: int = 1234, autocast: torch.autocast | None = None) -> PackedCheck:
+def compare_packed_with_reference(model, sequences: list[torch.Tensor], kernels: LayerKernels, *,
+                                  gradient_probe: bool = False, seed: int = 1234,
+                                  autocast: torch.autocast | None = None) -> PackedCheck:
     """`model`: a `train.trainer.PackedCausalLM` (weights on their device); `sequences`: 1-D token id tensors
-    (at least 2 tokens each). Gradients of the model are left cleared."""
+    (at least 2 tokens each); `kernels`: what the packed run's layers run (the attention plan's packed kernels).
+    Gradients of the model are left cleared."""
     if not sequences or any(s.numel() < 2 for s in sequences):
         raise ValueError("the packed/unpacked comparison needs sequences of at least 2 tokens")
     lm = model.lm
@@ -146,12 +148,13 @@ def compare_packed_with_reference(model, sequences: list[torch.Tensor], *, gradi
     was_training = model.training
     model.eval()  # no dropout: both runs must see the same function (gradients are still computed)
     try:
-        return _compare(model, lm, params, sequences, n_targets, device, dtype, guard, gradient_probe, seed)
+        return _compare(model, lm, params, sequences, n_targets, device, dtype, guard, gradient_probe, seed, kernels)
     finally:
         model.train(was_training)
 
 
-def _compare(model, lm, params, sequences, n_targets, device, dtype, guard, gradient_probe, seed) -> PackedCheck:
+def _compare(model, lm, params, sequences, n_targets, device, dtype, guard, gradient_probe, seed,
+             kernels) -> PackedCheck:
 
     with model.unpacked(), guard:
         total = None
@@ -172,7 +175,7 @@ def _compare(model, lm, params, sequences, n_targets, device, dtype, guard, grad
     weights = (targets != -100).float() / n_targets
     cu = torch.tensor([0] + [int(x) for x in torch.tensor([s.numel() for s in sequences]).cumsum(0)],
                       dtype=torch.int32)
-    attn = AttentionContext.for_micro_batch(cu, device, backend=model.attn_backend)
+    attn = AttentionContext.for_micro_batch(cu, device, kernels)
     with guard:
         loss = model(ids[None], positions[None], targets, weights, torch.zeros_like(targets), attn)[0]  # LM loss
     loss.backward()
@@ -253,3 +256,4 @@ def weights_file_of(directory: Path, name: str) -> tuple[Path, str]:
                 if matches(key):
                     return directory / "model.safetensors", key
     return directory, name
+

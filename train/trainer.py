@@ -38,10 +38,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.config import ConfigError
 import train.attention  # noqa: F401  (registers attn_implementation="packsft")
-from train.attention import ATTN_IMPLEMENTATION, AttentionContext, resolve_backend
-from train.attention import dispatched_feature_problems, model_attention_features
+from train.attention import ATTN_IMPLEMENTATION, AttentionContext
+from train.attention_plan import plan_attention, plan_sp_layout
 from train.batch import make_batch, step_totals
 from train.checkpoint import (
     FINAL_DIR,
@@ -92,12 +91,11 @@ class PackedCausalLM(nn.Module):
     """
 
     def __init__(self, lm: nn.Module, chunk_size: int, num_categories: int, zero3: bool = False,
-                 attn_backend: str = "auto", router_aux: RouterAux | None = None):
+                 router_aux: RouterAux | None = None):
         super().__init__()
         self.lm = lm
         self.chunk_size = chunk_size
         self.num_categories = num_categories
-        self.attn_backend = attn_backend  # what train.model_check's packed run asks for
         self.head = lm_head_of(lm)  # what *ForCausalLM.forward does between the hidden states and the logits
         # recurrent mixers (linear attention, state spaces, short convolutions) restart at every packed sequence
         self.recurrent = install_sequence_restart(lm)
@@ -248,39 +246,6 @@ def _init_single_process_group() -> None:
                             world_size=1, rank=0)
 
 
-def choose_sp_backend(requested: str, structure: bool, half_precision: bool) -> str:
-    """The sequence-parallel gather / ring backend (without Ulysses, or across the Ulysses groups of the hybrid,
-    where `ulysses` asks for it as `auto` does); structure (Parallel-R1) data needs the mask of the `torch` backend,
-    which `auto` then picks, and an explicit flash backend is a config error (before the model loads)."""
-    if requested == "ulysses":
-        requested = "auto"
-    if structure:
-        if requested not in ("auto", "torch"):
-            raise ConfigError(
-                f"sp_backend={requested!r} runs causal flash kernels only; the data has structure ids (Parallel-R1 "
-                "mask): use sp_backend=torch or auto"
-            )
-        return "torch"
-    from train.sequence_parallel import resolve_backend
-
-    return resolve_backend(requested, half_precision=half_precision)
-
-
-def choose_sp_layout(cfg: TrainConfig, text):
-    """The Ulysses degree of the sp groups (train/ulysses.py `choose_sp_layout`) from the config, the model's
-    heads and the processes per machine (LOCAL_WORLD_SIZE of the launcher, else the config's launch section)."""
-    from train.ulysses import choose_sp_layout as choose
-
-    n_heads = text.num_attention_heads
-    n_kv_heads = getattr(text, "num_key_value_heads", None) or n_heads
-    per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or cfg.launch.num_processes // cfg.launch.num_machines
-    try:
-        return choose(cfg.parallel.sp_backend, cfg.parallel.sequence_parallel_size, cfg.parallel.sp_ulysses_size, n_heads, n_kv_heads,
-                      per_machine)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -298,7 +263,7 @@ class Trainer:
             _init_single_process_group()  # DeepSpeed needs a process group, also for one process
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.checked = checked = checked or preflight(cfg, world)  # every check before the model loads
-        self.sp_layout = choose_sp_layout(cfg, checked.text_config) if cfg.parallel.sequence_parallel_size > 1 else None
+        self.sp_layout = plan_sp_layout(cfg.parallel, cfg.launch, checked.model_config)  # before the mesh
         self.mesh: Mesh = build_mesh(cfg.parallel.sequence_parallel_size,
                                      ulysses_size=self.sp_layout.ulysses_size if self.sp_layout else 1)
         self.device = self.mesh.device
@@ -328,12 +293,6 @@ class Trainer:
         self.warmup_steps = (
             cfg.optim.warmup_steps if cfg.optim.warmup_steps is not None else int(cfg.optim.warmup_ratio * self.total_steps)
         )
-        self.sp_backend = self.sp_ring_backend = None  # ring: across the Ulysses groups of the hybrid
-        if self.sp_layout is not None:
-            if self.sp_layout.ring_size > 1:
-                self.sp_ring_backend = choose_sp_backend(cfg.parallel.sp_backend, self.structure, half_precision=cfg.model.bf16)
-            self.sp_backend = "ulysses" if self.sp_layout.ulysses_size > 1 else self.sp_ring_backend
-
         zero3 = cfg.deepspeed.stage == 3
         self._hf_ds_config = None
         if cfg.uses_deepspeed:
@@ -351,13 +310,13 @@ class Trainer:
         self.family = self._check_family()  # before any weight is loaded
         self.model_identity = model_identity(checked.model_config, cfg.lora)
         self.lm = build_lm(cfg, checked.model_config, dtype, self.checkpointing)
-        self.attn_backend = self._resolve_attention()
+        self.plan = plan_attention(cfg.model, cfg.parallel, self.sp_layout, self.mesh, self.lm, self.structure)
         self.router_aux, router_warning = resolve_router_aux(self.lm, cfg.moe.output_router_logits,
                                                              cfg.moe.router_aux_loss_coef)
         if router_warning:
             self._warn(router_warning)
         self.model = PackedCausalLM(self.lm, cfg.steps.loss_chunk_size, self.num_categories, zero3=zero3,
-                                    attn_backend=self.attn_backend, router_aux=self.router_aux)
+                                    router_aux=self.router_aux)
         if cfg.model.self_check:
             self._self_check(zero3)
         self.lr_factor = lr_lambda_factory(self.total_steps, self.warmup_steps, cfg.optim.schedule, cfg.optim.min_lr_ratio)
@@ -410,13 +369,6 @@ class Trainer:
 
         config = self.checked.model_config
         status = check_model_support(config, self_check=self.cfg.model.self_check)
-        if self.mesh.sp_size > 1:
-            from train.recurrent import sequence_parallel_problem
-            from train.rope import sequence_parallel_problem as rope_sequence_parallel_problem
-
-            problem = rope_sequence_parallel_problem(config) or sequence_parallel_problem(config)
-            if problem:
-                raise ConfigError(problem)
         if status == "unverified":
             self._warn(f"model family {model_type_of(config)!r} is not in PackSFT's verified table: the start-up "
                        "self-check decides whether it trains exactly")
@@ -478,7 +430,8 @@ class Trainer:
         self.model.to(self.device)
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.cfg.model.bf16 and not self.cfg.uses_deepspeed \
             else None
-        result = compare_packed_with_reference(self.model, seqs, gradient_probe=True, autocast=autocast)
+        result = compare_packed_with_reference(self.model, seqs, self.plan.packed, gradient_probe=True,
+                                              autocast=autocast)
         elapsed = time.perf_counter() - start
         if not result.ok:
             raise SelfCheckError(
@@ -495,21 +448,6 @@ class Trainer:
                 else "no sequence of the data is longer, so its long side never trains"))
         self.console(f"self-check: packed = unpacked on {len(seqs)} sequences (loss difference "
                      f"{result.loss_error:.1e}, gradient difference {result.grad_error:.1e}{rope}) in {elapsed:.2f} s")
-
-    def _resolve_attention(self) -> str:
-        """The attention backend every micro-batch uses (resolved once, from the device, dtype and the model's
-        attention features: dropout, sliding windows, softcap, sinks); an explicitly named backend (or sp backend)
-        that cannot run here fails now, before the first step."""
-        features = model_attention_features(self.lm)
-        # pure Ulysses runs the backend table on the whole row; the hybrid's ring part is an sp backend
-        dispatched = self.sp_ring_backend if self.sp_backend == "ulysses" else self.sp_backend
-        if dispatched is not None or self.structure:
-            if problems := dispatched_feature_problems(features, dispatched, self.structure):
-                raise RuntimeError("; ".join(problems))
-            return self.cfg.model.attn_backend  # dispatched before the backend table (train/attention.py)
-        dtype = torch.bfloat16 if self.cfg.model.bf16 else torch.float32
-        probe = torch.empty((1, 1, 0, 1), device=self.device, dtype=dtype)
-        return resolve_backend(self.cfg.model.attn_backend, probe, features).name
 
     def _param_groups(self):
         decay, no_decay = [], []
@@ -578,39 +516,19 @@ class Trainer:
             batch["weights"] = torch.zeros_like(batch["weights"])
         return batch
 
-    def _ulysses_spec(self):
-        if self.sp_backend != "ulysses":
-            return None
-        from train.ulysses import UlyssesSpec
-
-        return UlyssesSpec(self.mesh.ulysses_size, self.mesh.ulysses_group, self.mesh.ring_group,
-                           self.sp_ring_backend or "torch", self.attn_backend)
-
     def forward_micro_batch(self, batch: dict, filler: bool = False):
         """(weighted_sum, cat_loss_sum, cat_count, router_aux) of this rank's part of one full micro-batch;
         router_aux: this rank's share of the micro-batch's router aux term (PackedCausalLM), None without one."""
-        sp_ctx = None
-        if self.mesh.sp_size > 1:
-            from train.sequence_parallel import shard_batch
-
-            batch, sp_ctx = shard_batch(batch, self.mesh.sp_rank, self.mesh.sp_size, self.sp_backend,
-                                        group=self.mesh.sp_group, ulysses=self._ulysses_spec())
-            sp_ctx = sp_ctx.to(self.device)
+        batch, attn = self.plan.context(batch)
         dev = self.device
 
         def to_dev(tensor: torch.Tensor) -> torch.Tensor:  # queued (pinned, non-blocking) on a GPU
             return queued_copy(tensor, dev)
 
-        if sp_ctx is not None:
-            attn = AttentionContext(cu_seqlens=sp_ctx.cu_seqlens.to(dev), max_seqlen=sp_ctx.max_seqlen,
-                                    backend=self.attn_backend, sp=sp_ctx)
-        else:  # the varlen bounds go to the device once here, never inside a layer
-            structure = {k: to_dev(batch[k]) for k in ("seq_ids", "block_ids", "path_ids")} if self.structure else {}
-            attn = AttentionContext.for_micro_batch(batch["cu_seqlens"], dev, backend=self.attn_backend, **structure)
         module = self.engine if self.engine is not None else self.model
         router = {}
         if self.router_aux is not None:
-            router["router_tokens"] = to_dev(real_tokens(batch["input_ids"].numel(), sp_ctx, filler))
+            router["router_tokens"] = to_dev(real_tokens(batch["input_ids"].numel(), attn.sp, filler))
         autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16)
             if self.cfg.model.bf16 and self.engine is None
@@ -937,34 +855,6 @@ class Trainer:
             self.lm.config.use_cache = False
 
     # ------------------------------------------------------------------ the loop
-    def _attention_description(self) -> str:
-        if self.sp_backend == "ulysses":
-            layout = self.sp_layout
-            if layout.ring_size == 1:
-                local = "Parallel-R1 mask" if self.structure else f"varlen {self.attn_backend}"
-                return (f"sequence-parallel ulysses {layout.ulysses_size} (all-to-all of heads; {local} on the "
-                        "whole row)")
-            from train.sequence_parallel import describe_sp_backend
-
-            ring = describe_sp_backend(self.sp_ring_backend, self.structure, self.device,
-                                       torch.bfloat16 if self.cfg.model.bf16 else torch.float32,
-                                       model_attention_features(self.lm))
-            kind = (f"sequence-parallel hybrid ulysses {layout.ulysses_size} x {layout.ring_size}: "
-                    f"{ring.removeprefix('sequence-parallel ')} across the Ulysses groups")
-            return kind + (" + Parallel-R1 mask" if self.structure else "")
-        if self.sp_backend is not None:
-            from train.sequence_parallel import describe_sp_backend
-
-            kind = describe_sp_backend(self.sp_backend, self.structure, self.device,
-                                       torch.bfloat16 if self.cfg.model.bf16 else torch.float32,
-                                       model_attention_features(self.lm))
-        elif self.structure:
-            kind = "structured (FlexAttention)" if torch.cuda.is_available() else "structured (SDPA per sequence)"
-        else:
-            requested = "" if self.cfg.model.attn_backend == self.attn_backend else f" (attn_backend={self.cfg.model.attn_backend})"
-            kind = f"varlen {self.attn_backend}{requested}"
-        return kind + (" + Parallel-R1 mask" if self.structure and self.sp_backend else "")
-
     def train(self) -> list[dict]:
         """Run to total_steps (or stop after cfg.steps.stop_at_step, checkpointing, as an interrupted job would)."""
         from tqdm import tqdm
@@ -977,13 +867,11 @@ class Trainer:
         if self.progress_bar and self.mesh.is_main:
             self._bar = tqdm(total=self.total_steps, initial=self.step, desc="train", dynamic_ncols=True)
         # the start lines go above the bar (through it), never over it
-        if self.sp_layout is not None:
-            layout = self.sp_layout
-            self._console_write(f"sequence parallelism: {layout.describe(self.sp_ring_backend)}: {layout.reason}")
+        self._console_write(self.plan.describe())
         self._console_write(
             f"training {self.total_steps} steps: world {self.mesh.world_size} (dp {self.mesh.dp_size} x sp "
             f"{self.mesh.sp_size}), {self.sampler.rows_per_step} rows/step, deepspeed stage {cfg.deepspeed.stage}, "
-            f"attention {self._attention_description()}, loss {cfg.steps.loss_reduction}, "
+            f"loss {cfg.steps.loss_reduction}, "
             f"activation checkpointing {self.checkpointing_reason}"
             + (", compiled decoder layers" if cfg.model.compile_layers else "") + (", Liger kernels" if cfg.model.liger else "")
             + (f", router aux loss (coef {self.router_aux.coef:g}, {self.router_aux.num_experts} experts, top "
