@@ -2,7 +2,7 @@
 
 The SAME samples are trained in two layouts, one optimizer step per packed row in both:
 - packed: the row is one varlen micro-batch through the trainer's path (train.batch.make_batch, the registered
-  "packsft" attention: SDPA per packed sequence on CPU, flash-attn varlen on CUDA, train.trainer.PackedCausalLM
+  "packsft" attention: SDPA per packed sequence on CPU, flash-attn varlen on CUDA, train.packed_model.PackedCausalLM
   with the chunked weighted loss);
 - padded: the row's samples, `--padded-batch` per micro-batch (gradients accumulated over the row's micro-batches),
   each padded to the longest sample of its micro-batch (`--pad-to longest`) or to the row length (`--pad-to
@@ -174,7 +174,7 @@ def run_layout(spec: dict) -> dict:
     from transformers import AutoConfig
 
     from train.config import from_keys
-    from train.trainer import PackedCausalLM, build_lm
+    from train.packed_model import PackedCausalLM, build_lm
 
     cuda = spec["device"] == "cuda"
     device = torch.device("cuda" if cuda else "cpu")

@@ -25,7 +25,7 @@ from tests.model_zoo import VOCAB, tiny_config
 from train.families import FAMILIES
 from train.model_check import compare_packed_with_reference
 from train.model_support import UnsupportedModelError, check_model_support
-from train.trainer import PackedCausalLM
+from train.packed_model import PackedCausalLM
 
 EXACT = [model_type for model_type, spec in sorted(FAMILIES.items()) if spec.status == "exact"]
 REFUSED = [model_type for model_type, spec in sorted(FAMILIES.items()) if spec.status == "refused"]

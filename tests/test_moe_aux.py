@@ -28,7 +28,8 @@ from train.checkpoint import safe_load
 from train.config import load_config
 from train.metrics import loss_curves, plot_losses, read_log
 from train.moe import resolve_router_aux
-from train.trainer import PackedCausalLM, Trainer
+from train.packed_model import PackedCausalLM
+from train.trainer import Trainer
 
 SDPA_KERNELS = LayerKernels(every=BACKENDS["sdpa"])  # every layer through the SDPA loop
 

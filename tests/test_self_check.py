@@ -164,13 +164,14 @@ def test_self_check_covers_both_sides_of_a_rope_switch_point(tmp_path):
     """A rope whose frequencies switch with the sequence length (longrope at 16 tokens): the self-check packs
     sequences of at most 16 tokens with one longer (the first one of the data past the switch point, cut to 17)."""
     from train.config import load_config
+    from train.model_check import self_check_sequences
     from train.rope import switch_points
     from train.trainer import Trainer
 
     lines = []
     trainer = Trainer(load_config(_longrope_run(tmp_path)), console=lines.append)
     assert switch_points(trainer.lm.config) == [16]
-    lengths = [len(s) for s in trainer._self_check_sequences(switch_points=[16])]
+    lengths = [len(s) for s in self_check_sequences(trainer.dataset, switch_points=[16])]
     assert max(lengths) == 17 and sorted(lengths)[-2] <= 16, lengths
     assert any(line.startswith("self-check: packed = unpacked on 4 sequences") and "rope switch point 16" in line
                for line in lines), lines
@@ -179,19 +180,20 @@ def test_self_check_covers_both_sides_of_a_rope_switch_point(tmp_path):
 def test_self_check_stops_a_rope_taken_from_the_longest_sequence(tmp_path, monkeypatch):
     """Without per-sequence rope (transformers' choice from the row's longest sequence, as before train/rope.py)
     the check fails: it only can because one of its sequences is past the switch point."""
-    from train import trainer as trainer_module
+    from train import packed_model
     from train.config import load_config
     from train.rope import PerSequenceRopes
+    from train.trainer import Trainer
 
-    monkeypatch.setattr(trainer_module, "install_per_sequence_rope", lambda lm: PerSequenceRopes())
+    monkeypatch.setattr(packed_model, "install_per_sequence_rope", lambda lm: PerSequenceRopes())
     with pytest.raises(RuntimeError, match="start-up self-check failed for model family 'phi3'"):
-        trainer_module.Trainer(load_config(_longrope_run(tmp_path)), console=lambda *_: None)
+        Trainer(load_config(_longrope_run(tmp_path)), console=lambda *_: None)
 
 
 def _deep_bf16_model():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from train.trainer import PackedCausalLM
+    from train.packed_model import PackedCausalLM
 
     config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=12,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)

@@ -19,7 +19,7 @@ from tests._train_helpers import (  # noqa: F401  (one_thread is a fixture)
 )
 from train.attention import BACKENDS, AttentionContext, LayerKernels
 from train.batch import make_batch, step_totals
-from train.trainer import PackedCausalLM
+from train.packed_model import PackedCausalLM
 
 SDPA_KERNELS = LayerKernels(every=BACKENDS["sdpa"])  # every layer through the SDPA loop
 

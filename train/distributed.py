@@ -123,3 +123,28 @@ class _AllReduceSum(torch.autograd.Function):
 def differentiable_all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Out-of-place sum over `group`, differentiable (see _AllReduceSum)."""
     return _AllReduceSum.apply(tensor, group)
+
+
+def all_reduce_sum_bucketed(tensors: list[torch.Tensor], bucket_elements: int = 1 << 24) -> None:
+    """In-place SUM all-reduce (not mean: the local losses are already parts of the step loss), in flat buckets
+    of same-dtype tensors rather than one collective per parameter."""
+    bucket: list[torch.Tensor] = []
+
+    def flush():
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for t in bucket:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+        bucket.clear()
+
+    size = 0
+    for t in tensors:
+        if bucket and (t.dtype != bucket[0].dtype or size + t.numel() > bucket_elements):
+            flush()
+            size = 0
+        bucket.append(t)
+        size += t.numel()
+    if bucket:
+        flush()

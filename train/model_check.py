@@ -3,13 +3,14 @@
 `compare_packed_with_reference(model, sequences, kernels)` runs the same weights twice:
 - reference: the model's own `*ForCausalLM.forward` on each sequence alone, with transformers' eager attention
   (its own masks, windows, softcaps, sinks and logit transforms), cross-entropy of every next token;
-- packed: the sequences concatenated into one row through `train.trainer.PackedCausalLM` (PackSFT's attention
+- packed: the sequences concatenated into one row through `train.packed_model.PackedCausalLM` (PackSFT's attention
   as `kernels` run it, recurrent-layer restarts and chunked loss head), with the same token-mean weights;
 and returns the relative loss difference and the worst per-parameter gradient difference.
 
 Used by the conformance suite on tiny configs of every family (full gradients) and by the trainer's start-up
 self-check on the user's real model (`gradient_probe=True`: each parameter's gradient is compared through its dot
-product with a seeded random direction, so no second copy of the gradients is kept).
+product with a seeded random direction, so no second copy of the gradients is kept), on a few sequences of the data
+(`self_check_sequences`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -129,7 +131,7 @@ def _gradient_errors(packed: dict, reference: dict, probe: bool) -> tuple[float,
 def compare_packed_with_reference(model, sequences: list[torch.Tensor], kernels: LayerKernels, *,
                                   gradient_probe: bool = False, seed: int = 1234,
                                   autocast: torch.autocast | None = None) -> PackedCheck:
-    """`model`: a `train.trainer.PackedCausalLM` (weights on their device); `sequences`: 1-D token id tensors
+    """`model`: a `train.packed_model.PackedCausalLM` (weights on their device); `sequences`: 1-D token id tensors
     (at least 2 tokens each); `kernels`: what the packed run's layers run (the attention plan's packed kernels).
     Gradients of the model are left cleared."""
     if not sequences or any(s.numel() < 2 for s in sequences):
@@ -257,3 +259,45 @@ def weights_file_of(directory: Path, name: str) -> tuple[Path, str]:
                     return directory / "model.safetensors", key
     return directory, name
 
+
+# ---------------------------------------------------------------------------------------------- the data's sequences
+def self_check_sequences(dataset, n_sequences: int = 4, max_tokens: int = 64,
+                         switch_points: list[int] = ()) -> list[torch.Tensor]:
+    """Up to `n_sequences` packed sequences of the first rows of `dataset` (train/online.py's), each cut to
+    `max_tokens` (at least two sequences: a lone one is split in two, which is still two sequences to keep apart).
+
+    `switch_points`: the lengths at which the model's rope changes its frequencies (train/rope.py). Then the
+    sequences are cut to the smallest one (the short side) and the last is replaced by the data's first sequence
+    longer than the largest one, cut just past it (the long side, at the least attention cost)."""
+    if switch_points:
+        max_tokens = min(max_tokens, switch_points[0])
+    seqs: list[torch.Tensor] = []
+    for r in range(min(len(dataset), 8)):
+        seqs += [seq[:max_tokens] for seq in _row_sequences(dataset, r) if seq.numel() >= 2]
+        if len(seqs) >= n_sequences:
+            break
+    seqs = seqs[:n_sequences]
+    if switch_points and (long := _first_sequence_longer_than(dataset, switch_points[-1])) is not None:
+        seqs = [*seqs[: n_sequences - 1], long[: switch_points[-1] + 1]]
+    if len(seqs) == 1 and seqs[0].numel() >= 4:
+        half = seqs[0].numel() // 2
+        seqs = [seqs[0][:half], seqs[0][half:]]
+    return seqs
+
+
+def _row_sequences(dataset, r: int) -> list[torch.Tensor]:
+    row = dataset[r]
+    ids = torch.from_numpy(np.asarray(row["input_ids"], dtype=np.int64))
+    return list(ids.split([int(n) for n in row["seq_lens"]]))
+
+
+def _first_sequence_longer_than(dataset, tokens: int) -> torch.Tensor | None:
+    """The data's first sequence of more than `tokens` tokens (found in the sequence index), or None."""
+    lengths = np.asarray(dataset.seq_index["length"])
+    longer = np.flatnonzero(lengths > tokens)
+    if longer.size == 0:
+        return None
+    row_ends = np.cumsum(np.asarray(dataset.row_n_seqs, dtype=np.int64))
+    row = int(np.searchsorted(row_ends, longer[0], side="right"))
+    first_of_row = int(row_ends[row - 1]) if row else 0
+    return _row_sequences(dataset, row)[int(longer[0]) - first_of_row]

@@ -23,23 +23,19 @@ objective is their sum.
 """
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import os
 import random
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
-import train.attention  # noqa: F401  (registers attn_implementation="packsft")
-from train.attention import ATTN_IMPLEMENTATION, AttentionContext
 from train.attention_plan import plan_attention, plan_sp_layout
 from train.batch import make_batch, step_totals
 from train.checkpoint import (
@@ -66,130 +62,15 @@ from train.checkpoint import (
 from train.config import TrainConfig
 from train.preflight import Preflight, preflight
 from train.data import StepPlan, StepSampler
-from train.distributed import Mesh, all_reduce_sum, build_mesh, init_distributed
-from train.lm_head import decoder_of, lm_head_of
-from train.loss import weighted_lm_loss
+from train.distributed import Mesh, all_reduce_sum, all_reduce_sum_bucketed, build_mesh, init_distributed
 from train.metrics import EvalProgress, MetricsLogger, plot_losses, step_progress, truncate_log
-from train.model_check import check_finite_weights
-from train.moe import RouterAux, real_tokens, records_router_logits, resolve_router_aux
+from train.moe import real_tokens, resolve_router_aux
 from train.nonfinite import SKIPPED, NonFiniteError, nonfinite_problem, nonfinite_tensors, stop_message
-from train.recurrent import install_sequence_restart
-from train.rope import install_per_sequence_rope
+from train.packed_model import PackedCausalLM, build_lm
 from train.rope import switch_points as rope_switch_points
 from train.varlen_kernels import queued_copy
 
 logger = logging.getLogger("packsft.train")
-
-
-# ---------------------------------------------------------------------------------------------- model
-class PackedCausalLM(nn.Module):
-    """The module DeepSpeed wraps: the HF causal LM's body plus the chunked weighted loss (no full logits).
-
-    The lm-head weight is used here, outside lm_head.forward; under ZeRO-3 it is registered as an external
-    parameter of this module so DeepSpeed gathers it around this forward (and reduces its gradient).
-    With `router_aux` (MoE, train/moe.py) the forward also returns this rank's share of the router aux term.
-    """
-
-    def __init__(self, lm: nn.Module, chunk_size: int, num_categories: int, zero3: bool = False,
-                 router_aux: RouterAux | None = None):
-        super().__init__()
-        self.lm = lm
-        self.chunk_size = chunk_size
-        self.num_categories = num_categories
-        self.head = lm_head_of(lm)  # what *ForCausalLM.forward does between the hidden states and the logits
-        # recurrent mixers (linear attention, state spaces, short convolutions) restart at every packed sequence
-        self.recurrent = install_sequence_restart(lm)
-        # ropes whose frequencies depend on the sequence length (longrope, dynamic NTK): per packed sequence
-        self.ropes = install_per_sequence_rope(lm)
-        self.router_aux = router_aux
-        # an MoE decoder records its router logits only when asked (the model config may ask for unused ones)
-        self._router_kwargs = (
-            {"output_router_logits": router_aux is not None} if records_router_logits(decoder_of(lm)) else {}
-        )
-        if zero3:
-            import deepspeed
-
-            head = lm.get_output_embeddings()
-            for p in (head.weight, getattr(head, "bias", None)):
-                if p is not None:
-                    deepspeed.zero.register_external_parameter(self, p)
-
-    def forward(self, input_ids, position_ids, targets, weights, target_categories, attn: AttentionContext,
-                router_tokens: torch.Tensor | None = None):
-        """weighted_lm_loss's (weighted_sum, cat_loss_sum, cat_count); with `router_aux`, a fourth value: this
-        rank's share of coef * the micro-batch's load-balancing loss over `router_tokens` ([L] 1.0 for a real
-        token, 0.0 for sequence-parallel padding or a filler row; None: every token is real)."""
-        if self.recurrent:  # left set after the forward: activation-checkpoint recomputation in backward reads them
-            self.recurrent.set_boundaries(attn.bounds.host_cu_q)
-        if self.ropes:
-            self.ropes.set_row(attn)
-        outputs = decoder_of(self.lm)(
-            input_ids=input_ids, position_ids=position_ids, use_cache=False, packsft=attn, **self._router_kwargs
-        )
-        head = self.lm.get_output_embeddings()
-        lm_loss = weighted_lm_loss(
-            outputs.last_hidden_state[0], head.weight, targets, weights, target_categories, self.num_categories,
-            self.chunk_size, lm_head_bias=getattr(head, "bias", None), head=self.head,
-        )
-        if self.router_aux is None:
-            return lm_loss
-        if router_tokens is None:
-            router_tokens = torch.ones(input_ids.numel(), device=input_ids.device)
-        sp_group = attn.sp.group if attn.sp is not None else None
-        return (*lm_loss, self.router_aux.share(outputs.router_logits, router_tokens, sp_group))
-
-    @contextmanager
-    def unpacked(self):
-        """The model as transformers runs it unpacked (its own eager attention): the reference of
-        train.model_check."""
-        previous = self.lm.config._attn_implementation
-        self.lm.set_attn_implementation("eager")
-        self.recurrent.clear()
-        self.ropes.clear()
-        try:
-            yield
-        finally:
-            self.lm.set_attn_implementation(previous)
-
-
-def build_lm(cfg: TrainConfig, model_config, dtype: torch.dtype, checkpointing: bool = False) -> nn.Module:
-    """The HF causal LM of `model_config` (train/preflight.py read it) with the packsft attention; optional Liger
-    kernels, activation checkpointing, LoRA and compiled decoder layers (in that order: compile wraps the patched,
-    checkpointed layers)."""
-    from transformers import AutoModelForCausalLM
-
-    model_config = copy.deepcopy(model_config)  # transformers sets the dtype and attention on the config it is given
-    if cfg.model.model_path is not None:
-        lm = AutoModelForCausalLM.from_pretrained(cfg.model.model_path, config=model_config,
-                                                  attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype)
-        check_finite_weights(lm, cfg.model.model_path)  # a NaN / inf there is named now, not blamed on packing later
-    else:
-        lm = AutoModelForCausalLM.from_config(model_config, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype)
-    lm.config.use_cache = False
-    if cfg.model.liger:
-        # fused RMSNorm / SwiGLU / RoPE (Triton); the loss stays PackSFT's chunked weighted loss, so Liger's cross
-        # entropy kernels are not used
-        from liger_kernel.transformers import _apply_liger_kernel_to_instance
-
-        _apply_liger_kernel_to_instance(model=lm, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                        fused_linear_cross_entropy=False)
-    if checkpointing:
-        lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    if cfg.lora.lora_rank > 0:
-        from train.lora import apply_lora
-
-        lm = apply_lora(lm, cfg.lora)
-    if cfg.model.compile_layers:
-        compile_decoder_layers(lm)
-    return lm
-
-
-def compile_decoder_layers(lm: nn.Module) -> None:
-    """torch.compile every decoder layer in place. The attention function runs outside the compiled graphs
-    (packsft_attention is marked `torch.compiler.disable`: its per-micro-batch host bounds would otherwise be
-    guarded on and recompile every step); the projections, RoPE, norms and MLP around it are fused."""
-    for layer in decoder_of(lm).layers:
-        layer.compile()
 
 
 def lr_lambda_factory(total_steps: int, warmup_steps: int, schedule: str, min_ratio: float):
@@ -208,31 +89,6 @@ def lr_lambda_factory(total_steps: int, warmup_steps: int, schedule: str, min_ra
         return min_ratio + (1.0 - min_ratio) * (1.0 - progress)
 
     return factor
-
-
-def _all_reduce_sum_bucketed(tensors: list[torch.Tensor], bucket_elements: int = 1 << 24) -> None:
-    """In-place SUM all-reduce (not mean: the local losses are already parts of the step loss), in flat buckets
-    of same-dtype tensors rather than one collective per parameter."""
-    bucket: list[torch.Tensor] = []
-
-    def flush():
-        flat = torch.cat([t.reshape(-1) for t in bucket])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        offset = 0
-        for t in bucket:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
-        bucket.clear()
-
-    size = 0
-    for t in tensors:
-        if bucket and (t.dtype != bucket[0].dtype or size + t.numel() > bucket_elements):
-            flush()
-            size = 0
-        bucket.append(t)
-        size += t.numel()
-    if bucket:
-        flush()
 
 
 def _init_single_process_group() -> None:
@@ -374,55 +230,16 @@ class Trainer:
                        "self-check decides whether it trains exactly")
         return model_type_of(config)
 
-    def _self_check_sequences(self, n_sequences: int = 4, max_tokens: int = 64,
-                              switch_points: list[int] = ()) -> list[torch.Tensor]:
-        """Up to `n_sequences` packed sequences of the first rows, each cut to `max_tokens` (at least two
-        sequences: a lone one is split in two, which is still two sequences to keep apart).
-
-        `switch_points`: the lengths at which the model's rope changes its frequencies (train/rope.py). Then the
-        sequences are cut to the smallest one (the short side) and the last is replaced by the data's first
-        sequence longer than the largest one, cut just past it (the long side, at the least attention cost)."""
-        if switch_points:
-            max_tokens = min(max_tokens, switch_points[0])
-        seqs: list[torch.Tensor] = []
-        for r in range(min(len(self.dataset), 8)):
-            seqs += [seq[:max_tokens] for seq in self._row_sequences(r) if seq.numel() >= 2]
-            if len(seqs) >= n_sequences:
-                break
-        seqs = seqs[:n_sequences]
-        if switch_points and (long := self._first_sequence_longer_than(switch_points[-1])) is not None:
-            seqs = [*seqs[: n_sequences - 1], long[: switch_points[-1] + 1]]
-        if len(seqs) == 1 and seqs[0].numel() >= 4:
-            half = seqs[0].numel() // 2
-            seqs = [seqs[0][:half], seqs[0][half:]]
-        return seqs
-
-    def _row_sequences(self, r: int) -> list[torch.Tensor]:
-        row = self.dataset[r]
-        ids = torch.from_numpy(np.asarray(row["input_ids"], dtype=np.int64))
-        return list(ids.split([int(n) for n in row["seq_lens"]]))
-
-    def _first_sequence_longer_than(self, tokens: int) -> torch.Tensor | None:
-        """The data's first sequence of more than `tokens` tokens (found in the sequence index), or None."""
-        lengths = np.asarray(self.dataset.seq_index["length"])
-        longer = np.flatnonzero(lengths > tokens)
-        if longer.size == 0:
-            return None
-        row_ends = np.cumsum(np.asarray(self.dataset.row_n_seqs, dtype=np.int64))
-        row = int(np.searchsorted(row_ends, longer[0], side="right"))
-        first_of_row = int(row_ends[row - 1]) if row else 0
-        return self._row_sequences(row)[int(longer[0]) - first_of_row]
-
     def _self_check(self, zero3: bool) -> None:
         """Packed path vs the model's own unpacked eager forward on a few sequences of the data, same weights:
         training stops if they differ (a family or feature PackSFT does not reproduce). See train/model_check.py."""
-        from train.model_check import SelfCheckError, compare_packed_with_reference
+        from train.model_check import SelfCheckError, compare_packed_with_reference, self_check_sequences
 
         if zero3 and self.cfg.model.model_path is not None:
             self.console("self-check skipped: ZeRO-3 loads the weights partitioned (self_check covers ZeRO-0/1/2)")
             return
         switch_points = rope_switch_points(self.lm.config)
-        seqs = self._self_check_sequences(switch_points=switch_points)
+        seqs = self_check_sequences(self.dataset, switch_points=switch_points)
         if len(seqs) < 2:
             self.console("self-check skipped: the data has no sequence of 2 tokens or more")
             return
@@ -627,7 +444,7 @@ class Trainer:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            _all_reduce_sum_bucketed([p.grad for p in params])
+            all_reduce_sum_bucketed([p.grad for p in params])
         if self.grad_hook is not None:
             self.grad_hook(self)
         max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
