@@ -117,10 +117,6 @@ class AttentionContext:
         """[1, H, T, D] query, [1, Hkv, T, D] key/value -> [1, T, H, D]: the kernel planned for this kind of layer."""
         return self.kernels.for_layer(features).fn(query, key, value, self, scaling, features, sinks)
 
-    @property
-    def structured(self) -> bool:
-        return self.block_ids is not None or self.path_ids is not None
-
     def structured_block_mask(self, device: torch.device, length: int):
         """The BlockMask of this micro-batch's structured mask over `length` tokens on `device`, built once."""
         key = ("structured", str(device), length)

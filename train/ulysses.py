@@ -14,9 +14,9 @@ autograd-aware (`_AllToAll`: the backward of an all-to-all is the inverse all-to
   the same head slice (same ulysses_rank) form the ring group and run the `torch` gather backend (or `llama3` on
   GPUs) of train/sequence_parallel.py on those blocks, exactly as sp = r would on the row.
 
-Heads (the rules: train/sp_rules.py): query heads are split into u contiguous chunks, so u must divide the heads. Key/value heads too; when
-there are fewer kv heads than u (GQA), each is repeated u / kv_heads times before the exchange (u must then be a
-multiple of them), so that every rank gets the one kv head its query heads read. Per-head parameters (attention
+Heads (the rules: train/sp_rules.py): query heads are split into u contiguous chunks, so u must divide the heads.
+Key/value heads too; when there are fewer kv heads than u (GQA), each is repeated u / kv_heads times before the
+exchange (u must then be a multiple of them), so that every rank gets the one kv head its query heads read. Per-head parameters (attention
 sinks `s_aux` [H]) are sliced to the rank's heads; the slice's gradient flows back to the full parameter.
 
 Recurrent token mixers (hybrid linear-attention / state-space models) stay refused under every SP backend,
