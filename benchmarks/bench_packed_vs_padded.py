@@ -2,7 +2,7 @@
 
 The SAME samples are trained in two layouts, one optimizer step per packed row in both:
 - packed: the row is one varlen micro-batch through the trainer's path (train.batch.make_batch, the registered
-  "packsft" attention: SDPA per packed sequence on CPU, flash-attn varlen on CUDA, train.trainer.PackedCausalLM
+  "packsft" attention: SDPA per packed sequence on CPU, flash-attn varlen on CUDA, train.packed_model.PackedCausalLM
   with the chunked weighted loss);
 - padded: the row's samples, `--padded-batch` per micro-batch (gradients accumulated over the row's micro-batches),
   each padded to the longest sample of its micro-batch (`--pad-to longest`) or to the row length (`--pad-to
@@ -169,9 +169,12 @@ def run_layout(spec: dict) -> dict:
 
     import train.attention  # noqa: F401  (registers "packsft")
     from train.attention import AttentionContext
+    from train.attention_plan import layer_kinds, packed_kernels
     from train.batch import make_batch
-    from train.config import TrainConfig
-    from train.trainer import PackedCausalLM, build_lm
+    from transformers import AutoConfig
+
+    from train.config import from_keys
+    from train.packed_model import PackedCausalLM, build_lm
 
     cuda = spec["device"] == "cuda"
     device = torch.device("cuda" if cuda else "cpu")
@@ -181,15 +184,19 @@ def run_layout(spec: dict) -> dict:
     all_totals = _totals(rows)
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = TrainConfig(data_path=spec["data"] or "-", output_dir=tmp, model_config=_model_config_path(spec, tmp),
-                          loss_chunk_size=spec["chunk_size"], attn_backend=spec["attn_backend"])
+        cfg = from_keys({"data_path": spec["data"] or "-", "output_dir": tmp,
+                         "model_config": _model_config_path(spec, tmp), "loss_chunk_size": spec["chunk_size"],
+                         "attn_backend": spec["attn_backend"]})
         torch.manual_seed(spec["seed"])
-        lm = build_lm(cfg, dtype, checkpointing=spec["checkpointing"])  # same seed -> same weights in both children
+        model_config = AutoConfig.from_pretrained(cfg.model.model_config)
+        lm = build_lm(cfg, model_config, dtype, checkpointing=spec["checkpointing"])  # same seed: same weights
     if layout == "padded":
         lm.set_attn_implementation("sdpa")
         model = lm.to(device)
     else:
-        model = PackedCausalLM(lm, cfg.loss_chunk_size, num_categories).to(device)
+        model = PackedCausalLM(lm, cfg.steps.loss_chunk_size, num_categories).to(device)
+        probe = torch.empty((1, 1, 0, 1), device=device, dtype=dtype)
+        kernels = packed_kernels(cfg.model.attn_backend, probe, [features for features, _ in layer_kinds(lm)])
     model.train()
     pad_id = lm.config.pad_token_id if lm.config.pad_token_id is not None else 0
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -199,7 +206,7 @@ def run_layout(spec: dict) -> dict:
     def packed_loss(row, totals):
         batch = make_batch([row], totals, "token")
         attn = AttentionContext(cu_seqlens=batch["cu_seqlens"].to(device), max_seqlen=batch["max_seqlen"],
-                                backend=cfg.attn_backend)
+                                kernels=kernels)
         weighted, _, _ = model(batch["input_ids"].to(device), batch["position_ids"].to(device),
                                batch["targets"].to(device), batch["weights"].to(device),
                                batch["target_categories"].to(device), attn)

@@ -71,7 +71,7 @@ def run_child(kind: str, sequences: int, path: str, tokens: int, repeats: int, d
     import torch.nn.functional as F
 
     from train import recurrent
-    from train.attention import AttentionContext
+    from train.attention import BACKENDS, AttentionContext, LayerKernels
 
     torch.set_num_threads(1)
     if path == "per_sequence":
@@ -88,8 +88,8 @@ def run_child(kind: str, sequences: int, path: str, tokens: int, repeats: int, d
     position_ids = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
     labels = input_ids.clone()
     labels[0, torch.tensor(cuts[1:]) - 1] = -100  # no sequence predicts the next one's first token
-    backend = "sdpa" if device == "cpu" else "auto"
-    attn = AttentionContext(torch.tensor(cuts, dtype=torch.int32, device=device), max(lengths), backend=backend)
+    kernels = LayerKernels(every=BACKENDS["sdpa" if device == "cpu" else "torch_varlen"])
+    attn = AttentionContext(torch.tensor(cuts, dtype=torch.int32, device=device), max(lengths), kernels)
 
     def step():
         lm.zero_grad(set_to_none=True)

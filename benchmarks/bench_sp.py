@@ -2,7 +2,8 @@
 
 1. `shard_batch` of one 131,072-token micro-batch (64 packed sequences of 2,048 tokens, built with
    `train.batch.make_batch`), one thread, best of 5, per layout and sp size.
-2. `sp_attention` forward + backward of one rank of a packed row (seeded random sequence lengths), one process:
+2. the `torch` gather backend's attention (as train/attention_plan.py gives it to a layer) forward + backward of
+   one rank of a packed row (seeded random sequence lengths), one process:
    the all-gather is replaced by the row's K/V (what the collective returns), so only the attention is timed.
    "varlen" is the contiguous-layout path (bounds from `shard_batch`, one kernel call: the SDPA loop on CPU);
    "mask" is the boolean-mask path of the same context (`bounds=None`), what the contiguous layout ran before.
@@ -50,7 +51,10 @@ if str(ROOT) not in sys.path:
 
 import train.sequence_parallel as sequence_parallel  # noqa: E402
 from train.batch import StepTotals, make_batch  # noqa: E402
-from train.sequence_parallel import shard_batch, sp_attention  # noqa: E402
+from train.attention import BACKENDS, AttentionContext, LayerKernels  # noqa: E402
+from train.attention_plan import ring_kernel  # noqa: E402
+from train.sequence_parallel import shard_batch  # noqa: E402
+from train.varlen_kernels import NO_FEATURES  # noqa: E402
 
 
 def _row(lengths: list[int], seed: int) -> dict:
@@ -102,12 +106,13 @@ def attention_time(total: int, sp: int, rank: int, heads: int, kv_heads: int, di
         return torch.cat([row.narrow(dim, 0, start), kv, row.narrow(dim, end, row.shape[dim] - end)], dim=dim)
 
     sequence_parallel._GatherSequence.apply = staticmethod(local_gather)
-    module = torch.nn.Module().eval()
+    gather = ring_kernel("torch", q, NO_FEATURES, structure=False)
     outs = {}
 
     def run(context):
         inputs = [t[start:end].transpose(0, 1).unsqueeze(0).requires_grad_() for t in (q, k, v)]
-        out = sp_attention(module, *inputs, context, dim ** -0.5)
+        attn = AttentionContext(context.cu_seqlens, context.max_seqlen, sp=context)
+        out = gather.fn(*inputs, attn, dim ** -0.5, NO_FEATURES, None)
         out.square().sum().backward()
         outs[context.bounds is not None] = out.detach()
 
@@ -207,7 +212,7 @@ def _layer(backend: str, total: int, heads: int, kv_heads: int, sp: int, groups:
     """Forward + backward of one attention layer on this rank under `backend`; (bytes fwd, bytes bwd, peak)."""
     import torch.distributed as dist
 
-    from train.ulysses import UlyssesSpec
+    from train.ulysses import UlyssesSpec, ulysses_attention, ulysses_shard
 
     rank = dist.get_rank()
     sp_rank = rank % sp
@@ -216,22 +221,27 @@ def _layer(backend: str, total: int, heads: int, kv_heads: int, sp: int, groups:
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
     batch = {"input_ids": torch.zeros(1, total, dtype=torch.long), "cu_seqlens": cu}
-    spec = None
-    if backend == "ulysses":
-        spec = UlyssesSpec(size=sp, group=group)
-    elif backend == "hybrid":
-        spec = UlyssesSpec(size=2, group=groups["pairs"][rank // 2], ring_group=groups["rings"][rank % 2])
-    _, ctx = shard_batch(batch, sp_rank, sp, "torch" if backend == "gather" else "ulysses", group=group,
-                         ulysses=spec)
+    gather = ring_kernel("torch", torch.empty(0), NO_FEATURES, structure=False)  # what the plan gives on CPU
+    if backend == "gather":
+        _, ctx = shard_batch(batch, sp_rank, sp, "torch", group=group)
+        attention = gather.fn
+    else:
+        if backend == "ulysses":  # the packed attention on the whole row
+            spec = UlyssesSpec(size=sp, group=group, local=LayerKernels(every=BACKENDS["sdpa"]))
+        else:  # the gather backend across the Ulysses groups
+            spec = UlyssesSpec(size=2, group=groups["pairs"][rank // 2], ring_group=groups["rings"][rank % 2],
+                               local=LayerKernels(every=gather))
+        _, ctx = ulysses_shard(batch, sp_rank, sp, spec, group=group)
+        attention = ulysses_attention
+    attn = AttentionContext(ctx.cu_seqlens, ctx.max_seqlen, sp=ctx)
     torch.manual_seed(rank)
     local = ctx.local_length
     q, k, v = (torch.randn(1, h, local, HEAD_DIM, requires_grad=True) for h in (heads, kv_heads, kv_heads))
-    module = torch.nn.Module().eval()
     counter.received = {"forward": 0, "backward": 0}
 
     def run():
         counter.phase = "forward"
-        out = sp_attention(module, q, k, v, ctx, HEAD_DIM ** -0.5)
+        out = attention(q, k, v, attn, HEAD_DIM ** -0.5, NO_FEATURES, None)
         counter.phase = "backward"
         out.square().sum().backward()
 
@@ -329,7 +339,7 @@ def sp_transient_bytes(shape, backend: str, row: int, sp: int, ulysses: int, act
     - Ulysses of degree u (inside sp): the exchanged q/k/v and output (send and receive buffers) of row/sp tokens,
       with kv heads repeated up to u: 2 · row/sp · (2 · q_dim + 2 · kv_dim'); in the hybrid, plus the torch
       gather of the rank's head slice over the row: 2 · row · 2 · kv_dim'/u."""
-    from train.ulysses import kv_heads_after_repeat
+    from train.sp_rules import kv_heads_after_repeat
 
     kv_dim, q_dim, local = shape.kv_dim, shape.n_heads * shape.head_dim, row // sp
     if backend in ("torch", "llama3"):
@@ -362,7 +372,7 @@ def longest_row(shape, backend: str, sp: int, ulysses: int = 1) -> int:
 
 def limits() -> list[str]:
     from train.memory_plan import ModelShape
-    from train.ulysses import allowed_degrees
+    from train.sp_rules import allowed_degrees
 
     lines = ["| model (H / kv heads) | sp | torch (gather) | llama3 | zigzag | Ulysses (degree) |",
              "|---|---|---|---|---|---|"]
@@ -406,7 +416,8 @@ def main() -> None:
     lines = [f"# SP on CPU ({platform.processor() or platform.machine()}, torch {torch.__version__}, one thread, "
              f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC)", "",
              "## shard_batch, 131,072 tokens, 64 sequences, best of 5", "", *shard_cost(), "",
-             "## sp_attention forward + backward, one rank, fp32, 4 heads / 2 kv heads, dim 64, best of 3", "",
+             "## the torch gather backend's attention forward + backward, one rank, fp32, 4 heads / 2 kv heads, dim 64, "
+             "best of 3", "",
              "| row tokens | sp | rank | varlen path | mask path | max abs diff |", "|---|---|---|---|---|---|"]
     for total, sp, rank in ((8192, 4, 0), (8192, 4, 3), (16384, 8, 7)):
         varlen_ms, mask_ms, diff = attention_time(total, sp, rank, 4, 2, 64)

@@ -159,7 +159,7 @@ def run_one(spec: dict) -> dict:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if spec.get("profile_out"):
         profile_step(trainer, spec["steps"], spec["device"], spec["profile_out"], spec["profile_title"])
-    return {"backend": trainer.attn_backend, "checkpointing": trainer.checkpointing_reason, "steps": steps,
+    return {"backend": trainer.plan.train.every.name, "checkpointing": trainer.checkpointing_reason, "steps": steps,
             "peak_bytes": int(peak), "n_params": shape.n_params, "matmul_params": shape.matmul_params,
             "loss_finite": bool(np.isfinite([x["loss"] for x in steps]).all())}
 

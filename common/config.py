@@ -66,21 +66,34 @@ def key_tree(key: str) -> dict:
     return node
 
 
-def check_override_values(cls, overrides: list[str]) -> None:
+def field_type(cls, key: str) -> Any:
+    """The type of field `a.b.c` of dataclass `cls`; None when the key is not a typed field (a free-form mapping)."""
+    tp = cls
+    for part in key.split("."):
+        hints = typing.get_type_hints(tp) if dataclasses.is_dataclass(tp) else {}
+        tp = hints.get(part)
+        if tp is None:
+            return None
+    return tp
+
+
+def check_value(cls, key: str, value: Any, where: str) -> None:
+    """`value` converts to the type of field `key` (dotted) of `cls`, else a ConfigError that starts with `where`."""
+    tp = field_type(cls, key)
+    if tp is not None:
+        _convert(tp, value, where)
+
+
+def check_override_values(cls, overrides: list[str], key_path: Callable[[str], str] | None = None) -> None:
     """Type-check each `key=value` override on its own, so that a bad value names the override, not the config
-    file it is applied to. Keys that are not typed fields (free-form mappings) are left to the full check."""
+    file it is applied to. Keys that are not typed fields (free-form mappings) are left to the full check.
+    `key_path`: the field's dotted path for a key as typed (a config whose section keys may be written flat)."""
     for item in overrides:
         if "=" not in item:
             continue  # apply_overrides names the malformed item
         key, value = item.split("=", 1)
-        tp = cls
-        for part in key.strip().split("."):
-            hints = typing.get_type_hints(tp) if dataclasses.is_dataclass(tp) else {}
-            tp = hints.get(part)
-            if tp is None:
-                break
-        if tp is not None:
-            _convert(tp, parse_value(value), f"override {item!r}: {key.strip()}")
+        key = key.strip()
+        check_value(cls, key_path(key) if key_path else key, parse_value(value), f"override {item!r}: {key}")
 
 
 def relative_note(path: str | os.PathLike) -> str:

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, GraniteMoeHybridConfig
 
 import train.attention  # noqa: F401  (registers attn_implementation="packsft")
 from tests.model_zoo import tiny_config
-from train.attention import AttentionContext
+from train.attention import BACKENDS, AttentionContext, LayerKernels
 from train.recurrent import install_sequence_restart
 
 
@@ -31,7 +31,7 @@ def main(tokens: int, count: int) -> None:
     lengths = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
     input_ids = torch.randint(3, config.vocab_size, (1, tokens), generator=g)
     position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
-    attn = AttentionContext(torch.tensor(bounds, dtype=torch.int32), max(lengths), backend="sdpa")
+    attn = AttentionContext(torch.tensor(bounds, dtype=torch.int32), max(lengths), LayerKernels(every=BACKENDS["sdpa"]))
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     layers.set_boundaries(attn.bounds.host_cu_q)

@@ -185,14 +185,32 @@ def reference_step(reference, batches) -> dict:
     return _accumulate_reference(reference, batches, hidden_of)
 
 
-def sp_step(model, batches, sp_rank, sp_size, group, layout, reduce_group, backend="torch", ulysses=None) -> dict:
+def sp_plan(model, sp_rank: int, sp_size: int, group, structure: bool = False, sp_backend: str = "torch",
+            ulysses_size: int = 1, ulysses_group=None, ring_group=None):
+    """The attention plan train/attention_plan.py makes for `model` (CPU, fp32, attn_backend auto) on an sp group
+    of `sp_size` ranks: `ulysses_size` > 1 with its Ulysses group (and, when smaller than `sp_size`, the ring group
+    across the Ulysses groups)."""
+    from train.attention_plan import SPLayout, plan_attention
+    from train.config import ModelSection, ParallelSection
+    from train.distributed import Mesh
+
+    mesh = Mesh(dist.get_world_size(), dist.get_rank(), 1, 0, sp_size, sp_rank, None, group, torch.device("cpu"),
+                ulysses_size, ulysses_group, ring_group)
+    parallel = ParallelSection(sequence_parallel_size=sp_size, sp_backend=sp_backend)
+    return plan_attention(ModelSection(), parallel, SPLayout(sp_size, ulysses_size, "set by the test"), mesh, model,
+                          structure)
+
+
+def sp_step(model, batches, sp_rank, sp_size, group, layout, reduce_group, **plan) -> dict:
     """This rank's part of one optimizer step under sp, its gradients scaled as the trainer does (backward of
-    local sum x world size), then averaged over `reduce_group` (the world) as DDP/DeepSpeed would. `backend` /
-    `ulysses` (a train.ulysses.UlyssesSpec): the ulysses backend and its groups."""
+    local sum x world size), then averaged over `reduce_group` (the world) as DDP/DeepSpeed would. Attention runs
+    what `sp_plan` chose (`plan`: its Ulysses arguments); `layout` zigzag: the torch backend's CPU reference of the
+    zigzag layout, which no plan chooses."""
     world_size = dist.get_world_size(reduce_group)
     from train.attention import AttentionContext
     from train.sequence_parallel import shard_batch
 
+    planned = sp_plan(model, sp_rank, sp_size, group, structure="block_ids" in batches[0], **plan)
     model.zero_grad(set_to_none=True)
     loss = torch.zeros(())
     cat_sum = torch.zeros(NUM_CATEGORIES)
@@ -200,12 +218,16 @@ def sp_step(model, batches, sp_rank, sp_size, group, layout, reduce_group, backe
     local_losses = []
     paths = set()
     for batch in batches:
-        local, ctx = shard_batch(batch, sp_rank, sp_size, backend, group=group, layout=layout, ulysses=ulysses)
+        if layout == "zigzag":
+            local, ctx = shard_batch(batch, sp_rank, sp_size, "torch", group=group, layout=layout)
+            attn = AttentionContext(ctx.cu_seqlens, ctx.max_seqlen, planned.train, sp=ctx)
+        else:
+            local, attn = planned.context(batch)
+            ctx = attn.sp
         if ctx.ulysses is not None:
-            paths.add("ulysses" if ctx.ulysses.ring is None else "hybrid")
+            paths.add("ulysses" if ctx.ulysses.local.sp is None else "hybrid")
         else:
             paths.add("varlen" if ctx.bounds is not None else "mask")  # which attention path of the torch backend ran
-        attn = AttentionContext(cu_seqlens=ctx.cu_seqlens, max_seqlen=ctx.max_seqlen, sp=ctx)
         hidden = model.model(
             input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False, packsft=attn
         ).last_hidden_state[0]

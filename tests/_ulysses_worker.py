@@ -27,7 +27,6 @@ from tests._sp_worker import (
     write_results,
 )
 from train.batch import make_batch
-from train.ulysses import UlyssesSpec
 
 FAMILIES = ("qwen2", "gemma2", "gpt_oss")
 
@@ -42,16 +41,16 @@ def _configurations(model, batches, rank, pairs, rings):
     """(name, result) of every sp configuration of one step: `batches` are the step's two micro-batches."""
     world = dist.group.WORLD
     dp_rank, sp_rank = divmod(rank, 2)
-    ulysses4 = UlyssesSpec(size=4, group=world)
-    got = sp_step(model, batches, rank, 4, world, "contiguous", world, "ulysses", ulysses4)
+    got = sp_step(model, batches, rank, 4, world, "contiguous", world, sp_backend="ulysses", ulysses_size=4,
+                  ulysses_group=world)
     yield "ulysses-sp4", got, got["local_losses"][1]
     # dp = 2 x sp = 2: dp rank d trains row d over the sp group {2d, 2d+1}, one micro-batch each
-    ulysses2 = UlyssesSpec(size=2, group=pairs[dp_rank])
-    got = sp_step(model, [batches[dp_rank]], sp_rank, 2, pairs[dp_rank], "contiguous", world, "ulysses", ulysses2)
+    got = sp_step(model, [batches[dp_rank]], sp_rank, 2, pairs[dp_rank], "contiguous", world, sp_backend="ulysses",
+                  ulysses_size=2, ulysses_group=pairs[dp_rank])
     yield "ulysses-dp2sp2", got, got["local_losses"][0]
     # hybrid: Ulysses inside {0, 1} and {2, 3}, the torch gather backend across them ({0, 2} and {1, 3})
-    hybrid = UlyssesSpec(size=2, group=pairs[dp_rank], ring_group=rings[sp_rank], ring_backend="torch")
-    got = sp_step(model, batches, rank, 4, world, "contiguous", world, "ulysses", hybrid)
+    got = sp_step(model, batches, rank, 4, world, "contiguous", world, sp_backend="ulysses", ulysses_size=2,
+                  ulysses_group=pairs[dp_rank], ring_group=rings[sp_rank])
     yield "hybrid-sp4", got, got["local_losses"][1]
 
 

@@ -2,7 +2,10 @@
 import pytest
 import torch
 
-from train.attention import AttentionContext, packsft_attention
+from train.attention import BACKENDS, STRUCTURED_SDPA, AttentionContext, LayerKernels, packsft_attention
+from train.varlen_kernels import AttentionFeatures
+
+SDPA = LayerKernels(every=BACKENDS["sdpa"])
 
 
 def tiny_qwen2(attn="packsft"):
@@ -23,7 +26,7 @@ def test_packed_forward_matches_each_sequence_alone():
     ids = torch.randint(0, 97, (1, sum(lens)))
     pos = torch.cat([torch.arange(n) for n in lens])[None]
     cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32)
-    ctx = AttentionContext(cu_seqlens=cu, max_seqlen=9, backend="sdpa")
+    ctx = AttentionContext(cu_seqlens=cu, max_seqlen=9, kernels=SDPA)
     packed = model(input_ids=ids, position_ids=pos, use_cache=False, packsft=ctx).logits[0]
     for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
         alone = ref(input_ids=ids[:, start:end], use_cache=False).logits[0]
@@ -37,10 +40,22 @@ def test_missing_context_is_a_clear_error():
 
 
 def test_flash_backend_without_cuda_is_a_clear_error():
+    """Refused when the plan is made, before any layer runs."""
+    from train.attention_plan import packed_kernels
+    from train.varlen_kernels import NO_FEATURES
+
+    with pytest.raises(RuntimeError, match="attn_backend=flash_varlen cannot run on cpu.*attn_backend=sdpa"):
+        packed_kernels("flash_varlen", torch.zeros(1, 2, 0, 4), [NO_FEATURES])
+
+
+def test_a_layer_of_a_kind_the_plan_does_not_know_is_an_error():
     q = torch.zeros(1, 2, 3, 4)
-    ctx = AttentionContext(cu_seqlens=torch.tensor([0, 3], dtype=torch.int32), max_seqlen=3, backend="flash_varlen")
-    with pytest.raises(RuntimeError, match="attn_backend=sdpa"):
-        packsft_attention(torch.nn.Module(), q, q, q, None, packsft=ctx)
+    only_causal = LayerKernels(((AttentionFeatures(), SDPA.every),))
+    ctx = AttentionContext(torch.tensor([0, 3], dtype=torch.int32), 3, only_causal)
+    out, _ = packsft_attention(torch.nn.Module().eval(), q, q, q, None, packsft=ctx, dropout=0.5)  # eval: no dropout
+    assert out.shape == (1, 3, 2, 4)
+    with pytest.raises(RuntimeError, match="no attention kernel was planned for a layer with.*sliding_window=2"):
+        packsft_attention(torch.nn.Module().eval(), q, q, q, None, packsft=ctx, sliding_window=2)
 
 
 @pytest.mark.gpu
@@ -52,9 +67,10 @@ def test_flash_varlen_matches_sdpa_on_gpu():
     k = torch.randn(1, 2, 512, 64, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(1, 2, 512, 64, device="cuda", dtype=torch.bfloat16)
     module = torch.nn.Module().eval()
-    flash, _ = packsft_attention(module, q, k, v, None, packsft=AttentionContext(cu, 250, "flash_varlen"))
+    flash_varlen = LayerKernels(every=BACKENDS["flash_varlen"])
+    flash, _ = packsft_attention(module, q, k, v, None, packsft=AttentionContext(cu, 250, flash_varlen))
     sdpa, _ = packsft_attention(module, q.float(), k.float(), v.float(), None,
-                                packsft=AttentionContext(cu, 250, "sdpa"))
+                                packsft=AttentionContext(cu, 250, SDPA))
     torch.testing.assert_close(flash.float(), sdpa, rtol=2e-2, atol=2e-2)
 
 
@@ -66,9 +82,10 @@ def test_structure_mode_without_paths_is_plain_packing():
     seq = torch.tensor([0] * 5 + [1] * 7)
     zeros = torch.zeros(12, dtype=torch.long)
     module = torch.nn.Module().eval()
-    plain, _ = packsft_attention(module, q, k, v, None, packsft=AttentionContext(cu, 7, "sdpa"))
+    plain, _ = packsft_attention(module, q, k, v, None, packsft=AttentionContext(cu, 7, SDPA))
     structured, _ = packsft_attention(
-        module, q, k, v, None, packsft=AttentionContext(cu, 7, "sdpa", seq_ids=seq, block_ids=zeros, path_ids=zeros)
+        module, q, k, v, None,
+        packsft=AttentionContext(cu, 7, LayerKernels(every=STRUCTURED_SDPA), seq_ids=seq, block_ids=zeros, path_ids=zeros)
     )
     torch.testing.assert_close(structured, plain, rtol=1e-5, atol=1e-6)
 
@@ -89,7 +106,8 @@ def test_autocast_gives_the_backend_one_dtype(monkeypatch):
 
     monkeypatch.setitem(attention.BACKENDS, "sdpa", dataclasses.replace(real, fn=spy))
     model = tiny_qwen2()
-    ctx = AttentionContext(cu_seqlens=torch.tensor([0, 4, 12], dtype=torch.int32), max_seqlen=8, backend="sdpa")
+    ctx = AttentionContext(cu_seqlens=torch.tensor([0, 4, 12], dtype=torch.int32), max_seqlen=8,
+                           kernels=LayerKernels(every=attention.BACKENDS["sdpa"]))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model.model(input_ids=torch.randint(0, 97, (1, 12)), position_ids=torch.tensor([[0, 1, 2, 3, *range(8)]]),
                     use_cache=False, packsft=ctx)

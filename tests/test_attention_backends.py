@@ -20,14 +20,15 @@ from tests._train_helpers import (  # noqa: F401  (one_thread is a fixture)
 )
 from train import varlen_kernels
 from train.attention import (
-    AUTO_ORDER,
     BACKENDS,
     AttentionContext,
+    LayerKernels,
     flex_bucket_length,
     flex_document_attention,
     packsft_attention,
-    resolve_backend,
 )
+from train.attention_plan import choose_backend
+from train.backend_names import ATTENTION_BACKENDS
 from train.varlen_kernels import KERNELS, NO_FEATURES, AttentionFeatures, VarlenKernel
 
 RTOL = 1e-5
@@ -46,7 +47,7 @@ def _usable(monkeypatch, *names):
 # ---------------------------------------------------------------------------------------------- selection
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_auto_is_sdpa_on_cpu(dtype):
-    assert resolve_backend("auto", _query(dtype=dtype)).name == "sdpa"
+    assert choose_backend("auto", _query(dtype=dtype)).name == "sdpa"
 
 
 @pytest.mark.parametrize(
@@ -56,38 +57,38 @@ def test_auto_is_sdpa_on_cpu(dtype):
 )
 def test_auto_takes_the_first_usable_backend_in_order(monkeypatch, usable, expected):
     _usable(monkeypatch, *usable)
-    assert AUTO_ORDER == ("flash_varlen", "torch_varlen", "flex", "sdpa")
-    assert resolve_backend("auto", _query()).name == expected
+    assert ATTENTION_BACKENDS == tuple(BACKENDS) == ("flash_varlen", "torch_varlen", "flex", "sdpa")
+    assert choose_backend("auto", _query()).name == expected
 
 
 def test_auto_skips_inexact_backends(monkeypatch):
     _usable(monkeypatch, "flash_varlen", "torch_varlen")
     monkeypatch.setitem(BACKENDS, "flash_varlen", dataclasses.replace(BACKENDS["flash_varlen"], exact=False))
-    assert resolve_backend("auto", _query()).name == "torch_varlen"
+    assert choose_backend("auto", _query()).name == "torch_varlen"
 
 
 def test_kernel_reasons_come_from_the_kernel_table(monkeypatch):
     """The varlen backends ask train.varlen_kernels.KERNELS at call time (one source of truth)."""
     monkeypatch.setitem(KERNELS, "torch_varlen", dataclasses.replace(KERNELS["torch_varlen"], reasons=lambda q, d: []))
-    assert resolve_backend("auto", _query()).name == "torch_varlen"
+    assert choose_backend("auto", _query()).name == "torch_varlen"
 
 
 @pytest.mark.parametrize("name,reason", [("flash_varlen", "CUDA"), ("torch_varlen", "CUDA"), ("flex", "CUDA")])
 def test_named_backend_that_cannot_run_raises_its_reasons(name, reason):
     with pytest.raises(RuntimeError, match=rf"attn_backend={name} cannot run on cpu.*{reason}.*attn_backend=auto"):
-        resolve_backend(name, _query())
+        choose_backend(name, _query())
 
 
 def test_dropout_is_a_reason_for_kernels_without_dropout(monkeypatch):
     q, dropout = _query(), AttentionFeatures(dropout=0.1)
     assert any("dropout" in r for r in BACKENDS["flex"].reasons(q, dropout))
     assert any("dropout" in r for r in BACKENDS["torch_varlen"].reasons(q, dropout))
-    assert resolve_backend("auto", q, dropout).name == "sdpa"
+    assert choose_backend("auto", q, dropout).name == "sdpa"
 
 
 def test_unknown_backend_name():
     with pytest.raises(ValueError, match="attn_backend must be one of"):
-        resolve_backend("xformers", _query())
+        choose_backend("xformers", _query())
 
 
 # ---------------------------------------------------------------------------------------------- layouts in the trainer
@@ -134,7 +135,7 @@ def test_trainer_through_a_simulated_cuda_kernel_equals_sdpa(tmp_path, monkeypat
     calls = []
     monkeypatch.setitem(KERNELS, kernel, _stand_in(kernel, calls))
     trainer, got, grads = _one_step(tmp_path, backend, rows, attn_backend="auto" if backend == "flash_varlen" else backend)
-    assert trainer.attn_backend == backend  # auto picks flash_varlen first when its kernel can run
+    assert trainer.plan.train.for_layer(NO_FEATURES).name == backend  # auto picks flash_varlen first when it can run
     n_layers = trainer.lm.config.num_hidden_layers
     assert len(calls) == 2 * n_layers  # one call per layer per micro-batch (2 micro-batches)
     (q_shape, k_shape, cu), lengths = calls[0], [sum(len(s["input_ids"]) for s in r) for r in rows]
@@ -168,7 +169,8 @@ def test_attention_function_never_reads_tensors_on_the_host(monkeypatch, backend
     monkeypatch.setitem(KERNELS, "torch_varlen", _stand_in("torch_varlen", []))
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 4, 13, 8), torch.randn(1, 2, 13, 8), torch.randn(1, 2, 13, 8)
-    ctx = AttentionContext.for_micro_batch(torch.tensor([0, 5, 12, 13], dtype=torch.int32), "cpu", backend=backend)
+    ctx = AttentionContext.for_micro_batch(torch.tensor([0, 5, 12, 13], dtype=torch.int32), "cpu",
+                                           LayerKernels(every=BACKENDS[backend]))
     module = torch.nn.Module().eval()
     with monkeypatch.context() as guarded:
         _SyncCounter(guarded, fail=True)
@@ -189,7 +191,8 @@ def test_host_reads_of_a_forward_do_not_grow_with_layers(monkeypatch):
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
         model = Qwen2ForCausalLM._from_config(cfg, attn_implementation="packsft", dtype=torch.float32).eval()
         ids, pos = torch.randint(0, 97, (1, 12)), torch.tensor([[0, 1, 2, 3, 4, *range(7)]])
-        ctx = AttentionContext.for_micro_batch(torch.tensor([0, 5, 12], dtype=torch.int32), "cpu", backend="sdpa")
+        ctx = AttentionContext.for_micro_batch(torch.tensor([0, 5, 12], dtype=torch.int32), "cpu",
+                                               LayerKernels(every=BACKENDS["sdpa"]))
         with monkeypatch.context() as m:
             counter = _SyncCounter(m, fail=False)
             model.model(input_ids=ids, position_ids=pos, use_cache=False, packsft=ctx)
@@ -220,7 +223,8 @@ def test_flex_document_mask_matches_sdpa_loop_on_cpu(monkeypatch):
     torch.manual_seed(0)
     cu = [0, 5, 12, 13, 40]
     q, k, v = torch.randn(1, 4, 40, 8), torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
-    ctx = AttentionContext.for_micro_batch(torch.tensor(cu, dtype=torch.int32), "cpu", backend="flex")
+    ctx = AttentionContext.for_micro_batch(torch.tensor(cu, dtype=torch.int32), "cpu",
+                                           LayerKernels(every=BACKENDS["flex"]))
     outs = [flex_document_attention(q, k, v, ctx, 0.3, flex_fn=flex_attention, compile_mask=False) for _ in range(2)]
     assert built == [128]  # one mask per micro-batch, at the bucketed length
     ref = varlen_kernels._sdpa_loop(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), ctx.bounds,
@@ -258,6 +262,6 @@ def test_backend_losses_equal_sdpa_on_gpu(tmp_path, example_packed, backend):
                            output_dir=str(tmp_path / f"out_{name}"), lr=1e-3, bf16=True, plot=False, max_steps=4,
                            attn_backend=name)
         trainer = Trainer(load_config(cfg), console=lambda *_: None)
-        assert trainer.attn_backend == name
+        assert trainer.plan.train.for_layer(NO_FEATURES).name == name
         losses[name] = [trainer.train_step(trainer.sampler.plan(s))["loss"] for s in range(4)]
     np.testing.assert_allclose(losses[backend], losses["sdpa"], rtol=2e-2)

@@ -10,27 +10,18 @@ import pytest
 import torch
 
 import train.attention as attention
+from tests._kernels import varlen_attention
 from tests._sp_features_worker import SOFTCAP, TINY, WINDOW, tiny_model
 from tests._sp_worker import spawned_results
 from train import sequence_parallel
-from train.attention import (
-    AUTO_ORDER,
-    BACKENDS,
-    AttentionContext,
-    dispatched_feature_problems,
-    flex_document_attention,
-    model_attention_features,
-    packsft_attention,
-    resolve_backend,
-)
-from train.sequence_parallel import shard_batch, sp_attention, sp_feature_problems
-from train.varlen_kernels import (
-    NO_FEATURES,
-    AttentionFeatures,
-    VarlenBounds,
-    varlen_attention,
-    visible_keys,
-)
+from train.attention import BACKENDS, AttentionContext, LayerKernels, flex_document_attention, packsft_attention
+from train.attention_plan import SPLayout, choose_backend, layer_kinds, packed_kernels, plan_attention, ring_kernel
+from train.backend_names import ATTENTION_BACKENDS
+from train.config import ModelSection, ParallelSection
+from train.distributed import Mesh
+from train.sequence_parallel import SP_BACKENDS, shard_batch
+from train.structured_attention import structure_feature_problems
+from train.varlen_kernels import NO_FEATURES, AttentionFeatures, VarlenBounds, visible_keys
 
 LENGTHS = (7, 11, 5, 9)
 RTOL = 1e-5
@@ -64,7 +55,8 @@ def test_packed_sdpa_equals_transformers_eager_per_sequence(family):
     ids = torch.randint(1, 128, (1, cu[-1]), generator=gen)
     weights = torch.randn(1, cu[-1], 128, generator=gen)
     positions = torch.cat([torch.arange(n) for n in LENGTHS])[None]
-    ctx = AttentionContext.for_micro_batch(torch.tensor(cu, dtype=torch.int32), "cpu", backend="sdpa")
+    ctx = AttentionContext.for_micro_batch(torch.tensor(cu, dtype=torch.int32), "cpu",
+                                           LayerKernels(every=BACKENDS["sdpa"]))
     packed = model(input_ids=ids, position_ids=positions, use_cache=False, packsft=ctx).logits
     got, got_grads = _loss_and_grads(model, packed, weights)
 
@@ -80,16 +72,20 @@ def test_packed_sdpa_equals_transformers_eager_per_sequence(family):
         assert any(name.endswith("sinks") and grad.abs().max() > 0 for name, grad in got_grads.items())
 
 
-def test_model_attention_features_read_from_the_modules():
+def test_layer_kinds_read_from_the_modules():
+    """The kinds of attention layer (features without dropout, in order of first appearance) and their layer
+    counts; the largest dropout of a kind's layers comes with it."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    assert model_attention_features(tiny_model("mistral")) == AttentionFeatures(sliding_window=WINDOW)
-    assert model_attention_features(tiny_model("gemma2")) == AttentionFeatures(sliding_window=WINDOW, softcap=SOFTCAP)
-    assert model_attention_features(tiny_model("gpt_oss")) == AttentionFeatures(sliding_window=WINDOW, has_sinks=True)
+    assert layer_kinds(tiny_model("mistral")) == ((AttentionFeatures(sliding_window=WINDOW), 2),)
+    assert layer_kinds(tiny_model("gemma2")) == ((AttentionFeatures(sliding_window=WINDOW, softcap=SOFTCAP), 1),
+                                                 (AttentionFeatures(softcap=SOFTCAP), 1))
+    assert layer_kinds(tiny_model("gpt_oss")) == ((AttentionFeatures(sliding_window=WINDOW, has_sinks=True), 1),
+                                                  (AttentionFeatures(has_sinks=True), 1))
     # qwen2's config carries a sliding_window that its layers do not use (use_sliding_window=False)
     qwen2 = AutoModelForCausalLM.from_config(Qwen2Config(**{**TINY, "attention_dropout": 0.1}, sliding_window=WINDOW),
                                              attn_implementation="packsft")
-    assert model_attention_features(qwen2) == AttentionFeatures(dropout=0.1)
+    assert layer_kinds(qwen2) == ((AttentionFeatures(dropout=0.1), 2),)
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -244,7 +240,8 @@ def test_features_are_validated():
 def _call(**kwargs):
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 4, 12, 8), torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)
-    ctx = AttentionContext.for_micro_batch(torch.tensor([0, 5, 12], dtype=torch.int32), "cpu", backend="sdpa")
+    ctx = AttentionContext.for_micro_batch(torch.tensor([0, 5, 12], dtype=torch.int32), "cpu",
+                                           LayerKernels(every=BACKENDS["sdpa"]))
     return packsft_attention(torch.nn.Module().eval(), q, k, v, None, packsft=ctx, **kwargs)[0], ctx
 
 
@@ -271,14 +268,29 @@ def test_sinks_must_be_one_per_query_head():
         _call(s_aux=torch.zeros(2))
 
 
-def test_resolution_is_cached_per_kind_of_layer():
-    """gemma2 alternates windowed and full layers: one resolution each, in the same micro-batch."""
-    _, ctx = _call(sliding_window=3)
+def test_each_kind_of_layer_runs_the_kernel_planned_for_it(monkeypatch):
+    """gemma2 alternates windowed and full layers: `auto` plans a kernel per kind (chosen with the kind's training
+    dropout), and a layer runs its kind's kernel in training and in eval, with no choice at the call."""
+    calls, sdpa = [], BACKENDS["sdpa"]
+
+    def spy(name):
+        return lambda *args: calls.append(name) or sdpa.fn(*args)
+
+    def flex_reasons(query, features):  # as if flex ran here, but for windows
+        return ["no window"] if features.sliding_window else []
+
+    monkeypatch.setitem(BACKENDS, "flex", dataclasses.replace(BACKENDS["flex"], fn=spy("flex"), reasons=flex_reasons))
+    monkeypatch.setitem(BACKENDS, "sdpa", dataclasses.replace(sdpa, fn=spy("sdpa")))
+    kinds = [AttentionFeatures(dropout=0.1, sliding_window=3), AttentionFeatures(dropout=0.1)]
+    kernels = packed_kernels("auto", _query(), kinds)
+    assert [kernel.name for _, kernel in kernels.by_kind] == ["sdpa", "flex"]
     q, k, v = torch.randn(1, 4, 12, 8), torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)
-    module = torch.nn.Module().eval()
-    for window in (None, 3, None):
-        packsft_attention(module, q, k, v, None, packsft=ctx, sliding_window=window)
-    assert {key[-1] for key in ctx._resolved} == {AttentionFeatures(sliding_window=3), NO_FEATURES}
+    ctx = AttentionContext.for_micro_batch(torch.tensor([0, 5, 12], dtype=torch.int32), "cpu", kernels)
+    for module in (torch.nn.Module().train(), torch.nn.Module().eval()):
+        for window in (None, 3, None):
+            packsft_attention(module, q, k, v, None, packsft=ctx, sliding_window=window, dropout=0.1)
+    assert calls == ["flex", "sdpa", "flex"] * 2
+    assert packed_kernels("sdpa", _query(), kinds) == LayerKernels(every=BACKENDS["sdpa"])  # a named backend: all
 
 
 def test_dropout_is_zero_outside_training():
@@ -295,7 +307,7 @@ def _query():
 @pytest.fixture
 def only_feature_reasons(monkeypatch):
     """Each backend keeps only the reasons the features cause (as if this CPU were a GPU with every kernel)."""
-    for name in AUTO_ORDER:
+    for name in ATTENTION_BACKENDS:
         real = BACKENDS[name].reasons
 
         def feature_reasons(query, features, real=real):
@@ -312,14 +324,14 @@ def only_feature_reasons(monkeypatch):
     (AttentionFeatures(has_sinks=True, dropout=0.1), "sdpa"),
 ])
 def test_auto_falls_through_to_a_backend_that_expresses_the_features(only_feature_reasons, features, expected):
-    assert resolve_backend("auto", _query(), features).name == expected
+    assert choose_backend("auto", _query(), features).name == expected
 
 
 def test_auto_skips_torch_varlen_for_softcap(monkeypatch, only_feature_reasons):
     monkeypatch.setitem(BACKENDS, "flash_varlen", dataclasses.replace(BACKENDS["flash_varlen"],
                                                                       reasons=lambda q, f: ["not installed"]))
-    assert resolve_backend("auto", _query(), AttentionFeatures(sliding_window=8)).name == "torch_varlen"
-    assert resolve_backend("auto", _query(), AttentionFeatures(softcap=30.0)).name == "flex"
+    assert choose_backend("auto", _query(), AttentionFeatures(sliding_window=8)).name == "torch_varlen"
+    assert choose_backend("auto", _query(), AttentionFeatures(softcap=30.0)).name == "flex"
 
 
 @pytest.mark.parametrize("name,features,reason", [
@@ -329,34 +341,58 @@ def test_auto_skips_torch_varlen_for_softcap(monkeypatch, only_feature_reasons):
 ])
 def test_named_backend_refuses_naming_the_feature(only_feature_reasons, name, features, reason):
     with pytest.raises(RuntimeError, match=rf"attn_backend={name} cannot run.*{reason}"):
-        resolve_backend(name, _query(), features)
+        choose_backend(name, _query(), features)
 
 
-def test_trainer_start_up_resolves_with_the_model_features(only_feature_reasons):
-    """The trainer's start-up resolution reads the model's features: gpt-oss's sinks rule out flash_varlen, and a
-    ring-flash-attn sp backend is refused before the first step."""
-    from types import SimpleNamespace
+def _plan(lm, sp_backend="auto", ulysses_size=None, sp_size=None, structure=False):
+    """The attention plan of `lm` on CPU fp32, without sequence parallelism when `sp_size` is None (no process
+    group: the SP kernels are only chosen here, not run)."""
+    layout = None if sp_size is None else SPLayout(sp_size, ulysses_size or 1, "set by the test")
+    mesh = Mesh(1, 0, 1, 0, sp_size or 1, 0, None, None, torch.device("cpu"), ulysses_size or 1)
+    parallel = ParallelSection(sequence_parallel_size=sp_size or 1, sp_backend=sp_backend)
+    return plan_attention(ModelSection(), parallel, layout, mesh, lm, structure)
 
-    from train.trainer import Trainer
 
-    trainer = SimpleNamespace(lm=tiny_model("gpt_oss"), sp_backend=None, structure=False, device=torch.device("cpu"),
-                              cfg=SimpleNamespace(attn_backend="auto", bf16=False))
-    assert Trainer._resolve_attention(trainer) == "flex"
-    trainer.sp_backend = "llama3"
-    with pytest.raises(RuntimeError, match="sp_backend='llama3'.*attention sinks"):
-        Trainer._resolve_attention(trainer)
-    trainer.sp_backend = "torch"
-    assert Trainer._resolve_attention(trainer) == "auto"  # dispatched to sp_attention, which expresses them
-    trainer.sp_backend, trainer.sp_ring_backend = "ulysses", None  # pure Ulysses: the table on the whole row
-    assert Trainer._resolve_attention(trainer) == "flex"
-    trainer.sp_ring_backend = "llama3"  # the hybrid with ring-flash-attn across the Ulysses groups
-    with pytest.raises(RuntimeError, match="sp_backend='llama3'.*attention sinks"):
-        Trainer._resolve_attention(trainer)
+@pytest.fixture
+def ring_flash_attn_usable(monkeypatch):
+    """ring-flash-attn's backends report no reasons (as on a GPU with it installed; their kernels are not run)."""
+    for name in ("llama3", "zigzag"):
+        monkeypatch.setitem(SP_BACKENDS, name, dataclasses.replace(SP_BACKENDS[name], reasons=lambda half: []))
+
+
+def test_the_plan_reads_the_model_features(only_feature_reasons, ring_flash_attn_usable):
+    """The plan reads the model's features: gpt-oss's sinks rule out flash_varlen, a ring-flash-attn sp backend is
+    refused before the first step, and the torch gather backend (and Ulysses around the packed path) express them."""
+    lm = tiny_model("gpt_oss")
+    assert {kernel.name for _, kernel in _plan(lm).train.by_kind} == {"flex"}
+    # the ring alone; the ring across the Ulysses groups, named or (sp_backend ulysses) chosen as auto does
+    for sp_backend, ulysses in (("llama3", None), ("llama3", 2), ("ulysses", 2)):
+        with pytest.raises(RuntimeError, match="sp_backend='llama3'.*attention sinks"):
+            _plan(lm, sp_backend, ulysses, sp_size=4)
+    gather = _plan(lm, "torch", sp_size=4)
+    assert [kernel.name for _, kernel in gather.train.by_kind] == ["all-gathered K/V, one sdpa_loop varlen call"] * 2
+    pure = _plan(lm, "ulysses", 4, sp_size=4)
+    assert pure.ulysses.local == pure.packed and {k.name for _, k in pure.packed.by_kind} == {"flex"}
+    assert pure.train.every.name == "ulysses 4"
+    hybrid = _plan(lm, "torch", 2, sp_size=4)
+    assert hybrid.ring_backend == "torch" and hybrid.ulysses.local == gather.train
+
+
+def test_the_plan_describes_what_each_kind_runs():
+    lm = tiny_model("gemma2")
+    assert _plan(lm).describe() == ("attention: sdpa on 1 layer: sliding_window=4, softcap=1.0; 1 layer: "
+                                    "softcap=1.0 (attn_backend=auto); no sequence parallelism")
+    described = _plan(lm, "torch", sp_size=2).describe()
+    assert described.startswith("attention: sequence parallelism torch 2 (set by the test): all-gathered K/V, "
+                                "one sdpa_loop varlen call on 1 layer: sliding_window=4, softcap=1.0; 1 layer:")
+    described = _plan(lm, "ulysses", 2, sp_size=4).describe()
+    assert described.startswith("attention: sequence parallelism hybrid ulysses 2 x torch 2 (set by the test): "
+                                "all-to-all of heads, then across the Ulysses groups all-gathered K/V")
 
 
 def test_sdpa_expresses_everything():
     everything = AttentionFeatures(dropout=0.1, sliding_window=4, softcap=30.0, has_sinks=True)
-    assert resolve_backend("sdpa", _query(), everything).name == "sdpa"
+    assert choose_backend("sdpa", _query(), everything).name == "sdpa"
 
 
 # ---------------------------------------------------------------------------------------------- flex on CPU
@@ -373,7 +409,8 @@ def test_flex_window_softcap_sinks_match_sdpa_loop_on_cpu(monkeypatch):
     monkeypatch.setattr(attention, "document_block_mask", lambda *a: built.append(a[4]) or real_builder(*a))
     torch.manual_seed(0)
     cu = [0, 7, 18, 23, 40]
-    ctx = AttentionContext.for_micro_batch(torch.tensor(cu, dtype=torch.int32), "cpu", backend="flex")
+    ctx = AttentionContext.for_micro_batch(torch.tensor(cu, dtype=torch.int32), "cpu",
+                                           LayerKernels(every=BACKENDS["flex"]))
     for features in (AttentionFeatures(sliding_window=4, softcap=0.7), AttentionFeatures(has_sinks=True),
                      AttentionFeatures(sliding_window=4, softcap=0.7, has_sinks=True)):
         q = torch.randn(1, 4, 40, 8, requires_grad=True)
@@ -400,9 +437,10 @@ def _token_only_batch(lengths) -> dict:
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("features", FEATURE_CASES[2:] + FEATURE_CASES[:1])
 def test_sp_torch_backend_features_equal_full_row(monkeypatch, layout, features):
-    """sp_attention for every rank of sp = 3 in one process (the all-gather replaced by the full row's K/V in
-    gathered order): the varlen path (contiguous) and the mask path (zigzag) with window/softcap/sinks give the
-    full row's output, and the sinks' gradients summed over ranks give the full row's."""
+    """The torch gather backend (as the plan gives it to a layer) for every rank of sp = 3 in one process (the
+    all-gather replaced by the full row's K/V in gathered order): the varlen path (contiguous) and the mask path
+    (zigzag) with window/softcap/sinks give the full row's output, and the sinks' gradients summed over ranks give
+    the full row's."""
     lengths = [30, 7, 1, 44, 19]
     contexts = [shard_batch(_token_only_batch(lengths), r, 3, "torch", layout=layout)[1] for r in range(3)]
     torch.manual_seed(0)
@@ -413,7 +451,6 @@ def test_sp_torch_backend_features_equal_full_row(monkeypatch, layout, features)
                            sinks)
     grad_out = torch.randn_like(ref)
     ref_sinks_grad = torch.autograd.grad(ref, sinks, grad_out)[0] if sinks is not None else None
-    module = torch.nn.Module().eval()
     sinks_grad = torch.zeros(4)
     for ctx in contexts:
         order = ctx.gathered_index  # full row in all-gather (rank-major) order
@@ -426,7 +463,9 @@ def test_sp_torch_backend_features_equal_full_row(monkeypatch, layout, features)
 
         monkeypatch.setattr(sequence_parallel._GatherSequence, "apply", local_gather)
         as_hf = lambda t: t[local].transpose(0, 1).unsqueeze(0)  # noqa: E731
-        out = sp_attention(module, as_hf(q), as_hf(k), as_hf(v), ctx, 0.25, features, sinks)
+        kernel = ring_kernel("torch", as_hf(q), features, structure=False)  # what the plan gives such a layer
+        out = kernel.fn(as_hf(q), as_hf(k), as_hf(v), AttentionContext(ctx.cu_seqlens, ctx.max_seqlen, sp=ctx), 0.25,
+                        features, sinks)
         torch.testing.assert_close(out[0], ref[local], rtol=1e-5, atol=1e-6)
         if sinks is not None:
             sinks_grad += torch.autograd.grad(out[0], sinks, grad_out[local])[0]
@@ -435,35 +474,31 @@ def test_sp_torch_backend_features_equal_full_row(monkeypatch, layout, features)
 
 
 @pytest.mark.parametrize("backend", ["llama3", "zigzag"])
-def test_ring_backends_refuse_features_before_training(backend):
-    assert sp_feature_problems(backend, NO_FEATURES) == []
-    assert sp_feature_problems(backend, AttentionFeatures(dropout=0.1)) == []
+def test_ring_backends_refuse_features_before_training(ring_flash_attn_usable, backend):
+    problems = SP_BACKENDS[backend].feature_problems
+    assert problems(NO_FEATURES) == []
+    assert problems(AttentionFeatures(dropout=0.1)) == []
     for features, named in ((AttentionFeatures(sliding_window=4), "sliding_window=4"),
                             (AttentionFeatures(softcap=30.0), "softcap=30.0"),
                             (AttentionFeatures(has_sinks=True), "attention sinks")):
-        (problem,) = sp_feature_problems(backend, features)
+        (problem,) = problems(features)
         assert named in problem and "sp_backend=torch" in problem
-        assert dispatched_feature_problems(features, backend, structure=False) == [problem]
-    assert sp_feature_problems("torch", AttentionFeatures(sliding_window=4, softcap=30.0, has_sinks=True)) == []
-
-
-def test_ring_backend_refuses_at_the_first_forward_too():
-    """sp_attention checks before importing ring-flash-attn: the refusal names the feature, not a missing package."""
-    _, ctx = shard_batch(_token_only_batch([8, 8]), 0, 1, "torch")
-    ctx = dataclasses.replace(ctx, backend="llama3")
-    q = torch.randn(1, 4, 16, 8)
-    with pytest.raises(NotImplementedError, match="softcap"):
-        sp_attention(torch.nn.Module(), q, q[:, :2], q[:, :2], ctx, None, AttentionFeatures(softcap=30.0))
+    everything = AttentionFeatures(sliding_window=4, softcap=30.0, has_sinks=True)
+    assert SP_BACKENDS["torch"].feature_problems(everything) == []
+    with pytest.raises(RuntimeError, match=rf"sp_backend='{backend}'.*softcap=1.0"):  # the plan asks, at start
+        _plan(tiny_model("gemma2"), backend, sp_size=2)
 
 
 def test_structure_mode_refuses_features():
-    assert dispatched_feature_problems(NO_FEATURES, None, structure=True) == []
-    (problem,) = dispatched_feature_problems(AttentionFeatures(has_sinks=True), None, structure=True)
+    assert structure_feature_problems(NO_FEATURES) == []
+    (problem,) = structure_feature_problems(AttentionFeatures(has_sinks=True))
     assert "Parallel-R1" in problem and "attention sinks" in problem
-    (problem,) = dispatched_feature_problems(AttentionFeatures(dropout=0.1), None, structure=True)
+    (problem,) = structure_feature_problems(AttentionFeatures(dropout=0.1))
     assert "attention dropout 0.1" in problem
-    assert dispatched_feature_problems(AttentionFeatures(dropout=0.1), "torch", structure=True) == []
-
+    assert structure_feature_problems(AttentionFeatures(dropout=0.1), sequence_parallel=True) == []
+    with pytest.raises(RuntimeError, match="Parallel-R1.*attention sinks"):  # the plan asks, at start
+        _plan(tiny_model("gpt_oss"), structure=True)
+    assert _plan(tiny_model("gpt_oss").eval(), "torch", sp_size=2).train.by_kind  # no structure: planned
 
 
 @pytest.fixture(scope="module")
@@ -522,7 +557,8 @@ def test_fused_backends_equal_sdpa_reference_on_gpu(backend, features):
     outputs = {}
     for name, dtype in ((backend, torch.bfloat16), ("sdpa", torch.float32)):
         leaves = [t.to(dtype).requires_grad_() for t in inputs[:3]] + [t.clone().requires_grad_() for t in inputs[3:]]
-        ctx = AttentionContext.for_micro_batch(torch.tensor(cu, dtype=torch.int32), "cuda", backend=name)
+        ctx = AttentionContext.for_micro_batch(torch.tensor(cu, dtype=torch.int32), "cuda",
+                                               LayerKernels(every=BACKENDS[name]))
         kwargs = dict(sliding_window=features.sliding_window, softcap=features.softcap)
         if features.has_sinks:
             kwargs["s_aux"] = leaves[3]
@@ -545,8 +581,10 @@ def test_tiny_models_auto_backend_equals_sdpa_on_gpu(family):
     ids = torch.randint(1, 128, (1, cu[-1]), device="cuda")
     positions = torch.cat([torch.arange(b - a) for a, b in zip(cu[:-1], cu[1:])])[None].cuda()
     logits = {}
+    probe = torch.empty((1, 1, 0, 1), device="cuda", dtype=torch.bfloat16)
     for backend in ("auto", "sdpa"):
-        ctx = AttentionContext.for_micro_batch(torch.tensor(cu, dtype=torch.int32), "cuda", backend=backend)
+        kernels = packed_kernels(backend, probe, [features for features, _ in layer_kinds(model)])
+        ctx = AttentionContext.for_micro_batch(torch.tensor(cu, dtype=torch.int32), "cuda", kernels)
         with torch.no_grad():
             logits[backend] = model(input_ids=ids, position_ids=positions, use_cache=False, packsft=ctx).logits.float()
     assert_close_in_norm(logits["auto"], logits["sdpa"], 2e-2, family)
@@ -560,6 +598,6 @@ def test_a_layer_that_passes_its_own_mask_is_an_error():
     from train.attention import AttentionContext, packsft_attention
 
     q = torch.zeros(1, 2, 4, 8)
-    ctx = AttentionContext(torch.tensor([0, 4], dtype=torch.int32), 4, backend="sdpa")
+    ctx = AttentionContext(torch.tensor([0, 4], dtype=torch.int32), 4, LayerKernels(every=BACKENDS["sdpa"]))
     with pytest.raises(TypeError, match="got an attention_mask from Linear"):
         packsft_attention(torch.nn.Linear(1, 1), q, q, q, torch.zeros(1, 1, 4, 4), packsft=ctx)

@@ -10,8 +10,9 @@ import pytest
 
 from common import fsutil
 from common.fsutil import atomic_write_bytes, atomic_writer, file_blake2b
-from data.io import JsonlIndex, append_file, copy_into, expand_inputs, iter_rows, ordered_parallel_map, read_rows
+from data.io import append_file, copy_into, expand_inputs, iter_rows, ordered_parallel_map, read_rows
 from data.records import RecordError
+from tests._jsonl_index import JsonlIndex
 
 ROWS = [{"question": f"q{i}", "answer": f"a{i}"} for i in range(5)]
 

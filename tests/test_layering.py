@@ -139,3 +139,77 @@ def test_the_rules_catch_what_they_forbid():
     assert not RULES["no_private_name_across_packages"]("train", "train.batch", "_private")
     assert RULES["common_imports_neither_data_nor_train"]("common", "data.shards", None)
     assert RULES["data_imports_no_train"]("data", "train.config", "ConfigError")
+
+
+def import_graph(package: str) -> dict[str, set[str]]:
+    """module -> the modules of `package` it imports, read from the source: imports inside functions count (a lazy
+    import hides a cycle, it does not remove it)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        inner = ".".join(path.relative_to(ROOT).parent.parts)
+        graph[module] = {imported for _, imported, _ in imports_in(path.read_text(), inner)
+                         if _top(imported) == package and imported != package}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (as a path back to its start) per strongly connected component of more than one module, and every
+    module that imports itself."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1 or node in graph.get(node, ()):
+                found.append(_cycle_through(graph, sorted(component)))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _cycle_through(graph: dict[str, set[str]], component: list[str]) -> list[str]:
+    """A path from the component's first module back to it, inside the component (breadth first)."""
+    start, inside = component[0], set(component)
+    paths = {start: [start]}
+    queue = [start]
+    while queue:
+        node = queue.pop(0)
+        for nxt in sorted(graph[node] & inside):
+            if nxt == start:
+                return paths[node] + [start]
+            if nxt not in paths:
+                paths[nxt] = paths[node] + [nxt]
+                queue.append(nxt)
+    raise AssertionError(f"{component} is not a cycle")
+
+
+def test_train_has_no_import_cycle():
+    """train/'s modules import one way (docs/ARCHITECTURE.md, "The train/ house"), function-level imports counted."""
+    assert [" -> ".join(cycle) for cycle in cycles(import_graph("train"))] == []
+
+
+def test_the_cycle_finder_finds_cycles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"d"}, "e": {"a"}}
+    assert sorted(cycles(graph)) == [["a", "b", "c", "a"], ["d", "d"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+    lazy = "import os\ndef f():\n    from train import batch\n    import train.config\n"
+    assert {module for _, module, _ in imports_in(lazy, "train")} == {"os", "train.batch", "train.config"}

@@ -6,8 +6,10 @@ import torch
 import torch.nn.functional as F
 
 import train.attention  # noqa: F401  (registers attn_implementation="packsft")
-from train.attention import AttentionContext
+from train.attention import BACKENDS, AttentionContext, LayerKernels
 from train.lora import apply_lora, base_causal_lm, merged_state_dict, save_lora
+
+SDPA_KERNELS = LayerKernels(every=BACKENDS["sdpa"])  # every layer through the SDPA loop
 
 VOCAB = 96
 
@@ -43,7 +45,7 @@ def packed_batch(seed: int = 1):
 
 def forward_logits(model, batch):
     input_ids, position_ids, cu, max_len, _ = batch
-    ctx = AttentionContext(cu_seqlens=cu, max_seqlen=max_len, backend="sdpa")
+    ctx = AttentionContext(cu_seqlens=cu, max_seqlen=max_len, kernels=SDPA_KERNELS)
     return model(input_ids=input_ids, position_ids=position_ids, packsft=ctx, use_cache=False).logits[0]
 
 

@@ -28,13 +28,13 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
 )
 
-import train.attention  # noqa: F401  (registers attn_implementation="packsft")
 from tests.model_zoo import VOCAB, tiny_composite_config, tiny_config
+from train.attention import BACKENDS, LayerKernels  # (importing it registers attn_implementation="packsft")
 from train.composite import attn_implementation
 from train.families import FAMILIES
 from train.model_check import compare_packed_with_reference
 from train.model_support import UnsupportedModelError, check_model_support
-from train.trainer import PackedCausalLM
+from train.packed_model import PackedCausalLM
 
 EXACT = [model_type for model_type, spec in sorted(FAMILIES.items())
          if spec.status == "exact" and not spec.text_family and not spec.composite_only]
@@ -93,10 +93,10 @@ def _packed_check(config, lengths, mapping=MODEL_FOR_CAUSAL_LM_MAPPING):
     torch.manual_seed(0)
     lm = model_cls._from_config(config, attn_implementation=attn_implementation(config, "packsft"),
                                 dtype=torch.float32)
-    model = PackedCausalLM(lm, chunk_size=5, num_categories=1, attn_backend="sdpa")
+    model = PackedCausalLM(lm, chunk_size=5, num_categories=1)
     gen = torch.Generator().manual_seed(1)
     sequences = [torch.randint(3, VOCAB, (n,), generator=gen) for n in lengths]
-    return compare_packed_with_reference(model, sequences)
+    return compare_packed_with_reference(model, sequences, LayerKernels(every=BACKENDS["sdpa"]))
 
 
 @pytest.mark.parametrize("model_type", EXACT)

@@ -22,13 +22,16 @@ from tests._train_helpers import (  # noqa: F401  (one_thread is a fixture)
     write_config,
     write_packed,
 )
-from train.attention import AttentionContext
+from train.attention import BACKENDS, AttentionContext, LayerKernels
 from train.batch import make_batch, step_totals
 from train.checkpoint import safe_load
 from train.config import load_config
 from train.metrics import loss_curves, plot_losses, read_log
 from train.moe import resolve_router_aux
-from train.trainer import PackedCausalLM, Trainer
+from train.packed_model import PackedCausalLM
+from train.trainer import Trainer
+
+SDPA_KERNELS = LayerKernels(every=BACKENDS["sdpa"])  # every layer through the SDPA loop
 
 RTOL = 1e-5
 COEF = 0.1
@@ -127,7 +130,7 @@ def test_packed_row_equals_hf_padded_batch(family):
     router_aux, _ = resolve_router_aux(packed_lm, None, None)
     assert router_aux is not None and router_aux.coef == COEF
     model = PackedCausalLM(packed_lm, chunk_size=8, num_categories=3, router_aux=router_aux)
-    attn = AttentionContext(batch["cu_seqlens"], batch["max_seqlen"], backend="sdpa")
+    attn = AttentionContext(batch["cu_seqlens"], batch["max_seqlen"], SDPA_KERNELS)
     *_, aux = model(batch["input_ids"], batch["position_ids"], batch["targets"], batch["weights"],
                     batch["target_categories"], attn)
     aux.backward()

@@ -14,6 +14,7 @@ from common.config import ConfigError
 from tests._train_helpers import VOCAB, random_rows, save_tiny_model, write_config, write_packed
 from tests.conftest import ROOT
 from train.config import load_config
+from train.preflight import preflight
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +39,8 @@ def test_a_model_source_on_the_command_line_replaces_the_yaml_one(setup, tmp_pat
         tmp_path / "m.json", 512)), output_dir=str(tmp_path / "out"))
     with caplog.at_level(logging.INFO, logger="train.config"):
         cfg = load_config(config, [f"model_path={model}"])
-    assert cfg.model_path == str(model) and cfg.model_config is None
-    cfg.validate()
+    assert cfg.model.model_path == str(model) and cfg.model.model_config is None
+    preflight(cfg)
     assert [r.getMessage() for r in caplog.records] == [
         f"override 'model_path={model}' replaces model_config: {tmp_path / 'm.json'} of config file {config}"]
     both = write_config(tmp_path / "both.yaml", data_path=str(data), model_path=str(model),
@@ -94,7 +95,7 @@ def test_relative_paths_in_errors_name_the_directory_they_were_resolved_against(
                           output_dir=str(tmp_path / "out"))
     with pytest.raises(ConfigError, match=f"data_path: outputs/packed is not a directory .*\\(outputs/packed is "
                                           f"relative to the current directory {tmp_path}\\)"):
-        load_config(config).validate()
+        preflight(load_config(config))
     with pytest.raises(ConfigError, match=f"config file nope.yaml does not exist \\(nope.yaml is relative to the "
                                           f"current directory {tmp_path}\\)"):
         load_config("nope.yaml")
@@ -117,7 +118,7 @@ def test_sequences_longer_than_the_model_positions_are_a_warning(setup, tmp_path
                               model_config=str(_model_config(tmp_path / f"m{max_positions}.json", max_positions)))
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="train.config"):
-            load_config(config).validate()
+            preflight(load_config(config))
         messages = [r.getMessage() for r in caplog.records]
         assert bool(messages) == warned
     assert messages[0].startswith(f"data_path: the longest sequence of {data} has {longest} tokens, more than "

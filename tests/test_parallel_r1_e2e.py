@@ -208,8 +208,8 @@ def _first_step_losses(cfg) -> dict[str, float]:
         plan = trainer.sampler.plan(0)
         assert len(plan.micro_batches) == 1
         rows = [trainer.dataset[r] for r in plan.micro_batches[0].rows]
-        structured = make_batch(rows, plan.totals, cfg.loss_reduction, structure=True)
-        plain = make_batch(rows, plan.totals, cfg.loss_reduction, structure=False)
+        structured = make_batch(rows, plan.totals, cfg.steps.loss_reduction, structure=True)
+        plain = make_batch(rows, plan.totals, cfg.steps.loss_reduction, structure=False)
         assert not torch.equal(structured["position_ids"], plain["position_ids"])
         ids = {k: structured[k] for k in ("seq_ids", "block_ids", "path_ids")}
         variants = {"structured": (structured, ids), "positions_only": (structured, {}),
@@ -217,8 +217,9 @@ def _first_step_losses(cfg) -> dict[str, float]:
         losses = {}
         with torch.no_grad():
             for name, (batch, mask_ids) in variants.items():
+                kernels = trainer.plan.train if mask_ids else trainer.plan.packed  # the Parallel-R1 mask, or none
                 attn = AttentionContext(cu_seqlens=batch["cu_seqlens"], max_seqlen=batch["max_seqlen"],
-                                        backend=cfg.attn_backend, **mask_ids)
+                                        kernels=kernels, **mask_ids)
                 weighted, _, _ = trainer.model(batch["input_ids"], batch["position_ids"], batch["targets"],
                                                batch["weights"], batch["target_categories"], attn)
                 losses[name] = float(weighted)

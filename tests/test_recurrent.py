@@ -14,7 +14,7 @@ from torch import nn
 
 import train.attention  # noqa: F401  (registers attn_implementation="packsft")
 from train import recurrent_kernels as kernels
-from train.attention import AttentionContext
+from train.attention import BACKENDS, AttentionContext, LayerKernels
 from train.model_check import GRAD_FLOOR, TOLERANCES
 from train.model_support import UnsupportedModelError
 from train.recurrent import (
@@ -49,6 +49,8 @@ COMMON = dict(
     num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, linear_num_key_heads=2,
     linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
 )
+
+SDPA_KERNELS = LayerKernels(every=BACKENDS["sdpa"])  # every layer through the SDPA loop
 
 
 def tiny_model(model_type: str, **overrides) -> nn.Module:
@@ -127,7 +129,7 @@ def packed(seqs, layers=None):
         lm.set_attn_implementation("packsft")
         lengths = [len(seq) for seq in seqs]
         cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-        attn = AttentionContext(cu_seqlens, max(lengths), backend="sdpa")
+        attn = AttentionContext(cu_seqlens, max(lengths), SDPA_KERNELS)
         if layers is not None:
             layers.set_boundaries(attn.bounds.host_cu_q)
         input_ids = torch.cat(seqs)[None]

@@ -105,20 +105,18 @@ def test_sequence_parallel_refuses_length_dependent_ropes():
             AttentionContext(torch.tensor([0, 4], dtype=torch.int32), 4, sp=object()))
 
 
-def test_the_trainer_refuses_them_under_sequence_parallelism_before_the_model_loads(tmp_path):
-    from types import SimpleNamespace
-
+def test_the_trainer_refuses_them_under_sequence_parallelism_before_the_model_loads():
+    """The SP layout, planned from the model config before the mesh and the model, refuses them."""
     from common.config import ConfigError
-    from train.trainer import Trainer
+    from train.attention_plan import plan_sp_layout
+    from train.config import LaunchSection, ParallelSection
 
     model_type, overrides = CONFIGS["phi3-longrope"]
-    tiny_config(model_type, **overrides).to_json_file(tmp_path / "phi3.json")
-    trainer = Trainer.__new__(Trainer)  # only the family check: it runs before build_lm
-    trainer.cfg = SimpleNamespace(model_path=None, model_config=str(tmp_path / "phi3.json"), self_check=True)
-    trainer.mesh = SimpleNamespace(sp_size=2)
+    config = tiny_config(model_type, **overrides)
+    launch = LaunchSection(num_processes=2)
     with pytest.raises(ConfigError, match="sequence_parallel_size > 1 cannot train model_type 'phi3' with rope_type "
                                           "longrope"):
-        trainer._check_family()
-    trainer.mesh = SimpleNamespace(sp_size=1)
-    assert trainer._check_family() == "phi3"
+        plan_sp_layout(ParallelSection(sequence_parallel_size=2), launch, config)
+    assert plan_sp_layout(ParallelSection(), launch, config) is None
+    assert plan_sp_layout(ParallelSection(sequence_parallel_size=2), launch, tiny_config("llama")).sp_size == 2
 

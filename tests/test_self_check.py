@@ -19,7 +19,10 @@ from tests._train_helpers import (  # noqa: F401  (one_thread is a fixture)
     write_config,
     write_packed,
 )
+from train.attention import BACKENDS, LayerKernels
 from train.model_support import UnsupportedModelError
+
+SDPA_KERNELS = LayerKernels(every=BACKENDS["sdpa"])  # every layer through the SDPA loop
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -75,8 +78,8 @@ def test_self_check_stops_a_packed_path_that_leaks(tmp_path, monkeypatch):
 
     real = AttentionContext.for_micro_batch
 
-    def one_sequence(cu_seqlens, device, **kwargs):
-        return real(torch.tensor([0, int(cu_seqlens[-1])], dtype=torch.int32), device, **kwargs)
+    def one_sequence(cu_seqlens, device, kernels, **kwargs):
+        return real(torch.tensor([0, int(cu_seqlens[-1])], dtype=torch.int32), device, kernels, **kwargs)
 
     monkeypatch.setattr(model_check.AttentionContext, "for_micro_batch", staticmethod(one_sequence))
     save_tiny_model(tmp_path / "model")
@@ -161,13 +164,14 @@ def test_self_check_covers_both_sides_of_a_rope_switch_point(tmp_path):
     """A rope whose frequencies switch with the sequence length (longrope at 16 tokens): the self-check packs
     sequences of at most 16 tokens with one longer (the first one of the data past the switch point, cut to 17)."""
     from train.config import load_config
+    from train.model_check import self_check_sequences
     from train.rope import switch_points
     from train.trainer import Trainer
 
     lines = []
     trainer = Trainer(load_config(_longrope_run(tmp_path)), console=lines.append)
     assert switch_points(trainer.lm.config) == [16]
-    lengths = [len(s) for s in trainer._self_check_sequences(switch_points=[16])]
+    lengths = [len(s) for s in self_check_sequences(trainer.dataset, switch_points=[16])]
     assert max(lengths) == 17 and sorted(lengths)[-2] <= 16, lengths
     assert any(line.startswith("self-check: packed = unpacked on 4 sequences") and "rope switch point 16" in line
                for line in lines), lines
@@ -176,19 +180,20 @@ def test_self_check_covers_both_sides_of_a_rope_switch_point(tmp_path):
 def test_self_check_stops_a_rope_taken_from_the_longest_sequence(tmp_path, monkeypatch):
     """Without per-sequence rope (transformers' choice from the row's longest sequence, as before train/rope.py)
     the check fails: it only can because one of its sequences is past the switch point."""
-    from train import trainer as trainer_module
+    from train import packed_model
     from train.config import load_config
     from train.rope import PerSequenceRopes
+    from train.trainer import Trainer
 
-    monkeypatch.setattr(trainer_module, "install_per_sequence_rope", lambda lm: PerSequenceRopes())
+    monkeypatch.setattr(packed_model, "install_per_sequence_rope", lambda lm: PerSequenceRopes())
     with pytest.raises(RuntimeError, match="start-up self-check failed for model family 'phi3'"):
-        trainer_module.Trainer(load_config(_longrope_run(tmp_path)), console=lambda *_: None)
+        Trainer(load_config(_longrope_run(tmp_path)), console=lambda *_: None)
 
 
 def _deep_bf16_model():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from train.trainer import PackedCausalLM
+    from train.packed_model import PackedCausalLM
 
     config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=12,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
@@ -196,7 +201,7 @@ def _deep_bf16_model():
     lm = Qwen2ForCausalLM._from_config(config, attn_implementation="packsft", dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(1)
     sequences = [torch.randint(3, VOCAB, (n,), generator=gen) for n in (40, 33, 57, 25)]
-    return PackedCausalLM(lm, chunk_size=16, num_categories=1, attn_backend="sdpa"), sequences
+    return PackedCausalLM(lm, chunk_size=16, num_categories=1), sequences
 
 
 def test_half_precision_judges_the_gradients_together(monkeypatch):
@@ -207,7 +212,7 @@ def test_half_precision_judges_the_gradients_together(monkeypatch):
     from train.attention import AttentionContext
 
     model, sequences = _deep_bf16_model()
-    result = model_check.compare_packed_with_reference(model, sequences, gradient_probe=True)
+    result = model_check.compare_packed_with_reference(model, sequences, SDPA_KERNELS, gradient_probe=True)
     assert result.dtype == torch.bfloat16 and not result.per_parameter
     assert result.ok, result.describe()
     assert result.grad_error < 0.03, result.describe()  # rounding noise only: well under the 1e-1 tolerance
@@ -215,8 +220,9 @@ def test_half_precision_judges_the_gradients_together(monkeypatch):
 
     real = AttentionContext.for_micro_batch
     monkeypatch.setattr(model_check.AttentionContext, "for_micro_batch", staticmethod(
-        lambda cu, device, **kw: real(torch.tensor([0, int(cu[-1])], dtype=torch.int32), device, **kw)))
-    leaking = model_check.compare_packed_with_reference(model, sequences, gradient_probe=True)
+        lambda cu, device, kernels, **kw: real(torch.tensor([0, int(cu[-1])], dtype=torch.int32), device, kernels,
+                                             **kw)))
+    leaking = model_check.compare_packed_with_reference(model, sequences, SDPA_KERNELS, gradient_probe=True)
     assert not leaking.ok and leaking.grad_error > 0.3, leaking.describe()
 
 

@@ -13,13 +13,11 @@ import torch
 from tests._sp_worker import REDUCTIONS, sample_rows, spawned_results, structured_rows, totals_of
 from tests._train_helpers import free_port
 from train.batch import IGNORE_INDEX, make_batch
-from train.sequence_parallel import (
-    BACKEND_LAYOUT,
-    TOKEN_PAD_VALUES,
-    SPBackendUnavailable,
-    resolve_backend,
-    shard_batch,
-)
+from tests._kernels import varlen_attention
+from train.attention import AttentionContext
+from train.attention_plan import choose_ring_backend, choose_varlen_kernel, ring_kernel
+from train.sequence_parallel import SP_BACKENDS, TOKEN_PAD_VALUES, SPBackendUnavailable, shard_batch
+from train.varlen_kernels import NO_FEATURES
 
 WORLD = 4
 RTOL = 1e-5
@@ -177,36 +175,35 @@ def test_zigzag_layout(sp):
 def test_backend_selection_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("checks the CPU fallback")
-    assert resolve_backend("auto") == "torch"
-    assert resolve_backend("auto", half_precision=False) == "torch"
-    assert resolve_backend("torch", half_precision=False) == "torch"
+    for requested in ("auto", "ulysses"):  # ulysses: the ring across the Ulysses groups of the hybrid
+        assert choose_ring_backend(requested, structure=False, half_precision=True) == "torch"
+        assert choose_ring_backend(requested, structure=False, half_precision=False) == "torch"
+    assert choose_ring_backend("torch", structure=False, half_precision=False) == "torch"
     for backend in ("llama3", "zigzag"):
-        with pytest.raises(SPBackendUnavailable, match=f"sp_backend='{backend}'.*sp_backend=torch"):
-            resolve_backend(backend)
+        with pytest.raises(SPBackendUnavailable, match="ring-flash-attn|flash-attn"):
+            choose_ring_backend(backend, structure=False, half_precision=True)
     with pytest.raises(SPBackendUnavailable, match="llama3"):
         shard_batch(_batches()[0], 0, 2, "llama3")
-    with pytest.raises(ValueError, match="sp_backend"):
-        resolve_backend("ring")
 
 
 def test_structure_data_picks_the_torch_backend(monkeypatch):
     """`auto` on a GPU with ring-flash-attn picks llama3, whose causal kernels cannot apply the Parallel-R1 mask."""
-    from common.config import ConfigError
-    import train.sequence_parallel as sequence_parallel
-    from train.trainer import choose_sp_backend
+    import dataclasses
 
-    monkeypatch.setattr(sequence_parallel, "resolve_backend", lambda name, half_precision=True: "llama3")
-    assert choose_sp_backend("auto", structure=False, half_precision=True) == "llama3"
-    assert choose_sp_backend("auto", structure=True, half_precision=True) == "torch"
-    assert choose_sp_backend("torch", structure=True, half_precision=True) == "torch"
+    from common.config import ConfigError
+
+    monkeypatch.setitem(SP_BACKENDS, "llama3", dataclasses.replace(SP_BACKENDS["llama3"], reasons=lambda half: []))
+    assert choose_ring_backend("auto", structure=False, half_precision=True) == "llama3"
+    assert choose_ring_backend("auto", structure=True, half_precision=True) == "torch"
+    assert choose_ring_backend("torch", structure=True, half_precision=True) == "torch"
     for backend in ("llama3", "zigzag"):
         with pytest.raises(ConfigError, match=f"sp_backend='{backend}'.*structure ids"):
-            choose_sp_backend(backend, structure=True, half_precision=True)
+            choose_ring_backend(backend, structure=True, half_precision=True)
 
 
 def test_bad_inputs_are_named():
     batch = _batches()[0]
-    with pytest.raises(ValueError, match="resolve 'auto' first"):
+    with pytest.raises(ValueError, match="choose 'auto' first"):
         shard_batch(batch, 0, 2, "auto")
     with pytest.raises(ValueError, match="sp_rank 2 out of range"):
         shard_batch(batch, 2, 2, "torch")
@@ -222,9 +219,9 @@ def test_bad_inputs_are_named():
 def test_flash_backends_refuse_fp32():
     pytest.importorskip("flash_attn")
     pytest.importorskip("ring_flash_attn")
-    assert resolve_backend("auto", half_precision=False) == "torch"
+    assert choose_ring_backend("auto", structure=False, half_precision=False) == "torch"
     with pytest.raises(SPBackendUnavailable, match="bf16"):
-        resolve_backend("llama3", half_precision=False)
+        choose_ring_backend("llama3", structure=False, half_precision=False)
 
 
 # ------------------------------------------------------------------------------ GPU: ring-flash-attn vs torch
@@ -244,18 +241,16 @@ def test_ring_flash_attn_backends_match_torch_on_one_gpu(backend):
     pytest.importorskip("ring_flash_attn")
     import torch.distributed as dist
 
-    from train.sequence_parallel import sp_attention
-
     if not dist.is_initialized():
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     batch = _batches()[0]
-    module = torch.nn.Module().eval()
     outputs = {}
     for name in ("torch", backend):  # the torch reference in the backend's layout: the same tokens in the same order
-        _, ctx = shard_batch(batch, 0, 1, name, group=dist.group.WORLD, layout=BACKEND_LAYOUT[backend])
+        _, ctx = shard_batch(batch, 0, 1, name, group=dist.group.WORLD, layout=SP_BACKENDS[backend].layout)
         ctx = ctx.to("cuda")
         q, k, v = _gpu_qkv(ctx.local_length)
-        out = sp_attention(module, q, k, v, ctx, 0.125)
+        kernel = ring_kernel(name, q, NO_FEATURES, structure=False)
+        out = kernel.fn(q, k, v, AttentionContext(ctx.cu_seqlens, ctx.max_seqlen, sp=ctx), 0.125, NO_FEATURES, None)
         out.float().square().sum().backward()
         outputs[name] = (out.float(), q.grad.float(), k.grad.float(), v.grad.float())
     for got, want in zip(outputs[backend], outputs["torch"]):
@@ -319,24 +314,25 @@ def test_varlen_bounds_only_for_the_varlen_path():
 
 def test_kernel_choice(monkeypatch):
     """The fastest kernel without reasons: on CPU the SDPA loop; flash-attn first, then torch's varlen_attn."""
-    import train.sequence_parallel as sequence_parallel
     from train.varlen_kernels import KERNELS, VarlenKernel
 
     cpu = torch.empty(0)
-    assert sequence_parallel.choose_sp_kernel(cpu) == "sdpa_loop"
-    assert sequence_parallel.choose_sp_kernel(cpu.bfloat16()) == "sdpa_loop"
+    assert choose_varlen_kernel(cpu).name == "sdpa_loop"
+    assert choose_varlen_kernel(cpu.bfloat16()).name == "sdpa_loop"
     usable = lambda q, features: []  # noqa: E731
     monkeypatch.setitem(KERNELS, "torch_varlen", VarlenKernel("torch_varlen", usable, KERNELS["torch_varlen"].fn))
-    assert sequence_parallel.choose_sp_kernel(cpu) == "torch_varlen"
+    assert choose_varlen_kernel(cpu).name == "torch_varlen"
     monkeypatch.setitem(KERNELS, "flash_attn", VarlenKernel("flash_attn", usable, KERNELS["flash_attn"].fn))
-    assert sequence_parallel.choose_sp_kernel(cpu) == "flash_attn"
-    assert "one flash_attn varlen call" in sequence_parallel.describe_sp_backend("torch", False, "cpu", torch.float32)
-    assert "boolean mask" in sequence_parallel.describe_sp_backend("torch", True, "cpu", torch.float32)
+    assert choose_varlen_kernel(cpu).name == "flash_attn"
+    assert ring_kernel("torch", cpu, NO_FEATURES, structure=False).name == \
+        "all-gathered K/V, one flash_attn varlen call"
+    assert ring_kernel("torch", cpu, NO_FEATURES, structure=True).name == \
+        "all-gathered K/V, SDPA with the Parallel-R1 mask"
 
 
 def _full_row_attention(q, k, v, cu, scale):
     """Reference: the whole padded row through the SDPA loop (fp32), q [T, H, D], k/v [T, Hkv, D]."""
-    from train.varlen_kernels import VarlenBounds, varlen_attention
+    from train.varlen_kernels import VarlenBounds
 
     return varlen_attention("sdpa_loop", q, k, v, VarlenBounds.build(cu.tolist()), scale)
 
@@ -360,7 +356,7 @@ def test_rank_slices_through_varlen_kernel_equal_full_row(kernel, device, sp):
     """Each rank's bounds + kernel on its slice of queries against the key window of the (locally built) gathered
     K/V give the full-row output rows of that slice; the K/V gradients summed over ranks (what the all-gather's
     backward does) give the full-row gradients. On CUDA: bf16 kernels against the fp32 reference."""
-    from train.varlen_kernels import KERNELS, NO_FEATURES, varlen_attention
+    from train.varlen_kernels import KERNELS
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     if reasons := KERNELS[kernel].reasons(torch.empty(0, device=device, dtype=dtype), NO_FEATURES):
@@ -393,7 +389,7 @@ def test_rank_slices_through_varlen_kernel_equal_full_row(kernel, device, sp):
 def _fake_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
     """torch's varlen_attn (2.11 signature) on CPU: checks the device offsets it is given, computes with the
     reference kernel from those offsets alone."""
-    from train.varlen_kernels import VarlenBounds, varlen_attention
+    from train.varlen_kernels import VarlenBounds
 
     assert window_size == (-1, 0) and cu_q.dtype == cu_k.dtype == torch.int32
     assert q.shape[1] == k.shape[1] == v.shape[1]  # kv heads repeated: no enable_gqa in this signature
@@ -405,15 +401,18 @@ def _fake_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_s
 
 @pytest.mark.parametrize("device,kernel", [
     ("cpu", "sdpa_loop"),
-    ("cpu", "torch_varlen"),  # varlen_attn replaced by _fake_varlen_attn: what sp_attention hands the CUDA kernel
+    ("cpu", "torch_varlen"),  # varlen_attn replaced by _fake_varlen_attn: what the gather backend hands the CUDA kernel
     pytest.param("cuda", None, marks=pytest.mark.gpu),  # whatever kernel this GPU has
 ])
-def test_sp_attention_varlen_path_with_local_gather(monkeypatch, device, kernel):
-    """sp_attention itself (layouts, the K/V stacking, the gather, the kernel choice) for every rank of sp = 3 in
-    one process: the all-gather is replaced by the full row's K/V with this rank's part spliced in."""
+def test_gather_backend_varlen_path_with_local_gather(monkeypatch, device, kernel):
+    """The torch gather backend as the plan gives it to a layer (layouts, the K/V stacking, the gather, the kernel
+    chosen once) for every rank of sp = 3 in one process: the all-gather is replaced by the full row's K/V with this
+    rank's part spliced in."""
+    import dataclasses
+
     import train.sequence_parallel as sequence_parallel
     import train.varlen_kernels as varlen_kernels
-    from train.sequence_parallel import sp_attention
+    from train.varlen_kernels import VarlenKernel
 
     if kernel == "torch_varlen":
         fake_api = varlen_kernels._TorchVarlenAPI(_fake_varlen_attn, {"window_size": (-1, 0)}, False, None)
@@ -427,16 +426,14 @@ def test_sp_attention_varlen_path_with_local_gather(monkeypatch, device, kernel)
     q, k, v = _row_qkv(contexts[0].padded_length, device, torch.float32)
     ref = _full_row_attention(q, k, v, contexts[0].cu_seqlens, 0.25)
     full_kv = torch.stack([k, v]).to(dtype)  # [2, T, Hkv, D]: the gathered layout
-    module = torch.nn.Module().eval()
-    kernels, window_bytes = [], []
-    choose, run_kernel = sequence_parallel.choose_sp_kernel, sequence_parallel.varlen_attention
-    monkeypatch.setattr(sequence_parallel, "choose_sp_kernel", lambda *a: kernels.append(choose(*a)) or kernels[-1])
+    planned = ring_kernel("torch", torch.empty(0, device=device, dtype=dtype), NO_FEATURES, structure=False)
+    chosen, window_bytes = planned.fn.varlen, []
 
-    def recording_kernel(name, q, k, v, *args):
+    def recording_kernel(q, k, v, *args):
         window_bytes.append((k.untyped_storage().nbytes(), v.untyped_storage().nbytes()))
-        return run_kernel(name, q, k, v, *args)
+        return chosen.fn(q, k, v, *args)
 
-    monkeypatch.setattr(sequence_parallel, "varlen_attention", recording_kernel)
+    layer = dataclasses.replace(planned.fn, varlen=VarlenKernel(chosen.name, chosen.reasons, recording_kernel))
     for ctx in contexts:
         start, end = ctx.local_range
 
@@ -446,12 +443,13 @@ def test_sp_attention_varlen_path_with_local_gather(monkeypatch, device, kernel)
 
         monkeypatch.setattr(sequence_parallel._GatherSequence, "apply", local_gather)
         as_hf = lambda t: t[start:end].to(dtype).transpose(0, 1).unsqueeze(0)  # noqa: E731  [1, H, L, D]
-        out = sp_attention(module, as_hf(q), as_hf(k), as_hf(v), ctx, 0.25)
+        attn = AttentionContext(ctx.cu_seqlens, ctx.max_seqlen, sp=ctx)
+        out = layer(as_hf(q), as_hf(k), as_hf(v), attn, 0.25, NO_FEATURES, None)
         assert out.shape == (1, end - start, q.shape[1], q.shape[2])
         torch.testing.assert_close(out[0].float(), ref[start:end], **tol)
         # the kernel holds (for backward) the key window's K/V, never the whole gathered row
         window = 2 * (ctx.key_range[1] - ctx.key_range[0]) * k[0].numel() * full_kv.element_size()
         assert window_bytes[-1] == (window, window)
-    assert kernels == [choose(torch.empty(0, device=device, dtype=dtype))] * 3
+    assert len(window_bytes) == 3
     if kernel is not None:
-        assert kernels[0] == kernel
+        assert chosen.name == kernel

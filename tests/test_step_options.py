@@ -75,23 +75,16 @@ def test_compiled_loss_trains_like_eager(tmp_path, monkeypatch):
         torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-5, atol=1e-7)
 
 
-def test_compile_loss_needs_the_chunked_loss(tmp_path):
-    from train.config import load_config
-
-    cfg_path = write_config(tmp_path / "c.yaml", data_path=str(tmp_path), output_dir=str(tmp_path / "out"),
-                            model_config="configs/model/tiny_qwen2.json", compile_loss=True, loss_chunk_size=0)
-    with pytest.raises(ConfigError, match="loss_chunk_size"):
-        load_config(cfg_path).validate_values()
-
-
 def test_liger_needs_a_gpu_and_the_package(tmp_path):
     from train.config import load_config
 
     cfg_path = write_config(tmp_path / "c.yaml", data_path=str(tmp_path), output_dir=str(tmp_path / "out"),
                             model_config="configs/model/tiny_qwen2.json", liger=True)
+    from train.preflight import check_machine
+
     cfg = load_config(cfg_path)
     with pytest.raises(ConfigError, match="liger"):
-        cfg.validate_values()
+        check_machine(cfg)
 
 
 @pytest.mark.parametrize("name", ["auto", "flash_varlen", "torch_varlen", "flex", "sdpa"])
@@ -100,7 +93,7 @@ def test_attn_backend_choices(tmp_path, name):
 
     cfg_path = write_config(tmp_path / "c.yaml", data_path=str(tmp_path), output_dir=str(tmp_path / "out"),
                             model_config="configs/model/tiny_qwen2.json", attn_backend=name)
-    assert load_config(cfg_path).attn_backend == name
+    assert load_config(cfg_path).model.attn_backend == name
 
 
 def test_unknown_attn_backend_is_a_config_error(tmp_path):

@@ -10,6 +10,7 @@ import pytest
 from common.config import ConfigError
 from tests._train_helpers import random_rows, save_tiny_model, write_config, write_packed
 from train.config import load_config
+from train.preflight import preflight
 from train.deepspeed_config import build_deepspeed_config
 from train.trainer import lr_lambda_factory
 
@@ -27,9 +28,9 @@ def test_yaml_and_overrides(setup):
     _, config = setup
     cfg = load_config(config, ["lr=3e-4", "deepspeed.stage=3", "deepspeed.offload_optimizer=true",
                                "log_backends=[\"tensorboard\"]", "launch.num_processes=4"])
-    assert cfg.lr == 3e-4 and cfg.deepspeed.stage == 3 and cfg.deepspeed.offload_optimizer
-    assert cfg.log_backends == ["tensorboard"] and cfg.launch.num_processes == 4
-    cfg.validate(world_size=4)
+    assert cfg.optim.lr == 3e-4 and cfg.deepspeed.stage == 3 and cfg.deepspeed.offload_optimizer
+    assert cfg.logging.log_backends == ["tensorboard"] and cfg.launch.num_processes == 4
+    preflight(cfg, world_size=4)
 
 
 @pytest.mark.parametrize(
@@ -74,7 +75,7 @@ def test_invariant_errors(setup, overrides, world, message):
             pytest.skip("wandb is installed")
     cfg = load_config(config, overrides)
     with pytest.raises(ConfigError) as exc:
-        cfg.validate(world_size=world)
+        preflight(cfg, world_size=world)
     assert message in str(exc.value)
 
 
@@ -93,7 +94,7 @@ def test_token_ids_must_fit_the_vocabulary(setup):
     write_packed(tmp / "big_ids", rows)
     cfg = load_config(config, [f"data_path={tmp / 'big_ids'}"])
     with pytest.raises(ConfigError, match=r"data_path: token id 500 .* \(vocab_size=97\)"):
-        cfg.validate()
+        preflight(cfg)
 
 
 def test_tokenizer_hash_mismatch_error_or_warning(setup, caplog):
@@ -104,10 +105,10 @@ def test_tokenizer_hash_mismatch_error_or_warning(setup, caplog):
     write_packed(tmp / "hashed", random_rows(2, 1), {"tokenizer": {"path": str(tok), "hash": "0" * 64}})
     cfg = load_config(config, [f"data_path={tmp / 'hashed'}", f"tokenizer_path={tok}"])
     with pytest.raises(ConfigError, match="tokenizer hash"):
-        cfg.validate()
+        preflight(cfg)
     cfg = load_config(config, [f"data_path={tmp / 'hashed'}", f"tokenizer_path={tok}", "tokenizer_mismatch=warn"])
     with caplog.at_level(logging.WARNING):
-        cfg.validate()
+        preflight(cfg)
     assert "tokenizer hash" in caplog.text
 
 
@@ -161,7 +162,7 @@ def test_shipped_configs_parse(path, world, tmp_path):
     from train.__main__ import launch_args
 
     cfg = load_config(ROOT / path, [f"output_dir={tmp_path / 'out'}"])
-    cfg.validate_values(world)
+    cfg.validate(world)
     args = launch_args(cfg)
     assert args[args.index("--num_processes") + 1] == str(world)
     assert ("--multi_gpu" in args) == (world > 1)
@@ -170,11 +171,11 @@ def test_shipped_configs_parse(path, world, tmp_path):
 def test_activation_checkpointing_auto_follows_row_length(setup):
     _, config = setup
     cfg = load_config(config, [])
-    assert cfg.gradient_checkpointing == "auto"
-    assert cfg.checkpointing_enabled(8192) and cfg.checkpointing_enabled(131072)
-    assert not cfg.checkpointing_enabled(4096)
-    assert load_config(config, ["gradient_checkpointing=false"]).checkpointing_enabled(131072) is False
-    assert load_config(config, ["gradient_checkpointing=true"]).checkpointing_enabled(16) is True
+    assert cfg.model.gradient_checkpointing == "auto"
+    assert cfg.model.checkpointing_enabled(8192) and cfg.model.checkpointing_enabled(131072)
+    assert not cfg.model.checkpointing_enabled(4096)
+    assert load_config(config, ["gradient_checkpointing=false"]).model.checkpointing_enabled(131072) is False
+    assert load_config(config, ["gradient_checkpointing=true"]).model.checkpointing_enabled(16) is True
     with pytest.raises(ConfigError, match="gradient_checkpointing"):
         load_config(config, ["gradient_checkpointing=sometimes"])
 
@@ -188,10 +189,10 @@ def test_data_without_loss_tokens_is_refused_before_step_1(setup):
     data = write_packed(tmp / "no_loss", [[untrained_sequence(rng, 12), untrained_sequence(rng, 7)]])
     cfg = load_config(config, [f"data_path={data}"])
     with pytest.raises(ConfigError, match=f"data_path: {data} has no loss token"):
-        cfg.validate()
+        preflight(cfg)
     cfg = load_config(config, [f"eval_data_path={data}"])
     with pytest.raises(ConfigError, match=f"eval_data_path: {data} has no loss token"):
-        cfg.validate()
+        preflight(cfg)
 
 
 def test_hand_edited_manifest_cannot_hide_token_ids_outside_the_vocabulary(setup):
@@ -213,11 +214,11 @@ def test_hand_edited_manifest_cannot_hide_token_ids_outside_the_vocabulary(setup
     cfg = load_config(config, [f"data_path={data}"])
     with pytest.raises(ConfigError, match=f"{meta_file}: manifest checksum mismatch: meta.json changed after it was "
                                           r"written .* re-create .*--stages pack"):
-        cfg.validate()
+        preflight(cfg)
     del meta[MANIFEST_CHECKSUM]  # as written before manifests had a checksum: the token arrays decide
     meta_file.write_bytes(orjson.dumps(meta, option=orjson.OPT_INDENT_2))
     with pytest.raises(ConfigError, match=r"data_path: token id 500 .* \(vocab_size=97\)"):
-        cfg.validate()
+        preflight(cfg)
 
 
 def test_missing_export_tokenizer_is_an_error_at_start(setup, monkeypatch):
@@ -233,10 +234,10 @@ def test_missing_export_tokenizer_is_an_error_at_start(setup, monkeypatch):
     with pytest.raises(ConfigError, match=r"tokenizer_path: not set; model_path .* holds no tokenizer files, and the "
                        r"shards' meta.json names the tokenizer data/example/tokenizer, which does not exist \(a "
                        f"relative path, from {tmp} here\).*Set tokenizer_path"):
-        cfg.validate()
-    load_config(config, [f"data_path={data}", f"tokenizer_path={ROOT / 'data/example/tokenizer'}"]).validate()
+        preflight(cfg)
+    preflight(load_config(config, [f"data_path={data}", f"tokenizer_path={ROOT / 'data/example/tokenizer'}"]))
     monkeypatch.chdir(ROOT)
-    cfg.validate()
+    preflight(cfg)
 
 
 def test_tokenizer_mismatch_with_a_pretrained_model_says_to_retokenize_the_data(setup, tmp_path):
@@ -256,9 +257,40 @@ def test_tokenizer_mismatch_with_a_pretrained_model_says_to_retokenize_the_data(
     write_packed(tmp_path / "data", random_rows(2, 1), {"tokenizer": {"path": str(data_tok), "hash": "0" * 64}})
     cfg = load_config(config, [f"data_path={tmp_path / 'data'}", f"model_path={model}"])
     with pytest.raises(ConfigError) as exc:
-        cfg.validate()
+        preflight(cfg)
     message = str(exc.value)
     assert f"the tokenizer exported with the model, {model} (from model_path), has hash" in message
     assert (f"re-tokenize the data with the model's tokenizer: tokenizer_path: {model} in the data config, then "
             "sh data_process.sh again") in message
     assert "set tokenizer_path to the tokenizer the data was tokenized with" not in message
+
+
+def test_keys_flat_or_in_their_section(setup, tmp_path):
+    """Every key of the sections but deepspeed / launch may be written flat (as every config before the sections did)
+    or in its section; both give the same config, code reads the section (`cfg.optim.lr`)."""
+    from train.config import FLAT_KEYS, from_keys, key_path
+
+    _, config = setup
+    flat = load_config(config, ["lr=3e-4", "sequence_parallel_size=2", "launch.num_processes=2"])
+    dotted = load_config(config, ["optim.lr=3e-4", "parallel.sequence_parallel_size=2", "launch.num_processes=2"])
+    assert flat == dotted and flat.optim.lr == 3e-4 and flat.parallel.sequence_parallel_size == 2
+    sectioned = tmp_path / "s.yaml"
+    sectioned.write_text(config.read_text() + "optim: {lr: 0.0003, schedule: linear}\nsteps:\n  grad_accum: 4\n")
+    cfg = load_config(sectioned)
+    assert (cfg.optim.lr, cfg.optim.schedule, cfg.steps.grad_accum) == (3e-4, "linear", 4)
+    assert load_config(sectioned, ["lr=1e-3"]).optim.lr == 1e-3  # a flat override of a key the file sets in its section
+    twice = tmp_path / "twice.yaml"
+    twice.write_text(sectioned.read_text() + "lr: 0.001\n")
+    with pytest.raises(ConfigError, match=r"lr is set twice, as lr and as optim.lr"):
+        load_config(twice)
+    with pytest.raises(ConfigError, match=r"override 'optim.lrr=1': unknown key 'optim.lrr'; did you mean 'optim.lr'"):
+        load_config(config, ["optim.lrr=1"])
+    with pytest.raises(ConfigError, match=r"^override 'optim.lr=fast': optim.lr: expected a number"):
+        load_config(config, ["optim.lr=fast"])
+    with pytest.raises(ConfigError, match=r"^override 'lr=fast': lr: expected a number"):
+        load_config(config, ["lr=fast"])
+    assert key_path("lr") == "optim.lr" and key_path("deepspeed.stage") == "deepspeed.stage"
+    assert len(FLAT_KEYS) == 59 and "stage" not in FLAT_KEYS  # deepspeed.* and launch.* keep their section
+    assert from_keys({"data_path": "d", "output_dir": "o", "model_config": "m.json", "optim": {"lr": 2e-4}}).optim.lr == 2e-4
+    with pytest.raises(ConfigError, match="missing required key 'data_path'"):
+        from_keys({"output_dir": "o", "model_config": "m.json"})

@@ -17,9 +17,11 @@ from tests._train_helpers import (  # noqa: F401  (one_thread is a fixture)
     write_config,
     write_packed,
 )
-from train.attention import AttentionContext
+from train.attention import BACKENDS, AttentionContext, LayerKernels
 from train.batch import make_batch, step_totals
-from train.trainer import PackedCausalLM
+from train.packed_model import PackedCausalLM
+
+SDPA_KERNELS = LayerKernels(every=BACKENDS["sdpa"])  # every layer through the SDPA loop
 
 RTOL = 1e-5
 
@@ -78,7 +80,7 @@ def test_packed_row_equals_samples_alone(reduction, tie, chunk):
 
     packed_lm = tiny_model(tie=tie)
     model = PackedCausalLM(packed_lm, chunk_size=chunk, num_categories=3)
-    attn = AttentionContext(batch["cu_seqlens"], batch["max_seqlen"], backend="sdpa")
+    attn = AttentionContext(batch["cu_seqlens"], batch["max_seqlen"], SDPA_KERNELS)
     loss, _, _ = model(batch["input_ids"], batch["position_ids"], batch["targets"], batch["weights"],
                        batch["target_categories"], attn)
     loss.backward()

@@ -7,6 +7,7 @@ import pytest
 from common.config import ConfigError
 from tests._train_helpers import one_thread, random_rows, save_tiny_model, write_config, write_packed  # noqa: F401
 from train.config import load_config
+from train.preflight import eval_path, preflight
 from train.metrics import loss_curves, read_log, step_progress
 
 
@@ -27,15 +28,15 @@ def _config(tmp_path, pipeline_output, **values):
 
 def test_eval_split_beside_data_path_is_found_and_can_be_turned_off(tmp_path, pipeline_output):
     config = _config(tmp_path, pipeline_output)
-    assert load_config(config).eval_path() == str(pipeline_output / "eval" / "packed")
-    assert load_config(config, ["eval_data_path=none"]).eval_path() is None
+    assert eval_path(load_config(config)) == str(pipeline_output / "eval" / "packed")
+    assert eval_path(load_config(config, ["eval_data_path=none"])) is None
     own = str(pipeline_output / "packed")
-    assert load_config(config, [f"eval_data_path={own}"]).eval_path() == own
+    assert eval_path(load_config(config, [f"eval_data_path={own}"])) == own
     alone = write_packed(tmp_path / "alone" / "packed", random_rows(2, 2))
     cfg = load_config(config, [f"data_path={alone}", "eval_steps=2"])
-    assert cfg.eval_path() is None
+    assert eval_path(cfg) is None
     with pytest.raises(ConfigError, match="no eval split beside data_path .*alone/eval/packed.*eval_size"):
-        cfg.validate()
+        preflight(cfg)
 
 
 def test_trainer_evaluates_every_eval_steps_and_after_the_last_step(tmp_path, pipeline_output, one_thread):

@@ -11,6 +11,7 @@ from common.config import ConfigError
 from tests._train_helpers import one_thread, random_rows, save_tiny_model, write_config, write_packed  # noqa: F401
 from train.checkpoint import checkpoint_root
 from train.config import load_config
+from train.preflight import preflight
 from train.metrics import read_log
 from train.trainer import Trainer
 
@@ -64,14 +65,14 @@ def test_overwrite_refuses_a_step_directory_that_packsft_did_not_write(setup, tm
     cfg = load_config(config, [f"output_dir={out}", "overwrite_output_dir=true"])
     with pytest.raises(ConfigError, match=re.escape(f"{root / 'step-000002'} is not a checkpoint PackSFT wrote "
                                                     "(my_eval.json is not in its manifest.json)")):
-        cfg.validate()
+        preflight(cfg)
     hand_made = root / "step-000007"
     hand_made.mkdir()
     (hand_made / "model.bin").write_bytes(b"x")
     extra.unlink()
     with pytest.raises(ConfigError, match=re.escape(f"{hand_made} is not a checkpoint PackSFT wrote (no "
                                                     "manifest.json)")):
-        cfg.validate()
+        preflight(cfg)
     assert (hand_made / "model.bin").read_bytes() == b"x" and (root / "step-000002").is_dir()
 
 
@@ -87,7 +88,7 @@ def test_an_output_subfolder_that_is_a_link_is_refused_naming_it(setup, tmp_path
     for overrides in ([], ["overwrite_output_dir=true"]):
         cfg = load_config(config, [f"output_dir={out}", *overrides])
         with pytest.raises(ConfigError, match=re.escape(f"output_dir: {out / name} is a symbolic link to {outside}")):
-            cfg.validate()
+            preflight(cfg)
     assert sorted(p.name for p in outside.iterdir()) == ["keep"]
     assert (outside / "keep" / "data.bin").read_bytes() == b"precious"
 
@@ -103,7 +104,7 @@ def test_a_link_inside_checkpoints_is_refused_naming_it(setup, tmp_path):
     cfg = load_config(config, [f"output_dir={out}", "resume=latest", "max_steps=3"])
     with pytest.raises(ConfigError, match=re.escape(f"output_dir: {root / 'step-000002'} is a symbolic link to "
                                                     f"{outside}")):
-        cfg.validate()
+        preflight(cfg)
 
 
 def test_a_log_jsonl_that_is_not_json_is_refused_naming_the_file_and_line(setup, tmp_path):
@@ -115,7 +116,7 @@ def test_a_log_jsonl_that_is_not_json_is_refused_naming_the_file_and_line(setup,
     log.write_bytes(content)
     cfg = load_config(config, [f"output_dir={out}"])
     with pytest.raises(ConfigError, match=re.escape(f"{log}:2: not a JSON object") + ".*move it out of output_dir"):
-        cfg.validate()
+        preflight(cfg)
     with pytest.raises(ConfigError, match=re.escape(f"{log}:2: not a JSON object")):
         read_log(out)
     assert log.read_bytes() == content  # nothing lost

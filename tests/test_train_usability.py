@@ -13,7 +13,8 @@ import pytest
 from common.config import ConfigError, field_help
 from tests._train_helpers import ROOT, one_thread, random_rows, save_tiny_model, write_config, write_packed  # noqa: F401
 from tests.conftest import fixture_path, tokenizer_dir
-from train.config import TrainConfig, load_config
+from train.config import FLAT_KEYS, SECTIONS, TrainConfig, load_config
+from train.preflight import preflight
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +36,15 @@ def _all_keys(cls, prefix=""):
 
 
 def test_help_lists_every_key_with_type_default_and_help():
+    """Every key under its section's line, by the name it may be written with alone (`lr`; `deepspeed.stage`)."""
     proc = subprocess.run(["sh", "train.sh", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    for key, _, cls in _all_keys(TrainConfig):
+    for section in SECTIONS:
+        assert any(line.startswith(f"{section}: ") for line in lines), section
+    for dotted, _, cls in _all_keys(TrainConfig):
+        section, name = dotted.split(".", 1)
+        key = name if name in FLAT_KEYS else dotted
         heads = [i for i, line in enumerate(lines) if line.startswith(f"  {key} (")]
         assert len(heads) == 1, key
         assert field_help(cls)[key.rsplit(".", 1)[-1]], f"{key} has no help comment in train/config.py"
@@ -88,7 +94,7 @@ def test_bad_numbers_fail_before_launch(setup, tmp_path, yaml_line, message):
     bad.write_text(config.read_text() + yaml_line + "\n")
     cfg = load_config(bad)
     with pytest.raises(ConfigError) as exc:
-        cfg.validate_values()
+        cfg.validate()
     assert str(exc.value) == message
 
 
@@ -103,13 +109,13 @@ def test_hub_id_offline_is_a_clear_error(setup):
     cfg = load_config(config, ["model_path=Qwen/Qwen2.5-0.5B-Instruct"])
     with pytest.raises(ConfigError, match=r"model_path: Qwen/Qwen2.5-0.5B-Instruct is not a local directory, and the "
                                           r"Hugging Face Hub is unreachable"):
-        cfg.validate()
+        preflight(cfg)
     cfg = load_config(config, ["tokenizer_path=Qwen/Qwen2.5-0.5B-Instruct"])
     with pytest.raises(ConfigError, match=r"tokenizer_path: Qwen/Qwen2.5-0.5B-Instruct is not a local directory"):
-        cfg.validate()
+        preflight(cfg)
     cfg = load_config(config, ["tokenizer_path=./no/such/dir"])
     with pytest.raises(ConfigError, match=r"tokenizer_path: ./no/such/dir does not exist"):
-        cfg.validate()
+        preflight(cfg)
 
 
 def _fake_hub_snapshot(cache, repo_id: str, source) -> None:
@@ -174,7 +180,7 @@ def qwen_data(tmp_path_factory):
 def test_own_data_on_the_example_config_names_the_keys_to_set(qwen_data, tmp_path):
     cfg = load_config("configs/train/example.yaml", [f"data_path={qwen_data}", f"output_dir={tmp_path}"])
     with pytest.raises(ConfigError) as exc:
-        cfg.validate()
+        preflight(cfg)
     message = str(exc.value)
     assert "does not fit the vocabulary of model_config=configs/model/tiny_qwen2.json (vocab_size=2048)" in message
     assert "Set model_path to a pretrained model of that tokenizer" in message

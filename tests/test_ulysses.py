@@ -21,8 +21,9 @@ from tests._train_helpers import (
     write_packed,
 )
 from train.batch import make_batch
-from train.sequence_parallel import shard_batch
-from train.ulysses import UlyssesSpec, allowed_degrees, choose_sp_layout, ulysses_heads_problem
+from train.attention_plan import choose_sp_layout
+from train.sp_rules import allowed_degrees, heads_problem
+from train.ulysses import UlyssesSpec, ulysses_shard
 
 LOSS_RTOL = 1e-6
 GRAD_RTOL = 1e-5
@@ -59,11 +60,11 @@ def test_rank_without_loss_token_contributes_zero(ulysses_results, config):
 
 # ------------------------------------------------------------------------------ heads and the choice
 def test_heads_problems_name_the_numbers():
-    assert ulysses_heads_problem(8, 8, 4) is None
-    assert ulysses_heads_problem(8, 2, 4) is None  # kv heads repeated 2x
-    assert ulysses_heads_problem(14, 2, 4) == "14 attention heads are not divisible by the Ulysses degree 4"
-    assert ulysses_heads_problem(12, 6, 4) == "6 key/value heads are not divisible by the Ulysses degree 4"
-    assert "3 key/value heads cannot be repeated up to the Ulysses degree 4" in ulysses_heads_problem(12, 3, 4)
+    assert heads_problem(8, 8, 4) is None
+    assert heads_problem(8, 2, 4) is None  # kv heads repeated 2x
+    assert heads_problem(14, 2, 4) == "14 attention heads are not divisible by the Ulysses degree 4"
+    assert heads_problem(12, 6, 4) == "6 key/value heads are not divisible by the Ulysses degree 4"
+    assert "3 key/value heads cannot be repeated up to the Ulysses degree 4" in heads_problem(12, 3, 4)
     assert allowed_degrees(14, 2, 8) == [2]  # Qwen2.5 0.5B: 14 heads, 2 kv heads
     assert allowed_degrees(28, 4, 8) == [2, 4]  # Qwen2.5 7B
     assert allowed_degrees(16, 8, 8) == [2, 4, 8]
@@ -97,7 +98,7 @@ def test_layout_choice(backend, sp, ulysses, heads, per_machine, want):
     ("auto", 4, 3, (12, 4), "sp_ulysses_size=3 must divide sequence_parallel_size=4"),
     ("zigzag", 4, 2, (16, 8), "sp_backend=zigzag cannot be its ring part"),
     ("ulysses", 4, 1, (16, 8), "sp_backend=ulysses needs sp_ulysses_size > 1"),
-    ("auto", 16, 16, (16, 8), "sp_ulysses_size=16 does not divide the 8 processes per machine"),
+    ("auto", 16, 16, (16, 8), "sequence_parallel_size=16 does not divide the 8 processes per machine"),
 ])
 def test_layout_errors(backend, sp, ulysses, heads, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -106,20 +107,21 @@ def test_layout_errors(backend, sp, ulysses, heads, message):
 
 def test_config_refuses_what_no_ulysses_can_do(tmp_path):
     from common.config import ConfigError
-    from train.config import LaunchSection, TrainConfig
+    from train.config import from_keys
+    from train.sp_rules import placement_problem
 
     base = dict(model_config="configs/model/tiny_qwen2.json", data_path=str(tmp_path), output_dir=str(tmp_path / "o"))
-    cfg = TrainConfig(**base, sequence_parallel_size=4, sp_ulysses_size=3)
+    cfg = from_keys({**base, "sequence_parallel_size": 4, "sp_ulysses_size": 3, "launch": {"num_processes": 4}})
     with pytest.raises(ConfigError, match="sp_ulysses_size=3 must divide sequence_parallel_size=4"):
-        cfg.validate_ulysses()
+        cfg.validate(world_size=4)
     # an sp group of 8 over two machines of 4: the hybrid (Ulysses inside each machine) may span them
     launch = {"num_processes": 8, "num_machines": 2, "main_process_ip": "10.0.0.1"}
-    spanning = TrainConfig(**base, sequence_parallel_size=8, launch=LaunchSection(**launch))
-    assert spanning._hybrid_may_span(4)
-    assert not TrainConfig(**base, sequence_parallel_size=8, sp_backend="torch",
-                           launch=LaunchSection(**launch))._hybrid_may_span(4)
-    assert TrainConfig(**base, sequence_parallel_size=8, sp_backend="torch", sp_ulysses_size=4,
-                       launch=LaunchSection(**launch))._hybrid_may_span(4)
+    from_keys({**base, "sequence_parallel_size": 8, "launch": launch}).validate(world_size=8)
+    assert placement_problem("auto", 8, None, 4) is None
+    assert placement_problem("torch", 8, None, 4)
+    assert placement_problem("torch", 8, 4, 4) is None
+    with pytest.raises(ConfigError, match="does not divide the 4 processes per machine"):
+        from_keys({**base, "sequence_parallel_size": 8, "sp_backend": "torch", "launch": launch}).validate(8)
 
 
 # ------------------------------------------------------------------------------ sharding
@@ -130,19 +132,20 @@ def test_hybrid_ring_block_is_the_ulysses_groups_slices(sp, ulysses):
     batch = make_batch([sample_rows()[0]], totals_of(sample_rows()), "token")
     for rank in range(sp):
         spec = UlyssesSpec(size=ulysses, group=None, ring_group=object(), ring_backend="torch")
-        local, ctx = shard_batch(batch, rank, sp, "ulysses", ulysses=spec)
+        local, ctx = ulysses_shard(batch, rank, sp, spec)
         assert ctx.padded_length % sp == 0 and local["input_ids"].shape[1] == ctx.padded_length // sp
         assert ctx.local_range == (rank * ctx.padded_length // sp, (rank + 1) * ctx.padded_length // sp)
         uctx = ctx.ulysses
         assert uctx.rank == rank % ulysses
         if ulysses == sp:
-            assert uctx.ring is None and uctx.row.bounds.host_cu_q == tuple(ctx.cu_seqlens.tolist())
+            assert uctx.local.sp is None and uctx.local.bounds.host_cu_q == tuple(ctx.cu_seqlens.tolist())
             continue
         block = ctx.padded_length // sp * ulysses
         group_start = rank // ulysses * block
-        assert uctx.ring.local_range == (group_start, group_start + block)
-        assert uctx.ring.sp_rank == rank // ulysses and uctx.ring.sp_size == sp // ulysses
-        assert torch.equal(uctx.ring.cu_seqlens, ctx.cu_seqlens)  # no second padding
+        ring = uctx.local.sp
+        assert ring.local_range == (group_start, group_start + block)
+        assert ring.sp_rank == rank // ulysses and ring.sp_size == sp // ulysses
+        assert torch.equal(ring.cu_seqlens, ctx.cu_seqlens)  # no second padding
 
 
 # ------------------------------------------------------------------------------ end to end
@@ -173,8 +176,8 @@ def test_train_under_torchrun_equals_single_process(e2e_setup, tmp_path):
     }
     for name, (nproc, overrides) in runs.items():
         proc = run_train(config, [f"output_dir={tmp_path / name}", *overrides], nproc=nproc)
-        expected = "sequence parallelism: ulysses 2" if name == "ulysses" else \
-            "sequence parallelism: hybrid ulysses 2 x torch 2"
+        expected = "attention: sequence parallelism ulysses 2" if name == "ulysses" else \
+            "attention: sequence parallelism hybrid ulysses 2 x torch 2"
         assert expected in proc.stdout + proc.stderr
         got = read_log(tmp_path / name)
         assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2]

@@ -38,7 +38,7 @@ def resume_command(config_path: str, overrides: list[str]) -> str:
     own = ("resume", "stop_at_step")
     kept = [o for o in overrides if o.split("=", 1)[0].strip() not in own]
     extra = ["resume=latest"]
-    if load_config(config_path, kept).stop_at_step is not None:
+    if load_config(config_path, kept).steps.stop_at_step is not None:
         extra.append("stop_at_step=null")
     return "sh train.sh " + shlex.join([config_path, *kept, *extra])
 
@@ -57,18 +57,19 @@ def main(argv: list[str] | None = None) -> int:
         from common.lock import LockHeldError
         from train.config import load_config
         from train.launch import supervise
+        from train.preflight import preflight
 
         argv.pop(0)
         config_path = argv.pop(0) if argv and "=" not in argv[0] else DEFAULT_CONFIG
-        try:  # every invariant is checked here, before accelerate starts any process
+        try:  # every check is made here, before accelerate starts any process
             cfg = load_config(config_path, argv)
-            cfg.validate(world_size=cfg.launch.num_processes)
+            preflight(cfg, world_size=cfg.launch.num_processes)
         except ConfigError as exc:
             print(f"config error: {exc}", file=sys.stderr)
             return 2
         command = [sys.executable, "-m", "train.launch", *launch_args(cfg), "-m", "train", config_path, *argv]
         try:  # machine 0 holds the lock of the shared output_dir for every machine of the run
-            return supervise(command, cfg.output_dir if cfg.launch.machine_rank == 0 else None)
+            return supervise(command, cfg.checkpoint.output_dir if cfg.launch.machine_rank == 0 else None)
         except LockHeldError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -78,12 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     config_path = argv.pop(0) if argv and "=" not in argv[0] else DEFAULT_CONFIG
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from train.config import load_config
+    from train.preflight import preflight
 
     received = stop_on_signals()
     cfg = trainer = None
     try:
         cfg = load_config(config_path, argv)
-        cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))  # before the model (and most imports) load
+        checked = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before the model (and most imports) load
         from train.checkpoint import CheckpointError
         from train.model_check import SelfCheckError
         from train.model_support import UnsupportedModelError
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         report_interrupt(exc.signum, None, cfg, config_path, argv)
         return 128 + exc.signum
     try:
-        trainer = Trainer(cfg, validate=False)
+        trainer = Trainer(cfg, checked=checked)
         trainer.train()
         if trainer.step < trainer.total_steps and trainer.mesh.is_main:
             print(f"resume with: {resume_command(config_path, argv)}", flush=True)
@@ -168,7 +170,7 @@ def report_interrupt(signum: int, trainer, cfg, config_path: str, argv: list[str
     from train.checkpoint import CheckpointError, resolve_resume
 
     try:
-        last = resolve_resume("latest", cfg.output_dir)
+        last = resolve_resume("latest", cfg.checkpoint.output_dir)
     except CheckpointError:
         last = None
     print(f"{where}; last checkpoint: {last if last is not None else 'none yet (resume=latest starts at step 0)'}",

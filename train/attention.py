@@ -8,9 +8,12 @@ Per-layer attention features: transformers passes them as keyword arguments (`sl
 = attention sinks, `scaling`, `dropout`); they become an `AttentionFeatures` per call, and any other keyword argument
 not known to be harmless is an error naming it (a swallowed feature would train a different model silently).
 
-Behind the one registration sits a PackSFT-owned table of backends (`BACKENDS`), each a record with the reasons it
-cannot run for given inputs and features (empty list = usable). Every backend takes transformers' [1, H, T, D]
-query and [1, Hkv, T, D] key/value and returns [1, T, H, D]:
+What a layer runs is not decided here: the context carries the `LayerKernels` that train/attention_plan.py chose
+once at start (per kind of layer: its features without dropout), and the function calls the one of its layer's
+kind. This module holds what those kernels are built from: the packed backends (`BACKENDS`, keyed by
+train/backend_names.py's names, each with the reasons it cannot run for given inputs and features; empty list =
+usable) and the two Parallel-R1 mask kernels. Every kernel takes transformers' [1, H, T, D] query and
+[1, Hkv, T, D] key/value and returns [1, T, H, D]:
 - `flash_varlen`: flash-attn's varlen kernel (CUDA + flash-attn installed, fp16/bf16); window, softcap;
 - `torch_varlen`: torch's built-in `torch.nn.attention.varlen.varlen_attn` (CUDA builds of torch >= 2.9, fp16/bf16);
   window;
@@ -18,14 +21,11 @@ query and [1, Hkv, T, D] key/value and returns [1, T, H, D]:
   (score_mod), sinks (its differentiable log-sum-exp);
 - `sdpa`: causal SDPA on each packed sequence in turn: one kernel launch per sequence, the CPU path and last resort;
   every feature (softcap and sinks by the eager fp32 softmax of transformers' eager attention).
-`attn_backend: auto` takes the first exact backend with no reasons in that (static) order, per kind of layer; a
-named backend that cannot run raises its reasons. The order is fixed, not timed at start-up: see
-benchmarks/bench_train_gpu.py.
+The order of `BACKENDS` is `auto`'s, fixed, not timed at start-up: see benchmarks/bench_train_gpu.py.
 
 No host sync inside a layer: the context carries a `VarlenBounds` (device cu_seqlens plus host copies and max
 lengths) built once per micro-batch, and everything derived from it (the flex BlockMask) is built by the first layer
-and reused by the others (one flex BlockMask per sliding window). Structure mode (Parallel-R1 mask) and sequence
-parallelism (`ctx.sp`) dispatch first.
+and reused by the others (one flex BlockMask per sliding window).
 """
 from __future__ import annotations
 
@@ -37,12 +37,44 @@ import torch
 from transformers import AttentionInterface
 
 from train import varlen_kernels
+from train.backend_names import ATTENTION_BACKENDS, FLASH_VARLEN, FLEX, SDPA, TORCH_VARLEN
 from train.families import FAMILIES
-from train.varlen_kernels import NO_FEATURES, AttentionFeatures, VarlenBounds, varlen_attention
+from train.structured_attention import flex_structured_attention, structured_sdpa_by_sequence
+from train.varlen_kernels import KERNELS, NO_FEATURES, AttentionFeatures, VarlenBounds
 
 ATTN_IMPLEMENTATION = "packsft"
-AUTO_ORDER = ("flash_varlen", "torch_varlen", "flex", "sdpa")
-BACKEND_CHOICES = ("auto", *AUTO_ORDER)
+
+
+# ---------------------------------------------------------------------------------------------- what a layer runs
+@dataclass(frozen=True)
+class Kernel:
+    """One attention path: `fn(query, key, value, ctx, scaling, features, sinks) -> [1, T, H, D]`, `name` for the
+    start line."""
+
+    name: str
+    fn: Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LayerKernels:
+    """What each kind of layer runs, chosen once at start (train/attention_plan.py): `by_kind` maps a layer kind (its
+    AttentionFeatures without dropout: the same layer in training and in eval) to its Kernel; `every`, when set, is
+    what every layer runs (a backend named in the config, or one kernel for a test)."""
+
+    by_kind: tuple[tuple[AttentionFeatures, Kernel], ...] = ()
+    every: Kernel | None = None
+
+    def for_layer(self, features: AttentionFeatures) -> Kernel:
+        if self.every is not None:
+            return self.every
+        kind = features.layer_kind
+        for planned, kernel in self.by_kind:
+            if planned == kind:
+                return kernel
+        raise RuntimeError(
+            f"no attention kernel was planned for a layer with {kind}: the attention plan, made at start from the "
+            f"model's attention modules, knows {[planned for planned, _ in self.by_kind]}"
+        )
 
 
 @dataclass
@@ -51,11 +83,12 @@ class AttentionContext:
 
     Build it with `AttentionContext.for_micro_batch` (one host→device copy of the offsets); constructing it from a
     `cu_seqlens` tensor alone derives the bounds from that tensor once (a host read of it, once per context).
+    train/attention_plan.py's `AttentionPlan.context` builds the trainer's, sharded under sequence parallelism.
     """
 
     cu_seqlens: torch.Tensor  # int32 [S+1], boundaries of the packed sequences in this rank's tokens
     max_seqlen: int
-    backend: str = "auto"  # one of BACKEND_CHOICES
+    kernels: LayerKernels = field(default_factory=LayerKernels)  # what each kind of layer runs (the plan's)
     sp: Any = None  # train.sequence_parallel.SPContext when sequence parallelism is on
     seq_ids: torch.Tensor | None = None  # structure mode: per-token ids for the Parallel-R1 mask
     block_ids: torch.Tensor | None = None
@@ -64,7 +97,6 @@ class AttentionContext:
 
     # built by the first layer that needs them, reused by the others (one micro-batch)
     _block_masks: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    _resolved: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.bounds is None and self.sp is None:
@@ -74,15 +106,16 @@ class AttentionContext:
             self.bounds = VarlenBounds(cu, cu, max(lengths), max(lengths), host, host)
 
     @classmethod
-    def for_micro_batch(cls, cu_seqlens: torch.Tensor, device: torch.device | str, backend: str = "auto",
+    def for_micro_batch(cls, cu_seqlens: torch.Tensor, device: torch.device | str, kernels: LayerKernels,
                         **kwargs) -> "AttentionContext":
         """From the host `cu_seqlens` of `train.batch.make_batch`: one host→device copy, host copies kept."""
         bounds = VarlenBounds.build(cu_seqlens.tolist(), device=device)
-        return cls(bounds.cu_q, bounds.max_q, backend, bounds=bounds, **kwargs)
+        return cls(bounds.cu_q, bounds.max_q, kernels, bounds=bounds, **kwargs)
 
-    @property
-    def structured(self) -> bool:
-        return self.block_ids is not None or self.path_ids is not None
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+               features: AttentionFeatures = NO_FEATURES, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """[1, H, T, D] query, [1, Hkv, T, D] key/value -> [1, T, H, D]: the kernel planned for this kind of layer."""
+        return self.kernels.for_layer(features).fn(query, key, value, self, scaling, features, sinks)
 
     def structured_block_mask(self, device: torch.device, length: int):
         """The BlockMask of this micro-batch's structured mask over `length` tokens on `device`, built once."""
@@ -216,19 +249,25 @@ def _flex_reasons(query: torch.Tensor, features: AttentionFeatures) -> list[str]
 
 # ---------------------------------------------------------------------------------------------- the table
 @dataclass(frozen=True)
-class AttentionBackend:
-    name: str
+class AttentionBackend(Kernel):
+    """A packed backend: a Kernel over the micro-batch's sequences, and why it cannot run for given inputs."""
+
     exact: bool  # the same maths as the per-sequence reference (auto only picks exact backends)
     reasons: Callable[[torch.Tensor, AttentionFeatures], list[str]]  # (query, features) -> why it cannot run
-    fn: Callable[..., torch.Tensor]  # (query, key, value, ctx, scaling, features, sinks) -> [1, T, H, D]
+
+
+def _covers_row(ctx: AttentionContext, query: torch.Tensor) -> None:
+    if ctx.bounds.host_cu_q[-1] != query.shape[2]:
+        raise ValueError(f"cu_seqlens covers {ctx.bounds.host_cu_q[-1]} tokens, the micro-batch has {query.shape[2]}")
 
 
 def _varlen_backend(kernel: str) -> Callable[..., torch.Tensor]:
     """A `train.varlen_kernels` kernel on transformers' layout: [1, H, T, D] -> [T, H, D] -> kernel -> [1, T, H, D]."""
 
     def run(query, key, value, ctx: AttentionContext, scaling, features, sinks):
+        _covers_row(ctx, query)
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-        return varlen_attention(kernel, q, k, v, ctx.bounds, scaling, features, sinks).unsqueeze(0)
+        return KERNELS[kernel].fn(q, k, v, ctx.bounds, scaling, features, sinks).unsqueeze(0)
 
     return run
 
@@ -238,45 +277,42 @@ def _kernel_reasons(kernel: str) -> Callable[[torch.Tensor, AttentionFeatures], 
 
 
 def _flex_backend(query, key, value, ctx: AttentionContext, scaling, features, sinks):
+    _covers_row(ctx, query)
     # q/k/v already share one dtype (packsft_attention casts them under autocast): the compiled kernel runs as is
     with torch.autocast(query.device.type, enabled=False):
         return flex_document_attention(query, key, value, ctx, scaling, features=features, sinks=sinks)
 
 
 BACKENDS: dict[str, AttentionBackend] = {
-    "flash_varlen": AttentionBackend("flash_varlen", True, _kernel_reasons("flash_attn"), _varlen_backend("flash_attn")),
-    "torch_varlen": AttentionBackend("torch_varlen", True, _kernel_reasons("torch_varlen"),
-                                     _varlen_backend("torch_varlen")),
-    "flex": AttentionBackend("flex", True, _flex_reasons, _flex_backend),
-    "sdpa": AttentionBackend("sdpa", True, lambda query, features: [], _varlen_backend("sdpa_loop")),
+    FLASH_VARLEN: AttentionBackend(FLASH_VARLEN, _varlen_backend("flash_attn"), True, _kernel_reasons("flash_attn")),
+    TORCH_VARLEN: AttentionBackend(TORCH_VARLEN, _varlen_backend("torch_varlen"), True,
+                                   _kernel_reasons("torch_varlen")),
+    FLEX: AttentionBackend(FLEX, _flex_backend, True, _flex_reasons),
+    SDPA: AttentionBackend(SDPA, _varlen_backend("sdpa_loop"), True, lambda query, features: []),
 }
+if tuple(BACKENDS) != ATTENTION_BACKENDS:
+    raise ImportError(f"BACKENDS {tuple(BACKENDS)} must be train/backend_names.py's {ATTENTION_BACKENDS}, in order")
 
 
-def resolve_backend(requested: str, query: torch.Tensor, features: AttentionFeatures = NO_FEATURES) -> AttentionBackend:
-    """`auto`: the first exact backend of AUTO_ORDER with no reasons; a named backend: itself, or its reasons raised.
-
-    Only the device, dtype and the layer's features matter, so a trainer resolves once at start with an empty
-    `query` of the training device and dtype and the model's features (`model_attention_features`), and logs it."""
-    if requested == "auto":
-        for name in AUTO_ORDER:
-            backend = BACKENDS[name]
-            if backend.exact and not backend.reasons(query, features):
-                return backend
-        raise RuntimeError("no attention backend can run here: " + _all_reasons(query, features))
-    if requested not in BACKENDS:
-        raise ValueError(f"attn_backend must be one of {list(BACKEND_CHOICES)}, got {requested!r}")
-    reasons = BACKENDS[requested].reasons(query, features)
-    if reasons:
-        asked = ", ".join([f"dropout {features.dropout}", *features.names()])
-        raise RuntimeError(
-            f"attn_backend={requested} cannot run on {query.device.type} {query.dtype} ({asked}): "
-            + "; ".join(reasons) + ". Use attn_backend=auto (or attn_backend=sdpa, which runs anywhere)"
-        )
-    return BACKENDS[requested]
+# ---------------------------------------------------------------------------------------------- Parallel-R1 mask
+def _structured_ids(query: torch.Tensor, ctx: AttentionContext) -> tuple:
+    return ctx.seq_ids, ctx.block_ids, ctx.path_ids, torch.arange(query.shape[2], device=query.device)
 
 
-def _all_reasons(query: torch.Tensor, features: AttentionFeatures) -> str:
-    return "; ".join(f"{name}: {', '.join(BACKENDS[name].reasons(query, features))}" for name in AUTO_ORDER)
+def _structured_flex(query, key, value, ctx: AttentionContext, scaling, features, sinks):
+    ids = _structured_ids(query, ctx)
+    block_mask = ctx.structured_block_mask(query.device, query.shape[2])
+    return flex_structured_attention(query, key, value, *ids, *ids, scaling, block_mask=block_mask)
+
+
+def _structured_sdpa(query, key, value, ctx: AttentionContext, scaling, features, sinks):
+    ids = _structured_ids(query, ctx)
+    return structured_sdpa_by_sequence(query, key, value, *ids, *ids, scaling)
+
+
+# the structure ids of the micro-batch (train/structured_attention.py): FlexAttention on CUDA, else SDPA per sequence
+STRUCTURED_FLEX = Kernel("Parallel-R1 mask (FlexAttention)", _structured_flex)
+STRUCTURED_SDPA = Kernel("Parallel-R1 mask (SDPA per sequence)", _structured_sdpa)
 
 
 # Keyword arguments transformers (5.x: its TransformersKwargs) passes to an attention function that PackSFT may
@@ -322,14 +358,14 @@ def attention_features(query: torch.Tensor, dropout: float, sliding_window, soft
                              s_aux is not None)
 
 
-def model_attention_features(lm: torch.nn.Module) -> AttentionFeatures:
-    """The union of the attention features of every layer of `lm`, read from its modules before any forward (for
-    the trainer's start-up resolution): sliding windows, logit softcapping, attention sinks, attention dropout.
+def layer_features(lm: torch.nn.Module) -> list[AttentionFeatures]:
+    """The attention features of every attention module of `lm`, in module order, read before any forward (the
+    attention plan's layer kinds): sliding windows, logit softcapping, attention sinks, attention dropout.
 
     Attention modules are those with `scaling` and `head_dim` (transformers' convention); a module's own
     `sliding_window` attribute wins (gemma2, qwen2, gpt-oss set it per layer, None on full layers), else its
     config's (mistral, phi3, starcoder2 read `config.sliding_window` in forward)."""
-    features = NO_FEATURES
+    found = []
     for module in lm.modules():
         if not (hasattr(module, "scaling") and hasattr(module, "head_dim")):
             continue
@@ -340,8 +376,8 @@ def model_attention_features(lm: torch.nn.Module) -> AttentionFeatures:
         softcap = getattr(module, "attn_logit_softcapping", getattr(module, "softcap", None))
         sinks = isinstance(getattr(module, "sinks", None), torch.nn.Parameter)
         dropout = float(getattr(module, "attention_dropout", 0.0) or 0.0)
-        features = features.union(AttentionFeatures(dropout, window, softcap, sinks))
-    return features
+        found.append(AttentionFeatures(dropout, window, softcap, sinks))
+    return found
 
 
 WINDOW_FROM_MASK = object()  # the layer passed no `sliding_window` at all (None would mean "no window")
@@ -404,55 +440,7 @@ def packsft_attention(
         # the autocast dtype; the fused kernels need one half-precision dtype
         dtype = torch.get_autocast_dtype(device_type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    if ctx.sp is not None:
-        from train.sequence_parallel import sp_attention
-
-        return sp_attention(module, query, key, value, ctx.sp, scaling, features, s_aux), None
-    return packed_attention(query, key, value, ctx, scaling, features, s_aux), None
-
-
-def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: AttentionContext,
-                     scaling: float | None, features: AttentionFeatures = NO_FEATURES,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """The packed path without sequence parallelism: query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D]
-    over the sequences of `ctx` (the Parallel-R1 mask in structure mode, else the backend table). Ulysses sequence
-    parallelism runs it on the whole row for the rank's heads."""
-    total = query.shape[2]
-    if ctx.structured:
-        from train.structured_attention import (
-            flex_structured_attention,
-            structure_feature_problems,
-            structured_sdpa_by_sequence,
-        )
-
-        if problems := structure_feature_problems(features):
-            raise NotImplementedError("; ".join(problems))
-        index = torch.arange(total, device=query.device)
-        ids = (ctx.seq_ids, ctx.block_ids, ctx.path_ids, index)
-        if query.is_cuda:
-            block_mask = ctx.structured_block_mask(query.device, total)
-            return flex_structured_attention(query, key, value, *ids, *ids, scaling, block_mask=block_mask)
-        return structured_sdpa_by_sequence(query, key, value, *ids, *ids, scaling)
-    if ctx.bounds.host_cu_q[-1] != total:
-        raise ValueError(f"cu_seqlens covers {ctx.bounds.host_cu_q[-1]} tokens, the micro-batch has {total}")
-    resolve_key = (ctx.backend, query.device.type, query.dtype, features)
-    backend = ctx._resolved.get(resolve_key)
-    if backend is None:  # first layer of this kind in the micro-batch
-        backend = ctx._resolved[resolve_key] = resolve_backend(ctx.backend, query, features)
-    return backend.fn(query, key, value, ctx, scaling, features, sinks)
-
-
-def dispatched_feature_problems(features: AttentionFeatures, sp_backend: str | None, structure: bool) -> list[str]:
-    """Why sequence parallelism (`sp_backend`) or structure mode cannot run a model with these features; for the
-    trainer's start-up check, which bypasses the backend table for them."""
-    from train.structured_attention import structure_feature_problems
-
-    problems = structure_feature_problems(features, sp_backend is not None) if structure else []
-    if sp_backend is not None:
-        from train.sequence_parallel import sp_feature_problems
-
-        problems += sp_feature_problems(sp_backend, features)
-    return problems
+    return ctx.attend(query, key, value, scaling, features, s_aux), None
 
 
 # never traced: compiled decoder layers (compile_layers) break their graph here instead of guarding on the host

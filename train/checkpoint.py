@@ -577,6 +577,17 @@ def _flat_config(config: dict, prefix: str = "") -> dict:
     return flat
 
 
+def model_identity(model_config, lora) -> dict:
+    """What a checkpoint remembers of its model (`model_mismatch`): the model config as transformers reads it
+    (`model_config`), and the LoRA settings that shape the adapters or scale them (`lora`: the config's section)."""
+    record = {"lora_rank": lora.lora_rank}
+    if lora.lora_rank:
+        targets = lora.target_modules
+        record.update(lora_alpha=lora.lora_alpha,
+                      target_modules="all-linear" if targets == ["all-linear"] else sorted(targets))
+    return {"config": orjson.loads(model_config.to_json_string(use_diff=False)), "lora": record}
+
+
 def model_mismatch(saved: dict | None, current: dict, source: str) -> str | None:
     """How this run's model differs from the checkpoint's (None: the same, or a checkpoint that predates the
     record): each model config key (`source` names where this run's config comes from) and LoRA setting with both

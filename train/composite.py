@@ -124,6 +124,16 @@ def text_decoder_targets(composite: nn.Module, targets: str | list[str], linear_
     return [name for name in inside if any(name == t or name.endswith("." + t) for t in targets)]
 
 
+def processor_dir(model_path: str | None, config) -> Path | None:
+    """The directory of a composite checkpoint, whose processor files (image processor, chat template) its export
+    carries; None for a causal LM or a random init."""
+    if model_path is None or not is_composite(config):
+        return None
+    from common.config import pretrained_dir
+
+    return pretrained_dir(model_path, "model_path")
+
+
 def copy_processor_files(source: Path, destination: Path) -> list[str]:
     """Copy the processor's files of a checkpoint directory (PROCESSOR_FILES) that `destination` does not hold yet;
     their names."""

@@ -50,9 +50,9 @@ def build_deepspeed_config(cfg: TrainConfig) -> dict:
     built = {
         # the micro-batch is one varlen sequence (batch dimension 1); DeepSpeed derives train_batch_size
         "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": cfg.grad_accum,
-        "gradient_clipping": cfg.max_grad_norm,
-        "bf16": {"enabled": cfg.bf16},
+        "gradient_accumulation_steps": cfg.steps.grad_accum,
+        "gradient_clipping": cfg.optim.max_grad_norm,
+        "bf16": {"enabled": cfg.model.bf16},
         "fp16": {"enabled": False},
         "zero_optimization": zero,
         # the optimizer is torch's AdamW given by the trainer, except with optimizer offload (DeepSpeedCPUAdam)
@@ -64,10 +64,10 @@ def build_deepspeed_config(cfg: TrainConfig) -> dict:
         built["optimizer"] = {
             "type": "AdamW",
             "params": {
-                "lr": cfg.lr,
-                "betas": [cfg.adam_beta1, cfg.adam_beta2],
-                "eps": cfg.adam_eps,
-                "weight_decay": cfg.weight_decay,
+                "lr": cfg.optim.lr,
+                "betas": [cfg.optim.adam_beta1, cfg.optim.adam_beta2],
+                "eps": cfg.optim.adam_eps,
+                "weight_decay": cfg.optim.weight_decay,
             },
         }
     # template values are defaults; what the config decides (stage, gas, clipping, precision) wins

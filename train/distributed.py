@@ -16,6 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from train.sp_rules import degree_problem, processes_problem
+
 
 @dataclass
 class Mesh:
@@ -62,11 +64,9 @@ def build_mesh(sp_size: int = 1, device: torch.device | None = None, ulysses_siz
             raise ValueError(f"sequence_parallel_size={sp_size} needs {sp_size} processes, got a single process")
         return Mesh(1, 0, 1, 0, 1, 0, None, None, device)
     world, rank = dist.get_world_size(), dist.get_rank()
-    if sp_size < 1 or world % sp_size:
-        raise ValueError(f"world size {world} is not divisible by sequence_parallel_size={sp_size}")
+    if problem := processes_problem(world, f"world size {world}", sp_size) or degree_problem(sp_size, ulysses_size):
+        raise ValueError(problem)
     dp_size = world // sp_size
-    if ulysses_size < 1 or sp_size % ulysses_size:
-        raise ValueError(f"sp_ulysses_size={ulysses_size} does not divide sequence_parallel_size={sp_size}")
     if ulysses_size > 1:
         ring_size = sp_size // ulysses_size
         mesh = dist.device_mesh.init_device_mesh(
@@ -123,3 +123,28 @@ class _AllReduceSum(torch.autograd.Function):
 def differentiable_all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Out-of-place sum over `group`, differentiable (see _AllReduceSum)."""
     return _AllReduceSum.apply(tensor, group)
+
+
+def all_reduce_sum_bucketed(tensors: list[torch.Tensor], bucket_elements: int = 1 << 24) -> None:
+    """In-place SUM all-reduce (not mean: the local losses are already parts of the step loss), in flat buckets
+    of same-dtype tensors rather than one collective per parameter."""
+    bucket: list[torch.Tensor] = []
+
+    def flush():
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for t in bucket:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+        bucket.clear()
+
+    size = 0
+    for t in tensors:
+        if bucket and (t.dtype != bucket[0].dtype or size + t.numel() > bucket_elements):
+            flush()
+            size = 0
+        bucket.append(t)
+        size += t.numel()
+    if bucket:
+        flush()

@@ -1,24 +1,23 @@
-"""The causal LM's output head as the loss sees it: which transform of `h W^T + b` a family applies, and a check
-that it is reproduced.
+"""The causal LM's output head as the loss sees it: which transform of `h W^T + b` a family applies.
 
 The trainer computes the loss from the decoder body's final hidden states and the output-embedding weight
 (train/loss.py), so it skips what `*ForCausalLM.forward` does between the two: Gemma-2's logit softcap, Cohere's
 logit scale, Granite's logits scaling, MiniCPM3's division of the hidden states... Without them a model trains on
 other logits than the ones it is evaluated and sampled with. `lm_head_of` reads the transform from the config
-through the family's `logits` in train/families.py (config attributes and how each applies);
-`check_lm_head` runs the model's own forward and compares its logits with the reproduced ones, which catches a
-family whose forward does something the table does not know (a new family, remote code, a patched forward).
+through the family's `logits` in train/families.py (config attributes and how each applies). A family whose forward
+does something the table does not know (a new family, remote code, a patched forward) is caught by comparing the
+packed loss with the model's own forward (train/model_check.py: the trainer's start-up self-check and the
+conformance suite).
 """
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 
-from train.composite import attn_implementations, check_composite_structure, is_composite, text_decoder_of
+from train.composite import check_composite_structure, is_composite, text_decoder_of
 from train.families import FAMILIES, LogitOp
 from train.loss import LMHead
 from train.model_support import UnsupportedModelError
+
 
 def _unsupported_head(family: str, what: str) -> UnsupportedModelError:
     """The error for a head the loss cannot reproduce: its loss would not be the model's loss."""
@@ -26,8 +25,8 @@ def _unsupported_head(family: str, what: str) -> UnsupportedModelError:
         f"model family {family!r}: {what}. PackSFT computes the loss from the decoder's final hidden states and "
         f"the output-embedding weight with the family's logit transform (train/families.py), so it would train "
         f"this model on other logits than its own forward produces. To train it, describe its head in "
-        f"train/families.py (the family's `logits`, or a new LMHead field in train/loss.py) and confirm with "
-        f"check_lm_head(lm) that the difference is at rounding level."
+        f"train/families.py (the family's `logits`, or a new LMHead field in train/loss.py) and confirm with the "
+        f"conformance suite (tests/test_model_conformance.py) that its packed loss is the model's own."
     )
 
 
@@ -72,8 +71,8 @@ def lm_head_of(lm: nn.Module) -> LMHead:
     `logits` (train/families.py; a family not in the table applies nothing).
 
     Raises UnsupportedModelError for a family whose head no LMHead expresses (its `unreproducible_head`, or layers
-    between the decoder and the output embedding). A transform the table does not know is only found by
-    `check_lm_head`.
+    between the decoder and the output embedding). A transform the table does not know is only found by running
+    the model's own forward (train/model_check.py).
     """
     causal_lm = causal_lm_of(lm)
     family = causal_lm.config.model_type
@@ -101,57 +100,3 @@ def lm_head_of(lm: nn.Module) -> LMHead:
         else:
             vocab_size = int(value)  # LogitOp.VOCAB_SIZE
     return LMHead(scale=scale, softcap=softcap, vocab_size=vocab_size)
-
-
-def head_logits(hidden: torch.Tensor, causal_lm: nn.Module, head: LMHead) -> torch.Tensor:
-    """fp32 logits of final hidden states through the output embedding and `head` (what the loss computes)."""
-    out = causal_lm.get_output_embeddings()
-    return head.transform(F.linear(hidden.to(out.weight.dtype), out.weight, getattr(out, "bias", None)))
-
-
-@torch.no_grad()
-def check_lm_head(lm: nn.Module, head: LMHead | None = None, num_tokens: int = 16, seed: int = 0) -> float:
-    """Max |model logits - reproduced logits| / max |model logits| on `num_tokens` random tokens (one sequence).
-
-    Runs the model's own forward (eager attention, no cache, eval mode; all three restored after) and, on the
-    final hidden states its decoder returned in that same forward, the output embedding and `head` (default
-    `lm_head_of(lm)`). At rounding level of the model's dtype when the head is reproduced. Under ZeRO-3 it must
-    run with the parameters gathered.
-    """
-    causal_lm = causal_lm_of(lm)
-    head = lm_head_of(lm) if head is None else head
-    weight = causal_lm.get_output_embeddings().weight
-    vocab = causal_lm.config.get_text_config().vocab_size
-    input_ids = torch.randint(head.vocab_size or vocab, (1, num_tokens),
-                              generator=torch.Generator().manual_seed(seed)).to(weight.device)
-    decoder_outputs = []
-    hook = decoder_of(causal_lm).register_forward_hook(lambda module, args, output: decoder_outputs.append(output))
-    attn_implementation, training = attn_implementations(causal_lm), causal_lm.training
-    try:
-        causal_lm.set_attn_implementation("eager")
-        causal_lm.eval()
-        model_logits = causal_lm(input_ids=input_ids, use_cache=False).logits[0].float()
-    finally:
-        hook.remove()
-        causal_lm.set_attn_implementation(attn_implementation)
-        causal_lm.train(training)
-    reproduced = head_logits(decoder_outputs[-1][0][0], causal_lm, head)
-    if reproduced.shape != model_logits.shape:
-        return float("inf")
-    return float((model_logits - reproduced).abs().max() / model_logits.abs().max().clamp_min(1e-30))
-
-
-def verify_lm_head(lm: nn.Module, head: LMHead | None = None, tolerance: float | None = None) -> float:
-    """`check_lm_head`, raising UnsupportedModelError above `tolerance` (default: 1e-4 for fp32 weights, 3e-2 for
-    16-bit ones, whose logits the model rounds). The trainer's start-up self-check. Returns the difference."""
-    head = lm_head_of(lm) if head is None else head
-    difference = check_lm_head(lm, head)
-    if tolerance is None:
-        tolerance = 1e-4 if causal_lm_of(lm).get_output_embeddings().weight.dtype == torch.float32 else 3e-2
-    if not difference <= tolerance:
-        raise _unsupported_head(
-            causal_lm_of(lm).config.model_type, f"its forward's logits differ from the reproduced head {head} by {difference:.3g} "
-                           f"(relative, tolerance {tolerance:.1g}): its forward transforms the logits in a way the "
-                           f"table does not know"
-        )
-    return difference

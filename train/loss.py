@@ -32,7 +32,7 @@ maths, equal within fp32 rounding of the log-sum-exp.
 benchmark's "unchunked" baseline.
 
 ZeRO-3: the caller must run this inside the forward of a module that owns the lm-head weight or declared it
-with `deepspeed.zero.register_external_parameter` (train/trainer.py's PackedCausalLM does).
+with `deepspeed.zero.register_external_parameter` (train/packed_model.py's PackedCausalLM does).
 """
 from __future__ import annotations
 

@@ -1,15 +1,16 @@
 """Packed vs unpacked: does a model train the same on a packed row as on each of its sequences alone?
 
-`compare_packed_with_reference(model, sequences)` runs the same weights twice:
+`compare_packed_with_reference(model, sequences, kernels)` runs the same weights twice:
 - reference: the model's own `*ForCausalLM.forward` on each sequence alone, with transformers' eager attention
   (its own masks, windows, softcaps, sinks and logit transforms), cross-entropy of every next token;
-- packed: the sequences concatenated into one row through `train.trainer.PackedCausalLM` (PackSFT's attention,
-  recurrent-layer restarts and chunked loss head), with the same token-mean weights;
+- packed: the sequences concatenated into one row through `train.packed_model.PackedCausalLM` (PackSFT's attention
+  as `kernels` run it, recurrent-layer restarts and chunked loss head), with the same token-mean weights;
 and returns the relative loss difference and the worst per-parameter gradient difference.
 
 Used by the conformance suite on tiny configs of every family (full gradients) and by the trainer's start-up
 self-check on the user's real model (`gradient_probe=True`: each parameter's gradient is compared through its dot
-product with a seeded random direction, so no second copy of the gradients is kept).
+product with a seeded random direction, so no second copy of the gradients is kept), on a few sequences of the data
+(`self_check_sequences`).
 """
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from common.config import ConfigError, pretrained_dir
-from train.attention import AttentionContext
+from train.attention import AttentionContext, LayerKernels
 
 # Relative tolerances of a correct packed path against the eager reference. In fp32 a gradient's error is measured
 # per parameter, against the larger of its own magnitude and 1e-3 of the largest gradient of the model: parameters
@@ -126,10 +128,12 @@ def _gradient_errors(packed: dict, reference: dict, probe: bool) -> tuple[float,
     return errors[name], name, together
 
 
-def compare_packed_with_reference(model, sequences: list[torch.Tensor], *, gradient_probe: bool = False,
-                                  seed: int = 1234, autocast: torch.autocast | None = None) -> PackedCheck:
-    """`model`: a `train.trainer.PackedCausalLM` (weights on their device); `sequences`: 1-D token id tensors
-    (at least 2 tokens each). Gradients of the model are left cleared."""
+def compare_packed_with_reference(model, sequences: list[torch.Tensor], kernels: LayerKernels, *,
+                                  gradient_probe: bool = False, seed: int = 1234,
+                                  autocast: torch.autocast | None = None) -> PackedCheck:
+    """`model`: a `train.packed_model.PackedCausalLM` (weights on their device); `sequences`: 1-D token id tensors
+    (at least 2 tokens each); `kernels`: what the packed run's layers run (the attention plan's packed kernels).
+    Gradients of the model are left cleared."""
     if not sequences or any(s.numel() < 2 for s in sequences):
         raise ValueError("the packed/unpacked comparison needs sequences of at least 2 tokens")
     lm = model.lm
@@ -146,12 +150,13 @@ def compare_packed_with_reference(model, sequences: list[torch.Tensor], *, gradi
     was_training = model.training
     model.eval()  # no dropout: both runs must see the same function (gradients are still computed)
     try:
-        return _compare(model, lm, params, sequences, n_targets, device, dtype, guard, gradient_probe, seed)
+        return _compare(model, lm, params, sequences, n_targets, device, dtype, guard, gradient_probe, seed, kernels)
     finally:
         model.train(was_training)
 
 
-def _compare(model, lm, params, sequences, n_targets, device, dtype, guard, gradient_probe, seed) -> PackedCheck:
+def _compare(model, lm, params, sequences, n_targets, device, dtype, guard, gradient_probe, seed,
+             kernels) -> PackedCheck:
 
     with model.unpacked(), guard:
         total = None
@@ -172,7 +177,7 @@ def _compare(model, lm, params, sequences, n_targets, device, dtype, guard, grad
     weights = (targets != -100).float() / n_targets
     cu = torch.tensor([0] + [int(x) for x in torch.tensor([s.numel() for s in sequences]).cumsum(0)],
                       dtype=torch.int32)
-    attn = AttentionContext.for_micro_batch(cu, device, backend=model.attn_backend)
+    attn = AttentionContext.for_micro_batch(cu, device, kernels)
     with guard:
         loss = model(ids[None], positions[None], targets, weights, torch.zeros_like(targets), attn)[0]  # LM loss
     loss.backward()
@@ -253,3 +258,46 @@ def weights_file_of(directory: Path, name: str) -> tuple[Path, str]:
                 if matches(key):
                     return directory / "model.safetensors", key
     return directory, name
+
+
+# ---------------------------------------------------------------------------------------------- the data's sequences
+def self_check_sequences(dataset, n_sequences: int = 4, max_tokens: int = 64,
+                         switch_points: list[int] = ()) -> list[torch.Tensor]:
+    """Up to `n_sequences` packed sequences of the first rows of `dataset` (train/online.py's), each cut to
+    `max_tokens` (at least two sequences: a lone one is split in two, which is still two sequences to keep apart).
+
+    `switch_points`: the lengths at which the model's rope changes its frequencies (train/rope.py). Then the
+    sequences are cut to the smallest one (the short side) and the last is replaced by the data's first sequence
+    longer than the largest one, cut just past it (the long side, at the least attention cost)."""
+    if switch_points:
+        max_tokens = min(max_tokens, switch_points[0])
+    seqs: list[torch.Tensor] = []
+    for r in range(min(len(dataset), 8)):
+        seqs += [seq[:max_tokens] for seq in _row_sequences(dataset, r) if seq.numel() >= 2]
+        if len(seqs) >= n_sequences:
+            break
+    seqs = seqs[:n_sequences]
+    if switch_points and (long := _first_sequence_longer_than(dataset, switch_points[-1])) is not None:
+        seqs = [*seqs[: n_sequences - 1], long[: switch_points[-1] + 1]]
+    if len(seqs) == 1 and seqs[0].numel() >= 4:
+        half = seqs[0].numel() // 2
+        seqs = [seqs[0][:half], seqs[0][half:]]
+    return seqs
+
+
+def _row_sequences(dataset, r: int) -> list[torch.Tensor]:
+    row = dataset[r]
+    ids = torch.from_numpy(np.asarray(row["input_ids"], dtype=np.int64))
+    return list(ids.split([int(n) for n in row["seq_lens"]]))
+
+
+def _first_sequence_longer_than(dataset, tokens: int) -> torch.Tensor | None:
+    """The data's first sequence of more than `tokens` tokens (found in the sequence index), or None."""
+    lengths = np.asarray(dataset.seq_index["length"])
+    longer = np.flatnonzero(lengths > tokens)
+    if longer.size == 0:
+        return None
+    row_ends = np.cumsum(np.asarray(dataset.row_n_seqs, dtype=np.int64))
+    row = int(np.searchsorted(row_ends, longer[0], side="right"))
+    first_of_row = int(row_ends[row - 1]) if row else 0
+    return _row_sequences(dataset, row)[int(longer[0]) - first_of_row]

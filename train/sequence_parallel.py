@@ -4,8 +4,8 @@ Flow per micro-batch (see docs/ARCHITECTURE.md):
 1. `train.batch.make_batch` builds the FULL row: targets shifted once on the full row and the exact per-token
    loss weights of the optimizer step, so no supervised token is lost at a shard boundary.
 2. `shard_batch(batch, sp_rank, sp_size, backend, group=...)` pads the row to what the backend needs and keeps
-   this rank's tokens (input ids, positions, targets, weights, categories, ...) plus an `SPContext` that the
-   registered attention function hands to `sp_attention` in every layer.
+   this rank's tokens (input ids, positions, targets, weights, categories, ...) plus an `SPContext`, which the
+   micro-batch's AttentionContext carries to the backend's attention in every layer.
 3. Each rank computes `weighted_lm_loss` on its local tokens. The step loss is the plain sum over sp ranks, dp
    ranks and micro-batches (weights are normalised over the whole step), so token losses are never gathered;
    a rank whose shard holds no loss token contributes exactly zero but must still run forward and backward,
@@ -18,18 +18,17 @@ Layouts:
   keeps chunks i and 2*sp-1-i of every sequence (balances causal work). The padding tokens follow the real tokens
   of their sequence, so causality keeps every real token from seeing them.
 
-Backends:
+Backends (`SP_BACKENDS`, keyed by train/backend_names.py's gather / ring names; train/attention_plan.py chooses one
+and, for `torch`, its varlen kernel per kind of layer, once at start):
 - `torch`, any CPU or CUDA torch. K/V are all-gathered over the sp group with an autograd-aware collective (whose
   backward sums the K/V gradients back to their owner). Then, in the contiguous layout, ONE varlen kernel call
-  (`train/varlen_kernels.py`) runs the local queries against the gathered keys, as ring-flash-attn's llama3
-  variant does: `shard_batch` computes once per micro-batch, on the host, the `VarlenBounds` of this rank's slice
-  (cu_seqlens_q: the parts of the sequences inside the slice; cu_seqlens_k: from the start of each such sequence
-  to its end or the slice end, whichever is first), and the kernels' bottom-right causal alignment supplies the
-  offset of every query. The kernel is the first usable of `SP_KERNEL_ORDER` (flash-attn, torch's
-  `varlen_attn`, the SDPA loop: the CPU path, which runs the same bounds through the reference kernel). The
-  whole row's K/V are gathered (as llama3 does: one collective of equal shards); only the key window
-  `key_range` (first local sequence's start to the slice end) is kept for the backward pass, so the K/V a rank
-  saves shrink from the row to its window (rank 0: its own slice).
+  (`train/varlen_kernels.py`, the kernel the plan chose) runs the local queries against the gathered keys, as
+  ring-flash-attn's llama3 variant does: `shard_batch` computes once per micro-batch, on the host, the
+  `VarlenBounds` of this rank's slice (cu_seqlens_q: the parts of the sequences inside the slice; cu_seqlens_k: from
+  the start of each such sequence to its end or the slice end, whichever is first), and the kernels' bottom-right
+  causal alignment supplies the offset of every query. The whole row's K/V are gathered (as llama3 does: one
+  collective of equal shards); only the key window `key_range` (first local sequence's start to the slice end) is
+  kept for the backward pass, so the K/V a rank saves shrink from the row to its window (rank 0: its own slice).
   The zigzag layout and structure mode (Parallel-R1 mask) keep SDPA with the boolean mask of the local queries
   against the gathered keys, built from global token indices: the CPU reference of the zigzag layout, and the
   one SP path that applies the Parallel-R1 mask.
@@ -37,36 +36,28 @@ Backends:
   makes the sliding window count from each query's global position); the mask path adds the window to the mask
   (global indices: within a sequence their differences are position differences) and computes softcap and sinks
   by the eager softmax. Sinks are per head and every rank holds all heads: nothing to slice.
-- `ulysses` (train/ulysses.py): contiguous layout; an all-to-all over the Ulysses group trades this rank's tokens
-  x all heads for the group's tokens x its heads, the packed attention runs on the whole row (or, in the hybrid,
-  this `torch` backend runs across the Ulysses groups on the group's block), and a second all-to-all returns.
 - `llama3`: ring-flash-attn's `llama3_flash_attn_varlen_func` (contiguous layout).
 - `zigzag`: ring-flash-attn's `zigzag_ring_flash_attn_varlen_func` (zigzag layout).
 ring-flash-attn needs flash-attn and CUDA; it is imported only when one of its backends is selected. Its backends
-express no sliding window, softcap or sinks here: `sp_feature_problems` says so before training starts.
+express no sliding window, softcap or sinks here: their `feature_problems` say so before training starts.
+Ulysses (train/ulysses.py) builds on this module: the contiguous layout without a backend (`backend=None`), then
+its all-to-all of heads around the packed attention or around one of these backends.
 """
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from train.varlen_kernels import (
-    KERNELS,
-    NO_FEATURES,
-    AttentionFeatures,
-    VarlenBounds,
-    eager_attention,
-    varlen_attention,
-)
+from train.backend_names import LLAMA3, RING_BACKENDS, TORCH, ZIGZAG
+from train.structured_attention import build_mask
+from train.varlen_kernels import AttentionFeatures, VarlenBounds, VarlenKernel, eager_attention
 
-SP_BACKENDS = ("torch", "llama3", "zigzag", "ulysses")
 LAYOUTS = ("contiguous", "zigzag")
-BACKEND_LAYOUT = {"torch": "contiguous", "llama3": "contiguous", "zigzag": "zigzag", "ulysses": "contiguous"}
 
 # Per-token batch fields and the value their padding tokens get; position_ids and seq_ids are computed.
 TOKEN_PAD_VALUES: dict[str, int | float] = {
@@ -84,8 +75,6 @@ COMPUTED_TOKEN_FIELDS = ("position_ids", "seq_ids")
 STRUCTURE_FIELDS = ("seq_ids", "block_ids", "path_ids")
 # Row-level fields replaced by the SPContext (their meaning is the full row's).
 ROW_FIELDS = ("cu_seqlens", "max_seqlen")
-# Kernels of the `torch` backend (contiguous layout), fastest first; the first one without reasons runs.
-SP_KERNEL_ORDER = ("flash_attn", "torch_varlen", "sdpa_loop")
 
 
 class SPBackendUnavailable(RuntimeError):
@@ -109,70 +98,40 @@ def _import_ring_flash_attn(backend: str):
     return ring_flash_attn
 
 
-def resolve_backend(name: str, half_precision: bool = True) -> str:
-    """`auto` -> `llama3` when CUDA, flash-attn and ring-flash-attn are usable and the model runs in bf16/fp16
-    (`half_precision`; flash kernels have no fp32), else `torch` (which runs a fused varlen kernel on CUDA too,
-    see `choose_sp_kernel`).
+def ring_flash_attn_reasons(name: str) -> Callable[[bool], list[str]]:
+    """Why ring-flash-attn's backend `name` (llama3, zigzag) cannot run here: it needs CUDA, flash-attn and
+    ring-flash-attn installed, and half precision (flash kernels have no fp32)."""
 
-    An explicit `llama3`/`zigzag` fails here, before any model is built, when it cannot run. `ulysses` needs
-    nothing beyond torch.distributed (its degree is chosen by `train.ulysses.choose_sp_layout`).
-    """
-    if name == "auto":
-        if not half_precision:
-            return "torch"
+    def reasons(half_precision: bool) -> list[str]:
         try:
-            _import_ring_flash_attn("llama3")
-        except SPBackendUnavailable:
-            return "torch"
-        return "llama3"
-    if name not in SP_BACKENDS:
-        raise ValueError(f"sp_backend must be one of auto, {', '.join(SP_BACKENDS)}; got {name!r}")
-    if name in ("llama3", "zigzag"):
-        _import_ring_flash_attn(name)
+            _import_ring_flash_attn(name)
+        except SPBackendUnavailable as exc:
+            return [str(exc)]
         if not half_precision:
-            raise SPBackendUnavailable(
-                f"sp_backend={name!r} runs flash-attn kernels, which need bf16/fp16: set bf16: true or use "
-                "sp_backend=torch"
-            )
-    return name
-
-
-def choose_sp_kernel(query: torch.Tensor, features: AttentionFeatures = NO_FEATURES) -> str:
-    """The varlen kernel of the `torch` backend for queries like `query` (device and dtype matter; an empty
-    tensor will do) and a layer's features: the first of SP_KERNEL_ORDER with no reasons; `sdpa_loop` always
-    qualifies."""
-    return next(name for name in SP_KERNEL_ORDER if not KERNELS[name].reasons(query, features))
-
-
-def sp_feature_problems(backend: str, features: AttentionFeatures) -> list[str]:
-    """Why sp backend `backend` cannot run layers with `features` ([] = it can); the trainer asks at start-up.
-
-    `torch` expresses every feature, and so does `ulysses` (its local attention is the packed path, whose backend
-    table or, in the hybrid, ring backend says what it cannot run). ring-flash-attn's functions are called with
-    flash-attn's causal arguments only: whether its varlen functions take `window_size` or `softcap` is not verified
-    here, and sinks need a gradient through the log-sum-exp, which they do not return."""
-    if backend in ("torch", "ulysses") or not features.names():
+            return [f"sp_backend={name!r} runs flash-attn kernels, which need bf16/fp16: set bf16: true or use "
+                    "sp_backend=torch"]
         return []
-    return [f"sp_backend={backend!r} (ring-flash-attn) cannot express {', '.join(features.names())}: use "
-            "sp_backend=torch, which all-gathers K/V and applies them exactly"]
+
+    return reasons
 
 
-def describe_sp_backend(backend: str, structure: bool, device: torch.device | str, dtype: torch.dtype,
-                        features: AttentionFeatures = NO_FEATURES) -> str:
-    """What the trainer's start line names: the backend and, for `torch`, how its attention runs."""
-    if backend == "ulysses":
-        return "sequence-parallel ulysses (all-to-all of heads, packed attention on the whole row)"
-    if backend != "torch":
-        return f"sequence-parallel {backend} (ring-flash-attn)"
-    if structure:
-        return "sequence-parallel torch (all-gathered K/V, SDPA with a boolean mask)"
-    kernel = choose_sp_kernel(torch.empty(0, device=device, dtype=dtype), features)
-    return f"sequence-parallel torch (all-gathered K/V, one {kernel} varlen call per layer)"
+def ring_feature_problems(name: str) -> Callable[[AttentionFeatures], list[str]]:
+    """ring-flash-attn's functions are called with flash-attn's causal arguments only: whether its varlen functions
+    take `window_size` or `softcap` is not verified here, and sinks need a gradient through the log-sum-exp, which
+    they do not return."""
+
+    def problems(features: AttentionFeatures) -> list[str]:
+        if not features.names():
+            return []
+        return [f"sp_backend={name!r} (ring-flash-attn) cannot express {', '.join(features.names())}: use "
+                "sp_backend=torch, which all-gathers K/V and applies them exactly"]
+
+    return problems
 
 
 @dataclass
 class SPContext:
-    """Everything `sp_attention` needs about this rank's shard of the (padded) row.
+    """Everything the sp attention needs about this rank's shard of the (padded) row.
 
     Token indices are positions in the padded row ("global index"); the gathered order is rank-major
     (rank 0's local tokens, then rank 1's, ...), which is what an all-gather of local tensors produces.
@@ -181,7 +140,6 @@ class SPContext:
     group: Any
     sp_rank: int
     sp_size: int
-    backend: str
     layout: str
     padded_length: int  # tokens of the padded row
     cu_seqlens: torch.Tensor  # [S'+1] int32, padded row (the padding sequence included in contiguous layout)
@@ -207,7 +165,7 @@ class SPContext:
     local_max_seqlen: int = 0
     # structure mode: block_ids / path_ids of every padded-row token (0 for padding) for the Parallel-R1 mask
     structure: dict[str, torch.Tensor] | None = None
-    # ulysses backend: train.ulysses.UlyssesContext (groups and the local attention's context)
+    # Ulysses (train/ulysses.py `ulysses_shard`): the UlyssesContext (groups and the local attention's context)
     ulysses: Any = None
     # torch backend masks by sliding window (None: full), built once per micro-batch
     _masks: dict = field(default_factory=dict, repr=False)
@@ -247,8 +205,6 @@ class SPContext:
             if sliding_window is not None:
                 visible &= k[None, :] > q[:, None] - sliding_window
             return visible
-        from train.structured_attention import build_mask
-
         block, path = self.structure["block_ids"], self.structure["path_ids"]
         return build_mask(self.seq_ids[q], block[q], path[q], q, self.seq_ids[k], block[k], path[k], k)
 
@@ -364,12 +320,11 @@ def shard_batch(
     batch: dict,
     sp_rank: int,
     sp_size: int,
-    backend: str,
+    backend: str | None,
     *,
     group: Any = None,
     layout: str | None = None,
     heads_k_stride: int | None = None,
-    ulysses: Any = None,
 ) -> tuple[dict, SPContext]:
     """This rank's part of a full micro-batch from `train.batch.make_batch`, and the SPContext for attention.
 
@@ -378,16 +333,18 @@ def shard_batch(
     (`zigzag` for zigzag, else contiguous); `backend="torch", layout="zigzag"` is the CPU reference of the zigzag
     layout. The local batch keeps every per-token field (sliced, [1, L] or [L] as given) and every non-token
     field; `cu_seqlens`/`max_seqlen` describe the full row and are dropped (the SPContext holds what attention
-    needs). Structure mode (seq/block/path ids present) needs the torch or ulysses backend. `ulysses`
-    (`train.ulysses.UlyssesSpec`): the Ulysses groups of the `ulysses` backend (default: the whole sp `group`).
+    needs). Structure mode (seq/block/path ids present) needs the torch backend, or None. `backend=None`: the
+    contiguous slices alone, with nothing a backend needs (what Ulysses shards: train/ulysses.py `ulysses_shard`).
     """
-    if backend not in SP_BACKENDS:
-        raise ValueError(f"shard_batch: backend must be one of {SP_BACKENDS} (resolve 'auto' first), got {backend!r}")
-    layout = layout or BACKEND_LAYOUT[backend]
+    if backend is not None and backend not in SP_BACKENDS:
+        raise ValueError(f"shard_batch: backend must be one of {RING_BACKENDS} or None (choose 'auto' first), got "
+                         f"{backend!r}")
+    native = "contiguous" if backend is None else SP_BACKENDS[backend].layout
+    layout = layout or native
     if layout not in LAYOUTS:
         raise ValueError(f"shard_batch: layout must be one of {LAYOUTS}, got {layout!r}")
-    if backend != "torch" and layout != BACKEND_LAYOUT[backend]:
-        raise ValueError(f"shard_batch: backend {backend!r} needs the {BACKEND_LAYOUT[backend]} layout, got {layout!r}")
+    if backend != TORCH and layout != native:
+        raise ValueError(f"shard_batch: backend {backend!r} needs the {native} layout, got {layout!r}")
     if not 0 <= sp_rank < sp_size:
         raise ValueError(f"shard_batch: sp_rank {sp_rank} out of range for sp_size {sp_size}")
     length = _row_length(batch)
@@ -399,7 +356,7 @@ def shard_batch(
             f"shard_batch: cu_seqlens must run from 0 to the row length {length}, got {cu_seqlens.tolist()}"
         )
     structured = "block_ids" in batch or "path_ids" in batch
-    if structured and backend not in ("torch", "ulysses"):
+    if structured and backend not in (TORCH, None):
         raise ValueError(
             f"structure mode (Parallel-R1 mask) needs sp_backend=torch or ulysses; {backend!r} runs causal flash "
             "kernels only"
@@ -433,7 +390,6 @@ def shard_batch(
         group=group,
         sp_rank=sp_rank,
         sp_size=sp_size,
-        backend=backend,
         layout=layout,
         padded_length=padded_length,
         cu_seqlens=padded_cu,
@@ -446,7 +402,7 @@ def shard_batch(
         key_range=key_range,
         heads_k_stride=heads_k_stride,
     )
-    if backend == "torch" and layout == "contiguous" and not structured:
+    if backend == TORCH and layout == "contiguous" and not structured:
         ctx.bounds = VarlenBounds.build(cu_q, cu_k)
     if structured:
         missing = [name for name in STRUCTURE_FIELDS if name not in fields]
@@ -456,13 +412,7 @@ def shard_batch(
         ctx.structure = {
             name: _take(plan, name, fields[name], every).to(torch.int64) for name in ("block_ids", "path_ids")
         }
-    if backend == "ulysses":
-        from train.ulysses import UlyssesSpec, ulysses_context
-
-        spec = ulysses or UlyssesSpec(size=sp_size, group=group)
-        row_structure = None if ctx.structure is None else {"seq_ids": seq_ids, **ctx.structure}
-        ctx.ulysses = ulysses_context(spec, sp_rank, sp_size, padded_cu, row_structure)
-    if backend == "llama3":
+    if backend == LLAMA3:
         ring = _import_ring_flash_attn(backend)
         cu_q, cu_k, max_q, max_k, k_slice = ring.llama3_flash_attn_prepare_cu_seqlens(
             padded_cu, causal=True, rank=sp_rank, world_size=sp_size
@@ -511,10 +461,14 @@ def _gather_sequence(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     return _GatherSequence.apply(tensor, group, 2)
 
 
-def _torch_attention(query, key, value, ctx: SPContext, scaling: float | None, features: AttentionFeatures,
-                     sinks: torch.Tensor | None) -> torch.Tensor:
+def gather_attention(query, key, value, ctx: SPContext, scaling: float | None, features: AttentionFeatures,
+                     sinks: torch.Tensor | None, kernel: VarlenKernel | None = None) -> torch.Tensor:
+    """The `torch` backend: K/V all-gathered, then one call of the varlen `kernel` (the contiguous layout) or SDPA
+    with the boolean mask (the zigzag layout, the Parallel-R1 mask)."""
     if ctx.bounds is not None:
-        return _torch_varlen_attention(query, key, value, ctx, scaling, features, sinks)
+        if kernel is None:
+            raise ValueError("gather_attention: the varlen path (contiguous layout) needs its kernel")
+        return _gather_varlen_attention(query, key, value, ctx, scaling, features, sinks, kernel)
     if ctx.sp_size > 1:  # one collective for K and V together
         n_kv_heads = key.shape[1]
         key, value = _gather_sequence(torch.cat([key, value], dim=1), ctx.group).split(n_kv_heads, dim=1)
@@ -533,8 +487,8 @@ def _torch_attention(query, key, value, ctx: SPContext, scaling: float | None, f
     return out.transpose(1, 2).contiguous()
 
 
-def _torch_varlen_attention(query, key, value, ctx: SPContext, scaling, features: AttentionFeatures,
-                            sinks: torch.Tensor | None) -> torch.Tensor:
+def _gather_varlen_attention(query, key, value, ctx: SPContext, scaling, features: AttentionFeatures,
+                             sinks: torch.Tensor | None, kernel: VarlenKernel) -> torch.Tensor:
     """Contiguous layout: one varlen kernel call of the local queries against the gathered key window."""
     q = query[0].transpose(0, 1).contiguous()  # [L, H, D]
     kv = torch.stack([key[0], value[0]]).transpose(1, 2).contiguous()  # [2, L, Hkv, D]: one collective for both
@@ -544,9 +498,7 @@ def _torch_varlen_attention(query, key, value, ctx: SPContext, scaling, features
     # a copy of the key window when it is shorter than the row: the kernel keeps its inputs for backward, and a
     # view would keep the whole gathered row alive in every layer
     window = kv[:, start:end].contiguous()
-    kernel = choose_sp_kernel(q, features)
-    out = varlen_attention(kernel, q, window[0], window[1], ctx.bounds, scaling, features, sinks)
-    return out.unsqueeze(0)
+    return kernel.fn(q, window[0], window[1], ctx.bounds, scaling, features, sinks).unsqueeze(0)
 
 
 def _flash_layout(tensor: torch.Tensor, backend: str) -> torch.Tensor:
@@ -559,66 +511,53 @@ def _flash_layout(tensor: torch.Tensor, backend: str) -> torch.Tensor:
     return tensor[0].transpose(0, 1).contiguous()
 
 
-def _llama3_attention(query, key, value, ctx: SPContext, scaling, features: AttentionFeatures,
-                      sinks: torch.Tensor | None) -> torch.Tensor:
-    ring = _import_ring_flash_attn("llama3")
+def llama3_attention(query, key, value, ctx: SPContext, scaling, features: AttentionFeatures,
+                     sinks: torch.Tensor | None, kernel: VarlenKernel | None = None) -> torch.Tensor:
+    ring = _import_ring_flash_attn(LLAMA3)
     n_kv_heads = key.shape[1]
     stride = ctx.heads_k_stride or n_kv_heads
     if n_kv_heads % stride:
         raise ValueError(f"heads_k_stride={stride} must divide the number of kv heads {n_kv_heads}")
     out = ring.llama3_flash_attn_varlen_func(
-        _flash_layout(query, "llama3"), _flash_layout(key, "llama3"), _flash_layout(value, "llama3"),
+        _flash_layout(query, LLAMA3), _flash_layout(key, LLAMA3), _flash_layout(value, LLAMA3),
         ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k, stride, ctx.local_k_slice,
         dropout_p=features.dropout, softmax_scale=scaling, causal=True, group=ctx.group,
     )
     return out.unsqueeze(0)
 
 
-def _zigzag_attention(query, key, value, ctx: SPContext, scaling, features: AttentionFeatures,
-                      sinks: torch.Tensor | None) -> torch.Tensor:
-    ring = _import_ring_flash_attn("zigzag")
+def zigzag_attention(query, key, value, ctx: SPContext, scaling, features: AttentionFeatures,
+                     sinks: torch.Tensor | None, kernel: VarlenKernel | None = None) -> torch.Tensor:
+    ring = _import_ring_flash_attn(ZIGZAG)
     out = ring.zigzag_ring_flash_attn_varlen_func(
-        _flash_layout(query, "zigzag"), _flash_layout(key, "zigzag"), _flash_layout(value, "zigzag"),
+        _flash_layout(query, ZIGZAG), _flash_layout(key, ZIGZAG), _flash_layout(value, ZIGZAG),
         ctx.local_cu_seqlens, ctx.local_max_seqlen,
         dropout_p=features.dropout, softmax_scale=scaling, causal=True, group=ctx.group,
     )
     return out.unsqueeze(0)
 
 
-_ATTENTION = {"torch": _torch_attention, "llama3": _llama3_attention, "zigzag": _zigzag_attention}
+# ---------------------------------------------------------------------------------------------------- the table
+@dataclass(frozen=True)
+class SPBackend:
+    """A gather / ring backend: the layout its rows are sharded in, its attention (query [1, H, L, D] and key/value
+    [1, Hkv, L, D] of this rank's L tokens, RoPE applied with the global positions -> [1, L, H, D]; `kernel`: the
+    varlen kernel of the `torch` contiguous path), why it cannot run here and which layer features it cannot
+    express."""
+
+    name: str
+    layout: str
+    attention: Callable[..., torch.Tensor]
+    reasons: Callable[[bool], list[str]]  # (half_precision) -> why it cannot run here
+    feature_problems: Callable[[AttentionFeatures], list[str]]
 
 
-def sp_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    sp_ctx: SPContext,
-    scaling: float | None,
-    features: AttentionFeatures = NO_FEATURES,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention of this rank's queries over the whole row. query [1, H, L, D], key/value [1, Hkv, L, D]
-    (transformers' layout, RoPE applied with the global positions); returns [1, L, H, D]. `features` are the
-    layer's (dropout already 0 outside training), `sinks` its [H] sink logits when features.has_sinks."""
-    if query.shape[0] != 1:
-        raise ValueError(f"sequence parallelism expects batch dimension 1 (packed rows), got {tuple(query.shape)}")
-    if query.shape[2] != sp_ctx.local_length:
-        raise ValueError(
-            f"sp_attention: {query.shape[2]} local queries but the SPContext shards {sp_ctx.local_length} tokens; "
-            "feed the model the local batch from shard_batch"
-        )
-    if features.has_sinks != (sinks is not None):
-        raise ValueError(f"features.has_sinks={features.has_sinks} but sinks {'absent' if sinks is None else 'given'}")
-    if sp_ctx.backend == "ulysses":  # its local attention checks the features (packed path or ring backend)
-        from train.ulysses import ulysses_attention
-
-        return ulysses_attention(module, query, key, value, sp_ctx.ulysses, scaling, features, sinks)
-    problems = sp_feature_problems(sp_ctx.backend, features)
-    if sp_ctx.structure is not None:
-        from train.structured_attention import structure_feature_problems
-
-        problems += structure_feature_problems(features, sequence_parallel=True)
-    if problems:
-        raise NotImplementedError("; ".join(problems))
-    return _ATTENTION[sp_ctx.backend](query, key, value, sp_ctx, scaling, features, sinks)
+SP_BACKENDS: dict[str, SPBackend] = {
+    TORCH: SPBackend(TORCH, "contiguous", gather_attention, lambda half_precision: [], lambda features: []),
+    LLAMA3: SPBackend(LLAMA3, "contiguous", llama3_attention, ring_flash_attn_reasons(LLAMA3),
+                      ring_feature_problems(LLAMA3)),
+    ZIGZAG: SPBackend(ZIGZAG, "zigzag", zigzag_attention, ring_flash_attn_reasons(ZIGZAG),
+                      ring_feature_problems(ZIGZAG)),
+}
+if tuple(SP_BACKENDS) != RING_BACKENDS:
+    raise ImportError(f"SP_BACKENDS {tuple(SP_BACKENDS)} must be train/backend_names.py's {RING_BACKENDS}")

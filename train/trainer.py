@@ -29,21 +29,15 @@ import os
 import random
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from common.config import ConfigError
-import train.attention  # noqa: F401  (registers attn_implementation="packsft")
-from train.attention import ATTN_IMPLEMENTATION, AttentionContext, resolve_backend
-from train.attention import dispatched_feature_problems, model_attention_features
+from train.attention_plan import plan_attention, plan_sp_layout
 from train.batch import make_batch, step_totals
-from train.composite import attn_implementation, attn_implementations, auto_model_class, copy_processor_files
-from train.composite import freeze_towers, is_composite
 from train.checkpoint import (
     FINAL_DIR,
     CheckpointError,
@@ -58,142 +52,26 @@ from train.checkpoint import (
     load_deepspeed_files_safely,
     load_rng,
     load_trainer_state,
+    model_identity,
     model_mismatch,
     remove_stale_temporaries,
     resume_candidates,
     safe_load,
     save_checkpoint,
 )
+from train.composite import copy_processor_files, processor_dir
 from train.config import TrainConfig
+from train.preflight import Preflight, preflight
 from train.data import StepPlan, StepSampler
-from train.distributed import Mesh, all_reduce_sum, build_mesh, init_distributed
-from train.lm_head import decoder_of, lm_head_of
-from train.loss import weighted_lm_loss
+from train.distributed import Mesh, all_reduce_sum, all_reduce_sum_bucketed, build_mesh, init_distributed
 from train.metrics import EvalProgress, MetricsLogger, plot_losses, step_progress, truncate_log
-from train.model_check import check_finite_weights
-from train.moe import RouterAux, real_tokens, records_router_logits, resolve_router_aux
+from train.moe import real_tokens, resolve_router_aux
 from train.nonfinite import SKIPPED, NonFiniteError, nonfinite_problem, nonfinite_tensors, stop_message
-from train.recurrent import install_sequence_restart
-from train.rope import install_per_sequence_rope
+from train.packed_model import PackedCausalLM, build_lm
 from train.rope import switch_points as rope_switch_points
 from train.varlen_kernels import queued_copy
 
 logger = logging.getLogger("packsft.train")
-
-
-# ---------------------------------------------------------------------------------------------- model
-class PackedCausalLM(nn.Module):
-    """The module DeepSpeed wraps: the HF causal LM's body plus the chunked weighted loss (no full logits).
-
-    The lm-head weight is used here, outside lm_head.forward; under ZeRO-3 it is registered as an external
-    parameter of this module so DeepSpeed gathers it around this forward (and reduces its gradient).
-    With `router_aux` (MoE, train/moe.py) the forward also returns this rank's share of the router aux term.
-    """
-
-    def __init__(self, lm: nn.Module, chunk_size: int, num_categories: int, zero3: bool = False,
-                 attn_backend: str = "auto", router_aux: RouterAux | None = None, fused_loss: bool = False):
-        super().__init__()
-        self.lm = lm
-        self.chunk_size = chunk_size
-        self.fused_loss = fused_loss  # train.loss's compiled chunk softmax and gradient
-        self.num_categories = num_categories
-        self.attn_backend = attn_backend  # what train.model_check's packed run asks for
-        self.head = lm_head_of(lm)  # what *ForCausalLM.forward does between the hidden states and the logits
-        # recurrent mixers (linear attention, state spaces, short convolutions) restart at every packed sequence
-        self.recurrent = install_sequence_restart(lm)
-        # ropes whose frequencies depend on the sequence length (longrope, dynamic NTK): per packed sequence
-        self.ropes = install_per_sequence_rope(lm)
-        self.router_aux = router_aux
-        # an MoE decoder records its router logits only when asked (the model config may ask for unused ones)
-        self._router_kwargs = (
-            {"output_router_logits": router_aux is not None} if records_router_logits(decoder_of(lm)) else {}
-        )
-        if zero3:
-            import deepspeed
-
-            head = lm.get_output_embeddings()
-            for p in (head.weight, getattr(head, "bias", None)):
-                if p is not None:
-                    deepspeed.zero.register_external_parameter(self, p)
-
-    def forward(self, input_ids, position_ids, targets, weights, target_categories, attn: AttentionContext,
-                router_tokens: torch.Tensor | None = None):
-        """weighted_lm_loss's (weighted_sum, cat_loss_sum, cat_count); with `router_aux`, a fourth value: this
-        rank's share of coef * the micro-batch's load-balancing loss over `router_tokens` ([L] 1.0 for a real
-        token, 0.0 for sequence-parallel padding or a filler row; None: every token is real)."""
-        if self.recurrent:  # left set after the forward: activation-checkpoint recomputation in backward reads them
-            self.recurrent.set_boundaries(attn.bounds.host_cu_q)
-        if self.ropes:
-            self.ropes.set_row(attn)
-        outputs = decoder_of(self.lm)(
-            input_ids=input_ids, position_ids=position_ids, use_cache=False, packsft=attn, **self._router_kwargs
-        )
-        head = self.lm.get_output_embeddings()
-        lm_loss = weighted_lm_loss(
-            outputs.last_hidden_state[0], head.weight, targets, weights, target_categories, self.num_categories,
-            self.chunk_size, lm_head_bias=getattr(head, "bias", None), head=self.head, fused=self.fused_loss,
-        )
-        if self.router_aux is None:
-            return lm_loss
-        if router_tokens is None:
-            router_tokens = torch.ones(input_ids.numel(), device=input_ids.device)
-        sp_group = attn.sp.group if attn.sp is not None else None
-        return (*lm_loss, self.router_aux.share(outputs.router_logits, router_tokens, sp_group))
-
-    @contextmanager
-    def unpacked(self):
-        """The model as transformers runs it unpacked (its own eager attention): the reference of
-        train.model_check."""
-        previous = attn_implementations(self.lm)  # a composite's towers and text decoder each keep their own
-        self.lm.set_attn_implementation("eager")
-        self.recurrent.clear()
-        self.ropes.clear()
-        try:
-            yield
-        finally:
-            self.lm.set_attn_implementation(previous)
-
-
-def build_lm(cfg: TrainConfig, dtype: torch.dtype, checkpointing: bool = False) -> nn.Module:
-    """The HF causal LM with the packsft attention; optional Liger kernels, activation checkpointing, LoRA and
-    compiled decoder layers (in that order: compile wraps the patched, checkpointed layers)."""
-    from transformers import AutoConfig
-
-    model_cfg = AutoConfig.from_pretrained(cfg.model_path or cfg.model_config)
-    model_class, attention = auto_model_class(model_cfg), attn_implementation(model_cfg, ATTN_IMPLEMENTATION)
-    if cfg.model_path is not None:  # a composite checkpoint loads with its own class (train/composite.py)
-        lm = model_class.from_pretrained(cfg.model_path, attn_implementation=attention, dtype=dtype)
-        check_finite_weights(lm, cfg.model_path)  # a NaN / inf there is named now, not blamed on packing later
-    else:
-        lm = model_class.from_config(model_cfg, attn_implementation=attention, dtype=dtype)
-    lm.config.use_cache = False
-    if is_composite(lm.config):
-        lm.config.get_text_config().use_cache = False
-        freeze_towers(lm, cfg.freeze_vision_tower, cfg.freeze_multi_modal_projector)
-    if cfg.liger:
-        # fused RMSNorm / SwiGLU / RoPE (Triton); the loss stays PackSFT's chunked weighted loss, so Liger's cross
-        # entropy kernels are not used
-        from liger_kernel.transformers import _apply_liger_kernel_to_instance
-
-        _apply_liger_kernel_to_instance(model=lm, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                        fused_linear_cross_entropy=False)
-    if checkpointing:
-        lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    if cfg.lora_rank > 0:
-        from train.lora import apply_lora
-
-        lm = apply_lora(lm, cfg)
-    if cfg.compile_layers:
-        compile_decoder_layers(lm)
-    return lm
-
-
-def compile_decoder_layers(lm: nn.Module) -> None:
-    """torch.compile every decoder layer in place. The attention function runs outside the compiled graphs
-    (packsft_attention is marked `torch.compiler.disable`: its per-micro-batch host bounds would otherwise be
-    guarded on and recompile every step); the projections, RoPE, norms and MLP around it are fused."""
-    for layer in decoder_of(lm).layers:
-        layer.compile()
 
 
 def lr_lambda_factory(total_steps: int, warmup_steps: int, schedule: str, min_ratio: float):
@@ -214,31 +92,6 @@ def lr_lambda_factory(total_steps: int, warmup_steps: int, schedule: str, min_ra
     return factor
 
 
-def _all_reduce_sum_bucketed(tensors: list[torch.Tensor], bucket_elements: int = 1 << 24) -> None:
-    """In-place SUM all-reduce (not mean: the local losses are already parts of the step loss), in flat buckets
-    of same-dtype tensors rather than one collective per parameter."""
-    bucket: list[torch.Tensor] = []
-
-    def flush():
-        flat = torch.cat([t.reshape(-1) for t in bucket])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        offset = 0
-        for t in bucket:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
-        bucket.clear()
-
-    size = 0
-    for t in tensors:
-        if bucket and (t.dtype != bucket[0].dtype or size + t.numel() > bucket_elements):
-            flush()
-            size = 0
-        bucket.append(t)
-        size += t.numel()
-    if bucket:
-        flush()
-
-
 def _init_single_process_group() -> None:
     """A world of one (no launcher environment). Its rendezvous is an in-process store: a free port found by binding
     and releasing it could be taken by another process before the group's store binds it again (EADDRINUSE, seen
@@ -250,43 +103,6 @@ def _init_single_process_group() -> None:
                             world_size=1, rank=0)
 
 
-def choose_sp_backend(requested: str, structure: bool, half_precision: bool) -> str:
-    """The sequence-parallel gather / ring backend (without Ulysses, or across the Ulysses groups of the hybrid,
-    where `ulysses` asks for it as `auto` does); structure (Parallel-R1) data needs the mask of the `torch` backend,
-    which `auto` then picks, and an explicit flash backend is a config error (before the model loads)."""
-    if requested == "ulysses":
-        requested = "auto"
-    if structure:
-        if requested not in ("auto", "torch"):
-            raise ConfigError(
-                f"sp_backend={requested!r} runs causal flash kernels only; the data has structure ids (Parallel-R1 "
-                "mask): use sp_backend=torch or auto"
-            )
-        return "torch"
-    from train.sequence_parallel import resolve_backend
-
-    return resolve_backend(requested, half_precision=half_precision)
-
-
-def choose_sp_layout(cfg: TrainConfig):
-    """The Ulysses degree of the sp groups (train/ulysses.py `choose_sp_layout`) from the config, the model's
-    heads and the processes per machine (LOCAL_WORLD_SIZE of the launcher, else the config's launch section)."""
-    from transformers import AutoConfig
-
-    from train.ulysses import choose_sp_layout as choose
-
-    config = AutoConfig.from_pretrained(cfg.model_path or cfg.model_config)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    n_heads = text.num_attention_heads
-    n_kv_heads = getattr(text, "num_key_value_heads", None) or n_heads
-    per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or cfg.launch.num_processes // cfg.launch.num_machines
-    try:
-        return choose(cfg.sp_backend, cfg.sequence_parallel_size, cfg.sp_ulysses_size, n_heads, n_kv_heads,
-                      per_machine)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -295,18 +111,17 @@ def _seed_everything(seed: int) -> None:
 
 # ---------------------------------------------------------------------------------------------- trainer
 class Trainer:
-    def __init__(self, cfg: TrainConfig, console=None, validate: bool = True):
-        """`validate=False`: the caller already ran cfg.validate(world_size) (python -m train does, before the
-        heavy imports)."""
+    def __init__(self, cfg: TrainConfig, console=None, checked: Preflight | None = None):
+        """`checked`: what train/preflight.py found (python -m train runs it before the heavy imports); None: it
+        runs here."""
         self.cfg = cfg
         init_distributed()
         if cfg.uses_deepspeed and not dist.is_initialized():
             _init_single_process_group()  # DeepSpeed needs a process group, also for one process
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if validate:
-            cfg.validate(world)  # every invariant before the model loads
-        self.sp_layout = choose_sp_layout(cfg) if cfg.sequence_parallel_size > 1 else None
-        self.mesh: Mesh = build_mesh(cfg.sequence_parallel_size,
+        self.checked = checked = checked or preflight(cfg, world)  # every check before the model loads
+        self.sp_layout = plan_sp_layout(cfg.parallel, cfg.launch, checked.model_config)  # before the mesh
+        self.mesh: Mesh = build_mesh(cfg.parallel.sequence_parallel_size,
                                      ulysses_size=self.sp_layout.ulysses_size if self.sp_layout else 1)
         self.device = self.mesh.device
         self.console = console or (print if self.mesh.is_main else (lambda *_: None))
@@ -315,12 +130,12 @@ class Trainer:
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars
-        _seed_everything(cfg.seed)
+        _seed_everything(cfg.steps.seed)
 
         from train.online import open_train_dataset
 
-        self.dataset = open_train_dataset(cfg.data_path, cfg.online_max_length, seed=cfg.seed, verify=cfg.verify_data)
-        if cfg.resolved_tokenizer_path(self.dataset.meta) is None:  # none named anywhere (a named one must exist)
+        self.dataset = open_train_dataset(cfg.data.data_path, cfg.data.online_max_length, seed=cfg.steps.seed, verify=cfg.data.verify_data)
+        if checked.tokenizer_path is None:  # none named anywhere (a named one must exist)
             self._warn("no tokenizer (tokenizer_path, model_path, the shards' meta.json): final/ will be exported "
                        "without one")
         self.eval_dataset = self._open_eval_set()
@@ -328,55 +143,49 @@ class Trainer:
         self.num_categories = max([0, *self.categories]) + 1
         self.structure = "block_ids" in self.dataset.token_fields
         self.sampler = StepSampler(
-            self.dataset, self.mesh.dp_size, self.mesh.dp_rank, cfg.grad_accum, cfg.micro_batch_rows, cfg.seed,
-            balance=cfg.balance_dp,
+            self.dataset, self.mesh.dp_size, self.mesh.dp_rank, cfg.steps.grad_accum, cfg.steps.micro_batch_rows, cfg.steps.seed,
+            balance=cfg.data.balance_dp,
         )
-        self.total_steps = self.sampler.total_steps(cfg.max_steps, cfg.num_epochs)
+        self.total_steps = self.sampler.total_steps(cfg.steps.max_steps, cfg.steps.num_epochs)
         self.warmup_steps = (
-            cfg.warmup_steps if cfg.warmup_steps is not None else int(cfg.warmup_ratio * self.total_steps)
+            cfg.optim.warmup_steps if cfg.optim.warmup_steps is not None else int(cfg.optim.warmup_ratio * self.total_steps)
         )
-        self.sp_backend = self.sp_ring_backend = None  # ring: across the Ulysses groups of the hybrid
-        if self.sp_layout is not None:
-            if self.sp_layout.ring_size > 1:
-                self.sp_ring_backend = choose_sp_backend(cfg.sp_backend, self.structure, half_precision=cfg.bf16)
-            self.sp_backend = "ulysses" if self.sp_layout.ulysses_size > 1 else self.sp_ring_backend
-
         zero3 = cfg.deepspeed.stage == 3
         self._hf_ds_config = None
         if cfg.uses_deepspeed:
             from train.deepspeed_config import build_deepspeed_config
 
             self.ds_config = build_deepspeed_config(cfg)
-            if zero3 and cfg.model_path is not None:
+            if zero3 and cfg.model.model_path is not None:
                 # from_pretrained then loads straight into partitions (zero.Init) instead of a full copy per rank
                 from transformers.integrations import HfDeepSpeedConfig
 
                 self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
-        dtype = torch.bfloat16 if (cfg.bf16 and cfg.uses_deepspeed) else torch.float32
+        dtype = torch.bfloat16 if (cfg.model.bf16 and cfg.uses_deepspeed) else torch.float32
         row_length = int(self.dataset.meta.get("max_length") or int(np.max(self.dataset.row_n_tokens)))
         self.checkpointing, self.checkpointing_reason = self._choose_checkpointing(row_length)
         self.family = self._check_family()  # before any weight is loaded
-        self.lm = build_lm(cfg, dtype, self.checkpointing)
-        self.attn_backend = self._resolve_attention()
-        self.router_aux, router_warning = resolve_router_aux(self.lm, cfg.output_router_logits,
-                                                             cfg.router_aux_loss_coef)
+        self.model_identity = model_identity(checked.model_config, cfg.lora)
+        self.lm = build_lm(cfg, checked.model_config, dtype, self.checkpointing)
+        self.plan = plan_attention(cfg.model, cfg.parallel, self.sp_layout, self.mesh, self.lm, self.structure)
+        self.router_aux, router_warning = resolve_router_aux(self.lm, cfg.moe.output_router_logits,
+                                                             cfg.moe.router_aux_loss_coef)
         if router_warning:
             self._warn(router_warning)
         # the compiled loss chunk: measured 1.18x the step of the eager chunk on an H100 (BENCHMARKS.md); auto keeps
         # the CPU on the eager loop (inductor's C++ build there costs more than it saves)
-        self.compiles_loss = bool(cfg.loss_chunk_size) and (
-            cfg.compile_loss is True or (cfg.compile_loss == "auto" and self.device.type == "cuda"))
-        self.model = PackedCausalLM(self.lm, cfg.loss_chunk_size, self.num_categories, zero3=zero3,
-                                    attn_backend=self.attn_backend, router_aux=self.router_aux,
-                                    fused_loss=self.compiles_loss)
-        if cfg.self_check:
+        self.compiles_loss = cfg.model.compile_loss is True or (cfg.model.compile_loss == "auto"
+                                                                and self.device.type == "cuda")
+        self.model = PackedCausalLM(self.lm, cfg.steps.loss_chunk_size, self.num_categories, zero3=zero3,
+                                    router_aux=self.router_aux, fused_loss=self.compiles_loss)
+        if cfg.model.self_check:
             self._self_check(zero3)
-        self.lr_factor = lr_lambda_factory(self.total_steps, self.warmup_steps, cfg.schedule, cfg.min_lr_ratio)
+        self.lr_factor = lr_lambda_factory(self.total_steps, self.warmup_steps, cfg.optim.schedule, cfg.optim.min_lr_ratio)
         self._setup_optimizer()
         self.step = 0
         self._maybe_resume()  # before the logger opens log.jsonl: resuming truncates it to the checkpoint's step
-        self.metrics = MetricsLogger(cfg.output_dir, self.mesh.is_main, cfg.log_backends, cfg.to_dict(),
-                                     cfg.wandb_project, write_console=self._console_write)
+        self.metrics = MetricsLogger(cfg.checkpoint.output_dir, self.mesh.is_main, cfg.logging.log_backends, cfg.to_dict(),
+                                     cfg.logging.wandb_project, write_console=self._console_write)
 
     # ------------------------------------------------------------------ setup
     def _open_eval_set(self):
@@ -385,115 +194,66 @@ class Trainer:
         again at every evaluation, and a folder deleted mid-run silently ended the evaluations)."""
         from data.shards import PackedDataset
 
-        path = self.cfg.eval_path()
-        return None if path is None else PackedDataset(path, verify=self.cfg.verify_data)
+        path = self.checked.eval_path
+        return None if path is None else PackedDataset(path, verify=self.cfg.data.verify_data)
 
     def _choose_checkpointing(self, row_length: int) -> tuple[bool, str]:
         """gradient_checkpointing auto: on a GPU from the memory estimate of train/memory_plan.py (a micro-batch's
         activations without checkpointing vs the free memory less the model state); on CPU by row length."""
         cfg = self.cfg
         per_rank_row = -(-row_length // self.mesh.sp_size)
-        if cfg.gradient_checkpointing != "auto" or self.device.type != "cuda":
-            enabled = cfg.checkpointing_enabled(per_rank_row)
-            why = "set" if cfg.gradient_checkpointing != "auto" else (
+        if cfg.model.gradient_checkpointing != "auto" or self.device.type != "cuda":
+            enabled = cfg.model.checkpointing_enabled(per_rank_row)
+            why = "set" if cfg.model.gradient_checkpointing != "auto" else (
                 f"auto: {per_rank_row} tokens per rank {'>=' if enabled else '<'} checkpointing_min_length="
-                f"{cfg.checkpointing_min_length}")
+                f"{cfg.model.checkpointing_min_length}")
             return enabled, f"{'on' if enabled else 'off'} ({why})"
-        from transformers import AutoConfig
-
         from train.deepspeed_config import offloads_optimizer
         from train.memory_plan import ModelShape, choose_checkpointing, model_state_bytes
 
-        shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(cfg.model_path or cfg.model_config))
-        n_trainable = shape.n_params if cfg.lora_rank == 0 else 0  # LoRA adapters: negligible next to the model
+        shape = ModelShape.from_hf_config(self.checked.model_config)
+        n_trainable = shape.n_params if cfg.lora.lora_rank == 0 else 0  # LoRA adapters: negligible next to the model
         state = model_state_bytes(
             shape.n_params, n_trainable, cfg.deepspeed.stage, self.mesh.world_size,
-            offload_optimizer=cfg.uses_deepspeed and offloads_optimizer(self.ds_config), bf16=cfg.bf16,
+            offload_optimizer=cfg.uses_deepspeed and offloads_optimizer(self.ds_config), bf16=cfg.model.bf16,
         )
-        tokens = -(-row_length * cfg.micro_batch_rows // self.mesh.sp_size)
+        tokens = -(-row_length * cfg.steps.micro_batch_rows // self.mesh.sp_size)
         free, _ = torch.cuda.mem_get_info(self.device)
-        decision = choose_checkpointing(shape, tokens, free, state, act_bytes=2 if cfg.bf16 else 4,
-                                        loss_chunk=cfg.loss_chunk_size)
+        decision = choose_checkpointing(shape, tokens, free, state, act_bytes=2 if cfg.model.bf16 else 4,
+                                        loss_chunk=cfg.steps.loss_chunk_size)
         return decision.enabled, decision.describe()
 
     def _check_family(self) -> str:
         """The model family's status (train/model_support.py); a family that cannot train exactly on packed rows
         stops here, naming the family and the reason."""
-        from transformers import AutoConfig
-
         from train.model_support import check_model_support, model_type_of
 
-        config = AutoConfig.from_pretrained(self.cfg.model_path or self.cfg.model_config)
-        status = check_model_support(config, self_check=self.cfg.self_check)
-        if self.mesh.sp_size > 1:
-            from train.recurrent import sequence_parallel_problem
-            from train.rope import sequence_parallel_problem as rope_sequence_parallel_problem
-
-            problem = rope_sequence_parallel_problem(config.get_text_config()) or sequence_parallel_problem(config)
-            if problem:
-                raise ConfigError(problem)
+        config = self.checked.model_config
+        status = check_model_support(config, self_check=self.cfg.model.self_check)
         if status == "unverified":
             self._warn(f"model family {model_type_of(config)!r} is not in PackSFT's verified table: the start-up "
                        "self-check decides whether it trains exactly")
         return model_type_of(config)
 
-    def _self_check_sequences(self, n_sequences: int = 4, max_tokens: int = 64,
-                              switch_points: list[int] = ()) -> list[torch.Tensor]:
-        """Up to `n_sequences` packed sequences of the first rows, each cut to `max_tokens` (at least two
-        sequences: a lone one is split in two, which is still two sequences to keep apart).
-
-        `switch_points`: the lengths at which the model's rope changes its frequencies (train/rope.py). Then the
-        sequences are cut to the smallest one (the short side) and the last is replaced by the data's first
-        sequence longer than the largest one, cut just past it (the long side, at the least attention cost)."""
-        if switch_points:
-            max_tokens = min(max_tokens, switch_points[0])
-        seqs: list[torch.Tensor] = []
-        for r in range(min(len(self.dataset), 8)):
-            seqs += [seq[:max_tokens] for seq in self._row_sequences(r) if seq.numel() >= 2]
-            if len(seqs) >= n_sequences:
-                break
-        seqs = seqs[:n_sequences]
-        if switch_points and (long := self._first_sequence_longer_than(switch_points[-1])) is not None:
-            seqs = [*seqs[: n_sequences - 1], long[: switch_points[-1] + 1]]
-        if len(seqs) == 1 and seqs[0].numel() >= 4:
-            half = seqs[0].numel() // 2
-            seqs = [seqs[0][:half], seqs[0][half:]]
-        return seqs
-
-    def _row_sequences(self, r: int) -> list[torch.Tensor]:
-        row = self.dataset[r]
-        ids = torch.from_numpy(np.asarray(row["input_ids"], dtype=np.int64))
-        return list(ids.split([int(n) for n in row["seq_lens"]]))
-
-    def _first_sequence_longer_than(self, tokens: int) -> torch.Tensor | None:
-        """The data's first sequence of more than `tokens` tokens (found in the sequence index), or None."""
-        lengths = np.asarray(self.dataset.seq_index["length"])
-        longer = np.flatnonzero(lengths > tokens)
-        if longer.size == 0:
-            return None
-        row_ends = np.cumsum(np.asarray(self.dataset.row_n_seqs, dtype=np.int64))
-        row = int(np.searchsorted(row_ends, longer[0], side="right"))
-        first_of_row = int(row_ends[row - 1]) if row else 0
-        return self._row_sequences(row)[int(longer[0]) - first_of_row]
-
     def _self_check(self, zero3: bool) -> None:
         """Packed path vs the model's own unpacked eager forward on a few sequences of the data, same weights:
         training stops if they differ (a family or feature PackSFT does not reproduce). See train/model_check.py."""
-        from train.model_check import SelfCheckError, compare_packed_with_reference
+        from train.model_check import SelfCheckError, compare_packed_with_reference, self_check_sequences
 
-        if zero3 and self.cfg.model_path is not None:
+        if zero3 and self.cfg.model.model_path is not None:
             self.console("self-check skipped: ZeRO-3 loads the weights partitioned (self_check covers ZeRO-0/1/2)")
             return
         switch_points = rope_switch_points(self.lm.config.get_text_config())
-        seqs = self._self_check_sequences(switch_points=switch_points)
+        seqs = self_check_sequences(self.dataset, switch_points=switch_points)
         if len(seqs) < 2:
             self.console("self-check skipped: the data has no sequence of 2 tokens or more")
             return
         start = time.perf_counter()
         self.model.to(self.device)
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.cfg.bf16 and not self.cfg.uses_deepspeed \
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.cfg.model.bf16 and not self.cfg.uses_deepspeed \
             else None
-        result = compare_packed_with_reference(self.model, seqs, gradient_probe=True, autocast=autocast)
+        result = compare_packed_with_reference(self.model, seqs, self.plan.packed, gradient_probe=True,
+                                              autocast=autocast)
         elapsed = time.perf_counter() - start
         if not result.ok:
             raise SelfCheckError(
@@ -511,21 +271,6 @@ class Trainer:
         self.console(f"self-check: packed = unpacked on {len(seqs)} sequences (loss difference "
                      f"{result.loss_error:.1e}, gradient difference {result.grad_error:.1e}{rope}) in {elapsed:.2f} s")
 
-    def _resolve_attention(self) -> str:
-        """The attention backend every micro-batch uses (resolved once, from the device, dtype and the model's
-        attention features: dropout, sliding windows, softcap, sinks); an explicitly named backend (or sp backend)
-        that cannot run here fails now, before the first step."""
-        features = model_attention_features(self.lm)
-        # pure Ulysses runs the backend table on the whole row; the hybrid's ring part is an sp backend
-        dispatched = self.sp_ring_backend if self.sp_backend == "ulysses" else self.sp_backend
-        if dispatched is not None or self.structure:
-            if problems := dispatched_feature_problems(features, dispatched, self.structure):
-                raise RuntimeError("; ".join(problems))
-            return self.cfg.attn_backend  # dispatched before the backend table (train/attention.py)
-        dtype = torch.bfloat16 if self.cfg.bf16 else torch.float32
-        probe = torch.empty((1, 1, 0, 1), device=self.device, dtype=dtype)
-        return resolve_backend(self.cfg.attn_backend, probe, features).name
-
     def _param_groups(self):
         decay, no_decay = [], []
         for name, p in self.model.named_parameters():
@@ -533,14 +278,14 @@ class Trainer:
                 continue
             ndim = len(getattr(p, "ds_shape", p.shape))  # ZeRO-3 (zero.Init) partitions are flat: use the full shape
             (no_decay if ndim < 2 or "norm" in name.lower() else decay).append(p)
-        groups = [{"params": decay, "weight_decay": self.cfg.weight_decay}]
+        groups = [{"params": decay, "weight_decay": self.cfg.optim.weight_decay}]
         if no_decay:
             groups.append({"params": no_decay, "weight_decay": 0.0})
         return groups
 
     def _setup_optimizer(self) -> None:
         cfg = self.cfg
-        adam = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+        adam = dict(lr=cfg.optim.lr, betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2), eps=cfg.optim.adam_eps)
         if cfg.uses_deepspeed:
             import deepspeed
 
@@ -587,48 +332,28 @@ class Trainer:
         # a filler (a rank with no row left in this step: forward/backward for the collectives, contributes 0) is
         # not part of the step's totals, which may be smaller than its own: build it with its own, then zero it
         totals = step_totals(self.dataset, rows) if filler else plan.totals
-        batch = make_batch([self.dataset[r] for r in rows], totals, self.cfg.loss_reduction, structure=self.structure)
+        batch = make_batch([self.dataset[r] for r in rows], totals, self.cfg.steps.loss_reduction, structure=self.structure)
         if filler:
             batch["targets"] = torch.full_like(batch["targets"], -100)
             batch["weights"] = torch.zeros_like(batch["weights"])
         return batch
 
-    def _ulysses_spec(self):
-        if self.sp_backend != "ulysses":
-            return None
-        from train.ulysses import UlyssesSpec
-
-        return UlyssesSpec(self.mesh.ulysses_size, self.mesh.ulysses_group, self.mesh.ring_group,
-                           self.sp_ring_backend or "torch", self.attn_backend)
-
     def forward_micro_batch(self, batch: dict, filler: bool = False):
         """(weighted_sum, cat_loss_sum, cat_count, router_aux) of this rank's part of one full micro-batch;
         router_aux: this rank's share of the micro-batch's router aux term (PackedCausalLM), None without one."""
-        sp_ctx = None
-        if self.mesh.sp_size > 1:
-            from train.sequence_parallel import shard_batch
-
-            batch, sp_ctx = shard_batch(batch, self.mesh.sp_rank, self.mesh.sp_size, self.sp_backend,
-                                        group=self.mesh.sp_group, ulysses=self._ulysses_spec())
-            sp_ctx = sp_ctx.to(self.device)
+        batch, attn = self.plan.context(batch)
         dev = self.device
 
         def to_dev(tensor: torch.Tensor) -> torch.Tensor:  # queued (pinned, non-blocking) on a GPU
             return queued_copy(tensor, dev)
 
-        if sp_ctx is not None:
-            attn = AttentionContext(cu_seqlens=sp_ctx.cu_seqlens.to(dev), max_seqlen=sp_ctx.max_seqlen,
-                                    backend=self.attn_backend, sp=sp_ctx)
-        else:  # the varlen bounds go to the device once here, never inside a layer
-            structure = {k: to_dev(batch[k]) for k in ("seq_ids", "block_ids", "path_ids")} if self.structure else {}
-            attn = AttentionContext.for_micro_batch(batch["cu_seqlens"], dev, backend=self.attn_backend, **structure)
         module = self.engine if self.engine is not None else self.model
         router = {}
         if self.router_aux is not None:
-            router["router_tokens"] = to_dev(real_tokens(batch["input_ids"].numel(), sp_ctx, filler))
+            router["router_tokens"] = to_dev(real_tokens(batch["input_ids"].numel(), attn.sp, filler))
         autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16)
-            if self.cfg.bf16 and self.engine is None
+            if self.cfg.model.bf16 and self.engine is None
             else nullcontext()
         )
         with autocast:
@@ -724,13 +449,13 @@ class Trainer:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            _all_reduce_sum_bucketed([p.grad for p in params])
+            all_reduce_sum_bucketed([p.grad for p in params])
         if self.grad_hook is not None:
             self.grad_hook(self)
-        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+        max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))  # the same on every rank (reduced gradients)
         problem = nonfinite_problem(loss, norm)
-        if problem and cfg.nonfinite == "stop":
+        if problem and cfg.optim.nonfinite == "stop":
             raise NonFiniteError(stop_message(step, problem, lr, self._saved_path))
         if problem:
             self._console_write(f"step {step}: {problem}: its update is skipped (nonfinite=skip_step)")
@@ -779,45 +504,29 @@ class Trainer:
         """With an eval set: every eval_steps steps and after the last step."""
         if self.eval_dataset is None:
             return False
-        return step == self.total_steps or bool(self.cfg.eval_steps) and step % self.cfg.eval_steps == 0
+        return step == self.total_steps or bool(self.cfg.eval.eval_steps) and step % self.cfg.eval.eval_steps == 0
 
     # ------------------------------------------------------------------ checkpoints and export
     def _trainer_state(self) -> dict:
         epoch, in_epoch = self.sampler.position(self.step)
         return {"step": self.step, "epoch": epoch, "step_in_epoch": in_epoch, **self._step_layout(),
-                "seed": self.cfg.seed, "world_size": self.mesh.world_size, "data": self._data_identity(),
-                "model": self._model_identity()}
+                "seed": self.cfg.steps.seed, "world_size": self.mesh.world_size, "data": self._data_identity(),
+                "model": self.model_identity}
 
     def _step_layout(self) -> dict:
         """What decides the rows and the lr of every step: a resume with other values is refused."""
         cfg = self.cfg
-        return {"total_steps": self.total_steps, "grad_accum": cfg.grad_accum, "micro_batch_rows": cfg.micro_batch_rows,
-                "max_steps": cfg.max_steps, "num_epochs": cfg.num_epochs}
+        return {"total_steps": self.total_steps, "grad_accum": cfg.steps.grad_accum, "micro_batch_rows": cfg.steps.micro_batch_rows,
+                "max_steps": cfg.steps.max_steps, "num_epochs": cfg.steps.num_epochs}
 
     def _data_identity(self) -> dict:
-        return dataset_identity(self.cfg.data_path, len(self.dataset))
-
-    def _model_identity(self) -> dict:
-        """What a checkpoint remembers of its model (train.checkpoint.model_mismatch): the model config as
-        transformers reads it, and the LoRA settings that shape the adapters or scale them."""
-        import json
-
-        from transformers import AutoConfig
-
-        cfg = self.cfg
-        config = AutoConfig.from_pretrained(cfg.model_path or cfg.model_config)
-        lora = {"lora_rank": cfg.lora_rank}
-        if cfg.lora_rank:
-            targets = cfg.target_modules
-            lora.update(lora_alpha=cfg.lora_alpha,
-                        target_modules="all-linear" if targets == ["all-linear"] else sorted(targets))
-        return {"config": json.loads(config.to_json_string(use_diff=False)), "lora": lora}
+        return dataset_identity(self.cfg.data.data_path, len(self.dataset))
 
     def _check_same_model(self, path: Path, state: dict) -> None:
         """Before any tensor of the checkpoint loads: its weights belong to the model it was trained as."""
         cfg = self.cfg
-        source = f"model_path {cfg.model_path}" if cfg.model_path is not None else f"model_config {cfg.model_config}"
-        mismatch = model_mismatch(state.get("model"), self._model_identity(), source)
+        source = f"model_path {cfg.model.model_path}" if cfg.model.model_path is not None else f"model_config {cfg.model.model_config}"
+        mismatch = model_mismatch(state.get("model"), self.model_identity, source)
         if mismatch:
             raise CheckpointError(
                 f"resume from {path}: the model is not the one the checkpoint was trained as: {mismatch}. Its weights "
@@ -842,29 +551,29 @@ class Trainer:
                 torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
                 torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
 
-        path = save_checkpoint(self.cfg.output_dir, self.step, self.mesh.rank, save_fn, self._trainer_state(),
-                               self.cfg.save_total_limit, estimate_bytes=self._state_bytes_estimate())
+        path = save_checkpoint(self.cfg.checkpoint.output_dir, self.step, self.mesh.rank, save_fn, self._trainer_state(),
+                               self.cfg.checkpoint.save_total_limit, estimate_bytes=self._state_bytes_estimate())
         self._saved_step, self._saved_path = self.step, path
         return path
 
     def _maybe_resume(self) -> None:
         if self.mesh.is_main:
-            for stale in remove_stale_temporaries(self.cfg.output_dir):  # a killed save's partial files
+            for stale in remove_stale_temporaries(self.cfg.checkpoint.output_dir):  # a killed save's partial files
                 logger.warning("removed %s, left by a save that did not finish", stale)
-        candidates = resume_candidates(self.cfg.resume, self.cfg.output_dir)
+        candidates = resume_candidates(self.cfg.checkpoint.resume, self.cfg.checkpoint.output_dir)
         if not candidates:
             if self.mesh.is_main:  # a new run: no records of an earlier run in the same output_dir
-                truncate_log(self.cfg.output_dir, 0)
-                if self.cfg.resume == "none" and self.cfg.overwrite_output_dir:
-                    discard_checkpoints(self.cfg.output_dir)
-            if self.cfg.resume == "latest":
-                self.console(f"resume=latest: no checkpoint in {self.cfg.output_dir}, starting from step 0")
+                truncate_log(self.cfg.checkpoint.output_dir, 0)
+                if self.cfg.checkpoint.resume == "none" and self.cfg.checkpoint.overwrite_output_dir:
+                    discard_checkpoints(self.cfg.checkpoint.output_dir)
+            if self.cfg.checkpoint.resume == "latest":
+                self.console(f"resume=latest: no checkpoint in {self.cfg.checkpoint.output_dir}, starting from step 0")
             return
-        path = choose_checkpoint(candidates, self.cfg.resume_corrupt, warn=self._warn)
+        path = choose_checkpoint(candidates, self.cfg.checkpoint.resume_corrupt, warn=self._warn)
         state = load_trainer_state(path)
         mismatch = data_mismatch(state.get("data"), self._data_identity())
         if mismatch:
-            if self.cfg.resume_data_mismatch == "error":
+            if self.cfg.checkpoint.resume_data_mismatch == "error":
                 raise CheckpointError(
                     f"resume from {path}: {mismatch}; resume with the same data_path, or set "
                     "resume_data_mismatch=allow to continue on the new data (the sampler order then differs)"
@@ -904,11 +613,11 @@ class Trainer:
             self.scheduler.load_state_dict(safe_load(path / "scheduler.pt"))
         load_rng(path, self.mesh.rank)
         self.step = int(state["step"])
-        if path.resolve().parent == checkpoint_root(self.cfg.output_dir).resolve() and not path.name.startswith("."):
+        if path.resolve().parent == checkpoint_root(self.cfg.checkpoint.output_dir).resolve() and not path.name.startswith("."):
             # this step's checkpoint is already in output_dir (not a moved-aside copy)
             self._saved_step, self._saved_path = self.step, path
         if self.mesh.is_main:
-            truncate_log(self.cfg.output_dir, self.step)
+            truncate_log(self.cfg.checkpoint.output_dir, self.step)
         self.console(f"resumed from {path} at step {self.step}")
 
     def export(self, out_dir: Path) -> Path:
@@ -916,7 +625,7 @@ class Trainer:
         With LoRA: the adapter (train/lora.py), plus the merged model in `merged/` when lora_merge_on_save."""
         if self.engine is not None and self.cfg.deepspeed.stage == 3:
             state = self.engine._zero3_consolidated_16bit_state_dict()  # collective; full dict on rank 0 only
-        elif self.cfg.lora_rank > 0:
+        elif self.cfg.lora.lora_rank > 0:
             state = None  # save_lora reads the live (full) parameters
         else:
             state = self.model.state_dict() if self.mesh.is_main else None
@@ -946,17 +655,18 @@ class Trainer:
     def _write_export(self, out_dir: Path, state: dict | None) -> None:
         prefix = "lm."
         lm_state = None if state is None else {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-        tok_path = self.cfg.resolved_tokenizer_path(self.dataset.meta)  # checked at start (config validation)
+        tok_path = self.checked.tokenizer_path  # checked at start (train/preflight.py)
         tokenizer = None
         if tok_path:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(tok_path)
-        if self.cfg.lora_rank > 0:
+        processor = processor_dir(self.cfg.model.model_path, self.lm.config)  # a composite's image processor, ...
+        if self.cfg.lora.lora_rank > 0:
             from train.lora import save_lora
 
-            save_lora(self.lm, out_dir, merge=self.cfg.lora_merge_on_save, tokenizer=tokenizer, is_main=True,
-                      state_dict=lm_state, processor_dir=self._processor_dir())
+            save_lora(self.lm, out_dir, merge=self.cfg.lora.lora_merge_on_save, tokenizer=tokenizer, is_main=True,
+                      state_dict=lm_state, processor_dir=processor)
             return
         self.lm.config.use_cache = True  # generation wants the cache; training turned it off
         try:
@@ -964,77 +674,38 @@ class Trainer:
                 self.lm.save_pretrained(tmp, state_dict=lm_state, safe_serialization=True)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp)
-                if self._processor_dir() is not None:
-                    copy_processor_files(self._processor_dir(), tmp)
+                if processor is not None:
+                    copy_processor_files(processor, tmp)
         finally:
             self.lm.config.use_cache = False
 
-    def _processor_dir(self) -> Path | None:
-        """A composite checkpoint's directory, whose processor files (image processor, chat template) its export
-        carries (train/composite.py); None otherwise."""
-        if self.cfg.model_path is None or not is_composite(self.lm.config):
-            return None
-        from common.config import pretrained_dir
-
-        return pretrained_dir(self.cfg.model_path, "model_path")
-
     # ------------------------------------------------------------------ the loop
-    def _attention_description(self) -> str:
-        if self.sp_backend == "ulysses":
-            layout = self.sp_layout
-            if layout.ring_size == 1:
-                local = "Parallel-R1 mask" if self.structure else f"varlen {self.attn_backend}"
-                return (f"sequence-parallel ulysses {layout.ulysses_size} (all-to-all of heads; {local} on the "
-                        "whole row)")
-            from train.sequence_parallel import describe_sp_backend
-
-            ring = describe_sp_backend(self.sp_ring_backend, self.structure, self.device,
-                                       torch.bfloat16 if self.cfg.bf16 else torch.float32,
-                                       model_attention_features(self.lm))
-            kind = (f"sequence-parallel hybrid ulysses {layout.ulysses_size} x {layout.ring_size}: "
-                    f"{ring.removeprefix('sequence-parallel ')} across the Ulysses groups")
-            return kind + (" + Parallel-R1 mask" if self.structure else "")
-        if self.sp_backend is not None:
-            from train.sequence_parallel import describe_sp_backend
-
-            kind = describe_sp_backend(self.sp_backend, self.structure, self.device,
-                                       torch.bfloat16 if self.cfg.bf16 else torch.float32,
-                                       model_attention_features(self.lm))
-        elif self.structure:
-            kind = "structured (FlexAttention)" if torch.cuda.is_available() else "structured (SDPA per sequence)"
-        else:
-            requested = "" if self.cfg.attn_backend == self.attn_backend else f" (attn_backend={self.cfg.attn_backend})"
-            kind = f"varlen {self.attn_backend}{requested}"
-        return kind + (" + Parallel-R1 mask" if self.structure and self.sp_backend else "")
-
     def train(self) -> list[dict]:
-        """Run to total_steps (or stop after cfg.stop_at_step, checkpointing, as an interrupted job would)."""
+        """Run to total_steps (or stop after cfg.steps.stop_at_step, checkpointing, as an interrupted job would)."""
         from tqdm import tqdm
 
         cfg = self.cfg
-        stop_at_step = cfg.stop_at_step
+        stop_at_step = cfg.steps.stop_at_step
         records = []
         self.model.train()
         end = self.total_steps if stop_at_step is None else min(self.total_steps, stop_at_step)
         if self.progress_bar and self.mesh.is_main:
             self._bar = tqdm(total=self.total_steps, initial=self.step, desc="train", dynamic_ncols=True)
         # the start lines go above the bar (through it), never over it
-        if self.sp_layout is not None:
-            layout = self.sp_layout
-            self._console_write(f"sequence parallelism: {layout.describe(self.sp_ring_backend)}: {layout.reason}")
+        self._console_write(self.plan.describe())
         self._console_write(
             f"training {self.total_steps} steps: world {self.mesh.world_size} (dp {self.mesh.dp_size} x sp "
             f"{self.mesh.sp_size}), {self.sampler.rows_per_step} rows/step, deepspeed stage {cfg.deepspeed.stage}, "
-            f"attention {self._attention_description()}, loss {cfg.loss_reduction}, "
+            f"loss {cfg.steps.loss_reduction}, "
             f"activation checkpointing {self.checkpointing_reason}"
-            + (", compiled decoder layers" if cfg.compile_layers else "")
-            + (", compiled loss chunks" if self.compiles_loss else "") + (", Liger kernels" if cfg.liger else "")
+            + (", compiled decoder layers" if cfg.model.compile_layers else "")
+            + (", compiled loss chunks" if self.compiles_loss else "") + (", Liger kernels" if cfg.model.liger else "")
             + (f", router aux loss (coef {self.router_aux.coef:g}, {self.router_aux.num_experts} experts, top "
                f"{self.router_aux.top_k})" if self.router_aux is not None else "")
         )
         if self.eval_dataset is not None:
             self._console_write(f"evaluating {self.eval_dataset.path} after step {self.total_steps}"
-                                + (f" and every {cfg.eval_steps} steps" if cfg.eval_steps else ""))
+                                + (f" and every {cfg.eval.eval_steps} steps" if cfg.eval.eval_steps else ""))
         first_step, started = self.step, time.perf_counter()
         try:
             while self.step < end:
@@ -1049,7 +720,7 @@ class Trainer:
                 if self._bar is not None:
                     self._bar.update(1)
                     self._bar.set_postfix(loss=f"{record['loss']:.4f}")
-                if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < end:
+                if cfg.checkpoint.save_steps and self.step % cfg.checkpoint.save_steps == 0 and self.step < end:
                     self.save()
         finally:
             if self._bar is not None:
@@ -1063,8 +734,8 @@ class Trainer:
         if self.step >= self.total_steps:
             path = self.export(cfg.out / FINAL_DIR)
             self.console(f"exported the final model to {path}")
-            if cfg.plot and self.mesh.is_main:
-                png = plot_losses(cfg.output_dir)
+            if cfg.logging.plot and self.mesh.is_main:
+                png = plot_losses(cfg.checkpoint.output_dir)
                 if png:
                     self.console(f"loss curves: {png}")
         self.metrics.close()

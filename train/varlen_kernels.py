@@ -13,7 +13,8 @@ travel with every call; a kernel that cannot express one says so in its reasons.
 transformers' masks do (a query sees itself and the `sliding_window - 1` keys before it) and, like causality, is
 bottom-right aligned: query i of a sequence with offset o = Lk - Lq sees keys j with i + o - W < j <= i + o.
 
-Kernels (`KERNELS`), each with the reasons it cannot run for given inputs (empty list = usable):
+Kernels (`KERNELS`, fastest first: the gather backend of train/sequence_parallel.py runs the first that can), each
+with the reasons it cannot run for given inputs (empty list = usable):
 - `flash_attn`: flash-attn's `flash_attn_varlen_func` (CUDA, fp16/bf16, flash-attn installed); window and
   softcap, no sinks (they need a gradient through the log-sum-exp, which its varlen API does not return);
 - `torch_varlen`: torch's built-in `torch.nn.attention.varlen.varlen_attn` (CUDA builds of torch >= 2.9). Its
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple
 
 import torch
@@ -38,8 +39,8 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 @dataclass(frozen=True)
 class AttentionFeatures:
-    """What one attention call (one layer) asks for beyond causal attention. Hashable: backends are resolved once
-    per kind of layer (gemma2 alternates windowed and full layers)."""
+    """What one attention call (one layer) asks for beyond causal attention. Hashable: the attention plan chooses a
+    kernel per kind of layer (gemma2 alternates windowed and full layers)."""
 
     dropout: float = 0.0
     sliding_window: int | None = None  # a query sees itself and the sliding_window - 1 keys before it
@@ -72,13 +73,10 @@ class AttentionFeatures:
             names.append("attention sinks")
         return names
 
-    def union(self, other: "AttentionFeatures") -> "AttentionFeatures":
-        """Both sets of features at once (a model's layers together); the smaller window and softcap."""
-        def smaller(a, b):
-            return b if a is None else a if b is None else min(a, b)
-
-        return AttentionFeatures(max(self.dropout, other.dropout), smaller(self.sliding_window, other.sliding_window),
-                                 smaller(self.softcap, other.softcap), self.has_sinks or other.has_sinks)
+    @property
+    def layer_kind(self) -> "AttentionFeatures":
+        """What decides a layer's kernel: these features without dropout (the same layer in training and in eval)."""
+        return replace(self, dropout=0.0)
 
 
 NO_FEATURES = AttentionFeatures()
@@ -316,18 +314,3 @@ KERNELS: dict[str, VarlenKernel] = {
     "torch_varlen": VarlenKernel("torch_varlen", _torch_varlen_reasons, _torch_varlen),
     "sdpa_loop": VarlenKernel("sdpa_loop", lambda q, features: [], _sdpa_loop),
 }
-
-
-def varlen_attention(
-    name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: VarlenBounds, scale: float | None,
-    features: AttentionFeatures = NO_FEATURES, sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Run kernel `name` on q [Tq, H, D], k/v [Tk, Hkv, D] -> [Tq, H, D] with the layer's `features` (and its
-    sinks [H] when features.has_sinks); raises with its reasons if it cannot run."""
-    if features.has_sinks != (sinks is not None):
-        raise ValueError(f"features.has_sinks={features.has_sinks} but sinks {'absent' if sinks is None else 'given'}")
-    kernel = KERNELS[name]
-    reasons = kernel.reasons(q, features)
-    if reasons:
-        raise RuntimeError(f"attention kernel {name!r} cannot run here: " + "; ".join(reasons))
-    return kernel.fn(q, k, v, bounds, scale, features, sinks)
