@@ -601,3 +601,26 @@ def test_a_layer_that_passes_its_own_mask_is_an_error():
     ctx = AttentionContext(torch.tensor([0, 4], dtype=torch.int32), 4, LayerKernels(every=BACKENDS["sdpa"]))
     with pytest.raises(TypeError, match="got an attention_mask from Linear"):
         packsft_attention(torch.nn.Linear(1, 1), q, q, q, torch.zeros(1, 1, 4, 4), packsft=ctx)
+
+
+@pytest.mark.parametrize("model_type,softcap", [("gemma2", 0.5), ("gemma3_text", None)])
+def test_layer_features_read_the_softcap_the_forward_passes(model_type, softcap):
+    """Gemma 3 keeps Gemma 2's attn_logit_softcapping attribute but its forward never passes it: the plan's layer
+    kinds must be what packsft_attention receives, or the planned kernel is not found for the layer."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from tests.model_zoo import tiny_config
+
+    config = tiny_config(model_type, attn_logit_softcapping=0.5)
+    lm = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]._from_config(config, attn_implementation="packsft")
+    assert {f.softcap for f in attention.layer_features(lm)} == {softcap}
+    seen = []
+    lm.train(False)
+    cu = torch.tensor([0, 5, 9], dtype=torch.int32)
+    kernels = LayerKernels(every=dataclasses.replace(BACKENDS["sdpa"], fn=lambda q, k, v, ctx, scaling, features, sinks:
+                                                     seen.append(features.softcap) or BACKENDS["sdpa"].fn(
+                                                         q, k, v, ctx, scaling, features, sinks)))
+    with torch.no_grad():
+        lm.model(input_ids=torch.randint(3, 50, (1, 9)), position_ids=torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]]),
+                 use_cache=False, packsft=AttentionContext(cu, 5, kernels))
+    assert set(seen) == {softcap}

@@ -127,3 +127,29 @@ def test_composite_resumes_to_the_same_weights(tmp_path, one_thread):  # noqa: F
     Trainer(load_config(config, [f"output_dir={resumed}", "resume=latest"]), console=lambda *_: None).train()
     want, got = load_file(final / "model.safetensors"), load_file(resumed / "final" / "model.safetensors")
     assert sorted(got) == sorted(want) and all(torch.equal(got[key], want[key]) for key in want)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("model_type,parallel", [
+    ("qwen2_5_vl", ["sequence_parallel_size=2"]),  # M-RoPE positions sharded with the row
+    ("gemma3", ["deepspeed.stage=3"]),  # ZeRO-3 over 2 dp ranks: the towers partitioned too, frozen
+])
+def test_composite_trains_the_same_in_two_processes(tmp_path, model_type, parallel):
+    """Sequence parallelism (Qwen2.5-VL) and ZeRO-3 data parallelism (Gemma 3) on a composite: the losses and
+    gradient norms of one process training the same rows in the same steps (grad_accum=2 for the dp run)."""
+    from tests._train_helpers import run_train
+    from train.metrics import read_log
+
+    model_dir = save_tiny_composite(tmp_path / "model", model_type)
+    packed = write_packed(tmp_path / "packed", random_rows(0, 4))
+    config = write_config(tmp_path / "train.yaml", data_path=str(packed), model_path=str(model_dir),
+                          output_dir=str(tmp_path / "unused"), max_steps=2, lr=1e-2, plot=False,
+                          tokenizer_mismatch="warn", max_grad_norm=0.0)
+    single = ["grad_accum=2"] if "deepspeed.stage=3" in parallel else []
+    run_train(config, [f"output_dir={tmp_path / 'one'}", *single])
+    run_train(config, [f"output_dir={tmp_path / 'two'}", "launch.num_processes=2", *parallel], nproc=2)
+    one, two = read_log(tmp_path / "one"), read_log(tmp_path / "two")
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2]
+    for a, b in zip(two, one):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)

@@ -374,10 +374,25 @@ def layer_features(lm: torch.nn.Module) -> list[AttentionFeatures]:
         else:
             window = getattr(getattr(module, "config", None), "sliding_window", None)
         softcap = getattr(module, "attn_logit_softcapping", getattr(module, "softcap", None))
+        if softcap is not None and not passes_softcap(type(module)):
+            softcap = None  # held but never passed (Gemma 3 / 3n / 4 keep Gemma 2's attribute; their forward drops it)
         sinks = isinstance(getattr(module, "sinks", None), torch.nn.Parameter)
         dropout = float(getattr(module, "attention_dropout", 0.0) or 0.0)
         found.append(AttentionFeatures(dropout, window, softcap, sinks))
     return found
+
+
+@functools.lru_cache(maxsize=None)
+def passes_softcap(attention_class: type) -> bool:
+    """Whether the attention module's forward hands a `softcap` to the attention function (what it holds alone does
+    nothing: Gemma 3 stores `attn_logit_softcapping` from its config and never passes it)."""
+    import inspect
+
+    try:
+        source = inspect.getsource(attention_class.forward)
+    except (OSError, TypeError):  # no source to read: trust the attribute
+        return True
+    return "softcap=" in source
 
 
 WINDOW_FROM_MASK = object()  # the layer passed no `sliding_window` at all (None would mean "no window")
