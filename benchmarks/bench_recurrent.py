@@ -148,11 +148,10 @@ def difference(kind: str, sequences: int, scratch: Path) -> float:
     """The largest relative difference between the two paths: the loss, and each parameter's gradient as the
     conformance suite measures it (against the larger of its own largest entry and GRAD_FLOOR of the largest
     gradient)."""
-    import torch
-
+    from train.checkpoint import safe_load
     from train.model_check import GRAD_FLOOR
 
-    loop, one = (torch.load(scratch / f"{kind}-{sequences}-{path}.pt") for path in PATHS)
+    loop, one = (safe_load(scratch / f"{kind}-{sequences}-{path}.pt") for path in PATHS)
     scale = max(float(grad.abs().max()) for grad in loop["grads"].values())
     differences = [float((one["loss"] - loop["loss"]).abs() / loop["loss"].abs())]
     for name, grad in loop["grads"].items():
