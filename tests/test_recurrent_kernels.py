@@ -144,9 +144,12 @@ def test_gated_delta_rule_restarts_at_each_sequence(lengths):
 
 
 @pytest.mark.parametrize("lengths", ROWS.values(), ids=ROWS)
-def test_kimi_delta_attention_restarts_at_each_sequence(lengths):
+@pytest.mark.parametrize("block_chunks", [None, 1, 3], ids=["one block", "blocks of 1 chunk", "blocks of 3 chunks"])
+def test_kimi_delta_attention_restarts_at_each_sequence(lengths, block_chunks, monkeypatch):
     row = row_of(lengths)
     heads, k_dim, v_dim = 3, 8, 6
+    if block_chunks is not None:  # the decay tensor built a block of chunks at a time, as on rows of real length
+        monkeypatch.setattr(kernels, "KDA_BLOCK_ELEMENTS", block_chunks * heads * CHUNK * CHUNK * k_dim)
     T = row.total
     inputs = [
         randn(1, T, heads, k_dim, seed=1), randn(1, T, heads, k_dim, seed=2), randn(1, T, heads, v_dim, seed=3),
