@@ -103,6 +103,10 @@ class TrainConfig:
     # torch.compile the lm-head chunk's softmax, loss and gradient into one kernel (train/loss.py); auto: on CUDA
     compile_loss: bool | Literal["auto"] = "auto"
     liger: bool = False  # Liger-Kernel's fused RMSNorm / SwiGLU / RoPE (needs CUDA and liger-kernel)
+    tiled_mlp: bool = False  # run each decoder layer's feed-forward over the row in tiles of tokens (long rows)
+    tiled_mlp_tile: int | None = None  # tokens per tile of tiled_mlp; null: chosen from the intermediate size
+    # keep the checkpointed layer inputs in pinned host memory until backward (needs gradient_checkpointing)
+    activation_offload: bool = False
     seed: int = 42  # data order, online packing plan, random init
     save_steps: int = 0  # checkpoint every N steps; 0: only the final checkpoint
     save_total_limit: int = 2  # resumable checkpoints kept
@@ -314,6 +318,16 @@ class TrainConfig:
                 raise ConfigError("liger: true needs a GPU (Liger-Kernel runs Triton kernels); use liger=false on CPU")
             if importlib.util.find_spec("liger_kernel") is None:
                 raise ConfigError("liger: true needs liger-kernel (pip install liger-kernel), or set liger=false")
+        if self.tiled_mlp_tile is not None and self.tiled_mlp_tile < 1:
+            raise ConfigError(f"tiled_mlp_tile must be >= 1 (or null: chosen), got {self.tiled_mlp_tile}")
+        if self.tiled_mlp and ds.stage == 3:
+            raise ConfigError("tiled_mlp: true needs deepspeed.stage null or 0-2: under ZeRO-3 the tiles' recomputation "
+                              "in backward would gather the partitioned MLP weights once per tile; set tiled_mlp=false "
+                              "or use deepspeed.stage 2")
+        if self.activation_offload and self.gradient_checkpointing is False:
+            raise ConfigError("activation_offload: true moves the inputs that gradient checkpointing keeps; it needs "
+                              "gradient_checkpointing: true (or auto, which it turns on); got gradient_checkpointing: "
+                              "false")
         if self.resume not in ("none", "latest") and not Path(self.resume).is_dir():
             raise ConfigError(f"resume: {self.resume} is not a checkpoint directory (or use none / latest)"
                               f"{relative_note(self.resume)}")

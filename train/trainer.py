@@ -73,6 +73,7 @@ from train.moe import RouterAux, real_tokens, records_router_logits, resolve_rou
 from train.nonfinite import SKIPPED, NonFiniteError, nonfinite_problem, nonfinite_tensors, stop_message
 from train.recurrent import install_sequence_restart
 from train.rope import install_per_sequence_rope
+from train.tiled_mlp import describe_tiling
 from train.rope import switch_points as rope_switch_points
 from train.varlen_kernels import queued_copy
 
@@ -171,8 +172,18 @@ def build_lm(cfg: TrainConfig, dtype: torch.dtype, checkpointing: bool = False) 
 
         _apply_liger_kernel_to_instance(model=lm, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                         fused_linear_cross_entropy=False)
+    if cfg.tiled_mlp:
+        from train.memory_plan import default_tile_tokens
+        from train.tiled_mlp import install_tiled_mlp, intermediate_size
+
+        tile = cfg.tiled_mlp_tile or default_tile_tokens(intermediate_size(lm.config), 2 if cfg.bf16 else 4)
+        install_tiled_mlp(lm, tile)
     if checkpointing:
         lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.activation_offload:
+            from train.activation_offload import HostOffload
+
+            HostOffload().install(lm)
     if cfg.lora_rank > 0:
         from train.lora import apply_lora
 
@@ -387,6 +398,8 @@ class Trainer:
         activations without checkpointing vs the free memory less the model state); on CPU by row length."""
         cfg = self.cfg
         per_rank_row = -(-row_length // self.mesh.sp_size)
+        if cfg.activation_offload and cfg.gradient_checkpointing == "auto":
+            return True, "on (auto: activation_offload keeps the checkpointed layer inputs on the host)"
         if cfg.gradient_checkpointing != "auto" or self.device.type != "cuda":
             enabled = cfg.checkpointing_enabled(per_rank_row)
             why = "set" if cfg.gradient_checkpointing != "auto" else (
@@ -396,7 +409,7 @@ class Trainer:
         from transformers import AutoConfig
 
         from train.deepspeed_config import offloads_optimizer
-        from train.memory_plan import ModelShape, choose_checkpointing, model_state_bytes
+        from train.memory_plan import ModelShape, choose_checkpointing, default_tile_tokens, model_state_bytes
 
         shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(cfg.model_path or cfg.model_config))
         n_trainable = shape.n_params if cfg.lora_rank == 0 else 0  # LoRA adapters: negligible next to the model
@@ -406,8 +419,10 @@ class Trainer:
         )
         tokens = -(-row_length * cfg.micro_batch_rows // self.mesh.sp_size)
         free, _ = torch.cuda.mem_get_info(self.device)
-        decision = choose_checkpointing(shape, tokens, free, state, act_bytes=2 if cfg.bf16 else 4,
-                                        loss_chunk=cfg.loss_chunk_size)
+        act_bytes = 2 if cfg.bf16 else 4
+        tile = (cfg.tiled_mlp_tile or default_tile_tokens(shape.intermediate, act_bytes)) if cfg.tiled_mlp else None
+        decision = choose_checkpointing(shape, tokens, free, state, act_bytes=act_bytes,
+                                        loss_chunk=cfg.loss_chunk_size, tile=tile)
         return decision.enabled, decision.describe()
 
     def _check_family(self) -> str:
@@ -1012,6 +1027,8 @@ class Trainer:
             f"activation checkpointing {self.checkpointing_reason}"
             + (", compiled decoder layers" if cfg.compile_layers else "")
             + (", compiled loss chunks" if self.compiles_loss else "") + (", Liger kernels" if cfg.liger else "")
+            + (f", {describe_tiling(self.lm)}" if cfg.tiled_mlp else "")
+            + (", checkpointed inputs offloaded to host memory" if cfg.activation_offload and self.checkpointing else "")
             + (f", router aux loss (coef {self.router_aux.coef:g}, {self.router_aux.num_experts} experts, top "
                f"{self.router_aux.top_k})" if self.router_aux is not None else "")
         )
