@@ -233,8 +233,8 @@ def long_row_table(world: int = 8, gpu_bytes: int = H100_BYTES) -> list[str]:
     lines = ["| model | option | longest row per GPU (sp 1) | sp for 128K | sp for 1M |", "|---|---|---|---|---|"]
     for name, shape in LONG_ROW_SHAPES.items():
         tile = default_tile_tokens(shape.intermediate, 2)
-        variants = [LongRowOptions(False), LongRowOptions(False, tile), LongRowOptions(True), LongRowOptions(True, tile),
-                    LongRowOptions(True, None, True), LongRowOptions(True, tile, True)]
+        variants = [LongRowOptions(False), LongRowOptions(False, tile), LongRowOptions(True),
+                    LongRowOptions(True, tile), LongRowOptions(True, None, True), LongRowOptions(True, tile, True)]
         state = model_state_bytes(shape.n_params, shape.n_params, 3, world, bf16=True)
         for options in variants:
             longest = longest_row(shape, gpu_bytes, state, options)

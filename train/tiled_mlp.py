@@ -115,7 +115,8 @@ class TiledForward:
     """The replacement of one module's `forward`: its token-wise call split into tiles of `tile` tokens.
 
     The first argument is the hidden states [..., hidden] (flattened to rows, each tile given back with the input's
-    rank: [1, tile, hidden] for [1, T, hidden]); every other tensor argument with as many rows (an experts module's top-k indices and weights) is sliced with it; anything else is passed whole."""
+    rank: [1, tile, hidden] for [1, T, hidden]); every other tensor argument with as many rows (an experts module's
+    top-k indices and weights) is sliced with it; anything else is passed whole."""
 
     def __init__(self, module: nn.Module, forward, tile: int):
         self.module, self.forward, self.tile = module, forward, tile
@@ -125,10 +126,11 @@ class TiledForward:
         rows = hidden_states.reshape(-1, hidden_states.shape[-1])
         if rows.shape[0] <= self.tile:
             return self.forward(hidden_states, *args, **kwargs)
-        leading = (1,) * (hidden_states.dim() - 2)  # a tile keeps the input's rank: [1, tile, hidden] for [1, T, hidden]
+        leading = (1,) * (hidden_states.dim() - 2)  # a tile keeps the input's rank
         names = list(range(len(args))) + list(kwargs)
         values = list(args) + list(kwargs.values())
-        sliced = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == len(rows)]
+        sliced = [i for i, v in enumerate(values)
+                  if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == len(rows)]
 
         def run(piece, *pieces):
             call = list(values)

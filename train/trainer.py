@@ -1028,7 +1028,8 @@ class Trainer:
             + (", compiled decoder layers" if cfg.compile_layers else "")
             + (", compiled loss chunks" if self.compiles_loss else "") + (", Liger kernels" if cfg.liger else "")
             + (f", {describe_tiling(self.lm)}" if cfg.tiled_mlp else "")
-            + (", checkpointed inputs offloaded to host memory" if cfg.activation_offload and self.checkpointing else "")
+            + (", checkpointed inputs offloaded to host memory" if cfg.activation_offload and self.checkpointing
+               else "")
             + (f", router aux loss (coef {self.router_aux.coef:g}, {self.router_aux.num_experts} experts, top "
                f"{self.router_aux.top_k})" if self.router_aux is not None else "")
         )
