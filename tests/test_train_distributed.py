@@ -1,6 +1,7 @@
 """Multi-process CPU runs (gloo) against one process: data parallel == gradient accumulation == one micro-batch,
 DeepSpeed ZeRO-2 / ZeRO-3 (the latter stopped and resumed) == no DeepSpeed, sequence parallel == no sequence
-parallel.
+parallel; data and sequence parallel with the long-row options (tiled MLP, activation offload) == the plain single
+process.
 
 The first DeepSpeed run on a machine JIT-builds its CPU comm op (about 2 minutes, cached afterwards)."""
 from __future__ import annotations
@@ -29,6 +30,8 @@ from train.trainer import Trainer
 
 RTOL = 1e-5
 STEPS = 3
+# tiled MLP in 5-token tiles (rows of ~45 tokens: several tiles per layer) and the checkpointed inputs offloaded
+LONG_ROW_OPTIONS = ["tiled_mlp=true", "tiled_mlp_tile=5", "gradient_checkpointing=true", "activation_offload=true"]
 
 
 @pytest.fixture(scope="module")
@@ -82,13 +85,14 @@ def test_one_micro_batch_equals_accumulation(setup, reference, one_thread):
         _assert_same_grads(grads[step], ref_grads[step], f"step {step + 1}")
 
 
-def test_data_parallel_equals_accumulation(setup, reference, tmp_path):
+@pytest.mark.parametrize("options", [[], LONG_ROW_OPTIONS], ids=["plain", "long_row_options"])
+def test_data_parallel_equals_accumulation(setup, reference, tmp_path, options):
     _, config = setup
     ref_log, ref_grads = reference
     out = tmp_path / "dp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            str(ROOT / "tests" / "_train_worker.py"), str(config), str(tmp_path / "grads"), f"output_dir={out}",
-           "balance_dp=true"]  # rows assigned to ranks by cost: a different split, the same step
+           "balance_dp=true", *options]  # rows assigned to ranks by cost: a different split, the same step
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -129,12 +133,14 @@ def test_deepspeed_zero_matches_single_process(setup, reference, tmp_path, stage
     AutoModelForCausalLM.from_pretrained(out / "final")
 
 
-def test_sequence_parallel_matches_single_process(setup, tmp_path, one_thread):
+@pytest.mark.parametrize("options", [[], LONG_ROW_OPTIONS], ids=["plain", "long_row_options"])
+def test_sequence_parallel_matches_single_process(setup, tmp_path, one_thread, options):
     pytest.importorskip("train.sequence_parallel")
     _, config = setup
-    ref_log, ref_grads = _in_process(config, tmp_path / "sp_ref")  # one row per step, one process
+    ref_log, ref_grads = _in_process(config, tmp_path / "sp_ref")  # one row per step, one process, plain
     out = tmp_path / "sp"
-    run_train(config, [f"output_dir={out}", "sequence_parallel_size=2", "launch.num_processes=2"], nproc=2)
+    run_train(config, [f"output_dir={out}", "sequence_parallel_size=2", "launch.num_processes=2", *options],
+              nproc=2)
     log = read_log(out)
     assert [r["step"] for r in log] == list(range(1, STEPS + 1))
     assert [r["step"] for r in ref_log] == list(range(1, STEPS + 1))

@@ -98,6 +98,10 @@ class ModelSection:
     # torch.compile the lm-head chunk's softmax, loss and gradient into one kernel (train/loss.py); auto: on CUDA
     compile_loss: bool | Literal["auto"] = "auto"
     liger: bool = False  # Liger-Kernel's fused RMSNorm / SwiGLU / RoPE (needs CUDA and liger-kernel)
+    tiled_mlp: bool = False  # run each decoder layer's feed-forward over the row in tiles of tokens (long rows)
+    tiled_mlp_tile: int | None = None  # tokens per tile of tiled_mlp; null: chosen from the intermediate size
+    # keep the checkpointed layer inputs in pinned host memory until backward (needs gradient_checkpointing)
+    activation_offload: bool = False
     # composite (multimodal) checkpoints trained on text (train/composite.py): keep the towers / projectors frozen
     freeze_vision_tower: bool = True  # vision / audio towers
     freeze_multi_modal_projector: bool = True  # the projectors between a tower and the text decoder
@@ -348,7 +352,17 @@ class TrainConfig:
             raise ConfigError("launch.main_process_ip is required when launch.num_machines > 1")
 
     def _validate_combinations(self) -> None:
-        ds = self.deepspeed
+        ds, model = self.deepspeed, self.model
+        if model.tiled_mlp_tile is not None and model.tiled_mlp_tile < 1:
+            raise ConfigError(f"tiled_mlp_tile must be >= 1 (or null: chosen), got {model.tiled_mlp_tile}")
+        if model.tiled_mlp and ds.stage == 3:
+            raise ConfigError("tiled_mlp: true needs deepspeed.stage null or 0-2: under ZeRO-3 the tiles' recomputation "
+                              "in backward would gather the partitioned MLP weights once per tile; set tiled_mlp=false "
+                              "or use deepspeed.stage 2")
+        if model.activation_offload and model.gradient_checkpointing is False:
+            raise ConfigError("activation_offload: true moves the inputs that gradient checkpointing keeps; it needs "
+                              "gradient_checkpointing: true (or auto, which it turns on); got gradient_checkpointing: "
+                              "false")
         if ds.offload_param and ds.stage != 3:
             raise ConfigError(f"deepspeed.offload_param needs deepspeed.stage 3, got {ds.stage}")
         if ds.offload_optimizer and ds.stage not in (2, 3):

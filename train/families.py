@@ -6,7 +6,8 @@ per-family piece the trainer needs to train it exactly on packed rows; each modu
 - train/lm_head.py: the logit transform of the family's `*ForCausalLM.forward`, or why no LMHead reproduces it;
 - train/recurrent.py: the class names of its recurrent token mixers, restarted at each packed sequence;
 - train/attention.py: whether its sliding window lives only in transformers' mask function;
-- train/moe.py: the config key of its router aux-loss coefficient.
+- train/moe.py: the config key of its router aux-loss coefficient;
+- train/tiled_mlp.py: whether its decoder layers' feed-forwards can run in tiles of tokens (`untileable_mlp`).
 The conformance suite (tests/test_model_conformance.py) is parametrized from this table: every `exact` family
 trains on a packed row exactly as transformers' own unpacked forward (its length-dependent ropes included), every
 refused one is stopped before any weight loads, and every causal LM of the installed transformers is in it.
@@ -65,6 +66,7 @@ class FamilySpec:
     # decoder's pieces (mixers, window, ropes); `logits` stays the composite's own (its forward applies them)
     text_family: str | None = None
     composite_only: bool = False  # a text decoder transformers builds only inside its composite (no *ForCausalLM)
+    untileable_mlp: str | None = None  # why tiled_mlp (train/tiled_mlp.py) cannot run its feed-forwards in tiles
 
     @property
     def status(self) -> Literal["exact", "refused"]:
@@ -175,8 +177,17 @@ DRAFT_MODEL = Refusal(
     "a draft (assistant) model for speculative decoding that reads the target model's hidden states: not a "
     "standalone causal LM", "fine-tune the target model (`gemma4_text`)")
 
+# why a family's feed-forwards cannot run in tiles (`untileable_mlp`, train/tiled_mlp.py)
+NO_MLP_MODULE = ("its decoder layers have no feed-forward module (`mlp`, `feed_forward`, `block_sparse_moe`, `ffn`) "
+                 "of their own to tile")
+NO_FEED_FORWARD = "its layers are state-space mixers without a feed-forward"
+ROUTER_WITHOUT_EXPERTS = ("its mixture-of-experts block routes tokens without transformers' experts module: tiling "
+                          "the block would run the router per tile and change the router aux loss")
+SHIFTING_FEED_FORWARD = "its feed-forward shifts tokens (time mixing): not a function of each token alone"
+
 MROPE = ("multimodal rotary positions (M-RoPE): all components the packed 1-D position, restarted per sequence, as "
          "its composite computes them for text")
+
 WINDOW = "sliding-window layers (window shorter than the sequences in the suite)"
 SINKS = WINDOW + ", attention sinks (trained)"
 ATTENTION_SOFTCAP = WINDOW + ", attention-logit softcap"
@@ -206,7 +217,7 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _refused("bert-generation", ENCODER),
     _refused("big_bird", ENCODER),
     _refused("bigbird_pegasus", ENCODER_DECODER),
-    _exact("biogpt"),
+    _exact("biogpt", untileable_mlp=NO_MLP_MODULE),
     _exact("bitnet"),
     _refused("blenderbot", ENCODER_DECODER),
     _refused("blenderbot-small", ENCODER_DECODER),
@@ -239,7 +250,7 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _exact("exaone_moe", WINDOW),
     _refused("falcon", OWN_ATTENTION),
     _exact("falcon_h1", MAMBA, logits=(("lm_head_multiplier", LogitOp.MULTIPLY),), mixers=("FalconH1Mixer",)),
-    _exact("falcon_mamba", MAMBA, mixers=("FalconMambaMixer",)),
+    _exact("falcon_mamba", MAMBA, mixers=("FalconMambaMixer",), untileable_mlp=NO_FEED_FORWARD),
     _exact("flex_olmo"),
     _exact("flint", SINKS),
     _exact("gemma"),
@@ -270,7 +281,8 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _exact("granitemoehybrid", MAMBA, logits=GRANITE_SCALING, mixers=("GraniteMoeHybridMambaLayer",)),
     _exact("granitemoeshared", logits=GRANITE_SCALING),
     _exact("helium"),
-    _exact("hrm_text", "causal attention (`prefix_lm: false`; a prefix-LM config is refused)"),
+    _exact("hrm_text", "causal attention (`prefix_lm: false`; a prefix-LM config is refused)",
+           untileable_mlp=NO_MLP_MODULE),
     _exact("hunyuan_v1_dense"),
     _exact("hunyuan_v1_moe"),
     _exact("hy_v3"),
@@ -285,7 +297,7 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _exact("iquestcoder"),
     _exact("jais2"),
     _exact("jamba", MAMBA, mixers=("JambaMambaMixer",)),
-    _exact("jetmoe", aux_coef_key="aux_loss_coef"),
+    _exact("jetmoe", aux_coef_key="aux_loss_coef", untileable_mlp=ROUTER_WITHOUT_EXPERTS),
     _exact("kimi_linear", LINEAR_ATTENTION, mixers=("KimiLinearDeltaAttention",)),
     _exact("kolibri1", WINDOW),
     _exact("laguna"),
@@ -294,9 +306,9 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _exact("lfm3", SHORT_CONVOLUTION, mixers=("Lfm3ShortConv",)),
     _exact("llama", ropes=("dynamic",)),
     _refused("llama4_text", CHUNKED_ATTENTION),
-    _exact("longcat_flash"),
-    _exact("mamba", MAMBA, mixers=("MambaMixer",)),
-    _exact("mamba2", MAMBA, mixers=("Mamba2Mixer",)),
+    _exact("longcat_flash", untileable_mlp=ROUTER_WITHOUT_EXPERTS),
+    _exact("mamba", MAMBA, mixers=("MambaMixer",), untileable_mlp=NO_FEED_FORWARD),
+    _exact("mamba2", MAMBA, mixers=("Mamba2Mixer",), untileable_mlp=NO_FEED_FORWARD),
     _refused("marian", ENCODER_DECODER),
     _refused("mbart", ENCODER_DECODER),
     _refused("megatron-bert", ENCODER),
@@ -320,14 +332,14 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _refused("mvp", ENCODER_DECODER),
     _exact("nanochat", logits=SOFTCAPPED),
     _refused("nemotron", OWN_ATTENTION),
-    _exact("nemotron_h", MAMBA, mixers=("NemotronHMamba2Mixer",)),
+    _exact("nemotron_h", MAMBA, mixers=("NemotronHMamba2Mixer",), untileable_mlp=NO_MLP_MODULE),
     _exact("olmo"),
     _exact("olmo2"),
     _exact("olmo3", WINDOW),
     _exact("olmo_hybrid", LINEAR_ATTENTION, mixers=("OlmoHybridGatedDeltaNet",)),
     _exact("olmoe"),
     _refused("openai-gpt", OWN_ATTENTION),
-    _exact("opt"),
+    _exact("opt", untileable_mlp=NO_MLP_MODULE),
     _refused("pegasus", ENCODER_DECODER),
     _exact("persimmon"),
     _exact("phi"),
@@ -347,7 +359,7 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _exact("qwen4_exp_text", LINEAR_ATTENTION, mixers=("Qwen4ExpTextGatedDeltaNet",)),
     _exact("recurrent_gemma", "RG-LRU and convolutions restarted per sequence (train/recurrent.py), local "
                               "attention window", logits=(("logits_soft_cap", LogitOp.SOFTCAP),),
-           mixers=("RecurrentGemmaRecurrentBlock",)),
+           mixers=("RecurrentGemmaRecurrentBlock",), untileable_mlp=NO_MLP_MODULE),
     _refused("reformer", OWN_ATTENTION),
     _refused("rembert", ENCODER),
     _refused("roberta", ENCODER),
@@ -356,7 +368,7 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _refused("roformer", ENCODER),
     # both mixers shift each token by one (time mixing)
     _exact("rwkv", "token shift and WKV state restarted per sequence (train/recurrent.py)",
-           mixers=("RwkvSelfAttention", "RwkvFeedForward")),
+           mixers=("RwkvSelfAttention", "RwkvFeedForward"), untileable_mlp=SHIFTING_FEED_FORWARD),
     _exact("seed_oss"),
     _exact("smollm3"),
     _exact("solar_open"),
@@ -364,7 +376,7 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _exact("starcoder2", WINDOW),
     _refused("trocr", ENCODER_DECODER),
     _exact("vaultgemma", ATTENTION_SOFTCAP, logits=SOFTCAPPED),
-    _exact("whisper"),
+    _exact("whisper", untileable_mlp=NO_MLP_MODULE),
     _refused("xglm", OWN_ATTENTION),
     _refused("xlm", ENCODER),
     _refused("xlm-roberta", ENCODER),
@@ -374,8 +386,8 @@ FAMILIES: dict[str, FamilySpec] = _table(
            logits=(("output_logit_soft_cap", LogitOp.SOFTCAP),), mixers=("xLSTMLayer",)),
     _refused("xmod", ENCODER),
     _exact("youtu"),
-    _exact("zamba", MAMBA, mixers=("ZambaMambaMixer",)),
-    _exact("zamba2", MAMBA, mixers=("Zamba2MambaMixer",)),
+    _exact("zamba", MAMBA, mixers=("ZambaMambaMixer",), untileable_mlp=NO_MLP_MODULE),
+    _exact("zamba2", MAMBA, mixers=("Zamba2MambaMixer",), untileable_mlp=NO_MLP_MODULE),
     # a convolution over q/k and a one-token-delayed v inside the attention block
     _exact("zaya", "attention-side convolution restarted per sequence (train/recurrent.py)",
            mixers=("ZayaCCAProjection",)),

@@ -21,9 +21,18 @@ measurement: in benchmarks/results/memory.md (small-152k shape, fp32, chunked lo
 peak grows by 0.77 GiB from 4,096 to 16,384 tokens, 67.3 KB per token; the formula gives 2 · 32,768 + 2,048 =
 67.6 KB. Under bf16 autocast it is unmeasured (no GPU lent). The decision keeps `headroom` (default 10%) of the
 free memory for the allocator's fragmentation and the kernels' workspaces.
+
+Long rows (docs/TRAINING.md, "Long rows"): `tiled_mlp` (train/tiled_mlp.py) keeps the 4·intermediate term of one
+tile only, once (a tile's intermediates are freed before the next tile or layer runs; the tiled function keeps just
+its input, already counted in per_layer): per_layer less a·4·intermediate per token, plus a·4·intermediate·tile.
+`activation_offload` (train/activation_offload.py) moves the checkpointed layer inputs to the host: of the
+tokens·n_layers·a·hidden only two layers' inputs stay on the device (one copying out or prefetched back, one in
+use). `longest_row` and `smallest_sp_degree` answer "does a row fit on one GPU, else over how many ranks" from the
+same estimate (`python -m train.memory_plan` prints the table of docs/TRAINING.md).
 """
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 
@@ -83,12 +92,39 @@ def activation_bytes_per_token_layer(shape: ModelShape, act_bytes: int) -> int:
     return act_bytes * (12 * shape.hidden + 4 * shape.kv_dim + 4 * shape.intermediate) + 8 * shape.hidden
 
 
-def activation_bytes(shape: ModelShape, tokens: int, act_bytes: int, checkpointing: bool, loss_chunk: int) -> int:
+def mlp_bytes_per_token(shape: ModelShape, act_bytes: int) -> int:
+    """The per_layer share of a SwiGLU MLP's intermediates: gate, up, act(gate), act·up."""
+    return act_bytes * 4 * shape.intermediate
+
+
+def default_tile_tokens(intermediate: int, act_bytes: int, budget_bytes: int = 256 << 20) -> int:
+    """tiled_mlp's tile when `tiled_mlp_tile` is null: the tokens whose four [tile, intermediate] intermediates fit
+    `budget_bytes`, a multiple of 256, at least 1024 (Qwen2.5-1.5B bf16: 3,584; Llama-3-8B: 2,304)."""
+    return max(1024, budget_bytes // (4 * intermediate * act_bytes) // 256 * 256)
+
+
+def mlp_tile(model, intermediate: int) -> int | None:
+    """The tile of tiled_mlp for a config's model section (`tiled_mlp`, `tiled_mlp_tile`, `bf16`); None: untiled."""
+    if not model.tiled_mlp:
+        return None
+    return model.tiled_mlp_tile or default_tile_tokens(intermediate, 2 if model.bf16 else 4)
+
+
+def activation_bytes(shape: ModelShape, tokens: int, act_bytes: int, checkpointing: bool, loss_chunk: int,
+                     tile: int | None = None, offload: bool = False) -> int:
+    """Activation bytes of a `tokens`-long micro-batch (module docstring); `tile`: tiled_mlp's tile (None: untiled),
+    `offload`: activation_offload (with checkpointing only)."""
     per_layer = activation_bytes_per_token_layer(shape, act_bytes)
+    mlp_transient = 0
+    if tile is not None:
+        per_layer -= mlp_bytes_per_token(shape, act_bytes)
+        mlp_transient = min(tile, tokens) * mlp_bytes_per_token(shape, act_bytes)
     if checkpointing:
-        body = tokens * shape.n_layers * act_bytes * shape.hidden + tokens * per_layer
+        inputs_kept = 2 if offload else shape.n_layers
+        body = tokens * inputs_kept * act_bytes * shape.hidden + tokens * per_layer
     else:
         body = tokens * shape.n_layers * per_layer
+    body += mlp_transient
     edges = tokens * act_bytes * shape.hidden * 2
     head = 3 * 4 * min(loss_chunk, tokens) * shape.vocab + 4 * shape.vocab * shape.hidden
     return body + edges + head
@@ -127,11 +163,102 @@ class CheckpointingDecision:
 
 
 def choose_checkpointing(shape: ModelShape, tokens: int, free_bytes: int, state_bytes: int, act_bytes: int,
-                         loss_chunk: int, headroom: float = 0.1) -> CheckpointingDecision:
+                         loss_chunk: int, headroom: float = 0.1, tile: int | None = None) -> CheckpointingDecision:
     """Checkpoint iff the model state plus the activations of a `tokens`-long micro-batch without checkpointing
-    exceed the free memory less `headroom`."""
+    (tiled_mlp's `tile` counted) exceed the free memory less `headroom`."""
     if not 0.0 <= headroom < 1.0:
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
-    needed = state_bytes + activation_bytes(shape, tokens, act_bytes, checkpointing=False, loss_chunk=loss_chunk)
+    needed = state_bytes + activation_bytes(shape, tokens, act_bytes, checkpointing=False, loss_chunk=loss_chunk,
+                                            tile=tile)
     available = int(free_bytes * (1.0 - headroom))
     return CheckpointingDecision(needed > available, needed, available)
+
+
+@dataclass(frozen=True)
+class LongRowOptions:
+    """The activation options of one long-row plan: checkpointing, tiled_mlp's tile (None: untiled), offload."""
+
+    checkpointing: bool = True
+    tile: int | None = None
+    offload: bool = False
+
+    def __post_init__(self):
+        if self.offload and not self.checkpointing:
+            raise ValueError("activation offload moves the checkpointed layer inputs: it needs checkpointing")
+
+    def describe(self) -> str:
+        parts = ["checkpointing" if self.checkpointing else "no checkpointing"]
+        if self.tile is not None:
+            parts.append(f"tiled MLP ({self.tile})")
+        if self.offload:
+            parts.append("offload")
+        return " + ".join(parts)
+
+
+def row_fits(shape: ModelShape, tokens: int, gpu_bytes: int, state_bytes: int, options: LongRowOptions,
+             act_bytes: int = 2, loss_chunk: int = 4096, headroom: float = 0.1) -> bool:
+    """Whether a micro-batch of `tokens` tokens per rank fits: model state + activations <= gpu_bytes less headroom."""
+    needed = state_bytes + activation_bytes(shape, tokens, act_bytes, options.checkpointing, loss_chunk,
+                                            tile=options.tile, offload=options.offload)
+    return needed <= int(gpu_bytes * (1.0 - headroom))
+
+
+def smallest_sp_degree(shape: ModelShape, row: int, gpu_bytes: int, state_bytes: int, options: LongRowOptions,
+                       degrees: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), **estimate) -> int | None:
+    """The smallest sequence-parallel degree of `degrees` whose share of a `row`-token row (ceil(row / k) tokens)
+    fits one GPU, or None when none does. `state_bytes`: the model state per GPU (it does not depend on the sp
+    degree under ZeRO-3 over the same world); `estimate`: act_bytes, loss_chunk, headroom of `row_fits`. The
+    collectives' transient buffers of the SP backends are not counted (a few percent, docs/TRAINING.md §9)."""
+    return next((k for k in degrees if row_fits(shape, -(-row // k), gpu_bytes, state_bytes, options, **estimate)),
+                None)
+
+
+def longest_row(shape: ModelShape, gpu_bytes: int, state_bytes: int, options: LongRowOptions, granularity: int = 1024,
+                **estimate) -> int:
+    """The longest row (a multiple of `granularity` tokens) that fits one GPU without sequence parallelism."""
+    low, high = 0, granularity
+    while row_fits(shape, high, gpu_bytes, state_bytes, options, **estimate):
+        low, high = high, high * 2
+    while high - low > granularity:
+        middle = (low + high) // 2 // granularity * granularity
+        low, high = (middle, high) if row_fits(shape, middle, gpu_bytes, state_bytes, options, **estimate) else (
+            low, middle)
+    return low
+
+
+# published configs: (hidden, layers, heads, kv heads, head dim, intermediate, vocab, tied, qkv bias)
+LONG_ROW_SHAPES = {
+    "Qwen2.5-1.5B": ModelShape(1536, 28, 12, 2, 128, 8960, 151936, True, True),
+    "Llama-3-8B": ModelShape(4096, 32, 32, 8, 128, 14336, 128256, False, False),
+}
+H100_BYTES = 80 * 10**9
+
+
+def long_row_table(world: int = 8, gpu_bytes: int = H100_BYTES) -> list[str]:
+    """The longest row per GPU of each shape under each option (bf16, DeepSpeed ZeRO-3 over `world` GPUs, loss
+    chunk 4096, 10% headroom), and the smallest sp degree for 128K and 1M-token rows: the plan's figures, computed."""
+    lines = ["| model | option | longest row per GPU (sp 1) | sp for 128K | sp for 1M |", "|---|---|---|---|---|"]
+    for name, shape in LONG_ROW_SHAPES.items():
+        tile = default_tile_tokens(shape.intermediate, 2)
+        variants = [LongRowOptions(False), LongRowOptions(False, tile), LongRowOptions(True),
+                    LongRowOptions(True, tile), LongRowOptions(True, None, True), LongRowOptions(True, tile, True)]
+        state = model_state_bytes(shape.n_params, shape.n_params, 3, world, bf16=True)
+        for options in variants:
+            longest = longest_row(shape, gpu_bytes, state, options)
+            sp = [smallest_sp_degree(shape, row, gpu_bytes, state, options) for row in (128 * 1024, 1024 * 1024)]
+            cells = ["–" if k is None else str(k) for k in sp]
+            lines.append(f"| {name} | {options.describe()} | {longest // 1024}K | {cells[0]} | {cells[1]} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="The longest row per GPU with each long-row option (the memory "
+                                                 "plan's estimate, not a measurement).")
+    parser.add_argument("--world", type=int, default=8, help="GPUs ZeRO-3 partitions the model state over")
+    parser.add_argument("--gpu-gb", type=float, default=80.0, help="GPU memory, GB (10^9 bytes)")
+    args = parser.parse_args()
+    print("\n".join(long_row_table(args.world, int(args.gpu_gb * 10**9))))
+
+
+if __name__ == "__main__":
+    main()

@@ -116,8 +116,17 @@ def build_lm(cfg: TrainConfig, model_config, dtype: torch.dtype, checkpointing: 
 
         _apply_liger_kernel_to_instance(model=lm, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                         fused_linear_cross_entropy=False)
+    if cfg.model.tiled_mlp:
+        from train.memory_plan import mlp_tile
+        from train.tiled_mlp import install_tiled_mlp, intermediate_size
+
+        install_tiled_mlp(lm, mlp_tile(cfg.model, intermediate_size(lm.config)))
     if checkpointing:
         lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.model.activation_offload:
+            from train.activation_offload import HostOffload
+
+            HostOffload().install(lm)
     if cfg.lora.lora_rank > 0:
         from train.lora import apply_lora
 

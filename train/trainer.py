@@ -69,6 +69,7 @@ from train.moe import real_tokens, resolve_router_aux
 from train.nonfinite import SKIPPED, NonFiniteError, nonfinite_problem, nonfinite_tensors, stop_message
 from train.packed_model import PackedCausalLM, build_lm
 from train.rope import switch_points as rope_switch_points
+from train.tiled_mlp import describe_tiling
 from train.varlen_kernels import queued_copy
 
 logger = logging.getLogger("packsft.train")
@@ -202,6 +203,8 @@ class Trainer:
         activations without checkpointing vs the free memory less the model state); on CPU by row length."""
         cfg = self.cfg
         per_rank_row = -(-row_length // self.mesh.sp_size)
+        if cfg.model.activation_offload and cfg.model.gradient_checkpointing == "auto":
+            return True, "on (auto: activation_offload keeps the checkpointed layer inputs on the host)"
         if cfg.model.gradient_checkpointing != "auto" or self.device.type != "cuda":
             enabled = cfg.model.checkpointing_enabled(per_rank_row)
             why = "set" if cfg.model.gradient_checkpointing != "auto" else (
@@ -209,7 +212,7 @@ class Trainer:
                 f"{cfg.model.checkpointing_min_length}")
             return enabled, f"{'on' if enabled else 'off'} ({why})"
         from train.deepspeed_config import offloads_optimizer
-        from train.memory_plan import ModelShape, choose_checkpointing, model_state_bytes
+        from train.memory_plan import ModelShape, choose_checkpointing, mlp_tile, model_state_bytes
 
         shape = ModelShape.from_hf_config(self.checked.model_config)
         n_trainable = shape.n_params if cfg.lora.lora_rank == 0 else 0  # LoRA adapters: negligible next to the model
@@ -220,7 +223,8 @@ class Trainer:
         tokens = -(-row_length * cfg.steps.micro_batch_rows // self.mesh.sp_size)
         free, _ = torch.cuda.mem_get_info(self.device)
         decision = choose_checkpointing(shape, tokens, free, state, act_bytes=2 if cfg.model.bf16 else 4,
-                                        loss_chunk=cfg.steps.loss_chunk_size)
+                                        loss_chunk=cfg.steps.loss_chunk_size,
+                                        tile=mlp_tile(cfg.model, shape.intermediate))
         return decision.enabled, decision.describe()
 
     def _check_family(self) -> str:
@@ -700,6 +704,9 @@ class Trainer:
             f"activation checkpointing {self.checkpointing_reason}"
             + (", compiled decoder layers" if cfg.model.compile_layers else "")
             + (", compiled loss chunks" if self.compiles_loss else "") + (", Liger kernels" if cfg.model.liger else "")
+            + (f", {describe_tiling(self.lm)}" if cfg.model.tiled_mlp else "")
+            + (", checkpointed inputs offloaded to host memory" if cfg.model.activation_offload and self.checkpointing
+               else "")
             + (f", router aux loss (coef {self.router_aux.coef:g}, {self.router_aux.num_experts} experts, top "
                f"{self.router_aux.top_k})" if self.router_aux is not None else "")
         )
