@@ -20,7 +20,6 @@ import datetime as dt
 import json
 import resource
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -101,19 +100,6 @@ def run_step(spec: dict) -> dict:
     return dict(peak_bytes=peak, before_step_bytes=before, seconds=seconds, loss=float(loss), tile=tile)
 
 
-def measure(spec: dict, timeout: float) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return dict(error=f"timeout after {timeout:.0f} s")
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-2:]
-    return dict(error=f"exit {proc.returncode}: {' | '.join(tail)[:300]}")
-
-
 def gib(n: float) -> str:
     return f"{n / 2**30:.2f}"
 
@@ -167,7 +153,7 @@ def main(argv=None) -> None:
         return
     from tqdm import tqdm
 
-    from benchmarks.bench_memory import machine_description
+    from benchmarks.bench_memory import machine_description, measure
 
     lengths = [int(x) for x in args.lengths.split(",")]
     options = args.options.split(",")
@@ -178,7 +164,7 @@ def main(argv=None) -> None:
         spec = dict(option=option, length=length, layers=args.layers, sequence=args.sequence, trained=args.trained,
                     device=args.device, threads=args.threads,
                     cap_bytes=int(args.cap_gb * 2**30) if args.device == "cpu" else 0)
-        results[(option, length)] = measure(spec, args.timeout)
+        results[(option, length)] = measure(spec, args.timeout, script=Path(__file__).resolve())
         tqdm.write(f"{length:>7} {option:<20} {results[(option, length)]}")
     tile = next((r["tile"] for r in results.values() if "tile" in r), None)
     metric = "peak allocated GPU memory" if args.device == "cuda" else "peak RSS of the process"

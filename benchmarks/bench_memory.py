@@ -115,8 +115,10 @@ def child_main(spec_json: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------- parent
-def measure(spec: dict, timeout: float) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
+def measure(spec: dict, timeout: float, script: Path | None = None) -> dict:
+    """Run `script --child SPEC` (default: this file) in a fresh process; the dict its `RESULT ` line prints, or
+    an error (a kill by the OOM killer as `oom`)."""
+    cmd = [sys.executable, str(script or Path(__file__).resolve()), "--child", json.dumps(spec)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     except subprocess.TimeoutExpired:
