@@ -38,12 +38,22 @@ def tokenizer_dir(name: str) -> Path:
     return fixture_path("tokenizers", name)
 
 
+def _has_torchvision() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torchvision") is not None
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    skips = {}
+    if not torch.cuda.is_available():
+        skips["gpu"] = pytest.mark.skip(reason="needs CUDA")
+    if not _has_torchvision():  # scripts/test.sh runs them in .venv-vision
+        skips["vision"] = pytest.mark.skip(reason="needs torchvision: bash scripts/setup_vision.sh, then "
+                                                  ".venv-vision/bin/python -m pytest -m vision")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+        for marker, skip in skips.items():
+            if marker in item.keywords:
+                item.add_marker(skip)
