@@ -28,7 +28,8 @@ its input, already counted in per_layer): per_layer less a·4·intermediate per 
 `activation_offload` (train/activation_offload.py) moves the checkpointed layer inputs to the host: of the
 tokens·n_layers·a·hidden only two layers' inputs stay on the device (one copying out or prefetched back, one in
 use). `longest_row` and `smallest_sp_degree` answer "does a row fit on one GPU, else over how many ranks" from the
-same estimate (`python -m train.memory_plan` prints the table of docs/TRAINING.md).
+same estimate; `choose_sp_degree` is `sequence_parallel_size: auto` (`python -m train.memory_plan` prints the
+table of docs/TRAINING.md).
 """
 from __future__ import annotations
 
@@ -211,6 +212,42 @@ def smallest_sp_degree(shape: ModelShape, row: int, gpu_bytes: int, state_bytes:
     collectives' transient buffers of the SP backends are not counted (a few percent, docs/TRAINING.md §9)."""
     return next((k for k in degrees if row_fits(shape, -(-row // k), gpu_bytes, state_bytes, options, **estimate)),
                 None)
+
+
+@dataclass(frozen=True)
+class SPDegreeChoice:
+    """`sequence_parallel_size: auto`: the degree chosen and why (the start line prints `describe()`)."""
+
+    degree: int
+    row: int
+    gpu_bytes: int
+    options: LongRowOptions
+
+    def describe(self) -> str:
+        tokens = -(-self.row // self.degree)
+        fits = f"{tokens:,} tokens per rank fit {self.gpu_bytes / (1 << 30):.1f} GiB with {self.options.describe()}"
+        return f"auto: {self.row:,}-token micro-batches, {fits}" + (
+            "" if self.degree == 1 else f"; {-(-self.row // (self.degree // 2)):,} would not")
+
+
+def choose_sp_degree(shape: ModelShape, row: int, world: int, gpu_bytes: int, state_bytes: int,
+                     options: LongRowOptions, **estimate) -> SPDegreeChoice:
+    """`sequence_parallel_size: auto`: the smallest degree dividing `world` (a power of two, so the hybrid Ulysses
+    layouts stay available) whose share of a `row`-token micro-batch fits one GPU of `gpu_bytes` next to
+    `state_bytes` of model state; every other factor of the world stays data parallel, which is cheaper than
+    sequence parallelism at equal memory. Raises ValueError naming the row, the memory and what could help when no
+    degree fits."""
+    degrees = tuple(k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if k <= world and world % k == 0)
+    degree = smallest_sp_degree(shape, row, gpu_bytes, state_bytes, options, degrees=degrees, **estimate)
+    if degree is None:
+        helps = [name for name, off in (("gradient_checkpointing: true", not options.checkpointing),
+                                        ("tiled_mlp: true", options.tile is None),
+                                        ("activation_offload: true", not options.offload)) if off]
+        raise ValueError(
+            f"sequence_parallel_size: auto: a {row:,}-token row does not fit {gpu_bytes / (1 << 30):.1f} GiB per GPU "
+            f"with {options.describe()} even over all {world} ranks (sp degrees tried: {list(degrees)}); "
+            + (f"try {', '.join(helps)}, " if helps else "") + "more GPUs, or shorter rows (max_length)")
+    return SPDegreeChoice(degree, row, gpu_bytes, options)
 
 
 def longest_row(shape: ModelShape, gpu_bytes: int, state_bytes: int, options: LongRowOptions, granularity: int = 1024,
