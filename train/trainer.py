@@ -170,10 +170,10 @@ class Trainer:
                 self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
         dtype = torch.bfloat16 if (cfg.model.bf16 and cfg.uses_deepspeed) else torch.float32
         row_length = int(self.dataset.meta.get("max_length") or int(np.max(self.dataset.row_n_tokens)))
-        self.checkpointing, self.checkpointing_reason = self._choose_checkpointing(row_length)
+        self.checkpointing, self.checkpointed_layers, self.checkpointing_reason = self._choose_checkpointing(row_length)
         self.family = self._check_family()  # before any weight is loaded
         self.model_identity = model_identity(checked.model_config, cfg.lora)
-        self.lm = build_lm(cfg, checked.model_config, dtype, self.checkpointing)
+        self.lm = build_lm(cfg, checked.model_config, dtype, self.checkpointing, self.checkpointed_layers)
         self.plan = plan_attention(cfg.model, cfg.parallel, self.sp_layout, self.mesh, self.lm, self.structure)
         self.router_aux, router_warning = resolve_router_aux(self.lm, cfg.moe.output_router_logits,
                                                              cfg.moe.router_aux_loss_coef)
@@ -204,19 +204,20 @@ class Trainer:
         path = self.checked.eval_path
         return None if path is None else PackedDataset(path, verify=self.cfg.data.verify_data)
 
-    def _choose_checkpointing(self, row_length: int) -> tuple[bool, str]:
-        """gradient_checkpointing auto: on a GPU from the memory estimate of train/memory_plan.py (a micro-batch's
-        activations without checkpointing vs the free memory less the model state); on CPU by row length."""
+    def _choose_checkpointing(self, row_length: int) -> tuple[bool, int | None, str]:
+        """gradient_checkpointing auto: on a GPU from the memory estimate of train/memory_plan.py (the fewest
+        decoder layers to checkpoint for a micro-batch's activations to fit the free memory less the model state);
+        on CPU by row length. (enabled, layers checkpointed: None for all, why)."""
         cfg = self.cfg
         per_rank_row = -(-row_length // self.mesh.sp_size)
         if cfg.model.activation_offload and cfg.model.gradient_checkpointing == "auto":
-            return True, "on (auto: activation_offload keeps the checkpointed layer inputs on the host)"
+            return True, None, "on (auto: activation_offload keeps the checkpointed layer inputs on the host)"
         if cfg.model.gradient_checkpointing != "auto" or self.device.type != "cuda":
             enabled = cfg.model.checkpointing_enabled(per_rank_row)
             why = "set" if cfg.model.gradient_checkpointing != "auto" else (
                 f"auto: {per_rank_row} tokens per rank {'>=' if enabled else '<'} checkpointing_min_length="
                 f"{cfg.model.checkpointing_min_length}")
-            return enabled, f"{'on' if enabled else 'off'} ({why})"
+            return enabled, None, f"{'on' if enabled else 'off'} ({why})"
         from train.memory_plan import ModelShape, choose_checkpointing, mlp_tile
 
         shape = ModelShape.from_hf_config(self.checked.model_config)
@@ -225,7 +226,7 @@ class Trainer:
         decision = choose_checkpointing(shape, tokens, free, self._model_state_bytes(shape, self.mesh.world_size),
                                         act_bytes=2 if cfg.model.bf16 else 4, loss_chunk=cfg.steps.loss_chunk_size,
                                         tile=mlp_tile(cfg.model, shape.intermediate))
-        return decision.enabled, decision.describe()
+        return decision.enabled, decision.layers, decision.describe()
 
     def _model_state_bytes(self, shape, world: int) -> int:
         """Weights, gradients and optimizer state per GPU (train/memory_plan.py's estimate)."""
