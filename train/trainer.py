@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from data.images import ImageLoader
 from train.attention_plan import plan_attention, plan_sp_layout
 from train.batch import make_batch, step_totals
 from train.checkpoint import (
@@ -136,6 +137,7 @@ class Trainer:
         from train.online import open_train_dataset
 
         self.dataset = open_train_dataset(cfg.data.data_path, cfg.data.online_max_length, seed=cfg.steps.seed, verify=cfg.data.verify_data)
+        self.image_loader = ImageLoader.of(self.dataset.meta)  # None for text-only data
         if checked.tokenizer_path is None:  # none named anywhere (a named one must exist)
             self._warn("no tokenizer (tokenizer_path, model_path, the shards' meta.json): final/ will be exported "
                        "without one")
@@ -336,7 +338,8 @@ class Trainer:
         # a filler (a rank with no row left in this step: forward/backward for the collectives, contributes 0) is
         # not part of the step's totals, which may be smaller than its own: build it with its own, then zero it
         totals = step_totals(self.dataset, rows) if filler else plan.totals
-        batch = make_batch([self.dataset[r] for r in rows], totals, self.cfg.steps.loss_reduction, structure=self.structure)
+        batch = make_batch([self.dataset[r] for r in rows], totals, self.cfg.steps.loss_reduction, structure=self.structure,
+                           images=self.image_loader)
         if filler:
             batch["targets"] = torch.full_like(batch["targets"], -100)
             batch["weights"] = torch.zeros_like(batch["weights"])
@@ -488,7 +491,7 @@ class Trainer:
         progress = EvalProgress(len(ds), self._console_write, bar=self.progress_bar, enabled=self.mesh.is_main)
         for k in range(n_iter):
             row = mine[k] if k < len(mine) else 0
-            batch = make_batch([ds[row]], totals, "token", structure=self.structure)
+            batch = make_batch([ds[row]], totals, "token", structure=self.structure, images=self.image_loader)
             if k >= len(mine):
                 batch["targets"].fill_(-100)
                 batch["weights"].zero_()
