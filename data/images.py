@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import multiprocessing
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ import numpy as np
 
 from common.config import ConfigError
 from data.records import IMAGE_PLACEHOLDER, RecordError
+from data.shards import StoredImage
 
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 VISION_SETUP = ("image conversations need torchvision and Pillow, which load only next to PyPI's (CUDA) torch "
@@ -159,15 +161,6 @@ def load_processor(path: str):
 
 
 @dataclass
-class ImageEntry:
-    """One image of a sequence as the shards keep it: its encoded bytes, its patch grid (t, h, w; zeros for a
-    processor that gives none) and the number of tokens the processor gave it."""
-    data: bytes
-    grid: tuple[int, int, int]
-    n_tokens: int
-
-
-@dataclass
 class Expanded:
     """A render with each image's placeholder replaced by the processor's token run: the text, the character
     spans of the assistant turns and of the image runs, the processor's token ids and the images."""
@@ -175,7 +168,7 @@ class Expanded:
     spans: list[tuple[int, int]]
     image_spans: list[tuple[int, int]]
     reference_ids: list[int]
-    images: list[ImageEntry]
+    images: list[StoredImage]  # as the shards keep them
 
 
 @dataclass
@@ -191,8 +184,18 @@ class Vision:
     def processor(self):
         if self._processor is None:
             self._processor = load_processor(self.path)
+            if multiprocessing.parent_process() is not None:  # a pool worker: one core each, as its tokenizer
+                import torch
+
+                torch.set_num_threads(1)
             self._kwargs = pixel_kwargs(self._processor, self.min_pixels, self.max_pixels)
         return self._processor
+
+    @property
+    def images_kwargs(self) -> dict:
+        """The image processor's keyword arguments for the pixel limits (`pixel_kwargs`)."""
+        self.processor  # noqa: B018  (loads it, and the kwargs with it)
+        return self._kwargs
 
     @property
     def image_token_id(self) -> int:
@@ -206,7 +209,7 @@ class Vision:
         datas = [read_image_bytes(ref, source, f"images[{k}]") for k, ref in enumerate(refs)]
         pil = [decode_image(data, source, f"images[{k}]") for k, data in enumerate(datas)]
         try:
-            out = processor(text=[text], images=pil, return_text_replacement_offsets=True, **self._kwargs)
+            out = processor(text=[text], images=pil, return_text_replacement_offsets=True, **self.images_kwargs)
         except Exception as exc:  # the processor rejects this record (e.g. an image too small to patch)
             raise RecordError(source, "images", f"the processor failed: {type(exc).__name__}: {exc}",
                               "bad_image") from None
@@ -231,7 +234,7 @@ class Vision:
         ids = [int(t) for t in out["input_ids"][0]]
         token_id = self.image_token_id
         counts = [r["replacement"].count(processor.image_token) for r in replacements]
-        images = [ImageEntry(data, tuple(int(v) for v in grids[k]) if grids is not None else (0, 0, 0), counts[k])
+        images = [StoredImage(data, tuple(int(v) for v in grids[k]) if grids is not None else (0, 0, 0), counts[k])
                   for k, data in enumerate(datas)]
         if sum(counts) != ids.count(token_id):
             raise RecordError(source, "images", "the processor's image token count differs from its replacements",
@@ -259,7 +262,7 @@ class ImageLoader:
     def __call__(self, datas: list[bytes], grids: np.ndarray) -> tuple[Any, Any]:
         processor = self.vision.processor
         pil = [decode_image(data, "shards", f"image {k}") for k, data in enumerate(datas)]
-        out = processor.image_processor(images=pil, return_tensors="pt", **self.vision._kwargs)
+        out = processor.image_processor(images=pil, return_tensors="pt", **self.vision.images_kwargs)
         got = out["image_grid_thw"]
         if tuple(got.shape) != tuple(grids.shape) or not np.array_equal(got.numpy(), grids):
             raise ConfigError(f"the image processor of {self.vision.path} gives grids {got.tolist()} where the "

@@ -148,6 +148,9 @@ def _passthrough(raw: dict, rec: dict, spec: InputSpec, source: str, part_images
             raise RecordError(source, "images", "image parts with paths and a row-level images "
                               "list (or bare image parts) in one record; give each image once", "image_count_mismatch")
         rec["images"] = given
+    elif part_images and raw.get("images") is None:
+        raise RecordError(source, "images", f"{len(part_images)} image parts without a path and no images list",
+                          "image_count_mismatch")
     return rec
 
 
