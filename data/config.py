@@ -92,9 +92,10 @@ class DataConfig:
     loss_turns: Literal["all", "last"] = "all"  # rllm: cumulative (all assistant turns) or stepwise (last only)
     structure: Literal["parallel_thinking"] | None = None  # Parallel-R1 data: per-token block and path ids
     enable_thinking: bool | None = None  # default for records without their own `enable_thinking`
-    # image records (tokenizer_path a processor directory): the image processor's pixel budget per image, replacing
-    # the processor's min_pixels / max_pixels (Qwen2-VL family); null: the processor's own
+    # image records (tokenizer_path a processor directory): the image processor's smallest pixel count per image,
+    # replacing the processor's min_pixels (Qwen2-VL family); null: the processor's own
     image_min_pixels: int | None = None
+    # the largest pixel count per image (larger images are resized), replacing the processor's max_pixels
     image_max_pixels: int | None = None
     # seconds the chat template may take to render one record (and a probe conversation); longer is an error naming
     # the template and the record (a template that loops); null: no bound

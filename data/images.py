@@ -132,14 +132,15 @@ def pixel_kwargs(processor, min_pixels: int | None, max_pixels: int | None) -> d
     family); {} when neither is set."""
     if min_pixels is None and max_pixels is None:
         return {}
-    size = getattr(processor.image_processor if hasattr(processor, "image_processor") else processor, "size", None)
-    current = dict(size.items()) if hasattr(size, "items") else dict(vars(size)) if size is not None else {}
-    if current.get("longest_edge") is None or current.get("shortest_edge") is None:
-        raise ConfigError(f"image_min_pixels / image_max_pixels: the image processor "
-                          f"{type(getattr(processor, 'image_processor', processor)).__name__} has no pixel budget "
-                          "(size.shortest_edge / longest_edge in pixels, as Qwen2-VL's)")
-    return {"size": {"shortest_edge": min_pixels if min_pixels is not None else current["shortest_edge"],
-                     "longest_edge": max_pixels if max_pixels is not None else current["longest_edge"]}}
+    image_processor = getattr(processor, "image_processor", processor)
+    size = getattr(image_processor, "size", None)
+    edge = (lambda key: size.get(key)) if isinstance(size, dict) else (lambda key: getattr(size, key, None))
+    shortest, longest = edge("shortest_edge"), edge("longest_edge")
+    if shortest is None or longest is None:
+        raise ConfigError(f"image_min_pixels / image_max_pixels: the image processor {type(image_processor).__name__} "
+                          "has no pixel budget (size.shortest_edge / longest_edge in pixels, as Qwen2-VL's)")
+    return {"size": {"shortest_edge": min_pixels if min_pixels is not None else shortest,
+                     "longest_edge": max_pixels if max_pixels is not None else longest}}
 
 
 def load_processor(path: str):

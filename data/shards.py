@@ -814,6 +814,7 @@ class PackedDataset:
         self.has_images = bool(meta.get("image_store"))
         self._images: list[np.ndarray] = []  # IMAGE_DTYPE index per shard (image datasets)
         self._image_data: list[np.ndarray] = []  # the images' bytes per shard, memory-mapped
+        self._image_maps: list[mmap.mmap | None] = []
         self._tokens: list[np.ndarray] = []
         self._maps: list[mmap.mmap | None] = []
         self._rows: list[np.ndarray] = []
@@ -880,9 +881,12 @@ class PackedDataset:
             raise ShardFormatError(f"{fpath}: index has dtype {index.dtype} shape {index.shape}, expected "
                                    f"{shard.get('images')} images")
         self._images.append(index)
-        data_path = self.path / files["image_data"]["file"]
-        size = files["image_data"]["bytes"]
-        self._image_data.append(np.memmap(data_path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8))
+        mm = None
+        if files["image_data"]["bytes"]:
+            with open(self.path / files["image_data"]["file"], "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._image_maps.append(mm)
+        self._image_data.append(np.frombuffer(mm, dtype=np.uint8) if mm is not None else np.zeros(0, np.uint8))
 
     def _image_range(self, shard: int, seq_lo: int, seq_hi: int) -> tuple[int, int]:
         """The index entries `[lo, hi)` of the images of shard-local sequences `[seq_lo, seq_hi)`."""
@@ -1055,7 +1059,12 @@ class PackedDataset:
             seqs.append(self._seqs[shard][so : so + ns])
             views.append(self._checked_view(shard, r))
             if self.has_images:
-                images += [(self._image_bytes(shard, e).tobytes(), e["grid"].tolist()) for e in self._row_images(shard, r)]
+                entries = self._row_images(shard, r)
+                images += [(self._image_bytes(shard, e).tobytes(), e["grid"].tolist()) for e in entries]
+                if self.release_pages and len(entries):  # as for the tokens below: the resident set stays flat
+                    start = int(entries["byte_offset"][0]) & ~(mmap.PAGESIZE - 1)
+                    end = int(entries["byte_offset"][-1] + entries["n_bytes"][-1])
+                    self._image_maps[shard].madvise(mmap.MADV_DONTNEED, start, end - start)
         if not views:
             out = {name: np.zeros(0, dtype=self.dtype[name]) for name in self.token_fields}
             out["seq_lens"] = np.zeros(0, dtype=np.int64)
@@ -1079,7 +1088,7 @@ class PackedDataset:
         for readers that go through the zero-copy `row_tokens` views. Earlier views stay valid (re-faulted)."""
         if not hasattr(mmap, "MADV_DONTNEED"):
             return
-        for mm in self._maps:
+        for mm in self._maps + self._image_maps:
             if mm is not None:
                 mm.madvise(mmap.MADV_DONTNEED)
 
