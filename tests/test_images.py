@@ -241,19 +241,25 @@ def test_example_tokenizes_to_the_processors_ids_with_exact_masks(tmp_path, monk
 
 
 @pytest.mark.vision
-def test_pixel_limits_override_the_processor(tmp_path):
+def test_pixel_limits_override_the_processor_and_long_image_records_are_dropped_not_cut(tmp_path):
     processor = _processor()
     limit = 56 * 56 * 4  # 4 merged patches at most
-    pipeline.main([str(write_config(tmp_path, [{"path": str(mm("mllm_demo.json"))}], image_max_pixels=limit)),
-                   "--stages", "preprocess,sample,merge,tokenize"])
+    size = {"shortest_edge": 3136, "longest_edge": limit}
+    refs = [_reference(processor, record, size=size)["input_ids"][0] for record in demo_records()]
+    cap = sorted(len(ids) for ids in refs)[len(refs) // 2]  # about half the records are longer
+    config = write_config(tmp_path, [{"path": str(mm("mllm_demo.json"))}], image_max_pixels=limit, max_length=cap,
+                          overlong="truncate")
+    pipeline.main([str(config), "--stages", "preprocess,sample,merge,tokenize"])
     tokenized = PackedDataset(tmp_path / "out" / "tokenized")
     merged = [orjson.loads(line) for line in (tmp_path / "out" / "merged.jsonl").read_bytes().splitlines()]
     for i in range(len(tokenized)):
         row = tokenized[i]
-        record = demo_records()[merged[int(row["record_index"][0])]["meta"]["uid"]]
-        ref = _reference(processor, record, size={"shortest_edge": 3136, "longest_edge": limit})
-        assert row["input_ids"].tolist() == ref["input_ids"][0]
+        ref = refs[merged[int(row["record_index"][0])]["meta"]["uid"]]
+        assert row["input_ids"].tolist() == ref
         assert (row["image_grid_thw"].prod(-1) * 14 * 14 <= limit).all()
+    report = json.loads((tmp_path / "out" / "report.json").read_text())["tokenize"]
+    longer = sum(len(ids) > cap for ids in refs)
+    assert longer and report["dropped"] == {"overlong": longer} and report["truncated"] == 0
 
 
 @pytest.mark.vision
