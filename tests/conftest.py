@@ -50,16 +50,14 @@ def _vision_loads() -> bool:
 def pytest_collection_modifyitems(config, items):
     import torch
 
-    # `vision` tests need .venv-vision; elsewhere they skip, but in CI (which runs them there) they run and fail
+    skips = {}
+    if not torch.cuda.is_available():
+        skips["gpu"] = pytest.mark.skip(reason="needs CUDA")
+    # `vision` tests need .venv-vision (scripts/test.sh runs them there); elsewhere they skip, but in CI they run
     if not os.environ.get("CI") and any("vision" in item.keywords for item in items) and not _vision_loads():
-        skip_vision = pytest.mark.skip(reason="needs torchvision + Pillow: bash scripts/setup_vision.sh, then "
-                                              ".venv-vision/bin/python -m pytest -m vision")
-        for item in items:
-            if "vision" in item.keywords:
-                item.add_marker(skip_vision)
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+        skips["vision"] = pytest.mark.skip(reason="needs torchvision + Pillow: bash scripts/setup_vision.sh, then "
+                                                  ".venv-vision/bin/python -m pytest -m vision")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+        for marker, skip in skips.items():
+            if marker in item.keywords:
+                item.add_marker(skip)

@@ -27,6 +27,7 @@ from train.memory_plan import (
     LONG_ROW_SHAPES,
     LongRowOptions,
     activation_bytes,
+    choose_sp_degree,
     default_tile_tokens,
     longest_row,
     model_state_bytes,
@@ -359,3 +360,64 @@ def test_smallest_sp_degree_is_the_first_that_fits():
 def test_offload_without_checkpointing_is_not_a_plan():
     with pytest.raises(ValueError, match="checkpointing"):
         LongRowOptions(checkpointing=False, offload=True)
+
+
+# ---------------------------------------------------------------------------------------------- sequence_parallel_size: auto
+def test_sp_auto_is_the_smallest_degree_of_the_world_that_fits():
+    state = model_state_bytes(QWEN_15B.n_params, QWEN_15B.n_params, 3, 8, bf16=True)
+    options = LongRowOptions(checkpointing=True)
+    row = 1 << 20
+    choice = choose_sp_degree(QWEN_15B, row, 8, 80 * GB, state, options)
+    assert choice.degree == smallest_sp_degree(QWEN_15B, row, 80 * GB, state, options) > 1
+    assert row_fits(QWEN_15B, row // choice.degree, 80 * GB, state, options)
+    assert not row_fits(QWEN_15B, row // (choice.degree // 2), 80 * GB, state, options)
+    assert f"{row // choice.degree:,} tokens per rank fit" in choice.describe()
+    assert choose_sp_degree(QWEN_15B, 4096, 8, 80 * GB, state, options).degree == 1  # short rows: data parallel
+    # only degrees dividing the world: 6 GPUs offer 1 and 2, not enough for this row
+    with pytest.raises(ValueError, match=r"1,048,576-token row does not fit .* all 6 ranks .*\[1, 2\].*tiled_mlp: true"):
+        choose_sp_degree(QWEN_15B, row, 6, 80 * GB, state, options)
+
+
+def test_sp_auto_in_the_trainer(tmp_path, monkeypatch):
+    """The trainer sizes the data's rows against the least free GPU memory: with just enough for half a row it
+    picks 2 (CUDA faked: only the memory query is used); on CPU it keeps 1 and says why."""
+    from train.memory_plan import ModelShape
+    from train.preflight import preflight
+    from train.trainer import Trainer
+
+    row = 4096
+    write_packed(tmp_path / "data", random_rows(5, 2), meta_extra={"max_length": row})
+    save_tiny_model(tmp_path / "model")
+    cfg = _config(tmp_path, "auto", sequence_parallel_size="auto")
+    cfg.validate(world_size=3)  # auto: no divisibility rule before the degree is chosen
+    trainer = Trainer.__new__(Trainer)
+    trainer.cfg, trainer.checked = cfg, preflight(cfg, 2)
+    assert trainer._choose_sp_degree(2) == (1, "auto: no CUDA device to size the rows against")
+
+    shape = ModelShape.from_hf_config(trainer.checked.model_config)
+    state = trainer._model_state_bytes(shape, 2)
+    options = LongRowOptions(checkpointing=True)
+    needed = state + activation_bytes(shape, row // 2, 4, True, cfg.steps.loss_chunk_size)
+    free = int(needed / 0.9) + 1  # the plan keeps 10% headroom
+    assert not row_fits(shape, row, free, state, options, act_bytes=4, loss_chunk=cfg.steps.loss_chunk_size)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
+    degree, reason = trainer._choose_sp_degree(2)
+    assert degree == 2 and reason.startswith("auto: 4,096-token micro-batches, 2,048 tokens per rank fit")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (state, 2 * state))
+    with pytest.raises(ConfigError, match="sequence_parallel_size: auto: a 4,096-token row does not fit"):
+        trainer._choose_sp_degree(2)
+
+
+def test_sp_auto_trains_and_says_so(tmp_path):
+    from train.trainer import Trainer
+
+    lines = []
+    trainer = Trainer(_config(tmp_path, "auto_run", sequence_parallel_size="auto"),
+                      console=lambda *_: None)
+    trainer._console_write = lines.append
+    trainer.train()
+    assert trainer.mesh.sp_size == 1 and trainer.cfg.parallel.sequence_parallel_size == 1
+    assert "sp 1 [auto: no CUDA device to size the rows against]" in next(l for l in lines if l.startswith("training"))
+    with pytest.raises(ConfigError, match="sp_ulysses_size=2 needs a fixed sequence_parallel_size"):
+        _config(tmp_path, "auto_u", sequence_parallel_size="auto", sp_ulysses_size=2).validate()

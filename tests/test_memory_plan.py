@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests._train_helpers import one_thread  # noqa: F401  (a fixture)
+
 from train.memory_plan import (
     ModelShape,
     activation_bytes,
@@ -82,3 +84,64 @@ def test_model_state_bytes():
     assert model_state_bytes(n, n, 2, dp_size=4) == 2 * n + (2 * n + 12 * n) // 4
     assert model_state_bytes(n, n, 3, dp_size=4) == 16 * n // 4
     assert model_state_bytes(n, n, 2, dp_size=4, offload_optimizer=True) == 2 * n + 2 * n // 4
+
+
+def test_partial_checkpointing_estimate():
+    n = QWEN_15B.n_layers
+    full = activation_bytes(QWEN_15B, 32768, 2, checkpointing=True, loss_chunk=4096)
+    none = activation_bytes(QWEN_15B, 32768, 2, checkpointing=False, loss_chunk=4096)
+    assert activation_bytes(QWEN_15B, 32768, 2, True, 4096, checkpointed_layers=n) == full
+    assert activation_bytes(QWEN_15B, 32768, 2, True, 4096, checkpointed_layers=0) == none
+    partial = [activation_bytes(QWEN_15B, 32768, 2, True, 4096, checkpointed_layers=k) for k in range(n + 1)]
+    assert partial[:n] == sorted(partial[:n], reverse=True)  # each checkpointed layer saves memory, but the last:
+    assert partial[n - 1] < partial[n]  # its activations are what one recomputed layer holds
+    # one layer more checkpointed: its activations less, its input kept
+    per_layer = activation_bytes_per_token_layer(QWEN_15B, 2)
+    assert partial[5] - partial[6] == 32768 * (per_layer - 2 * QWEN_15B.hidden)
+    with pytest.raises(ValueError, match="offload"):
+        activation_bytes(QWEN_15B, 32768, 2, True, 4096, offload=True, checkpointed_layers=3)
+
+
+def test_auto_checkpoints_the_fewest_layers_that_fit():
+    state = model_state_bytes(QWEN_15B.n_params, QWEN_15B.n_params, deepspeed_stage=None)
+    decision = choose_checkpointing(QWEN_15B, 32768, 79 * GIB, state, 2, 4096)
+    k, n = decision.layers, QWEN_15B.n_layers
+    assert 0 < k < n  # the 1.5B shape at 32K on 80 GB: some layers, not all
+    available = int(79 * GIB * 0.9)
+    fits = [state + activation_bytes(QWEN_15B, 32768, 2, True, 4096, checkpointed_layers=j) <= available
+            for j in range(n + 1)]
+    assert fits[k] and not fits[k - 1] and decision.planned_bytes <= available
+    assert f"on for the first {k} of {n} layers" in decision.describe()
+    layers = [choose_checkpointing(QWEN_15B, 32768, free * GIB, state, 2, 4096).layers for free in range(40, 200, 8)]
+    assert layers == sorted(layers, reverse=True) and layers[0] == n - 1 and layers[-1] == 0
+    assert choose_checkpointing(QWEN_15B, 32768, GIB, state, 2, 4096).layers == n - 1  # nothing fits: the least
+
+
+def test_keep_checkpointing_recomputes_only_the_first_layers(one_thread):
+    """keep_checkpointing(lm, 1) on a 2-layer model: layer 0's MLP runs twice per step (forward + recomputation),
+    layer 1's once; the gradients equal the fully checkpointed model's."""
+    import torch
+
+    from tests._train_helpers import tiny_model
+    from train.packed_model import checkpointed_decoder_layers, keep_checkpointing
+
+    def step(k):
+        torch.manual_seed(0)
+        lm = tiny_model()
+        lm.set_attn_implementation("eager")  # transformers' own forward: no packed rows needed here
+        lm.train()
+        lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        layers = checkpointed_decoder_layers(lm)
+        if k is not None:
+            keep_checkpointing(lm, k)
+        calls = [0] * len(layers)
+        for i, layer in enumerate(layers):
+            layer.mlp.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+        ids = torch.randint(0, 100, (1, 24), generator=torch.Generator().manual_seed(1))
+        lm(input_ids=ids, labels=ids).loss.backward()
+        return calls, {n: p.grad for n, p in lm.named_parameters()}
+
+    (all_calls, all_grads), (calls, grads) = step(None), step(1)
+    assert all_calls == [2, 2] and calls == [2, 1]
+    for name, grad in all_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=0)

@@ -150,7 +150,8 @@ class OptimSection:
 class ParallelSection:
     """Sequence parallelism: ranks sharing one row (train/attention_plan.py chooses the layout)."""
 
-    sequence_parallel_size: int = 1  # ranks sharing one row
+    # ranks sharing one row; auto: the smallest degree whose share of a row fits the GPU (train/memory_plan.py; 1 on CPU)
+    sequence_parallel_size: int | Literal["auto"] = 1
     sp_backend: Literal[SP_BACKEND_CHOICES] = "auto"  # sequence-parallel attention (auto: by heads and placement)
     sp_ulysses_size: int | None = None  # Ulysses degree inside the sp group (< sequence_parallel_size: the hybrid); null: chosen
 
@@ -306,8 +307,9 @@ class TrainConfig:
             "grad_accum": steps.grad_accum,
             "num_epochs": steps.num_epochs,
             "loss_chunk_size": steps.loss_chunk_size,
-            "sequence_parallel_size": self.parallel.sequence_parallel_size,
         }
+        if self.parallel.sequence_parallel_size != "auto":  # auto is resolved at start (train/trainer.py)
+            positive["sequence_parallel_size"] = self.parallel.sequence_parallel_size
         for name, value in positive.items():
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
@@ -330,10 +332,9 @@ class TrainConfig:
         heads are checked when train/attention_plan.py reads the model config)."""
         parallel, launch = self.parallel, self.launch
         sp = parallel.sequence_parallel_size
-        problem = (processes_problem(world_size, f"world size {world_size}", sp)
-                   or processes_problem(launch.num_processes, f"launch.num_processes={launch.num_processes}", sp))
-        if problem:
-            raise ConfigError(problem)
+        if sp == "auto" and parallel.sp_ulysses_size is not None:
+            raise ConfigError(f"sp_ulysses_size={parallel.sp_ulysses_size} needs a fixed sequence_parallel_size, got "
+                              "auto (drop sp_ulysses_size: the layout is then chosen for the degree auto picks)")
         if launch.num_machines < 1 or launch.num_processes < launch.num_machines:
             raise ConfigError(
                 f"launch: num_processes={launch.num_processes} must be >= num_machines={launch.num_machines} >= 1"
@@ -343,13 +344,17 @@ class TrainConfig:
                 f"launch.num_processes={launch.num_processes} is not divisible by launch.num_machines="
                 f"{launch.num_machines}: every machine runs the same number of processes"
             )
-        problem = (ulysses_size_problem(parallel.sp_backend, sp, parallel.sp_ulysses_size)
+        if launch.num_machines > 1 and not launch.main_process_ip:
+            raise ConfigError("launch.main_process_ip is required when launch.num_machines > 1")
+        if sp == "auto":  # checked again once the trainer has chosen the degree
+            return
+        problem = (processes_problem(world_size, f"world size {world_size}", sp)
+                   or processes_problem(launch.num_processes, f"launch.num_processes={launch.num_processes}", sp)
+                   or ulysses_size_problem(parallel.sp_backend, sp, parallel.sp_ulysses_size)
                    or placement_problem(parallel.sp_backend, sp, parallel.sp_ulysses_size,
                                         launch.processes_per_machine))
         if problem:
             raise ConfigError(problem)
-        if launch.num_machines > 1 and not launch.main_process_ip:
-            raise ConfigError("launch.main_process_ip is required when launch.num_machines > 1")
 
     def _validate_combinations(self) -> None:
         ds, model = self.deepspeed, self.model

@@ -28,7 +28,8 @@ its input, already counted in per_layer): per_layer less a·4·intermediate per 
 `activation_offload` (train/activation_offload.py) moves the checkpointed layer inputs to the host: of the
 tokens·n_layers·a·hidden only two layers' inputs stay on the device (one copying out or prefetched back, one in
 use). `longest_row` and `smallest_sp_degree` answer "does a row fit on one GPU, else over how many ranks" from the
-same estimate (`python -m train.memory_plan` prints the table of docs/TRAINING.md).
+same estimate; `choose_sp_degree` is `sequence_parallel_size: auto` (`python -m train.memory_plan` prints the
+table of docs/TRAINING.md).
 """
 from __future__ import annotations
 
@@ -111,17 +112,23 @@ def mlp_tile(model, intermediate: int) -> int | None:
 
 
 def activation_bytes(shape: ModelShape, tokens: int, act_bytes: int, checkpointing: bool, loss_chunk: int,
-                     tile: int | None = None, offload: bool = False) -> int:
+                     tile: int | None = None, offload: bool = False, checkpointed_layers: int | None = None) -> int:
     """Activation bytes of a `tokens`-long micro-batch (module docstring); `tile`: tiled_mlp's tile (None: untiled),
-    `offload`: activation_offload (with checkpointing only)."""
+    `offload`: activation_offload (with checkpointing only); `checkpointed_layers`: with checkpointing, only the
+    first k layers are checkpointed (None: all). The first k, not the last: backward reaches them after the other
+    layers' activations are freed, so one recomputed layer is never held beside them:
+    k · hidden + max(n - k, 1) · per_layer per token."""
     per_layer = activation_bytes_per_token_layer(shape, act_bytes)
     mlp_transient = 0
     if tile is not None:
         per_layer -= mlp_bytes_per_token(shape, act_bytes)
         mlp_transient = min(tile, tokens) * mlp_bytes_per_token(shape, act_bytes)
-    if checkpointing:
-        inputs_kept = 2 if offload else shape.n_layers
-        body = tokens * inputs_kept * act_bytes * shape.hidden + tokens * per_layer
+    layers = shape.n_layers if checkpointed_layers is None or not checkpointing else checkpointed_layers
+    if offload and layers != shape.n_layers:
+        raise ValueError("activation offload moves the inputs of every checkpointed layer: checkpoint all layers")
+    if checkpointing and layers > 0:
+        inputs_kept = 2 if offload else layers
+        body = tokens * inputs_kept * act_bytes * shape.hidden + tokens * max(shape.n_layers - layers, 1) * per_layer
     else:
         body = tokens * shape.n_layers * per_layer
     body += mlp_transient
@@ -151,27 +158,43 @@ def model_state_bytes(n_params: int, n_trainable: int, deepspeed_stage: int | No
 
 @dataclass(frozen=True)
 class CheckpointingDecision:
-    enabled: bool
+    layers: int  # decoder layers checkpointed (the first ones), 0: none
+    n_layers: int
     needed_bytes: int  # estimated peak without checkpointing
+    planned_bytes: int  # estimated peak with `layers` checkpointed
     available_bytes: int  # free memory times (1 - headroom)
+
+    @property
+    def enabled(self) -> bool:
+        return self.layers > 0
 
     def describe(self) -> str:
         gib = 1 << 30
-        verdict = "on" if self.enabled else "off"
-        return (f"{verdict} (auto: estimated peak without it {self.needed_bytes / gib:.1f} GiB, "
+        verdict = "off" if not self.layers else "on" if self.layers == self.n_layers else (
+            f"on for the first {self.layers} of {self.n_layers} layers")
+        planned = f", with it {self.planned_bytes / gib:.1f} GiB" if self.layers else ""
+        return (f"{verdict} (auto: estimated peak without it {self.needed_bytes / gib:.1f} GiB{planned}, "
                 f"usable {self.available_bytes / gib:.1f} GiB)")
 
 
 def choose_checkpointing(shape: ModelShape, tokens: int, free_bytes: int, state_bytes: int, act_bytes: int,
                          loss_chunk: int, headroom: float = 0.1, tile: int | None = None) -> CheckpointingDecision:
-    """Checkpoint iff the model state plus the activations of a `tokens`-long micro-batch without checkpointing
-    (tiled_mlp's `tile` counted) exceed the free memory less `headroom`."""
+    """Checkpoint the fewest decoder layers (the first k) with which the model state plus the activations of a
+    `tokens`-long micro-batch (tiled_mlp's `tile` counted) fit the free memory less `headroom`: none when all
+    activations fit, else the k of the smallest estimate. Each layer left out saves its recomputation (about a third
+    of its step time). The last layer is never worth checkpointing: its own activations are what one recomputed
+    layer would hold (k = n - 1 estimates less than k = n)."""
     if not 0.0 <= headroom < 1.0:
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
-    needed = state_bytes + activation_bytes(shape, tokens, act_bytes, checkpointing=False, loss_chunk=loss_chunk,
-                                            tile=tile)
     available = int(free_bytes * (1.0 - headroom))
-    return CheckpointingDecision(needed > available, needed, available)
+
+    def peak(layers: int) -> int:
+        return state_bytes + activation_bytes(shape, tokens, act_bytes, checkpointing=layers > 0,
+                                              loss_chunk=loss_chunk, tile=tile, checkpointed_layers=layers)
+
+    peaks = [peak(k) for k in range(shape.n_layers + 1)]
+    layers = next((k for k, bytes_ in enumerate(peaks) if bytes_ <= available), peaks.index(min(peaks)))
+    return CheckpointingDecision(layers, shape.n_layers, peaks[0], peaks[layers], available)
 
 
 @dataclass(frozen=True)
@@ -211,6 +234,42 @@ def smallest_sp_degree(shape: ModelShape, row: int, gpu_bytes: int, state_bytes:
     collectives' transient buffers of the SP backends are not counted (a few percent, docs/TRAINING.md §9)."""
     return next((k for k in degrees if row_fits(shape, -(-row // k), gpu_bytes, state_bytes, options, **estimate)),
                 None)
+
+
+@dataclass(frozen=True)
+class SPDegreeChoice:
+    """`sequence_parallel_size: auto`: the degree chosen and why (the start line prints `describe()`)."""
+
+    degree: int
+    row: int
+    gpu_bytes: int
+    options: LongRowOptions
+
+    def describe(self) -> str:
+        tokens = -(-self.row // self.degree)
+        fits = f"{tokens:,} tokens per rank fit {self.gpu_bytes / (1 << 30):.1f} GiB with {self.options.describe()}"
+        return f"auto: {self.row:,}-token micro-batches, {fits}" + (
+            "" if self.degree == 1 else f"; {-(-self.row // (self.degree // 2)):,} would not")
+
+
+def choose_sp_degree(shape: ModelShape, row: int, world: int, gpu_bytes: int, state_bytes: int,
+                     options: LongRowOptions, **estimate) -> SPDegreeChoice:
+    """`sequence_parallel_size: auto`: the smallest degree dividing `world` (a power of two, so the hybrid Ulysses
+    layouts stay available) whose share of a `row`-token micro-batch fits one GPU of `gpu_bytes` next to
+    `state_bytes` of model state; every other factor of the world stays data parallel, which is cheaper than
+    sequence parallelism at equal memory. Raises ValueError naming the row, the memory and what could help when no
+    degree fits."""
+    degrees = tuple(k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if k <= world and world % k == 0)
+    degree = smallest_sp_degree(shape, row, gpu_bytes, state_bytes, options, degrees=degrees, **estimate)
+    if degree is None:
+        helps = [name for name, off in (("gradient_checkpointing: true", not options.checkpointing),
+                                        ("tiled_mlp: true", options.tile is None),
+                                        ("activation_offload: true", not options.offload)) if off]
+        raise ValueError(
+            f"sequence_parallel_size: auto: a {row:,}-token row does not fit {gpu_bytes / (1 << 30):.1f} GiB per GPU "
+            f"with {options.describe()} even over all {world} ranks (sp degrees tried: {list(degrees)}); "
+            + (f"try {', '.join(helps)}, " if helps else "") + "more GPUs, or shorter rows (max_length)")
+    return SPDegreeChoice(degree, row, gpu_bytes, options)
 
 
 def longest_row(shape: ModelShape, gpu_bytes: int, state_bytes: int, options: LongRowOptions, granularity: int = 1024,

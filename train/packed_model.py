@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from train.attention import ATTN_IMPLEMENTATION, AttentionContext
 from train.composite import attn_implementation, attn_implementations, auto_model_class, freeze_towers, is_composite
@@ -91,11 +92,13 @@ class PackedCausalLM(nn.Module):
             self.lm.set_attn_implementation(previous)
 
 
-def build_lm(cfg: TrainConfig, model_config, dtype: torch.dtype, checkpointing: bool = False) -> nn.Module:
+def build_lm(cfg: TrainConfig, model_config, dtype: torch.dtype, checkpointing: bool = False,
+             checkpointed_layers: int | None = None) -> nn.Module:
     """The HF causal LM of `model_config` (train/preflight.py read it) with the packsft attention (a composite
     checkpoint: its own class, the packsft attention on its text decoder, towers frozen as configured:
-    train/composite.py); optional Liger kernels, activation checkpointing, LoRA and compiled decoder layers (in that
-    order: compile wraps the patched, checkpointed layers)."""
+    train/composite.py); optional Liger kernels, activation checkpointing (of the first `checkpointed_layers`
+    decoder layers; None: all), LoRA and compiled decoder layers (in that order: compile wraps the patched,
+    checkpointed layers)."""
     model_config = copy.deepcopy(model_config)  # transformers sets the dtype and attention on the config it is given
     model_class = auto_model_class(model_config)
     attention = attn_implementation(model_config, ATTN_IMPLEMENTATION)
@@ -123,6 +126,8 @@ def build_lm(cfg: TrainConfig, model_config, dtype: torch.dtype, checkpointing: 
         install_tiled_mlp(lm, mlp_tile(cfg.model, intermediate_size(lm.config)))
     if checkpointing:
         lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if checkpointed_layers is not None:
+            keep_checkpointing(lm, checkpointed_layers)
         if cfg.model.activation_offload:
             from train.activation_offload import HostOffload
 
@@ -134,6 +139,18 @@ def build_lm(cfg: TrainConfig, model_config, dtype: torch.dtype, checkpointing: 
     if cfg.model.compile_layers:
         compile_decoder_layers(lm)
     return lm
+
+
+def checkpointed_decoder_layers(lm: nn.Module) -> list[nn.Module]:
+    """The text decoder's layers that activation checkpointing recomputes, in order (a composite's towers aside)."""
+    return [m for m in decoder_of(lm).modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+
+
+def keep_checkpointing(lm: nn.Module, layers: int) -> None:
+    """Checkpoint only the first `layers` decoder layers (train/memory_plan.py says why the first): the others keep
+    their activations and skip the recomputation. The flag is transformers' own per-layer switch."""
+    for i, layer in enumerate(checkpointed_decoder_layers(lm)):
+        layer.gradient_checkpointing = i < layers
 
 
 def compile_decoder_layers(lm: nn.Module) -> None:

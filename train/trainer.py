@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from common.config import ConfigError
 from data.images import ImageLoader
 from train.attention_plan import plan_attention, plan_sp_layout
 from train.batch import make_batch, step_totals
@@ -64,7 +65,8 @@ from train.composite import copy_processor_files, processor_dir
 from train.config import TrainConfig
 from train.preflight import Preflight, preflight
 from train.data import StepPlan, StepSampler
-from train.distributed import Mesh, all_reduce_sum, all_reduce_sum_bucketed, build_mesh, init_distributed
+from train.distributed import (Mesh, all_reduce_sum, all_reduce_sum_bucketed, build_mesh, default_device,
+                               init_distributed)
 from train.metrics import EvalProgress, MetricsLogger, plot_losses, step_progress, truncate_log
 from train.moe import real_tokens, resolve_router_aux
 from train.nonfinite import SKIPPED, NonFiniteError, nonfinite_problem, nonfinite_tensors, stop_message
@@ -122,6 +124,10 @@ class Trainer:
             _init_single_process_group()  # DeepSpeed needs a process group, also for one process
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.checked = checked = checked or preflight(cfg, world)  # every check before the model loads
+        self.sp_reason = None
+        if cfg.parallel.sequence_parallel_size == "auto":
+            cfg.parallel.sequence_parallel_size, self.sp_reason = self._choose_sp_degree(world)
+            cfg.validate(world)  # the sp rules of the degree chosen
         self.sp_layout = plan_sp_layout(cfg.parallel, cfg.launch, checked.model_config)  # before the mesh
         self.mesh: Mesh = build_mesh(cfg.parallel.sequence_parallel_size,
                                      ulysses_size=self.sp_layout.ulysses_size if self.sp_layout else 1)
@@ -166,10 +172,10 @@ class Trainer:
                 self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
         dtype = torch.bfloat16 if (cfg.model.bf16 and cfg.uses_deepspeed) else torch.float32
         row_length = int(self.dataset.meta.get("max_length") or int(np.max(self.dataset.row_n_tokens)))
-        self.checkpointing, self.checkpointing_reason = self._choose_checkpointing(row_length)
+        self.checkpointing, self.checkpointed_layers, self.checkpointing_reason = self._choose_checkpointing(row_length)
         self.family = self._check_family()  # before any weight is loaded
         self.model_identity = model_identity(checked.model_config, cfg.lora)
-        self.lm = build_lm(cfg, checked.model_config, dtype, self.checkpointing)
+        self.lm = build_lm(cfg, checked.model_config, dtype, self.checkpointing, self.checkpointed_layers)
         self.plan = plan_attention(cfg.model, cfg.parallel, self.sp_layout, self.mesh, self.lm, self.structure)
         self.router_aux, router_warning = resolve_router_aux(self.lm, cfg.moe.output_router_logits,
                                                              cfg.moe.router_aux_loss_coef)
@@ -200,34 +206,66 @@ class Trainer:
         path = self.checked.eval_path
         return None if path is None else PackedDataset(path, verify=self.cfg.data.verify_data)
 
-    def _choose_checkpointing(self, row_length: int) -> tuple[bool, str]:
-        """gradient_checkpointing auto: on a GPU from the memory estimate of train/memory_plan.py (a micro-batch's
-        activations without checkpointing vs the free memory less the model state); on CPU by row length."""
+    def _choose_checkpointing(self, row_length: int) -> tuple[bool, int | None, str]:
+        """gradient_checkpointing auto: on a GPU from the memory estimate of train/memory_plan.py (the fewest
+        decoder layers to checkpoint for a micro-batch's activations to fit the free memory less the model state);
+        on CPU by row length. (enabled, layers checkpointed: None for all, why)."""
         cfg = self.cfg
         per_rank_row = -(-row_length // self.mesh.sp_size)
         if cfg.model.activation_offload and cfg.model.gradient_checkpointing == "auto":
-            return True, "on (auto: activation_offload keeps the checkpointed layer inputs on the host)"
+            return True, None, "on (auto: activation_offload keeps the checkpointed layer inputs on the host)"
         if cfg.model.gradient_checkpointing != "auto" or self.device.type != "cuda":
             enabled = cfg.model.checkpointing_enabled(per_rank_row)
             why = "set" if cfg.model.gradient_checkpointing != "auto" else (
                 f"auto: {per_rank_row} tokens per rank {'>=' if enabled else '<'} checkpointing_min_length="
                 f"{cfg.model.checkpointing_min_length}")
-            return enabled, f"{'on' if enabled else 'off'} ({why})"
-        from train.deepspeed_config import offloads_optimizer
-        from train.memory_plan import ModelShape, choose_checkpointing, mlp_tile, model_state_bytes
+            return enabled, None, f"{'on' if enabled else 'off'} ({why})"
+        from train.memory_plan import ModelShape, choose_checkpointing, mlp_tile
 
         shape = ModelShape.from_hf_config(self.checked.model_config)
-        n_trainable = shape.n_params if cfg.lora.lora_rank == 0 else 0  # LoRA adapters: negligible next to the model
-        state = model_state_bytes(
-            shape.n_params, n_trainable, cfg.deepspeed.stage, self.mesh.world_size,
-            offload_optimizer=cfg.uses_deepspeed and offloads_optimizer(self.ds_config), bf16=cfg.model.bf16,
-        )
         tokens = -(-row_length * cfg.steps.micro_batch_rows // self.mesh.sp_size)
         free, _ = torch.cuda.mem_get_info(self.device)
-        decision = choose_checkpointing(shape, tokens, free, state, act_bytes=2 if cfg.model.bf16 else 4,
-                                        loss_chunk=cfg.steps.loss_chunk_size,
+        decision = choose_checkpointing(shape, tokens, free, self._model_state_bytes(shape, self.mesh.world_size),
+                                        act_bytes=2 if cfg.model.bf16 else 4, loss_chunk=cfg.steps.loss_chunk_size,
                                         tile=mlp_tile(cfg.model, shape.intermediate))
-        return decision.enabled, decision.describe()
+        return decision.enabled, decision.layers, decision.describe()
+
+    def _model_state_bytes(self, shape, world: int) -> int:
+        """Weights, gradients and optimizer state per GPU (train/memory_plan.py's estimate)."""
+        from train.deepspeed_config import build_deepspeed_config, offloads_optimizer
+        from train.memory_plan import model_state_bytes
+
+        cfg = self.cfg
+        n_trainable = shape.n_params if cfg.lora.lora_rank == 0 else 0  # LoRA adapters: negligible next to the model
+        offload = cfg.uses_deepspeed and offloads_optimizer(build_deepspeed_config(cfg))
+        return model_state_bytes(shape.n_params, n_trainable, cfg.deepspeed.stage, world, offload_optimizer=offload,
+                                 bf16=cfg.model.bf16)
+
+    def _choose_sp_degree(self, world: int) -> tuple[int, str]:
+        """`sequence_parallel_size: auto`: the smallest degree whose share of a micro-batch fits the GPU with the
+        configured long-row options (train/memory_plan.py), from the least free memory of all ranks; 1 on CPU."""
+        if not torch.cuda.is_available():
+            return 1, "auto: no CUDA device to size the rows against"
+        from train.memory_plan import LongRowOptions, ModelShape, choose_sp_degree, mlp_tile
+        from train.preflight import read_meta
+
+        cfg = self.cfg
+        row = cfg.data.online_max_length or int(read_meta(cfg.data.data_path)["max_length"])
+        shape = ModelShape.from_hf_config(self.checked.model_config)
+        free = torch.cuda.mem_get_info(default_device())[0]
+        if dist.is_initialized():  # every rank must choose the same degree
+            least = torch.tensor(free, dtype=torch.int64, device=default_device())
+            dist.all_reduce(least, op=dist.ReduceOp.MIN)
+            free = int(least)
+        options = LongRowOptions(checkpointing=cfg.model.gradient_checkpointing is not False,
+                                 tile=mlp_tile(cfg.model, shape.intermediate), offload=cfg.model.activation_offload)
+        try:
+            choice = choose_sp_degree(shape, row * cfg.steps.micro_batch_rows, world, free,
+                                      self._model_state_bytes(shape, world), options,
+                                      act_bytes=2 if cfg.model.bf16 else 4, loss_chunk=cfg.steps.loss_chunk_size)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        return choice.degree, choice.describe()
 
     def _check_family(self) -> str:
         """The model family's status (train/model_support.py); a family that cannot train exactly on packed rows
@@ -702,7 +740,8 @@ class Trainer:
         self._console_write(self.plan.describe())
         self._console_write(
             f"training {self.total_steps} steps: world {self.mesh.world_size} (dp {self.mesh.dp_size} x sp "
-            f"{self.mesh.sp_size}), {self.sampler.rows_per_step} rows/step, deepspeed stage {cfg.deepspeed.stage}, "
+            f"{self.mesh.sp_size}" + (f" [{self.sp_reason}]" if self.sp_reason else "")
+            + f"), {self.sampler.rows_per_step} rows/step, deepspeed stage {cfg.deepspeed.stage}, "
             f"loss {cfg.steps.loss_reduction}, "
             f"activation checkpointing {self.checkpointing_reason}"
             + (", compiled decoder layers" if cfg.model.compile_layers else "")
