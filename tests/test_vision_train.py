@@ -1,0 +1,80 @@
+"""Image conversations in the trainer (train/images.py): packed rows of LLaMA-Factory's demo records, through the real
+Qwen2.5-VL processor, train exactly as transformers' composite forward on each record alone with its pixel_values
+(loss and every gradient, tower trained or frozen, under gradient accumulation; data and sequence parallelism in
+two gloo processes), and the families without an exact image path are refused before any weight loads.
+
+Run in .venv-vision (the processor imports torchvision): `.venv-vision/bin/python -m pytest -m vision ...`."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import _vision_inputs as vi
+
+pytestmark = pytest.mark.vision
+
+LOSS_TOL, GRAD_TOL = 2e-6, 3e-5
+
+
+@pytest.fixture(scope="module")
+def recs():
+    torch.set_num_threads(1)
+    return vi.records()
+
+
+@pytest.mark.parametrize("freeze_tower", [False, True], ids=["tower-trained", "tower-frozen"])
+@pytest.mark.parametrize("split", [[6], [2, 4]], ids=["one-micro-batch", "accumulated"])
+def test_packed_images_equal_the_composite_per_record(recs, freeze_tower, split):
+    """Six records (seven images) in one packed row, or two micro-batches accumulated with the step's weights."""
+    model = vi.tiny_vl_model(freeze_tower=freeze_tower)
+    total = vi.n_targets(recs)
+    want_loss, want = vi.reference(model, recs, total)
+    bounds = [0, *torch.tensor(split).cumsum(0).tolist()]
+    batches = [vi.micro_batch(recs[a:b], total) for a, b in zip(bounds[:-1], bounds[1:])]
+    loss, got = vi.packed_step(model, batches)
+    assert abs(loss - want_loss) / want_loss <= LOSS_TOL
+    assert vi.grad_error(got, want) <= GRAD_TOL
+    towers = [name for name in want if ".visual." in name]
+    assert (not towers) if freeze_tower else towers  # a trained tower's gradients are among those compared
+
+
+def test_positions_are_the_composites_own_per_record(recs):
+    """The row's M-RoPE positions restart at each packed sequence and equal the composite's get_rope_index on each
+    record alone (with the processor's mm_token_type_ids); image tokens get 2-D grid positions."""
+    model = vi.tiny_vl_model()
+    batch = vi.micro_batch(recs[:3], 1)
+    row = model.row_images(batch)
+    body = model.lm.model
+    cu = batch["cu_seqlens"].tolist()
+    for r, (a, b) in zip(recs[:3], zip(cu[:-1], cu[1:])):
+        want, _ = body.get_rope_index(r["input_ids"][None], mm_token_type_ids=r["mm_token_type_ids"][None],
+                                      image_grid_thw=r["image_grid_thw"])
+        assert torch.equal(row.positions[:, a:b], want[:, 0])
+    image = row.feature_index >= 0
+    assert not torch.equal(row.positions[1][image], row.positions[2][image])  # height and width differ in an image
+    assert torch.equal(row.feature_index[image], torch.arange(int(image.sum())))
+
+
+def test_mismatched_images_are_an_error(recs):
+    model = vi.tiny_vl_model()
+    batch = vi.micro_batch(recs[:2], 1)
+    batch["images"].image_grid_thw = batch["images"].image_grid_thw[:-1]  # one image fewer than its tokens
+    batch["images"].pixel_values = batch["images"].pixel_values[:-int(recs[1]["image_grid_thw"].prod())]
+    with pytest.raises(ValueError, match=r"image-token runs have \[10, 10, 12\] tokens, the 2 images"):
+        model.row_images(batch)
+
+
+def test_micro_batch_without_images_runs_the_tower_on_a_blank_image(recs):
+    """A text-only micro-batch of an image run: the tower still runs (every rank runs the same modules: ZeRO-3), its
+    gradients are exactly zero, and the loss is the text path's."""
+    model = vi.tiny_vl_model()
+    text = {k: v for k, v in recs[0].items()}
+    text["input_ids"] = text["input_ids"].masked_fill(text["input_ids"] == vi.IMAGE_TOKEN, 7)
+    batch = vi.micro_batch([text], 100)
+    batch["images"] = None
+    loss, grads = vi.packed_step(model, [batch])
+    towers = {n: g for n, g in grads.items() if ".visual." in n}
+    assert towers and all(float(g.abs().max()) == 0.0 for g in towers.values())
+    model.vision = None  # the text path
+    text_loss, _ = vi.packed_step(model, [{**batch, "images": None}])
+    assert loss == pytest.approx(text_loss, rel=1e-6)
