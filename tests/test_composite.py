@@ -153,3 +153,22 @@ def test_composite_trains_the_same_in_two_processes(tmp_path, model_type, parall
     for a, b in zip(two, one):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.parametrize("model_type,reason", [
+    ("gemma3", "the tokens of one image attend to each other bidirectionally"),
+    ("llava", "PackSFT trains image conversations on the composites whose tower"),
+    ("qwen2", "a text-only model: it has no vision tower"),
+])
+def test_image_conversations_are_refused_where_no_exact_image_path(model_type, reason):
+    """From the config alone (the trainer asks before any weight loads when the data holds images)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from train.families import ImageInputs
+    from train.model_support import check_image_support
+
+    with pytest.raises(UnsupportedModelError, match=f"model family '{model_type}' cannot train on image "
+                                                    f"conversations \\(the data holds images\\): {reason}"):
+        check_image_support(CONFIG_MAPPING[model_type]())
+    for exact in ("qwen2_vl", "qwen2_5_vl"):
+        assert isinstance(check_image_support(CONFIG_MAPPING[exact]()), ImageInputs)

@@ -78,3 +78,35 @@ def test_micro_batch_without_images_runs_the_tower_on_a_blank_image(recs):
     model.vision = None  # the text path
     text_loss, _ = vi.packed_step(model, [{**batch, "images": None}])
     assert loss == pytest.approx(text_loss, rel=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_data_and_sequence_parallel_images_equal_one_process(recs, tmp_path):
+    """dp = 2 (three records per rank) and sp = 2 (one row of three records over both ranks, an image straddling the
+    boundary), tower trained and frozen: the summed loss and gradients of the single-process packed step."""
+    from tests._sp_worker import spawned_results
+    from tests._vision_worker import worker
+
+    vi.save_records(recs, tmp_path / "records.safetensors")  # the workers read it there
+    results = spawned_results(worker, 2, tmp_path)
+    assert results.pop("sp2/straddle") is True
+    assert set(results) == {"dp2/trained", "dp2/frozen", "sp2/trained", "sp2/frozen"}
+    for name, errors in results.items():
+        assert errors["loss"] <= LOSS_TOL and errors["grad"] <= GRAD_TOL, (name, errors)
+
+
+def test_self_check_compares_image_sequences_with_the_composite(recs):
+    """The start-up self-check's inputs (whole sequences of a micro-batch, each with its images) and its comparison
+    through the tower: packed = the composite's own forward with pixel_values (train/model_check.py)."""
+    from train.attention import BACKENDS, LayerKernels
+    from train.model_check import compare_packed_with_reference
+
+    model = vi.tiny_vl_model()
+    batch = vi.micro_batch(recs[:3], 1)
+    seqs, images = model.vision.sequences(batch, max_tokens=100)
+    assert [s.numel() for s in seqs] == [83, 75]  # record 2 (125 tokens) is longer than max_tokens
+    for seq, image, r in zip(seqs, images, recs):
+        assert torch.equal(seq, r["input_ids"]) and torch.equal(image.image_grid_thw, r["image_grid_thw"])
+        assert torch.equal(image.pixel_values, r["pixel_values"])
+    result = compare_packed_with_reference(model, seqs, LayerKernels(every=BACKENDS["sdpa"]), images=images)
+    assert result.ok and result.loss_error <= LOSS_TOL and result.grad_error <= GRAD_TOL, result.describe()

@@ -127,6 +127,25 @@ class VisionPath:
         return RowImages(images, feature_index, positions, [0, *itertools.accumulate(patches)],
                          [0, *itertools.accumulate(tokens)])
 
+    def sequences(self, batch: dict, limit: int = 4, max_tokens: int = 1024) -> tuple[list, list]:
+        """Up to `limit` whole packed sequences of a micro-batch of at most `max_tokens` tokens each (an image is never
+        cut) and each one's `ImageBatch` (None: no image): the start-up self-check's inputs."""
+        ids = batch["input_ids"].reshape(-1).cpu()
+        images = batch.get("images")
+        grid = images.image_grid_thw.cpu().long() if images is not None else torch.zeros(0, 3, dtype=torch.long)
+        patches = [0, *itertools.accumulate(grid.prod(-1).tolist())]
+        bounds = [int(x) for x in batch["cu_seqlens"].reshape(-1).tolist()]
+        run_starts = [start for start, _ in _runs(ids == self.image_token_id)]
+        sequences, their_images = [], []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            mine = [i for i, run in enumerate(run_starts) if start <= run < end]
+            if end - start < 2 or end - start > max_tokens or len(sequences) == limit:
+                continue
+            sequences.append(ids[start:end])
+            their_images.append(ImageBatch(images.pixel_values[patches[mine[0]]:patches[mine[-1] + 1]],
+                                           grid[mine[0]:mine[-1] + 1]) if mine else None)
+        return sequences, their_images
+
     # ------------------------------------------------------------------------------------------ one rank's tokens
     def decoder_inputs(self, lm: nn.Module, input_ids: torch.Tensor, row: RowImages, sp=None) -> dict:
         """The text decoder's keyword arguments for this rank's `input_ids` [1, L]: `inputs_embeds` with the image
