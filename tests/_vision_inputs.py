@@ -50,9 +50,15 @@ def tiny_vl_config(model_type: str = "qwen2_5_vl"):
 
     # a short rope wavelength: each M-RoPE component moves the attention, so wrong positions fail the tests
     rope = {"rope_type": "default", "rope_theta": 20.0, "mrope_section": [2, 3, 3]}
+    if model_type.startswith("qwen3_vl"):
+        rope["mrope_interleaved"] = True
     config = tiny_composite_config(model_type, vocab_size=VOCAB, rope_parameters=rope)
     vision = config.vision_config
     vision.depth = 2
+    if model_type.startswith("qwen3_vl"):  # the Qwen2.5-VL processor's 14-pixel patches; deepstack at both layers
+        vision.patch_size, vision.deepstack_visual_indexes = 14, [0, 1]
+    if model_type == "qwen2_vl":  # its tower's width is `embed_dim`; `hidden_size` is the merger's output
+        vision.hidden_size = config.text_config.hidden_size
     if hasattr(vision, "fullatt_block_indexes"):
         vision.fullatt_block_indexes = [1]
         vision.window_size = 56  # 2 x 2 merged patches per window: several windows per image

@@ -170,5 +170,5 @@ def test_image_conversations_are_refused_where_no_exact_image_path(model_type, r
     with pytest.raises(UnsupportedModelError, match=f"model family '{model_type}' cannot train on image "
                                                     f"conversations \\(the data holds images\\): {reason}"):
         check_image_support(CONFIG_MAPPING[model_type]())
-    for exact in ("qwen2_vl", "qwen2_5_vl"):
+    for exact in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
         assert isinstance(check_image_support(CONFIG_MAPPING[exact]()), ImageInputs)

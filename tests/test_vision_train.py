@@ -22,11 +22,16 @@ def recs():
     return vi.records()
 
 
-@pytest.mark.parametrize("freeze_tower", [False, True], ids=["tower-trained", "tower-frozen"])
-@pytest.mark.parametrize("split", [[6], [2, 4]], ids=["one-micro-batch", "accumulated"])
-def test_packed_images_equal_the_composite_per_record(recs, freeze_tower, split):
+@pytest.mark.parametrize("model_type,freeze_tower,split", [
+    ("qwen2_5_vl", False, [6]), ("qwen2_5_vl", True, [6]), ("qwen2_5_vl", False, [2, 4]), ("qwen2_5_vl", True, [2, 4]),
+    ("qwen2_vl", False, [6]),
+    # the Qwen2.5-VL processor's pixel rows through a tower of 14-pixel patches, deepstack features at both layers
+    ("qwen3_vl", False, [6]), ("qwen3_vl_moe", False, [2, 4]),
+], ids=lambda v: "tower-frozen" if v is True else "tower-trained" if v is False else
+    ("one-micro-batch" if v == [6] else "accumulated") if isinstance(v, list) else v)
+def test_packed_images_equal_the_composite_per_record(recs, model_type, freeze_tower, split):
     """Six records (seven images) in one packed row, or two micro-batches accumulated with the step's weights."""
-    model = vi.tiny_vl_model(freeze_tower=freeze_tower)
+    model = vi.tiny_vl_model(model_type, freeze_tower=freeze_tower)
     total = vi.n_targets(recs)
     want_loss, want = vi.reference(model, recs, total)
     bounds = [0, *torch.tensor(split).cumsum(0).tolist()]

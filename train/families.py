@@ -202,15 +202,16 @@ DRAFT_MODEL = Refusal(
 # why a composite's image conversations cannot train (`images`, train/vision.py)
 UNVERIFIED_IMAGES = Refusal(
     "PackSFT trains image conversations on the composites whose tower, image tokens and positions it reproduces "
-    "exactly on packed rows (Qwen2-VL, Qwen2.5-VL); this family's are not verified packed = unpacked",
-    "train it on text rows (no `images` in the data), or use a Qwen2-VL / Qwen2.5-VL checkpoint")
+    "exactly on packed rows (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE); this family's are not verified packed = unpacked",
+    "train it on text rows (no `images` in the data), or use a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint")
 NO_IMAGES = Refusal("a text-only model: it has no vision tower", "use a composite (image-text-to-text) checkpoint")
 BIDIRECTIONAL_IMAGES = Refusal(
     "the tokens of one image attend to each other bidirectionally (its forward builds that mask from "
     "`token_type_ids`), which PackSFT's causal packed attention does not express; and its SigLIP tower takes whole "
     "resized images, not the patch rows the data pipeline stores",
-    "train it on text rows (no `images` in the data), or use a Qwen2-VL / Qwen2.5-VL checkpoint")
+    "train it on text rows (no `images` in the data), or use a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint")
 QWEN_VL_IMAGES = ImageInputs()
+QWEN3_VL_IMAGES = ImageInputs(deepstack=True)
 
 # why a family's feed-forwards cannot run in tiles (`untileable_mlp`, train/tiled_mlp.py)
 NO_MLP_MODULE = ("its decoder layers have no feed-forward module (`mlp`, `feed_forward`, `block_sparse_moe`, `ffn`) "
@@ -517,8 +518,8 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _composite("qwen3_5", "qwen3_5_text"),
     _composite("qwen3_5_moe", "qwen3_5_moe_text"),
     _refused("qwen3_omni_moe_thinker", MULTIMODAL),
-    _composite("qwen3_vl", "qwen3_vl_text"),
-    _composite("qwen3_vl_moe", "qwen3_vl_moe_text"),
+    _composite("qwen3_vl", "qwen3_vl_text", images=QWEN3_VL_IMAGES),
+    _composite("qwen3_vl_moe", "qwen3_vl_moe_text", images=QWEN3_VL_IMAGES),
     _exact("qwen3_vl_moe_text", MROPE, composite_only=True),
     _exact("qwen3_vl_text", MROPE, composite_only=True),
     _composite("qwen4_exp", "qwen4_exp_text"),

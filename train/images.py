@@ -1,6 +1,6 @@
 """Image conversations on packed rows: what `PackedCausalLM` does with a micro-batch's images (train/vision.py's
 `ImageBatch`), for the composites whose family spec has `images` (train/families.py `ImageInputs`: Qwen2-VL,
-Qwen2.5-VL).
+Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE, whose deepstack features are placed at the same tokens).
 
 Per micro-batch, in two steps:
 - `VisionPath.prepare(input_ids, cu_seqlens, images)` on the whole row, on the host, before sequence-parallel

@@ -117,7 +117,7 @@ def check_image_support(config) -> ImageInputs:
         raise UnsupportedModelError(
             f"model family {model_type!r} cannot train on image conversations: not in PackSFT's table "
             "(train/families.py), so nothing says how its tower, image tokens and positions run on packed rows. What "
-            "to do: use a Qwen2-VL / Qwen2.5-VL checkpoint, or data without images.")
+            "to do: use a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint, or data without images.")
     refusal = spec.image_refusal
     if refusal is not None:
         raise UnsupportedModelError(
