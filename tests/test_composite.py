@@ -172,3 +172,23 @@ def test_image_conversations_are_refused_where_no_exact_image_path(model_type, r
         check_image_support(CONFIG_MAPPING[model_type]())
     for exact in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
         assert isinstance(check_image_support(CONFIG_MAPPING[exact]()), ImageInputs)
+
+
+def test_trainer_refuses_images_before_any_weight_loads(tmp_path, monkeypatch):
+    """Data holding images (the shards' image store) and a Gemma 3 checkpoint (config.json alone): the trainer stops
+    at the family check, naming the family and why its image path is not exact."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from data.shards import PackedDataset
+    from train.config import load_config
+    from train.trainer import Trainer
+
+    monkeypatch.setattr(PackedDataset, "has_images", True, raising=False)
+    model_dir = tmp_path / "model"
+    CONFIG_MAPPING["gemma3"]().save_pretrained(model_dir)
+    packed = write_packed(tmp_path / "packed", random_rows(0, 2))
+    config = write_config(tmp_path / "train.yaml", data_path=str(packed), model_path=str(model_dir),
+                          output_dir=str(tmp_path / "out"), max_steps=1, tokenizer_mismatch="warn")
+    with pytest.raises(UnsupportedModelError, match="model family 'gemma3' cannot train on image conversations "
+                                                    r"\(the data holds images\): the tokens of one image attend"):
+        Trainer(load_config(config))
