@@ -179,11 +179,17 @@ def test_trainer_refuses_images_before_any_weight_loads(tmp_path, monkeypatch):
     at the family check, naming the family and why its image path is not exact."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from data.shards import PackedDataset
+    import train.online
     from train.config import load_config
     from train.trainer import Trainer
 
-    monkeypatch.setattr(PackedDataset, "has_images", True, raising=False)
+    def with_images(*args, **kwargs):  # the dataset as an image store opens (data/shards.py's has_images)
+        dataset = open_dataset(*args, **kwargs)
+        dataset.has_images = True
+        return dataset
+
+    open_dataset = train.online.open_train_dataset
+    monkeypatch.setattr(train.online, "open_train_dataset", with_images)
     model_dir = tmp_path / "model"
     CONFIG_MAPPING["gemma3"]().save_pretrained(model_dir)
     packed = write_packed(tmp_path / "packed", random_rows(0, 2))

@@ -22,7 +22,6 @@ their embeddings are replaced, as in the composite's own forward, so the placeho
 """
 from __future__ import annotations
 
-import bisect
 import itertools
 from dataclasses import dataclass
 
@@ -135,7 +134,8 @@ class VisionPath:
         grid = images.image_grid_thw.cpu().long() if images is not None else torch.zeros(0, 3, dtype=torch.long)
         patches = [0, *itertools.accumulate(grid.prod(-1).tolist())]
         bounds = [int(x) for x in batch["cu_seqlens"].reshape(-1).tolist()]
-        run_starts = [start for start, _ in _runs(ids == self.image_token_id)]
+        # no ImageBatch (text rows): no image to run, whatever the ids hold
+        run_starts = [start for start, _ in _runs(ids == self.image_token_id)] if images is not None else []
         sequences, their_images = [], []
         for start, end in zip(bounds[:-1], bounds[1:]):
             mine = [i for i, run in enumerate(run_starts) if start <= run < end]
@@ -153,29 +153,27 @@ class VisionPath:
         feature_index, positions = row.local(sp)
         device = input_ids.device
         embeds = lm.get_input_embeddings()(input_ids)
-        wanted = sorted({int(i) for i in torch.unique(feature_index[feature_index >= 0])})
-        offsets = row.feature_offsets
-        chosen = sorted({_image_of(offsets, f) for f in wanted}) if wanted else []
-        features = self._features(lm, row, chosen, embeds.device)
+        local = feature_index >= 0
+        wanted = feature_index[local]  # the feature rows (of all the images) this rank's image tokens take
+        offsets = torch.tensor(row.feature_offsets)
+        image_of = torch.bucketize(wanted, offsets[1:], right=True)  # the image each of them belongs to
+        chosen = torch.unique(image_of).tolist()
+        features = self._features(lm, row, chosen, device)
+        extra = {}
         if chosen:
-            # global feature row -> row among the chosen images' features
-            start_in_subset = dict(zip(chosen, itertools.accumulate([0] + [offsets[i + 1] - offsets[i]
-                                                                             for i in chosen])))
-            remap = torch.full((offsets[-1],), -1, dtype=torch.long)
-            for i in chosen:
-                remap[offsets[i]:offsets[i + 1]] = torch.arange(offsets[i + 1] - offsets[i]) + start_in_subset[i]
-            local = feature_index >= 0
-            rows = remap[feature_index[local]].to(device)
-            mask = local.to(device)[None, :, None]
+            # a feature row among all the images' -> among the chosen images' features (concatenated in order)
+            counts = offsets[1:] - offsets[:-1]
+            shift = torch.zeros(len(counts), dtype=torch.long)
+            shift[chosen] = torch.cumsum(counts[chosen], 0) - counts[chosen] - offsets[chosen]
+            rows = (wanted + shift[image_of]).to(device)
             main, *deep = features
+            mask = local.to(device)[None, :, None]
             embeds = embeds.masked_scatter(mask.expand_as(embeds), main[rows].to(embeds.dtype))
-            extra = {}
             if self.spec.deepstack:
                 extra = {"visual_pos_masks": local.to(device)[None],
                          "deepstack_visual_embeds": [d[rows].to(embeds.dtype) for d in deep]}
         else:  # the blank image: the same modules ran, nothing of it reaches the loss
             embeds = embeds + sum(f.sum() for f in features) * 0.0
-            extra = {}
         return {"inputs_embeds": embeds, "position_ids": positions.to(device)[:, None, :], **extra}
 
     def _features(self, lm: nn.Module, row: RowImages, chosen: list[int], device: torch.device) -> list[torch.Tensor]:
@@ -198,15 +196,6 @@ class VisionPath:
 
 def _runs(mask: torch.Tensor) -> list[tuple[int, int]]:
     """(start, length) of every run of True in `mask` [T]."""
-    out, position = [], 0
-    for value, group in itertools.groupby(mask.tolist()):
-        n = len(list(group))
-        if value:
-            out.append((position, n))
-        position += n
-    return out
-
-
-def _image_of(offsets: list[int], feature: int) -> int:
-    """The image whose features hold row `feature` (`offsets`: each image's first feature row, then the total)."""
-    return bisect.bisect_right(offsets, feature) - 1
+    edges = torch.diff(torch.nn.functional.pad(mask.int(), (1, 1)))
+    starts, ends = torch.nonzero(edges == 1).reshape(-1), torch.nonzero(edges == -1).reshape(-1)
+    return list(zip(starts.tolist(), (ends - starts).tolist()))
