@@ -260,8 +260,12 @@ class Trainer:
             return
         switch_points = rope_switch_points(self.lm.config.get_text_config())
         seqs, images = self_check_sequences(self.dataset, switch_points=switch_points), None
-        if self.model.vision is not None:  # whole sequences of the first row, each with its images
-            seqs, images = self.model.vision.sequences(self._micro_batch(self.sampler.plan(0), [0], False))
+        if self.model.vision is not None:  # whole sequences of the first rows, each with its images
+            seqs, images = [], []
+            for row in range(min(len(self.dataset), 8)):
+                if len(seqs) < 4:  # a filler's batch: the row's own totals (its weights are not used)
+                    more, their = self.model.vision.sequences(self._micro_batch(None, [row], True), 4 - len(seqs))
+                    seqs, images = seqs + more, images + their
         if len(seqs) < 2:
             self.console("self-check skipped: the data has no sequence of 2 tokens or more")
             return
