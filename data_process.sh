@@ -5,8 +5,11 @@
 # Paths in the config and arguments are relative to the current directory.
 set -e
 ROOT="$(cd "$(dirname "$0")" && pwd)"
-if [ -f "$ROOT/.venv/bin/activate" ]; then
-    . "$ROOT/.venv/bin/activate"
+# PACKSFT_VENV=.venv-vision for image conversations (torchvision + Pillow: scripts/setup_vision.sh)
+VENV="${PACKSFT_VENV:-.venv}"
+case "$VENV" in /*) ;; *) VENV="$ROOT/$VENV" ;; esac
+if [ -f "$VENV/bin/activate" ]; then
+    . "$VENV/bin/activate"
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 exec python -m data.pipeline "$@"

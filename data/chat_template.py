@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import ConfigError
+from data.images import is_processor_dir, processor_chat_template
 from data.timebound import TimeBoundExceeded, time_bound
 
 PROBE_USER = "PackSFT probe question 1"
@@ -100,8 +101,9 @@ def check_template_renders(tokenizer, bound: RenderBound) -> None:
 
 def load_chat_tokenizer(tokenizer_path: str, chat_template: str | None = None,
                         render_timeout: float | None = DEFAULT_RENDER_TIMEOUT):
-    """A fast tokenizer with a chat template (`chat_template`, a Jinja file, replaces the tokenizer's own) that
-    renders a probe exchange within `render_timeout` seconds."""
+    """A fast tokenizer with a chat template (`chat_template`, a Jinja file, replaces the tokenizer's own; in a
+    processor directory the processor's template is the default) that renders a probe exchange within
+    `render_timeout` seconds."""
     from transformers import AutoTokenizer
 
     try:
@@ -116,6 +118,8 @@ def load_chat_tokenizer(tokenizer_path: str, chat_template: str | None = None,
         if not path.is_file():
             raise ConfigError(f"chat_template: {chat_template} is not a file")
         tokenizer.chat_template = path.read_text(encoding="utf-8")
+    elif is_processor_dir(tokenizer_path) and processor_chat_template(tokenizer_path):
+        tokenizer.chat_template = processor_chat_template(tokenizer_path)  # the one that renders image parts
     if not tokenizer.chat_template:
         raise ConfigError(
             f"tokenizer_path: the tokenizer at {tokenizer_path} has no chat template; "

@@ -92,6 +92,11 @@ class DataConfig:
     loss_turns: Literal["all", "last"] = "all"  # rllm: cumulative (all assistant turns) or stepwise (last only)
     structure: Literal["parallel_thinking"] | None = None  # Parallel-R1 data: per-token block and path ids
     enable_thinking: bool | None = None  # default for records without their own `enable_thinking`
+    # image records (tokenizer_path a processor directory): the image processor's smallest pixel count per image,
+    # replacing the processor's min_pixels (Qwen2-VL family); null: the processor's own
+    image_min_pixels: int | None = None
+    # the largest pixel count per image (larger images are resized), replacing the processor's max_pixels
+    image_max_pixels: int | None = None
     # seconds the chat template may take to render one record (and a probe conversation); longer is an error naming
     # the template and the record (a template that loops); null: no bound
     render_timeout: float | None = 10.0
@@ -177,6 +182,13 @@ class DataConfig:
         if self.render_timeout is not None and not self.render_timeout > 0:
             raise ConfigError(f"render_timeout must be a positive number of seconds (null: no bound), got "
                               f"{self.render_timeout}")
+        for key in ("image_min_pixels", "image_max_pixels"):
+            if getattr(self, key) is not None and getattr(self, key) <= 0:
+                raise ConfigError(f"{key} must be a positive number of pixels (null: the processor's), got "
+                                  f"{getattr(self, key)}")
+        if self.image_min_pixels and self.image_max_pixels and self.image_min_pixels > self.image_max_pixels:
+            raise ConfigError(f"image_min_pixels={self.image_min_pixels} exceeds image_max_pixels="
+                              f"{self.image_max_pixels}")
         if self.pack.shard_size_mb <= 0:
             raise ConfigError(f"pack.shard_size_mb must be positive, got {self.pack.shard_size_mb}")
         self._validate_eval_size()

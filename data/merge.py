@@ -10,6 +10,8 @@
      different system prompt, or with one when the group has none, is not merged, because a second system
      prompt mid-conversation would be a new instruction the first part never saw (and is invalid canonical);
    - tools / enable_thinking / structure must be equal: a chat template renders one of each per conversation;
+   - a record with images is never merged (neither joins nor is joined): it stays a conversation of its own, as
+     transformers' composite forward sees it with its `pixel_values` (counted as blocked by `images`);
    - token budget (`merge.max_tokens`, default `max_length`): the summed template token counts of the
      group's records must fit. Counts are per original record (each with its own template overhead and
      system prompt, rendered as the tokenize stage renders it alone: data.fidelity.render_record), so the sum
@@ -88,13 +90,14 @@ def _digest(value) -> int:
     return int.from_bytes(hashlib.blake2b(encoded, digest_size=8).digest(), "little")
 
 
-def merge_key(record: dict) -> tuple[int, int, int, int]:
+def merge_key(record: dict) -> tuple[int, ...]:
     """What the merge rules compare of a record (`MERGE_KEYS`), as 64-bit digests of canonical JSON (equal when
-    the values are ==; a collision is a 2^-64 event), so that engines can ship 32 bytes instead of the record.
-    The system prompt's digest is 0 when the record has none (never otherwise)."""
+    the values are ==; a collision is a 2^-64 event), so that engines can ship 40 bytes instead of the record.
+    The system prompt's digest is 0 when the record has none (never otherwise); the last value is 1 for a record
+    with images (never merged)."""
     sys = system_prompt(record)
     return ((_digest(sys) | 1) if sys is not None else 0, _digest(record.get("tools")),
-            _digest(record.get("enable_thinking")), _digest(record.get("structure")))
+            _digest(record.get("enable_thinking")), _digest(record.get("structure")), int(bool(record.get("images"))))
 
 
 def block_reason(head_key: tuple, group_tokens: int | None, key: tuple, tokens: int | None,
@@ -102,11 +105,13 @@ def block_reason(head_key: tuple, group_tokens: int | None, key: tuple, tokens: 
     """Why a record (its `merge_key` and token count) may not join the group with head `head_key` (None: it
     may); see the module docstring for the rules. A token count of None marks a record that fails on its own
     (the group's count is None when its head does)."""
+    if key[-1] or head_key[-1]:
+        return "images"
     if budget is not None and (tokens is None or group_tokens is None):
         return "record_error"
     if key[0] and key[0] != head_key[0]:
         return "system_prompt"
-    for name, a, b in zip(MERGE_KEYS[1:], head_key[1:], key[1:]):
+    for name, a, b in zip(MERGE_KEYS[1:], head_key[1:-1], key[1:-1]):
         if a != b:
             return name
     if budget is not None and group_tokens + tokens > budget:

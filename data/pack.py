@@ -695,7 +695,8 @@ def write_rows(writer: ShardWriter, src: PackedDataset, rows: RowPlan) -> tuple[
         tokens = [src.row_tokens(j) for j in members]
         uids = [src.row_uids(j)[0] for j in members]
         seq_uids += uids
-        writer.add_row(tokens, record_indices=members, uids=uids)
+        images = [src.row_images(j)[0] for j in members] if src.has_images else None
+        writer.add_row(tokens, record_indices=members, uids=uids, images=images)
         lengths.extend(t.shape[0] for t in tokens)
         categories.extend(int(t["category_ids"][0]) for t in tokens)
         mapped += sum(t.nbytes for t in tokens)
@@ -715,7 +716,7 @@ def write_shard(task: RowSpan) -> WrittenShard:
     dataset of its own at `part_dir` (appended to packed/ by the driver, `ShardWriter.append_dataset`)."""
     src = task.source
     writer = ShardWriter(task.part_dir, token_fields=src.token_fields, max_shard_bytes=task.max_shard_bytes,
-                         kind="packed")
+                         kind="packed", images=src.has_images)
     with writer:
         seq_lengths, keys, twice = write_rows(writer, src, load_rows(task.plan_path, task.first, task.end))
         writer.close()
@@ -803,8 +804,8 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
         raise ValueError(f"{cfg.tokenized_dir}: expected a tokenized dataset, found kind {src.kind!r}")
     cap = cfg.pack_max_length
     writer = ShardWriter(
-        cfg.packed_dir, token_fields=src.token_fields, max_shard_bytes=cfg.pack.shard_size_mb << 20, kind="packed"
-    )
+        cfg.packed_dir, token_fields=src.token_fields, max_shard_bytes=cfg.pack.shard_size_mb << 20, kind="packed",
+        images=src.has_images)
     with writer, executor.scratch(cfg.packed_dir.parent, "pack-parts") as scratch:
         planned = plan_all(executor, src, cfg, scratch)
         placed = planned.placed
@@ -831,6 +832,9 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
         stats.update(duplicate_rows=count_duplicates(executor, key_files, counts["rows"]),
                      rows_with_a_record_twice=twice, algorithm=cfg.pack.algorithm, seed=cfg.seed,
                      tokenize=tokenize_losses)
+        if src.has_images:
+            stats.update(images=counts["images"], image_tokens=counts["image_tokens"],
+                         image_bytes=counts["image_bytes"])
         meta_extra = {k: v for k, v in src.meta.items() if k not in RESERVED_META_KEYS}
         meta_extra.update(
             max_length=cap,
@@ -859,6 +863,7 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
         "rows_over_lower_bound": stats["rows_over_lower_bound"],
         "duplicate_rows": stats["duplicate_rows"],
         "rows_with_a_record_twice": stats["rows_with_a_record_twice"],
+        **({"images": stats["images"], "image_tokens": stats["image_tokens"]} if src.has_images else {}),
         "trace": dict(trace, where=f"{cfg.packed_dir}: per-sequence record_index (tokenized row) and uids, "
                                    "compared with the tokenized rows by counts and 64-bit multiset hashes"),
         "output": str(cfg.packed_dir),

@@ -2,9 +2,15 @@
 
 Formats (InputSpec.format, `auto` detects from the first row's keys):
 - messages: OpenAI-style `messages` (content may be a list of parts: text / reasoning / tool_call, as in
-  LLaMA-Factory's reasoning-tool-use data), optional `labels`, `tools`, `enable_thinking`, `structure`.
+  LLaMA-Factory's reasoning-tool-use data, and images: `{"type": "image", "image": PATH}`,
+  `{"type": "image_url", "image_url": {"url": PATH or data: URI}}`), optional `labels`, `tools`,
+  `enable_thinking`, `structure`, `images` (LLaMA-Factory's multimodal records: one path per `<image>`).
 - sharegpt: `conversations` of {from, value}; from in human/user, gpt/assistant, system, function_call
-  (an assistant tool call), observation/tool/function (a tool result); optional top-level `system`, `tools`.
+  (an assistant tool call), observation/tool/function (a tool result); optional top-level `system`, `tools`,
+  `images`.
+
+Image paths are relative to the data file's directory (LLaMA-Factory's `images` lists); a canonical record holds
+them absolute, each image part or path becoming an `<image>` placeholder of its user message (data/images.py).
 - prompt_response: `prompt_key` (a string or a message list) and `response_key` columns (e.g. GSM8K
   question/answer); `InputSpec.system` is prepended when the prompt has no system message.
 - verl: verl SFT parquet, `prompt` message list + `response_key` column, or `output` when there is none.
@@ -32,12 +38,13 @@ import orjson
 
 from common.config import ConfigError
 from data.config import DataConfig, InputSpec, split_spec
+from data.images import resolve_image
 from data.executor import ByteRange, Executor, LocalExecutor, Part, byte_ranges
 from data.io import (UTF8_BOM, LineMemoryError, expand_inputs, input_is_empty, iter_jsonl_range, parse_jsonl_line,
                      read_rows)
 from data.progress import progress
 from data.ratios import UNTRACKED, check_ratio_names, merge_ratio_categories, read_ratio_file, write_ratio_file
-from data.records import MAX_CATEGORY_ID, RecordError, parse_json_field, validate_canonical
+from data.records import IMAGE_PLACEHOLDER, MAX_CATEGORY_ID, RecordError, parse_json_field, validate_canonical
 from data.report import DROPPED_AT_LIMIT, DroppedAt, check_arithmetic, sorted_counts, update_report
 
 
@@ -71,8 +78,16 @@ def _tool_calls_from_text(text: Any, source: str, field: str) -> list:
     return calls
 
 
-def _flatten_parts(msg: dict, source: str, field: str) -> dict:
-    """A message whose content is a list of parts -> plain content, reasoning_content and tool_calls."""
+def _image_part(part: dict) -> str | None:
+    """The path or URI of an OpenAI / transformers image part (None: a bare `{"type": "image"}`, whose image is
+    the next of the record's `images`)."""
+    ref = part.get("image", part.get("image_url", part.get("url", part.get("path"))))
+    return ref.get("url") if isinstance(ref, dict) else ref
+
+
+def _flatten_parts(msg: dict, source: str, field: str, images: list) -> dict:
+    """A message whose content is a list of parts -> plain content, reasoning_content and tool_calls; an image
+    part becomes an `<image>` placeholder and its reference (or None) is appended to `images`."""
     content = msg.get("content")
     if not isinstance(content, list):
         return msg
@@ -94,9 +109,12 @@ def _flatten_parts(msg: dict, source: str, field: str) -> dict:
             reasoning.append(value)
         elif kind == "tool_call":
             calls.extend(_tool_calls_from_text(value, source, where))
+        elif kind in ("image", "image_url"):
+            text.append(IMAGE_PLACEHOLDER)
+            images.append(_image_part(part))
         else:
             raise RecordError(source, where, f"unsupported content part type {kind!r} (text, reasoning, "
-                              "tool_call)", "bad_content")
+                              "tool_call, image, image_url)", "bad_content")
     out = {k: v for k, v in msg.items() if k != "content"}
     out["content"] = "".join(text)
     if reasoning:
@@ -106,29 +124,42 @@ def _flatten_parts(msg: dict, source: str, field: str) -> dict:
     return out
 
 
-def _message_list(messages: Any, source: str, field: str) -> list[dict]:
+def _message_list(messages: Any, source: str, field: str, images: list | None = None) -> list[dict]:
     if not isinstance(messages, list):
         raise RecordError(source, field, f"expected a list of messages, got {type(messages).__name__}",
                           "bad_record")
-    return [_flatten_parts(m, source, f"{field}[{i}]") if isinstance(m, dict) else m
+    images = [] if images is None else images
+    return [_flatten_parts(m, source, f"{field}[{i}]", images) if isinstance(m, dict) else m
             for i, m in enumerate(messages)]
 
 
-def _passthrough(raw: dict, rec: dict, spec: InputSpec) -> dict:
+def _passthrough(raw: dict, rec: dict, spec: InputSpec, source: str, part_images: list | None = None) -> dict:
+    """The record-level keys a format carries over; `part_images`: the references of the messages' image parts
+    (None where a bare image part takes the next of the row's `images`)."""
     tools = raw.get(spec.tools_key)
     if tools is not None:
         rec["tools"] = tools
-    for key in ("enable_thinking", "structure"):
+    for key in ("enable_thinking", "structure", "images"):
         if raw.get(key) is not None:
             rec[key] = raw[key]
+    given = [ref for ref in part_images or () if ref is not None]
+    if given:
+        if len(given) != len(part_images) or raw.get("images"):
+            raise RecordError(source, "images", "image parts with paths and a row-level images "
+                              "list (or bare image parts) in one record; give each image once", "image_count_mismatch")
+        rec["images"] = given
+    elif part_images and raw.get("images") is None:
+        raise RecordError(source, "images", f"{len(part_images)} image parts without a path and no images list",
+                          "image_count_mismatch")
     return rec
 
 
 def convert_messages(raw: dict, spec: InputSpec, source: str) -> dict:
-    rec = {"messages": _message_list(_required(raw, spec.messages_key, source), source, spec.messages_key)}
+    images: list = []
+    rec = {"messages": _message_list(_required(raw, spec.messages_key, source), source, spec.messages_key, images)}
     if raw.get("labels") is not None:
         rec["labels"] = raw["labels"]
-    return _passthrough(raw, rec, spec)
+    return _passthrough(raw, rec, spec, source, images)
 
 
 def convert_sharegpt(raw: dict, spec: InputSpec, source: str) -> dict:
@@ -153,23 +184,24 @@ def convert_sharegpt(raw: dict, spec: InputSpec, source: str) -> dict:
                              "tool_calls": _tool_calls_from_text(value, source, f"{field}.value")})
         else:
             messages.append({"role": role, "content": value})
-    return _passthrough(raw, {"messages": messages}, spec)
+    return _passthrough(raw, {"messages": messages}, spec, source)
 
 
 def _prompt_response(raw: dict, spec: InputSpec, source: str, prompt_key: str, response_key: str) -> dict:
     prompt = _required(raw, prompt_key, source)
     response = _required(raw, response_key, source)
+    images: list = []
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     else:
-        messages = _message_list(prompt, source, prompt_key)
+        messages = _message_list(prompt, source, prompt_key, images)
     if spec.system and not (messages and isinstance(messages[0], dict) and messages[0].get("role") == "system"):
         messages.insert(0, {"role": "system", "content": spec.system})
     if not isinstance(response, str):
         raise RecordError(source, response_key, f"expected a string, got {type(response).__name__}",
                           "bad_content")
     messages.append({"role": "assistant", "content": response})
-    return _passthrough(raw, {"messages": messages}, spec)
+    return _passthrough(raw, {"messages": messages}, spec, source, images)
 
 
 def convert_prompt_response(raw: dict, spec: InputSpec, source: str) -> dict:
@@ -256,11 +288,14 @@ def category_of(raw: dict, rec: dict, spec: InputSpec, source: str) -> str:
     return str(name) if name else UNTRACKED
 
 
-def convert_row(raw: dict, spec: InputSpec, fmt: str, source: str) -> tuple[dict, str] | None:
-    """One raw row -> (validated canonical record, category name); None when a user function filters it."""
+def convert_row(raw: dict, spec: InputSpec, fmt: str, source: str, base_dir: str = ".") -> tuple[dict, str] | None:
+    """One raw row -> (validated canonical record, category name); None when a user function filters it. Image
+    paths are resolved against `base_dir` (the data file's directory) and must exist."""
     rec = CONVERTERS[fmt](raw, spec, source)
     if rec is None:
         return None
+    if isinstance(rec, dict) and isinstance(rec.get("images"), list):
+        rec["images"] = [resolve_image(ref, base_dir, source, f"images[{k}]") for k, ref in enumerate(rec["images"])]
     canonical = validate_canonical(rec, source)
     return canonical, category_of(raw, canonical, spec, source)
 
@@ -312,6 +347,10 @@ class ConvertTask:
         """The source of the row at `where`; `lines_before`: the lines of the file before a .jsonl range."""
         return where
 
+    def base_dir(self, where: Where) -> str:
+        """The directory of the file holding the row at `where` (image paths are relative to it)."""
+        raise NotImplementedError
+
 
 @dataclasses.dataclass(frozen=True)
 class JsonlRangeTask(ConvertTask):
@@ -326,6 +365,9 @@ class JsonlRangeTask(ConvertTask):
 
     def source(self, where: int, lines_before: int) -> str:
         return f"{self.range.path}:{lines_before + where}"
+
+    def base_dir(self, where: int) -> str:
+        return os.path.dirname(self.range.path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,17 +384,24 @@ class RowGroupTask(ConvertTask):
             rows = pf.read_row_group(self.group).to_pylist()
         return 0, [(f"{self.path}:{self.first_row + i}", row) for i, row in enumerate(rows)]
 
+    def base_dir(self, where: str) -> str:
+        return os.path.dirname(self.path)
+
 
 @dataclasses.dataclass(frozen=True)
 class RowsTask(ConvertTask):
     """At most `CHUNK_ROWS` rows the driver read (`RowChunker`: inputs that do not split), with their sources."""
     rows: list[tuple[str, dict]]
+    dirs: dict[str, str]  # source -> the directory of its file
 
     # every source: the rows of a .json object of arrays come key by key, not in source order
     dropped_at_limit: ClassVar[int | None] = None
 
     def read(self) -> tuple[int, list[tuple[str, dict]]]:
         return 0, self.rows
+
+    def base_dir(self, where: str) -> str:
+        return self.dirs[where]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -414,7 +463,7 @@ def convert_to_part(task: ConvertTask) -> Converted:
                 if isinstance(row, RecordError):
                     raise row
                 # the source names a range's row only for an error, whose source the driver makes from `where`
-                converted = convert_row(row, task.spec, task.fmt, str(where))
+                converted = convert_row(row, task.spec, task.fmt, str(where), task.base_dir(where))
                 reason = None if converted is not None else "filtered_by_function"
             except RecordError as exc:
                 reason = exc.reason
@@ -481,6 +530,7 @@ class RowChunker:
         self.dropped, self.dropped_at, self.part_paths = dropped, dropped_at, part_paths
         self.fmt: str | None = None
         self.chunk: list = []
+        self.dirs: dict[str, str] = {}
 
     def count_dropped(self, exc: RecordError) -> None:
         """A row read here and dropped under skip."""
@@ -523,11 +573,14 @@ class RowChunker:
     def add_rows(self, path: str) -> Iterator[RowsTask]:
         """The rows of `path`, read here. A read error raised under on_error=error goes out after the rows
         before it (which may hold an earlier error)."""
+        split, local = split_spec(path)
+        base = local if split is not None else os.path.dirname(local)  # a datasets directory, or the file's
         try:
             for source, row in read_rows(path, self.cfg.on_error, on_skip=self.count_dropped):
                 if self.fmt is None and not self.detect(row, source):
                     continue
                 self.chunk.append((source, row))
+                self.dirs[source] = base
                 if len(self.chunk) >= CHUNK_ROWS:
                     yield from self.flush()
         except Exception:
@@ -536,8 +589,8 @@ class RowChunker:
 
     def flush(self) -> Iterator[RowsTask]:
         if self.chunk:
-            yield RowsTask(self.spec_index, self.spec, self.fmt, next(self.part_paths), self.chunk)
-            self.chunk = []
+            yield RowsTask(self.spec_index, self.spec, self.fmt, next(self.part_paths), self.chunk, self.dirs)
+            self.chunk, self.dirs = [], {}
 
 
 def _parquet_row_groups(path: str) -> list[int] | None:

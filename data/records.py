@@ -1,7 +1,8 @@
 """The canonical record: validation, normalization and the error every stage raises for bad input.
 
 A canonical record (see docs/ARCHITECTURE.md) is
-`{"messages": [...], "labels": [0/1 per message], "meta": {...}, "tools"?, "enable_thinking"?, "structure"?}`.
+`{"messages": [...], "labels": [0/1 per message], "meta": {...}, "tools"?, "enable_thinking"?, "structure"?,
+"images"?}` (images: one path or data: URI per `<image>` placeholder of the user messages, data/images.py).
 """
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import Any
 import orjson
 
 ROLES = ("system", "user", "assistant", "tool")
-RECORD_KEYS = ("messages", "labels", "meta", "tools", "enable_thinking", "structure")
+RECORD_KEYS = ("messages", "labels", "meta", "tools", "enable_thinking", "structure", "images")
+IMAGE_PLACEHOLDER = "<image>"  # where an image of `images` goes in a user message (LLaMA-Factory's convention)
 # message keys written first, in this order; any other message key passes through after them (templates
 # may read e.g. `name` or `tool_call_id`)
 MESSAGE_KEY_ORDER = ("role", "content", "reasoning_content", "tool_calls", "category_id")
@@ -142,7 +144,8 @@ def validate_canonical(record: Any, source: str) -> dict:
 
     Raises RecordError with reasons: bad_record, unknown_key, empty_conversation, bad_message, unknown_role,
     system_not_first, bad_content, bad_tool_calls, bad_tools, labels_length, bad_label, no_trainable_token,
-    empty_assistant (a trained assistant message with no content, reasoning or tool call).
+    empty_assistant (a trained assistant message with no content, reasoning or tool call), bad_image,
+    image_placement, image_count_mismatch.
     """
     if not isinstance(record, dict):
         raise RecordError(source, "record", f"expected an object, got {type(record).__name__}", "bad_record")
@@ -198,7 +201,27 @@ def validate_canonical(record: Any, source: str) -> dict:
         out["enable_thinking"] = thinking
     if record.get("structure") is not None:
         out["structure"] = record["structure"]
+    if record.get("images") is not None:
+        out["images"] = check_images(norm_messages, record["images"], source)
     return out
+
+
+def check_images(messages: list[dict], images: Any, source: str) -> list[str]:
+    """The `images` of a canonical record: a list of strings, one per `<image>` placeholder, all of them in user
+    messages (a placeholder elsewhere would put image tokens in a trained turn or a system prompt)."""
+    if not isinstance(images, list) or not all(isinstance(x, str) and x for x in images):
+        raise RecordError(source, "images", "expected a list of image paths", "bad_image")
+    count = 0
+    for i, msg in enumerate(messages):
+        n = msg["content"].count(IMAGE_PLACEHOLDER)
+        if n and msg["role"] != "user":
+            raise RecordError(source, f"messages[{i}].content", f"{IMAGE_PLACEHOLDER} in a {msg['role']} message; "
+                              "images go in user messages", "image_placement")
+        count += n
+    if count != len(images):
+        raise RecordError(source, "images", f"{count} {IMAGE_PLACEHOLDER} placeholders in the messages but "
+                          f"{len(images)} images", "image_count_mismatch")
+    return list(images)
 
 
 def message_category(record: dict, i: int) -> int:

@@ -144,6 +144,10 @@ def format_tokenize_summary(section: dict) -> str:
                  f"dropped {reasoning['dropped']['messages']:,}")
     lines.append(f"tool calls ({tools['arguments']}): {tools['calls']:,} trained, "
                  f"{tools['arguments_parsed']:,} JSON-string arguments parsed")
+    images = section.get("images") or {}
+    if images.get("images"):
+        lines.append(f"images: {images['images']:,} ({images['image_tokens']:,} image tokens, never labelled; "
+                     f"{images['image_bytes']:,} bytes stored)")
     lost = section["lost"]
     lines.append("not trained: " + (", ".join(f"{reason} {v['records']:,} records / {v['chars']:,} chars"
                                               for reason, v in lost.items()) or "nothing"))

@@ -9,6 +9,10 @@ Layout of a dataset directory:
                                the row's token records, checked on every read: meta.json `row_checksum`)
     shard_NNNNN.seqs.npy       per sequence: length, record_index, n_loss_tokens, n_trained_turns, uid_offset, n_uids
     shard_NNNNN.uids.npy       flat int64 source-record uids of the sequences
+    shard_NNNNN.images.npy     (image datasets, meta.json `image_store`) per image, in sequence order: its sequence
+                               (shard-local), byte offset and size in images.bin, token count, patch grid (t, h, w)
+    shard_NNNNN.images.bin     the images' encoded bytes (files as read, not re-encoded); a row's checksum goes on
+                               over its images (`row_checksum`), so it covers the image data too
 
 Everything is memory-mapped on read, so opening a dataset costs O(shards) and `ds[i]` is O(1) whatever its size.
 """
@@ -21,7 +25,7 @@ import shutil
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import orjson
@@ -70,15 +74,30 @@ SEQ_DTYPE = np.dtype(
 )
 UID_DTYPE = np.dtype("<i8")
 SHARD_FILES = ("tokens", "rows", "seqs", "uids")
+IMAGE_DTYPE = np.dtype([("seq", "<i8"), ("byte_offset", "<i8"), ("n_bytes", "<i8"), ("n_tokens", "<i8"),
+                        ("grid", "<i8", (3,))])
+IMAGE_FILES = ("images", "image_data")  # the shard files of a dataset with `image_store`
 _IO_BATCH_BYTES = 1 << 22
 
 # Keys of meta.json the writer owns; meta_extra may not replace them.
 RESERVED_META_KEYS = ("format", "format_version", "row_checksum", "kind", "token_fields", "counts", "max_token_id",
-                      "shards", "manifest_blake2b")
+                      "shards", "manifest_blake2b", "image_store")
 MANIFEST_CHECKSUM = "manifest_blake2b"  # meta.json's checksum of its own content (manifest_checksum)
 
 class ShardFormatError(ValueError):
     """An indexed dataset on disk is missing, truncated, corrupt or of an incompatible format version."""
+
+
+class StoredImage(NamedTuple):
+    """One image of a sequence: its encoded bytes, patch grid (t, h, w) and number of tokens in the sequence."""
+    data: bytes
+    grid: tuple[int, int, int]
+    n_tokens: int
+
+
+def image_checksum(crc: int, n_tokens: int, grid: Sequence[int], data: Any) -> int:
+    """A row's crc32 (`ROW_CHECKSUM`) continued over one of its images: token count, grid, then its bytes."""
+    return zlib.crc32(data, zlib.crc32(np.array([n_tokens, *grid], dtype="<i8").tobytes(), crc))
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -112,7 +131,7 @@ def _shard_name(i: int) -> str:
 
 
 def _shard_file(name: str, kind: str) -> str:
-    return f"{name}.tokens.bin" if kind == "tokens" else f"{name}.{kind}.npy"
+    return {"tokens": f"{name}.tokens.bin", "image_data": f"{name}.images.bin"}.get(kind, f"{name}.{kind}.npy")
 
 
 def _json_default(obj: Any) -> Any:
@@ -138,7 +157,7 @@ class _ShardBuffer:
     """The shard being written: tokens streamed to disk and hashed by a helper thread (hashlib and file writes
     release the GIL, so this overlaps with preparing the next row), indices kept in memory."""
 
-    def __init__(self, directory: Path, index: int, durable: bool):
+    def __init__(self, directory: Path, index: int, durable: bool, images: bool = False):
         self.name = _shard_name(index)
         self.durable = durable
         self.tokens_path = directory / _shard_file(self.name, "tokens")
@@ -153,6 +172,27 @@ class _ShardBuffer:
         self._pending: Future | None = None
         self._batch: list[np.ndarray] = []
         self._batch_bytes = 0
+        self.images: list[tuple] | None = [] if images else None  # IMAGE_DTYPE records; their bytes go here:
+        self.image_path = directory / _shard_file(self.name, "image_data")
+        self.image_file = open(self.image_path, "wb") if images else None
+        self.image_hash = hashlib.blake2b(digest_size=32)
+        self.image_bytes = 0
+
+    def add_image(self, seq: int, image: StoredImage) -> None:
+        self.images.append((seq, self.image_bytes, len(image.data), int(image.n_tokens), tuple(image.grid)))
+        self.add_image_bytes(image.data)
+
+    def add_image_bytes(self, data: Any) -> None:
+        self.image_file.write(data)
+        self.image_hash.update(data)
+        self.image_bytes += len(data)
+
+    def finish_images(self) -> str:
+        self.image_file.flush()
+        if self.durable:
+            os.fsync(self.image_file.fileno())
+        self.image_file.close()
+        return self.image_hash.hexdigest()
 
     def _write(self, batch: list[np.ndarray]) -> None:
         for data in batch:
@@ -190,6 +230,8 @@ class _ShardBuffer:
     def discard(self) -> None:
         self._io.shutdown(wait=True)
         self.file.close()
+        if self.image_file is not None:
+            self.image_file.close()
 
 
 class ShardWriter:
@@ -208,6 +250,7 @@ class ShardWriter:
         max_shard_bytes: int = 1 << 30,
         kind: str = "packed",
         durable: bool = True,
+        images: bool = False,
     ):
         if kind not in ("packed", "tokenized"):
             raise ValueError(f"kind must be 'packed' or 'tokenized', got {kind!r}")
@@ -219,6 +262,7 @@ class ShardWriter:
         self.dtype = token_dtype(self.token_fields)
         self.max_shard_bytes = int(max_shard_bytes)
         self.durable = durable
+        self.images = images  # an image store: sequences may carry images (`add_row(images=...)`)
         self.out_dir.parent.mkdir(parents=True, exist_ok=True)
         aside = set_aside(self.out_dir)
         if len(aside) == 1:  # an earlier run died inside replace_dir: put the previous output back first
@@ -228,6 +272,8 @@ class ShardWriter:
         self._shards: list[dict] = []
         self._current: _ShardBuffer | None = None
         self._counts = dict(rows=0, sequences=0, tokens=0, loss_tokens=0, trained_turns=0, samples=0, uids=0)
+        if images:
+            self._counts.update(images=0, image_tokens=0, image_bytes=0)
         self._category_tokens = np.zeros(0, dtype=np.int64)
         self._category_loss_tokens = np.zeros(0, dtype=np.int64)
         self._max_token_id = -1
@@ -280,14 +326,20 @@ class ShardWriter:
         sequences: Sequence[Any],
         record_indices: Sequence[int] | None = None,
         uids: Sequence[Sequence[int]] | None = None,
+        images: Sequence[Sequence[StoredImage]] | None = None,
     ) -> None:
-        """Append one row made of `sequences` (in order). record_indices default to -1, uids to none."""
+        """Append one row made of `sequences` (in order). record_indices default to -1, uids to none; `images`
+        (an image store only): each sequence's images, in the order of their token runs."""
         if self._closed:
             raise RuntimeError("ShardWriter is closed")
         n = len(sequences)
         row_no = self._counts["rows"]
         if n == 0:
             raise ValueError(f"row {row_no}: a row needs at least one sequence")
+        if images is not None and not self.images:
+            raise ValueError(f"row {row_no}: images given to a writer without an image store (images=True)")
+        if images is not None and len(images) != n:
+            raise ValueError(f"row {row_no}: {len(images)} image lists for {n} sequences")
         if record_indices is not None and len(record_indices) != n:
             raise ValueError(f"row {row_no}: {len(record_indices)} record_indices for {n} sequences")
         if uids is not None and len(uids) != n:
@@ -329,7 +381,7 @@ class ShardWriter:
             self._finish_shard()
             shard = None
         if shard is None:
-            shard = self._current = _ShardBuffer(self.tmp_dir, len(self._shards), self.durable)
+            shard = self._new_shard()
         seq_offset = len(shard.seqs)
         for k in range(n):
             shard.seqs.append((seq_lens[k], recs[k], seq_loss[k], seq_turns[k], len(shard.uids), len(seq_uids[k])))
@@ -339,8 +391,15 @@ class ShardWriter:
         row_turns = sum(seq_turns)
         row_samples = sum(1 for x in seq_loss if x > 0)
         row_data = row_tokens.view(np.uint8)
-        shard.rows.append((shard.n_tokens, n_tok, seq_offset, n, row_loss, row_turns, row_samples,
-                           zlib.crc32(row_data)))
+        crc = zlib.crc32(row_data)
+        for k, seq_images in enumerate(images or ()):
+            for image in seq_images:
+                shard.add_image(seq_offset + k, image)
+                crc = image_checksum(crc, image.n_tokens, image.grid, image.data)
+                self._counts["images"] += 1
+                self._counts["image_tokens"] += int(image.n_tokens)
+                self._counts["image_bytes"] += len(image.data)
+        shard.rows.append((shard.n_tokens, n_tok, seq_offset, n, row_loss, row_turns, row_samples, crc))
         shard.append(row_data)
         shard.n_tokens += n_tok
         shard.n_bytes += row_bytes
@@ -368,6 +427,8 @@ class ShardWriter:
         fields = list(part["token_fields"])
         if fields != self.token_fields:
             raise ValueError(f"{part_dir}: token fields {fields} differ from this dataset's {self.token_fields}")
+        if bool(part.get("image_store")) != self.images:
+            raise ValueError(f"{part_dir}: image_store {bool(part.get('image_store'))}, this dataset's {self.images}")
         self._finish_shard()
         for shard in part["shards"]:
             name = _shard_name(len(self._shards))
@@ -395,6 +456,8 @@ class ShardWriter:
         if src.token_fields != self.token_fields:
             raise ValueError(f"{src.path}: token fields {src.token_fields} differ from this dataset's "
                              f"{self.token_fields}")
+        if src.has_images != self.images:
+            raise ValueError(f"{src.path}: image_store {src.has_images}, this dataset's {self.images}")
         for k, (first, last) in enumerate(zip(src._row_starts[:-1].tolist(), src._row_starts[1:].tolist())):
             a, b = max(start, first) - first, min(end, last) - first  # this source shard's rows, locally
             if a >= b:
@@ -413,7 +476,7 @@ class ShardWriter:
         all."""
         shard = self._current
         if shard is None:
-            shard = self._current = _ShardBuffer(self.tmp_dir, len(self._shards), self.durable)
+            shard = self._new_shard()
         first, last = rows[0], rows[-1]
         tok_lo, tok_hi = int(first["token_offset"]), int(last["token_offset"] + last["n_tokens"])
         seq_lo, seq_hi = int(first["seq_offset"]), int(last["seq_offset"] + last["n_seqs"])
@@ -425,6 +488,19 @@ class ShardWriter:
         rows["token_offset"] += shard.n_tokens - tok_lo
         rows["seq_offset"] += len(shard.seqs) - seq_lo
         seqs["uid_offset"] += len(shard.uids) - uid_lo
+        if self.images:
+            lo, hi = src._image_range(k, seq_lo, seq_hi)
+            if hi > lo:
+                index = np.array(src._images[k][lo:hi])
+                byte_lo = int(index["byte_offset"][0])
+                byte_hi = int(index["byte_offset"][-1] + index["n_bytes"][-1])
+                index["seq"] += len(shard.seqs) - seq_lo
+                index["byte_offset"] += shard.image_bytes - byte_lo
+                shard.images.extend(index.tolist())
+                shard.add_image_bytes(src._image_data[k][byte_lo:byte_hi])
+                self._counts["images"] += hi - lo
+                self._counts["image_tokens"] += int(index["n_tokens"].sum())
+                self._counts["image_bytes"] += byte_hi - byte_lo
         shard.rows.extend(rows.tolist())
         shard.seqs.extend(seqs.tolist())
         shard.uids.extend(uids.tolist())
@@ -441,6 +517,10 @@ class ShardWriter:
         c["trained_turns"] += int(rows["n_trained_turns"].sum())
         c["samples"] += int(rows["n_samples"].sum())
         c["uids"] += len(uids)
+
+    def _new_shard(self) -> _ShardBuffer:
+        self._current = _ShardBuffer(self.tmp_dir, len(self._shards), self.durable, self.images)
+        return self._current
 
     def _grow_categories(self, size: int) -> None:
         grow = size - self._category_tokens.shape[0]
@@ -489,16 +569,20 @@ class ShardWriter:
                 if self.durable:
                     os.fsync(f.fileno())
             files[kind] = {"file": path.name, "bytes": path.stat().st_size, "blake2b": file_blake2b(path)}
-        self._shards.append(
-            {
-                "name": shard.name,
-                "rows": len(shard.rows),
-                "sequences": len(shard.seqs),
-                "tokens": shard.n_tokens,
-                "uids": len(shard.uids),
-                "files": files,
-            }
-        )
+        entry = {"name": shard.name, "rows": len(shard.rows), "sequences": len(shard.seqs), "tokens": shard.n_tokens,
+                 "uids": len(shard.uids), "files": files}
+        if self.images:
+            digest = shard.finish_images()
+            files["image_data"] = {"file": shard.image_path.name, "bytes": shard.image_bytes, "blake2b": digest}
+            path = self.tmp_dir / _shard_file(shard.name, "images")
+            with open(path, "wb") as f:
+                np.save(f, np.array(shard.images, dtype=IMAGE_DTYPE), allow_pickle=False)
+                f.flush()
+                if self.durable:
+                    os.fsync(f.fileno())
+            files["images"] = {"file": path.name, "bytes": path.stat().st_size, "blake2b": file_blake2b(path)}
+            entry["images"] = len(shard.images)
+        self._shards.append(entry)
         self._current = None
 
     # ------------------------------------------------------------------ close
@@ -529,6 +613,7 @@ class ShardWriter:
             "token_fields": {name: KNOWN_TOKEN_FIELDS[name] for name in self.token_fields},
             "counts": self.counts,
             "max_token_id": self._max_token_id,
+            **({"image_store": True} if self.images else {}),
             **extra,
             "shards": self._shards,
         }))
@@ -726,6 +811,10 @@ class PackedDataset:
         except ValueError as exc:
             raise ShardFormatError(f"{self.path / 'meta.json'}: {exc}") from None
         self.dtype = token_dtype(self.token_fields)
+        self.has_images = bool(meta.get("image_store"))
+        self._images: list[np.ndarray] = []  # IMAGE_DTYPE index per shard (image datasets)
+        self._image_data: list[np.ndarray] = []  # the images' bytes per shard, memory-mapped
+        self._image_maps: list[mmap.mmap | None] = []
         self._tokens: list[np.ndarray] = []
         self._maps: list[mmap.mmap | None] = []
         self._rows: list[np.ndarray] = []
@@ -733,8 +822,10 @@ class PackedDataset:
         self._uids: list[np.ndarray] = []
         for shard in meta["shards"]:
             files = shard["files"]
-            for kind in SHARD_FILES:
-                entry = files[kind]
+            for kind in SHARD_FILES + (IMAGE_FILES if self.has_images else ()):
+                entry = files.get(kind)
+                if entry is None:
+                    raise ShardFormatError(f"{self.path / 'meta.json'}: shard {shard['name']} lists no {kind} file")
                 fpath = self.path / entry["file"]
                 if not fpath.is_file():
                     raise ShardFormatError(f"{fpath}: shard file missing")
@@ -743,7 +834,7 @@ class PackedDataset:
                     raise ShardFormatError(
                         f"{fpath}: size {size} bytes, manifest says {entry['bytes']} (truncated or overwritten)"
                     )
-                hashed = self.verify == "full" if kind == "tokens" else hash_index
+                hashed = self.verify == "full" if kind in ("tokens", "image_data") else hash_index
                 if hashed and file_blake2b(fpath) != entry["blake2b"]:
                     raise ShardFormatError(f"{fpath}: checksum mismatch (corrupt shard)")
             tok_path = self.path / files["tokens"]["file"]
@@ -770,12 +861,62 @@ class PackedDataset:
                 if arr.dtype != dtype or arr.shape != (count,):
                     raise ShardFormatError(f"{fpath}: index has dtype {arr.dtype} shape {arr.shape}, expected {count}")
                 store.append(arr)
+            if self.has_images:
+                self._open_images(shard)
         n_rows = [len(r) for r in self._rows]
         self._row_starts = np.zeros(len(n_rows) + 1, dtype=np.int64)
         np.cumsum(n_rows, out=self._row_starts[1:])
         self._n = int(self._row_starts[-1])
         if self._n != meta["counts"]["rows"]:
             raise ShardFormatError(f"{self.path}: shards hold {self._n} rows, manifest counts {meta['counts']['rows']}")
+
+    def _open_images(self, shard: dict) -> None:
+        files = shard["files"]
+        fpath = self.path / files["images"]["file"]
+        try:
+            index = np.load(fpath, mmap_mode="r", allow_pickle=False)
+        except ValueError as exc:
+            raise ShardFormatError(f"{fpath}: unreadable index: {exc}") from None
+        if index.dtype != IMAGE_DTYPE or index.shape != (shard.get("images"),):
+            raise ShardFormatError(f"{fpath}: index has dtype {index.dtype} shape {index.shape}, expected "
+                                   f"{shard.get('images')} images")
+        self._images.append(index)
+        mm = None
+        if files["image_data"]["bytes"]:
+            with open(self.path / files["image_data"]["file"], "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._image_maps.append(mm)
+        self._image_data.append(np.frombuffer(mm, dtype=np.uint8) if mm is not None else np.zeros(0, np.uint8))
+
+    def _image_range(self, shard: int, seq_lo: int, seq_hi: int) -> tuple[int, int]:
+        """The index entries `[lo, hi)` of the images of shard-local sequences `[seq_lo, seq_hi)`."""
+        seqs = self._images[shard]["seq"]
+        return int(np.searchsorted(seqs, seq_lo, "left")), int(np.searchsorted(seqs, seq_hi, "left"))
+
+    def _row_images(self, shard: int, r: int) -> np.ndarray:
+        row = self._rows[shard][r]
+        lo, hi = self._image_range(shard, int(row["seq_offset"]), int(row["seq_offset"] + row["n_seqs"]))
+        return self._images[shard][lo:hi]
+
+    def _image_bytes(self, shard: int, entry) -> np.ndarray:
+        off, n = int(entry["byte_offset"]), int(entry["n_bytes"])
+        data = self._image_data[shard][off:off + n]
+        if data.shape[0] != n:
+            raise ShardFormatError(f"{self.path / self.meta['shards'][shard]['files']['image_data']['file']}: an "
+                                   f"image at bytes {off}..{off + n} lies outside the file (corrupt index)")
+        return data
+
+    def row_images(self, i: int) -> list[list[StoredImage]]:
+        """The images of each sequence of row `i` (an image dataset; rows are checked as `row_tokens` checks)."""
+        shard, r = self._locate(i)
+        self._checked_view(shard, r)
+        row = self._rows[shard][r]
+        out: list[list[StoredImage]] = [[] for _ in range(int(row["n_seqs"]))]
+        for entry in self._row_images(shard, r):
+            out[int(entry["seq"] - row["seq_offset"])].append(
+                StoredImage(self._image_bytes(shard, entry).tobytes(), tuple(int(v) for v in entry["grid"]),
+                            int(entry["n_tokens"])))
+        return out
 
     # Whole-dataset row columns, built on first use: a memmap view for one shard, else a concatenation (8 bytes a
     # row), which readers of a slice (`row_column`) never pay for.
@@ -862,6 +1003,10 @@ class PackedDataset:
         if off < 0 or view.shape[0] != n:
             self._corrupt(shard, r, f"the index places it at tokens {off}..{off + n}, outside the shard")
         actual = zlib.crc32(view.view(np.uint8))
+        if self.has_images:
+            for entry in self._row_images(shard, r):
+                actual = image_checksum(actual, int(entry["n_tokens"]), entry["grid"].tolist(),
+                                        self._image_bytes(shard, entry))
         if actual != int(row["checksum"]):
             self._corrupt(shard, r, f"{ROW_CHECKSUM} of its {n} token records is {actual:#010x}, the index says "
                           f"{int(row['checksum']):#010x}")
@@ -905,7 +1050,7 @@ class PackedDataset:
 
         Each field is copied straight from the mapped shards (one copy); with `release_pages` the pages read are
         then unmapped from this process."""
-        tokens, seqs, views = [], [], []
+        tokens, seqs, views, images = [], [], [], []
         for i in rows:
             shard, r = self._locate(i)
             row = self._rows[shard][r]
@@ -913,6 +1058,13 @@ class PackedDataset:
             tokens.append((shard, int(row["token_offset"]), int(row["n_tokens"])))
             seqs.append(self._seqs[shard][so : so + ns])
             views.append(self._checked_view(shard, r))
+            if self.has_images:
+                entries = self._row_images(shard, r)
+                images += [(self._image_bytes(shard, e).tobytes(), e["grid"].tolist()) for e in entries]
+                if self.release_pages and len(entries):  # as for the tokens below: the resident set stays flat
+                    start = int(entries["byte_offset"][0]) & ~(mmap.PAGESIZE - 1)
+                    end = int(entries["byte_offset"][-1] + entries["n_bytes"][-1])
+                    self._image_maps[shard].madvise(mmap.MADV_DONTNEED, start, end - start)
         if not views:
             out = {name: np.zeros(0, dtype=self.dtype[name]) for name in self.token_fields}
             out["seq_lens"] = np.zeros(0, dtype=np.int64)
@@ -921,6 +1073,9 @@ class PackedDataset:
         out = {name: np.concatenate([v[name] for v in views]) for name in self.token_fields}
         out["seq_lens"] = np.concatenate([s["length"] for s in seqs])
         out["record_index"] = np.concatenate([s["record_index"] for s in seqs])
+        if self.has_images:  # in the order of their token runs in the rows
+            out["image_data"] = [data for data, _ in images]
+            out["image_grid_thw"] = np.array([grid for _, grid in images], dtype=np.int64).reshape(-1, 3)
         if self.release_pages:
             size = self.dtype.itemsize
             for shard, off, n in tokens:
@@ -933,7 +1088,7 @@ class PackedDataset:
         for readers that go through the zero-copy `row_tokens` views. Earlier views stay valid (re-faulted)."""
         if not hasattr(mmap, "MADV_DONTNEED"):
             return
-        for mm in self._maps:
+        for mm in self._maps + self._image_maps:
             if mm is not None:
                 mm.madvise(mmap.MADV_DONTNEED)
 

@@ -10,6 +10,12 @@ whose tool arguments are objects, the token ids are exactly
 `tokenizer.apply_chat_template(messages, tools=tools, **kwargs)["input_ids"]`. A merged record's assistant turns
 are rendered as in their original records alone (data/fidelity.py, `render_merged`).
 
+A record with images (data/images.py) is rendered with the processor's chat template and each image's placeholder
+replaced by the processor's token run: its ids are exactly `processor(text=rendered, images=...)["input_ids"]`
+(checked per record); image tokens never carry a label; the images' bytes and grids go into the shards beside
+the tokens. Such a record is never truncated (a cut would split or drop images): over-long, it is dropped (or
+an error under `overlong: error`).
+
 Per token: `input_ids`, `labels` (= input id where trained, -100 elsewhere), `category_ids` (category of the
 assistant message the token belongs to: its own turn, or the prompt that precedes it; tokens after the last
 assistant turn belong to it), `turn_ids` (k = 1..T on the k-th trained turn, 0 elsewhere), and in structure
@@ -32,13 +38,14 @@ from common.fsutil import file_blake2b, tokenizer_hash
 from data.chat_template import RenderBound, TemplateInfo, analyze_template, load_chat_tokenizer
 from data.config import DataConfig, output_config
 from data.executor import ByteRange, Executor, LocalExecutor, count_lines, spread_ranges
+from data.images import Expanded, Vision, is_processor_dir
 from data.fidelity import STAT_KEYS, FidelityOptions, Rendered, asked_chars, render_merged, template_renders_reasoning
 from data.progress import progress
 from data.records import RecordError, message_category, record_uids, validate_canonical
 from data.report import DROPPED_AT_LIMIT, check_arithmetic, format_tokenize_summary, sorted_counts, update_report
 from data.io import parse_jsonl_line, read_lines
 from data.shards import (IGNORE_INDEX, REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, PackedDataset, ShardCutter,
-                         ShardWriter)
+                         ShardWriter, StoredImage)
 from data.token_bound import TokenBound
 
 OVERLONG_POLICIES = ("drop", "error", "truncate", "left", "right")
@@ -63,6 +70,7 @@ class TokenizedSequence:
     structure_kept_plain: bool = False
     fidelity: dict = field(default_factory=dict)  # per-record counters of data.fidelity.STAT_KEYS
     counts_before: dict = field(default_factory=dict)  # {category: [tokens, loss tokens]} before truncation
+    images: list[StoredImage] = field(default_factory=list)  # in the order of their token runs
 
     @property
     def n_loss_tokens(self) -> int:
@@ -92,6 +100,7 @@ class TokenizeContext:
     reasoning_tags: tuple[str, str] = FidelityOptions.reasoning_tags
     tool_arguments: str = "parse"
     render_bound: RenderBound = RenderBound(None, "the chat template")  # time to render one record (render_timeout)
+    vision: Vision | None = None  # the processor of image records (loaded on the first one); None: no processor
     backend: Any = field(init=False, repr=False)
     fidelity: FidelityOptions = field(init=False, repr=False)
     renders_reasoning: bool = field(init=False, repr=False)
@@ -114,7 +123,8 @@ class TokenizeContext:
         return cls(tokenizer=tokenizer, info=analyze_template(tokenizer, bound), max_length=cfg.max_length,
                    overlong=cfg.effective_overlong, on_error=cfg.on_error,
                    structure=cfg.structure, enable_thinking=cfg.enable_thinking, reasoning=cfg.reasoning,
-                   reasoning_tags=tuple(cfg.reasoning_tags), tool_arguments=cfg.tool_arguments, render_bound=bound)
+                   reasoning_tags=tuple(cfg.reasoning_tags), tool_arguments=cfg.tool_arguments, render_bound=bound,
+                   vision=Vision(cfg.tokenizer_path, cfg.image_min_pixels, cfg.image_max_pixels))
 
 
 # ---------------------------------------------------------------------------------------------- the pure core
@@ -228,10 +238,13 @@ def _category_counts(category_ids: np.ndarray, loss_mask: np.ndarray) -> dict[in
 
 
 def _build(norm: dict, rendered: Rendered, enc, source: str, record_index: int,
-           ctx: TokenizeContext) -> TokenizedSequence:
+           ctx: TokenizeContext, expanded: Expanded | None = None) -> TokenizedSequence:
     text, spans = rendered.text, rendered.spans
     ids = np.asarray(enc.ids, dtype=np.int32)
     n = ids.shape[0]
+    if expanded is not None and enc.ids != expanded.reference_ids:
+        raise RecordError(source, "messages", "the token ids differ from the processor's (processor(text=render, "
+                          f"images)): {n} vs {len(expanded.reference_ids)} tokens", "processor_mismatch")
     msgs = norm["messages"]
     labels_in = norm["labels"]
     assistant = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
@@ -259,14 +272,19 @@ def _build(norm: dict, rendered: Rendered, enc, source: str, record_index: int,
                 turn_ids[start_tok:end_tok] = k
                 turn_ends.append(end_tok)
     category_ids[prev:] = message_category(norm, assistant[-1])
+    for a, b in expanded.image_spans if expanded is not None else ():  # image tokens never carry a label
+        first, end = _first_token_at(enc, a, n, text_len), _first_token_at(enc, b, n, text_len)
+        labels[first:end] = IGNORE_INDEX
+        turn_ids[first:end] = 0
     counts_before = _category_counts(category_ids, labels != IGNORE_INDEX)
     try:  # a record dropped from here on still counts its tokens in the "before" figures
         if k == 0:
             raise RecordError(source, "labels", "no assistant token is trained", "no_trainable_token")
 
         where = f"{n} tokens > max_length {ctx.max_length}"
-        if n > ctx.max_length and ctx.overlong in ("drop", "error"):
-            raise RecordError(source, "messages", where, "overlong")
+        if n > ctx.max_length and (ctx.overlong in ("drop", "error") or expanded is not None):
+            raise RecordError(source, "messages", where + (" (a record with images is never truncated)"
+                                                           if expanded is not None else ""), "overlong")
 
         block_ids = path_ids = None
         kept_plain = False
@@ -327,7 +345,7 @@ def _build(norm: dict, rendered: Rendered, enc, source: str, record_index: int,
             uids=record_uids(norm), record_index=record_index, category_id=_raw_category(norm),
             category_name=meta.get("category_name"), block_ids=block_ids, path_ids=path_ids,
             truncated=truncated, structure_kept_plain=kept_plain, fidelity=rendered.stats,
-            counts_before=counts_before,
+            counts_before=counts_before, images=expanded.images if expanded is not None else [],
         )
     except RecordError as exc:
         exc.counts_before = counts_before
@@ -356,19 +374,37 @@ def tokenize_records(
     for i, rec in enumerate(records):
         try:
             with ctx.render_bound.rendering(sources[i]):
-                prepared.append((i,) + _prepare(rec, sources[i], ctx))
+                norm, rendered = _prepare(rec, sources[i], ctx)
+            expanded = None
+            if norm.get("images"):
+                expanded = _expand(norm, rendered, sources[i], ctx)
+                rendered = Rendered(expanded.text, expanded.spans, rendered.stats)
+            prepared.append((i, norm, rendered, expanded))
         except RecordError as exc:
             exc.category_id, exc.category_name = _raw_category(rec), _raw_category_name(rec)
             out[i] = exc
-    encodings = ctx.backend.encode_batch([rendered.text for _, _, rendered in prepared], add_special_tokens=False)
-    for (i, norm, rendered), enc in zip(prepared, encodings):
+    encodings = ctx.backend.encode_batch([p[2].text for p in prepared], add_special_tokens=False)
+    for (i, norm, rendered, expanded), enc in zip(prepared, encodings):
         try:
-            out[i] = _build(norm, rendered, enc, sources[i], record_indices[i], ctx)
+            out[i] = _build(norm, rendered, enc, sources[i], record_indices[i], ctx, expanded)
         except RecordError as exc:
             exc.category_id, exc.category_name = _raw_category(norm), _raw_category_name(norm)  # per category
             exc.asked_chars = asked_chars(norm)
             out[i] = exc
     return out
+
+
+def _expand(norm: dict, rendered: Rendered, source: str, ctx: TokenizeContext) -> Expanded:
+    """A record with images: its render with the processor's image token runs (data/images.py)."""
+    if ctx.vision is None or not is_processor_dir(ctx.vision.path):
+        where = ctx.vision.path if ctx.vision is not None else "the tokenizer"
+        raise ConfigError(f"{source}: a record with images, but tokenizer_path {where} holds no processor "
+                          "(preprocessor_config.json): point tokenizer_path at the model's processor directory")
+    try:
+        return ctx.vision.expand(rendered.text, rendered.spans, norm["images"], source)
+    except RecordError as exc:
+        exc.asked_chars = asked_chars(norm)
+        raise
 
 
 @dataclass
@@ -383,6 +419,9 @@ class TokenizeTally:
     n_tokens: int = 0
     n_loss: int = 0
     n_turns: int = 0
+    n_images: int = 0
+    n_image_tokens: int = 0
+    n_image_bytes: int = 0
     dropped: dict = field(default_factory=dict)
     # reason -> sources of its first DROPPED_AT_LIMIT drops: records come in input order, and tallies merge in it
     dropped_at: dict = field(default_factory=dict)
@@ -433,7 +472,11 @@ class TokenizeTally:
                 self._count_before(getattr(res, "counts_before", {}))
                 self._count_lost(res.reason, 1, getattr(res, "asked_chars", 0))
                 continue
-            writer.add_row([res.token_fields()], record_indices=[res.record_index], uids=[res.uids])
+            writer.add_row([res.token_fields()], record_indices=[res.record_index], uids=[res.uids],
+                           images=[res.images] if writer.images else None)
+            self.n_images += len(res.images)
+            self.n_image_tokens += sum(image.n_tokens for image in res.images)
+            self.n_image_bytes += sum(len(image.data) for image in res.images)
             n = res.input_ids.shape[0]
             self.n_out += 1
             self.n_truncated += res.truncated
@@ -460,7 +503,8 @@ class TokenizeTally:
 
     def merge(self, other: "TokenizeTally") -> None:
         """Add the tally of the records that follow this one's."""
-        for key in ("n_in", "n_out", "n_truncated", "n_plain", "n_tokens", "n_loss", "n_turns"):
+        for key in ("n_in", "n_out", "n_truncated", "n_plain", "n_tokens", "n_loss", "n_turns", "n_images",
+                    "n_image_tokens", "n_image_bytes"):
             setattr(self, key, getattr(self, key) + getattr(other, key))
         for reason, n in other.dropped.items():
             self.dropped[reason] = self.dropped.get(reason, 0) + n
@@ -528,7 +572,7 @@ def tokenize_range(task: RangeTask) -> RangeResult:
                                                          task.lines_before + 1) if line.strip()]
     tally = TokenizeTally()
     with ShardWriter(task.part, token_fields=token_fields(cfg), max_shard_bytes=PART_SHARD_BYTES,
-                     kind="tokenized", durable=False) as writer:
+                     kind="tokenized", durable=False, images=is_processor_dir(cfg.tokenizer_path)) as writer:
         for first in range(0, len(lines), BATCH_RECORDS):
             batch = lines[first:first + BATCH_RECORDS]
             sources = [f"{path}:{lineno}" for lineno, _ in batch]
@@ -556,13 +600,14 @@ class ShardTask:
     out: str
     token_fields: tuple[str, ...]
     max_shard_bytes: int
+    images: bool  # an image store
 
 
 def write_shard(task: ShardTask) -> str:
     """Worker: one shard of tokenized/, the segments' rows copied (`ShardWriter.add_rows`) into a dataset of its
     own at `task.out` (for `ShardWriter.append_dataset`)."""
     with ShardWriter(task.out, token_fields=task.token_fields, max_shard_bytes=task.max_shard_bytes,
-                     kind="tokenized") as writer:
+                     kind="tokenized", images=task.images) as writer:
         for segment in task.segments:
             writer.add_rows(PackedDataset(segment.part, verify="off"), segment.start, segment.end)
         writer.close()
@@ -595,7 +640,7 @@ class ShardPlan:
         for k, segments in enumerate(self.shards):
             if segments:
                 yield ShardTask(tuple(segments), str(scratch / f"shard_{k:08d}"), tuple(self.writer.token_fields),
-                                self.writer.max_shard_bytes)
+                                self.writer.max_shard_bytes, self.writer.images)
 
 
 def token_fields(cfg: DataConfig) -> list[str]:
@@ -641,7 +686,8 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
     ctx = TokenizeContext.from_config(cfg)  # fails early on a tokenizer without template
     executor = executor or LocalExecutor(cfg.workers)
     writer = ShardWriter(cfg.tokenized_dir, token_fields=token_fields(cfg),
-                         max_shard_bytes=cfg.pack.shard_size_mb << 20, kind="tokenized")
+                         max_shard_bytes=cfg.pack.shard_size_mb << 20, kind="tokenized",
+                         images=is_processor_dir(cfg.tokenizer_path))
     tally = TokenizeTally()
     plan = ShardPlan(writer)
     with writer, executor.scratch(Path(cfg.tokenized_dir).parent, "tokenize-parts") as scratch:
@@ -672,6 +718,8 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
             "tokens": tally.n_tokens,
             "loss_tokens": tally.n_loss,
             "trained_turns": tally.n_turns,
+            "images": {"images": tally.n_images, "image_tokens": tally.n_image_tokens,
+                       "image_bytes": tally.n_image_bytes},
             "categories": {str(c): cats[c] for c in sorted(cats)},
             "category_loss_warning": cfg.category_loss_warning,
             "warnings": warnings,
@@ -696,9 +744,17 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
             "max_length": cfg.max_length,
             "config": output_config(cfg),
             "categories": categories_meta,
+            **({"images": images_meta(cfg, ctx)} if tally.n_images else {}),
         })
     update_report(cfg.report_path, "tokenize", section)
     return section
+
+
+def images_meta(cfg: DataConfig, ctx: TokenizeContext) -> dict:
+    """meta.json's `images`: what the trainer's `data.images.ImageLoader` needs to turn the stored bytes into the
+    pixel values the tokenize stage counted tokens for."""
+    return {"processor_path": os.path.abspath(cfg.tokenizer_path), "min_pixels": cfg.image_min_pixels,
+            "max_pixels": cfg.image_max_pixels, "image_token_id": ctx.vision.image_token_id, "storage": "encoded"}
 
 
 def category_losses(cats: dict[int, dict], names: dict[int, str], threshold: float) -> tuple[list[str], list[str]]:

@@ -153,3 +153,48 @@ def test_composite_trains_the_same_in_two_processes(tmp_path, model_type, parall
     for a, b in zip(two, one):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.parametrize("model_type,reason", [
+    ("gemma3", "the tokens of one image attend to each other bidirectionally"),
+    ("llava", "PackSFT trains image conversations on the composites whose tower"),
+    ("qwen2", "a text-only model: it has no vision tower"),
+])
+def test_image_conversations_are_refused_where_no_exact_image_path(model_type, reason):
+    """From the config alone (the trainer asks before any weight loads when the data holds images)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from train.families import ImageInputs
+    from train.model_support import check_image_support
+
+    with pytest.raises(UnsupportedModelError, match=f"model family '{model_type}' cannot train on image "
+                                                    f"conversations \\(the data holds images\\): {reason}"):
+        check_image_support(CONFIG_MAPPING[model_type]())
+    for exact in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
+        assert isinstance(check_image_support(CONFIG_MAPPING[exact]()), ImageInputs)
+
+
+def test_trainer_refuses_images_before_any_weight_loads(tmp_path, monkeypatch):
+    """Data holding images (the shards' image store) and a Gemma 3 checkpoint (config.json alone): the trainer stops
+    at the family check, naming the family and why its image path is not exact."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    import train.online
+    from train.config import load_config
+    from train.trainer import Trainer
+
+    def with_images(*args, **kwargs):  # the dataset as an image store opens (data/shards.py's has_images)
+        dataset = open_dataset(*args, **kwargs)
+        dataset.has_images = True
+        return dataset
+
+    open_dataset = train.online.open_train_dataset
+    monkeypatch.setattr(train.online, "open_train_dataset", with_images)
+    model_dir = tmp_path / "model"
+    CONFIG_MAPPING["gemma3"]().save_pretrained(model_dir)
+    packed = write_packed(tmp_path / "packed", random_rows(0, 2))
+    config = write_config(tmp_path / "train.yaml", data_path=str(packed), model_path=str(model_dir),
+                          output_dir=str(tmp_path / "out"), max_steps=1, tokenizer_mismatch="warn")
+    with pytest.raises(UnsupportedModelError, match="model family 'gemma3' cannot train on image conversations "
+                                                    r"\(the data holds images\): the tokens of one image attend"):
+        Trainer(load_config(config))

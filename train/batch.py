@@ -18,10 +18,12 @@ are computed locally from the row; only the step totals come from the shard meta
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
+
+from train.vision import ImageBatch
 
 IGNORE_INDEX = -100
 REDUCTIONS = ("token", "turn", "sample")
@@ -86,6 +88,7 @@ def make_batch(
     totals: StepTotals,
     reduction: str,
     structure: bool = False,
+    images: Callable[[list[bytes], np.ndarray], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> dict[str, Any]:
     """Tensors of one micro-batch: `rows` (dicts from `PackedDataset[i]`) concatenated into one varlen sequence.
 
@@ -96,6 +99,9 @@ def make_batch(
       target_categories [T] int64 (category of the predicted label token, 0 where ignored),
       n_loss_tokens / n_trained_turns / n_samples (ints, this micro-batch; summed over the step they equal
       `totals`), and in structure mode block_ids [T], path_ids [T] int64.
+      images: an `ImageBatch` of the rows' images in the order of their token runs (rows of an image dataset,
+      whose `image_data` / `image_grid_thw` the loader `images`, e.g. data.images.ImageLoader, turns into pixel
+      values), None for text-only rows.
     """
     check_reduction(reduction)
     if not rows:
@@ -197,10 +203,23 @@ def make_batch(
         "n_trained_turns": n_turns,
         "n_samples": n_samples,
     }
+    batch["images"] = _image_batch(rows, images)
     if structure:
         batch["block_ids"] = torch.from_numpy(block_ids)
         batch["path_ids"] = torch.from_numpy(path_ids)
     return batch
+
+
+def _image_batch(rows: Sequence[Mapping[str, Any]], loader) -> ImageBatch | None:
+    datas = [data for row in rows for data in row.get("image_data", ())]
+    if not datas:
+        return None
+    if loader is None:
+        raise ValueError("make_batch: the rows hold images but no image loader was given (images=)")
+    grids = np.concatenate([np.asarray(row["image_grid_thw"], dtype=np.int64).reshape(-1, 3) for row in rows
+                            if len(row.get("image_data", ()))])
+    pixel_values, grid_thw = loader(datas, grids)
+    return ImageBatch(pixel_values=pixel_values, image_grid_thw=grid_thw)
 
 
 def _positive(total: int, name: str, local: int) -> int:

@@ -7,7 +7,8 @@ per-family piece the trainer needs to train it exactly on packed rows; each modu
 - train/recurrent.py: the class names of its recurrent token mixers, restarted at each packed sequence;
 - train/attention.py: whether its sliding window lives only in transformers' mask function;
 - train/moe.py: the config key of its router aux-loss coefficient;
-- train/tiled_mlp.py: whether its decoder layers' feed-forwards can run in tiles of tokens (`untileable_mlp`).
+- train/tiled_mlp.py: whether its decoder layers' feed-forwards can run in tiles of tokens (`untileable_mlp`);
+- train/vision.py: how a composite trains on image conversations (`images`: an `ImageInputs`), or why it cannot.
 The conformance suite (tests/test_model_conformance.py) is parametrized from this table: every `exact` family
 trains on a packed row exactly as transformers' own unpacked forward (its length-dependent ropes included), every
 refused one is stopped before any weight loads, and every causal LM of the installed transformers is in it.
@@ -50,6 +51,16 @@ class Refusal:
 
 
 @dataclass(frozen=True)
+class ImageInputs:
+    """How a composite's image conversations train on packed rows (train/vision.py runs it): its tower runs on the
+    micro-batch's images (`get_image_features(pixel_values, image_grid_thw)`), the features replace the embeddings of
+    its image tokens (`config.image_token_id`), and its M-RoPE positions are its own `get_rope_index` on each packed
+    sequence with that sequence's images."""
+
+    deepstack: bool = False  # Qwen3-VL: features of some tower layers added to the first decoder layers' states
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     """One model type; every field defaults to what a plain causal-attention decoder needs."""
 
@@ -67,6 +78,15 @@ class FamilySpec:
     text_family: str | None = None
     composite_only: bool = False  # a text decoder transformers builds only inside its composite (no *ForCausalLM)
     untileable_mlp: str | None = None  # why tiled_mlp (train/tiled_mlp.py) cannot run its feed-forwards in tiles
+    # a composite's image conversations: how they train, or why they cannot (None: UNVERIFIED_IMAGES)
+    images: ImageInputs | Refusal | None = None
+
+    @property
+    def image_refusal(self) -> Refusal | None:
+        """Why image conversations cannot train on this family (None: they train exactly, `images`)."""
+        if isinstance(self.images, ImageInputs):
+            return None
+        return self.images or (UNVERIFIED_IMAGES if self.text_family else NO_IMAGES)
 
     @property
     def status(self) -> Literal["exact", "refused"]:
@@ -80,6 +100,8 @@ class FamilySpec:
         parts = [self.note or "causal attention"]
         if self.text_family:
             parts = [f"composite: text rows train its `{self.text_family}` decoder, towers kept (train/composite.py)"]
+            if self.image_refusal is None:
+                parts.append("image conversations: tower per micro-batch, M-RoPE per packed sequence (train/vision.py)")
         elif self.composite_only:
             parts.append("trained inside its composite")
         if self.logits:
@@ -176,6 +198,20 @@ POSITION_BIAS = Refusal(
 DRAFT_MODEL = Refusal(
     "a draft (assistant) model for speculative decoding that reads the target model's hidden states: not a "
     "standalone causal LM", "fine-tune the target model (`gemma4_text`)")
+
+# why a composite's image conversations cannot train (`images`, train/vision.py)
+UNVERIFIED_IMAGES = Refusal(
+    "PackSFT trains image conversations on the composites whose tower, image tokens and positions it reproduces "
+    "exactly on packed rows (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE); this family's are not verified packed = unpacked",
+    "train it on text rows (no `images` in the data), or use a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint")
+NO_IMAGES = Refusal("a text-only model: it has no vision tower", "use a composite (image-text-to-text) checkpoint")
+BIDIRECTIONAL_IMAGES = Refusal(
+    "the tokens of one image attend to each other bidirectionally (its forward builds that mask from "
+    "`token_type_ids`), which PackSFT's causal packed attention does not express; and its SigLIP tower takes whole "
+    "resized images, not the patch rows the data pipeline stores",
+    "train it on text rows (no `images` in the data), or use a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint")
+QWEN_VL_IMAGES = ImageInputs()
+QWEN3_VL_IMAGES = ImageInputs(deepstack=True)
 
 # why a family's feed-forwards cannot run in tiles (`untileable_mlp`, train/tiled_mlp.py)
 NO_MLP_MODULE = ("its decoder layers have no feed-forward module (`mlp`, `feed_forward`, `block_sparse_moe`, `ffn`) "
@@ -415,7 +451,7 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _composite("fast_vlm", "qwen2", TIMM_TOWER),
     _composite("florence2", "bart"),
     _composite("fuyu", "persimmon"),
-    _composite("gemma3", "gemma3_text"),
+    _composite("gemma3", "gemma3_text", images=BIDIRECTIONAL_IMAGES),
     _composite("gemma3n", "gemma3n_text", TIMM_TOWER, logits=SOFTCAPPED),
     _composite("gemma4", "gemma4_text", logits=SOFTCAPPED),
     _composite("gemma4_unified", "gemma4_unified_text", logits=SOFTCAPPED),
@@ -475,15 +511,15 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _refused("pp_formulanet", MULTIMODAL),
     _composite("qianfan_ocr", "qwen3"),
     _refused("qwen2_5_omni_thinker", MULTIMODAL),
-    _composite("qwen2_5_vl", "qwen2_5_vl_text"),
+    _composite("qwen2_5_vl", "qwen2_5_vl_text", images=QWEN_VL_IMAGES),
     _exact("qwen2_5_vl_text", MROPE, composite_only=True),
-    _composite("qwen2_vl", "qwen2_vl_text"),
+    _composite("qwen2_vl", "qwen2_vl_text", images=QWEN_VL_IMAGES),
     _exact("qwen2_vl_text", MROPE, composite_only=True),
     _composite("qwen3_5", "qwen3_5_text"),
     _composite("qwen3_5_moe", "qwen3_5_moe_text"),
     _refused("qwen3_omni_moe_thinker", MULTIMODAL),
-    _composite("qwen3_vl", "qwen3_vl_text"),
-    _composite("qwen3_vl_moe", "qwen3_vl_moe_text"),
+    _composite("qwen3_vl", "qwen3_vl_text", images=QWEN3_VL_IMAGES),
+    _composite("qwen3_vl_moe", "qwen3_vl_moe_text", images=QWEN3_VL_IMAGES),
     _exact("qwen3_vl_moe_text", MROPE, composite_only=True),
     _exact("qwen3_vl_text", MROPE, composite_only=True),
     _composite("qwen4_exp", "qwen4_exp_text"),

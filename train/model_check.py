@@ -130,9 +130,11 @@ def _gradient_errors(packed: dict, reference: dict, probe: bool) -> tuple[float,
 
 def compare_packed_with_reference(model, sequences: list[torch.Tensor], kernels: LayerKernels, *,
                                   gradient_probe: bool = False, seed: int = 1234,
-                                  autocast: torch.autocast | None = None) -> PackedCheck:
+                                  autocast: torch.autocast | None = None, images: list | None = None) -> PackedCheck:
     """`model`: a `train.packed_model.PackedCausalLM` (weights on their device); `sequences`: 1-D token id tensors
-    (at least 2 tokens each); `kernels`: what the packed run's layers run (the attention plan's packed kernels).
+    (at least 2 tokens each); `kernels`: what the packed run's layers run (the attention plan's packed kernels);
+    `images` (a model with an image path): each sequence's `ImageBatch` or None, run through the tower packed and
+    given to the composite's own forward as `pixel_values` per sequence (image tokens are never targets).
     Gradients of the model are left cleared."""
     if not sequences or any(s.numel() < 2 for s in sequences):
         raise ValueError("the packed/unpacked comparison needs sequences of at least 2 tokens")
@@ -143,28 +145,41 @@ def compare_packed_with_reference(model, sequences: list[torch.Tensor], kernels:
     if autocast is not None and autocast.fast_dtype is not None:
         dtype = autocast.fast_dtype
     sequences = [s.to(device=device, dtype=torch.long) for s in sequences]
-    n_targets = sum(s.numel() - 1 for s in sequences)
     guard = autocast if autocast is not None else nullcontext()
     for _, p in params:
         p.grad = None
     was_training = model.training
     model.eval()  # no dropout: both runs must see the same function (gradients are still computed)
     try:
-        return _compare(model, lm, params, sequences, n_targets, device, dtype, guard, gradient_probe, seed, kernels)
+        return _compare(model, lm, params, sequences, device, dtype, guard, gradient_probe, seed, kernels,
+                        images or [None] * len(sequences))
     finally:
         model.train(was_training)
 
 
-def _compare(model, lm, params, sequences, n_targets, device, dtype, guard, gradient_probe, seed,
-             kernels) -> PackedCheck:
+def _targets(model, seq: torch.Tensor) -> torch.Tensor:
+    """The next token of every token of `seq` (-100 after the last, and where the next is an image token)."""
+    targets = torch.cat([seq[1:], torch.full((1,), -100, dtype=torch.long, device=seq.device)])
+    if model.vision is not None:
+        targets = targets.masked_fill(targets == model.vision.image_token_id, -100)
+    return targets
 
+
+def _compare(model, lm, params, sequences, device, dtype, guard, gradient_probe, seed, kernels,
+             images) -> PackedCheck:
+    n_targets = sum(int((_targets(model, s) != -100).sum()) for s in sequences)
     with model.unpacked(), guard:
         total = None
         # shortest first: transformers' dynamic-NTK rope keeps the frequencies of the longest length it has seen,
         # so in this order each sequence gets those of its own length, as alone in a fresh model (train/rope.py)
-        for seq in sorted(sequences, key=len):
-            logits = lm(input_ids=seq[None], use_cache=False).logits[0, :-1].float()
-            ce = F.cross_entropy(logits, seq[1:], reduction="sum") / n_targets
+        for k in sorted(range(len(sequences)), key=lambda k: len(sequences[k])):
+            seq, extra = sequences[k], {}
+            if images[k] is not None:  # the composite's own image path: its tower, placement and M-RoPE positions
+                extra = {"pixel_values": images[k].pixel_values.to(device),
+                         "image_grid_thw": images[k].image_grid_thw.to(device),
+                         "mm_token_type_ids": (seq == model.vision.image_token_id).int()[None]}
+            logits = lm(input_ids=seq[None], use_cache=False, **extra).logits[0].float()
+            ce = F.cross_entropy(logits, _targets(model, seq), reduction="sum") / n_targets
             total = ce if total is None else total + ce
     total.backward()
     loss_reference = float(total.detach())
@@ -172,14 +187,21 @@ def _compare(model, lm, params, sequences, n_targets, device, dtype, guard, grad
 
     ids = torch.cat(sequences)
     positions = torch.cat([torch.arange(s.numel(), device=device) for s in sequences])
-    ignore = torch.full((1,), -100, dtype=torch.long, device=device)
-    targets = torch.cat([torch.cat([s[1:], ignore]) for s in sequences])
+    targets = torch.cat([_targets(model, s) for s in sequences])
     weights = (targets != -100).float() / n_targets
     cu = torch.tensor([0] + [int(x) for x in torch.tensor([s.numel() for s in sequences]).cumsum(0)],
                       dtype=torch.int32)
     attn = AttentionContext.for_micro_batch(cu, device, kernels)
+    row = None
+    if any(image is not None for image in images):
+        from train.vision import ImageBatch
+
+        present = [image for image in images if image is not None]
+        row = model.vision.prepare(lm, ids, cu, ImageBatch(torch.cat([i.pixel_values for i in present]),
+                                                           torch.cat([i.image_grid_thw for i in present])))
     with guard:
-        loss = model(ids[None], positions[None], targets, weights, torch.zeros_like(targets), attn)[0]  # LM loss
+        loss = model(ids[None], positions[None], targets, weights, torch.zeros_like(targets), attn,
+                     images=row)[0]  # LM loss
     loss.backward()
     loss_packed = float(loss.detach())
     packed = _gradient_summary(params, gradient_probe, seed)

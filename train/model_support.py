@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from train.families import FAMILIES
+from train.families import FAMILIES, ImageInputs
 
 
 class UnsupportedModelError(ValueError):
@@ -106,6 +106,24 @@ def check_model_support(config, *, self_check: bool = True) -> str:
             "(the default): it compares the packed path with the model's own unpacked forward before step 1."
         )
     return "unverified" if spec is None else spec.status
+
+
+def check_image_support(config) -> ImageInputs:
+    """How image conversations train on this model (its family's `images`), or UnsupportedModelError naming the
+    family and the reason: read from the config, before any weight loads."""
+    model_type = model_type_of(config)
+    spec = FAMILIES.get(model_type)
+    if spec is None:
+        raise UnsupportedModelError(
+            f"model family {model_type!r} cannot train on image conversations: not in PackSFT's table "
+            "(train/families.py), so nothing says how its tower, image tokens and positions run on packed rows. What "
+            "to do: use a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint, or data without images.")
+    refusal = spec.image_refusal
+    if refusal is not None:
+        raise UnsupportedModelError(
+            f"model family {model_type!r} cannot train on image conversations (the data holds images): "
+            f"{refusal.why}. What to do: {refusal.what_to_do.replace('<family>', model_type)}.")
+    return spec.images
 
 
 def supported_models_table() -> str:

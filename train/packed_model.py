@@ -13,6 +13,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from train.attention import ATTN_IMPLEMENTATION, AttentionContext
 from train.composite import attn_implementation, attn_implementations, auto_model_class, freeze_towers, is_composite
 from train.config import TrainConfig
+from train.families import ImageInputs
+from train.images import RowImages, VisionPath
 from train.lm_head import decoder_of, lm_head_of
 from train.loss import weighted_lm_loss
 from train.model_check import check_finite_weights
@@ -27,12 +29,15 @@ class PackedCausalLM(nn.Module):
     The lm-head weight is used here, outside lm_head.forward; under ZeRO-3 it is registered as an external
     parameter of this module so DeepSpeed gathers it around this forward (and reduces its gradient).
     With `router_aux` (MoE, train/moe.py) the forward also returns this rank's share of the router aux term.
+    With `images` (a composite's `ImageInputs`, the data holds images) the forward takes each micro-batch's
+    `RowImages` (`row_images`) and runs the tower (train/images.py).
     """
 
     def __init__(self, lm: nn.Module, chunk_size: int, num_categories: int, zero3: bool = False,
-                 router_aux: RouterAux | None = None, fused_loss: bool = False):
+                 router_aux: RouterAux | None = None, fused_loss: bool = False, images: ImageInputs | None = None):
         super().__init__()
         self.lm = lm
+        self.vision = VisionPath(lm, images) if images is not None else None
         self.chunk_size = chunk_size
         self.fused_loss = fused_loss  # train.loss's compiled chunk softmax and gradient
         self.num_categories = num_categories
@@ -54,18 +59,28 @@ class PackedCausalLM(nn.Module):
                 if p is not None:
                     deepspeed.zero.register_external_parameter(self, p)
 
+    def row_images(self, batch: dict) -> RowImages | None:
+        """The images of a whole micro-batch of train/batch.py (`batch["images"]`, None: none in its rows), prepared
+        on its whole row before sequence-parallel sharding; None when the run has no image path (text data)."""
+        if self.vision is None:
+            return None
+        return self.vision.prepare(self.lm, batch["input_ids"], batch["cu_seqlens"], batch.get("images"))
+
     def forward(self, input_ids, position_ids, targets, weights, target_categories, attn: AttentionContext,
-                router_tokens: torch.Tensor | None = None):
+                router_tokens: torch.Tensor | None = None, images: RowImages | None = None):
         """weighted_lm_loss's (weighted_sum, cat_loss_sum, cat_count); with `router_aux`, a fourth value: this
         rank's share of coef * the micro-batch's load-balancing loss over `router_tokens` ([L] 1.0 for a real
-        token, 0.0 for sequence-parallel padding or a filler row; None: every token is real)."""
+        token, 0.0 for sequence-parallel padding or a filler row; None: every token is real). `images`: the
+        micro-batch's `row_images` (the tower runs, its features replace the image tokens' embeddings, and the
+        M-RoPE positions replace `position_ids`)."""
         if self.recurrent:  # left set after the forward: activation-checkpoint recomputation in backward reads them
             self.recurrent.set_boundaries(attn.bounds.host_cu_q)
         if self.ropes:
             self.ropes.set_row(attn)
-        outputs = decoder_of(self.lm)(
-            input_ids=input_ids, position_ids=position_ids, use_cache=False, packsft=attn, **self._router_kwargs
-        )
+        inputs = {"input_ids": input_ids, "position_ids": position_ids}
+        if images is not None:
+            inputs = self.vision.decoder_inputs(self.lm, input_ids, images, attn.sp)
+        outputs = decoder_of(self.lm)(**inputs, use_cache=False, packsft=attn, **self._router_kwargs)
         head = self.lm.get_output_embeddings()
         lm_loss = weighted_lm_loss(
             outputs.last_hidden_state[0], head.weight, targets, weights, target_categories, self.num_categories,

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from common.config import ConfigError
+from data.images import ImageLoader
 from train.attention_plan import plan_attention, plan_sp_layout
 from train.batch import make_batch, step_totals
 from train.checkpoint import (
@@ -142,6 +143,7 @@ class Trainer:
         from train.online import open_train_dataset
 
         self.dataset = open_train_dataset(cfg.data.data_path, cfg.data.online_max_length, seed=cfg.steps.seed, verify=cfg.data.verify_data)
+        self.image_loader = ImageLoader.of(self.dataset.meta)  # None for text-only data
         if checked.tokenizer_path is None:  # none named anywhere (a named one must exist)
             self._warn("no tokenizer (tokenizer_path, model_path, the shards' meta.json): final/ will be exported "
                        "without one")
@@ -172,6 +174,7 @@ class Trainer:
         row_length = int(self.dataset.meta.get("max_length") or int(np.max(self.dataset.row_n_tokens)))
         self.checkpointing, self.checkpointed_layers, self.checkpointing_reason = self._choose_checkpointing(row_length)
         self.family = self._check_family()  # before any weight is loaded
+        self.image_inputs = self._check_images()  # idem: how the model trains on the data's images, or why it cannot
         self.model_identity = model_identity(checked.model_config, cfg.lora)
         self.lm = build_lm(cfg, checked.model_config, dtype, self.checkpointing, self.checkpointed_layers)
         self.plan = plan_attention(cfg.model, cfg.parallel, self.sp_layout, self.mesh, self.lm, self.structure)
@@ -184,7 +187,8 @@ class Trainer:
         self.compiles_loss = cfg.model.compile_loss is True or (cfg.model.compile_loss == "auto"
                                                                 and self.device.type == "cuda")
         self.model = PackedCausalLM(self.lm, cfg.steps.loss_chunk_size, self.num_categories, zero3=zero3,
-                                    router_aux=self.router_aux, fused_loss=self.compiles_loss)
+                                    router_aux=self.router_aux, fused_loss=self.compiles_loss,
+                                    images=self.image_inputs)
         if cfg.model.self_check:
             self._self_check(zero3)
         self.lr_factor = lr_lambda_factory(self.total_steps, self.warmup_steps, cfg.optim.schedule, cfg.optim.min_lr_ratio)
@@ -277,6 +281,15 @@ class Trainer:
                        "self-check decides whether it trains exactly")
         return model_type_of(config)
 
+    def _check_images(self):
+        """The family's `ImageInputs` when the data holds images (train/images.py), None for text data; a family
+        without an exact image path stops here, naming the family and the reason (train/model_support.py)."""
+        if not any(getattr(data, "has_images", False) for data in (self.dataset, self.eval_dataset)):
+            return None
+        from train.model_support import check_image_support
+
+        return check_image_support(self.checked.model_config)
+
     def _self_check(self, zero3: bool) -> None:
         """Packed path vs the model's own unpacked eager forward on a few sequences of the data, same weights:
         training stops if they differ (a family or feature PackSFT does not reproduce). See train/model_check.py."""
@@ -286,7 +299,13 @@ class Trainer:
             self.console("self-check skipped: ZeRO-3 loads the weights partitioned (self_check covers ZeRO-0/1/2)")
             return
         switch_points = rope_switch_points(self.lm.config.get_text_config())
-        seqs = self_check_sequences(self.dataset, switch_points=switch_points)
+        seqs, images = self_check_sequences(self.dataset, switch_points=switch_points), None
+        if self.model.vision is not None:  # whole sequences of the first rows, each with its images
+            seqs, images = [], []
+            for row in range(min(len(self.dataset), 8)):
+                if len(seqs) < 4:  # a filler's batch: the row's own totals (its weights are not used)
+                    more, their = self.model.vision.sequences(self._micro_batch(None, [row], True), 4 - len(seqs))
+                    seqs, images = seqs + more, images + their
         if len(seqs) < 2:
             self.console("self-check skipped: the data has no sequence of 2 tokens or more")
             return
@@ -295,7 +314,7 @@ class Trainer:
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.cfg.model.bf16 and not self.cfg.uses_deepspeed \
             else None
         result = compare_packed_with_reference(self.model, seqs, self.plan.packed, gradient_probe=True,
-                                              autocast=autocast)
+                                              autocast=autocast, images=images)
         elapsed = time.perf_counter() - start
         if not result.ok:
             raise SelfCheckError(
@@ -310,7 +329,10 @@ class Trainer:
             rope = (f"; rope switch point {switch_points[-1]}: " + (
                 f"sequences of at most {switch_points[0]} tokens and one of {longest}" if longest > switch_points[-1]
                 else "no sequence of the data is longer, so its long side never trains"))
-        self.console(f"self-check: packed = unpacked on {len(seqs)} sequences (loss difference "
+        with_images = sum(image is not None for image in images or ())
+        self.console(f"self-check: packed = unpacked on {len(seqs)} sequences"
+                     + (f" ({with_images} with images: the tower, their features and M-RoPE positions)"
+                        if images is not None else "") + " (loss difference "
                      f"{result.loss_error:.1e}, gradient difference {result.grad_error:.1e}{rope}) in {elapsed:.2f} s")
 
     def _param_groups(self):
@@ -374,7 +396,8 @@ class Trainer:
         # a filler (a rank with no row left in this step: forward/backward for the collectives, contributes 0) is
         # not part of the step's totals, which may be smaller than its own: build it with its own, then zero it
         totals = step_totals(self.dataset, rows) if filler else plan.totals
-        batch = make_batch([self.dataset[r] for r in rows], totals, self.cfg.steps.loss_reduction, structure=self.structure)
+        batch = make_batch([self.dataset[r] for r in rows], totals, self.cfg.steps.loss_reduction, structure=self.structure,
+                           images=self.image_loader)
         if filler:
             batch["targets"] = torch.full_like(batch["targets"], -100)
             batch["weights"] = torch.zeros_like(batch["weights"])
@@ -383,6 +406,7 @@ class Trainer:
     def forward_micro_batch(self, batch: dict, filler: bool = False):
         """(weighted_sum, cat_loss_sum, cat_count, router_aux) of this rank's part of one full micro-batch;
         router_aux: this rank's share of the micro-batch's router aux term (PackedCausalLM), None without one."""
+        images = self.model.row_images(batch)  # on the whole row, before sequence-parallel sharding
         batch, attn = self.plan.context(batch)
         dev = self.device
 
@@ -406,6 +430,7 @@ class Trainer:
                 to_dev(batch["weights"]).reshape(-1),
                 to_dev(batch["target_categories"]).reshape(-1),
                 attn,
+                images=images,
                 **router,
             )
         return out if self.router_aux is not None else (*out, None)
@@ -526,7 +551,7 @@ class Trainer:
         progress = EvalProgress(len(ds), self._console_write, bar=self.progress_bar, enabled=self.mesh.is_main)
         for k in range(n_iter):
             row = mine[k] if k < len(mine) else 0
-            batch = make_batch([ds[row]], totals, "token", structure=self.structure)
+            batch = make_batch([ds[row]], totals, "token", structure=self.structure, images=self.image_loader)
             if k >= len(mine):
                 batch["targets"].fill_(-100)
                 batch["weights"].zero_()
@@ -744,6 +769,7 @@ class Trainer:
             + (", compiled decoder layers" if cfg.model.compile_layers else "")
             + (", compiled loss chunks" if self.compiles_loss else "") + (", Liger kernels" if cfg.model.liger else "")
             + (f", {describe_tiling(self.lm)}" if cfg.model.tiled_mlp else "")
+            + (f", {self.model.vision.describe()}" if self.model.vision is not None else "")
             + (", checkpointed inputs offloaded to host memory" if cfg.model.activation_offload and self.checkpointing
                else "")
             + (f", router aux loss (coef {self.router_aux.coef:g}, {self.router_aux.num_experts} experts, top "
