@@ -1,10 +1,10 @@
-"""Resume on another number of processes: a checkpoint written by 1 process resumes on 2 and back (dp 1 -> 2 -> 1;
-sp 1 -> 2 -> 1), with another grad_accum / micro_batch_rows of the same global batch, for ZeRO-2, ZeRO-3 and no
-DeepSpeed. Every resumed step trains exactly the rows of the uninterrupted run (recorded per rank) and gives its loss
-and gradient norm (fp32, relative 1e-5). A change of the global batch is refused, naming both values.
+"""Resume on another number of processes: a checkpoint written by 1 process resumes on 2 and back (dp 1 -> 2 -> 1
+for ZeRO-2, ZeRO-3 and no DeepSpeed; sp 1 -> 2 -> 1 for ZeRO-3), with another grad_accum / micro_batch_rows of the
+same global batch. Every resumed step trains exactly the rows of the uninterrupted run (recorded per rank) and gives
+its loss and gradient norm (fp32, relative 1e-5). A change of the global batch is refused, naming both values.
 
-One 2-process run per engine: it resumes the 1-process run's step 1 and writes step 2, which a 1-process run
-resumes for step 3."""
+One 2-process run per case: it resumes the 1-process run's step 1 and writes step 2, which a 1-process run resumes
+for step 3."""
 from __future__ import annotations
 
 import os
@@ -27,6 +27,7 @@ STEPS = 3
 ONE_PROCESS = ["grad_accum=4", "micro_batch_rows=1"]  # the global batch: 4 rows per step (8 rows: 2 steps an epoch)
 TWO_PROCESSES = {
     "zero2": (2, ["grad_accum=1", "micro_batch_rows=2"], "dp=2 sp=1"),
+    "zero3": (3, ["grad_accum=2", "micro_batch_rows=1"], "dp=2 sp=1"),
     "zero3_sp": (3, ["sequence_parallel_size=2", "grad_accum=2", "micro_batch_rows=2"], "dp=1 sp=2"),
     "plain": (None, ["grad_accum=2", "micro_batch_rows=1"], "dp=2 sp=1"),
 }

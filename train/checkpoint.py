@@ -21,7 +21,9 @@ renames leaves `latest` naming a missing directory, and resume=latest then uses 
 
 Resuming: a checkpoint is complete when its manifest exists, and usable when every file matches it. resume=latest
 tries the checkpoint `latest` names, then (resume_corrupt=fallback) each older complete one, with a warning naming
-the file that failed.
+the file that failed. A resume keeps the global batch (rows per step) and may change how a step is split over
+ranks and micro-batches; on another number of ranks the ZeRO partitions are joined and cut anew
+(`read_zero_state` / `install_zero_state`) and each rank's generators are seeded afresh (`reshard_rng_seed`).
 """
 from __future__ import annotations
 
