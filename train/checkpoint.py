@@ -761,10 +761,13 @@ def install_zero_state(engine, whole: WholeZeroState) -> None:
     else:
         flats, groups = optimizer.single_partition_of_fp32_groups, optimizer.bit16_groups
         engine.module.load_state_dict(whole.module)  # the module's weights: every rank holds them whole
-    missing = sorted(set(whole.params) - {names[p] for group in groups for p in group})
-    if missing:
-        raise CheckpointError(f"the checkpoint's optimizer holds parameters this model does not train: "
-                              f"{', '.join(missing[:3])}")
+    trained, saved = {names[p] for group in groups for p in group}, set(whole.params)
+    if trained != saved:
+        def some(found: set) -> str:
+            return ", ".join(sorted(found)[:3]) + (", ..." if len(found) > 3 else "") or "none"
+
+        raise CheckpointError("the checkpoint's optimizer state does not fit the parameters this run trains (only in "
+                              f"the checkpoint: {some(saved - trained)}; only here: {some(trained - saved)})")
     for g, (flat, params) in enumerate(zip(flats, groups)):
         local = {"fp32": flat.detach().clone(), **{key: torch.zeros_like(flat) for key in ADAM_MOMENTS}}
         for p in params:
