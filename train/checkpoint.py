@@ -36,6 +36,7 @@ import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -664,15 +665,17 @@ ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 _ZERO_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 
 
+@dataclass
 class WholeZeroState:
-    """A ZeRO checkpoint with no world size left in it: per trainable parameter (by name) its fp32 master value and
-    Adam moments, whole; the optimizer's step count and group hyperparameters; the engine's lr scheduler and
-    counters; for ZeRO-1/2 the module's own state dict (every weight, frozen ones included)."""
+    """A ZeRO checkpoint with no world size left in it."""
 
-    def __init__(self, stage: int, saved_ranks: int, params: dict, step, groups: list[dict], engine_state: dict,
-                 module: dict | None):
-        self.stage, self.saved_ranks, self.params, self.step = stage, saved_ranks, params, step
-        self.groups, self.engine_state, self.module = groups, engine_state, module
+    stage: int
+    saved_ranks: int
+    params: dict[str, dict[str, torch.Tensor]]  # trainable parameter name -> {"fp32", "exp_avg", "exp_avg_sq"}, whole
+    step: Any  # the optimizer's step count (a tensor for torch's AdamW)
+    groups: list[dict]  # each param group's hyperparameters (lr, betas, ...), its params left out
+    engine_state: dict  # lr_scheduler, global_steps, global_samples, skipped_steps
+    module: dict | None  # ZeRO-1/2: the module's state dict (every weight, frozen ones included); ZeRO-3: None
 
 
 def _zero_rank_files(ds_dir: Path) -> list[Path]:
