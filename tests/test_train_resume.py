@@ -157,11 +157,14 @@ def test_crash_between_the_renames_of_a_resave(setup, monkeypatch):
     _train(config, out, "resume=latest", "stop_at_step=3")
     assert saves == []
 
-    # a checkpoint of another world size is a clear error, not a silently different run
+    # a checkpoint of another world size that predates the global batch record is a clear error (tests/
+    # test_train_reshard.py resumes current ones on another number of processes)
     state_file = root / "step-000003" / "trainer_state.json"
-    state_file.write_bytes(orjson.dumps({**orjson.loads(state_file.read_bytes()), "world_size": 2}))
+    old_state = {k: v for k, v in orjson.loads(state_file.read_bytes()).items()
+                 if k not in ("rows_per_step", "dp_size", "sp_size")}
+    state_file.write_bytes(orjson.dumps({**old_state, "world_size": 2}))
     checkpoint.write_manifest(state_file.parent, 3)  # re-seal: this is about the world size, not corruption
-    with pytest.raises(RuntimeError, match="saved by 2 processes"):
+    with pytest.raises(RuntimeError, match="saved by 2 processes, this run has 1, and the checkpoint predates"):
         _train(config, out, "resume=latest")
 
 
@@ -183,13 +186,15 @@ def test_new_run_into_an_output_dir_with_checkpoints(setup):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("grad_accum=1", "grad_accum=1, but the checkpoint was saved with grad_accum=2"),
-    ("micro_batch_rows=2", "micro_batch_rows=2, but the checkpoint was saved with micro_batch_rows=1"),
+    ("grad_accum=1", r"the global batch is 1 rows per step here \(dp 1 x grad_accum 1 x micro_batch_rows 1\), but "
+                     r"the checkpoint was saved with 2 rows per step \(dp 1 x grad_accum 2 x micro_batch_rows 1\)"),
+    ("micro_batch_rows=2", r"the global batch is 4 rows per step here \(dp 1 x grad_accum 2 x micro_batch_rows 2\)"),
     ("max_steps=8", r"max_steps=8 \(8 steps\), but the checkpoint was saved with max_steps=6 \(6 steps; another lr"),
 ])
 def test_resume_with_another_step_layout_is_refused(setup, override, message):
-    """Another grad_accum / micro_batch_rows / step count would give every resumed step other rows (the epoch
-    counter going backwards, rows trained twice or never) or another lr: refused, naming the key and both values."""
+    """Another global batch (grad_accum / micro_batch_rows changing the rows per step) or step count would give every
+    resumed step other rows (the epoch counter going backwards, rows trained twice or never) or another lr: refused,
+    naming both values."""
     from train.checkpoint import CheckpointError
 
     tmp, config = setup

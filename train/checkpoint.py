@@ -21,11 +21,14 @@ renames leaves `latest` naming a missing directory, and resume=latest then uses 
 
 Resuming: a checkpoint is complete when its manifest exists, and usable when every file matches it. resume=latest
 tries the checkpoint `latest` names, then (resume_corrupt=fallback) each older complete one, with a warning naming
-the file that failed.
+the file that failed. A resume keeps the global batch (rows per step) and may change how a step is split over
+ranks and micro-batches; on another number of ranks the ZeRO partitions are joined and cut anew
+(`read_zero_state` / `install_zero_state`) and each rank's generators are seeded afresh (`reshard_rng_seed`).
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
 import pickle
 import random
@@ -33,6 +36,7 @@ import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -535,17 +539,56 @@ def data_mismatch(saved: dict | None, current: dict) -> str | None:
 
 def layout_mismatch(saved: dict, current: dict, compare_steps: bool = True) -> str | None:
     """Why this run's steps differ from the checkpoint's run (None: the same, or a checkpoint that predates these
-    keys): another `grad_accum` / `micro_batch_rows` gives every step other rows, another step count (`max_steps`,
-    or `num_epochs` without it) another lr schedule, so a resumed run would train some rows twice and skip others.
-    `compare_steps=False`: the step count may differ (resuming on other data, allowed by the user)."""
-    for key in ("grad_accum", "micro_batch_rows"):
-        if key in saved and saved[key] != current[key]:
-            return f"{key}={current[key]}, but the checkpoint was saved with {key}={saved[key]}"
+    keys): another global batch (`rows_per_step` = dp x grad_accum x micro_batch_rows) gives every step other rows,
+    another step count (`max_steps`, or `num_epochs` without it) another lr schedule, so a resumed run would train
+    some rows twice and skip others. How a step's rows are split over ranks and micro-batches may change: the step
+    loss is exact however it is split. `compare_steps=False`: the step count may differ (resuming on other data,
+    allowed by the user)."""
+    if "rows_per_step" in saved:
+        if saved["rows_per_step"] != current["rows_per_step"]:
+            return (f"the global batch is {current['rows_per_step']} rows per step here ({_split(current)}), but the "
+                    f"checkpoint was saved with {saved['rows_per_step']} rows per step ({_split(saved)})")
+    else:  # a checkpoint older than the global batch record: only its own split is known to give the same rows
+        for key in ("grad_accum", "micro_batch_rows"):
+            if key in saved and saved[key] != current[key]:
+                return f"{key}={current[key]}, but the checkpoint was saved with {key}={saved[key]}"
     if compare_steps and saved.get("total_steps") not in (None, current["total_steps"]):
         key = "max_steps" if current["max_steps"] is not None or saved.get("max_steps") is not None else "num_epochs"
         return (f"{key}={current[key]} ({current['total_steps']} steps), but the checkpoint was saved with "
                 f"{key}={saved.get(key, 'unrecorded')} ({saved['total_steps']} steps; another lr schedule)")
     return None
+
+
+def _split(layout: dict) -> str:
+    return (f"dp {layout.get('dp_size', '?')} x grad_accum {layout['grad_accum']} x micro_batch_rows "
+            f"{layout['micro_batch_rows']}")
+
+
+def _engine_name(stage) -> str:
+    return "no DeepSpeed" if stage is None else f"ZeRO-{stage}"
+
+
+def describe_resume(saved: dict, current: dict) -> str | None:
+    """What a resume changes of the checkpoint's layout (None: nothing): the dp / sp degrees, the split of a step
+    into micro-batches, and what that did to the optimizer state. `saved`: trainer_state.json; `current`: the same
+    keys for this run (dp_size, sp_size, grad_accum, micro_batch_rows, world_size, deepspeed_stage)."""
+    keys = ("dp_size", "sp_size", "grad_accum", "micro_batch_rows")
+    if all(saved.get(k) == current[k] for k in keys):
+        return None
+
+    def layout(values: dict) -> str:
+        return (f"dp={values.get('dp_size')} sp={values.get('sp_size')} grad_accum={values['grad_accum']} "
+                f"micro_batch_rows={values['micro_batch_rows']} ({_engine_name(values.get('deepspeed_stage'))})")
+
+    before, now = int(saved["world_size"]), current["world_size"]
+    if before == now:
+        what = "optimizer state loaded as saved (the same number of processes)"
+    elif current["deepspeed_stage"] is None:
+        what = "optimizer state loaded whole, as saved (no DeepSpeed: it is not partitioned)"
+    else:
+        what = f"optimizer state resharded {before} → {now} ZeRO partitions"
+    rng = "" if before == now else "; rng: fresh per-rank streams seeded from (seed, step, rank)"
+    return f"saved on {layout(saved)}, now {layout(current)}: {what}{rng}"
 
 
 # Model config keys a resumed run may change: they change how it trains, what it outputs or how the config is filed,
@@ -610,3 +653,160 @@ def model_mismatch(saved: dict | None, current: dict, source: str) -> str | None
     lora_before, lora_now = saved.get("lora") or {"lora_rank": 0}, current["lora"]
     diffs += differences(lora_before, lora_now, [k for k in lora_now if k == "lora_rank" or k in lora_before])
     return "; and ".join(diffs) or None
+
+
+# ---------------------------------------------------------------------------------------------- another world size
+# DeepSpeed refuses to load ZeRO partitions written by another number of ranks, and its own way around that (the
+# universal checkpoint: ds_to_universal.py, then `load_universal`) unpickles files without restriction. PackSFT reads
+# the saved partitions itself (through safe_load), joins them into whole tensors per parameter and writes this rank's
+# slices into the new engine: copies only, so the resumed step sees bit for bit the fp32 weights and Adam moments the
+# saving run held (tested with deepspeed 0.19.8 for ZeRO-1/2/3).
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+_ZERO_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+
+
+@dataclass
+class WholeZeroState:
+    """A ZeRO checkpoint with no world size left in it."""
+
+    stage: int
+    saved_ranks: int
+    params: dict[str, dict[str, torch.Tensor]]  # trainable parameter name -> {"fp32", "exp_avg", "exp_avg_sq"}, whole
+    step: Any  # the optimizer's step count (a tensor for torch's AdamW)
+    groups: list[dict]  # each param group's hyperparameters (lr, betas, ...), its params left out
+    engine_state: dict  # lr_scheduler, global_steps, global_samples, skipped_steps
+    module: dict | None  # ZeRO-1/2: the module's state dict (every weight, frozen ones included); ZeRO-3: None
+
+
+def _zero_rank_files(ds_dir: Path) -> list[Path]:
+    """The optimizer partition files of `ds_dir`, by rank (0..n-1, none missing)."""
+    found = {int(m.group(1)): p for p in ds_dir.iterdir() if (m := _ZERO_FILE.match(p.name))}
+    if not found or sorted(found) != list(range(len(found))):
+        raise CheckpointError(f"{ds_dir}: the ZeRO optimizer partition files are not ranks 0..n-1 "
+                              f"(found ranks {sorted(found)})")
+    return [found[r] for r in range(len(found))]
+
+
+def read_zero_state(ds_dir: Path) -> WholeZeroState:
+    """The whole optimizer state of the ZeRO-1/2/3 checkpoint `ds_dir` (DeepSpeed's files of any number of ranks),
+    every file read through safe_load."""
+    allowed = deepspeed_checkpoint_classes()
+    files = _zero_rank_files(ds_dir)
+    parts = [safe_load(f, allowed)["optimizer_state_dict"] for f in files]
+    stage = int(parts[0]["zero_stage"])
+    model_file = ds_dir / ("zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt")
+    model = safe_load(model_file, allowed)
+    if int(model["dp_world_size"]) != len(files):
+        raise CheckpointError(f"{model_file}: written by {model['dp_world_size']} ranks, but {ds_dir} holds "
+                              f"{len(files)} optimizer partition files")
+    if stage == 3 and model.get("frozen_param_shapes"):
+        raise CheckpointError(f"{model_file}: ZeRO-3 with frozen parameters (LoRA): resuming it on another number of "
+                              "processes is not supported; resume with the saving run's processes")
+    base = [p["optimizer_state_dict"] if stage == 3 else p["base_optimizer_state"] for p in parts]
+    shapes = model["param_shapes"]
+    if stage == 3:
+        params = _join_zero3(parts, base, shapes)
+    else:
+        params = _join_zero12(parts, base, shapes)
+    states = base[0]["state"]
+    step = states[min(states)]["step"]
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in base[0]["param_groups"]]
+    engine_state = {k: model[k] for k in ("lr_scheduler", "global_steps", "global_samples", "skipped_steps")}
+    return WholeZeroState(stage, len(files), params, step, groups, engine_state,
+                          None if stage == 3 else model["module"])
+
+
+def _join_zero12(parts: list[dict], base: list[dict], shapes: list[dict]) -> dict:
+    """ZeRO-1/2: each rank holds one contiguous slice of every param group's flat vector; its file says where each
+    parameter's piece lies in it (param_slice_mappings), in rank order."""
+    params = {}
+    for g, group_shapes in enumerate(shapes):
+        sources = [("fp32", [p["single_partition_of_fp32_groups"][g] for p in parts])]
+        sources += [(key, [b["state"][g][key] for b in base]) for key in ADAM_MOMENTS]
+        for name, shape in group_shapes.items():
+            whole = {}
+            for key, flats in sources:
+                pieces = [flat.narrow(0, m.start, m.numel) for part, flat in zip(parts, flats)
+                          if (m := part["param_slice_mappings"][g].get(name)) is not None]
+                whole[key] = torch.cat(pieces).view(shape)  # a wrong piece count fails here (numel)
+            params[name] = whole
+    return params
+
+
+def _join_zero3(parts: list[dict], base: list[dict], shapes: list[dict]) -> dict:
+    """ZeRO-3: every parameter is cut into n equal slices (the last one padded), slice r on rank r; a rank's flat
+    vector is its slices of every parameter in order."""
+    n = len(parts)
+    flats = {"fp32": [torch.cat(list(p["fp32_flat_groups"])) for p in parts]}
+    for key in ADAM_MOMENTS:
+        flats[key] = [torch.cat([b["state"][i][key] for i in sorted(b["state"])]) for b in base]
+    params, offset = {}, 0
+    for group_shapes in shapes:
+        for name, shape in group_shapes.items():
+            numel = math.prod(shape)
+            size = -(-numel // n)
+            params[name] = {key: torch.cat([flat.narrow(0, offset, size) for flat in ranks])[:numel].view(shape)
+                            for key, ranks in flats.items()}
+            offset += size
+    return params
+
+
+def install_zero_state(engine, whole: WholeZeroState) -> None:
+    """Write this rank's slices of `whole` into a freshly built engine of the same ZeRO stage (any number of ranks):
+    fp32 master weights, Adam moments and step, the module's weights, the lr scheduler and the engine's counters."""
+    optimizer = engine.optimizer
+    if engine.zero_optimization_stage() != whole.stage:
+        raise CheckpointError(f"the checkpoint was saved with ZeRO-{whole.stage}, this run uses ZeRO-"
+                              f"{engine.zero_optimization_stage()}: resume with deepspeed.stage={whole.stage}")
+    names = {p: n for n, p in engine.module.named_parameters()}
+    if engine.zero_optimization_stage() == 3:
+        flats, groups = optimizer.fp32_partitioned_groups_flat, optimizer.fp16_groups
+    else:
+        flats, groups = optimizer.single_partition_of_fp32_groups, optimizer.bit16_groups
+        engine.module.load_state_dict(whole.module)  # the module's weights: every rank holds them whole
+    trained, saved = {names[p] for group in groups for p in group}, set(whole.params)
+    if trained != saved:
+        def some(found: set) -> str:
+            return ", ".join(sorted(found)[:3]) + (", ..." if len(found) > 3 else "") or "none"
+
+        raise CheckpointError("the checkpoint's optimizer state does not fit the parameters this run trains (only in "
+                              f"the checkpoint: {some(saved - trained)}; only here: {some(trained - saved)})")
+    for g, (flat, params) in enumerate(zip(flats, groups)):
+        local = {"fp32": flat.detach().clone(), **{key: torch.zeros_like(flat) for key in ADAM_MOMENTS}}
+        for p in params:
+            whole_p = whole.params[names[p]]
+            for key, dest in local.items():
+                _copy_local_slice(optimizer, p, whole_p[key].reshape(-1), dest)
+        flat.data.copy_(local["fp32"])
+        state_step = whole.step.clone() if torch.is_tensor(whole.step) else whole.step
+        optimizer.optimizer.state[flat] = {"step": state_step, **{k: local[k] for k in ADAM_MOMENTS}}
+        group_id = optimizer.sub_group_to_group_id[g] if whole.stage == 3 else g
+        optimizer.optimizer.param_groups[group_id].update(whole.groups[group_id])  # lr, betas, ...
+    if engine.zero_optimization_stage() == 3:  # the module's partitions from the fp32 masters (as DeepSpeed does)
+        for g, flat in enumerate(optimizer.fp16_partitioned_groups_flat):
+            flat.data.copy_(optimizer.fp32_partitioned_groups_flat[g].data)
+            for part, view in zip(optimizer.fp16_partitioned_groups[g],
+                                  optimizer.unflatten(flat, optimizer.fp16_partitioned_groups[g])):
+                part.data = view.data
+    else:
+        optimizer._hp_optimizer_states_linked = False  # relinked to the new moments at the next step
+    engine.lr_scheduler.load_state_dict(whole.engine_state["lr_scheduler"])
+    for key in ("global_steps", "global_samples", "skipped_steps"):
+        setattr(engine, key, whole.engine_state[key])
+
+
+def _copy_local_slice(optimizer, param, whole: torch.Tensor, dest: torch.Tensor) -> None:
+    """Copy this rank's part of `whole` (one parameter, flattened) to where the engine keeps it in `dest`."""
+    if hasattr(param, "ds_id"):  # ZeRO-3: slice `rank` of n equal slices, at the parameter's offset
+        _, offset, size = optimizer.grad_position[optimizer.get_param_id(param)]
+        piece = whole[size * optimizer._get_param_partition_rank(param):][:size]
+        dest.narrow(0, offset, piece.numel()).copy_(piece)
+    elif param._hp_mapping is not None:  # ZeRO-1/2: the fragment of the parameter this rank's partition holds
+        hp, lp = param._hp_mapping.hp_fragment_address, param._hp_mapping.lp_fragment_address
+        dest.narrow(0, hp.start, hp.numel).copy_(whole.narrow(0, lp.start, lp.numel))
+
+
+def reshard_rng_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of rank `rank`'s generators when a run resumes on another number of ranks: the saved per-rank
+    states cannot map onto the new ranks (rows move between ranks), so each rank starts fresh streams, reproducibly."""
+    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])

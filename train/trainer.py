@@ -47,16 +47,20 @@ from train.checkpoint import (
     choose_checkpoint,
     data_mismatch,
     dataset_identity,
+    describe_resume,
     discard_checkpoints,
     export_directory,
     from_main,
+    install_zero_state,
     layout_mismatch,
     load_deepspeed_files_safely,
     load_rng,
     load_trainer_state,
     model_identity,
     model_mismatch,
+    read_zero_state,
     remove_stale_temporaries,
+    reshard_rng_seed,
     resume_candidates,
     safe_load,
     save_checkpoint,
@@ -577,14 +581,18 @@ class Trainer:
     def _trainer_state(self) -> dict:
         epoch, in_epoch = self.sampler.position(self.step)
         return {"step": self.step, "epoch": epoch, "step_in_epoch": in_epoch, **self._step_layout(),
-                "seed": self.cfg.steps.seed, "world_size": self.mesh.world_size, "data": self._data_identity(),
+                "seed": self.cfg.steps.seed, "world_size": self.mesh.world_size,
+                "deepspeed_stage": self.cfg.deepspeed.stage, "data": self._data_identity(),
                 "model": self.model_identity}
 
     def _step_layout(self) -> dict:
-        """What decides the rows and the lr of every step: a resume with other values is refused."""
+        """What decides the rows and the lr of every step (a resume with another global batch or step count is
+        refused), and how a step is split over ranks and micro-batches (a resume may change that)."""
         cfg = self.cfg
-        return {"total_steps": self.total_steps, "grad_accum": cfg.steps.grad_accum, "micro_batch_rows": cfg.steps.micro_batch_rows,
-                "max_steps": cfg.steps.max_steps, "num_epochs": cfg.steps.num_epochs}
+        return {"total_steps": self.total_steps, "rows_per_step": self.sampler.rows_per_step,
+                "dp_size": self.mesh.dp_size, "sp_size": self.mesh.sp_size, "grad_accum": cfg.steps.grad_accum,
+                "micro_batch_rows": cfg.steps.micro_batch_rows, "max_steps": cfg.steps.max_steps,
+                "num_epochs": cfg.steps.num_epochs}
 
     def _data_identity(self) -> dict:
         return dataset_identity(self.cfg.data.data_path, len(self.dataset))
@@ -650,21 +658,32 @@ class Trainer:
         if other_layout:
             raise CheckpointError(
                 f"resume from {path}: {other_layout}: the resumed run would train other rows than the run it continues "
-                "(some twice, some never); resume with the checkpoint's value, or start a new run (another output_dir, "
-                "or overwrite_output_dir=true with resume=none)"
+                "(some twice, some never); resume with the checkpoint's value (any dp x grad_accum x micro_batch_rows "
+                "giving its rows per step), or start a new run (another output_dir, or overwrite_output_dir=true with "
+                "resume=none)"
             )
         self._check_same_model(path, state)
         saved_world = state.get("world_size")
-        if saved_world is not None and int(saved_world) != self.mesh.world_size:
+        resharded = saved_world is not None and int(saved_world) != self.mesh.world_size
+        if resharded and "rows_per_step" not in state:
             raise RuntimeError(
-                f"{path} was saved by {saved_world} processes, this run has {self.mesh.world_size}: the optimizer "
-                "partitions, rng states and data order are per rank; resume with the same number of processes"
+                f"{path} was saved by {saved_world} processes, this run has {self.mesh.world_size}, and the checkpoint "
+                "predates the record of its global batch (PackSFT's resume on another number of processes needs "
+                "it); resume with the same number of processes"
             )
         if self.engine is not None:
             if not (path / "ds").is_dir():
                 raise RuntimeError(f"{path} was not saved with DeepSpeed; resume with the same deepspeed.stage")
-            load_deepspeed_files_safely(self.engine)  # no code runs from ds/*.pt
-            self.engine.load_checkpoint(str(path), tag="ds", load_optimizer_states=True, load_lr_scheduler_states=True)
+            if resharded:  # DeepSpeed loads ZeRO partitions of the same world size only: join them, cut them anew
+                if self.cfg.deepspeed.stage == 0:
+                    raise CheckpointError(f"resume from {path}: saved by {saved_world} processes, this run has "
+                                          f"{self.mesh.world_size}: deepspeed.stage 0 resumes on the same number of "
+                                          "processes only (ZeRO 1-3 and no DeepSpeed reshard)")
+                install_zero_state(self.engine, read_zero_state(path / "ds"))
+            else:
+                load_deepspeed_files_safely(self.engine)  # no code runs from ds/*.pt
+                self.engine.load_checkpoint(str(path), tag="ds", load_optimizer_states=True,
+                                            load_lr_scheduler_states=True)
         else:
             if not (path / "model.pt").is_file():
                 raise RuntimeError(f"{path} was saved with DeepSpeed; resume with the same deepspeed.stage")
@@ -678,14 +697,20 @@ class Trainer:
                     "that run's model settings, or start a new run (another output_dir)") from exc
             self.optimizer.load_state_dict(safe_load(path / "optimizer.pt"))  # moves the state to the params' device
             self.scheduler.load_state_dict(safe_load(path / "scheduler.pt"))
-        load_rng(path, self.mesh.rank)
         self.step = int(state["step"])
+        if resharded:  # rows move between ranks: no saved stream belongs to a new rank (dropout off: no effect)
+            _seed_everything(reshard_rng_seed(self.cfg.steps.seed, self.step, self.mesh.rank))
+        else:
+            load_rng(path, self.mesh.rank)
         if path.resolve().parent == checkpoint_root(self.cfg.checkpoint.output_dir).resolve() and not path.name.startswith("."):
             # this step's checkpoint is already in output_dir (not a moved-aside copy)
             self._saved_step, self._saved_path = self.step, path
         if self.mesh.is_main:
             truncate_log(self.cfg.checkpoint.output_dir, self.step)
-        self.console(f"resumed from {path} at step {self.step}")
+        change = None if "rows_per_step" not in state else describe_resume(
+            state, {**self._step_layout(), "world_size": self.mesh.world_size,
+                    "deepspeed_stage": self.cfg.deepspeed.stage})
+        self.console(f"resumed from {path} at step {self.step}" + (f"; {change}" if change else ""))
 
     def export(self, out_dir: Path) -> Path:
         """HF format (safetensors + config + tokenizer), loadable with AutoModelForCausalLM.from_pretrained.

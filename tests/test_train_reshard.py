@@ -1,0 +1,170 @@
+"""Resume on another number of processes: a checkpoint written by 1 process resumes on 2 and back (dp 1 -> 2 -> 1
+for ZeRO-2, ZeRO-3 and no DeepSpeed; sp 1 -> 2 -> 1 for ZeRO-3), with another grad_accum / micro_batch_rows of the
+same global batch. Every resumed step trains exactly the rows of the uninterrupted run (recorded per rank) and gives
+its loss and gradient norm (fp32, relative 1e-5). A change of the global batch is refused, naming both values.
+
+One 2-process run per case: it resumes the 1-process run's step 1 and writes step 2, which a 1-process run resumes
+for step 3."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import orjson
+import pytest
+
+from tests._reshard_worker import record_rows
+from tests._train_helpers import (  # noqa: F401  (one_thread is a fixture)
+    ROOT, free_port, one_thread, random_rows, save_tiny_model, write_config, write_packed)
+from train.checkpoint import CheckpointError, checkpoint_root
+from train.config import load_config
+from train.metrics import read_log
+from train.trainer import Trainer
+
+RTOL = 1e-5
+STEPS = 3
+ONE_PROCESS = ["grad_accum=4", "micro_batch_rows=1"]  # the global batch: 4 rows per step (8 rows: 2 steps an epoch)
+TWO_PROCESSES = {
+    "zero2": (2, ["grad_accum=1", "micro_batch_rows=2"], "dp=2 sp=1"),
+    "zero3": (3, ["grad_accum=2", "micro_batch_rows=1"], "dp=2 sp=1"),
+    "zero3_sp": (3, ["sequence_parallel_size=2", "grad_accum=2", "micro_batch_rows=2"], "dp=1 sp=2"),
+    "plain": (None, ["grad_accum=2", "micro_batch_rows=1"], "dp=2 sp=1"),
+}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reshard")
+    data = write_packed(tmp / "data", random_rows(11, 8))
+    model = save_tiny_model(tmp / "model")
+    config = write_config(tmp / "c.yaml", data_path=str(data), model_path=str(model), max_steps=STEPS, lr=1e-3,
+                          warmup_steps=1, max_grad_norm=0.0, loss_chunk_size=16, save_steps=1, save_total_limit=5,
+                          plot=False, output_dir=str(tmp / "unused"))
+    return tmp, config
+
+
+def _in_process(config, out, rows_dir, *overrides):
+    """(console lines, log records) of a 1-process run; its rows go to rows_dir."""
+    rows_dir.mkdir(parents=True, exist_ok=True)
+    lines = []
+    trainer = Trainer(load_config(config, [f"output_dir={out}", *ONE_PROCESS, *overrides]), console=lines.append)
+    record_rows(trainer, rows_dir)
+    trainer.train()
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()  # a ZeRO-3 run's from_pretrained-into-partitions setting ends with it
+    return lines, read_log(out)
+
+
+def _two_processes(config, rows_dir, *overrides):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           str(ROOT / "tests" / "_reshard_worker.py"), str(config), str(rows_dir), "launch.num_processes=2",
+           *overrides]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return (rows_dir / "console.txt").read_text()
+
+
+def _rows_by_step(rows_dir) -> dict[int, list[int]]:
+    """The rows each step trained, over all ranks (the sp ranks of one dp rank train the same rows: counted once)."""
+    steps: dict[int, list[int]] = {}
+    for file in sorted(rows_dir.glob("rank_*.jsonl")):
+        for line in file.read_bytes().splitlines():
+            record = orjson.loads(line)
+            if record["sp_rank"] == 0:
+                steps.setdefault(record["step"], []).extend(record["rows"])
+    return {step: sorted(rows) for step, rows in steps.items()}
+
+
+def _assert_same_steps(got: list[dict], ref: list[dict], steps: list[int], what: str):
+    assert [r["step"] for r in got] == steps, what
+    for record in got:
+        expected = ref[record["step"] - 1]
+        for key in ("loss", "grad_norm"):
+            err = abs(record[key] - expected[key]) / abs(expected[key])
+            assert err <= RTOL, f"{what}: step {record['step']} {key} relative error {err:.1e}"
+        assert record["lr"] == pytest.approx(expected["lr"], rel=1e-12), what
+        assert record["loss_tokens"] == expected["loss_tokens"], what
+
+
+@pytest.mark.parametrize("case", list(TWO_PROCESSES))
+def test_resume_on_another_number_of_processes(setup, tmp_path, one_thread, case):
+    _, config = setup
+    stage, two, two_layout = TWO_PROCESSES[case]
+    engine = [f"deepspeed.stage={'null' if stage is None else stage}"]
+    name = "no DeepSpeed" if stage is None else f"ZeRO-{stage}"
+    # the uninterrupted run, 1 process
+    _, ref = _in_process(config, tmp_path / "ref", tmp_path / "ref_rows", *engine)
+    ref_rows = _rows_by_step(tmp_path / "ref_rows")
+    assert sorted(ref_rows) == [1, 2, 3] and all(len(rows) == 4 for rows in ref_rows.values())
+    # 1 -> 2 processes: resumes step 1, trains steps 2 and 3
+    console = _two_processes(config, tmp_path / "two_rows", f"output_dir={tmp_path / 'two'}", *engine, *two,
+                             f"resume={checkpoint_root(tmp_path / 'ref') / 'step-000001'}")
+    what = ("optimizer state loaded whole, as saved" if stage is None
+            else "optimizer state resharded 1 → 2 ZeRO partitions")
+    assert (f"at step 1; saved on dp=1 sp=1 grad_accum=4 micro_batch_rows=1 ({name}), now {two_layout} "
+            f"grad_accum={two[-2].split('=')[1]} micro_batch_rows={two[-1].split('=')[1]} ({name}): {what}") in console
+    _assert_same_steps(read_log(tmp_path / "two"), ref, [2, 3], f"{case} 1 -> 2")
+    two_rows = _rows_by_step(tmp_path / "two_rows")
+    assert two_rows == {2: ref_rows[2], 3: ref_rows[3]}
+    # 2 -> 1 process: resumes the 2-process run's step 2, trains step 3
+    lines, back = _in_process(config, tmp_path / "back", tmp_path / "back_rows", *engine,
+                              f"resume={checkpoint_root(tmp_path / 'two') / 'step-000002'}")
+    assert any(f"now dp=1 sp=1 grad_accum=4 micro_batch_rows=1 ({name}): "
+               + ("optimizer state loaded whole" if stage is None else "optimizer state resharded 2 → 1")
+               in str(line) for line in lines), lines
+    _assert_same_steps(back, ref, [3], f"{case} 2 -> 1")
+    assert _rows_by_step(tmp_path / "back_rows") == {3: ref_rows[3]}
+
+
+def test_another_global_batch_is_refused(setup, tmp_path, one_thread):
+    _, config = setup
+    _in_process(config, tmp_path / "ref", tmp_path / "rows", "stop_at_step=1")
+    with pytest.raises(CheckpointError, match=r"the global batch is 2 rows per step here \(dp 1 x grad_accum 2 x "
+                                              r"micro_batch_rows 1\), but the checkpoint was saved with 4 rows per "
+                                              r"step \(dp 1 x grad_accum 4 x micro_batch_rows 1\)"):
+        Trainer(load_config(config, [f"output_dir={tmp_path / 'ref'}", "resume=latest", "grad_accum=2",
+                                     "micro_batch_rows=1"]), console=lambda *_: None)
+    # the same global batch split otherwise resumes
+    lines = []
+    Trainer(load_config(config, [f"output_dir={tmp_path / 'ref'}", "resume=latest", "grad_accum=2",
+                                 "micro_batch_rows=2"]), console=lines.append)
+    assert any("grad_accum=2 micro_batch_rows=2 (no DeepSpeed): optimizer state loaded as saved" in str(line)
+               for line in lines)
+
+
+class _Payload:
+    """Unpickling it runs a shell command that creates a marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_partition_files_are_read_without_running_code(tmp_path):
+    """The reshard path reads DeepSpeed's partition files itself: a planted pickle is refused, not run; a missing
+    rank's file is named."""
+    import re
+
+    import torch
+
+    from train.checkpoint import read_zero_state
+
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    marker = tmp_path / "pwned"
+    for rank in (0, 2):
+        torch.save({"optimizer_state_dict": {"planted": _Payload(marker)}},
+                   ds / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    with pytest.raises(CheckpointError, match=re.escape(f"{ds}: the ZeRO optimizer partition files are not ranks "
+                                                        "0..n-1 (found ranks [0, 2])")):
+        read_zero_state(ds)
+    (ds / "zero_pp_rank_2_mp_rank_00_optim_states.pt").rename(ds / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with pytest.raises(CheckpointError, match=re.escape(f"{ds / 'zero_pp_rank_0_mp_rank_00_optim_states.pt'}: "
+                                                        "refused to load")):
+        read_zero_state(ds)
+    assert not marker.exists()
