@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner.load_bytes uses
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from train.checkpoint import CheckpointError, safe_load
@@ -96,11 +97,31 @@ class SafePlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = loaded
 
 
+def _one_error(exc: CheckpointException, directory: Path, action: str) -> CheckpointError:
+    """DCP's collective error (every rank's exception with its traceback) as one CheckpointError: a rank's own
+    CheckpointError (a refused file) as it is, else the first rank's exception, named."""
+    failures = sorted(exc.failures.items())
+    for _, (error, _trace) in failures:
+        if isinstance(error, CheckpointError):
+            return error
+    rank, (error, _trace) = failures[0]
+    text = " ".join(str(error).split())
+    return CheckpointError(f"{directory}: {action} failed on rank {rank} (of ranks {[r for r, _ in failures]}): "
+                           f"{type(error).__name__}: {text}")
+
+
 def save(state: dict, directory: Path) -> None:
     """Collective: every rank writes its shards of `state` (DTensors: each rank its part) into `directory`."""
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True))
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), single_file_per_rank=True,
+                                                            sync_files=True))
+    except CheckpointException as exc:  # a BaseException: no `except Exception` of a caller would see it
+        raise _one_error(exc, directory, "writing the checkpoint") from None
 
 
 def load(state: dict, directory: Path) -> None:
     """Collective: fill `state` (this run's sharded tensors, any number of ranks) in place from `directory`."""
-    dcp.load(state, storage_reader=SafeReader(str(directory)), planner=SafePlanner(directory))
+    try:
+        dcp.load(state, storage_reader=SafeReader(str(directory)), planner=SafePlanner(directory))
+    except CheckpointException as exc:
+        raise _one_error(exc, directory, "reading the checkpoint") from None

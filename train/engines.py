@@ -235,10 +235,7 @@ class FSDP2Engine(_TorchOptimizerEngine):
 
         from train.tiled_mlp import decoder_layers
 
-        device, cpu_offload, bf16 = mesh.device, cfg.fsdp2.cpu_offload, cfg.model.bf16
-        if cpu_offload and device.type != "cuda":
-            raise ValueError("fsdp2.cpu_offload: true needs GPUs: on the CPU the parameters are in host memory "
-                             "already; set fsdp2.cpu_offload=false")
+        device, cpu_offload, bf16 = mesh.device, cfg.fsdp2.cpu_offload, cfg.model.bf16  # offload: GPUs (preflight)
         model.to(device)
         if dist.get_world_size() > 1:  # every rank shards rank 0's weights
             for p in model.parameters():
