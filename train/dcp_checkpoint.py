@@ -7,9 +7,9 @@ What torch 2.13 unpickles on load, and what PackSFT does instead:
 - `.metadata` is a pickle that `FileSystemReader.read_metadata` reads with plain `pickle.load` (any callable).
   `SafeReader` reads it with an unpickler that rebuilds only DCP's metadata records and the few torch values they
   hold (`METADATA_GLOBALS`); anything else is refused with the name it asked for.
-- tensors are read with `torch.load(weights_only=True)` by torch itself.
+- tensors: torch itself reads them weights-only.
 - non-tensor values (the optimizer's lr, betas, ...) are `torch.save`d bytes that `DefaultLoadPlanner.load_bytes`
-  reads with `weights_only=False`; `SafePlanner` reads them through train.checkpoint.safe_load (weights_only=True).
+  unpickles without restriction (weights-only off); `SafePlanner` reads them through train.checkpoint.safe_load.
 """
 from __future__ import annotations
 
@@ -81,8 +81,8 @@ class SafeReader(dcp.FileSystemReader):
 
 
 class SafePlanner(DefaultLoadPlanner):
-    """DefaultLoadPlanner.load_bytes with train.checkpoint.safe_load (weights_only=True) in place of its
-    `torch.load(weights_only=False)`."""
+    """DefaultLoadPlanner.load_bytes with train.checkpoint.safe_load (weights-only) in place of its unrestricted
+    unpickling."""
 
     def __init__(self, directory: Path):
         super().__init__()

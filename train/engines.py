@@ -253,6 +253,9 @@ class FSDP2Engine(_TorchOptimizerEngine):
         for unit in units:  # reduce-scatter sums (exactly, with SUM collectives on every backend): see the docstring
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
+        # a parameter without a gradient on some rank (an MoE expert no token of this rank chose) reduces as zeros
+        # there, so every rank's reduce-scatter has the same inputs (else they would not match, and hang)
+        model.set_reduce_scatter_unused_params(True)
         super().__init__(cfg, model, param_groups, lr_factor)  # the optimizer over the sharded parameters
         self.cpu_offload = cpu_offload
         self.n_units, self.size = len(units), mesh.world_size
