@@ -37,7 +37,7 @@ FSDP2 = ["distributed_backend=fsdp2", "launch.num_processes=2"]
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp2")
     data = write_packed(tmp / "data", random_rows(11, 6))
-    model = save_tiny_model(tmp / "model")
+    model = save_tiny_model(tmp / "model", tie=True)  # tied embeddings: one parameter in two places of a unit
     config = write_config(tmp / "c.yaml", data_path=str(data), model_path=str(model), max_steps=STEPS, lr=1e-3,
                           loss_chunk_size=16, plot=False, output_dir=str(tmp / "unused"))
     return tmp, config
@@ -62,7 +62,8 @@ def _assert_close(log: list[dict], ref: list[dict], what: str) -> None:
     for got, want in zip(log, ref):
         assert _rel(got["loss"], want["loss"]) <= RTOL, (what, got["step"], got["loss"], want["loss"])
         # the gradient norm is scale-sensitive (Adam is not): it proves the gradient is the exact step gradient
-        assert _rel(got["grad_norm"], want["grad_norm"]) <= RTOL, (what, got["step"], got["grad_norm"], want["grad_norm"])
+        assert _rel(got["grad_norm"], want["grad_norm"]) <= RTOL, (what, got["step"], got["grad_norm"],
+                                                                  want["grad_norm"])
         assert got["lr"] == pytest.approx(want["lr"])
 
 
@@ -87,14 +88,21 @@ def stopped_run(setup):
 
 
 def test_fsdp2_equals_one_process(setup, fsdp2_run, tmp_path):
+    """The same steps, and the same export: full HF safetensors with the tied head written once."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
     tmp, config = setup
     ref = _in_process(config, tmp_path / "ref", "grad_accum=4")  # one process, the same 4 rows a step
     log = read_log(fsdp2_run)
     assert len(log) == len(ref) == STEPS
     _assert_close(log, ref, "fsdp2 vs one process")
-    from transformers import AutoModelForCausalLM
-
-    AutoModelForCausalLM.from_pretrained(fsdp2_run / "final")  # the export: full HF safetensors
+    got = load_file(fsdp2_run / "final" / "model.safetensors")
+    want = load_file(tmp_path / "ref" / "final" / "model.safetensors")
+    assert got.keys() == want.keys() and "lm_head.weight" not in got
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=1e-6)
+    AutoModelForCausalLM.from_pretrained(fsdp2_run / "final")
 
 
 @pytest.mark.slow
@@ -165,6 +173,7 @@ class _Planted:
         return os.system, (f"touch {self.marker}",)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process without a group, on purpose
 def test_dcp_files_load_without_running_code(tmp_path):
     """A DCP checkpoint (written in one process, without a process group) loads through train.dcp_checkpoint; a
     pickle planted in a non-tensor value, or in .metadata, is refused instead of run."""

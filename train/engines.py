@@ -306,7 +306,13 @@ class FSDP2Engine(_TorchOptimizerEngine):
 
         # collective: the full tensors, on the main rank's host only
         state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return state if is_main else None
+        if not is_main:
+            return None
+        first: dict[int, str] = {}  # a tied weight (embeddings and head) as one tensor, as module.state_dict() has it,
+        for name, p in self.module.named_parameters(remove_duplicate=False):  # so the export writes it once
+            if (owner := first.setdefault(id(p), name)) != name and name in state:
+                state[name] = state[owner]
+        return state
 
 
 ENGINES: dict[str, type[Engine]] = {"plain": PlainEngine, "deepspeed": DeepSpeedEngine, "fsdp2": FSDP2Engine}
