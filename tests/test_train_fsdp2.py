@@ -131,6 +131,19 @@ def test_fsdp2_resume_is_bitwise(fsdp2_run, stopped_run):
         assert torch.equal(resumed[name], whole[name]), name
 
 
+def test_another_backend_refuses_the_checkpoint(stopped_run):
+    """An FSDP2 checkpoint is recognised by its dcp/ and refused by the other engines, naming both settings."""
+    from train.engines import ENGINES, saved_with
+
+    checkpoint = stopped_run / "checkpoints" / "step-000002"
+    assert saved_with(checkpoint) == "fsdp2"
+    for name in ("plain", "deepspeed"):
+        engine = ENGINES[name].__new__(ENGINES[name])  # only its name is read
+        with pytest.raises(CheckpointError, match=r"was saved with FSDP2 \(distributed_backend: fsdp2\), this run "
+                                                  r"uses (plain torch|DeepSpeed)"):
+            engine.check_saved_with(checkpoint)
+
+
 def test_fsdp2_state_loads_on_another_number_of_ranks(setup, fsdp2_run, stopped_run, tmp_path):
     """The step-2 checkpoint of the 2-rank run, loaded by one process (DCP reshards the model and Adam state): its
     step 3 is the 2-rank run's step 3 (a wrong moment or lr would change the update, hence the step-3 loss)."""

@@ -244,7 +244,7 @@ class TrainConfig:
     model: ModelSection = field(default_factory=ModelSection)  # the model, its tokenizer, how its layers run
     steps: StepsSection = field(default_factory=StepsSection)  # what a step trains, how many steps
     optim: OptimSection = field(default_factory=OptimSection)  # AdamW, lr schedule, clipping, non-finite steps
-    parallel: ParallelSection = field(default_factory=ParallelSection)  # sequence parallelism
+    parallel: ParallelSection = field(default_factory=ParallelSection)  # the distributed backend, sequence parallelism
     eval: EvalSection = field(default_factory=EvalSection)  # evaluation
     logging: LoggingSection = field(default_factory=LoggingSection)  # logging backends, loss curves
     lora: LoraSection = field(default_factory=LoraSection)  # LoRA
