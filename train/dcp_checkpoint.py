@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner.load_bytes uses
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
 
 from train.checkpoint import CheckpointError, safe_load
 
@@ -35,8 +36,6 @@ METADATA_GLOBALS = frozenset({
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
     ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
 })
 
 
@@ -73,8 +72,6 @@ class SafeReader(dcp.FileSystemReader):
         name = ".metadata" if rank is None else f"__{rank}.metadata"
         metadata = read_metadata(Path(self.path) / name)
         if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
