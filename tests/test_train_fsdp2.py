@@ -25,7 +25,6 @@ from train.config import load_config
 from train.metrics import read_log
 from train.trainer import Trainer
 
-pytestmark = pytest.mark.multiprocess
 RTOL = 1e-5
 STEPS = 3
 # clipping on (0.5 is below every step's norm here): the FSDP2 norm of the sharded gradients clips as the others do
@@ -87,6 +86,7 @@ def stopped_run(setup):
     return out
 
 
+@pytest.mark.multiprocess
 def test_fsdp2_equals_one_process(setup, fsdp2_run, tmp_path):
     """The same steps, and the same export: full HF safetensors with the tied head written once."""
     from safetensors.torch import load_file
@@ -106,6 +106,7 @@ def test_fsdp2_equals_one_process(setup, fsdp2_run, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_fsdp2_equals_zero2(setup, fsdp2_run, tmp_path):
     _, config = setup
     zero2 = tmp_path / "zero2"
@@ -114,6 +115,7 @@ def test_fsdp2_equals_zero2(setup, fsdp2_run, tmp_path):
     _assert_close(read_log(fsdp2_run), read_log(zero2), "fsdp2 vs zero2")
 
 
+@pytest.mark.multiprocess
 def test_fsdp2_resume_is_bitwise(fsdp2_run, stopped_run):
     """Stopped after step 2 and resumed: the same losses, gradient norms and final weights, bit for bit, as the run
     that never stopped."""
@@ -131,6 +133,7 @@ def test_fsdp2_resume_is_bitwise(fsdp2_run, stopped_run):
         assert torch.equal(resumed[name], whole[name]), name
 
 
+@pytest.mark.multiprocess
 def test_another_backend_refuses_the_checkpoint(stopped_run):
     """An FSDP2 checkpoint is recognised by its dcp/ and refused by the other engines, naming both settings."""
     from train.engines import ENGINES, saved_with
@@ -144,6 +147,7 @@ def test_another_backend_refuses_the_checkpoint(stopped_run):
             engine.check_saved_with(checkpoint)
 
 
+@pytest.mark.multiprocess
 def test_fsdp2_state_loads_on_another_number_of_ranks(setup, fsdp2_run, stopped_run, tmp_path):
     """The step-2 checkpoint of the 2-rank run, loaded by one process (DCP reshards the model and Adam state): its
     step 3 is the 2-rank run's step 3 (a wrong moment or lr would change the update, hence the step-3 loss)."""
@@ -162,6 +166,7 @@ def test_fsdp2_state_loads_on_another_number_of_ranks(setup, fsdp2_run, stopped_
     _assert_close(log, read_log(fsdp2_run)[2:], "2 ranks -> 1 rank")
 
 
+@pytest.mark.multiprocess
 def test_fsdp2_lora_with_sequence_parallel(setup, tmp_path):
     """LoRA adapters (frozen base weights sharded beside trainable ones), sequence parallel 2 (the sp ranks shard and
     sum like dp ranks) and activation checkpointing, against one plain process."""
