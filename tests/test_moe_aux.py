@@ -261,13 +261,15 @@ def test_data_parallel_equals_accumulation(moe_setup, accumulation, tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_deepspeed_scales_aux_like_the_loss(moe_setup, accumulation, tmp_path):
-    """ZeRO-2 over 2 dp ranks: DeepSpeed's mean over ranks undone for the aux term too (the gradient norm is
-    scale-sensitive). The first DeepSpeed run on a machine JIT-builds its CPU comm op (about 2 minutes)."""
+@pytest.mark.parametrize("backend", ["deepspeed.stage=2", "distributed_backend=fsdp2"], ids=["zero2", "fsdp2"])
+def test_sharded_backends_scale_aux_like_the_loss(moe_setup, accumulation, tmp_path, backend):
+    """ZeRO-2 / FSDP2 over 2 dp ranks: DeepSpeed's mean over ranks undone, FSDP2's reduce-scatter summing, for the
+    aux term too (the gradient norm is scale-sensitive). The first DeepSpeed run on a machine JIT-builds its CPU
+    comm op (about 2 minutes)."""
     _, _, config = moe_setup
     ref_log, _, _ = accumulation
-    out = tmp_path / "zero2"
-    run_train(config, [f"output_dir={out}", "deepspeed.stage=2", "launch.num_processes=2"], nproc=2)
+    out = tmp_path / "sharded"
+    run_train(config, [f"output_dir={out}", backend, "launch.num_processes=2"], nproc=2)
     (got,) = read_log(out)
     assert got["aux_loss"] == pytest.approx(ref_log[0]["aux_loss"], rel=RTOL)
     assert got["loss"] == pytest.approx(ref_log[0]["loss"], rel=RTOL)

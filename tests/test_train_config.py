@@ -46,6 +46,12 @@ def test_yaml_and_overrides(setup):
         (["min_lr_ratio=2"], 1, "min_lr_ratio must be in [0, 1]"),
         (["deepspeed.offload_param=true", "deepspeed.stage=2"], 1, "offload_param needs deepspeed.stage 3"),
         (["bf16=true"], 1, "bf16: true needs a GPU"),
+        (["distributed_backend=fsdp2", "deepspeed.stage=2"], 1,
+         "distributed_backend: fsdp2 shards the model with torch FSDP2, in place of DeepSpeed, and needs "
+         "deepspeed.stage null (got 2)"),
+        (["fsdp2.reshard_after_forward=false"], 1,
+         "fsdp2.reshard_after_forward set, but distributed_backend is deepspeed: the fsdp2 section needs"),
+        (["distributed_backend=fsdp2", "fsdp2.cpu_offload=true"], 1, "fsdp2.cpu_offload: true needs a GPU"),
         (["eval_steps=5"], 1, "eval_steps is set but eval_data_path is not"),
         (["log_backends=[\"mlflow\"]"], 1, "unknown backend 'mlflow'"),
         (["resume=/nonexistent/ckpt"], 1, "resume: /nonexistent/ckpt is not a checkpoint directory"),
@@ -63,7 +69,7 @@ def test_yaml_and_overrides(setup):
 )
 def test_invariant_errors(setup, overrides, world, message):
     _, config = setup
-    if message == "bf16: true needs a GPU":
+    if message in ("bf16: true needs a GPU", "fsdp2.cpu_offload: true needs a GPU"):
         import torch
 
         if torch.cuda.is_available():
@@ -85,6 +91,8 @@ def test_unknown_key_and_bad_type(setup):
         load_config(config, ["learning_rate=1"])
     with pytest.raises(ConfigError, match="loss_reduction"):
         load_config(config, ["loss_reduction=mean"])
+    with pytest.raises(ConfigError, match="distributed_backend"):
+        load_config(config, ["distributed_backend=zero2"])
 
 
 def test_token_ids_must_fit_the_vocabulary(setup):
@@ -290,7 +298,7 @@ def test_keys_flat_or_in_their_section(setup, tmp_path):
     with pytest.raises(ConfigError, match=r"^override 'lr=fast': lr: expected a number"):
         load_config(config, ["lr=fast"])
     assert key_path("lr") == "optim.lr" and key_path("deepspeed.stage") == "deepspeed.stage"
-    assert len(FLAT_KEYS) == 62 and "stage" not in FLAT_KEYS  # deepspeed.* and launch.* keep their section
+    assert len(FLAT_KEYS) == 63 and "stage" not in FLAT_KEYS  # deepspeed.* and launch.* keep their section
     assert from_keys({"data_path": "d", "output_dir": "o", "model_config": "m.json", "optim": {"lr": 2e-4}}).optim.lr == 2e-4
     with pytest.raises(ConfigError, match="missing required key 'data_path'"):
         from_keys({"output_dir": "o", "model_config": "m.json"})

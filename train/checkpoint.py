@@ -1,7 +1,8 @@
 """Resumable checkpoints under <output_dir>/checkpoints/, crash-safe and loadable without unpickling code.
 
 Layout of `step-000012/`:
-    ds/ (DeepSpeed's per-rank files) or model.pt, optimizer.pt, scheduler.pt   model, optimizer, lr scheduler
+    ds/ (DeepSpeed's per-rank files), or dcp/ + scheduler.pt (FSDP2: torch Distributed Checkpoint, see
+    train/dcp_checkpoint.py), or model.pt, optimizer.pt, scheduler.pt   model, optimizer, lr scheduler
     trainer_state.json        step, sampler position, world size, the dataset's identity (`data`)
     rng/rank_<r>.json         python `random` and numpy generator states of rank r (plain ints)
     rng/rank_<r>.safetensors  torch CPU and CUDA generator states of rank r (uint8 tensors)
@@ -27,6 +28,7 @@ ranks and micro-batches; on another number of ranks the ZeRO partitions are join
 """
 from __future__ import annotations
 
+import io
 import logging
 import math
 import os
@@ -107,13 +109,15 @@ def step_dir_name(step: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- loading .pt files
-def safe_load(path: str | os.PathLike, allowed_classes: list | tuple = ()) -> Any:
+def safe_load(path: str | os.PathLike, allowed_classes: list | tuple = (), data: bytes | None = None) -> Any:
     """The repo's only `torch.load`: tensors and plain containers only (weights_only=True), onto the CPU;
-    `allowed_classes` adds classes the unpickler may rebuild (never call arbitrary functions)."""
+    `allowed_classes` adds classes the unpickler may rebuild (never call arbitrary functions). `data`: the bytes
+    to load (a value inside a larger file), named `path` in errors."""
     path = Path(path)
     try:
         with torch.serialization.safe_globals(list(allowed_classes)):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            source = io.BytesIO(data) if data is not None else path
+            return torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
@@ -123,7 +127,7 @@ def safe_load(path: str | os.PathLike, allowed_classes: list | tuple = ()) -> An
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing") from None
     except Exception as exc:  # zip / storage errors of a truncated or overwritten file
-        size = path.stat().st_size if path.exists() else 0
+        size = len(data) if data is not None else path.stat().st_size if path.exists() else 0
         raise CheckpointError(f"{path}: cannot be read ({size} bytes; truncated or corrupt): {exc}") from None
 
 

@@ -1,9 +1,10 @@
 """Typed trainer configuration: one YAML file plus `key=value` overrides, in sections.
 
 `TrainConfig` is a dataclass of sections (`model`, `data`, `steps`, `optim`, `parallel`, `checkpoint`, `eval`,
-`logging`, `lora`, `moe`, `deepspeed`, `launch`). The keys of every section but `deepspeed` and `launch` are unique
-across sections, so they may be written flat (`lr: 1e-4`, `lr=1e-4`, as every config before the sections did) or in
-their section (`optim: {lr: 1e-4}`, `optim.lr=1e-4`); `deepspeed.*` and `launch.*` are written with their section.
+`logging`, `lora`, `moe`, `deepspeed`, `fsdp2`, `launch`). The keys of every section but `deepspeed`, `fsdp2` and
+`launch` are unique across sections, so they may be written flat (`lr: 1e-4`, `lr=1e-4`, as every config before the
+sections did) or in their section (`optim: {lr: 1e-4}`, `optim.lr=1e-4`); `deepspeed.*`, `fsdp2.*` and `launch.*` are
+written with their section.
 Code reads them in their section (`cfg.optim.lr`).
 
 `TrainConfig.validate(world_size)` checks every rule that needs nothing but the values, in a millisecond; what needs
@@ -148,7 +149,12 @@ class OptimSection:
 
 @dataclass
 class ParallelSection:
-    """Sequence parallelism: ranks sharing one row (train/attention_plan.py chooses the layout)."""
+    """How the ranks share the work: the data-parallel backend, and sequence parallelism (ranks sharing one row;
+    train/attention_plan.py chooses the layout)."""
+
+    # deepspeed: DeepSpeed ZeRO as deepspeed.stage says (null: plain torch, gradients all-reduced); fsdp2: torch's
+    # FSDP2 (fully_shard per decoder layer over every rank, checkpoints in torch Distributed Checkpoint format)
+    distributed_backend: Literal["deepspeed", "fsdp2"] = "deepspeed"
 
     # ranks sharing one row; auto: the smallest degree whose share of a row fits the GPU (train/memory_plan.py; 1 on CPU)
     sequence_parallel_size: int | Literal["auto"] = 1
@@ -210,6 +216,14 @@ class DeepSpeedSection:
 
 
 @dataclass
+class FSDP2Section:
+    """torch FSDP2 settings (distributed_backend: fsdp2, train/engines.py)."""
+
+    cpu_offload: bool = False  # sharded parameters, gradients and optimizer states in host memory (GPU runs)
+    reshard_after_forward: bool = True  # free each layer's gathered weights after forward (false: ZeRO-2-like)
+
+
+@dataclass
 class LaunchSection:
     """Settings `train.sh` passes to `accelerate launch` (multi-node: one launch per machine)."""
 
@@ -231,12 +245,13 @@ class TrainConfig:
     model: ModelSection = field(default_factory=ModelSection)  # the model, its tokenizer, how its layers run
     steps: StepsSection = field(default_factory=StepsSection)  # what a step trains, how many steps
     optim: OptimSection = field(default_factory=OptimSection)  # AdamW, lr schedule, clipping, non-finite steps
-    parallel: ParallelSection = field(default_factory=ParallelSection)  # sequence parallelism
+    parallel: ParallelSection = field(default_factory=ParallelSection)  # the distributed backend, sequence parallelism
     eval: EvalSection = field(default_factory=EvalSection)  # evaluation
     logging: LoggingSection = field(default_factory=LoggingSection)  # logging backends, loss curves
     lora: LoraSection = field(default_factory=LoraSection)  # LoRA
     moe: MoESection = field(default_factory=MoESection)  # MoE router aux loss
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)  # DeepSpeed ZeRO settings
+    fsdp2: FSDP2Section = field(default_factory=FSDP2Section)  # torch FSDP2 settings
     launch: LaunchSection = field(default_factory=LaunchSection)  # accelerate launch layout (train.sh)
 
     # ------------------------------------------------------------------ derived
@@ -247,6 +262,10 @@ class TrainConfig:
     @property
     def uses_deepspeed(self) -> bool:
         return self.deepspeed.stage is not None
+
+    @property
+    def uses_fsdp2(self) -> bool:
+        return self.parallel.distributed_backend == "fsdp2"
 
     def to_dict(self) -> dict:
         return to_dict(self)
@@ -372,6 +391,17 @@ class TrainConfig:
             raise ConfigError(f"deepspeed.offload_param needs deepspeed.stage 3, got {ds.stage}")
         if ds.offload_optimizer and ds.stage not in (2, 3):
             raise ConfigError(f"deepspeed.offload_optimizer needs deepspeed.stage 2 or 3, got {ds.stage}")
+        if self.uses_fsdp2 and ds.stage is not None:
+            raise ConfigError(
+                f"distributed_backend: fsdp2 shards the model with torch FSDP2, in place of DeepSpeed, and needs "
+                f"deepspeed.stage null (got {ds.stage}); set deepspeed.stage=null, or distributed_backend=deepspeed to "
+                "train with DeepSpeed ZeRO"
+            )
+        changed = [f"fsdp2.{f.name}" for f in dataclasses.fields(FSDP2Section)
+                   if getattr(self.fsdp2, f.name) != f.default]
+        if changed and not self.uses_fsdp2:
+            raise ConfigError(f"{', '.join(changed)} set, but distributed_backend is "
+                              f"{self.parallel.distributed_backend}: the fsdp2 section needs distributed_backend: fsdp2")
         if self.optim.nonfinite == "skip_step" and self.uses_deepspeed:
             raise ConfigError(
                 f"nonfinite=skip_step needs deepspeed.stage null (got {ds.stage}): DeepSpeed applies the update inside "
@@ -381,7 +411,7 @@ class TrainConfig:
 
 # ---------------------------------------------------------------------------------------------- keys
 SECTIONS: dict[str, type] = typing.get_type_hints(TrainConfig)
-DOTTED_ONLY = ("deepspeed", "launch")  # sections whose keys are written with the section's name
+DOTTED_ONLY = ("deepspeed", "fsdp2", "launch")  # sections whose keys are written with the section's name
 
 
 def _flat_keys() -> dict[str, str]:
@@ -520,8 +550,8 @@ def help_text() -> str:
         "",
         "Trains a causal LM on packed shards. Every key below can be set in the YAML file or overridden as",
         "key=value. Keys come in sections; those listed without their section's name may be written flat",
-        "(lr: 2.0e-4, lr=2e-4) or in it (optim: {lr: 2.0e-4}, optim.lr=2e-4); deepspeed.* and launch.* keys",
-        "always with it (deepspeed.stage=3). Values parse as JSON when they can (numbers, true/false/null,",
+        "(lr: 2.0e-4, lr=2e-4) or in it (optim: {lr: 2.0e-4}, optim.lr=2e-4); deepspeed.*, fsdp2.* and",
+        "launch.* keys always with it (deepspeed.stage=3). Values parse as JSON when they can (numbers, true/false/null,",
         "lists). Full reference: docs/TRAINING.md.",
     ]
     helps = field_help(TrainConfig)

@@ -60,6 +60,9 @@ def check_machine(cfg: TrainConfig) -> None:
     model = cfg.model
     if model.bf16 and not _cuda_available():
         raise ConfigError("bf16: true needs a GPU (CUDA is not available); use bf16=false on CPU")
+    if cfg.fsdp2.cpu_offload and not _cuda_available():
+        raise ConfigError("fsdp2.cpu_offload: true needs a GPU (on the CPU the parameters are in host memory "
+                          "already); use fsdp2.cpu_offload=false on CPU")
     if model.liger:
         if not _cuda_available():
             raise ConfigError("liger: true needs a GPU (Liger-Kernel runs Triton kernels); use liger=false on CPU")

@@ -1,4 +1,5 @@
-"""The training loop: packed rows -> exact step loss -> DeepSpeed (or plain torch) optimizer step.
+"""The training loop: packed rows -> exact step loss -> the engine's optimizer step (DeepSpeed, FSDP2 or plain
+torch: train/engines.py).
 
 Why DeepSpeed is driven directly (`deepspeed.initialize` with the dict built by train/deepspeed_config.py) and
 `accelerate launch` is only the launcher: under `accelerate launch --use_deepspeed` on CPU, accelerate's rank
@@ -8,13 +9,10 @@ torch.distributed through train.distributed.build_mesh.
 
 Exact loss. Every token of a micro-batch carries the weight of the WHOLE optimizer step (train/batch.py), so the
 step loss is the plain sum of the local weighted sums over micro-batches, dp ranks and sp ranks. The gradient to
-apply is therefore the SUM of the local gradients. DeepSpeed averages gradients over its data-parallel world
-(all dp x sp ranks, no mpu is given) and, by default, divides the backward loss by gradient_accumulation_steps;
-we call `engine.backward(local_sum * world_size, scale_wrt_gas=False)`, which turns DeepSpeed's mean back into the
-sum, and `engine.step()` after every micro-batch (DeepSpeed counts micro-batches there and applies the update at
-its accumulation boundary). Without DeepSpeed (deepspeed.stage null) the local gradients are summed with
-all_reduce. The equivalence tests check both against a single process, through the scale-sensitive gradient norm
-as well as the losses (Adam alone would hide a constant gradient factor).
+apply is therefore the SUM of the local gradients; how each engine gets it (DeepSpeed's mean undone by the backward
+scale, FSDP2's reduce-scatter set to sum, the plain all_reduce) is train/engines.py's. The equivalence tests check
+every engine against a single process, through the scale-sensitive gradient norm as well as the losses (Adam alone
+would hide a constant gradient factor).
 
 MoE models with a router load-balancing loss (train/moe.py): each micro-batch adds its rank's share of the aux
 term, divided by the step's real micro-batches, to the local sum before the same scaling, so the aux term is
@@ -51,29 +49,25 @@ from train.checkpoint import (
     discard_checkpoints,
     export_directory,
     from_main,
-    install_zero_state,
     layout_mismatch,
-    load_deepspeed_files_safely,
     load_rng,
     load_trainer_state,
     model_identity,
     model_mismatch,
-    read_zero_state,
     remove_stale_temporaries,
     reshard_rng_seed,
     resume_candidates,
-    safe_load,
     save_checkpoint,
 )
 from train.composite import copy_processor_files, processor_dir
 from train.config import TrainConfig
 from train.preflight import Preflight, preflight
 from train.data import StepPlan, StepSampler
-from train.distributed import (Mesh, all_reduce_sum, all_reduce_sum_bucketed, build_mesh, default_device,
-                               init_distributed)
+from train.distributed import Mesh, all_reduce_sum, build_mesh, default_device, init_distributed
+from train.engines import Engine, build_engine
 from train.metrics import EvalProgress, MetricsLogger, plot_losses, step_progress, truncate_log
 from train.moe import real_tokens, resolve_router_aux
-from train.nonfinite import SKIPPED, NonFiniteError, nonfinite_problem, nonfinite_tensors, stop_message
+from train.nonfinite import SKIPPED, NonFiniteError, nonfinite_tensors, stop_message
 from train.packed_model import PackedCausalLM, build_lm
 from train.rope import switch_points as rope_switch_points
 from train.tiled_mlp import describe_tiling
@@ -124,8 +118,8 @@ class Trainer:
         runs here."""
         self.cfg = cfg
         init_distributed()
-        if cfg.uses_deepspeed and not dist.is_initialized():
-            _init_single_process_group()  # DeepSpeed needs a process group, also for one process
+        if (cfg.uses_deepspeed or cfg.uses_fsdp2) and not dist.is_initialized():
+            _init_single_process_group()  # DeepSpeed and FSDP2 need a process group, also for one process
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.checked = checked = checked or preflight(cfg, world)  # every check before the model loads
         self.sp_reason = None
@@ -164,7 +158,7 @@ class Trainer:
             cfg.optim.warmup_steps if cfg.optim.warmup_steps is not None else int(cfg.optim.warmup_ratio * self.total_steps)
         )
         zero3 = cfg.deepspeed.stage == 3
-        self._hf_ds_config = None
+        self._hf_ds_config = self.ds_config = None
         if cfg.uses_deepspeed:
             from train.deepspeed_config import build_deepspeed_config
 
@@ -196,7 +190,9 @@ class Trainer:
         if cfg.model.self_check:
             self._self_check(zero3)
         self.lr_factor = lr_lambda_factory(self.total_steps, self.warmup_steps, cfg.optim.schedule, cfg.optim.min_lr_ratio)
-        self._setup_optimizer()
+        self.engine: Engine = build_engine(cfg, self.model, self._param_groups, self.lr_factor, self.mesh,
+                                           self.ds_config)
+        self.optimizer, self.scheduler = self.engine.optimizer, self.engine.scheduler
         self.step = 0
         self._maybe_resume()  # before the logger opens log.jsonl: resuming truncates it to the checkpoint's step
         self.metrics = MetricsLogger(cfg.checkpoint.output_dir, self.mesh.is_main, cfg.logging.log_backends, cfg.to_dict(),
@@ -243,6 +239,9 @@ class Trainer:
 
         cfg = self.cfg
         n_trainable = shape.n_params if cfg.lora.lora_rank == 0 else 0  # LoRA adapters: negligible next to the model
+        if cfg.uses_fsdp2:  # fp32 weights, gradients and moments sharded over every rank, as ZeRO-3 in fp32
+            return model_state_bytes(shape.n_params, n_trainable, 3, world, offload_optimizer=cfg.fsdp2.cpu_offload,
+                                     bf16=False)
         offload = cfg.uses_deepspeed and offloads_optimizer(build_deepspeed_config(cfg))
         return model_state_bytes(shape.n_params, n_trainable, cfg.deepspeed.stage, world, offload_optimizer=offload,
                                  bf16=cfg.model.bf16)
@@ -351,35 +350,6 @@ class Trainer:
             groups.append({"params": no_decay, "weight_decay": 0.0})
         return groups
 
-    def _setup_optimizer(self) -> None:
-        cfg = self.cfg
-        adam = dict(lr=cfg.optim.lr, betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2), eps=cfg.optim.adam_eps)
-        if cfg.uses_deepspeed:
-            import deepspeed
-
-            from train.deepspeed_config import offloads_optimizer
-
-            offload = offloads_optimizer(self.ds_config)  # the YAML flag or the template
-            optimizer = None if offload else torch.optim.AdamW(self._param_groups(), **adam)
-            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-                model=self.model,
-                optimizer=optimizer,
-                model_parameters=self._param_groups() if optimizer is None else None,
-                lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, self.lr_factor),
-                config=self.ds_config,
-                dist_init_required=False,
-            )
-            self.backward_scale = float(self.mesh.world_size)
-        else:
-            self.model.to(self.device)
-            self.engine = None
-            self.optimizer = torch.optim.AdamW(self._param_groups(), **adam)
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_factor)
-            self.backward_scale = 1.0
-            if dist.is_initialized():  # every rank starts from rank 0's weights
-                for p in self.model.parameters():
-                    dist.broadcast(p.data, src=0)
-
     def _warn(self, text: str) -> None:
         if self.mesh.is_main:
             logger.warning(text)
@@ -393,7 +363,7 @@ class Trainer:
     _bar = None
     _saved_step: int | None = None  # the step whose checkpoint is in output_dir (saved or resumed from)
     _saved_path: Path | None = None  # and its directory
-    grad_hook = None  # callable(trainer) after the gradients of a step are complete (no DeepSpeed); tests use it
+    grad_hook = None  # callable(trainer) after the gradients of a step are complete (not DeepSpeed); tests use it
 
     # ------------------------------------------------------------------ one micro-batch
     def _micro_batch(self, plan: StepPlan, rows: list[int], filler: bool) -> dict:
@@ -417,15 +387,11 @@ class Trainer:
         def to_dev(tensor: torch.Tensor) -> torch.Tensor:  # queued (pinned, non-blocking) on a GPU
             return queued_copy(tensor, dev)
 
-        module = self.engine if self.engine is not None else self.model
+        module = self.engine.module
         router = {}
         if self.router_aux is not None:
             router["router_tokens"] = to_dev(real_tokens(batch["input_ids"].numel(), attn.sp, filler))
-        autocast = (
-            torch.autocast("cuda", dtype=torch.bfloat16)
-            if self.cfg.model.bf16 and self.engine is None
-            else nullcontext()
-        )
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.engine.autocasts else nullcontext()
         with autocast:
             out = module(
                 to_dev(batch["input_ids"]).reshape(1, -1),
@@ -457,16 +423,7 @@ class Trainer:
                 router_aux = router_aux / plan.n_real_micro_batches
                 objective = weighted + router_aux
                 local[-1] += router_aux.detach().double()
-            loss = objective * self.backward_scale
-            if self.engine is not None:
-                self.engine.backward(loss, scale_wrt_gas=False)
-                # DeepSpeed counts micro-batches in step(): it only updates (and steps the lr scheduler) at the
-                # gradient-accumulation boundary, after the last micro-batch, which _optimizer_step takes once the
-                # step's loss is known to be finite
-                if i < last:
-                    self.engine.step()
-            else:
-                loss.backward()
+            self.engine.backward(objective * self.engine.backward_scale, last=i == last)
             local[0] += weighted.detach().double()
             local[1 : 1 + C] += cat_sum.double()
             local[1 + C : 1 + 2 * C] += cat_count.double()
@@ -502,38 +459,13 @@ class Trainer:
     def _optimizer_step(self, step: int, loss: float, lr: float) -> tuple[float, bool]:
         """Apply step `step`'s update unless its loss (all-reduced) or gradient norm is not finite: then stop
         (NonFiniteError) or, with nonfinite=skip_step, drop its gradients. Returns (gradient norm, skipped)."""
-        cfg = self.cfg
-        if self.engine is not None:  # the accumulation boundary's engine.step() (see train_step)
-            problem = nonfinite_problem(loss)
-            if problem is None:
-                self.engine.step()
-                if not self.engine.was_step_applied():  # ZeRO 1-3 skip an update whose gradients hold inf / nan
-                    problem = "the gradients hold inf or nan (DeepSpeed skipped the update)"
-                norm = self.engine.get_global_grad_norm()
-                norm = float(norm) if norm is not None else float("nan")
-                problem = problem or nonfinite_problem(loss, norm)
-            if problem:  # skip_step is a config error under DeepSpeed
-                raise NonFiniteError(stop_message(step, problem, lr, self._saved_path))
-            return norm, False
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if dist.is_initialized():
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            all_reduce_sum_bucketed([p.grad for p in params])
-        if self.grad_hook is not None:
-            self.grad_hook(self)
-        max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))  # the same on every rank (reduced gradients)
-        problem = nonfinite_problem(loss, norm)
-        if problem and cfg.optim.nonfinite == "stop":
+        skip = self.cfg.optim.nonfinite == "skip_step"  # a config error under DeepSpeed
+        hook = (lambda: self.grad_hook(self)) if self.grad_hook is not None else None
+        norm, problem = self.engine.step(loss, skip, hook)
+        if problem and not skip:
             raise NonFiniteError(stop_message(step, problem, lr, self._saved_path))
         if problem:
             self._console_write(f"step {step}: {problem}: its update is skipped (nonfinite=skip_step)")
-        else:
-            self.optimizer.step()
-        self.scheduler.step()  # a skipped step still counts: the lr stays a function of the step
-        self.optimizer.zero_grad(set_to_none=True)
         return norm, problem is not None
 
     # ------------------------------------------------------------------ evaluation
@@ -619,12 +551,7 @@ class Trainer:
 
     def save(self) -> Path:
         def save_fn(tmp: Path) -> None:
-            if self.engine is not None:
-                self.engine.save_checkpoint(str(tmp), tag="ds", save_latest=False)
-            elif self.mesh.is_main:
-                torch.save(self.model.state_dict(), tmp / "model.pt")
-                torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-                torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
+            self.engine.save(tmp, self.mesh.is_main)
 
         path = save_checkpoint(self.cfg.checkpoint.output_dir, self.step, self.mesh.rank, save_fn, self._trainer_state(),
                                self.cfg.checkpoint.save_total_limit, estimate_bytes=self._state_bytes_estimate())
@@ -671,32 +598,7 @@ class Trainer:
                 "predates the record of its global batch (PackSFT's resume on another number of processes needs "
                 "it); resume with the same number of processes"
             )
-        if self.engine is not None:
-            if not (path / "ds").is_dir():
-                raise RuntimeError(f"{path} was not saved with DeepSpeed; resume with the same deepspeed.stage")
-            if resharded:  # DeepSpeed loads ZeRO partitions of the same world size only: join them, cut them anew
-                if self.cfg.deepspeed.stage == 0:
-                    raise CheckpointError(f"resume from {path}: saved by {saved_world} processes, this run has "
-                                          f"{self.mesh.world_size}: deepspeed.stage 0 resumes on the same number of "
-                                          "processes only (ZeRO 1-3 and no DeepSpeed reshard)")
-                install_zero_state(self.engine, read_zero_state(path / "ds"))
-            else:
-                load_deepspeed_files_safely(self.engine)  # no code runs from ds/*.pt
-                self.engine.load_checkpoint(str(path), tag="ds", load_optimizer_states=True,
-                                            load_lr_scheduler_states=True)
-        else:
-            if not (path / "model.pt").is_file():
-                raise RuntimeError(f"{path} was saved with DeepSpeed; resume with the same deepspeed.stage")
-            try:
-                self.model.load_state_dict(safe_load(path / "model.pt"))
-            except RuntimeError as exc:  # a checkpoint older than the model record of trainer_state.json
-                lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-                raise CheckpointError(
-                    f"resume from {path}: its weights do not fit this model (model_config / model_path / lora_rank "
-                    f"differ from the run that saved it): {lines[1] if len(lines) > 1 else lines[0]} ... Resume with "
-                    "that run's model settings, or start a new run (another output_dir)") from exc
-            self.optimizer.load_state_dict(safe_load(path / "optimizer.pt"))  # moves the state to the params' device
-            self.scheduler.load_state_dict(safe_load(path / "scheduler.pt"))
+        self.engine.load(path, resharded_from=int(saved_world) if resharded else None)
         self.step = int(state["step"])
         if resharded:  # rows move between ranks: no saved stream belongs to a new rank (dropout off: no effect)
             _seed_everything(reshard_rng_seed(self.cfg.steps.seed, self.step, self.mesh.rank))
@@ -715,12 +617,7 @@ class Trainer:
     def export(self, out_dir: Path) -> Path:
         """HF format (safetensors + config + tokenizer), loadable with AutoModelForCausalLM.from_pretrained.
         With LoRA: the adapter (train/lora.py), plus the merged model in `merged/` when lora_merge_on_save."""
-        if self.engine is not None and self.cfg.deepspeed.stage == 3:
-            state = self.engine._zero3_consolidated_16bit_state_dict()  # collective; full dict on rank 0 only
-        elif self.cfg.lora.lora_rank > 0:
-            state = None  # save_lora reads the live (full) parameters
-        else:
-            state = self.model.state_dict() if self.mesh.is_main else None
+        state = self.engine.export_state(self.mesh.is_main)  # collective
         error = None
         if self.mesh.is_main:
             try:
@@ -788,7 +685,7 @@ class Trainer:
         self._console_write(
             f"training {self.total_steps} steps: world {self.mesh.world_size} (dp {self.mesh.dp_size} x sp "
             f"{self.mesh.sp_size}" + (f" [{self.sp_reason}]" if self.sp_reason else "")
-            + f"), {self.sampler.rows_per_step} rows/step, deepspeed stage {cfg.deepspeed.stage}, "
+            + f"), {self.sampler.rows_per_step} rows/step, {self.engine.describe()}, "
             f"loss {cfg.steps.loss_reduction}, "
             f"activation checkpointing {self.checkpointing_reason}"
             + (", compiled decoder layers" if cfg.model.compile_layers else "")

@@ -1,0 +1,219 @@
+"""distributed_backend: fsdp2 on CPU (gloo): FSDP2 dp=2 == DeepSpeed ZeRO-2 dp=2 == one process with the same global
+batch, with gradient clipping on (losses and gradient norms within 1e-5 relative); stopped and resumed == not
+stopped, bit for bit; its checkpoint's state loads on another number of ranks (2 -> 1); LoRA with sequence
+parallelism and activation checkpointing; DCP files read without running code from them."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests._train_helpers import (  # noqa: F401  (one_thread is a fixture)
+    ROOT,
+    one_thread,
+    random_rows,
+    run_train,
+    save_tiny_model,
+    write_config,
+    write_packed,
+)
+from train.checkpoint import CheckpointError
+from train.config import load_config
+from train.metrics import read_log
+from train.trainer import Trainer
+
+RTOL = 1e-5
+STEPS = 3
+# clipping on (0.5 is below every step's norm here): the FSDP2 norm of the sharded gradients clips as the others do
+COMMON = ["max_grad_norm=0.5"]
+FSDP2 = ["distributed_backend=fsdp2", "launch.num_processes=2"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp2")
+    data = write_packed(tmp / "data", random_rows(11, 6))
+    model = save_tiny_model(tmp / "model", tie=True)  # tied embeddings: one parameter in two places of a unit
+    config = write_config(tmp / "c.yaml", data_path=str(data), model_path=str(model), max_steps=STEPS, lr=1e-3,
+                          loss_chunk_size=16, plot=False, output_dir=str(tmp / "unused"))
+    return tmp, config
+
+
+def _in_process(config, out, *overrides) -> list[dict]:
+    """The log of a single-process run without DeepSpeed or FSDP2 (no process group)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return Trainer(load_config(config, [f"output_dir={out}", *COMMON, *overrides]), console=lambda *_: None).train()
+    finally:
+        torch.set_num_threads(before)
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def _assert_close(log: list[dict], ref: list[dict], what: str) -> None:
+    assert [r["step"] for r in log] == [r["step"] for r in ref], what
+    for got, want in zip(log, ref):
+        assert _rel(got["loss"], want["loss"]) <= RTOL, (what, got["step"], got["loss"], want["loss"])
+        # the gradient norm is scale-sensitive (Adam is not): it proves the gradient is the exact step gradient
+        assert _rel(got["grad_norm"], want["grad_norm"]) <= RTOL, (what, got["step"], got["grad_norm"],
+                                                                  want["grad_norm"])
+        assert got["lr"] == pytest.approx(want["lr"])
+
+
+@pytest.fixture(scope="module")
+def fsdp2_run(setup):
+    """FSDP2 over 2 ranks, 2 micro-batches per rank and step (4 rows a step): its output_dir."""
+    tmp, config = setup
+    out = tmp / "fsdp2"
+    run_train(config, [f"output_dir={out}", *COMMON, *FSDP2, "grad_accum=2"], nproc=2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stopped_run(setup):
+    """The same run stopped after step 2 (a DCP checkpoint) and resumed to the end: its output_dir."""
+    tmp, config = setup
+    out = tmp / "stopped"
+    overrides = [f"output_dir={out}", *COMMON, *FSDP2, "grad_accum=2"]
+    run_train(config, [*overrides, "stop_at_step=2"], nproc=2)
+    run_train(config, [*overrides, "resume=latest"], nproc=2)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_equals_one_process(setup, fsdp2_run, tmp_path):
+    """The same steps, and the same export: full HF safetensors with the tied head written once."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    tmp, config = setup
+    ref = _in_process(config, tmp_path / "ref", "grad_accum=4")  # one process, the same 4 rows a step
+    log = read_log(fsdp2_run)
+    assert len(log) == len(ref) == STEPS
+    _assert_close(log, ref, "fsdp2 vs one process")
+    got = load_file(fsdp2_run / "final" / "model.safetensors")
+    want = load_file(tmp_path / "ref" / "final" / "model.safetensors")
+    assert got.keys() == want.keys() and "lm_head.weight" not in got
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=1e-6)
+    AutoModelForCausalLM.from_pretrained(fsdp2_run / "final")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_fsdp2_equals_zero2(setup, fsdp2_run, tmp_path):
+    _, config = setup
+    zero2 = tmp_path / "zero2"
+    run_train(config, [f"output_dir={zero2}", *COMMON, "deepspeed.stage=2", "launch.num_processes=2",
+                       "grad_accum=2"], nproc=2)
+    _assert_close(read_log(fsdp2_run), read_log(zero2), "fsdp2 vs zero2")
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_resume_is_bitwise(fsdp2_run, stopped_run):
+    """Stopped after step 2 and resumed: the same losses, gradient norms and final weights, bit for bit, as the run
+    that never stopped."""
+    from safetensors.torch import load_file
+
+    assert sorted(p.name for p in (stopped_run / "checkpoints" / "step-000002" / "dcp").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"]
+    keys = ("step", "loss", "grad_norm", "lr", "category_loss")
+    assert [{k: r[k] for k in keys} for r in read_log(stopped_run)] == [
+        {k: r[k] for k in keys} for r in read_log(fsdp2_run)]
+    resumed = load_file(stopped_run / "final" / "model.safetensors")
+    whole = load_file(fsdp2_run / "final" / "model.safetensors")
+    assert resumed.keys() == whole.keys()
+    for name in whole:
+        assert torch.equal(resumed[name], whole[name]), name
+
+
+@pytest.mark.multiprocess
+def test_another_backend_refuses_the_checkpoint(stopped_run):
+    """An FSDP2 checkpoint is recognised by its dcp/ and refused by the other engines, naming both settings."""
+    from train.engines import ENGINES, saved_with
+
+    checkpoint = stopped_run / "checkpoints" / "step-000002"
+    assert saved_with(checkpoint) == "fsdp2"
+    for name in ("plain", "deepspeed"):
+        engine = ENGINES[name].__new__(ENGINES[name])  # only its name is read
+        with pytest.raises(CheckpointError, match=r"was saved with FSDP2 \(distributed_backend: fsdp2\), this run "
+                                                  r"uses (plain torch|DeepSpeed)"):
+            engine.check_saved_with(checkpoint)
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_state_loads_on_another_number_of_ranks(setup, fsdp2_run, stopped_run, tmp_path):
+    """The step-2 checkpoint of the 2-rank run, loaded by one process (DCP reshards the model and Adam state): its
+    step 3 is the 2-rank run's step 3 (a wrong moment or lr would change the update, hence the step-3 loss)."""
+    _, config = setup
+    out = tmp_path / "one_rank"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, str(ROOT / "tests" / "_fsdp2_reshard_worker.py"), str(config),
+           str(stopped_run / "checkpoints" / "step-000002"), f"output_dir={out}", *COMMON,
+           "distributed_backend=fsdp2", "grad_accum=4"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    log = read_log(out)
+    assert [r["step"] for r in log] == [3]
+    _assert_close(log, read_log(fsdp2_run)[2:], "2 ranks -> 1 rank")
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_lora_with_sequence_parallel(setup, tmp_path):
+    """LoRA adapters (frozen base weights sharded beside trainable ones), sequence parallel 2 (the sp ranks shard and
+    sum like dp ranks) and activation checkpointing, against one plain process."""
+    _, config = setup
+    lora = ["lora_rank=4", "lora_merge_on_save=false"]
+    ref = _in_process(config, tmp_path / "ref", *lora)
+    out = tmp_path / "lora_sp"
+    run_train(config, [f"output_dir={out}", *COMMON, *FSDP2, *lora, "sequence_parallel_size=2",
+                       "gradient_checkpointing=true"], nproc=2)
+    _assert_close(read_log(out), ref, "fsdp2 + lora + sp=2")
+    assert (out / "final" / "adapter_model.safetensors").is_file()
+
+
+# ---------------------------------------------------------------------------------------------- loading safely
+class _Planted:
+    """A value whose unpickling would run a command: what a crafted checkpoint would hold."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process without a group, on purpose
+def test_dcp_files_load_without_running_code(tmp_path):
+    """A DCP checkpoint (written in one process, without a process group) loads through train.dcp_checkpoint; a
+    pickle planted in a non-tensor value, or in .metadata, is refused instead of run."""
+    import pickle
+
+    from train import dcp_checkpoint
+
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "optimizer": {"param_groups": [{"lr": 0.5}]}}
+    dcp_checkpoint.save(state, tmp_path / "good")
+    loaded = {"model": {"w": torch.zeros(2, 3)}, "optimizer": {"param_groups": [{"lr": 0.0}]}}
+    dcp_checkpoint.load(loaded, tmp_path / "good")
+    assert torch.equal(loaded["model"]["w"], state["model"]["w"])
+    assert loaded["optimizer"]["param_groups"][0]["lr"] == 0.5
+
+    marker = tmp_path / "ran"
+    dcp_checkpoint.save({"model": {"w": torch.ones(2)}, "extra": _Planted(marker)}, tmp_path / "value")
+    with pytest.raises(CheckpointError, match="refused to load"):
+        dcp_checkpoint.load({"model": {"w": torch.zeros(2)}, "extra": None}, tmp_path / "value")
+    assert not marker.exists()
+
+    metadata = tmp_path / "good" / ".metadata"
+    metadata.write_bytes(pickle.dumps(_Planted(marker)))
+    with pytest.raises(CheckpointError, match=r"\.metadata: refused to load: it names posix\.system"):
+        dcp_checkpoint.load(loaded, tmp_path / "good")
+    assert not marker.exists()
