@@ -69,7 +69,14 @@ from train.distributed import (Mesh, all_reduce_sum, all_reduce_sum_bucketed, bu
                                init_distributed)
 from train.metrics import EvalProgress, MetricsLogger, plot_losses, step_progress, truncate_log
 from train.moe import real_tokens, resolve_router_aux
-from train.nonfinite import SKIPPED, NonFiniteError, nonfinite_problem, nonfinite_tensors, stop_message
+from train.nonfinite import (
+    SKIPPED,
+    NonFiniteError,
+    gradient_norm,
+    nonfinite_problem,
+    nonfinite_tensors,
+    stop_message,
+)
 from train.packed_model import PackedCausalLM, build_lm
 from train.rope import switch_points as rope_switch_points
 from train.tiled_mlp import describe_tiling
@@ -519,9 +526,10 @@ class Trainer:
             all_reduce_sum_bucketed([p.grad for p in params])
         if self.grad_hook is not None:
             self.grad_hook(self)
-        max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))  # the same on every rank (reduced gradients)
+        norm = gradient_norm(p.grad for p in params if p.grad is not None)  # the same on every rank
         problem = nonfinite_problem(loss, norm)
+        if cfg.optim.max_grad_norm > 0 and problem is None:
+            torch.nn.utils.clip_grads_with_norm_(params, cfg.optim.max_grad_norm, torch.tensor(norm))
         if problem and cfg.optim.nonfinite == "stop":
             raise NonFiniteError(stop_message(step, problem, lr, self._saved_path))
         if problem:
@@ -728,7 +736,7 @@ class Trainer:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(tok_path)
-        processor = processor_dir(self.cfg.model.model_path, self.lm.config)  # a composite's image processor, ...
+        processor = processor_dir(self.lm.config, self.cfg.model.model_path, tok_path)  # a composite's image processor
         if self.cfg.lora.lora_rank > 0:
             from train.lora import save_lora
 
