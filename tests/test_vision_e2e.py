@@ -108,6 +108,7 @@ def test_one_process_trains_evaluates_and_exports_a_composite(reference, packed)
     assert "eval_loss" in log[-1] and log[-1]["eval_loss"] > 0 and "eval_loss" not in log[0]
     assert any(line.startswith("self-check: packed = unpacked on 4 sequences (4 with images") for line in lines), lines
     assert any("images on: the vision tower (trained) runs once per micro-batch" in line for line in lines), lines
+    assert any(line.startswith("attention: sdpa on 2 layers: causal") for line in lines), lines  # not the tower's
     final = out / "final"
     for name in ("preprocessor_config.json", "chat_template.json"):  # the processor's files, from tokenizer_path
         assert (final / name).read_bytes() == fixture_path("multimodal", "qwen2_5_vl_processor", name).read_bytes()
@@ -155,3 +156,17 @@ def test_stopped_and_resumed_equals_uninterrupted(reference, packed, tmp_path, o
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[key], want[key]) for key in want), [k for k in want if not torch.equal(got[k], want[k])]
     assert json.loads((resumed / "final" / "config.json").read_text())["model_type"] == "qwen2_5_vl"
+
+
+def test_self_check_says_why_it_skips_long_image_sequences(packed, tmp_path, monkeypatch, one_thread):  # noqa: F811
+    """Image sequences are checked whole: where the first rows hold none short enough, the start line says so (not
+    that the data has no sequence of 2 tokens)."""
+    import train.trainer
+    from train.config import load_config
+
+    monkeypatch.setattr(train.trainer, "SELF_CHECK_MAX_TOKENS", 100)  # the example's sequences have 140-195 tokens
+    lines: list[str] = []
+    with _in_project_root():
+        train.trainer.Trainer(load_config(TRAIN_CONFIG, _overrides(packed, tmp_path / "out")), console=lines.append)
+    assert "self-check skipped: the first 3 rows hold fewer than 2 sequences of 2 to 100 tokens, which it checks " \
+           "whole (images are never cut" in "\n".join(lines), lines
