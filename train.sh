@@ -5,8 +5,11 @@
 # section (multi-node: run it on every machine with launch.machine_rank=<i>).
 set -e
 ROOT="$(cd "$(dirname "$0")" && pwd)"
-if [ -f "$ROOT/.venv/bin/activate" ]; then
-    . "$ROOT/.venv/bin/activate"
+# PACKSFT_VENV=.venv-vision for image conversations (torchvision + Pillow: scripts/setup_vision.sh)
+VENV="${PACKSFT_VENV:-.venv}"
+case "$VENV" in /*) ;; *) VENV="$ROOT/$VENV" ;; esac
+if [ -f "$VENV/bin/activate" ]; then
+    . "$VENV/bin/activate"
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export TOKENIZERS_PARALLELISM="${TOKENIZERS_PARALLELISM:-false}"

@@ -150,3 +150,18 @@ def test_loss_png_leaves_out_the_nonfinite_values_of_skipped_steps(tmp_path):
     curves = loss_curves(read_log(tmp_path))
     assert curves["loss"][0] == [1, 2, 4] and curves["category"]["math"][0] == [1, 2, 4]
     assert plot_losses(tmp_path).is_file()
+
+
+def test_gradient_norm_is_the_exact_norm_in_chunks():
+    """The logged (and clipping) gradient norm: float64 accumulation over chunks, the exact value of the fp32
+    gradients whatever their size or the chunk boundaries; nan and inf pass through (the step's nonfinite check)."""
+    from train.nonfinite import gradient_norm
+
+    torch.manual_seed(0)
+    grads = [torch.randn(1000, 64) * 1e-3, torch.randn(7), torch.randn(3, 5) * 10]
+    exact = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads))
+    for chunk in (1 << 24, 7, 64):
+        assert gradient_norm(grads, chunk=chunk) == pytest.approx(exact, rel=1e-12)
+    assert gradient_norm([]) == 0.0
+    assert math.isnan(gradient_norm([torch.tensor([1.0, float("nan")])]))
+    assert math.isinf(gradient_norm([torch.tensor([1.0, float("inf")])]))

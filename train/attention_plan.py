@@ -32,6 +32,7 @@ from common.config import ConfigError
 from train.attention import BACKENDS, STRUCTURED_FLEX, STRUCTURED_SDPA, AttentionBackend, AttentionContext, Kernel
 from train.attention import LayerKernels, layer_features
 from train.backend_names import AUTO, LLAMA3, TORCH, ULYSSES
+from train.composite import is_composite, text_decoder_of
 from train.config import LaunchSection, ModelSection, ParallelSection
 from train.distributed import Mesh
 from train.recurrent import sequence_parallel_problem as recurrent_sp_problem
@@ -289,7 +290,7 @@ def plan_attention(model: ModelSection, parallel: ParallelSection, layout: SPLay
     first step when a named backend cannot run here or a path cannot honour a feature of the model."""
     dtype = torch.bfloat16 if model.bf16 else torch.float32
     probe = torch.empty((1, 1, 0, 1), device=mesh.device, dtype=dtype)
-    kinds = layer_kinds(lm)
+    kinds = layer_kinds(text_decoder_of(lm) if is_composite(lm.config) else lm)  # a composite's towers: their own
     features = [f for f, _ in kinds]
     packed = packed_kernels(model.attn_backend, probe, features)
     ring = None

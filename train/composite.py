@@ -124,14 +124,19 @@ def text_decoder_targets(composite: nn.Module, targets: str | list[str], linear_
     return [name for name in inside if any(name == t or name.endswith("." + t) for t in targets)]
 
 
-def processor_dir(model_path: str | None, config) -> Path | None:
-    """The directory of a composite checkpoint, whose processor files (image processor, chat template) its export
-    carries; None for a causal LM or a random init."""
-    if model_path is None or not is_composite(config):
+def processor_dir(config, model_path: str | None, tokenizer_path: str | None) -> Path | None:
+    """The directory whose processor files (image processor, chat template) a composite's export carries: the
+    checkpoint's, else the exported tokenizer's when it is a processor directory (a random-init composite with
+    `tokenizer_path` at a processor, as configs/train/example_vision.yaml); None for a causal LM."""
+    if not is_composite(config):
         return None
     from common.config import pretrained_dir
 
-    return pretrained_dir(model_path, "model_path")
+    checkpoint = pretrained_dir(model_path, "model_path") if model_path is not None else None
+    for directory in (checkpoint, Path(tokenizer_path) if tokenizer_path else None):
+        if directory is not None and (directory / "preprocessor_config.json").is_file():
+            return directory
+    return checkpoint
 
 
 def copy_processor_files(source: Path, destination: Path) -> list[str]:

@@ -16,6 +16,7 @@ whole step, so the step loss is the sum of the local weighted sums over micro-ba
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Callable
 
@@ -26,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from train.checkpoint import (CheckpointError, install_zero_state, load_deepspeed_files_safely, read_zero_state,
                               safe_load)
 from train.distributed import Mesh, all_reduce_sum_bucketed
-from train.nonfinite import nonfinite_problem
+from train.nonfinite import gradient_norm, nonfinite_problem
 
 # how each engine's checkpoint is recognised (a file or directory only it writes) and named in errors
 SAVED_AS = {"deepspeed": ("ds", "DeepSpeed (deepspeed.stage set)"),
@@ -104,7 +105,10 @@ class _TorchOptimizerEngine(Engine):
         """Make every parameter's .grad the step's summed gradient (FSDP2's reduce-scatter already did)."""
 
     def _clip(self, params: list[torch.Tensor], max_norm: float) -> float:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        norm = gradient_norm(p.grad for p in params if p.grad is not None)  # float64 sums: the same on every rank
+        if math.isfinite(norm) and math.isfinite(max_norm):
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(norm))
+        return norm
 
     def step(self, loss, skip_nonfinite, grad_hook):
         params = [p for p in self.module.parameters() if p.requires_grad]
@@ -248,6 +252,7 @@ class FSDP2Engine(_TorchOptimizerEngine):
         from train.tiled_mlp import decoder_layers
 
         device, cpu_offload, bf16 = mesh.device, cfg.fsdp2.cpu_offload, cfg.model.bf16  # offload: GPUs (preflight)
+        self.device = device  # the collectives' (host-offloaded gradients included)
         model.to(device)
         if dist.get_world_size() > 1:  # every rank shards rank 0's weights
             for p in model.parameters():
@@ -281,12 +286,15 @@ class FSDP2Engine(_TorchOptimizerEngine):
         loss.backward()
 
     def _clip(self, params, max_norm):
-        # the norm of the sharded gradients (DTensors): each rank's part, reduced to the full norm
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        return float(norm)
+        # the sharded gradients (DTensors, every parameter sharded: no element on two ranks): each rank's squares
+        # summed in float64 as the plain engine does, then over the ranks
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in params) if g is not None]
+        square = torch.tensor(gradient_norm(local) ** 2, dtype=torch.float64, device=self.device)
+        dist.all_reduce(square)
+        norm = math.sqrt(float(square))
+        if math.isfinite(norm) and math.isfinite(max_norm):
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(norm))
+        return norm
 
     def _states(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict

@@ -32,6 +32,11 @@ from train.families import ImageInputs
 from train.vision import ImageBatch
 
 
+# the longest sequence the start-up self-check runs whole (an image is never cut): its eager reference forward
+# holds the sequence's attention scores and full-vocabulary logits at once
+SELF_CHECK_MAX_TOKENS = 1024
+
+
 @dataclass
 class RowImages:
     """A micro-batch's images prepared on its whole row (host tensors): `feature_index` [T] the row of each token's
@@ -126,7 +131,7 @@ class VisionPath:
         return RowImages(images, feature_index, positions, [0, *itertools.accumulate(patches)],
                          [0, *itertools.accumulate(tokens)])
 
-    def sequences(self, batch: dict, limit: int = 4, max_tokens: int = 1024) -> tuple[list, list]:
+    def sequences(self, batch: dict, limit: int = 4, max_tokens: int = SELF_CHECK_MAX_TOKENS) -> tuple[list, list]:
         """Up to `limit` whole packed sequences of a micro-batch of at most `max_tokens` tokens each (an image is never
         cut) and each one's `ImageBatch` (None: no image): the start-up self-check's inputs."""
         ids = batch["input_ids"].reshape(-1).cpu()

@@ -257,7 +257,7 @@ def save_lora(
     `merge` may also be a config with `lora_merge_on_save`. `state_dict`: a full PeftModel state dict (e.g.
     ZeRO-3 consolidated on the main rank) used instead of the live parameters; then nothing is gathered and
     calling on the main rank alone is fine. Without it, under ZeRO-3 call on EVERY rank (collective gathers).
-    `processor_dir`: a composite checkpoint's directory, whose processor files go next to both (train/composite.py).
+    `processor_dir`: where a composite's processor files come from (train/composite.py); they go next to both.
     The main rank (torch.distributed rank 0 unless `is_main` says otherwise) writes and gets `out_dir`; the
     others get None.
     """

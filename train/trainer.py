@@ -65,6 +65,7 @@ from train.preflight import Preflight, preflight
 from train.data import StepPlan, StepSampler
 from train.distributed import Mesh, all_reduce_sum, build_mesh, default_device, init_distributed
 from train.engines import Engine, build_engine
+from train.images import SELF_CHECK_MAX_TOKENS
 from train.metrics import EvalProgress, MetricsLogger, plot_losses, step_progress, truncate_log
 from train.moe import real_tokens, resolve_router_aux
 from train.nonfinite import SKIPPED, NonFiniteError, nonfinite_tensors, stop_message
@@ -307,10 +308,15 @@ class Trainer:
             seqs, images = [], []
             for row in range(min(len(self.dataset), 8)):
                 if len(seqs) < 4:  # a filler's batch: the row's own totals (its weights are not used)
-                    more, their = self.model.vision.sequences(self._micro_batch(None, [row], True), 4 - len(seqs))
+                    more, their = self.model.vision.sequences(self._micro_batch(None, [row], True), 4 - len(seqs),
+                                                               SELF_CHECK_MAX_TOKENS)
                     seqs, images = seqs + more, images + their
         if len(seqs) < 2:
-            self.console("self-check skipped: the data has no sequence of 2 tokens or more")
+            self.console("self-check skipped: " + (
+                "the data has no sequence of 2 tokens or more" if self.model.vision is None else
+                f"the first {min(len(self.dataset), 8)} rows hold fewer than 2 sequences of 2 to "
+                f"{SELF_CHECK_MAX_TOKENS:,} tokens, which it checks whole (images are never cut; a "
+                "longer sequence's eager reference forward would hold its full attention and logits)"))
             return
         start = time.perf_counter()
         self.model.to(self.device)
@@ -650,7 +656,7 @@ class Trainer:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(tok_path)
-        processor = processor_dir(self.cfg.model.model_path, self.lm.config)  # a composite's image processor, ...
+        processor = processor_dir(self.lm.config, self.cfg.model.model_path, tok_path)  # a composite's image processor
         if self.cfg.lora.lora_rank > 0:
             from train.lora import save_lora
 
