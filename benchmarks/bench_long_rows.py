@@ -1,27 +1,27 @@
-"""Peak memory and tokens/s of one training step on a long packed row with each long-row option on and off:
-activation checkpointing, tiled MLP (train/tiled_mlp.py), activation offload (train/activation_offload.py), measured
-side by side in one run.
+"""Peak memory and tokens/s of one training step on a long packed row with each long-row option on and off: activation
+checkpointing, tiled MLP (train/tiled_mlp.py), activation offload (train/activation_offload.py), measured side by
+side in one run.
 
 The model has the layer sizes of `--shape` (Qwen2.5-1.5B: hidden 1536, intermediate 8960, 12 / 2 heads, the
 151,936-token vocabulary; Llama-3-8B: hidden 4096, intermediate 14336, 32 / 8 heads, 128,256 tokens; `example-tiny`:
-configs/model/tiny_qwen2.json, the CPU check's) with `--layers` decoder layers (0: the shape's own), random
-weights built on the device, fp32 (`--bf16`: bf16 weights under bf16 autocast), through PackSFT's own path
+configs/model/tiny_qwen2.json, the CPU check's) with `--layers` decoder layers (0: the shape's own), random weights
+built on the device, fp32 (`--bf16`: bf16 weights under bf16 autocast), through PackSFT's own path
 (`PackedCausalLM`, packed attention on the `sdpa` backend (CPU) or `torch_varlen` (CUDA), chunked loss, AdamW step).
 `--lora R` freezes the base weights and trains rank-R adapters on every linear layer (train/lora.py), only those in
 the optimizer: how an 8B model's row is measured on one 80 GB GPU, whose memory its full fine-tuning state (16 bytes
-a parameter, 128 GB) does not fit; the activations of the row, the figure here, are about a full fine-tune's (the adapters
-keep every linear layer's input). The row packs sequences of `--sequence` tokens;
-the last `--trained` tokens of each sequence carry the loss (an SFT row's answers: the lm head's cost stays small and
-the body's activations are what the options change). Each configuration runs in a fresh process; the figure is the
-process's peak RSS (`ru_maxrss`) over model build, the step and the optimizer update, or on CUDA the peak allocated
-GPU memory. `--steps N` runs N steps and times the last (tokens/s = row / its seconds; the first step carries the
-one-time costs). On the CPU the offload keeps each tensor where it is (nothing to move), so it is measured only where
-a GPU is used; an offload whose host copies (layers x row x hidden x bytes, each rounded up to a power of two) would not fit the host's available memory
-is not started (the row is named skipped), nor is any run after `--deadline`.
+a parameter, 128 GB) does not fit; the activations of the row, the figure here, are about a full fine-tune's (the
+adapters keep every linear layer's input). The row packs sequences of `--sequence` tokens; the last `--trained`
+tokens of each sequence carry the loss (an SFT row's answers: the lm head's cost stays small and the body's
+activations are what the options change). Each configuration runs in a fresh process; the figure is the process's
+peak RSS (`ru_maxrss`) over model build, the step and the optimizer update, or on CUDA the peak allocated GPU
+memory. `--steps N` runs N steps and times the last (tokens/s = row / its seconds; the first step carries the
+one-time costs). On the CPU the offload keeps each tensor where it is (nothing to move), so it is measured only
+where a GPU is used; an offload whose host copies (layers x row x hidden x bytes, each rounded up to a power of two)
+would not fit the host's available memory is not started (its cell says why), nor is any run after `--deadline`.
 
     python -m benchmarks.bench_long_rows --lengths 16384,32768 --out benchmarks/results/long_rows.md
-    python -m benchmarks.bench_long_rows --device cuda --shape llama3-8b --bf16 --lora 16 --lengths 524288 \
-        --options ckpt+tiled+offload --steps 1 --out long_rows_gpu.md
+    python -m benchmarks.bench_long_rows --device cuda --shape llama3-8b --layers 0 --bf16 --lora 16 \
+        --lengths 262144 --options ckpt+tiled+offload --steps 1 --out long_rows_gpu.md
 """
 from __future__ import annotations
 
@@ -270,8 +270,8 @@ def main(argv=None) -> None:
         f", base frozen, rank-{args.lora} adapters on every linear layer trained" if args.lora else "")
     lines = [f"\n## Long rows: {args.shape} layer sizes, {layers} layers, {weights}, {args.device}, {started}\n",
              f"Command: `{command}`  ", f"Machine: {machine_description(args.device)}  ",
-             f"Metric: {metric} over the step(s) (forward, backward, AdamW update; on the CPU the model build too), a fresh process per "
-             f"configuration" + (f", capped at {args.cap_gb:g} GiB of address space" if args.device == "cpu" else "")
+             f"Metric: {metric} over the step(s) (forward, backward, AdamW update; on the CPU the model build too), "
+             f"a fresh process per configuration" + (f", capped at {args.cap_gb:g} GiB of address space" if args.device == "cpu" else "")
              + f"; rows of {args.sequence}-token sequences, the last {args.trained} of each trained; tiled "
              f"MLP tile {tile} tokens (the default for {'bf16' if args.bf16 else 'fp32'}). Cells: `GiB (seconds of "
              f"the step)`, then ratios; then tokens/s of the last of {args.steps} step(s) per configuration.\n"]

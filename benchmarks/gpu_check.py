@@ -14,7 +14,8 @@ runs from one command and nothing waits for a person. Phases, in order (what the
    (then 256K, 128K while no longer row was measured), and each option's tokens/s and peak memory at 32K.
 
 `--legacy` appends what the previous runs measured: the 0.5B shape at 32K per backend, both shapes at 128K rows,
-TRL's SFTTrainer on the same sequences (bench_trl) and a profile of the target furthest from its goal.
+TRL's SFTTrainer on the same sequences (bench_trl) and a profile of the target furthest from its goal; they share
+what the default phases leave of the budget.
 Each phase ends by its own deadline (a share of the budget, leaving every later phase its floor), so a slow phase
 cannot starve the rest; whatever a phase measured before its deadline is kept. After every phase
 `<out>/gpu_check.json` (versions, every phase's results) and `<out>/gpu_check.md` (the tables) are rewritten
@@ -126,8 +127,11 @@ class Check:
         self.log.write(line + "\n")
 
     def deadline(self, name: str) -> float:
-        """This phase's end: its cap, and never into the floors of the phases after it."""
-        later = self.phases[[p.name for p in self.phases].index(name) + 1:]
+        """This phase's end: its cap, and never into the floors of the phases after it (of its own group: the
+        --legacy phases run on what the default ones leave)."""
+        legacy = {p.name for p in LEGACY_PHASES}
+        later = [p for p in self.phases[[p.name for p in self.phases].index(name) + 1:]
+                 if (p.name in legacy) == (name in legacy)]
         cap = next(p.cap for p in self.phases if p.name == name)
         return min(time.time() + cap, self.end - self.floor_scale * sum(p.floor for p in later))
 
@@ -390,7 +394,8 @@ def main(argv: list[str] | None = None) -> None:
     check.long_rows()
     if args.legacy:
         # by value: the plain fastest kernel (the baseline), then the fused step, Liger alone, the SDPA loop
-        check.bench("train_32k_small", data, 32768, [SHAPE_SMALL], ["torch_varlen", FUSED, "torch_varlen+liger", "sdpa"])
+        check.bench("train_32k_small", data, 32768, [SHAPE_SMALL],
+                    ["torch_varlen", FUSED, "torch_varlen+liger", "sdpa"])
         check.bench("train_128k", data, 131072, [SHAPE_LARGE, SHAPE_SMALL], [FUSED], extra=["--steps", "4"])
         check.trl(data)
         check.profile(data)
