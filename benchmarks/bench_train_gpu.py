@@ -23,7 +23,8 @@ ShareGPT chats, tool calls; Qwen2.5 tokenizer), packed at each row length; `--fi
 (repeatable) gives pre-built packed directories, matched to a row length by their meta.json max_length.
 `--smoke`: the CPU check of this script (the embedded example data and its tiny model, 2K rows, fp32, 3 steps).
 A backend may carry trainer options after `+`: `torch_varlen+liger` (Liger's fused kernels), `flex+compile`
-(`compile_layers`), `+compile_loss` (the loss chunk's softmax and gradient compiled into one kernel). `--prepare DIR` only builds the packed data (DIR/data_<length>/packed) and exits;
+(`compile_layers`), `+compile_loss` (the loss chunk's softmax and gradient compiled into one kernel), `+ckpt` (every
+layer checkpointed, whatever `--gradient-checkpointing` says). `--prepare DIR` only builds the packed data (DIR/data_<length>/packed) and exits;
 `--profile-out FILE` profiles one more step of each run with torch.profiler and appends its table to FILE.
 
     python -m benchmarks.bench_train_gpu --fixtures .fixtures --shapes qwen2.5-0.5b --row-lengths 32768,131072
@@ -51,7 +52,8 @@ if str(ROOT) not in sys.path:
 from benchmarks.bench_memory import SHAPES, machine_description  # noqa: E402
 
 BACKENDS = ("sdpa", "torch_varlen", "flex", "flash_varlen")
-BACKEND_OPTIONS = {"liger": "liger", "compile": "compile_layers", "compile_loss": "compile_loss"}  # `+<option>` -> config key
+BACKEND_OPTIONS = {"liger": "liger", "compile": "compile_layers", "compile_loss": "compile_loss",  # `+<option>` ->
+                   "ckpt": "gradient_checkpointing"}  # config key set true
 H100_BF16_DENSE_TFLOPS = 989.0
 MEDIAN_STEPS = slice(2, 8)  # steps 3..8 (1-based)
 FIXTURE_INPUTS = [  # (file under <fixtures>/data, InputSpec fields)
@@ -157,11 +159,13 @@ def run_one(spec: dict) -> dict:
         peak = torch.cuda.max_memory_allocated()
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result = {"backend": trainer.plan.train.every.name, "checkpointing": trainer.checkpointing_reason, "steps": steps,
+              "peak_bytes": int(peak), "n_params": shape.n_params, "matmul_params": shape.matmul_params,
+              "loss_finite": bool(np.isfinite([x["loss"] for x in steps]).all())}
+    write_atomic(Path(spec["result_path"]), json.dumps(result))  # before the profile: a cut profile keeps the figures
     if spec.get("profile_out"):
         profile_step(trainer, spec["steps"], spec["device"], spec["profile_out"], spec["profile_title"])
-    return {"backend": trainer.plan.train.every.name, "checkpointing": trainer.checkpointing_reason, "steps": steps,
-            "peak_bytes": int(peak), "n_params": shape.n_params, "matmul_params": shape.matmul_params,
-            "loss_finite": bool(np.isfinite([x["loss"] for x in steps]).all())}
+    return result
 
 
 def profile_step(trainer, step: int, device: str, out: str, title: str) -> None:
@@ -182,9 +186,7 @@ def profile_step(trainer, step: int, device: str, out: str, title: str) -> None:
 
 
 def child_main(spec_json: str) -> None:
-    spec = json.loads(spec_json)
-    result = run_one(spec)
-    Path(spec["result_path"]).write_text(json.dumps(result))
+    run_one(json.loads(spec_json))
 
 
 MIN_RUN_SECONDS = 20.0  # a run with less time than this before the deadline is not started
@@ -207,6 +209,9 @@ def measure(spec: dict, timeout: float) -> dict:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         lines = (exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or "").splitlines()
+        if Path(spec["result_path"]).exists():  # the steps were measured; the profile after them was cut
+            return {**json.loads(Path(spec["result_path"]).read_text()), "log": lines[-40:],
+                    "note": f"the profile was cut at the {timeout:.0f} s timeout"}
         return {"error": f"timed out after {timeout:.0f} s", "stderr_tail": lines[-60:]}
     if proc.returncode != 0:
         lines = (proc.stderr or proc.stdout).strip().splitlines()

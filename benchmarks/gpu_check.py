@@ -1,21 +1,27 @@
 """The whole GPU check in one unattended run, most valuable first, inside a time budget (scripts/gpu_check.sh).
 
 A lent GPU machine gives about 15 minutes a session and one command of at most 10 (BENCHMARKS.md), so everything
-runs from one command and nothing waits for a person. Phases, in order:
+runs from one command and nothing waits for a person. Phases, in order (what the last H100 run left unmeasured):
 
-1. `tests`: every `gpu`-marked test of tests/ (pytest -m gpu), pass / fail / skip per test with its reason;
-2. `train_32k_small`, `train_32k_large`: bench_train_gpu, Qwen2.5-0.5B then 1.5B shape at 32K rows, the plain
-   `torch_varlen` step beside the fused one (Liger's kernels and the compiled loss chunk);
-3. `train_128k`: both shapes at 128K rows, the fused step;
-4. `trl`: TRL's SFTTrainer on the same sequences and the 0.5B shape (bench_trl);
-5. `profile`: torch.profiler over one step of the target furthest from its goal (its fastest backend).
+1. `tests`: every `gpu`-marked test of tests/ (pytest -m gpu), pass / fail / skip per test with its reason, while
+   the packed 32K rows are built on the CPU;
+2. `train_32k_large`: bench_train_gpu, the Qwen2.5-1.5B shape at 32K rows, the fused step (`torch_varlen` + Liger +
+   the compiled loss) with `gradient_checkpointing: auto` (the memory plan's first k layers) and then with every
+   layer checkpointed (`+ckpt`, the previous run's setting, on the same machine); each run profiles one more step
+   with torch.profiler into `<out>/profile.txt`;
+3. `long_rows`: bench_long_rows, the Llama-3-8B shape (bf16 base frozen, rank-16 adapters on every linear layer:
+   its full fine-tuning state does not fit one GPU) on a 512K-token row with checkpointing + tiled MLP + offload
+   (then 256K, 128K while no longer row was measured), and each option's tokens/s and peak memory at 32K.
 
-The packed data for both row lengths is built by the project's pipeline in the background while the tests run.
+`--legacy` appends what the previous runs measured: the 0.5B shape at 32K per backend, both shapes at 128K rows,
+TRL's SFTTrainer on the same sequences (bench_trl) and a profile of the target furthest from its goal; they share
+what the default phases leave of the budget.
 Each phase ends by its own deadline (a share of the budget, leaving every later phase its floor), so a slow phase
 cannot starve the rest; whatever a phase measured before its deadline is kept. After every phase
 `<out>/gpu_check.json` (versions, every phase's results) and `<out>/gpu_check.md` (the tables) are rewritten
-atomically; `<out>/gpu_check.log` has all output, `<out>/gpu_tests.log` pytest's, `<out>/profile.txt` the profile.
-Without CUDA the GPU phases are recorded as skipped and the tests phase runs (every gpu test skips): the CPU check.
+atomically; `<out>/gpu_check.log` has all output, `<out>/gpu_tests.log` pytest's, `<out>/profile.txt` the profiles,
+`<out>/long_rows.md` the long-row tables. Without CUDA the GPU phases are recorded as skipped and the tests phase
+runs (every gpu test skips): the CPU check. `--smoke` runs every phase on the CPU with the example's tiny model.
 
     bash scripts/gpu_check.sh $OUT                # on the GPU machine (installs the carried wheels first)
     python -m benchmarks.gpu_check --out /tmp/gc  # anywhere
@@ -64,14 +70,31 @@ class Phase:
     floor: float  # seconds kept for it while earlier phases run
 
 
-# Caps and floors from the first run on an H200 (2026-11-27): the gpu tests took 99 s with 4 workers (47 s for one
-# file with 8), a benchmark process 40-50 s besides its steps (imports, random init of the 1.5B shape on the CPU:
-# ~20 s), TRL's first FlexAttention step over a minute. 128K rows come before TRL: "the 1.5B shape trains at 128K"
-# was the target that run could not reach, and TRL was measured there.
-PHASES = [Phase("tests", 110, 70), Phase("train_32k_small", 150, 90), Phase("train_32k_large", 100, 60),
-          Phase("train_128k", 160, 90), Phase("trl", 90, 40), Phase("profile", 50, 20)]
+# Caps and floors from the runs of 2026-11-27: the gpu tests took 78 s on the H100 (8 workers), a 1.5B benchmark
+# process 60 s besides its steps (imports, random init on the CPU), the compiled loss ~5 s more; an 8B long-row
+# process builds its model on the GPU (estimated from FLOPs, not measured: a 256K-row step under a minute).
+PHASES = [Phase("tests", 90, 60), Phase("train_32k_large", 190, 110), Phase("long_rows", 250, 150)]
+# --legacy, after those: what the runs of 2026-11-27 measured (0.5B per backend, 128K rows, TRL, a profile)
+LEGACY_PHASES = [Phase("train_32k_small", 150, 90), Phase("train_128k", 160, 90), Phase("trl", 90, 40),
+                 Phase("profile", 50, 20)]
 DEFAULT_BUDGET = 540.0  # seconds: a 10-minute command less the wheels' install and a margin
 TRAIN_PHASES = ("train_32k_small", "train_32k_large", "train_128k")
+FUSED = "torch_varlen+liger+compile_loss"  # the fastest step measured on the H100 (Liger's kernels, compiled loss)
+# bench_long_rows runs of the long_rows phase: (row lengths, options, steps, fallback). The 512K row first (the
+# issue's goal: ALST's single-GPU record for an 8B model), then shorter rows as fallbacks, each run only while no
+# longer row was measured, and every option's cost at 32K. The offload's pinned copies of a 512K row (and of a 384K
+# one: torch rounds each layer's 3 GiB up to 4) are 128 GiB, more than the 128 GiB machine has free (bench_long_rows
+# then records the row as not run, with those numbers): 256K is the longest row it can offload.
+MATRIX = "ckpt,ckpt+tiled,ckpt+offload,ckpt+tiled+offload"
+LONG_ROW_RUNS = [("524288", "ckpt+tiled+offload", 1, False), ("262144", "ckpt+tiled+offload", 1, True),
+                 ("32768", MATRIX, 2, False), ("131072", "ckpt+tiled+offload", 1, True)]
+LONG_ROW_FLAGS = ["--shape", "llama3-8b", "--layers", "0", "--bf16", "--lora", "16", "--device", "cuda",
+                  "--sequence", "2048", "--trained", "128", "--timeout", "240"]
+SMOKE_LONG_ROW_RUNS = [("2048", "ckpt+tiled+offload", 1, False), ("1536", "ckpt+tiled+offload", 1, True),
+                       ("1024", "ckpt,ckpt+tiled+offload", 2, False)]  # two options: the CPU check's time
+SMOKE_LONG_ROW_FLAGS = ["--shape", "example-tiny", "--layers", "0", "--lora", "4", "--device", "cpu",
+                        "--sequence", "256", "--trained", "32", "--threads", "1", "--timeout", "120"]
+
 HEAVY_TEST_FILES = ("test_attention_backends.py", "test_step_options.py")  # trainer steps, compiles: run last
 
 
@@ -83,8 +106,11 @@ def gpu_test_files(tests_dir: Path) -> list[str]:
 
 
 class Check:
-    def __init__(self, out: Path, budget: float, fixtures: Path, work: Path, steps: int, smoke: bool):
+    def __init__(self, out: Path, budget: float, fixtures: Path, work: Path, steps: int, smoke: bool,
+                 legacy: bool = False):
         self.out, self.fixtures, self.work, self.steps, self.smoke = out, fixtures, work, steps, smoke
+        self.phases = PHASES + (LEGACY_PHASES if legacy else [])
+        self.lengths = (32768, 131072) if legacy else (32768,)
         self.targets = SMOKE_TARGETS if smoke else TARGETS
         self.bench_flags = ["--smoke"] if smoke else []
         self.floor_scale = min(1.0, budget / DEFAULT_BUDGET)  # a shorter budget shrinks every floor alike
@@ -101,9 +127,12 @@ class Check:
         self.log.write(line + "\n")
 
     def deadline(self, name: str) -> float:
-        """This phase's end: its cap, and never into the floors of the phases after it."""
-        later = PHASES[[p.name for p in PHASES].index(name) + 1:]
-        cap = next(p.cap for p in PHASES if p.name == name)
+        """This phase's end: its cap, and never into the floors of the phases after it (of its own group: the
+        --legacy phases run on what the default ones leave)."""
+        legacy = {p.name for p in LEGACY_PHASES}
+        later = [p for p in self.phases[[p.name for p in self.phases].index(name) + 1:]
+                 if (p.name in legacy) == (name in legacy)]
+        cap = next(p.cap for p in self.phases if p.name == name)
         return min(time.time() + cap, self.end - self.floor_scale * sum(p.floor for p in later))
 
     def run(self, cmd: list[str], deadline: float, log_path: Path) -> tuple[int | None, float]:
@@ -158,11 +187,11 @@ class Check:
         self.save()
 
     def start_data(self) -> subprocess.Popen | None:
-        """The packed rows of both lengths, built on the CPU while the GPU runs the tests."""
+        """The packed rows (32K; 128K too with --legacy), built on the CPU while the GPU runs the tests."""
         if not self.benches:
             return None
         cmd = [sys.executable, "-m", "benchmarks.bench_train_gpu", "--prepare", str(self.work / "data"),
-               "--row-lengths", "32768,131072", "--fixtures", str(self.fixtures), *self.bench_flags]
+               "--row-lengths", ",".join(map(str, self.lengths)), "--fixtures", str(self.fixtures), *self.bench_flags]
         self.say("background: " + " ".join(cmd))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(self.work / "prepare.log", "w"),
@@ -204,7 +233,7 @@ class Check:
             prep.kill()
         self.log.write((self.work / "prepare.log").read_text())
         found = {}
-        for length in (32768, 131072):
+        for length in self.lengths:
             packed = self.work / "data" / f"data_{2048 if self.smoke else length}" / "packed"
             if (packed / "meta.json").exists():
                 found[length] = packed
@@ -214,6 +243,8 @@ class Check:
 
     def bench(self, phase: str, data: dict[int, Path], length: int, shapes: list[str], backends: list[str],
               extra: list[str] = ()) -> None:
+        if self.smoke:  # Liger and varlen need CUDA: the smoke runs the fused step's runs on the SDPA loop
+            backends = list(dict.fromkeys(b.replace(FUSED, "sdpa") for b in backends))
         if not self.benches or length not in data:
             self.report["phases"][phase] = {"skipped": "no CUDA" if not self.benches else f"no packed data at {length}"}
             self.save()
@@ -226,6 +257,44 @@ class Check:
                "--out", str(result), *extra, *self.bench_flags]
         code, seconds = self.run(cmd, deadline, self.work / f"{phase}.log")
         self.collect(phase, result, code, seconds)
+
+    def long_rows(self) -> None:
+        """bench_long_rows' runs (LONG_ROW_RUNS) until the phase's deadline; a fallback length only while no longer
+        row has been measured."""
+        if not self.benches:
+            self.report["phases"]["long_rows"] = {"skipped": "no CUDA"}
+            self.save()
+            return
+        deadline = self.deadline("long_rows")
+        runs, flags = (SMOKE_LONG_ROW_RUNS, SMOKE_LONG_ROW_FLAGS) if self.smoke else (LONG_ROW_RUNS, LONG_ROW_FLAGS)
+        entry: dict = {"runs": [], "seconds": 0.0}
+        self.report["phases"]["long_rows"] = entry
+        table = self.out / "long_rows.md"
+        for i, (lengths, options, steps, fallback) in enumerate(runs):
+            longest = max((r["length"] for run in entry["runs"] for r in run.get("results", []) if "peak_bytes" in r),
+                          default=0)
+            if fallback and longest > int(lengths):
+                entry["runs"].append({"lengths": lengths, "options": options, "skipped": f"{longest} measured"})
+                continue
+            if deadline - time.time() < 20:
+                entry["runs"].append({"lengths": lengths, "options": options, "skipped": "the deadline had passed"})
+                continue
+            result = self.work / f"long_rows_{i}.json"
+            result.unlink(missing_ok=True)  # an earlier check's
+            cmd = [sys.executable, "-m", "benchmarks.bench_long_rows", *flags, "--lengths", lengths, "--options",
+                   options, "--steps", str(steps), "--deadline", str(deadline - 5), "--json", str(result),
+                   "--out", str(table)]
+            code, seconds = self.run(cmd, deadline, self.work / "long_rows.log")
+            run = {"lengths": lengths, "options": options, "returncode": code, "seconds": round(seconds, 1)}
+            if result.exists():
+                run["results"] = json.loads(result.read_text())
+            entry["runs"].append(run)
+            entry["seconds"] = round(entry["seconds"] + seconds, 1)
+            if table.exists():
+                self.tables["long_rows"] = table.read_text()
+            self.save()
+        self.say(f"long_rows: {[(r['lengths'], r.get('returncode', r.get('skipped'))) for r in entry['runs']]}")
+        self.save()
 
     def trl(self, data: dict[int, Path]) -> None:
         if not self.benches or 32768 not in data:
@@ -308,25 +377,29 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=6, help="optimizer steps per benchmark run (median of 3..)")
     ap.add_argument("--smoke", action="store_true",
                     help="run every phase on the CPU too: the example data at 2K and its tiny model (the check's check)")
+    ap.add_argument("--legacy", action="store_true",
+                    help="after the default phases, also the 0.5B shape per backend, 128K rows, TRL and a profile")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
-    check = Check(args.out, args.budget, args.fixtures, args.work, args.steps, args.smoke)
+    check = Check(args.out, args.budget, args.fixtures, args.work, args.steps, args.smoke, args.legacy)
     check.environment()
     prep = check.start_data()
     check.tests()
     data = check.wait_data(prep)
-    # by value: the plain fastest kernel (the baseline), then it with the fused kernels the profile asks for
-    # (elementwise work was half a step: Liger's RMSNorm / SwiGLU / RoPE and the compiled loss chunk), then Liger
-    # alone, then the SDPA loop (the losses' reference; the only one on the CPU)
-    fused = "torch_varlen+liger+compile_loss"
-    check.bench("train_32k_small", data, 32768, [SHAPE_SMALL], ["torch_varlen", fused, "torch_varlen+liger", "sdpa"])
-    check.bench("train_32k_large", data, 32768, [SHAPE_LARGE], [fused, "torch_varlen"])
-    check.bench("train_128k", data, 131072, [SHAPE_LARGE, SHAPE_SMALL], [fused], extra=["--steps", "4"])
-    check.trl(data)
-    check.profile(data)
+    # the 1.5B shape's fused step with the plan's partial checkpointing, then with every layer checkpointed (the
+    # previous run's 36.1% MFU), each profiled
+    check.bench("train_32k_large", data, 32768, [SHAPE_LARGE], [FUSED, FUSED + "+ckpt"],
+                extra=["--profile-out", str(check.out / "profile.txt")])
+    check.long_rows()
+    if args.legacy:
+        # by value: the plain fastest kernel (the baseline), then the fused step, Liger alone, the SDPA loop
+        check.bench("train_32k_small", data, 32768, [SHAPE_SMALL],
+                    ["torch_varlen", FUSED, "torch_varlen+liger", "sdpa"])
+        check.bench("train_128k", data, 131072, [SHAPE_LARGE, SHAPE_SMALL], [FUSED], extra=["--steps", "4"])
+        check.trl(data)
+        check.profile(data)
     check.say(f"done in {time.time() - check.start:.0f} s")
-
 
 if __name__ == "__main__":
     main()

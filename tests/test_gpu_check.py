@@ -1,5 +1,6 @@
 """benchmarks/gpu_check.py and scripts/gpu_check.sh: the unattended GPU check, run on the CPU (GPU steps skipped),
-and every phase of it in --smoke mode (the example data and tiny model on the CPU, TRL's SFTTrainer included)."""
+and every phase of it in --smoke mode (the example data and tiny model on the CPU, the long-row runs and, with
+--legacy, TRL's SFTTrainer included); bench_long_rows' refusals before a run starts."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from benchmarks.bench_long_rows import model_config, not_started, offload_host_bytes
 from benchmarks.gpu_check import TEST_LINE, XDIST_LINE, gpu_test_files
 from tests._train_helpers import ROOT
 
@@ -43,17 +45,31 @@ def test_cpu_check_runs_the_gpu_tests_and_skips_the_gpu_phases(tmp_path):
     tests = report["phases"]["tests"]
     assert tests["counts"].get("SKIPPED", 0) >= 30 and not tests["failed"], tests["counts"]
     assert set(tests["counts"]) == {"SKIPPED"}  # without CUDA every gpu test skips, none errors at collection
-    for phase in ("train_32k_small", "train_32k_large", "trl", "train_128k", "profile"):
+    assert list(report["phases"]) == ["tests", "train_32k_large", "long_rows"]  # --legacy adds the rest
+    for phase in ("train_32k_large", "long_rows"):
         assert report["phases"][phase] == {"skipped": "no CUDA"}
     assert report["versions"]["torch"] and (tmp_path / "out" / "gpu_tests.log").exists()
 
 
 @pytest.mark.slow
 def test_smoke_check_runs_every_phase_on_the_cpu(tmp_path):
-    """--smoke: the trainer benchmark, TRL's SFTTrainer on the same rows, the profile: what the GPU run does."""
+    """--smoke --legacy: the trainer benchmark with and without full checkpointing, each profiled, the long-row
+    runs, TRL's SFTTrainer on the same rows, the furthest target's profile: what the GPU run does."""
     out = tmp_path / "out"
-    report = _run_check(out, "--smoke", "--steps", "3", "--budget", "540")
+    report = _run_check(out, "--smoke", "--legacy", "--steps", "3", "--budget", "540")
     phases = report["phases"]
+    assert list(phases) == ["tests", "train_32k_large", "long_rows", "train_32k_small", "train_128k", "trl", "profile"]
+    large = {r["backend"]: r for r in phases["train_32k_large"]["report"]["results"]}
+    assert set(large) == {"sdpa", "sdpa+ckpt"} and large["sdpa+ckpt"]["checkpointing"].startswith("on")
+    assert large["sdpa"]["first_losses"] == pytest.approx(large["sdpa+ckpt"]["first_losses"], abs=1e-3)
+    runs = phases["long_rows"]["runs"]
+    assert [r["lengths"] for r in runs] == ["2048", "1536", "1024"] and runs[1]["skipped"] == "2048 measured"
+    matrix = {r["option"]: r for r in runs[2]["results"]}
+    assert set(matrix) == {"ckpt", "ckpt+tiled+offload"}
+    assert all(r["tokens_per_s"] > 0 and r["peak_bytes"] > 0 and r["trained_params"] > 0 for r in matrix.values())
+    # the same row and seed: the options give the loss of plain checkpointing (they are exact)
+    assert all(r["loss"] == pytest.approx(matrix["ckpt"]["loss"], rel=1e-5) for r in matrix.values())
+    assert "ckpt+tiled+offload tokens/s" in (out / "long_rows.md").read_text()
     rows = {r["backend"]: r for r in phases["train_32k_small"]["report"]["results"]}
     assert rows["sdpa"]["tokens_per_s"] > 0 and len(rows["sdpa"]["first_losses"]) == 3
     assert "CUDA" in rows["torch_varlen"]["skipped"]
@@ -63,5 +79,25 @@ def test_smoke_check_runs_every_phase_on_the_cpu(tmp_path):
     # the same rows: TRL's first loss on the same random init is near PackSFT's (both ~ln(vocab) at init)
     assert abs(trl["sdpa"]["first_losses"][0] - rows["sdpa"]["first_losses"][0]) < 0.5
     assert phases["profile"]["target"] == {"shape": "example-tiny", "row_length": 2048, "backend": "sdpa"}
-    assert "one step" in (out / "profile.txt").read_text()
+    profiles = (out / "profile.txt").read_text()
+    assert profiles.count("one step") == 3 and "2048-token rows, sdpa+ckpt: one step" in profiles
     assert "TRL SFTTrainer" in (out / "gpu_check.md").read_text()
+
+
+def test_long_rows_refuses_an_offload_the_host_cannot_hold_and_runs_after_the_deadline(monkeypatch):
+    import benchmarks.bench_long_rows as bench
+
+    monkeypatch.setattr(bench, "available_host_bytes", lambda: 120 * 2**30)  # the GPU machine's order
+    spec = dict(option="ckpt+tiled+offload", length=524288, shape="llama3-8b", layers=0, sequence=2048, bf16=True,
+                device="cuda")
+    cfg = model_config("llama3-8b", 0, 2048)
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_key_value_heads) == (32, 4096, 8)
+    assert offload_host_bytes(cfg, 524288, 2) == 32 * 524288 * 4096 * 2 == 128 * 2**30  # 4 GiB a layer
+    assert offload_host_bytes(cfg, 393216, 2) == 128 * 2**30  # 3 GiB a layer, rounded up to 4 by torch's allocator
+    assert offload_host_bytes(cfg, 262144, 2) == 64 * 2**30
+    assert not_started(spec, None) == "not run: the offload needs 128.00 GiB of host memory, 120.00 GiB available"
+    monkeypatch.setattr(bench, "available_host_bytes", lambda: 150 * 2**30)
+    assert not_started(spec, None) is None
+    assert not_started(dict(spec, length=1024), None) is None  # 256 MiB
+    assert not_started(dict(spec, option="ckpt+tiled"), None) is None  # no offload: nothing asked of the host
+    assert not_started(dict(spec, length=1024), deadline=0.0) == "not run: the deadline had passed"
