@@ -1,5 +1,5 @@
 """Resume on another number of processes: a checkpoint written by 1 process resumes on 2 and back (dp 1 -> 2 -> 1
-for ZeRO-2, ZeRO-3, FSDP2 and no DeepSpeed; sp 1 -> 2 -> 1 for ZeRO-3), with another grad_accum / micro_batch_rows
+for ZeRO-2, FSDP2 and no DeepSpeed; sp 1 -> 2 -> 1 for ZeRO-3), with another grad_accum / micro_batch_rows
 of the same global batch. Every resumed step trains exactly the rows of the uninterrupted run (recorded per rank)
 and gives its loss and gradient norm (fp32, clipping on, relative 1e-5). FSDP2 and ZeRO-2 give the same steps. A
 change of the global batch is refused, naming both values.
@@ -26,10 +26,11 @@ from train.trainer import Trainer
 RTOL = 1e-5
 STEPS = 3
 ONE_PROCESS = ["grad_accum=4", "micro_batch_rows=1"]  # the global batch: 4 rows per step (8 rows: 2 steps an epoch)
-# engine overrides, the 2-process split and its layout, the engine as the resume line names it
+# engine overrides, the 2-process split and its layout, the engine as the resume line names it. ZeRO-3 is resharded
+# across an sp change: its partitions span every dp x sp rank alike, so dp 2 would reshard the same files, and the
+# dp 2 split of the rows is the plain case's
 TWO_PROCESSES = {
     "zero2": (["deepspeed.stage=2"], ["grad_accum=1", "micro_batch_rows=2"], "dp=2 sp=1", "ZeRO-2"),
-    "zero3": (["deepspeed.stage=3"], ["grad_accum=2", "micro_batch_rows=1"], "dp=2 sp=1", "ZeRO-3"),
     "zero3_sp": (["deepspeed.stage=3"], ["sequence_parallel_size=2", "grad_accum=2", "micro_batch_rows=2"],
                  "dp=1 sp=2", "ZeRO-3"),
     "plain": ([], ["grad_accum=2", "micro_batch_rows=1"], "dp=2 sp=1", "no DeepSpeed"),
@@ -124,26 +125,18 @@ def resumed(setup, tmp_path_factory):
     and 3, 1 process resumes their step 2 for step 3."""
     _, config = setup
     runs: dict[str, dict] = {}
-    firsts: dict[tuple, tuple] = {}  # engine -> (output_dir, log, rows) of its 1-process step 1 (ZeRO-3 twice)
-
-    def first_step(engine: list[str]) -> tuple:
-        if tuple(engine) not in firsts:
-            tmp = tmp_path_factory.mktemp("first")
-            _, log = _in_process(config, tmp / "out", tmp / "rows", *engine, "stop_at_step=1")
-            firsts[tuple(engine)] = tmp / "out", log, _rows_by_step(tmp / "rows")
-        return firsts[tuple(engine)]
 
     def run(case: str) -> dict:
         if case in runs:
             return runs[case]
         tmp = tmp_path_factory.mktemp(case)
         engine, two, _, _ = TWO_PROCESSES[case]
-        first_dir, first, first_rows = first_step(engine)
+        _, first = _in_process(config, tmp / "first", tmp / "first_rows", *engine, "stop_at_step=1")
         console = _two_processes(config, tmp / "two_rows", f"output_dir={tmp / 'two'}", *engine, *two,
-                                 f"resume={checkpoint_root(first_dir) / 'step-000001'}")
+                                 f"resume={checkpoint_root(tmp / 'first') / 'step-000001'}")
         lines, back = _in_process(config, tmp / "back", tmp / "back_rows", *engine,
                                   f"resume={checkpoint_root(tmp / 'two') / 'step-000002'}")
-        runs[case] = {"first": first, "first_rows": first_rows, "two_console": console,
+        runs[case] = {"first": first, "first_rows": _rows_by_step(tmp / "first_rows"), "two_console": console,
                       "two": read_log(tmp / "two"), "two_rows": _rows_by_step(tmp / "two_rows"),
                       "back_lines": [str(line) for line in lines], "back": back,
                       "back_rows": _rows_by_step(tmp / "back_rows")}
@@ -196,6 +189,23 @@ def test_another_global_batch_is_refused(setup, reference, one_thread):
             console=lines.append)
     assert any("grad_accum=2 micro_batch_rows=2 (no DeepSpeed): optimizer state loaded as saved" in str(line)
                for line in lines)
+
+
+def test_resume_line_names_the_engine():
+    """trainer_state.json's `engine` names FSDP2 (its deepspeed_stage is null, as without DeepSpeed); a checkpoint
+    older than the key is named from deepspeed_stage."""
+    from train.checkpoint import describe_resume
+
+    saved = {"dp_size": 2, "sp_size": 1, "grad_accum": 1, "micro_batch_rows": 2, "world_size": 2}
+    now = {"dp_size": 1, "sp_size": 1, "grad_accum": 4, "micro_batch_rows": 1, "world_size": 1}
+    fsdp2 = {"engine": "fsdp2", "deepspeed_stage": None}
+    assert describe_resume({**saved, **fsdp2}, {**now, **fsdp2}).startswith(
+        "saved on dp=2 sp=1 grad_accum=1 micro_batch_rows=2 (FSDP2), now dp=1 sp=1 grad_accum=4 micro_batch_rows=1 "
+        "(FSDP2): weights and optimizer state resharded 2 → 1 FSDP2 shards (DCP)")
+    line = describe_resume({**saved, "deepspeed_stage": 2}, {**now, "engine": "deepspeed", "deepspeed_stage": 2})
+    assert "micro_batch_rows=2 (ZeRO-2), now" in line and ": optimizer state resharded 2 → 1 ZeRO partitions" in line
+    same = {**saved, "engine": "plain", "deepspeed_stage": None}
+    assert describe_resume(same, same) is None
 
 
 class _Payload:
