@@ -307,8 +307,9 @@ def test_config_checks(tmp_path):
         _config(tmp_path, "a", activation_offload=True, gradient_checkpointing=False).validate()
     with pytest.raises(ConfigError, match="tiled_mlp_tile must be >= 1"):
         _config(tmp_path, "b", tiled_mlp=True, tiled_mlp_tile=0).validate()
-    with pytest.raises(ConfigError, match="tiled_mlp.*deepspeed.stage"):
+    with pytest.raises(ConfigError, match="tiled_mlp.*deepspeed.stage.*use distributed_backend=fsdp2"):
         _config(tmp_path, "c", tiled_mlp=True, deepspeed={"stage": 3}).validate()
+    _config(tmp_path, "d", tiled_mlp=True, distributed_backend="fsdp2").validate()  # sharded weights, tiled MLPs
 
 
 # ---------------------------------------------------------------------------------------------- memory plan

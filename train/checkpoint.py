@@ -568,25 +568,32 @@ def _split(layout: dict) -> str:
             f"{layout['micro_batch_rows']}")
 
 
-def _engine_name(stage) -> str:
+def _engine_name(values: dict) -> str:
+    """How the resume line names the engine of a layout: `engine` (trainer_state.json since FSDP2; older checkpoints
+    have only `deepspeed_stage`)."""
+    if values.get("engine") == "fsdp2":
+        return "FSDP2"
+    stage = values.get("deepspeed_stage")
     return "no DeepSpeed" if stage is None else f"ZeRO-{stage}"
 
 
 def describe_resume(saved: dict, current: dict) -> str | None:
     """What a resume changes of the checkpoint's layout (None: nothing): the dp / sp degrees, the split of a step
     into micro-batches, and what that did to the optimizer state. `saved`: trainer_state.json; `current`: the same
-    keys for this run (dp_size, sp_size, grad_accum, micro_batch_rows, world_size, deepspeed_stage)."""
+    keys for this run (dp_size, sp_size, grad_accum, micro_batch_rows, world_size, engine, deepspeed_stage)."""
     keys = ("dp_size", "sp_size", "grad_accum", "micro_batch_rows")
     if all(saved.get(k) == current[k] for k in keys):
         return None
 
     def layout(values: dict) -> str:
         return (f"dp={values.get('dp_size')} sp={values.get('sp_size')} grad_accum={values['grad_accum']} "
-                f"micro_batch_rows={values['micro_batch_rows']} ({_engine_name(values.get('deepspeed_stage'))})")
+                f"micro_batch_rows={values['micro_batch_rows']} ({_engine_name(values)})")
 
     before, now = int(saved["world_size"]), current["world_size"]
     if before == now:
         what = "optimizer state loaded as saved (the same number of processes)"
+    elif current["engine"] == "fsdp2":
+        what = f"weights and optimizer state resharded {before} → {now} FSDP2 shards (DCP)"
     elif current["deepspeed_stage"] is None:
         what = "optimizer state loaded whole, as saved (no DeepSpeed: it is not partitioned)"
     else:

@@ -381,8 +381,9 @@ class TrainConfig:
             raise ConfigError(f"tiled_mlp_tile must be >= 1 (or null: chosen), got {model.tiled_mlp_tile}")
         if model.tiled_mlp and ds.stage == 3:
             raise ConfigError("tiled_mlp: true needs deepspeed.stage null or 0-2: under ZeRO-3 the tiles' recomputation "
-                              "in backward would gather the partitioned MLP weights once per tile; set tiled_mlp=false "
-                              "or use deepspeed.stage 2")
+                              "in backward would gather the partitioned MLP weights once per tile; for sharded weights "
+                              "with tiled MLPs use distributed_backend=fsdp2 (deepspeed.stage=null; it gathers each "
+                              "decoder layer whole), else set tiled_mlp=false or use deepspeed.stage 2")
         if model.activation_offload and model.gradient_checkpointing is False:
             raise ConfigError("activation_offload: true moves the inputs that gradient checkpointing keeps; it needs "
                               "gradient_checkpointing: true (or auto, which it turns on); got gradient_checkpointing: "

@@ -64,7 +64,7 @@ from train.config import TrainConfig
 from train.preflight import Preflight, preflight
 from train.data import StepPlan, StepSampler
 from train.distributed import Mesh, all_reduce_sum, build_mesh, default_device, init_distributed
-from train.engines import Engine, build_engine
+from train.engines import Engine, build_engine, saved_with
 from train.images import SELF_CHECK_MAX_TOKENS
 from train.metrics import EvalProgress, MetricsLogger, plot_losses, step_progress, truncate_log
 from train.moe import real_tokens, resolve_router_aux
@@ -519,7 +519,7 @@ class Trainer:
     def _trainer_state(self) -> dict:
         epoch, in_epoch = self.sampler.position(self.step)
         return {"step": self.step, "epoch": epoch, "step_in_epoch": in_epoch, **self._step_layout(),
-                "seed": self.cfg.steps.seed, "world_size": self.mesh.world_size,
+                "seed": self.cfg.steps.seed, "world_size": self.mesh.world_size, "engine": self.engine.name,
                 "deepspeed_stage": self.cfg.deepspeed.stage, "data": self._data_identity(),
                 "model": self.model_identity}
 
@@ -616,8 +616,9 @@ class Trainer:
         if self.mesh.is_main:
             truncate_log(self.cfg.checkpoint.output_dir, self.step)
         change = None if "rows_per_step" not in state else describe_resume(
-            state, {**self._step_layout(), "world_size": self.mesh.world_size,
-                    "deepspeed_stage": self.cfg.deepspeed.stage})
+            {**state, "engine": state.get("engine", saved_with(path))},  # older checkpoints: from their files
+            {**self._step_layout(), "world_size": self.mesh.world_size, "engine": self.engine.name,
+             "deepspeed_stage": self.cfg.deepspeed.stage})
         self.console(f"resumed from {path} at step {self.step}" + (f"; {change}" if change else ""))
 
     def export(self, out_dir: Path) -> Path:
