@@ -1,6 +1,7 @@
 """Helpers for the trainer tests: synthetic packed datasets, a tiny saved Qwen2, multi-process runs."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -88,6 +89,17 @@ def save_tiny_model(path: Path, tie: bool = False) -> Path:
 def write_config(path: Path, **values) -> Path:
     path.write_text(yaml.safe_dump(values))
     return path
+
+
+@contextlib.contextmanager
+def in_project_root():
+    """The shipped configs hold paths relative to the project root (../shared/fixtures, configs/...)."""
+    previous = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
 
 
 def free_port() -> int:

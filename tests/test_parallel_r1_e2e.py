@@ -6,7 +6,6 @@ tiny Qwen2 of configs/model/tiny_qwen2_qwen_vocab.json on the packed output.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import re
@@ -19,6 +18,7 @@ import orjson
 import pytest
 import torch
 
+from tests._train_helpers import in_project_root
 from tests.conftest import ROOT, fixture_path, tokenizer_dir
 
 DATA_CONFIG = ROOT / "configs" / "data" / "parallel_r1.json"
@@ -27,17 +27,6 @@ N_ROWS = 341
 TAG_PAIRS = (("<Parallel>", "</Parallel>"), ("<Path>", "</Path>"), ("<Summary>", "</Summary>"))
 IGNORE_INDEX = -100
 MALFORMED_UID = 327  # the one row with unbalanced tags (an unclosed <Summary>), checked from the raw text below
-
-
-@contextlib.contextmanager
-def _in_project_root():
-    """The configs hold paths relative to the project root (../shared/fixtures, configs/...)."""
-    previous = os.getcwd()
-    os.chdir(ROOT)
-    try:
-        yield
-    finally:
-        os.chdir(previous)
 
 
 def _raw_outputs() -> list[str]:
@@ -73,7 +62,7 @@ def pipeline_cfg(tmp_path_factory):
     from data.pipeline import run_pipeline
 
     out = tmp_path_factory.mktemp("parallel_r1") / "data"
-    with _in_project_root():
+    with in_project_root():
         cfg = load_config(DATA_CONFIG, [f"output_dir={out}", "num_workers=1"])
         cfg.validate()
         run_pipeline(cfg)
@@ -143,7 +132,7 @@ def test_on_error_error_names_the_malformed_record(pipeline_cfg, tmp_path):
     shutil.copy(pipeline_cfg.merged_path, tmp_path / "merged.jsonl")
     lines = pipeline_cfg.merged_path.read_bytes().splitlines()
     line = 1 + next(i for i, raw in enumerate(lines) if orjson.loads(raw)["meta"]["uid"] == MALFORMED_UID)
-    with _in_project_root():
+    with in_project_root():
         cfg = load_config(DATA_CONFIG, [f"output_dir={tmp_path}", "on_error=error", "num_workers=1"])
         cfg.stages = ["tokenize"]
         cfg.validate()
@@ -246,7 +235,7 @@ def test_trainer_trains_with_structured_attention(pipeline_cfg, tmp_path):
 
     # The logged step-1 loss is the one with the Parallel-R1 positions AND mask: a trainer missing either (or both)
     # logs one of the other variants, each measurably different (the runs are deterministic on CPU).
-    with _in_project_root():
+    with in_project_root():
         cfg = load_config(TRAIN_CONFIG, [*args[:1], f"output_dir={tmp_path / 'probe'}", "max_steps=3"])
         losses = _first_step_losses(cfg)
     tolerance = 1e-5

@@ -10,14 +10,12 @@ a step of two rows is two micro-batches in one process, one row per rank under d
 under sp = 2 (the first row's second image, tokens 157-222 of 316, on both ranks)."""
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 
 import pytest
 import torch
 
-from tests._train_helpers import ROOT, one_thread, run_train  # noqa: F401  (one_thread is a fixture)
+from tests._train_helpers import ROOT, in_project_root, one_thread, run_train  # noqa: F401  (one_thread: a fixture)
 from tests.conftest import fixture_path
 
 pytestmark = pytest.mark.vision
@@ -28,17 +26,6 @@ RTOL = 1e-5
 STEPS = 2
 
 
-@contextlib.contextmanager
-def _in_project_root():
-    """The example configs hold paths relative to the project root (../shared/fixtures, configs/model/...)."""
-    previous = os.getcwd()
-    os.chdir(ROOT)
-    try:
-        yield
-    finally:
-        os.chdir(previous)
-
-
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory):
     """The example's data pipeline, run once for the module: (packed dir, eval split's packed dir)."""
@@ -47,7 +34,7 @@ def packed(tmp_path_factory):
     from data.pipeline import run_pipeline
 
     out = tmp_path_factory.mktemp("vision_data")
-    with _in_project_root():
+    with in_project_root():
         cfg = load_config(DATA_CONFIG, [f"output_dir={out}", "max_length=400", "eval_size=1"])
         cfg.validate()
         run_pipeline(cfg)
@@ -66,7 +53,7 @@ def _train(overrides: list[str]) -> tuple[list[dict], list[str]]:
     from train.trainer import Trainer
 
     lines: list[str] = []
-    with _in_project_root():
+    with in_project_root():
         log = Trainer(load_config(TRAIN_CONFIG, overrides), console=lines.append).train()
     return log, lines
 
@@ -166,7 +153,7 @@ def test_self_check_says_why_it_skips_long_image_sequences(packed, tmp_path, mon
 
     monkeypatch.setattr(train.trainer, "SELF_CHECK_MAX_TOKENS", 100)  # the example's sequences have 140-195 tokens
     lines: list[str] = []
-    with _in_project_root():
+    with in_project_root():
         train.trainer.Trainer(load_config(TRAIN_CONFIG, _overrides(packed, tmp_path / "out")), console=lines.append)
     assert "self-check skipped: the first 3 rows hold fewer than 2 sequences of 2 to 100 tokens, which it checks " \
            "whole (images are never cut" in "\n".join(lines), lines

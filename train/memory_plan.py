@@ -181,8 +181,8 @@ def choose_checkpointing(shape: ModelShape, tokens: int, free_bytes: int, state_
                          loss_chunk: int, headroom: float = 0.1, tile: int | None = None) -> CheckpointingDecision:
     """Checkpoint the fewest decoder layers (the first k) with which the model state plus the activations of a
     `tokens`-long micro-batch (tiled_mlp's `tile` counted) fit the free memory less `headroom`: none when all
-    activations fit, else the k of the smallest estimate. Each layer left out saves its recomputation (about a third
-    of its step time). The last layer is never worth checkpointing: its own activations are what one recomputed
+    activations fit, else the k of the smallest estimate. Each layer left out saves its recomputation (one more
+    forward: a third of the layer's forward + backward FLOPs). The last layer is never worth checkpointing: its own activations are what one recomputed
     layer would hold (k = n - 1 estimates less than k = n)."""
     if not 0.0 <= headroom < 1.0:
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
