@@ -70,23 +70,6 @@ def model_config(shape: str, layers: int | None, max_positions: int):
     return cls(**fields)
 
 
-def offload_host_bytes(cfg, length: int, act_bytes: int) -> int:
-    """Pinned host memory the offload holds at the end of forward: every layer's checkpointed input, each rounded up
-    to a power of two as torch's pinned-memory allocator does (a 3 GiB buffer takes 4)."""
-    return cfg.num_hidden_layers * (1 << (length * cfg.hidden_size * act_bytes - 1).bit_length())
-
-
-def available_host_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (None where there is none)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def run_step(spec: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -198,11 +181,13 @@ def not_started(spec: dict, deadline: float | None) -> str | None:
     if deadline is not None and time.time() >= deadline:
         return "not run: the deadline had passed"
     if OPTIONS[spec["option"]][2] and spec["device"] == "cuda":
-        need = offload_host_bytes(model_config(spec["shape"], spec["layers"], spec["sequence"]), spec["length"],
-                                  2 if spec["bf16"] else 4)
-        free = available_host_bytes()
-        if free is not None and need > 0.9 * free:
-            return f"not run: the offload needs {gib(need)} GiB of host memory, {gib(free)} GiB available"
+        from train import memory_plan
+
+        shape = memory_plan.ModelShape.from_hf_config(model_config(spec["shape"], spec["layers"], spec["sequence"]))
+        problem = memory_plan.host_offload_problem(shape, spec["length"], 2 if spec["bf16"] else 4,
+                                                   memory_plan.available_host_bytes())
+        if problem:
+            return f"not run: {problem}"
     return None
 
 

@@ -546,11 +546,12 @@ class SequenceTally:
 @dataclass(frozen=True)
 class PartitionPlan:
     """What `plan_partition` returns: the rows it kept (saved), the sequences of the rows it released for the
-    global pass (tokenized row indices, their lengths, their uid counts and uids), the tally of what it read; or,
+    global pass (tokenized row indices, their lengths, their byte sizes, their uid counts and uids), the tally of what it read; or,
     for a partition with rows over pack.max_length, those rows and nothing else."""
     kept: PlacedRows | None
     released: np.ndarray
     released_lengths: np.ndarray
+    released_nbytes: np.ndarray
     released_n_uids: np.ndarray
     released_uids: np.ndarray
     read: SequenceTally
@@ -581,13 +582,13 @@ class RowSpan:
 
 
 def save_rows(rows: RowPlan, row_tokens: np.ndarray, plan_path: str, max_shard_bytes: int,
-              token_bytes: int) -> PlacedRows:
-    """Save `rows` (tokenized row indices, `row_tokens` tokens each) to `plan_path` (.members.npy, .starts.npy)
-    and cut them into output shards."""
+              row_nbytes: np.ndarray) -> PlacedRows:
+    """Save `rows` (tokenized row indices, `row_tokens` tokens and `row_nbytes` bytes each: token records and
+    images) to `plan_path` (.members.npy, .starts.npy) and cut them into output shards."""
     np.save(f"{plan_path}.members.npy", rows.members)
     np.save(f"{plan_path}.starts.npy", rows.starts)
     return PlacedRows(plan_path, len(rows), Counts.of(row_tokens), Counts.of(rows.sizes),
-                      shard_ranges((row_tokens * token_bytes).tolist(), max_shard_bytes))
+                      shard_ranges(row_nbytes.tolist(), max_shard_bytes))
 
 
 def load_rows(plan_path: str, first: int, end: int) -> RowPlan:
@@ -616,12 +617,13 @@ def partition_rows(lengths: np.ndarray, max_length: int, seed: int, algorithm: s
 
 
 def global_pass(loose: np.ndarray, loose_lengths: np.ndarray, max_length: int, seed: int, algorithm: str,
-                loose_layers: np.ndarray | None = None) -> tuple[RowPlan, np.ndarray]:
+                loose_layers: np.ndarray | None = None) -> tuple[RowPlan, RowPlan]:
     """The rows of the sequences the partitions released (`loose`, with their lengths and copy layers), in seeded
-    order (the last rows of packed/), and their tokens."""
+    order (the last rows of packed/): of tokenized row indices, and of positions in `loose` (to sum what is given
+    per loose sequence: tokens, bytes)."""
     seed = leftovers_seed(seed)
     rows = layout(plan_layers(loose_lengths, loose_layers, max_length, seed, algorithm), seed)
-    return RowPlan(loose[rows.members], rows.starts), rows.sums(loose_lengths)
+    return RowPlan(loose[rows.members], rows.starts), rows
 
 
 def plan_by_partitions(lengths: np.ndarray, max_length: int, seed: int = 0, algorithm: str = DEFAULT_ALGORITHM,
@@ -673,13 +675,15 @@ def plan_partition(task: Partition) -> PartitionPlan:
     empty = np.zeros(0, dtype=np.int64)
     over = np.flatnonzero(lengths > task.max_length)
     if over.size:
-        return PartitionPlan(None, empty, empty, empty, empty, read,
+        return PartitionPlan(None, empty, empty, empty, empty, empty, read,
                              Overlong(task.first + int(over[0]), int(lengths[over[0]]), int(over.size)))
     n_uids = np.asarray(seqs["n_uids"], dtype=np.int64)
     kept, loose = partition_rows(lengths, task.max_length, task.seed, task.algorithm, copy_layers(n_uids, uids))
+    nbytes = src.row_nbytes(task.first, task.end)
     placed = save_rows(RowPlan(kept.members + task.first, kept.starts), kept.sums(lengths), task.plan_path,
-                       task.max_shard_bytes, src.dtype.itemsize)
-    return PartitionPlan(placed, loose + task.first, lengths[loose], *select_uids(n_uids, uids, loose), read)
+                       task.max_shard_bytes, kept.sums(nbytes))
+    return PartitionPlan(placed, loose + task.first, lengths[loose], nbytes[loose],
+                         *select_uids(n_uids, uids, loose), read)
 
 
 def write_rows(writer: ShardWriter, src: PackedDataset, rows: RowPlan) -> tuple[dict[int, Counts], np.ndarray, int]:
@@ -761,7 +765,7 @@ def plan_all(executor: Executor, src: PackedDataset, cfg: DataConfig, plans_dir:
                        shard_bytes)
              for k, first in enumerate(range(0, len(src), PARTITION_SEQUENCES)))
     result = PackPlan([], SequenceTally())
-    released, released_lengths, released_n_uids, released_uids, overlong = [], [], [], [], []
+    released, released_lengths, released_nbytes, released_n_uids, released_uids, overlong = [], [], [], [], [], []
     for plan in executor.map(plan_partition, tasks):
         result.read += plan.read
         if plan.overlong is not None:
@@ -770,6 +774,7 @@ def plan_all(executor: Executor, src: PackedDataset, cfg: DataConfig, plans_dir:
         result.placed.append(plan.kept)
         released.append(plan.released)
         released_lengths.append(plan.released_lengths)
+        released_nbytes.append(plan.released_nbytes)
         released_n_uids.append(plan.released_n_uids)
         released_uids.append(plan.released_uids)
     if overlong:
@@ -780,10 +785,11 @@ def plan_all(executor: Executor, src: PackedDataset, cfg: DataConfig, plans_dir:
     def joined(arrays: list[np.ndarray]) -> np.ndarray:
         return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
 
-    loose = joined(released)
-    rows, row_tokens = global_pass(loose, joined(released_lengths), cap, cfg.seed, algorithm,
-                                   copy_layers(joined(released_n_uids), joined(released_uids)))
-    result.placed.append(save_rows(rows, row_tokens, str(plans_dir / "global"), shard_bytes, src.dtype.itemsize))
+    loose, loose_lengths = joined(released), joined(released_lengths)
+    rows, in_loose = global_pass(loose, loose_lengths, cap, cfg.seed, algorithm,
+                                 copy_layers(joined(released_n_uids), joined(released_uids)))
+    result.placed.append(save_rows(rows, in_loose.sums(loose_lengths), str(plans_dir / "global"), shard_bytes,
+                                   in_loose.sums(joined(released_nbytes))))
     return result
 
 

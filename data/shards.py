@@ -178,6 +178,11 @@ class _ShardBuffer:
         self.image_hash = hashlib.blake2b(digest_size=32)
         self.image_bytes = 0
 
+    @property
+    def size(self) -> int:
+        """What `max_shard_bytes` bounds: the token records and the images' bytes."""
+        return self.n_bytes + self.image_bytes
+
     def add_image(self, seq: int, image: StoredImage) -> None:
         self.images.append((seq, self.image_bytes, len(image.data), int(image.n_tokens), tuple(image.grid)))
         self.add_image_bytes(image.data)
@@ -375,9 +380,9 @@ class ShardWriter:
         recs = [-1] * n if record_indices is None else [int(r) for r in record_indices]
 
         # validated: from here on the writer's state changes
-        row_bytes = row_tokens.nbytes
+        row_bytes = row_tokens.nbytes + sum(len(image.data) for seq_images in images or () for image in seq_images)
         shard = self._current
-        if shard is not None and shard.n_bytes > 0 and shard.n_bytes + row_bytes > self.max_shard_bytes:
+        if shard is not None and shard.size > 0 and shard.size + row_bytes > self.max_shard_bytes:
             self._finish_shard()
             shard = None
         if shard is None:
@@ -402,7 +407,7 @@ class ShardWriter:
         shard.rows.append((shard.n_tokens, n_tok, seq_offset, n, row_loss, row_turns, row_samples, crc))
         shard.append(row_data)
         shard.n_tokens += n_tok
-        shard.n_bytes += row_bytes
+        shard.n_bytes += row_tokens.nbytes
         self._add_category_counts(cats, trained)
         self._max_token_id = max(self._max_token_id, int(row_tokens["input_ids"].max()))
 
@@ -463,8 +468,8 @@ class ShardWriter:
             if a >= b:
                 continue
             rows = src._rows[k][a:b]
-            cutter = ShardCutter(self.max_shard_bytes, self._current.n_bytes if self._current is not None else 0)
-            cuts = cutter.cut(rows["n_tokens"] * self.dtype.itemsize)
+            cutter = ShardCutter(self.max_shard_bytes, self._current.size if self._current is not None else 0)
+            cuts = cutter.cut(src._local_row_nbytes(k, a, b))
             for j, (run_start, run_end) in enumerate(zip([0, *cuts], [*cuts, len(rows)])):
                 if j:  # a run after a cut starts a shard (the first may be empty: a cut before the first row)
                     self._finish_shard()
@@ -949,6 +954,25 @@ class PackedDataset:
         end = self._n if end is None else min(end, self._n)
         return _concat_shards([self._rows[k][name][a:b] for k, a, b in self._shard_spans(start, end)],
                               ROW_DTYPE[name])
+
+    def row_nbytes(self, start: int = 0, end: int | None = None) -> np.ndarray:
+        """The size of each row of `[start, end)` as `pack.shard_size_mb` counts it: its token records and its
+        images' encoded bytes (from the index only)."""
+        end = self._n if end is None else min(end, self._n)
+        return _concat_shards([self._local_row_nbytes(k, a, b) for k, a, b in self._shard_spans(start, end)],
+                              np.dtype(np.int64))
+
+    def _local_row_nbytes(self, shard: int, a: int, b: int) -> np.ndarray:
+        rows = self._rows[shard][a:b]
+        nbytes = rows["n_tokens"].astype(np.int64) * self.dtype.itemsize
+        if self.has_images and len(self._images[shard]):
+            index = self._images[shard]
+            before = np.concatenate([[0], np.cumsum(index["n_bytes"], dtype=np.int64)])
+            first = rows["seq_offset"].astype(np.int64)
+            lo = np.searchsorted(index["seq"], first, "left")
+            hi = np.searchsorted(index["seq"], first + rows["n_seqs"], "left")
+            nbytes += before[hi] - before[lo]
+        return nbytes
 
     def row_range_sequences(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         """The per-sequence index records (`SEQ_DTYPE`) and the uids of rows `[start, end)`, in row order."""

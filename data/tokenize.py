@@ -624,11 +624,10 @@ class ShardPlan:
         self.cutter = ShardCutter(writer.max_shard_bytes)
         self.shards: list[list[RowSegment]] = [[]]
 
-    def add(self, part: str, rows: int, tokens: int) -> None:
-        """The next part: `rows` rows of `tokens` tokens in all."""
-        itemsize = self.writer.dtype.itemsize
-        cuts = self.cutter.cut_lazily(tokens * itemsize,
-                                      lambda: PackedDataset(part, verify="off").row_n_tokens * itemsize)
+    def add(self, part: str, rows: int, tokens: int, image_bytes: int = 0) -> None:
+        """The next part: `rows` rows of `tokens` tokens and `image_bytes` of images in all."""
+        cuts = self.cutter.cut_lazily(tokens * self.writer.dtype.itemsize + image_bytes,
+                                      lambda: PackedDataset(part, verify="off").row_nbytes())
         for j, (start, end) in enumerate(zip([0, *cuts], [*cuts, rows])):
             if j:  # a run after a cut starts a shard (the first may be empty: a cut before the first row)
                 self.shards.append([])
@@ -697,7 +696,7 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
                 tally.merge(done.tally)
                 bar.update(done.n_bytes)
                 if done.part is not None:
-                    plan.add(done.part, done.tally.n_out, done.tally.n_tokens)
+                    plan.add(done.part, done.tally.n_out, done.tally.n_tokens, done.tally.n_image_bytes)
         if tally.n_out == 0:
             raise ConfigError(f"tokenize: no record of {cfg.merged_path} survived ({tally.n_in} in, dropped "
                               f"{sorted_counts(tally.dropped)})")

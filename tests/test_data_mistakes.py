@@ -116,6 +116,7 @@ def qwen_ctx_args():
     return tok, analyze_template(tok)
 
 
+@pytest.mark.serial  # times the rejection
 @pytest.mark.parametrize("role", ["user", "assistant"])
 def test_a_multi_megabyte_message_is_rejected_as_overlong_without_encoding_it(qwen_ctx_args, role):
     tok, info = qwen_ctx_args

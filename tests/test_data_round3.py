@@ -236,6 +236,7 @@ def _run_bounded(args, timeout=120):
                           timeout=timeout, env=dict(os.environ, PYTHONPATH=str(ROOT)))
 
 
+@pytest.mark.serial  # render_timeout 0.5 s: the other records must render within it
 @pytest.mark.parametrize("stage, workers", [("tokenize", 1), ("tokenize", 2), ("merge", 1)])
 def test_a_template_that_loops_on_one_record_is_an_error_naming_template_and_record(tmp_path, stage, workers):
     template = _looping_template(tmp_path, "SPIN")
@@ -268,6 +269,7 @@ def test_a_template_that_loops_on_every_conversation_is_refused_before_any_stage
         "template, or raise render_timeout (null: no bound)")
 
 
+@pytest.mark.serial  # times the bound's cost per record
 def test_time_bound_costs_little_and_leaves_nothing_behind():
     import time
 

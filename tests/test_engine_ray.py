@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -r requirements-ray.txt)")
-pytestmark = pytest.mark.timeout(300)  # a worker that cannot start is retried by Ray forever: fail instead
+pytestmark = [pytest.mark.timeout(300), pytest.mark.serial]  # a worker that cannot start is retried by Ray forever: fail instead
 
 from data import engine_ray, pack, pipeline, preprocess, tokenize  # noqa: E402
 from data.config import STAGES, load_config  # noqa: E402

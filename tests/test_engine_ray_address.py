@@ -12,6 +12,8 @@ import pytest
 from common.config import ConfigError
 from data.engine_ray import address_endpoint, check_reachable
 
+pytestmark = pytest.mark.serial  # scripts/test.sh runs these alone (see pytest.ini)
+
 
 def _closed_port() -> int:
     with socket.socket() as s:

@@ -3,7 +3,7 @@ the whole example pipeline gives the bytes of engine: local, with work placed on
 import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -r requirements-ray.txt)")
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.serial]
 
 from data import merge, tokenize  # noqa: E402
 from tests.test_engine_ray import assert_same_outputs, fault_hooks, run_local_then_ray  # noqa: E402

@@ -128,6 +128,82 @@ def test_image_store_round_trips_copies_and_checks_image_bytes(tmp_path):
         ShardWriter(tmp_path / "text").add_row([_seq([1, 7])], images=[[a]])
 
 
+def _shard_sizes(ds: PackedDataset) -> list[int]:
+    return [sum(info["bytes"] for kind, info in shard["files"].items() if kind in ("tokens", "image_data"))
+            for shard in ds.meta["shards"]]
+
+
+def _assert_cut_by_the_writers_rule(ds: PackedDataset, max_bytes: int, greedy: bool = True) -> None:
+    """Shards of token records and image bytes each within the bound (or one row alone); `greedy`: each but the
+    last closed only because the next row would have passed it (pack closes a shard at the end of each plan too)."""
+    nbytes = ds.row_nbytes().tolist()
+    sizes, rows = _shard_sizes(ds), [shard["rows"] for shard in ds.meta["shards"]]
+    assert sum(sizes) == sum(nbytes) and sum(rows) == len(ds)
+    first = 0
+    for k, (size, n) in enumerate(zip(sizes, rows)):
+        assert size == sum(nbytes[first:first + n])
+        assert size <= max_bytes or n == 1
+        if greedy and k + 1 < len(sizes):
+            assert size + nbytes[first + n] > max_bytes
+        first += n
+
+
+def test_shard_size_counts_the_images_bytes(tmp_path, monkeypatch):
+    """`pack.shard_size_mb` bounds a shard's token records and image bytes together on every path that cuts
+    shards: the writer row by row, its bulk copy, tokenize's plan over its parts and pack's plans (partitions and
+    the global pass; 1 and 3 workers byte-identical). Images are ~200x the tokens here, as in real image data."""
+    from data import pack
+    from data.tokenize import ShardPlan
+    from tests.test_pack_roundtrip import config
+
+    monkeypatch.setattr(pack, "PARTITION_SEQUENCES", 32)
+    rng = np.random.default_rng(3)
+    fields = ["input_ids", "labels", "category_ids", "turn_ids"]
+    mib = 1 << 20
+    with ShardWriter(tmp_path / "tokenized", token_fields=fields, kind="tokenized", images=True,
+                     max_shard_bytes=mib) as w:
+        for i in range(150):
+            ids = rng.integers(6, 500, int(rng.integers(20, 200)))
+            images = [StoredImage(rng.bytes(int(rng.integers(100_000, 400_000))), (1, 4, 4), 4)
+                      for _ in range(int(rng.integers(0, 3)))]
+            w.add_row([_seq(ids)], record_indices=[i], uids=[[i]], images=[images])
+        w.close({"tokenizer_path": "/tok", "tokenizer_hash": "abc", "max_length": 256, "categories": {"0": "c"}})
+    src = PackedDataset(tmp_path / "tokenized", verify="full")
+    assert (src.row_nbytes() > src.row_n_tokens * src.dtype.itemsize).sum() > 50
+    assert len(src.meta["shards"]) > 10
+    _assert_cut_by_the_writers_rule(src, mib)
+    with ShardWriter(tmp_path / "copy", token_fields=fields, kind="tokenized", images=True, max_shard_bytes=mib) as w:
+        w.add_rows(src, 0, 70)
+        w.add_rows(src, 70, len(src))
+        w.close()
+    assert _shard_sizes(PackedDataset(tmp_path / "copy")) == _shard_sizes(src)
+    # tokenize's plan: parts of 40 rows cut from their totals, the per-row sizes read only where a cut falls
+    with ShardWriter(tmp_path / "unused", token_fields=fields, kind="tokenized", images=True,
+                     max_shard_bytes=mib) as w:
+        plan = ShardPlan(w)
+        for first in range(0, len(src), 40):
+            part = tmp_path / f"part_{first}"
+            with ShardWriter(part, token_fields=fields, kind="tokenized", images=True) as pw:
+                pw.add_rows(src, first, first + 40)
+                pw.close()
+            counts = PackedDataset(part).meta["counts"]
+            plan.add(str(part), counts["rows"], counts["tokens"], counts["image_bytes"])
+        w.abort()
+    assert [sum(seg.end - seg.start for seg in shard) for shard in plan.shards] == [
+        shard["rows"] for shard in src.meta["shards"]]
+    outputs = {}
+    for workers in (1, 3):
+        cfg = config(tmp_path)  # pack.shard_size_mb=1
+        cfg.num_workers = workers
+        pack.run(cfg)
+        outputs[workers] = {p.name: p.read_bytes() for p in cfg.packed_dir.iterdir()}
+    assert outputs[1] == outputs[3]
+    packed = PackedDataset(cfg.packed_dir, verify="full")
+    assert packed.meta["counts"]["image_bytes"] == src.meta["counts"]["image_bytes"]
+    assert len(packed.meta["shards"]) > 10
+    _assert_cut_by_the_writers_rule(packed, mib, greedy=False)
+
+
 def test_text_pipeline_never_imports_pil_or_torchvision():
     """(transformers itself may import PIL where it is installed: the trainer's modules are not checked)"""
     code = ("import sys; import data.pipeline, data.preprocess, data.merge, data.tokenize, data.pack, data.images, "

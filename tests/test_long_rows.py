@@ -22,15 +22,19 @@ from tests._train_helpers import one_thread, random_rows, save_tiny_model, write
 from tests.model_zoo import VOCAB, tiny_config
 from train.activation_offload import HostOffload
 from train.attention import BACKENDS, AttentionContext, LayerKernels
+from train.distributed import build_mesh
 from train.families import FAMILIES
 from train.memory_plan import (
     LONG_ROW_SHAPES,
     LongRowOptions,
+    ModelShape,
     activation_bytes,
     choose_sp_degree,
     default_tile_tokens,
+    host_offload_problem,
     longest_row,
     model_state_bytes,
+    offload_host_bytes,
     row_fits,
     smallest_sp_degree,
 )
@@ -264,6 +268,43 @@ def test_offload_equals_checkpointing_alone(model_type):
     assert offloads[0]._last is None  # backward unpacked the chain: nothing held until the next forward
 
 
+@pytest.mark.gpu
+def test_offload_on_cuda_moves_the_layer_inputs_to_pinned_host_memory_and_stays_exact():
+    """The CUDA path (device-to-host copies on a side stream, copies back prefetched in backward): fp32 loss and
+    gradients those of checkpointing alone, and at the end of forward the layer inputs are off the GPU, in pinned
+    host buffers."""
+    device = torch.device("cuda")
+    config = tiny_config("qwen2", num_hidden_layers=6, layer_types=["full_attention"] * 6)
+    ids, positions, cu, weights = _row(3, (4096, 6000, 2000, 4288))  # 16,384 tokens: 4 MiB a layer input
+    results, after_forward = [], []
+    for offloaded in (False, True):
+        lm = _lm(config).to(device)
+        lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        offload = HostOffload() if offloaded else None
+        if offload is not None:
+            assert offload.install(lm) == 6
+        model = PackedCausalLM(lm, chunk_size=1024, num_categories=1)
+        attn = AttentionContext.for_micro_batch(cu, device, SDPA_KERNELS)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        loss = model(ids[None].to(device), positions[None].to(device), torch.roll(ids, -1).to(device),
+                     weights.to(device), torch.zeros(len(ids), dtype=torch.long, device=device), attn)[0]
+        torch.cuda.synchronize()
+        torch.empty(1, device=device)  # the allocator takes back the blocks whose copies have finished
+        after_forward.append(torch.cuda.memory_allocated() - before)
+        if offload is not None:
+            assert offload.packed == 6 and offload._last.host.is_pinned() and offload._last.host.device.type == "cpu"
+        loss.backward()
+        torch.cuda.synchronize()
+        results.append((float(loss.detach()), {n: p.grad.cpu() for n, p in model.named_parameters()
+                                               if p.grad is not None}))
+        if offload is not None:
+            assert offload._last is None  # backward unpacked the chain
+    _assert_same(results[1], results[0], "qwen2 on CUDA")
+    layer_input = len(ids) * config.hidden_size * 4
+    assert after_forward[0] - after_forward[1] >= 4 * layer_input, after_forward
+
+
 def test_offload_needs_checkpointing():
     with pytest.raises(ValueError, match="checkpointing"):
         HostOffload().install(_lm(tiny_config("qwen2")))
@@ -315,6 +356,7 @@ def test_config_checks(tmp_path):
 # ---------------------------------------------------------------------------------------------- memory plan
 QWEN_15B = LONG_ROW_SHAPES["Qwen2.5-1.5B"]
 GB = 10**9
+GIB = 2**30
 
 
 def test_tiled_mlp_keeps_one_tile_of_intermediates():
@@ -356,6 +398,70 @@ def test_smallest_sp_degree_is_the_first_that_fits():
     assert row_fits(QWEN_15B, longest, 80 * GB, state, options)
     assert not row_fits(QWEN_15B, longest + 1024, 80 * GB, state, options)
     assert smallest_sp_degree(QWEN_15B, longest, 80 * GB, state, options) == 1
+
+
+def test_offload_host_memory_is_every_layer_input_in_power_of_two_buffers():
+    llama = LONG_ROW_SHAPES["Llama-3-8B"]
+    assert offload_host_bytes(llama, 524288, 2) == 32 * 524288 * 4096 * 2 == 128 * GIB  # 4 GiB a layer
+    assert offload_host_bytes(llama, 393216, 2) == 128 * GIB  # 3 GiB a layer, rounded up to 4 by torch's allocator
+    assert offload_host_bytes(llama, 262144, 2) == 64 * GIB
+    assert offload_host_bytes(QWEN_15B, 131072, 2) == 28 * 512 * 2**20  # 384 MiB a layer, in 512 MiB buffers
+    assert host_offload_problem(llama, 262144, 2, None) is None  # the host unknown: not checked
+    assert host_offload_problem(llama, 262144, 2, 80 * GIB) is None  # 64 GiB <= 90% of 80
+    problem = host_offload_problem(llama, 262144, 2, 140 * GIB, ranks=2)  # two ranks share the machine
+    assert problem == ("activation_offload: a 262,144-token micro-batch per rank keeps 64.0 GiB of pinned host memory "
+                       "(32 layers × 2.00 GiB: 262,144 tokens × 4096 hidden × 2 bytes, rounded up to a power of two by "
+                       "torch's pinned allocator); this machine has 140.0 GiB available, 63.0 GiB usable per rank for "
+                       "its 2 ranks")
+
+
+def test_the_host_bounds_offload_in_the_plan():
+    llama = LONG_ROW_SHAPES["Llama-3-8B"]
+    state = model_state_bytes(llama.n_params, 0, 3, 8, bf16=True)  # adapters only: the frozen base's state
+    options = LongRowOptions(True, default_tile_tokens(llama.intermediate, 2), True)
+    row = 1 << 19
+    assert row_fits(llama, row // 4, 80 * GB, state, options)  # 128K per rank (32 GiB pinned): the GPU holds it
+    assert row_fits(llama, row // 4, 80 * GB, state, options, host_bytes=120 * GIB, host_ranks=4) is False  # 27 each
+    assert row_fits(llama, row // 4, 80 * GB, state, options, host_bytes=120 * GIB, host_ranks=1)  # 108 GiB usable
+    assert row_fits(llama, row // 4, 80 * GB, state, LongRowOptions(True), host_bytes=1) == row_fits(
+        llama, row // 4, 80 * GB, state, LongRowOptions(True))  # no offload: nothing asked of the host
+    gpu_only = choose_sp_degree(llama, row, 8, 80 * GB, state, options).degree
+    roomy = 8 * offload_host_bytes(llama, row // gpu_only, 2) * 10 // 9 + GIB  # 8 ranks on one machine
+    assert choose_sp_degree(llama, row, 8, 80 * GB, state, options, host_bytes=roomy, host_ranks=8).degree == gpu_only
+    tight = choose_sp_degree(llama, row, 8, 80 * GB, state, options, host_bytes=roomy // 2, host_ranks=8)
+    assert tight.degree == 2 * gpu_only  # the host, not the GPU, asks for more ranks
+    with pytest.raises(ValueError, match=r"over all 8 ranks \(sp degrees tried: \[1, 2, 4, 8\]\), activation_offload: "
+                                         r"a 65,536-token micro-batch per rank keeps 16.0 GiB.* usable per rank for its "
+                                         r"8 ranks; try more GPUs \(more machines\), activation_offload: false"):
+        choose_sp_degree(llama, row, 8, 80 * GB, state, options, host_bytes=40 * GIB, host_ranks=8)
+
+
+def test_the_trainer_refuses_an_offload_the_host_cannot_hold(tmp_path, monkeypatch):
+    """Checked before any weight loads, on a GPU only (CUDA faked: the device type and the host query are used)."""
+    import train.memory_plan as memory_plan
+    from train.preflight import preflight
+    from train.trainer import Trainer
+
+    cfg = _config(tmp_path, "offload", activation_offload=True)
+    trainer = Trainer.__new__(Trainer)
+    trainer.cfg, trainer.checked = cfg, preflight(cfg, 1)
+    trainer.mesh = dataclasses.replace(build_mesh(1), sp_size=2)
+    shape = ModelShape.from_hf_config(trainer.checked.model_config)
+    assert cfg.steps.micro_batch_rows == 1
+    need = offload_host_bytes(shape, 4096 // 2, 2 if cfg.model.bf16 else 4)
+    monkeypatch.setattr(memory_plan, "available_host_bytes", lambda: int(need / 0.9) - 1)
+    trainer.device = torch.device("cpu")
+    trainer._check_offload_host_memory(4096)  # on a CPU device the offload keeps its tensors: nothing to check
+    trainer.device = torch.device("cuda", 0)
+    with pytest.raises(ConfigError, match=r"a 2,048-token micro-batch per rank keeps .*; set a larger "
+                                          r"sequence_parallel_size \(or auto\), shorter rows \(max_length\) or "
+                                          r"activation_offload: false"):
+        trainer._check_offload_host_memory(4096)
+    monkeypatch.setattr(memory_plan, "available_host_bytes", lambda: int(need / 0.9) + 8)
+    trainer._check_offload_host_memory(4096)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks share that memory
+    with pytest.raises(ConfigError, match="usable per rank for its 2 ranks"):
+        trainer._check_offload_host_memory(4096)
 
 
 def test_offload_without_checkpointing_is_not_a_plan():

@@ -17,6 +17,8 @@ import pytest
 from common.lock import LOCK_NAME
 from tests._train_helpers import ROOT, random_rows, write_packed
 
+pytestmark = pytest.mark.serial  # scripts/test.sh runs these alone (see pytest.ini)
+
 
 def _processes_of(out: Path) -> list[int]:
     """Live (not zombie) processes whose command line names `out`."""

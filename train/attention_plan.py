@@ -21,7 +21,6 @@ kernels; `describe()` is the start line.
 """
 from __future__ import annotations
 
-import os
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
@@ -34,7 +33,7 @@ from train.attention import LayerKernels, layer_features
 from train.backend_names import AUTO, LLAMA3, TORCH, ULYSSES
 from train.composite import is_composite, text_decoder_of
 from train.config import LaunchSection, ModelSection, ParallelSection
-from train.distributed import Mesh
+from train.distributed import Mesh, ranks_per_machine
 from train.recurrent import sequence_parallel_problem as recurrent_sp_problem
 from train.rope import sequence_parallel_problem as rope_sp_problem
 from train.sequence_parallel import SP_BACKENDS, STRUCTURE_FIELDS, SPBackendUnavailable, shard_batch
@@ -128,7 +127,7 @@ def plan_sp_layout(parallel: ParallelSection, launch: LaunchSection, model_confi
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     n_heads = text.num_attention_heads
     n_kv_heads = getattr(text, "num_key_value_heads", None) or n_heads
-    per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or launch.processes_per_machine
+    per_machine = ranks_per_machine(launch.processes_per_machine)
     return choose_sp_layout(parallel.sp_backend, parallel.sequence_parallel_size, parallel.sp_ulysses_size, n_heads,
                             n_kv_heads, per_machine)
 

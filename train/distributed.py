@@ -45,6 +45,12 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def ranks_per_machine(configured: int) -> int:
+    """The processes sharing this machine (its GPUs, its host memory): the launcher's LOCAL_WORLD_SIZE, else the
+    config's `launch.processes_per_machine`."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or configured
+
+
 def init_distributed(timeout_minutes: int = 30) -> None:
     """Initialise torch.distributed from the launcher's environment, once (no-op for a single process)."""
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:

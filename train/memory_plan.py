@@ -137,6 +137,46 @@ def activation_bytes(shape: ModelShape, tokens: int, act_bytes: int, checkpointi
     return body + edges + head
 
 
+def offload_host_bytes(shape: ModelShape, tokens: int, act_bytes: int) -> int:
+    """Pinned host memory `activation_offload` holds at the end of a `tokens`-long micro-batch's forward: every
+    decoder layer's input, each buffer rounded up to a power of two as torch's pinned-memory allocator rounds it (a
+    384 MiB buffer takes 512)."""
+    return shape.n_layers * (1 << (tokens * shape.hidden * act_bytes - 1).bit_length())
+
+
+def available_host_bytes() -> int | None:
+    """The machine's MemAvailable (/proc/meminfo), None where there is none: the one input of the plan read from
+    the machine rather than given."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def host_offload_problem(shape: ModelShape, tokens: int, act_bytes: int, host_bytes: int | None, ranks: int = 1,
+                         headroom: float = 0.1) -> str | None:
+    """Why `activation_offload` cannot hold a `tokens`-long micro-batch per rank when `ranks` processes share a
+    machine with `host_bytes` available (None: unknown, not checked), or None when it can. The same headroom as
+    the GPU plan is kept for the rest of the process (data, the tokenizer, pinned staging buffers)."""
+    if host_bytes is None:
+        return None
+    need = offload_host_bytes(shape, tokens, act_bytes)
+    usable = int(host_bytes * (1.0 - headroom)) // max(ranks, 1)
+    if need <= usable:
+        return None
+    gib = 1 << 30
+    per_layer = need // shape.n_layers
+    return (f"activation_offload: a {tokens:,}-token micro-batch per rank keeps {need / gib:.1f} GiB of pinned host "
+            f"memory ({shape.n_layers} layers × {per_layer / gib:.2f} GiB: {tokens:,} tokens × {shape.hidden} hidden × "
+            f"{act_bytes} bytes, rounded up to a power of two by torch's pinned allocator); this machine has "
+            f"{host_bytes / gib:.1f} GiB available, {usable / gib:.1f} GiB usable per rank for its {ranks} "
+            f"rank{'s' if ranks != 1 else ''}")
+
+
 def model_state_bytes(n_params: int, n_trainable: int, deepspeed_stage: int | None, dp_size: int = 1,
                       offload_optimizer: bool = False, bf16: bool = True) -> int:
     """Weights + gradients + AdamW state on one GPU.
@@ -219,18 +259,24 @@ class LongRowOptions:
 
 
 def row_fits(shape: ModelShape, tokens: int, gpu_bytes: int, state_bytes: int, options: LongRowOptions,
-             act_bytes: int = 2, loss_chunk: int = 4096, headroom: float = 0.1) -> bool:
-    """Whether a micro-batch of `tokens` tokens per rank fits: model state + activations <= gpu_bytes less headroom."""
+             act_bytes: int = 2, loss_chunk: int = 4096, headroom: float = 0.1, host_bytes: int | None = None,
+             host_ranks: int = 1) -> bool:
+    """Whether a micro-batch of `tokens` tokens per rank fits: model state + activations <= gpu_bytes less headroom,
+    and with offload, its pinned buffers in `host_bytes` shared by `host_ranks` ranks (None: not checked)."""
     needed = state_bytes + activation_bytes(shape, tokens, act_bytes, options.checkpointing, loss_chunk,
                                             tile=options.tile, offload=options.offload)
-    return needed <= int(gpu_bytes * (1.0 - headroom))
+    if needed > int(gpu_bytes * (1.0 - headroom)):
+        return False
+    return not options.offload or host_offload_problem(shape, tokens, act_bytes, host_bytes, host_ranks,
+                                                       headroom) is None
 
 
 def smallest_sp_degree(shape: ModelShape, row: int, gpu_bytes: int, state_bytes: int, options: LongRowOptions,
                        degrees: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), **estimate) -> int | None:
     """The smallest sequence-parallel degree of `degrees` whose share of a `row`-token row (ceil(row / k) tokens)
     fits one GPU, or None when none does. `state_bytes`: the model state per GPU (it does not depend on the sp
-    degree under ZeRO-3 over the same world); `estimate`: act_bytes, loss_chunk, headroom of `row_fits`. The
+    degree under ZeRO-3 over the same world); `estimate`: act_bytes, loss_chunk, headroom, host_bytes, host_ranks
+    of `row_fits`. The
     collectives' transient buffers of the SP backends are not counted (a few percent, docs/TRAINING.md §9)."""
     return next((k for k in degrees if row_fits(shape, -(-row // k), gpu_bytes, state_bytes, options, **estimate)),
                 None)
@@ -253,23 +299,33 @@ class SPDegreeChoice:
 
 
 def choose_sp_degree(shape: ModelShape, row: int, world: int, gpu_bytes: int, state_bytes: int,
-                     options: LongRowOptions, **estimate) -> SPDegreeChoice:
+                     options: LongRowOptions, act_bytes: int = 2, loss_chunk: int = 4096, headroom: float = 0.1,
+                     host_bytes: int | None = None, host_ranks: int = 1) -> SPDegreeChoice:
     """`sequence_parallel_size: auto`: the smallest degree dividing `world` (a power of two, so the hybrid Ulysses
     layouts stay available) whose share of a `row`-token micro-batch fits one GPU of `gpu_bytes` next to
-    `state_bytes` of model state; every other factor of the world stays data parallel, which is cheaper than
-    sequence parallelism at equal memory. Raises ValueError naming the row, the memory and what could help when no
-    degree fits."""
+    `state_bytes` of model state, and with offload the host's `host_bytes` shared by `host_ranks` ranks; every other
+    factor of the world stays data parallel, which is cheaper than sequence parallelism at equal memory. Raises
+    ValueError naming the row, the memory and what could help when no degree fits."""
     degrees = tuple(k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if k <= world and world % k == 0)
-    degree = smallest_sp_degree(shape, row, gpu_bytes, state_bytes, options, degrees=degrees, **estimate)
-    if degree is None:
-        helps = [name for name, off in (("gradient_checkpointing: true", not options.checkpointing),
-                                        ("tiled_mlp: true", options.tile is None),
-                                        ("activation_offload: true", not options.offload)) if off]
-        raise ValueError(
-            f"sequence_parallel_size: auto: a {row:,}-token row does not fit {gpu_bytes / (1 << 30):.1f} GiB per GPU "
-            f"with {options.describe()} even over all {world} ranks (sp degrees tried: {list(degrees)}); "
-            + (f"try {', '.join(helps)}, " if helps else "") + "more GPUs, or shorter rows (max_length)")
-    return SPDegreeChoice(degree, row, gpu_bytes, options)
+    estimate = dict(act_bytes=act_bytes, loss_chunk=loss_chunk, headroom=headroom)
+    degree = smallest_sp_degree(shape, row, gpu_bytes, state_bytes, options, degrees=degrees, **estimate,
+                                host_bytes=host_bytes, host_ranks=host_ranks)
+    if degree is not None:
+        return SPDegreeChoice(degree, row, gpu_bytes, options)
+    tried = f"over all {world} ranks (sp degrees tried: {list(degrees)})"
+    widest = -(-row // degrees[-1])
+    if options.offload and row_fits(shape, widest, gpu_bytes, state_bytes, options, **estimate):
+        # the GPU would hold the widest split: the host's pinned memory is what runs out
+        problem = host_offload_problem(shape, widest, act_bytes, host_bytes, host_ranks, headroom)
+        raise ValueError(f"sequence_parallel_size: auto: {tried}, {problem}; try more GPUs (more machines), "
+                         "activation_offload: false, or shorter rows (max_length)")
+    helps = [name for name, off in (("gradient_checkpointing: true", not options.checkpointing),
+                                    ("tiled_mlp: true", options.tile is None),
+                                    ("activation_offload: true", not options.offload)) if off]
+    raise ValueError(
+        f"sequence_parallel_size: auto: a {row:,}-token row does not fit {gpu_bytes / (1 << 30):.1f} GiB per GPU "
+        f"with {options.describe()} even {tried}; "
+        + (f"try {', '.join(helps)}, " if helps else "") + "more GPUs, or shorter rows (max_length)")
 
 
 def longest_row(shape: ModelShape, gpu_bytes: int, state_bytes: int, options: LongRowOptions, granularity: int = 1024,

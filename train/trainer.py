@@ -63,7 +63,7 @@ from train.composite import copy_processor_files, processor_dir
 from train.config import TrainConfig
 from train.preflight import Preflight, preflight
 from train.data import StepPlan, StepSampler
-from train.distributed import Mesh, all_reduce_sum, build_mesh, default_device, init_distributed
+from train.distributed import Mesh, all_reduce_sum, build_mesh, default_device, init_distributed, ranks_per_machine
 from train.engines import Engine, build_engine, saved_with
 from train.images import SELF_CHECK_MAX_TOKENS
 from train.metrics import EvalProgress, MetricsLogger, plot_losses, step_progress, truncate_log
@@ -172,6 +172,7 @@ class Trainer:
         dtype = torch.bfloat16 if (cfg.model.bf16 and cfg.uses_deepspeed) else torch.float32
         row_length = int(self.dataset.meta.get("max_length") or int(np.max(self.dataset.row_n_tokens)))
         self.checkpointing, self.checkpointed_layers, self.checkpointing_reason = self._choose_checkpointing(row_length)
+        self._check_offload_host_memory(row_length)
         self.family = self._check_family()  # before any weight is loaded
         self.image_inputs = self._check_images()  # idem: how the model trains on the data's images, or why it cannot
         self.model_identity = model_identity(checked.model_config, cfg.lora)
@@ -252,26 +253,45 @@ class Trainer:
         configured long-row options (train/memory_plan.py), from the least free memory of all ranks; 1 on CPU."""
         if not torch.cuda.is_available():
             return 1, "auto: no CUDA device to size the rows against"
-        from train.memory_plan import LongRowOptions, ModelShape, choose_sp_degree, mlp_tile
+        from train.memory_plan import LongRowOptions, ModelShape, available_host_bytes, choose_sp_degree, mlp_tile
         from train.preflight import read_meta
 
         cfg = self.cfg
         row = cfg.data.online_max_length or int(read_meta(cfg.data.data_path)["max_length"])
         shape = ModelShape.from_hf_config(self.checked.model_config)
         free = torch.cuda.mem_get_info(default_device())[0]
-        if dist.is_initialized():  # every rank must choose the same degree
-            least = torch.tensor(free, dtype=torch.int64, device=default_device())
+        host = available_host_bytes()
+        if dist.is_initialized():  # every rank must choose the same degree: the least memory of all
+            least = torch.tensor([free, -1 if host is None else host], dtype=torch.int64, device=default_device())
             dist.all_reduce(least, op=dist.ReduceOp.MIN)
-            free = int(least)
+            free, host = int(least[0]), (None if int(least[1]) < 0 else int(least[1]))
         options = LongRowOptions(checkpointing=cfg.model.gradient_checkpointing is not False,
                                  tile=mlp_tile(cfg.model, shape.intermediate), offload=cfg.model.activation_offload)
         try:
             choice = choose_sp_degree(shape, row * cfg.steps.micro_batch_rows, world, free,
                                       self._model_state_bytes(shape, world), options,
-                                      act_bytes=2 if cfg.model.bf16 else 4, loss_chunk=cfg.steps.loss_chunk_size)
+                                      act_bytes=2 if cfg.model.bf16 else 4, loss_chunk=cfg.steps.loss_chunk_size,
+                                      host_bytes=host, host_ranks=ranks_per_machine(cfg.launch.processes_per_machine))
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         return choice.degree, choice.describe()
+
+    def _check_offload_host_memory(self, row_length: int) -> None:
+        """activation_offload on a GPU: a micro-batch's pinned layer inputs must fit the host memory available to
+        this rank (the machine's, shared by its ranks), checked before any weight loads; past it the kernel's OOM
+        killer would end the run in the middle of a forward."""
+        cfg = self.cfg
+        if not cfg.model.activation_offload or self.device.type != "cuda":
+            return  # on a CPU device the offload keeps the tensors where they are
+        from train.memory_plan import ModelShape, available_host_bytes, host_offload_problem
+
+        shape = ModelShape.from_hf_config(self.checked.model_config)
+        tokens = -(-row_length * cfg.steps.micro_batch_rows // self.mesh.sp_size)
+        problem = host_offload_problem(shape, tokens, 2 if cfg.model.bf16 else 4, available_host_bytes(),
+                                       ranks_per_machine(cfg.launch.processes_per_machine))
+        if problem:
+            raise ConfigError(f"{problem}; set a larger sequence_parallel_size (or auto), shorter rows (max_length) "
+                              "or activation_offload: false")
 
     def _check_family(self) -> str:
         """The model family's status (train/model_support.py); a family that cannot train exactly on packed rows
