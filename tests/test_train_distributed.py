@@ -106,8 +106,11 @@ def test_data_parallel_equals_accumulation(setup, reference, tmp_path, options):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_zero_matches_single_process(setup, reference, tmp_path, stage, one_thread):
+def test_deepspeed_zero_matches_single_process(setup, reference, tmp_path, stage, one_thread, monkeypatch):
+    """Also: DeepSpeed's CPU runs build no C++ op (its shared-memory all-reduce, inference only, is skipped)."""
     tmp, config = setup
+    extensions = tmp_path / "torch_extensions"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
     overrides = [f"output_dir={tmp_path / f'zero{stage}'}", f"deepspeed.stage={stage}", "launch.num_processes=2"]
     if stage == 2:  # DeepSpeed's own accumulation (2 micro-batches per rank; the 2nd step ends with fillers)
         ref_log, _ = _in_process(config, tmp_path / "ref4", "grad_accum=4")
@@ -131,6 +134,7 @@ def test_deepspeed_zero_matches_single_process(setup, reference, tmp_path, stage
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(out / "final")
+    assert not extensions.exists()  # nothing compiled (27 s a build on 2 cores)
 
 
 @pytest.mark.parametrize("options", [[], LONG_ROW_OPTIONS], ids=["plain", "long_row_options"])

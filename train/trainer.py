@@ -161,8 +161,9 @@ class Trainer:
         zero3 = cfg.deepspeed.stage == 3
         self._hf_ds_config = self.ds_config = None
         if cfg.uses_deepspeed:
-            from train.deepspeed_config import build_deepspeed_config
+            from train.deepspeed_config import build_deepspeed_config, skip_unused_cpu_comm_op
 
+            skip_unused_cpu_comm_op()  # before DeepSpeed's communication backend starts (zero.Init or initialize)
             self.ds_config = build_deepspeed_config(cfg)
             if zero3 and cfg.model.model_path is not None:
                 # from_pretrained then loads straight into partitions (zero.Init) instead of a full copy per rank
