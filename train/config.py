@@ -65,6 +65,7 @@ class DataSection:
     verify_data: Literal["full", "rows", "off"] = "rows"  # shard checks: per-row crc32 on read, + file hashes at start, none
     online_max_length: int | None = None  # data_path is a tokenized dataset packed on the fly (train/online.py)
     balance_dp: bool = False  # train/balance.py: balance the step's rows over dp ranks by tokens
+    prefetch_micro_batches: int = 2  # micro-batches built ahead on a thread (train/feed.py); 0: in the loop
 
 
 @dataclass
@@ -308,6 +309,8 @@ class TrainConfig:
              ">= 1 (or null)"),
             ("online_max_length", self.data.online_max_length,
              self.data.online_max_length is None or self.data.online_max_length >= 1, ">= 1 (or null)"),
+            ("prefetch_micro_batches", self.data.prefetch_micro_batches, self.data.prefetch_micro_batches >= 0,
+             ">= 0 (0: built in the loop)"),
             ("launch.main_process_port", launch.main_process_port, 0 < launch.main_process_port < 65536,
              "in [1, 65535]"),
             ("launch.machine_rank", launch.machine_rank, 0 <= launch.machine_rank < max(1, launch.num_machines),

@@ -62,6 +62,12 @@ class StepSampler:
         self._perm: np.ndarray | None = None
         self._costs: np.ndarray | None = None  # attention cost per row (balance), per epoch for online packing
 
+    @property
+    def replans(self) -> bool:
+        """Whether the dataset's rows change with the epoch (online packing): its length and rows move when a plan
+        reaches the next epoch."""
+        return self._replans
+
     def _use_epoch(self, epoch: int) -> int:
         """Make `epoch` the dataset's current epoch (online packing) and return its row count."""
         if self._replans:

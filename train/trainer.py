@@ -62,7 +62,8 @@ from train.checkpoint import (
 from train.composite import copy_processor_files, processor_dir
 from train.config import TrainConfig
 from train.preflight import Preflight, preflight
-from train.data import StepPlan, StepSampler
+from train.data import MicroBatchPlan, StepPlan, StepSampler
+from train.feed import InlineFeed, PrefetchFeed, open_feed
 from train.distributed import Mesh, all_reduce_sum, build_mesh, default_device, init_distributed, ranks_per_machine
 from train.engines import Engine, build_engine, saved_with
 from train.images import SELF_CHECK_MAX_TOKENS
@@ -433,17 +434,23 @@ class Trainer:
         return out if self.router_aux is not None else (*out, None)
 
     # ------------------------------------------------------------------ one optimizer step
-    def train_step(self, plan: StepPlan) -> dict:
+    def _build_micro_batch(self, plan: StepPlan, micro: MicroBatchPlan) -> dict:
+        return self._micro_batch(plan, micro.rows, micro.filler)
+
+    def train_step(self, plan: StepPlan, feed: InlineFeed | PrefetchFeed | None = None) -> dict:
         """One optimizer step; its record's `loss` is the LM loss, `aux_loss` (MoE) the router aux term, which the
-        step optimises too."""
+        step optimises too. `feed`: where its micro-batches come from (train/feed.py; None: built here), and
+        `batch_wait_s` in the record how long the step waited for them."""
         start = time.perf_counter()
+        feed = feed or InlineFeed(self.sampler, self._build_micro_batch, plan.step + 1, current=plan)
+        waited = feed.waited
         lr = self.scheduler.get_last_lr()[0]  # the lr this step applies (DeepSpeed steps the scheduler itself)
         C = self.num_categories
         # [loss, cat_loss_sum[C], cat_count[C], aux_loss] on the communication device: no host sync per micro-batch
         local = torch.zeros(2 + 2 * C, dtype=torch.float64, device=self._comm_device())
         last = len(plan.micro_batches) - 1
         for i, mb in enumerate(plan.micro_batches):
-            batch = self._micro_batch(plan, mb.rows, mb.filler)
+            batch = feed.micro_batch(i)
             weighted, cat_sum, cat_count, router_aux = self.forward_micro_batch(batch, mb.filler)
             objective = weighted
             if router_aux is not None:  # the step's aux term: the mean over its real micro-batches
@@ -470,6 +477,7 @@ class Trainer:
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens_per_s": n_tokens / elapsed if elapsed > 0 else 0.0,
+            "batch_wait_s": feed.waited - waited,
             "loss_tokens": plan.totals.n_loss_tokens,
             "tokens": n_tokens,
             "category_loss": cat_loss,
@@ -729,10 +737,11 @@ class Trainer:
             self._console_write(f"evaluating {self.eval_dataset.path} after step {self.total_steps}"
                                 + (f" and every {cfg.eval.eval_steps} steps" if cfg.eval.eval_steps else ""))
         first_step, started = self.step, time.perf_counter()
+        feed = open_feed(self.sampler, self._build_micro_batch, self.step, end, cfg.data.prefetch_micro_batches)
         try:
             while self.step < end:
-                plan = self.sampler.plan(self.step)
-                record = self.train_step(plan)
+                plan = feed.next_plan()
+                record = self.train_step(plan, feed)
                 self.step += 1
                 if self._evaluates_after(self.step):
                     record.update(self.evaluate())
@@ -745,6 +754,7 @@ class Trainer:
                 if cfg.checkpoint.save_steps and self.step % cfg.checkpoint.save_steps == 0 and self.step < end:
                     self.save()
         finally:
+            feed.close()
             if self._bar is not None:
                 self._bar.close()
             self._bar = None
