@@ -16,12 +16,12 @@ def record_rows(trainer, rows_dir: Path) -> None:
     file = rows_dir / f"rank_{trainer.mesh.rank}.jsonl"
     train_step = trainer.train_step
 
-    def recorded(plan):
+    def recorded(plan, feed=None):
         rows = [r for mb in plan.micro_batches if not mb.filler for r in mb.rows]
         with file.open("ab") as f:
             f.write(orjson.dumps({"step": plan.step + 1, "dp_rank": trainer.mesh.dp_rank,
                                   "sp_rank": trainer.mesh.sp_rank, "rows": rows}) + b"\n")
-        return train_step(plan)
+        return train_step(plan, feed)
 
     trainer.train_step = recorded
 
