@@ -89,7 +89,7 @@ def test_an_error_is_raised_where_the_loop_asks_for_what_could_not_be_built():
     feed = PrefetchFeed(_sampler(), build, 0, 4, depth=4)
     try:
         _drain(feed, 1)  # step 0 whole, though the thread has reached the error
-        plan = feed.next_plan()
+        feed.next_plan()
         feed.micro_batch(0), feed.micro_batch(1)
         with pytest.raises(ShardFormatError, match="row 7 is corrupt"):
             feed.micro_batch(2)

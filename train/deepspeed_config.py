@@ -93,18 +93,18 @@ def _pin_memory() -> bool:
     return torch.cuda.is_available()
 
 
-def skip_unused_cpu_comm_op() -> bool:
+def skip_unused_cpu_comm_op() -> None:
     """On DeepSpeed's CPU accelerator, skip the shared-memory all-reduce its communication backend compiles when it
-    starts (a JIT C++ build: 27 s on the 2-core CI machine, again for every new checkout or environment path), which
+    starts (a JIT C++ build: 27 s on a 2-core VM, about 2 minutes in ../shared/NOTES.md, again for every new checkout
+    or environment path), which
     only `inference_all_reduce` uses: training never calls it, and that call falls back to the process group's
     all_reduce without it. DeepSpeed decides from its table of compatible ops (`deepspeed.ops.__compatible_ops__`,
-    probed once per process and kept so that edits persist); the op is marked incompatible there. Returns whether it
-    was (False on other accelerators, where the op does not exist)."""
+    probed once per process and kept so that edits persist); the op is marked incompatible there. Other
+    accelerators have no such op: nothing changes."""
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if get_accelerator().device_name() != "cpu" or builder is None:
-        return False
-    deepspeed.ops.__compatible_ops__[builder.NAME] = False
-    return True
+    accelerator = get_accelerator()
+    builder = accelerator.create_op_builder("ShareMemCommBuilder") if accelerator.device_name() == "cpu" else None
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
