@@ -98,12 +98,17 @@ def _pil():
 
 
 def decode_image(data: bytes, source: str, where: str):
-    """Encoded bytes -> an RGB PIL image (what LLaMA-Factory and the processors' examples feed the processor)."""
+    """Encoded bytes -> the PIL image as Pillow opens the file (decoded, in its own mode), which is what
+    `processor(images=Image.open(path))` receives: the image processor's own conversion (`do_convert_rgb`:
+    transformers' `convert_to_rgb`, which composites transparency onto white, as Qwen's own preprocessing does) then
+    makes the pixel values exactly the processor's for that file. Converting to RGB here would drop the alpha channel
+    instead: a transparent pixel would keep its hidden colour (often black) where the processor gives white. EXIF
+    orientation is not applied (neither does the processor on an opened image, nor LLaMA-Factory)."""
     Image = _pil()
     try:
-        with Image.open(io.BytesIO(data)) as img:
-            img.load()
-            return img.convert("RGB")
+        img = Image.open(io.BytesIO(data))  # in memory: no file handle to close
+        img.load()
+        return img
     except Exception as exc:  # PIL raises several types (UnidentifiedImageError, OSError, DecompressionBombError)
         raise RecordError(source, where, f"unreadable image: {type(exc).__name__}: {exc}", "bad_image") from None
 
@@ -261,6 +266,8 @@ class ImageLoader:
         return cls(spec["processor_path"], spec.get("min_pixels"), spec.get("max_pixels"))
 
     def __call__(self, datas: list[bytes], grids: np.ndarray) -> tuple[Any, Any]:
+        """The images' (pixel_values, image_grid_thw): exactly the image processor's on each file as Pillow opens it
+        (`decode_image`), each image processed alone by it whatever the others of the micro-batch."""
         processor = self.vision.processor
         pil = [decode_image(data, "shards", f"image {k}") for k, data in enumerate(datas)]
         out = processor.image_processor(images=pil, return_tensors="pt", **self.vision.images_kwargs)
