@@ -232,9 +232,10 @@ def _stage_problem(cfg: DataConfig, stage: str, rec: dict) -> str | None:
     for name in list(recorded_inputs) + [n for n in reads if n not in recorded_inputs]:
         old, new = recorded_inputs.get(name), identity(reads[name]) if name in reads else None
         if old != new:
-            what = "a new input" if old is None and name in reads else "an input"
             where = name if stage == "preprocess" else str(cfg.out / name)
-            return f"{what} of {stage}, {where}, {_identity_change(old, new)} since {stage} ran"
+            if old is None:
+                return f"{where} is an input of {stage} now, which it did not read when it ran"
+            return f"an input of {stage}, {where}, {_identity_change(old, new)} since {stage} ran"
     for name, path in written.items():
         old = rec.get("outputs", {}).get(name)
         new = identity(path)
