@@ -97,6 +97,12 @@ class DataConfig:
     image_min_pixels: int | None = None
     # the largest pixel count per image (larger images are resized), replacing the processor's max_pixels
     image_max_pixels: int | None = None
+    # directories (one or a list) image paths may resolve under (after symlinks) besides the directory of the data
+    # file naming them; a path resolving elsewhere (`../`, absolute, file://) is a bad record (follows on_error)
+    image_root: list[str] = field(default_factory=list)
+    # the largest image (width x height, read from its header before decoding) tokenize and the trainer decode;
+    # a larger one is a bad record (follows on_error). PIL's decompression-bomb bound; null: no bound
+    image_pixel_limit: int | None = 89_478_485
     # seconds the chat template may take to render one record (and a probe conversation); longer is an error naming
     # the template and the record (a template that loops); null: no bound
     render_timeout: float | None = 10.0
@@ -182,13 +188,17 @@ class DataConfig:
         if self.render_timeout is not None and not self.render_timeout > 0:
             raise ConfigError(f"render_timeout must be a positive number of seconds (null: no bound), got "
                               f"{self.render_timeout}")
-        for key in ("image_min_pixels", "image_max_pixels"):
+        for key in ("image_min_pixels", "image_max_pixels", "image_pixel_limit"):
             if getattr(self, key) is not None and getattr(self, key) <= 0:
-                raise ConfigError(f"{key} must be a positive number of pixels (null: the processor's), got "
+                null = "no bound" if key == "image_pixel_limit" else "the processor's"
+                raise ConfigError(f"{key} must be a positive number of pixels (null: {null}), got "
                                   f"{getattr(self, key)}")
         if self.image_min_pixels and self.image_max_pixels and self.image_min_pixels > self.image_max_pixels:
             raise ConfigError(f"image_min_pixels={self.image_min_pixels} exceeds image_max_pixels="
                               f"{self.image_max_pixels}")
+        for root in self.image_root:
+            if not Path(root).is_dir():
+                raise ConfigError(f"image_root: {root} is not a directory{relative_note(root)}")
         if self.pack.shard_size_mb <= 0:
             raise ConfigError(f"pack.shard_size_mb must be positive, got {self.pack.shard_size_mb}")
         self._validate_eval_size()
@@ -226,7 +236,7 @@ class DataConfig:
         return [(self.canonical_path, "preprocess"), (self.ratio_file, "preprocess (the ratio file)"),
                 (self.sampled_path, "sample"), (self.merged_path, "merge"), (self.tokenized_dir, "tokenize"),
                 (self.packed_dir, "pack"), (self.eval_dir, "the eval split's stages"),
-                (self.report_path, "every stage")]
+                (self.report_path, "every stage"), (self.out / "provenance.json", "every stage (its provenance)")]
 
     def _validate_inputs_are_not_outputs(self) -> None:
         """An input that a stage writes over (canonical.jsonl or merged.jsonl in output_dir, a file under packed/,

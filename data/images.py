@@ -32,16 +32,23 @@ from data.records import IMAGE_PLACEHOLDER, RecordError
 from data.shards import StoredImage
 
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+# the default `image_pixel_limit` (data/config.py): PIL's own decompression-bomb bound (2**30 // 4 // 3 pixels),
+# also what a dataset whose meta.json predates the key was decoded under
+DEFAULT_PIXEL_LIMIT = 89_478_485
 VISION_SETUP = ("image conversations need torchvision and Pillow, which load only next to PyPI's (CUDA) torch "
                 "build: run `bash scripts/setup_vision.sh` (builds .venv-vision, runs on CPU too) or, beside a CUDA "
                 "torch, `pip install -r requirements-vision.txt`")
 
 
 # ---------------------------------------------------------------------------------------------- records
-def resolve_image(ref: Any, base_dir: str, source: str, where: str) -> str:
+def resolve_image(ref: Any, base_dir: str, source: str, where: str, roots: tuple[str, ...] = ()) -> str:
     """One image reference of a raw record -> what canonical records hold: an absolute path (a relative one is
     relative to the data file's directory, as in LLaMA-Factory) that exists, or a `data:` URI. Accepts a string
-    or `{"path": ...}` / `{"url": ...}` / `{"bytes": ...}` (datasets' Image feature)."""
+    or `{"path": ...}` / `{"url": ...}` / `{"bytes": ...}` (datasets' Image feature).
+
+    A path (relative with `../`, absolute, `file://`) must resolve, after symlinks, under `base_dir` or one of
+    `roots` (the config's `image_root`, resolved): a data file cannot make the pipeline copy any readable file of
+    the machine into the shards. Else a RecordError `image_outside_root` naming the path and the fix."""
     if isinstance(ref, dict):
         if isinstance(ref.get("bytes"), (bytes, bytearray)) and ref["bytes"]:
             return "data:application/octet-stream;base64," + base64.b64encode(ref["bytes"]).decode()
@@ -54,6 +61,13 @@ def resolve_image(ref: Any, base_dir: str, source: str, where: str) -> str:
         raise RecordError(source, where, f"{ref}: remote images are not fetched; download them and give the path",
                           "bad_image")
     path = os.path.abspath(os.path.join(base_dir, ref.removeprefix("file://")))
+    real, allowed = os.path.realpath(path), [os.path.realpath(base_dir or "."), *roots]
+    if not any(real == root or real.startswith(root.rstrip(os.sep) + os.sep) for root in allowed):
+        via = f" (via {path})" if real != path else ""
+        roots_note = f" nor under image_root {', '.join(roots)}" if roots else ""
+        raise RecordError(source, where, f"image {ref} resolves to {real}{via}, which is not under the data file's "
+                          f"directory {allowed[0]}{roots_note}: add the directory holding the images to image_root "
+                          "in the data config to read them", "image_outside_root")
     if not os.path.isfile(path):
         raise RecordError(source, where, f"image file {path} does not exist", "missing_image")
     return path
@@ -94,21 +108,31 @@ def _pil():
         from PIL import Image
     except ImportError:
         raise ConfigError(VISION_SETUP) from None
+    Image.MAX_IMAGE_PIXELS = None  # the bound is `decode_image`'s pixel_limit, checked from the header alike
     return Image
 
 
-def decode_image(data: bytes, source: str, where: str):
+def decode_image(data: bytes, source: str, where: str, pixel_limit: int | None = DEFAULT_PIXEL_LIMIT):
     """Encoded bytes -> the PIL image as Pillow opens the file (decoded, in its own mode), which is what
     `processor(images=Image.open(path))` receives: the image processor's own conversion (`do_convert_rgb`:
     transformers' `convert_to_rgb`, which composites transparency onto white, as Qwen's own preprocessing does) then
     makes the pixel values exactly the processor's for that file. Converting to RGB here would drop the alpha channel
     instead: a transparent pixel would keep its hidden colour (often black) where the processor gives white. EXIF
-    orientation is not applied (neither does the processor on an opened image, nor LLaMA-Factory)."""
+    orientation is not applied (neither does the processor on an opened image, nor LLaMA-Factory).
+    An image of more than `pixel_limit` pixels (width x height from its header: PIL's `open` reads no more) is a
+    RecordError `image_too_large` before anything is decoded (None: no bound)."""
     Image = _pil()
     try:
         img = Image.open(io.BytesIO(data))  # in memory: no file handle to close
+        if pixel_limit is not None and img.width * img.height > pixel_limit:
+            raise RecordError(source, where, f"image of {img.width}x{img.height} = {img.width * img.height:,} "
+                              f"pixels exceeds image_pixel_limit={pixel_limit:,} (read from its header, not "
+                              "decoded): downscale it, or raise image_pixel_limit in the data config",
+                              "image_too_large")
         img.load()
         return img
+    except RecordError:
+        raise
     except Exception as exc:  # PIL raises several types (UnidentifiedImageError, OSError, DecompressionBombError)
         raise RecordError(source, where, f"unreadable image: {type(exc).__name__}: {exc}", "bad_image") from None
 
@@ -183,6 +207,7 @@ class Vision:
     path: str
     min_pixels: int | None = None
     max_pixels: int | None = None
+    pixel_limit: int | None = DEFAULT_PIXEL_LIMIT  # the largest image decoded (`decode_image`)
     _processor: Any = field(default=None, init=False, repr=False)
     _kwargs: dict = field(default_factory=dict, init=False, repr=False)
 
@@ -213,7 +238,7 @@ class Vision:
         processor's replacements to the render (assistant spans shifted)."""
         processor = self.processor
         datas = [read_image_bytes(ref, source, f"images[{k}]") for k, ref in enumerate(refs)]
-        pil = [decode_image(data, source, f"images[{k}]") for k, data in enumerate(datas)]
+        pil = [decode_image(data, source, f"images[{k}]", self.pixel_limit) for k, data in enumerate(datas)]
         try:
             out = processor(text=[text], images=pil, return_text_replacement_offsets=True, **self.images_kwargs)
         except Exception as exc:  # the processor rejects this record (e.g. an image too small to patch)
@@ -254,8 +279,9 @@ class ImageLoader:
     `ImageBatch` holds: the shards' encoded bytes run through the same image processor (and pixel limits) as the
     tokenize stage, each image's grid checked against the stored one."""
 
-    def __init__(self, processor_path: str, min_pixels: int | None = None, max_pixels: int | None = None):
-        self.vision = Vision(processor_path, min_pixels, max_pixels)
+    def __init__(self, processor_path: str, min_pixels: int | None = None, max_pixels: int | None = None,
+                 pixel_limit: int | None = DEFAULT_PIXEL_LIMIT):
+        self.vision = Vision(processor_path, min_pixels, max_pixels, pixel_limit)
 
     @classmethod
     def of(cls, meta: dict) -> "ImageLoader | None":
@@ -263,13 +289,14 @@ class ImageLoader:
         spec = meta.get("images")
         if not spec:
             return None
-        return cls(spec["processor_path"], spec.get("min_pixels"), spec.get("max_pixels"))
+        return cls(spec["processor_path"], spec.get("min_pixels"), spec.get("max_pixels"),
+                   spec.get("pixel_limit", DEFAULT_PIXEL_LIMIT))
 
     def __call__(self, datas: list[bytes], grids: np.ndarray) -> tuple[Any, Any]:
         """The images' (pixel_values, image_grid_thw): exactly the image processor's on each file as Pillow opens it
         (`decode_image`), each image processed alone by it whatever the others of the micro-batch."""
         processor = self.vision.processor
-        pil = [decode_image(data, "shards", f"image {k}") for k, data in enumerate(datas)]
+        pil = [decode_image(data, "shards", f"image {k}", self.vision.pixel_limit) for k, data in enumerate(datas)]
         out = processor.image_processor(images=pil, return_tensors="pt", **self.vision.images_kwargs)
         got = out["image_grid_thw"]
         if tuple(got.shape) != tuple(grids.shape) or not np.array_equal(got.numpy(), grids):

@@ -27,6 +27,7 @@ from data.config import STAGES, DataConfig, InputSpec, load_config
 from data.executor import Executor, LocalExecutor
 from data.io import LineMemoryError, remove_stale_temporaries, undecided_output_temporaries
 from data.preflight import preflight, stages_option
+from data.provenance import capture, check_provenance, record
 from data.ratios import ratio_file_digest
 from data.records import RecordError
 from data.report import read_report, record_failure
@@ -142,6 +143,7 @@ def run_stage(cfg: DataConfig, stage: str, executor: Executor, stage_fn: StageFn
     stage); `command` writes the command that re-runs stages (in the message of a full disk)."""
     fn = stage_fn or importlib.import_module(f"data.{stage}").run
     start = time.perf_counter()
+    made_from = capture(cfg, stage)  # before it runs: what its output is made from
     try:
         section = fn(cfg, executor=executor)
     except OSError as exc:  # a full disk, a permission: the environment, not a bug
@@ -153,6 +155,7 @@ def run_stage(cfg: DataConfig, stage: str, executor: Executor, stage_fn: StageFn
                    f"re-run: {command([s for s in STAGES[STAGES.index(stage):] if s in cfg.stages])}")
         record_failure(cfg.report_path, stage, message)
         raise DiskFullError(message) from None
+    record(cfg, stage, made_from)
     dropped = section.get("dropped") or {}
     extra = f" dropped={dict(dropped)}" if dropped else ""
     print(f"[{label or stage}] in={section.get('in')} out={section.get('out')}{extra} "
@@ -213,12 +216,14 @@ def stale_input_warnings(cfg: DataConfig, command: Callable[[list[str]], str] = 
 def run_pipeline(cfg: DataConfig, stage_fn: Callable[[str], StageFn | None] = lambda _: None,
                  command: Callable[[list[str]], str] = stages_option) -> dict[str, dict]:
     """Every stage of `cfg.stages`, in pipeline order (`stage_fn` as in run_stages), on the config's engine, once
-    no stage would read a stale input (`check_stage_inputs`); returns their report sections (first, `inputs`:
+    no stage would read a stale input (`check_stage_inputs`) nor an output made from other inputs or settings than
+    this run's (`provenance.check_provenance`); returns their report sections (first, `inputs`:
     warnings about inputs of earlier stages that changed since they ran). `command` writes the command that runs
     given stages (`Invocation.command` for a command line) in what the run suggests."""
     check_stage_inputs(cfg, command)
+    unrecorded = check_provenance(cfg, command)
     clean_up(cfg)
-    stale = stale_input_warnings(cfg, command)
+    stale = stale_input_warnings(cfg, command) + unrecorded
     for warning in stale:
         print(f"WARNING: inputs: {warning}", file=sys.stderr, flush=True)
     if cfg.engine == "ray":

@@ -288,14 +288,17 @@ def category_of(raw: dict, rec: dict, spec: InputSpec, source: str) -> str:
     return str(name) if name else UNTRACKED
 
 
-def convert_row(raw: dict, spec: InputSpec, fmt: str, source: str, base_dir: str = ".") -> tuple[dict, str] | None:
+def convert_row(raw: dict, spec: InputSpec, fmt: str, source: str, base_dir: str = ".",
+                image_roots: tuple[str, ...] = ()) -> tuple[dict, str] | None:
     """One raw row -> (validated canonical record, category name); None when a user function filters it. Image
-    paths are resolved against `base_dir` (the data file's directory) and must exist."""
+    paths are resolved against `base_dir` (the data file's directory), must exist and lie under it or one of
+    `image_roots` (`images.resolve_image`)."""
     rec = CONVERTERS[fmt](raw, spec, source)
     if rec is None:
         return None
     if isinstance(rec, dict) and isinstance(rec.get("images"), list):
-        rec["images"] = [resolve_image(ref, base_dir, source, f"images[{k}]") for k, ref in enumerate(rec["images"])]
+        rec["images"] = [resolve_image(ref, base_dir, source, f"images[{k}]", image_roots)
+                         for k, ref in enumerate(rec["images"])]
     canonical = validate_canonical(rec, source)
     return canonical, category_of(raw, canonical, spec, source)
 
@@ -330,11 +333,13 @@ Where = int | str  # a row's place in its task: its source (`path:line`, `path:r
 @dataclasses.dataclass(frozen=True)
 class ConvertTask:
     """Rows of one input to convert (`convert_to_part`): its index in `cfg.inputs`, its spec (with the
-    prompt/response keys `detect_format` found), its format, and the part file the kept records go to."""
+    prompt/response keys `detect_format` found), its format, the part file the kept records go to, and the
+    directories besides the data file's that image paths may resolve under (`image_roots`)."""
     spec_index: int
     spec: InputSpec
     fmt: str
     part: str
+    image_roots: tuple[str, ...] = dataclasses.field(default=(), kw_only=True)
 
     # the most sources a worker returns per drop reason (None: all); enough where the rows are in source order
     dropped_at_limit: ClassVar[int | None] = DROPPED_AT_LIMIT
@@ -463,7 +468,7 @@ def convert_to_part(task: ConvertTask) -> Converted:
                 if isinstance(row, RecordError):
                     raise row
                 # the source names a range's row only for an error, whose source the driver makes from `where`
-                converted = convert_row(row, task.spec, task.fmt, str(where), task.base_dir(where))
+                converted = convert_row(row, task.spec, task.fmt, str(where), task.base_dir(where), task.image_roots)
                 reason = None if converted is not None else "filtered_by_function"
             except RecordError as exc:
                 reason = exc.reason
@@ -589,7 +594,8 @@ class RowChunker:
 
     def flush(self) -> Iterator[RowsTask]:
         if self.chunk:
-            yield RowsTask(self.spec_index, self.spec, self.fmt, next(self.part_paths), self.chunk, self.dirs)
+            yield RowsTask(self.spec_index, self.spec, self.fmt, next(self.part_paths), self.chunk, self.dirs,
+                           image_roots=image_roots(self.cfg))
             self.chunk, self.dirs = [], {}
 
 
@@ -610,6 +616,11 @@ def _parquet_row_groups(path: str) -> list[int] | None:
     if any(group.total_byte_size > MAX_ROW_GROUP_BYTES for group in groups):
         return None
     return [group.num_rows for group in groups]
+
+
+def image_roots(cfg: DataConfig) -> tuple[str, ...]:
+    """The config's `image_root` directories, symlinks resolved (what `images.resolve_image` compares with)."""
+    return tuple(os.path.realpath(root) for root in cfg.image_root)
 
 
 def convert_tasks(cfg: DataConfig, parts_dir: str | os.PathLike, stats: list[dict], dropped: dict,
@@ -634,7 +645,7 @@ def convert_tasks(cfg: DataConfig, parts_dir: str | os.PathLike, stats: list[dic
                 yield from rows.flush()
                 for k, byte_range in enumerate(byte_ranges(path, INPUT_RANGE_BYTES, start)):
                     yield JsonlRangeTask(spec_index, rows.spec, rows.fmt, next(part_paths), byte_range,
-                                         lines_before if k == 0 else None)
+                                         lines_before if k == 0 else None, image_roots=image_roots(cfg))
                 continue
             known = rows.fmt is not None or rows.spec.format != "auto"  # a set format needs no row to detect it
             row_groups = _parquet_row_groups(local) if split is None and known else None
@@ -644,7 +655,8 @@ def convert_tasks(cfg: DataConfig, parts_dir: str | os.PathLike, stats: list[dic
                 yield from rows.flush()
                 first_row = 0
                 for group, n_rows in enumerate(row_groups):
-                    yield RowGroupTask(spec_index, rows.spec, rows.fmt, next(part_paths), path, group, first_row)
+                    yield RowGroupTask(spec_index, rows.spec, rows.fmt, next(part_paths), path, group, first_row,
+                                       image_roots=image_roots(cfg))
                     first_row += n_rows
                 continue
             yield from rows.add_rows(path)

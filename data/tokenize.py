@@ -124,7 +124,8 @@ class TokenizeContext:
                    overlong=cfg.effective_overlong, on_error=cfg.on_error,
                    structure=cfg.structure, enable_thinking=cfg.enable_thinking, reasoning=cfg.reasoning,
                    reasoning_tags=tuple(cfg.reasoning_tags), tool_arguments=cfg.tool_arguments, render_bound=bound,
-                   vision=Vision(cfg.tokenizer_path, cfg.image_min_pixels, cfg.image_max_pixels))
+                   vision=Vision(cfg.tokenizer_path, cfg.image_min_pixels, cfg.image_max_pixels,
+                                 cfg.image_pixel_limit))
 
 
 # ---------------------------------------------------------------------------------------------- the pure core
@@ -753,7 +754,8 @@ def images_meta(cfg: DataConfig, ctx: TokenizeContext) -> dict:
     """meta.json's `images`: what the trainer's `data.images.ImageLoader` needs to turn the stored bytes into the
     pixel values the tokenize stage counted tokens for."""
     return {"processor_path": os.path.abspath(cfg.tokenizer_path), "min_pixels": cfg.image_min_pixels,
-            "max_pixels": cfg.image_max_pixels, "image_token_id": ctx.vision.image_token_id, "storage": "encoded"}
+            "max_pixels": cfg.image_max_pixels, "pixel_limit": cfg.image_pixel_limit,
+            "image_token_id": ctx.vision.image_token_id, "storage": "encoded"}
 
 
 def category_losses(cats: dict[int, dict], names: dict[int, str], threshold: float) -> tuple[list[str], list[str]]:

@@ -76,7 +76,8 @@ with atomic_writer({str(out / 'canonical.jsonl')!r}) as f, atomic_writer({str(tm
     assert kept.startswith("[cleanup] kept 1 temporary named by pid alone") and kept.endswith(f"{live} (pid {os.getpid()})")
     for name in left[:2]:
         assert str(out / name) in first
-    assert sorted(p.name for p in out.iterdir()) == sorted([live.name, aside.name, "sampled.jsonl"])
+    assert sorted(p.name for p in out.iterdir()) == sorted([live.name, aside.name, "sampled.jsonl",
+                                                            "provenance.json"])
     assert not list(tmp_path.glob(".ratios.json.*"))
     assert calls == ["pack"]
     pipeline.main([str(_minimal_config(tmp_path)), "--stages", "pack"])  # nothing left to remove
@@ -101,7 +102,7 @@ def test_a_killed_writers_temporary_is_stale_when_its_pid_was_reused(tmp_path, m
     pipeline.main([str(_minimal_config(tmp_path)), "--stages", "pack"])
     assert capsys.readouterr().out.splitlines()[0].startswith(
         f"[cleanup] removed 1 temporaries of killed runs (0.0 MB): {pid_reused}")
-    assert sorted(p.name for p in out.iterdir()) == [mine.name]
+    assert sorted(p.name for p in out.iterdir()) == [mine.name, "provenance.json"]  # the fake pack's record
 
 
 def test_writes_are_fsynced_before_the_renames_that_publish_them(tmp_path, monkeypatch):
@@ -307,10 +308,11 @@ def test_stages_refuse_the_output_of_another_tokenizer(example_run, tmp_path, ca
 
 # ---------------------------------------------------------------------------------------------- item 15
 def test_max_length_override_drives_the_packed_row_capacity(example_run, tmp_path):
-    """The README's `sh data_process.sh configs/data/example.json --stages tokenize,pack max_length=4096`."""
+    """The README's `sh data_process.sh configs/data/example.json --stages merge,tokenize,pack max_length=4096`
+    (merge is in it: with merge.probability > 0 its token budget is max_length)."""
     config, out = _copy_run(example_run, tmp_path)
     assert orjson.loads((out / "packed" / "meta.json").read_bytes())["max_length"] == 2048
-    pipeline.main([str(config), "--stages", "tokenize,pack", "max_length=4096"])
+    pipeline.main([str(config), "--stages", "merge,tokenize,pack", "max_length=4096"])
     for d in ("tokenized", "packed"):
         assert orjson.loads((out / d / "meta.json").read_bytes())["max_length"] == 4096
     stats = orjson.loads((out / "packed" / "stats.json").read_bytes())

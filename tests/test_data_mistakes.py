@@ -106,7 +106,7 @@ def test_a_category_that_loses_more_than_the_threshold_warns_at_the_end_and_in_t
     assert section["warnings"] == [warning]
     assert section["categories"]["2"]["dropped"] == {"overlong": 3}
     cli_main(tokenize.run, "tokenize", [str(config), "category_loss_warning=0.8"])
-    assert "WARNING" not in capsys.readouterr().err
+    assert "WARNING: tokenize" not in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------- 3: huge messages

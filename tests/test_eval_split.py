@@ -29,7 +29,9 @@ def _example_config(tmp_path, **extra) -> str:
 
 
 def _tree(path):
-    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+    """The outputs under `path` (provenance.json, which holds modification times, is not an output)."""
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*"))
+            if p.is_file() and p.name != "provenance.json"}
 
 
 def test_eval_quotas_fraction_per_category_count_shared_out_by_size():
