@@ -115,7 +115,8 @@ def conversations(tmp_path_factory):
     (root / "data.json").write_text(json.dumps(records))
     config = {"inputs": [{"path": str(root / "data.json"), "category_name": "vision"}], "output_dir": str(root / "out"),
               "tokenizer_path": str(demo / "qwen2_5_vl_processor"), "max_length": 2048, "seed": 42,
-              "num_workers": 0, "on_error": "error", "image_max_pixels": MAX_PIXELS}
+              "num_workers": 0, "on_error": "error", "image_max_pixels": MAX_PIXELS,
+              "image_root": str(demo / "mllm_demo_data")}
     (root / "data_config.json").write_text(json.dumps(config))
     cfg = load_config(root / "data_config.json", [])
     cfg.validate()
