@@ -232,6 +232,12 @@ def verify_checkpoint(directory: Path) -> list[str]:
     problems = []
     for name, expected in files.items():
         path = directory / name
+        if not isinstance(name, str) or os.path.isabs(name) or ".." in Path(name).parts:
+            problems.append(f"{manifest_file}: lists {name!r}, which is not a path inside {directory}")
+            continue
+        if any(p.is_symlink() for p in [path, *path.parents[:len(Path(name).parts) - 1]]):
+            problems.append(f"{path}: a symbolic link (PackSFT writes none; it may lead outside the checkpoint)")
+            continue
         if not path.is_file():
             problems.append(f"{path}: missing")
             continue

@@ -316,7 +316,7 @@ class FSDP2Engine(_TorchOptimizerEngine):
 
         self.check_saved_with(path)
         states = self._states()
-        dcp_checkpoint.load(states, path / "dcp")
+        dcp_checkpoint.load(states, path / "dcp", manifest_dir=path)  # only files its manifest lists
         set_state_dict(self.module, self.optimizer, model_state_dict=states["model"],
                        optim_state_dict=states["optimizer"])
         self.scheduler.load_state_dict(safe_load(path / "scheduler.pt"))
