@@ -43,7 +43,7 @@ def test_pytest_lines_of_both_formats_are_read():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the check")
 def test_cpu_check_runs_the_gpu_tests_and_skips_the_gpu_phases(tmp_path):
-    report = _run_check(tmp_path / "out", "--budget", "300")
+    report = _run_check(tmp_path / "out", "--no-caps")  # the tests phase's cap is sized for the GPU machine
     tests = report["phases"]["tests"]
     assert tests["counts"].get("SKIPPED", 0) >= 30 and not tests["failed"], tests["counts"]
     assert set(tests["counts"]) == {"SKIPPED"}  # without CUDA every gpu test skips, none errors at collection
