@@ -169,6 +169,23 @@ def test_manifest_naming_files_outside_is_not_usable(tmp_path):
     assert len(problems) == 2 and all("not a path inside" in p for p in problems), problems
 
 
+def test_fifo_or_link_the_manifest_does_not_list_makes_a_checkpoint_unusable(tmp_path):
+    """The trainer reads scheduler.pt, trainer_state.json, rng/ by name: a FIFO there (not listed, so not hashed)
+    would block the resume's open; a link may lead outside. choose_checkpoint refuses both, naming them."""
+    from train.checkpoint import choose_checkpoint, verify_checkpoint
+
+    root = _checkpoint(tmp_path / "ck")
+    assert verify_checkpoint(root) == []
+    os.mkfifo(root / "scheduler.pt")
+    (root / "trainer_state.json").symlink_to(tmp_path / "elsewhere.json")
+    with _no_hang():
+        assert sorted(verify_checkpoint(root)) == [
+            f"{root / 'scheduler.pt'}: not a regular file (a FIFO, socket or device; PackSFT writes none)",
+            f"{root / 'trainer_state.json'}: a symbolic link (PackSFT writes none; it may lead outside the checkpoint)"]
+        with pytest.raises(CheckpointError, match="scheduler.pt: not a regular file"):
+            choose_checkpoint([root], "error")
+
+
 # ---------------------------------------------------------------------------------------------- through the CLI
 @pytest.fixture(scope="module")
 def fsdp2_checkpoint(tmp_path_factory):
