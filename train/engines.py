@@ -221,7 +221,7 @@ class DeepSpeedEngine(Engine):
         if problem is not None:
             return float("nan"), problem
         if self.own_norm:
-            return self._step_with_own_norm(loss, skip_nonfinite)
+            return self._step_with_own_norm(loss)
         self.engine.step()
         if not self.engine.was_step_applied():  # ZeRO 1-3 skip an update whose gradients hold inf / nan
             problem = "the gradients hold inf or nan (DeepSpeed skipped the update)"
@@ -229,23 +229,20 @@ class DeepSpeedEngine(Engine):
         norm = float(norm) if norm is not None else float("nan")
         return norm, problem or nonfinite_problem(loss, norm)
 
-    def _step_with_own_norm(self, loss, skip_nonfinite):
+    def _step_with_own_norm(self, loss):
         """Stage 0 in fp32: the gradients are already summed over the ranks (DeepSpeed all-reduces them in the
         boundary's backward); their norm in float64 (the same on every rank), clipped as the plain engine clips,
-        then DeepSpeed's step (its own clipping is off). A non-finite norm leaves the model untouched, or with
-        skip_nonfinite drops the gradients (the optimizer skips parameters without one; the lr still advances)."""
+        then DeepSpeed's step (its own clipping is off). A non-finite norm leaves the model untouched (the trainer
+        stops: nonfinite=skip_step is refused with DeepSpeed, train/config.py)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         norm = gradient_norm(p.grad for p in params if p.grad is not None)
         problem = nonfinite_problem(loss, norm)
-        if problem and not skip_nonfinite:
-            return norm, problem
         if problem:
-            for p in params:
-                p.grad = None
-        elif math.isfinite(self.max_grad_norm):
+            return norm, problem
+        if math.isfinite(self.max_grad_norm):
             torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, torch.tensor(norm))
         self.engine.step()
-        return norm, problem
+        return norm, None
 
     def save(self, directory, is_main):
         self.engine.save_checkpoint(str(directory), tag="ds", save_latest=False)
