@@ -218,8 +218,8 @@ def main(argv: list[str] | None = None) -> None:
               "peak_tflops": peak_tflops, "results": []}
     with tempfile.TemporaryDirectory(prefix="bench_trl_") as tmp:
         model_config, tokenizer, shape, steps = None, args.tokenizer, args.shape, args.steps
-        if args.smoke:
-            packed = str(build_packed(Path(tmp) / "data", 2048, fixtures=None, smoke=True))
+        if args.smoke:  # the rows given (gpu_check's, PackSFT's runs' own), else the example's built here
+            packed = args.packed or str(build_packed(Path(tmp) / "data", 2048, fixtures=None, smoke=True))
             model_config = str(ROOT / "configs/model/tiny_qwen2.json")
             tokenizer = str(ROOT / json.loads((ROOT / "configs/data/example.json").read_text())["tokenizer_path"])
             shape, steps = "example-tiny", min(steps, 3)

@@ -21,7 +21,11 @@ cannot starve the rest; whatever a phase measured before its deadline is kept. A
 `<out>/gpu_check.json` (versions, every phase's results) and `<out>/gpu_check.md` (the tables) are rewritten
 atomically; `<out>/gpu_check.log` has all output, `<out>/gpu_tests.log` pytest's, `<out>/profile.txt` the profiles,
 `<out>/long_rows.md` the long-row tables. Without CUDA the GPU phases are recorded as skipped and the tests phase
-runs (every gpu test skips): the CPU check. `--smoke` runs every phase on the CPU with the example's tiny model.
+runs (every gpu test skips): the CPU check. `--smoke` runs every phase on the CPU with the example's tiny model
+(TRL with SDPA only: FlexAttention has no backward on the CPU; `train_128k` is recorded as skipped: its smoke runs
+would be train_32k_small's again). `--no-caps` lifts every phase deadline and per-run timeout (a hang guard of
+NO_CAPS_TIMEOUT stays): each phase runs to its end, so what it records does not depend on the machine's load (the
+CPU smoke test, tests/test_gpu_check.py); the caps are sized for the GPU machine's time limits.
 
     bash scripts/gpu_check.sh $OUT                # on the GPU machine (installs the carried wheels first)
     python -m benchmarks.gpu_check --out /tmp/gc  # anywhere
@@ -34,6 +38,7 @@ import importlib.util
 import json
 import os
 import platform
+import math
 import re
 import signal
 import subprocess
@@ -94,7 +99,10 @@ SMOKE_LONG_ROW_RUNS = [("2048", "ckpt+tiled+offload", 1, False), ("1536", "ckpt+
                        ("1024", "ckpt,ckpt+tiled+offload", 2, False)]  # two options: the CPU check's time
 SMOKE_LONG_ROW_FLAGS = ["--shape", "example-tiny", "--layers", "0", "--lora", "4", "--device", "cpu",
                         "--sequence", "256", "--trained", "32", "--threads", "1", "--timeout", "120"]
+SMOKE_SKIPPED = {"train_128k": "--smoke: bench_train_gpu runs the example's 2K rows and tiny model whatever the "
+                               "length and shape, the runs of train_32k_small again"}
 
+NO_CAPS_TIMEOUT = 3600.0  # --no-caps: seconds a run may take, a guard against a hang only
 HEAVY_TEST_FILES = ("test_attention_backends.py", "test_step_options.py")  # trainer steps, compiles: run last
 
 
@@ -107,8 +115,9 @@ def gpu_test_files(tests_dir: Path) -> list[str]:
 
 class Check:
     def __init__(self, out: Path, budget: float, fixtures: Path, work: Path, steps: int, smoke: bool,
-                 legacy: bool = False):
+                 legacy: bool = False, caps: bool = True):
         self.out, self.fixtures, self.work, self.steps, self.smoke = out, fixtures, work, steps, smoke
+        self.caps = caps
         self.phases = PHASES + (LEGACY_PHASES if legacy else [])
         self.lengths = (32768, 131072) if legacy else (32768,)
         self.targets = SMOKE_TARGETS if smoke else TARGETS
@@ -117,7 +126,8 @@ class Check:
         self.start = time.time()
         self.end = self.start + budget
         self.log = open(out / "gpu_check.log", "a", buffering=1)
-        self.report: dict = {"date": dt.date.today().isoformat(), "budget_s": budget, "phases": {}}
+        self.report: dict = {"date": dt.date.today().isoformat(), "budget_s": budget if caps else None,
+                             "caps": caps, "phases": {}}
         self.tables: dict[str, str] = {}
 
     # ---------------------------------------------------------------------------------------- plumbing
@@ -128,12 +138,21 @@ class Check:
 
     def deadline(self, name: str) -> float:
         """This phase's end: its cap, and never into the floors of the phases after it (of its own group: the
-        --legacy phases run on what the default ones leave)."""
+        --legacy phases run on what the default ones leave). --no-caps: none (inf)."""
+        if not self.caps:
+            return math.inf
         legacy = {p.name for p in LEGACY_PHASES}
         later = [p for p in self.phases[[p.name for p in self.phases].index(name) + 1:]
                  if (p.name in legacy) == (name in legacy)]
         cap = next(p.cap for p in self.phases if p.name == name)
         return min(time.time() + cap, self.end - self.floor_scale * sum(p.floor for p in later))
+
+    def limits(self, timeout: float, deadline: float) -> list[str]:
+        """A benchmark's flags bounding its runs: each at most `timeout` seconds, none past `deadline`; --no-caps:
+        the hang guard only."""
+        if not self.caps:
+            return ["--timeout", str(NO_CAPS_TIMEOUT)]
+        return ["--timeout", str(timeout), "--deadline", str(deadline)]
 
     def run(self, cmd: list[str], deadline: float, log_path: Path) -> tuple[int | None, float]:
         """Run `cmd` in the repo root until `deadline`, its output into `log_path` and then the main log.
@@ -146,7 +165,7 @@ class Check:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
                                     start_new_session=True)
             try:
-                code: int | None = proc.wait(timeout=max(1.0, deadline - time.time()))
+                code: int | None = proc.wait(timeout=max(1.0, deadline - time.time()) if self.caps else None)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
@@ -200,7 +219,7 @@ class Check:
     def tests(self) -> None:
         log = self.out / "gpu_tests.log"
         cmd = [sys.executable, "-m", "pytest", *gpu_test_files(ROOT / "tests"), "-m", "gpu", "-p", "no:cacheprovider",
-               "-v", "-rs", "--continue-on-collection-errors", "--timeout", "120"]
+               "-v", "-rs", "--continue-on-collection-errors", "--timeout", "120" if self.caps else str(NO_CAPS_TIMEOUT)]
         if self.cuda and importlib.util.find_spec("xdist") is not None:
             cmd += ["-n", "8"]  # the compiles (inductor, FlexAttention, Triton) run on the CPU: 8 at once
         code, seconds = self.run(cmd, self.deadline("tests"), log)
@@ -228,7 +247,7 @@ class Check:
         if prep is None:
             return {}
         try:
-            prep.wait(timeout=max(1.0, self.end - time.time() - 60))
+            prep.wait(timeout=max(1.0, self.end - time.time() - 60) if self.caps else None)
         except subprocess.TimeoutExpired:
             prep.kill()
         self.log.write((self.work / "prepare.log").read_text())
@@ -245,6 +264,10 @@ class Check:
               extra: list[str] = ()) -> None:
         if self.smoke:  # Liger and varlen need CUDA: the smoke runs the fused step's runs on the SDPA loop
             backends = list(dict.fromkeys(b.replace(FUSED, "sdpa") for b in backends))
+        if self.smoke and phase in SMOKE_SKIPPED:
+            self.report["phases"][phase] = {"skipped": SMOKE_SKIPPED[phase]}
+            self.save()
+            return
         if not self.benches or length not in data:
             self.report["phases"][phase] = {"skipped": "no CUDA" if not self.benches else f"no packed data at {length}"}
             self.save()
@@ -253,8 +276,8 @@ class Check:
         result = self.work / phase
         cmd = [sys.executable, "-m", "benchmarks.bench_train_gpu", "--packed", str(data[length]),
                "--shapes", ",".join(shapes), "--row-lengths", str(length), "--backends", ",".join(backends),
-               "--steps", str(self.steps), "--timeout", "150", "--deadline", str(deadline - 5),
-               "--out", str(result), *extra, *self.bench_flags]
+               "--steps", str(self.steps), *self.limits(150, deadline - 5), "--out", str(result), *extra,
+               *self.bench_flags]
         code, seconds = self.run(cmd, deadline, self.work / f"{phase}.log")
         self.collect(phase, result, code, seconds)
 
@@ -267,6 +290,8 @@ class Check:
             return
         deadline = self.deadline("long_rows")
         runs, flags = (SMOKE_LONG_ROW_RUNS, SMOKE_LONG_ROW_FLAGS) if self.smoke else (LONG_ROW_RUNS, LONG_ROW_FLAGS)
+        at = flags.index("--timeout")  # the flags' own per-run timeout, and the phase's deadline
+        flags, timeout = flags[:at] + flags[at + 2:], float(flags[at + 1])
         entry: dict = {"runs": [], "seconds": 0.0}
         self.report["phases"]["long_rows"] = entry
         table = self.out / "long_rows.md"
@@ -282,7 +307,7 @@ class Check:
             result = self.work / f"long_rows_{i}.json"
             result.unlink(missing_ok=True)  # an earlier check's
             cmd = [sys.executable, "-m", "benchmarks.bench_long_rows", *flags, "--lengths", lengths, "--options",
-                   options, "--steps", str(steps), "--deadline", str(deadline - 5), "--json", str(result),
+                   options, "--steps", str(steps), *self.limits(timeout, deadline - 5), "--json", str(result),
                    "--out", str(table)]
             code, seconds = self.run(cmd, deadline, self.work / "long_rows.log")
             run = {"lengths": lengths, "options": options, "returncode": code, "seconds": round(seconds, 1)}
@@ -303,9 +328,11 @@ class Check:
             return
         deadline = self.deadline("trl")
         result = self.work / "trl"
+        # --smoke: FlexAttention has no backward on the CPU (its run could only fail, after compiling)
         cmd = [sys.executable, "-m", "benchmarks.bench_trl", "--packed", str(data[32768]), "--shape", SHAPE_SMALL,
                "--tokenizer", str(self.fixtures / "tokenizers" / "qwen2_5_instruct"), "--attn",
-               "flex_attention,sdpa", "--steps", str(self.steps), "--timeout", "120", "--deadline", str(deadline - 5),
+               "sdpa" if self.smoke else "flex_attention,sdpa", "--steps", str(self.steps),
+               *self.limits(120, deadline - 5),
                "--gradient-checkpointing", self.packsft_checkpointing(SHAPE_SMALL, 32768),
                "--out", str(result), *self.bench_flags]
         code, seconds = self.run(cmd, deadline, self.work / "trl.log")
@@ -357,8 +384,8 @@ class Check:
         result = self.work / "profile"
         packed = next(p for p in data.values() if json.loads((p / "meta.json").read_text())["max_length"] == length)
         cmd = [sys.executable, "-m", "benchmarks.bench_train_gpu", "--packed", str(packed), "--shapes", shape,
-               "--row-lengths", str(length), "--backends", backend, "--steps", "3", "--timeout", "120",
-               "--deadline", str(deadline - 3), "--out", str(result), "--profile-out", str(self.out / "profile.txt"),
+               "--row-lengths", str(length), "--backends", backend, "--steps", "3", *self.limits(120, deadline - 3),
+               "--out", str(result), "--profile-out", str(self.out / "profile.txt"),
                *self.bench_flags]
         code, seconds = self.run(cmd, deadline, self.work / "profile.log")
         self.report["phases"]["profile"] = {"target": {"shape": shape, "row_length": length, "backend": backend},
@@ -379,10 +406,14 @@ def main(argv: list[str] | None = None) -> None:
                     help="run every phase on the CPU too: the example data at 2K and its tiny model (the check's check)")
     ap.add_argument("--legacy", action="store_true",
                     help="after the default phases, also the 0.5B shape per backend, 128K rows, TRL and a profile")
+    ap.add_argument("--no-caps", action="store_true",
+                    help="no phase deadline, no per-run timeout (a 1-hour hang guard only): every phase runs to its "
+                         "end, whatever the machine's load (the CPU smoke test); --budget is then not used")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
-    check = Check(args.out, args.budget, args.fixtures, args.work, args.steps, args.smoke, args.legacy)
+    check = Check(args.out, args.budget, args.fixtures, args.work, args.steps, args.smoke, args.legacy,
+                  caps=not args.no_caps)
     check.environment()
     prep = check.start_data()
     check.tests()

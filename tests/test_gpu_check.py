@@ -43,7 +43,7 @@ def test_pytest_lines_of_both_formats_are_read():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the check")
 def test_cpu_check_runs_the_gpu_tests_and_skips_the_gpu_phases(tmp_path):
-    report = _run_check(tmp_path / "out", "--budget", "300")
+    report = _run_check(tmp_path / "out", "--no-caps")  # the tests phase's cap is sized for the GPU machine
     tests = report["phases"]["tests"]
     assert tests["counts"].get("SKIPPED", 0) >= 30 and not tests["failed"], tests["counts"]
     assert set(tests["counts"]) == {"SKIPPED"}  # without CUDA every gpu test skips, none errors at collection
@@ -56,11 +56,18 @@ def test_cpu_check_runs_the_gpu_tests_and_skips_the_gpu_phases(tmp_path):
 @pytest.mark.slow
 def test_smoke_check_runs_every_phase_on_the_cpu(tmp_path):
     """--smoke --legacy: the trainer benchmark with and without full checkpointing, each profiled, the long-row
-    runs, TRL's SFTTrainer on the same rows, the furthest target's profile: what the GPU run does."""
+    runs, TRL's SFTTrainer on the same rows, the furthest target's profile: what the GPU run does. --no-caps: the
+    phases' deadlines and timeouts are sized for the GPU machine; here every phase runs to its end, so a loaded
+    machine makes the check slower, never its results missing."""
     out = tmp_path / "out"
-    report = _run_check(out, "--smoke", "--legacy", "--steps", "3", "--budget", "540")
+    report = _run_check(out, "--smoke", "--legacy", "--no-caps", "--steps", "3")
+    assert report["caps"] is False and report["budget_s"] is None
     phases = report["phases"]
     assert list(phases) == ["tests", "train_32k_large", "long_rows", "train_32k_small", "train_128k", "trl", "profile"]
+    ran = [name for name, phase in phases.items() if "skipped" not in phase]
+    assert all(phases[name].get("returncode") == 0 for name in ran if name != "long_rows"), phases
+    assert all(run.get("returncode", 0) == 0 for run in phases["long_rows"]["runs"])
+    assert phases["train_128k"]["skipped"].startswith("--smoke: bench_train_gpu runs the example's 2K rows")
     large = {r["backend"]: r for r in phases["train_32k_large"]["report"]["results"]}
     assert set(large) == {"sdpa", "sdpa+ckpt"} and large["sdpa+ckpt"]["checkpointing"].startswith("on")
     assert large["sdpa"]["first_losses"] == pytest.approx(large["sdpa+ckpt"]["first_losses"], abs=1e-3)
@@ -76,6 +83,7 @@ def test_smoke_check_runs_every_phase_on_the_cpu(tmp_path):
     assert rows["sdpa"]["tokens_per_s"] > 0 and len(rows["sdpa"]["first_losses"]) == 3
     assert "CUDA" in rows["torch_varlen"]["skipped"]
     trl = {r["attn"]: r for r in phases["trl"]["report"]["results"]}
+    assert set(trl) == {"sdpa"}  # FlexAttention has no backward on the CPU
     assert trl["sdpa"]["tokens_per_s"] > 0 and all(math.isfinite(x) for x in trl["sdpa"]["first_losses"])
     assert trl["sdpa"]["trl"] and trl["sdpa"]["sequences_per_row"] > 1
     # the same rows: TRL's first loss on the same random init is near PackSFT's (both ~ln(vocab) at init)

@@ -44,6 +44,8 @@ def test_yaml_and_overrides(setup):
         (["sequence_parallel_size=2"], 2, "launch.num_processes=1 is not divisible"),
         (["grad_accum=0"], 1, "grad_accum must be >= 1"),
         (["min_lr_ratio=2"], 1, "min_lr_ratio must be in [0, 1]"),
+        (["prefetch_micro_batches=-1"], 1, "prefetch_micro_batches must be in [0, 64] (0: built in the loop;"),
+        (["prefetch_micro_batches=100000"], 1, "prefetch_micro_batches must be in [0, 64] (0: built in the loop;"),
         (["deepspeed.offload_param=true", "deepspeed.stage=2"], 1, "offload_param needs deepspeed.stage 3"),
         (["bf16=true"], 1, "bf16: true needs a GPU"),
         (["distributed_backend=fsdp2", "deepspeed.stage=2"], 1,

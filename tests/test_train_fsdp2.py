@@ -174,22 +174,26 @@ def test_dcp_files_load_without_running_code(tmp_path):
     import pickle
 
     from train import dcp_checkpoint
+    from train.checkpoint import write_manifest
 
     state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "optimizer": {"param_groups": [{"lr": 0.5}]}}
     dcp_checkpoint.save(state, tmp_path / "good")
+    write_manifest(tmp_path / "good", 0)  # a DCP directory is read only with a manifest listing its files
     loaded = {"model": {"w": torch.zeros(2, 3)}, "optimizer": {"param_groups": [{"lr": 0.0}]}}
-    dcp_checkpoint.load(loaded, tmp_path / "good")
+    dcp_checkpoint.load(loaded, tmp_path / "good", manifest_dir=tmp_path / "good")
     assert torch.equal(loaded["model"]["w"], state["model"]["w"])
     assert loaded["optimizer"]["param_groups"][0]["lr"] == 0.5
 
     marker = tmp_path / "ran"
     dcp_checkpoint.save({"model": {"w": torch.ones(2)}, "extra": _Planted(marker)}, tmp_path / "value")
+    write_manifest(tmp_path / "value", 0)
     with pytest.raises(CheckpointError, match="refused to load"):
-        dcp_checkpoint.load({"model": {"w": torch.zeros(2)}, "extra": None}, tmp_path / "value")
+        dcp_checkpoint.load({"model": {"w": torch.zeros(2)}, "extra": None}, tmp_path / "value",
+                            manifest_dir=tmp_path / "value")
     assert not marker.exists()
 
     metadata = tmp_path / "good" / ".metadata"
     metadata.write_bytes(pickle.dumps(_Planted(marker)))
     with pytest.raises(CheckpointError, match=r"\.metadata: refused to load: it names posix\.system"):
-        dcp_checkpoint.load(loaded, tmp_path / "good")
+        dcp_checkpoint.load(loaded, tmp_path / "good", manifest_dir=tmp_path / "good")
     assert not marker.exists()

@@ -36,6 +36,7 @@ import pickle
 import random
 import re
 import shutil
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -232,6 +233,12 @@ def verify_checkpoint(directory: Path) -> list[str]:
     problems = []
     for name, expected in files.items():
         path = directory / name
+        if not isinstance(name, str) or os.path.isabs(name) or ".." in Path(name).parts:
+            problems.append(f"{manifest_file}: lists {name!r}, which is not a path inside {directory}")
+            continue
+        if any(p.is_symlink() for p in [path, *path.parents[:len(Path(name).parts) - 1]]):
+            problems.append(f"{path}: a symbolic link (PackSFT writes none; it may lead outside the checkpoint)")
+            continue
         if not path.is_file():
             problems.append(f"{path}: missing")
             continue
@@ -241,7 +248,15 @@ def verify_checkpoint(directory: Path) -> list[str]:
             problems.append(f"{path}: {kind} ({size} bytes, {expected['size']} written)")
         elif file_blake2b(path) != expected["blake2b"]:
             problems.append(f"{path}: content changed since it was written (blake2b mismatch)")
-    return problems
+    for parent, dirs, names in os.walk(directory):  # what the manifest does not list too (links are not followed)
+        for name in dirs + names:
+            path = Path(parent, name)
+            mode = os.lstat(path).st_mode
+            if stat.S_ISLNK(mode):
+                problems.append(f"{path}: a symbolic link (PackSFT writes none; it may lead outside the checkpoint)")
+            elif not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # opening a FIFO would block the resume
+                problems.append(f"{path}: not a regular file (a FIFO, socket or device; PackSFT writes none)")
+    return list(dict.fromkeys(problems))
 
 
 def is_complete(directory: Path) -> bool:

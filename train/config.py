@@ -55,6 +55,9 @@ TRAIN_KEY_ALIASES = {
 }
 MODEL_SOURCES = ("model_path", "model_config")  # exactly one is set
 LOG_BACKENDS = ("tensorboard", "wandb")
+# micro-batches the feed thread may hold ahead of the loop (train/feed.py): each is held in host memory whole (its
+# rows, targets, weights, an image row's pixel values), and a couple already hide the building of the next ones
+MAX_PREFETCH_MICRO_BATCHES = 64
 
 
 @dataclass
@@ -309,8 +312,10 @@ class TrainConfig:
              ">= 1 (or null)"),
             ("online_max_length", self.data.online_max_length,
              self.data.online_max_length is None or self.data.online_max_length >= 1, ">= 1 (or null)"),
-            ("prefetch_micro_batches", self.data.prefetch_micro_batches, self.data.prefetch_micro_batches >= 0,
-             ">= 0 (0: built in the loop)"),
+            ("prefetch_micro_batches", self.data.prefetch_micro_batches,
+             0 <= self.data.prefetch_micro_batches <= MAX_PREFETCH_MICRO_BATCHES,
+             f"in [0, {MAX_PREFETCH_MICRO_BATCHES}] (0: built in the loop; each one ahead is held in host memory "
+             "whole, images included, and 2 already hide the building)"),
             ("launch.main_process_port", launch.main_process_port, 0 < launch.main_process_port < 65536,
              "in [1, 65535]"),
             ("launch.machine_rank", launch.machine_rank, 0 <= launch.machine_rank < max(1, launch.num_machines),

@@ -10,12 +10,23 @@ What torch 2.13 unpickles on load, and what PackSFT does instead:
 - tensors: torch itself reads them weights-only.
 - non-tensor values (the optimizer's lr, betas, ...) are `torch.save`d bytes that `DefaultLoadPlanner.load_bytes`
   unpickles without restriction (weights-only off); `SafePlanner` reads them through train.checkpoint.safe_load.
+
+Which files torch reads: `.metadata` names, for every piece, a storage file, and `FileSystemReader` opens the
+directory joined with that name, whatever it is (an absolute path, `../`, a link, a FIFO that blocks the open).
+`load` checks the metadata first (`storage_problem`): each storage file is a relative path inside the directory, a
+regular file (not a link, so nothing outside), listed in the checkpoint's manifest.json, and each piece lies within
+its file; the checks name and `lstat` paths only, so nothing outside is opened. A problem is one CheckpointError
+naming the path, raised on every rank before DCP reads anything.
 """
 from __future__ import annotations
 
 import io
+import os
 import pickle
-from pathlib import Path
+import stat
+from pathlib import Path, PurePosixPath
+
+import orjson
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -24,7 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from train.checkpoint import CheckpointError, safe_load
+from train.checkpoint import MANIFEST, CheckpointError, _gather, safe_load
 
 _METADATA_RECORDS = ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
                      "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
@@ -66,11 +77,107 @@ def read_metadata(path: Path):
         raise CheckpointError(f"{path}: cannot be read (truncated or corrupt): {exc}") from None
 
 
+def _listed_files(manifest_dir: Path) -> set[str]:
+    """The files manifest.json of `manifest_dir` lists (relative POSIX paths)."""
+    manifest = manifest_dir / MANIFEST
+    try:
+        if not stat.S_ISREG(os.lstat(manifest).st_mode):
+            raise CheckpointError(f"{manifest}: not a regular file; a DCP checkpoint is read only with the "
+                                  f"{MANIFEST} that lists its files")
+        files = orjson.loads(manifest.read_bytes())["files"]
+        if not isinstance(files, dict):
+            raise TypeError("'files' is not a mapping")
+        return set(files)
+    except FileNotFoundError:
+        raise CheckpointError(f"{manifest}: missing; a DCP checkpoint is read only with the {MANIFEST} that lists "
+                              "its files") from None
+    except (OSError, orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{manifest}: unreadable ({exc})") from None
+
+
+def _file_problem(directory: Path, name, listed: set[str], prefix: str, what: str) -> str | None:
+    """Why `name` (a path relative to `directory`, from `what`) must not be read, else None. Refuses from the name
+    alone (absolute, `..`, not in the manifest) before touching the path; then `lstat`s only (a FIFO is not opened)."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        return f"{what} names the storage file {name!r}, which is not a file name"
+    shown = directory / name
+    if os.path.isabs(name):
+        return (f"{what} names the storage file {name}, an absolute path; a checkpoint reads only files inside "
+                f"its directory {directory}")
+    parts = PurePosixPath(name).parts
+    if ".." in parts:
+        return f"{what} names the storage file {name}, which leaves the checkpoint directory {directory}"
+    key = PurePosixPath(prefix, *parts).as_posix()
+    if key not in listed:
+        return (f"{what} names the storage file {shown}, which the checkpoint's {MANIFEST} does not list (only "
+                "files it lists, checked against their size and blake2b, are read)")
+    path = directory
+    for part in parts:  # every component: a linked directory would lead outside too
+        path = path / part
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return f"{what} names the storage file {shown}, which is missing"
+        if stat.S_ISLNK(mode):
+            return f"{what} names the storage file {shown}, which is (or lies under) a symbolic link {path}"
+    if not stat.S_ISREG(mode):
+        return f"{what} names the storage file {shown}, which is not a regular file (a FIFO, device or directory)"
+    return None
+
+
+def storage_problem(directory: Path, metadata, listed: set[str], prefix: str) -> str | None:
+    """Why the storage files `metadata` (of `directory`/.metadata) names must not be read, else None: each must
+    pass _file_problem, carry no load transforms (PackSFT writes none) and each piece must lie inside its file."""
+    what = f"{directory / '.metadata'}"
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        return f"{what}: holds no storage table (not a DCP checkpoint's metadata)"
+    sizes: dict[str, int] = {}
+    for index, info in storage.items():
+        name = getattr(info, "relative_path", None)
+        if name not in sizes:
+            problem = _file_problem(directory, name, listed, prefix, what)
+            if problem:
+                return problem
+            sizes[name] = os.lstat(directory / name).st_size
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not (type(offset) is int and type(length) is int and 0 <= offset and 0 <= length
+                and offset + length <= sizes[name]):
+            return (f"{what}: {getattr(index, 'fqn', index)} lies at bytes {offset!r}+{length!r} of {directory / name}, "
+                    f"a file of {sizes[name]} bytes")
+        if getattr(info, "transform_descriptors", None):
+            return (f"{what}: {getattr(index, 'fqn', index)} asks for the load transforms "
+                    f"{info.transform_descriptors!r}; PackSFT writes none")
+    return None
+
+
+def checked_metadata(directory: Path, manifest_dir: Path):
+    """`directory`/.metadata, read safely, once its storage files passed storage_problem (else CheckpointError)."""
+    listed = _listed_files(manifest_dir)
+    try:
+        prefix = directory.relative_to(manifest_dir).as_posix()
+    except ValueError:
+        raise CheckpointError(f"{directory}: not inside {manifest_dir}, whose {MANIFEST} must list its files") from None
+    problem = _file_problem(directory, ".metadata", listed, prefix, str(directory))
+    if problem:
+        raise CheckpointError(problem)
+    metadata = read_metadata(directory / ".metadata")
+    problem = storage_problem(directory, metadata, listed, prefix)
+    if problem:
+        raise CheckpointError(problem)
+    return metadata
+
+
 class SafeReader(dcp.FileSystemReader):
-    def read_metadata(self, *args, **kwargs):
-        rank = kwargs.get("rank")
-        name = ".metadata" if rank is None else f"__{rank}.metadata"
-        metadata = read_metadata(Path(self.path) / name)
+    """FileSystemReader over metadata already read and checked (`checked_metadata`). `read_metadata` takes no
+    arguments: DCP then never falls back to rank-local `__<rank>.metadata` files (PackSFT writes none)."""
+
+    def __init__(self, path, metadata):
+        super().__init__(path)
+        self.checked = metadata
+
+    def read_metadata(self):
+        metadata = self.checked
         if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -116,9 +223,21 @@ def save(state: dict, directory: Path) -> None:
         raise _one_error(exc, directory, "writing the checkpoint") from None
 
 
-def load(state: dict, directory: Path) -> None:
-    """Collective: fill `state` (this run's sharded tensors, any number of ranks) in place from `directory`."""
+def load(state: dict, directory: Path, manifest_dir: Path | None = None) -> None:
+    """Collective: fill `state` (this run's sharded tensors, any number of ranks) in place from `directory`, whose
+    files `manifest_dir`/manifest.json lists (default: the directory above, the checkpoint's). The metadata is
+    checked first (checked_metadata); a problem on any rank is raised on every rank, before DCP reads a file."""
+    directory = Path(directory)
+    manifest_dir = directory.parent if manifest_dir is None else Path(manifest_dir)
+    metadata, problem = None, None
     try:
-        dcp.load(state, storage_reader=SafeReader(str(directory)), planner=SafePlanner(directory))
+        metadata = checked_metadata(directory, manifest_dir)
+    except CheckpointError as exc:
+        problem = str(exc)
+    problems = [p for p in _gather(problem) if p]
+    if problems:
+        raise CheckpointError(problems[0])
+    try:
+        dcp.load(state, storage_reader=SafeReader(str(directory), metadata), planner=SafePlanner(directory))
     except CheckpointException as exc:
         raise _one_error(exc, directory, "reading the checkpoint") from None

@@ -185,6 +185,13 @@ class DeepSpeedEngine(Engine):
 
         offload = offloads_optimizer(ds_config)  # the YAML flag or the template
         optimizer = None if offload else torch.optim.AdamW(param_groups(), **_adam(cfg))
+        # stage 0 in fp32 steps the torch optimizer as it is: DeepSpeed records no gradient norm there (and clips
+        # with a float32 norm); the norm is then computed and the gradients clipped here, as the plain engine does
+        self.own_norm = cfg.deepspeed.stage == 0 and optimizer is not None and not any(
+            (ds_config.get(key) or {}).get("enabled") for key in ("bf16", "fp16", "torch_autocast"))
+        self.max_grad_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
+        if self.own_norm:
+            ds_config = {**ds_config, "gradient_clipping": 0.0}
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
@@ -195,6 +202,9 @@ class DeepSpeedEngine(Engine):
         )
         self.module, self.model = self.engine, model
         self.stage = cfg.deepspeed.stage
+        if self.own_norm and self.engine.optimizer is not optimizer:
+            raise RuntimeError(f"deepspeed.stage 0 wrapped the optimizer in {type(self.engine.optimizer).__name__}; "
+                               "the engine expected to step torch's AdamW itself")
         self.backward_scale = float(mesh.world_size)
         self.lora = cfg.lora.lora_rank > 0
 
@@ -210,12 +220,29 @@ class DeepSpeedEngine(Engine):
         problem = nonfinite_problem(loss)
         if problem is not None:
             return float("nan"), problem
+        if self.own_norm:
+            return self._step_with_own_norm(loss)
         self.engine.step()
         if not self.engine.was_step_applied():  # ZeRO 1-3 skip an update whose gradients hold inf / nan
             problem = "the gradients hold inf or nan (DeepSpeed skipped the update)"
         norm = self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")
         return norm, problem or nonfinite_problem(loss, norm)
+
+    def _step_with_own_norm(self, loss):
+        """Stage 0 in fp32: the gradients are already summed over the ranks (DeepSpeed all-reduces them in the
+        boundary's backward); their norm in float64 (the same on every rank), clipped as the plain engine clips,
+        then DeepSpeed's step (its own clipping is off). A non-finite norm leaves the model untouched (the trainer
+        stops: nonfinite=skip_step is refused with DeepSpeed, train/config.py)."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        norm = gradient_norm(p.grad for p in params if p.grad is not None)
+        problem = nonfinite_problem(loss, norm)
+        if problem:
+            return norm, problem
+        if math.isfinite(self.max_grad_norm):
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, torch.tensor(norm))
+        self.engine.step()
+        return norm, None
 
     def save(self, directory, is_main):
         self.engine.save_checkpoint(str(directory), tag="ds", save_latest=False)
@@ -316,7 +343,7 @@ class FSDP2Engine(_TorchOptimizerEngine):
 
         self.check_saved_with(path)
         states = self._states()
-        dcp_checkpoint.load(states, path / "dcp")
+        dcp_checkpoint.load(states, path / "dcp", manifest_dir=path)  # only files its manifest lists
         set_state_dict(self.module, self.optimizer, model_state_dict=states["model"],
                        optim_state_dict=states["optimizer"])
         self.scheduler.load_state_dict(safe_load(path / "scheduler.pt"))

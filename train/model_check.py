@@ -259,6 +259,24 @@ def check_finite_weights(model: torch.nn.Module, model_path: str | os.PathLike) 
     )
 
 
+def check_complete_weights(missing: list[str], model: torch.nn.Module, model_path: str | os.PathLike) -> None:
+    """Right after the weights of `model_path` load: a weight the checkpoint lacks (transformers' `missing_keys`:
+    tied weights and the keys a model declares optional are not among them) stops the run with a ConfigError naming
+    how many and the first few, instead of training from transformers' random initialisation of them (a composite
+    whose tower files are gone would train and export a random tower). Random init is `model_config`'s."""
+    if not missing:
+        return
+    names = sorted(missing)
+    total = len(model.state_dict())
+    shown = ", ".join(names[:5]) + (f", ... ({len(names) - 5} more)" if len(names) > 5 else "")
+    raise ConfigError(
+        f"model_path: {model_path}: the checkpoint lacks {len(names)} of the model's {total} weights ({shown}); "
+        "transformers would initialise them at random and the run would train (and export) them from there. Use a "
+        "checkpoint holding every weight its config.json describes (a complete download or export), or set "
+        "model_config instead of model_path to train the whole model from random initialisation"
+    )
+
+
 def weights_file_of(directory: Path, name: str) -> tuple[Path, str]:
     """The weights file of a pretrained directory holding parameter `name`, and its key there (a key may carry a
     prefix the loaded model's name does not, or the reverse); the directory itself when no file names it."""

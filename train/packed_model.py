@@ -17,7 +17,7 @@ from train.families import ImageInputs
 from train.images import RowImages, VisionPath
 from train.lm_head import decoder_of, lm_head_of
 from train.loss import weighted_lm_loss
-from train.model_check import check_finite_weights
+from train.model_check import check_complete_weights, check_finite_weights
 from train.moe import RouterAux, records_router_logits
 from train.recurrent import install_sequence_restart
 from train.rope import install_per_sequence_rope
@@ -118,8 +118,9 @@ def build_lm(cfg: TrainConfig, model_config, dtype: torch.dtype, checkpointing: 
     model_class = auto_model_class(model_config)
     attention = attn_implementation(model_config, ATTN_IMPLEMENTATION)
     if cfg.model.model_path is not None:
-        lm = model_class.from_pretrained(cfg.model.model_path, config=model_config, attn_implementation=attention,
-                                         dtype=dtype)
+        lm, loading = model_class.from_pretrained(cfg.model.model_path, config=model_config,
+                                                  attn_implementation=attention, dtype=dtype, output_loading_info=True)
+        check_complete_weights(loading["missing_keys"], lm, cfg.model.model_path)  # never a random tower or layer
         check_finite_weights(lm, cfg.model.model_path)  # a NaN / inf there is named now, not blamed on packing later
     else:
         lm = model_class.from_config(model_config, attn_implementation=attention, dtype=dtype)
