@@ -245,7 +245,7 @@ class Vision:
 
 # ---------------------------------------------------------------------------------------------- training
 class ImageLoader:
-    """The images of a micro-batch's rows -> (pixel_values, image_grid_thw) tensors, what train/vision.py's
+    """The images of a micro-batch's rows -> (pixel_values, image_grid_thw) tensors, what train/model/vision.py's
     `ImageBatch` holds: the shards' encoded bytes run through the same image processor (and pixel limits) as the
     tokenize stage, each image's grid checked against the stored one."""
 

@@ -1,9 +1,9 @@
-"""A varlen kernel of train/varlen_kernels.py called by name, for the tests that compare kernels and paths."""
+"""A varlen kernel of train/attention/varlen_kernels.py called by name, for the tests that compare kernels and paths."""
 from __future__ import annotations
 
 import torch
 
-from train.varlen_kernels import KERNELS, NO_FEATURES, AttentionFeatures, VarlenBounds
+from train.attention.varlen_kernels import KERNELS, NO_FEATURES, AttentionFeatures, VarlenBounds
 
 
 def varlen_attention(

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, GraniteMoeHybridConfig
 
-import train.attention  # noqa: F401  (registers attn_implementation="packsft")
+import train.attention.function  # noqa: F401  (registers attn_implementation="packsft")
 from tests.model_zoo import tiny_config
-from train.attention import BACKENDS, AttentionContext, LayerKernels
-from train.recurrent import install_sequence_restart
+from train.attention.function import BACKENDS, AttentionContext, LayerKernels
+from train.model.patches.recurrent import install_sequence_restart
 
 
 def main(tokens: int, count: int) -> None:

@@ -26,7 +26,7 @@ from tests._sp_worker import (
     totals_of,
     write_results,
 )
-from train.batch import make_batch
+from train.steps.batch import make_batch
 
 FAMILIES = ("qwen2", "gemma2", "gpt_oss")
 

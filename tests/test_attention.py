@@ -2,14 +2,14 @@
 import pytest
 import torch
 
-from train.attention import BACKENDS, STRUCTURED_SDPA, AttentionContext, LayerKernels, packsft_attention
-from train.varlen_kernels import AttentionFeatures
+from train.attention.function import BACKENDS, STRUCTURED_SDPA, AttentionContext, LayerKernels, packsft_attention
+from train.attention.varlen_kernels import AttentionFeatures
 
 SDPA = LayerKernels(every=BACKENDS["sdpa"])
 
 
 def tiny_qwen2(attn="packsft"):
-    import train.attention  # noqa: F401  (registers "packsft")
+    import train.attention.function  # noqa: F401  (registers "packsft")
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -41,8 +41,8 @@ def test_missing_context_is_a_clear_error():
 
 def test_flash_backend_without_cuda_is_a_clear_error():
     """Refused when the plan is made, before any layer runs."""
-    from train.attention_plan import packed_kernels
-    from train.varlen_kernels import NO_FEATURES
+    from train.plan.attention import packed_kernels
+    from train.attention.varlen_kernels import NO_FEATURES
 
     with pytest.raises(RuntimeError, match="attn_backend=flash_varlen cannot run on cpu.*attn_backend=sdpa"):
         packed_kernels("flash_varlen", torch.zeros(1, 2, 0, 4), [NO_FEATURES])
@@ -95,7 +95,7 @@ def test_autocast_gives_the_backend_one_dtype(monkeypatch):
     all three in the autocast dtype (flash-attn and the ring backends need one half-precision dtype)."""
     import dataclasses
 
-    import train.attention as attention
+    import train.attention.function as attention
 
     seen = []
     real = attention.BACKENDS["sdpa"]
@@ -117,7 +117,7 @@ def test_autocast_gives_the_backend_one_dtype(monkeypatch):
 def test_structured_block_mask_built_once_per_micro_batch(monkeypatch):
     """FlexAttention's BlockMask (CUDA) is the same for every layer: the context builds it once per device and
     length (the builder is stubbed: it needs CUDA)."""
-    import train.structured_attention as structured
+    import train.attention.structured as structured
 
     built = []
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-import train.attention as attention
+import train.attention.function as attention
 from tests._train_helpers import (  # noqa: F401  (one_thread is a fixture)
     one_thread,
     random_rows,
@@ -18,8 +18,8 @@ from tests._train_helpers import (  # noqa: F401  (one_thread is a fixture)
     write_config,
     write_packed,
 )
-from train import varlen_kernels
-from train.attention import (
+from train.attention import varlen_kernels
+from train.attention.function import (
     BACKENDS,
     AttentionContext,
     LayerKernels,
@@ -27,9 +27,9 @@ from train.attention import (
     flex_document_attention,
     packsft_attention,
 )
-from train.attention_plan import choose_backend
-from train.backend_names import ATTENTION_BACKENDS
-from train.varlen_kernels import KERNELS, NO_FEATURES, AttentionFeatures, VarlenKernel
+from train.plan.attention import choose_backend
+from train.config.backend_names import ATTENTION_BACKENDS
+from train.attention.varlen_kernels import KERNELS, NO_FEATURES, AttentionFeatures, VarlenKernel
 
 RTOL = 1e-5
 
@@ -68,7 +68,7 @@ def test_auto_skips_inexact_backends(monkeypatch):
 
 
 def test_kernel_reasons_come_from_the_kernel_table(monkeypatch):
-    """The varlen backends ask train.varlen_kernels.KERNELS at call time (one source of truth)."""
+    """The varlen backends ask train.attention.varlen_kernels.KERNELS at call time (one source of truth)."""
     monkeypatch.setitem(KERNELS, "torch_varlen", dataclasses.replace(KERNELS["torch_varlen"], reasons=lambda q, d: []))
     assert choose_backend("auto", _query()).name == "torch_varlen"
 
@@ -106,7 +106,7 @@ def _stand_in(name: str, calls: list):
 
 
 def _one_step(tmp_path, tag, rows, **cfg_values):
-    from train.config import load_config
+    from train.config.sections import load_config
     from train.trainer import Trainer
 
     data = tmp_path / "data"
@@ -252,7 +252,7 @@ def test_backend_losses_equal_sdpa_on_gpu(tmp_path, example_packed, backend):
     if reasons := BACKENDS[backend].reasons(probe, NO_FEATURES):
         pytest.skip(f"{backend}: " + "; ".join(reasons))
     from tests._train_helpers import ROOT
-    from train.config import load_config
+    from train.config.sections import load_config
     from train.trainer import Trainer
 
     losses = {}

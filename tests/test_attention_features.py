@@ -9,19 +9,19 @@ import dataclasses
 import pytest
 import torch
 
-import train.attention as attention
+import train.attention.function as attention
 from tests._kernels import varlen_attention
 from tests._sp_features_worker import SOFTCAP, TINY, WINDOW, tiny_model
 from tests._sp_worker import spawned_results
-from train import sequence_parallel
-from train.attention import BACKENDS, AttentionContext, LayerKernels, flex_document_attention, packsft_attention
-from train.attention_plan import SPLayout, choose_backend, layer_kinds, packed_kernels, plan_attention, ring_kernel
-from train.backend_names import ATTENTION_BACKENDS
-from train.config import ModelSection, ParallelSection
+from train.attention import sequence_parallel
+from train.attention.function import BACKENDS, AttentionContext, LayerKernels, flex_document_attention, packsft_attention
+from train.plan.attention import SPLayout, choose_backend, layer_kinds, packed_kernels, plan_attention, ring_kernel
+from train.config.backend_names import ATTENTION_BACKENDS
+from train.config.sections import ModelSection, ParallelSection
 from train.distributed import Mesh
-from train.sequence_parallel import SP_BACKENDS, shard_batch
-from train.structured_attention import structure_feature_problems
-from train.varlen_kernels import NO_FEATURES, AttentionFeatures, VarlenBounds, visible_keys
+from train.attention.sequence_parallel import SP_BACKENDS, shard_batch
+from train.attention.structured import structure_feature_problems
+from train.attention.varlen_kernels import NO_FEATURES, AttentionFeatures, VarlenBounds, visible_keys
 
 LENGTHS = (7, 11, 5, 9)
 RTOL = 1e-5
@@ -180,7 +180,7 @@ def test_fused_kernels_translate_features_into_their_library_conventions(monkeyp
     import sys
     import types
 
-    from train import varlen_kernels
+    from train.attention import varlen_kernels
 
     calls = []
 
@@ -595,7 +595,7 @@ def test_a_layer_that_passes_its_own_mask_is_an_error():
     the layer's own (doge's learned dynamic mask) and ignoring it would train another model."""
     import torch
 
-    from train.attention import AttentionContext, packsft_attention
+    from train.attention.function import AttentionContext, packsft_attention
 
     q = torch.zeros(1, 2, 4, 8)
     ctx = AttentionContext(torch.tensor([0, 4], dtype=torch.int32), 4, LayerKernels(every=BACKENDS["sdpa"]))

@@ -1,11 +1,11 @@
-"""Karmarkar-Karp partitioning and per-step dp balancing (train/balance.py)."""
+"""Karmarkar-Karp partitioning and per-step dp balancing (train/steps/balance.py)."""
 import itertools
 import random
 
 import numpy as np
 import pytest
 
-from train.balance import balance_step, imbalance, karmarkar_karp, row_cost
+from train.steps.balance import balance_step, imbalance, karmarkar_karp, row_cost
 
 
 def _check_partition(parts, n, k, equal_size):

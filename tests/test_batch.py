@@ -1,4 +1,4 @@
-"""train.batch: shifted targets, restarting positions, and the exact step weights of each reduction."""
+"""train.steps.batch: shifted targets, restarting positions, and the exact step weights of each reduction."""
 import sys
 import types
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from train.batch import IGNORE_INDEX, StepTotals, make_batch, shift_targets, step_totals
+from train.steps.batch import IGNORE_INDEX, StepTotals, make_batch, shift_targets, step_totals
 
 REDUCTIONS = ("token", "turn", "sample")
 

@@ -12,7 +12,7 @@ import torch
 
 from benchmarks.bench_train_gpu import step_flops
 from tests._train_helpers import ROOT
-from train.memory_plan import ModelShape
+from train.plan.memory import ModelShape
 
 
 def test_step_flops_formula():

@@ -1,4 +1,4 @@
-"""Composite (multimodal) checkpoints trained on packed text (train/composite.py): the trainer loads a tiny
+"""Composite (multimodal) checkpoints trained on packed text (train/model/composite.py): the trainer loads a tiny
 Qwen2.5-VL / Gemma 3 saved with save_pretrained, trains its text decoder (start-up self-check on), and `final/` is
 the same composite again: every key of the checkpoint, towers bitwise unchanged, processor files beside it."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from tests._train_helpers import VOCAB, one_thread, random_rows, write_config, write_packed  # noqa: F401
 from tests.model_zoo import tiny_composite_config
-from train.model_support import UnsupportedModelError
+from train.model.support import UnsupportedModelError
 
 PROCESSOR = {"preprocessor_config.json": json.dumps({"image_processor_type": "Qwen2VLImageProcessor"}),
              "chat_template.jinja": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}
@@ -33,7 +33,7 @@ def save_tiny_composite(path, model_type: str):
 
 
 def train_composite(tmp_path, model_type: str, *overrides: str):
-    from train.config import load_config
+    from train.config.sections import load_config
     from train.trainer import Trainer
 
     model_dir = save_tiny_composite(tmp_path / "model", model_type)
@@ -84,7 +84,7 @@ def test_composite_lora_exports_adapter_and_merged_composite(tmp_path, one_threa
 def test_towers_freeze_by_name():
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
-    from train.composite import freeze_towers, towers_of
+    from train.model.composite import freeze_towers, towers_of
 
     config = tiny_composite_config("gemma3")
     composite = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]._from_config(config)
@@ -104,7 +104,7 @@ def test_unsupported_composite_is_refused_before_any_weight_loads(tmp_path, mode
     """Only config.json in model_path: the refusal comes from the family table, not from loading weights."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from train.config import load_config
+    from train.config.sections import load_config
     from train.trainer import Trainer
 
     model_dir = tmp_path / "model"
@@ -118,7 +118,7 @@ def test_unsupported_composite_is_refused_before_any_weight_loads(tmp_path, mode
 
 
 def test_composite_resumes_to_the_same_weights(tmp_path, one_thread):  # noqa: F811
-    from train.config import load_config
+    from train.config.sections import load_config
     from train.trainer import Trainer
 
     _, final, _ = train_composite(tmp_path, "qwen2_5_vl")
@@ -165,7 +165,7 @@ def test_image_conversations_are_refused_where_no_exact_image_path(model_type, r
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from train.families import ImageInputs
-    from train.model_support import check_image_support
+    from train.model.support import check_image_support
 
     with pytest.raises(UnsupportedModelError, match=f"model family '{model_type}' cannot train on image "
                                                     f"conversations \\(the data holds images\\): {reason}"):
@@ -179,8 +179,8 @@ def test_trainer_refuses_images_before_any_weight_loads(tmp_path, monkeypatch):
     at the family check, naming the family and why its image path is not exact."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    import train.online
-    from train.config import load_config
+    import train.steps.online
+    from train.config.sections import load_config
     from train.trainer import Trainer
 
     def with_images(*args, **kwargs):  # the dataset as an image store opens (data/shards.py's has_images)
@@ -188,8 +188,8 @@ def test_trainer_refuses_images_before_any_weight_loads(tmp_path, monkeypatch):
         dataset.has_images = True
         return dataset
 
-    open_dataset = train.online.open_train_dataset
-    monkeypatch.setattr(train.online, "open_train_dataset", with_images)
+    open_dataset = train.steps.online.open_train_dataset
+    monkeypatch.setattr(train.steps.online, "open_train_dataset", with_images)
     model_dir = tmp_path / "model"
     CONFIG_MAPPING["gemma3"]().save_pretrained(model_dir)
     packed = write_packed(tmp_path / "packed", random_rows(0, 2))

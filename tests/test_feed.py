@@ -1,4 +1,4 @@
-"""train/feed.py: micro-batches built ahead on a thread are the loop's own, in its order; errors surface where the
+"""train/steps/feed.py: micro-batches built ahead on a thread are the loop's own, in its order; errors surface where the
 loop asks; the thread never runs more than `depth` ahead and ends with the run; training is bitwise the same."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 
 from data.shards import ShardFormatError
 from tests._train_helpers import one_thread, random_rows, save_tiny_model, write_config, write_packed  # noqa: F401
-from train.data import StepSampler
-from train.feed import InlineFeed, PrefetchFeed, open_feed
+from train.steps.sampler import StepSampler
+from train.steps.feed import InlineFeed, PrefetchFeed, open_feed
 
 THREAD = "packsft-micro-batches"
 
@@ -125,7 +125,7 @@ def _log(out) -> list[dict]:
 def test_training_is_bitwise_the_same_with_and_without_prefetch(tmp_path, model, one_thread):  # noqa: F811
     """7 rows, 2 micro-batches of 2 rows a step: 2 epochs with fillers at each epoch's end, a checkpoint, then the
     run resumed from it; every logged value but the times equal, and no thread left."""
-    from train.config import load_config
+    from train.config.sections import load_config
     from train.trainer import Trainer
 
     data = write_packed(tmp_path / "data", random_rows(3, 7, seqs_per_row=2))
@@ -150,7 +150,7 @@ def test_training_is_bitwise_the_same_with_and_without_prefetch(tmp_path, model,
 
 def test_a_corrupt_row_stops_training_with_prefetch_as_without(tmp_path, model, one_thread):  # noqa: F811
     from data.shards import PackedDataset
-    from train.config import load_config
+    from train.config.sections import load_config
     from train.trainer import Trainer
 
     data = write_packed(tmp_path / "data", random_rows(11, 6, seqs_per_row=2))

@@ -87,7 +87,7 @@ def test_smoke_check_runs_every_phase_on_the_cpu(tmp_path):
 
 
 def test_long_rows_refuses_an_offload_the_host_cannot_hold_and_runs_after_the_deadline(monkeypatch):
-    import train.memory_plan as memory_plan
+    import train.plan.memory as memory_plan
 
     monkeypatch.setattr(memory_plan, "available_host_bytes", lambda: 120 * 2**30)  # the GPU machine's order
     spec = dict(option="ckpt+tiled+offload", length=524288, shape="llama3-8b", layers=0, sequence=2048, bf16=True,

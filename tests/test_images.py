@@ -207,7 +207,7 @@ def test_shard_size_counts_the_images_bytes(tmp_path, monkeypatch):
 def test_text_pipeline_never_imports_pil_or_torchvision():
     """(transformers itself may import PIL where it is installed: the trainer's modules are not checked)"""
     code = ("import sys; import data.pipeline, data.preprocess, data.merge, data.tokenize, data.pack, data.images, "
-            "train.batch; bad = [m for m in ('PIL', 'torchvision') if m in sys.modules]; assert not bad, bad")
+            "train.steps.batch; bad = [m for m in ('PIL', 'torchvision') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
@@ -261,7 +261,7 @@ def test_example_tokenizes_to_the_processors_ids_with_exact_masks(tmp_path, monk
     """configs/data/example_vision.json (LLaMA-Factory's demo records and images from ../shared/fixtures) end to
     end: ids, grids and pixel values as transformers' processor gives them, masks from the answers alone."""
     from data.images import ImageLoader
-    from train.batch import StepTotals, make_batch
+    from train.steps.batch import StepTotals, make_batch
 
     mm("mllm_demo.json")  # skips (fails in CI) without the fixtures
     processor = _processor()
@@ -307,7 +307,7 @@ def test_example_tokenizes_to_the_processors_ids_with_exact_masks(tmp_path, monk
     assert torch.equal(images.pixel_values, torch.cat(want))
     assert int((batch["input_ids"] == IMAGE_PAD).sum()) == int(images.image_grid_thw.prod(-1).sum()) // 4
     # online packing of tokenized/ carries the images of its rows the same way
-    from train.online import open_train_dataset
+    from train.steps.online import open_train_dataset
 
     online = open_train_dataset(str(tmp_path / "out" / "tokenized"), 2048, seed=0)
     rows = [online[i] for i in range(len(online))]

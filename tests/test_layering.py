@@ -130,15 +130,15 @@ def test_the_rules_catch_what_they_forbid():
     train_source = ("from data import shards, config\nfrom data.pack import plan_rows\n"
                     "def f():\n    from data.io import _private\n    from . import batch\n"
                     "    from .batch import make_batch\n")
-    found = imports_in(train_source, "train")
+    found = imports_in(train_source, "train.steps")
     assert found == [(1, "data.shards", None), (1, "data.config", None), (2, "data.pack", "plan_rows"),
-                     (4, "data.io", "_private"), (5, "train.batch", None), (6, "train.batch", "make_batch")]
+                     (4, "data.io", "_private"), (5, "train.steps.batch", None), (6, "train.steps.batch", "make_batch")]
     assert [module for _, module, name in found if RULES["train_takes_three_modules_of_data"]("train", module, name)] \
         == ["data.config", "data.io"]
     assert RULES["no_private_name_across_packages"]("train", "data.io", "_private")
-    assert not RULES["no_private_name_across_packages"]("train", "train.batch", "_private")
+    assert not RULES["no_private_name_across_packages"]("train", "train.steps.batch", "_private")
     assert RULES["common_imports_neither_data_nor_train"]("common", "data.shards", None)
-    assert RULES["data_imports_no_train"]("data", "train.config", "ConfigError")
+    assert RULES["data_imports_no_train"]("data", "train.config.sections", "ConfigError")
 
 
 def import_graph(package: str) -> dict[str, set[str]]:
@@ -211,5 +211,30 @@ def test_the_cycle_finder_finds_cycles():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"d"}, "e": {"a"}}
     assert sorted(cycles(graph)) == [["a", "b", "c", "a"], ["d", "d"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
-    lazy = "import os\ndef f():\n    from train import batch\n    import train.config\n"
-    assert {module for _, module, _ in imports_in(lazy, "train")} == {"os", "train.batch", "train.config"}
+    lazy = "import os\ndef f():\n    from train.steps import batch\n    import train.config.sections\n"
+    assert {module for _, module, _ in imports_in(lazy, "train")} == {"os", "train.steps.batch", "train.config.sections"}
+
+
+# train/'s wings (docs/ARCHITECTURE.md, "The train/ house"): every module but the few entry points and shared leaves
+# at the top lives in one of these folders
+TRAIN_WINGS = ("config", "plan", "model", "model/patches", "attention", "engines", "steps")
+TRAIN_TOP_FILES_AT_MOST = 12
+
+
+def test_train_is_in_wings():
+    top = sorted(path.name for path in (ROOT / "train").glob("*.py"))
+    assert len(top) <= TRAIN_TOP_FILES_AT_MOST, top
+    folders = sorted(str(path.parent.relative_to(ROOT / "train")) for path in (ROOT / "train").rglob("*.py")
+                     if path.parent != ROOT / "train" and "__pycache__" not in path.parts)
+    assert set(folders) == set(TRAIN_WINGS)
+
+
+@pytest.mark.parametrize("wing", TRAIN_WINGS)
+def test_each_wing_says_in_one_line_what_lives_there(wing):
+    init = ROOT / "train" / wing / "__init__.py"
+    assert init.is_file(), f"train/{wing}/ is not a package"
+    tree = ast.parse(init.read_text())
+    doc = ast.get_docstring(tree)
+    assert doc and "\n" not in doc.strip(), f"train/{wing}/__init__.py: a one-line docstring says what lives there"
+    # nothing else: a package that imports its modules would tie every importer of one to all of them
+    assert len(tree.body) == 1, f"train/{wing}/__init__.py holds more than its docstring"

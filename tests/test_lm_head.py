@@ -1,4 +1,4 @@
-"""train.lm_head + train.loss: the loss reproduces each family's own logits (softcap, logit scale, logits scaling,
+"""train.model.lm_head + train.model.loss: the loss reproduces each family's own logits (softcap, logit scale, logits scaling,
 hidden-state division, padded vocabulary), values and gradients of every parameter, on tiny random models."""
 import pytest
 import torch
@@ -6,10 +6,10 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from train.composite import attn_implementations
-from train.lm_head import LMHead, causal_lm_of, decoder_of, lm_head_of
-from train.loss import weighted_lm_loss
-from train.model_support import UnsupportedModelError
+from train.model.composite import attn_implementations
+from train.model.lm_head import LMHead, causal_lm_of, decoder_of, lm_head_of
+from train.model.loss import weighted_lm_loss
+from train.model.support import UnsupportedModelError
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, vocab_size=128, attention_dropout=0.0, hidden_dropout=0.0, max_position_embeddings=256)
@@ -226,8 +226,8 @@ def test_unreproducible_heads_raise_a_clear_error():
 
 
 def test_check_restores_attention_and_mode():
-    import train.attention  # noqa: F401  (registers "packsft")
-    from train.attention import ATTN_IMPLEMENTATION
+    import train.attention.function  # noqa: F401  (registers "packsft")
+    from train.attention.function import ATTN_IMPLEMENTATION
 
     torch.manual_seed(0)
     lm = LlamaForCausalLM._from_config(LlamaConfig(**TINY), attn_implementation=ATTN_IMPLEMENTATION)

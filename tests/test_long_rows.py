@@ -1,5 +1,5 @@
-"""Long rows without sequence parallelism: tiled MLP (train/tiled_mlp.py) and activation offload
-(train/activation_offload.py) train exactly what the plain path trains; the memory plan knows both.
+"""Long rows without sequence parallelism: tiled MLP (train/model/patches/tiled_mlp.py) and activation offload
+(train/model/patches/offload.py) train exactly what the plain path trains; the memory plan knows both.
 
 Every exactness test runs the same weights and row twice, tiled / offloaded and not, in fp32 on the CPU, and compares
 the loss and every parameter's gradient (1e-6 relative to the largest gradient: the tiles' parameter gradients are
@@ -15,16 +15,16 @@ import pytest
 import torch
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-import train.attention  # noqa: F401  (registers attn_implementation="packsft")
-import train.tiled_mlp as tiled_mlp
+import train.attention.function  # noqa: F401  (registers attn_implementation="packsft")
+import train.model.patches.tiled_mlp as tiled_mlp
 from common.config import ConfigError
 from tests._train_helpers import one_thread, random_rows, save_tiny_model, write_config, write_packed  # noqa: F401
 from tests.model_zoo import VOCAB, tiny_config
-from train.activation_offload import HostOffload
-from train.attention import BACKENDS, AttentionContext, LayerKernels
+from train.model.patches.offload import HostOffload
+from train.attention.function import BACKENDS, AttentionContext, LayerKernels
 from train.distributed import build_mesh
 from train.families import FAMILIES
-from train.memory_plan import (
+from train.plan.memory import (
     LONG_ROW_SHAPES,
     LongRowOptions,
     ModelShape,
@@ -38,10 +38,10 @@ from train.memory_plan import (
     row_fits,
     smallest_sp_degree,
 )
-from train.model_support import UnsupportedModelError
-from train.moe import RouterAux
-from train.packed_model import PackedCausalLM
-from train.tiled_mlp import TiledCall, describe_tiling, install_tiled_mlp, tiling_plan
+from train.model.support import UnsupportedModelError
+from train.model.moe import RouterAux
+from train.model.packed import PackedCausalLM
+from train.model.patches.tiled_mlp import TiledCall, describe_tiling, install_tiled_mlp, tiling_plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 EXACT = [model_type for model_type, spec in sorted(FAMILIES.items())  # causal LMs (composites: their text decoder)
@@ -312,7 +312,7 @@ def test_offload_needs_checkpointing():
 
 # ---------------------------------------------------------------------------------------------- trainer and config
 def _config(tmp_path, name, **values):
-    from train.config import load_config
+    from train.config.sections import load_config
 
     data = tmp_path / "data"
     if not data.exists():
@@ -438,7 +438,7 @@ def test_the_host_bounds_offload_in_the_plan():
 
 def test_the_trainer_refuses_an_offload_the_host_cannot_hold(tmp_path, monkeypatch):
     """Checked before any weight loads, on a GPU only (CUDA faked: the device type and the host query are used)."""
-    import train.memory_plan as memory_plan
+    import train.plan.memory as memory_plan
     from train.preflight import preflight
     from train.trainer import Trainer
 
@@ -488,7 +488,7 @@ def test_sp_auto_is_the_smallest_degree_of_the_world_that_fits():
 def test_sp_auto_in_the_trainer(tmp_path, monkeypatch):
     """The trainer sizes the data's rows against the least free GPU memory: with just enough for half a row it
     picks 2 (CUDA faked: only the memory query is used); on CPU it keeps 1 and says why."""
-    from train.memory_plan import ModelShape
+    from train.plan.memory import ModelShape
     from train.preflight import preflight
     from train.trainer import Trainer
 

@@ -1,13 +1,13 @@
-"""LoRA via peft (train/lora.py): only adapters train, exports reload with the same logits."""
+"""LoRA via peft (train/model/lora.py): only adapters train, exports reload with the same logits."""
 import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import train.attention  # noqa: F401  (registers attn_implementation="packsft")
-from train.attention import BACKENDS, AttentionContext, LayerKernels
-from train.lora import apply_lora, base_causal_lm, merged_state_dict, save_lora
+import train.attention.function  # noqa: F401  (registers attn_implementation="packsft")
+from train.attention.function import BACKENDS, AttentionContext, LayerKernels
+from train.model.lora import apply_lora, base_causal_lm, merged_state_dict, save_lora
 
 SDPA_KERNELS = LayerKernels(every=BACKENDS["sdpa"])  # every layer through the SDPA loop
 
@@ -167,7 +167,7 @@ def test_trainer_zero2_and_sp_two_processes_match_one_process(tmp_path):
     run_train(config, [f"output_dir={ds_out}", "deepspeed.stage=2", "grad_accum=1"], nproc=2)
     run_train(config, [f"output_dir={sp_out}", "sequence_parallel_size=2", "launch.num_processes=2",
                        "grad_accum=2", "attn_backend=sdpa"], nproc=2)
-    from train.config import load_config
+    from train.config.sections import load_config
     from train.trainer import Trainer
 
     Trainer(load_config(config, [f"output_dir={ref_out}", "grad_accum=2"])).train()  # in-process: no startup cost

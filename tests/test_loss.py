@@ -1,13 +1,13 @@
-"""train.loss: the chunked lm-head + cross-entropy equals the unchunked computation, values and gradients."""
+"""train.model.loss: the chunked lm-head + cross-entropy equals the unchunked computation, values and gradients."""
 import copy
 
 import numpy as np
 import pytest
 import torch
 
-from train.batch import IGNORE_INDEX, make_batch, step_totals
-import train.loss
-from train.loss import LMHead, chunk_ce_grad, eager_chunk_ce_grad, weighted_lm_loss
+from train.steps.batch import IGNORE_INDEX, make_batch, step_totals
+import train.model.loss
+from train.model.loss import LMHead, chunk_ce_grad, eager_chunk_ce_grad, weighted_lm_loss
 
 REDUCTIONS = ("token", "turn", "sample")
 VOCAB, HIDDEN, N_CAT = 96, 16, 4
@@ -123,7 +123,7 @@ def test_fused_loss_equals_reference(monkeypatch, chunk_size):
     """fused=True: the compiled chunk function (graph-captured here with aot_eager: the CPU has no fast inductor
     build in the suite's budget; the gpu test below runs inductor) gives the reference loss, categories and
     gradients, over chunks of two sizes (dynamic shapes)."""
-    monkeypatch.setattr(train.loss, "_compiled_chunk_ce_grad",
+    monkeypatch.setattr(train.model.loss, "_compiled_chunk_ce_grad",
                         torch.compile(chunk_ce_grad, dynamic=True, backend="aot_eager"))
     batch = packed_micro_batch("turn")
     hidden, weight, b = random_inputs(batch, bias=True)

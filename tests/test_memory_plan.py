@@ -5,7 +5,7 @@ import pytest
 
 from tests._train_helpers import one_thread  # noqa: F401  (a fixture)
 
-from train.memory_plan import (
+from train.plan.memory import (
     ModelShape,
     activation_bytes,
     activation_bytes_per_token_layer,
@@ -123,7 +123,7 @@ def test_keep_checkpointing_recomputes_only_the_first_layers(one_thread):
     import torch
 
     from tests._train_helpers import tiny_model
-    from train.packed_model import checkpointed_decoder_layers, keep_checkpointing
+    from train.model.packed import checkpointed_decoder_layers, keep_checkpointing
 
     def step(k):
         torch.manual_seed(0)

@@ -8,7 +8,7 @@ transform of its spec with non-trivial values):
   loss within 1e-5 and every parameter's gradient within 1e-4 relative (fp32); so do the length-dependent ropes of
   its spec (`ropes`), on both sides of their switch point;
 - `refused`: `check_model_support` stops it before any weight is loaded, naming the family and the reason.
-- composite checkpoints (`text_family`, train/composite.py): the composite class itself, towers loaded, against its own
+- composite checkpoints (`text_family`, train/model/composite.py): the composite class itself, towers loaded, against its own
   forward on each sequence alone (tests/model_zoo.py's `tiny_composite_config`: the text decoder's tiny config,
   shrunk towers); every composite of transformers' image-text-to-text mapping is classified.
 A causal LM of transformers' auto mapping that the table does not classify fails `test_every_family_is_classified`:
@@ -29,16 +29,16 @@ from transformers.models.auto.modeling_auto import (
 )
 
 from tests.model_zoo import VOCAB, tiny_composite_config, tiny_config
-from train.attention import BACKENDS, LayerKernels  # (importing it registers attn_implementation="packsft")
-from train.composite import attn_implementation
+from train.attention.function import BACKENDS, LayerKernels  # (importing it registers attn_implementation="packsft")
+from train.model.composite import attn_implementation
 from train.families import FAMILIES
-from train.model_check import compare_packed_with_reference
-from train.model_support import UnsupportedModelError, check_model_support
-from train.packed_model import PackedCausalLM
+from train.model.self_check import compare_packed_with_reference
+from train.model.support import UnsupportedModelError, check_model_support
+from train.model.packed import PackedCausalLM
 
 EXACT = [model_type for model_type, spec in sorted(FAMILIES.items())
          if spec.status == "exact" and not spec.text_family and not spec.composite_only]
-# composite checkpoints trained on text through their text decoder (train/composite.py)
+# composite checkpoints trained on text through their text decoder (train/model/composite.py)
 EXACT_COMPOSITES = [model_type for model_type, spec in sorted(FAMILIES.items())
                     if spec.status == "exact" and spec.text_family]
 REFUSED = [model_type for model_type, spec in sorted(FAMILIES.items()) if spec.status == "refused"]
@@ -151,7 +151,7 @@ def _longrope(**extra) -> dict:
 
 _DYNAMIC = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
 # (family, rope type) of the families' `ropes` -> the config that sets it: rope types whose frequencies depend on
-# the length of the sequence (train/rope.py): longrope (Phi-3 / Phi-3.5 / Phi-4-mini; PhiMoE also switches its
+# the length of the sequence (train/model/patches/rope.py): longrope (Phi-3 / Phi-3.5 / Phi-4-mini; PhiMoE also switches its
 # scale) switches to its long factors past original_max_position_embeddings, dynamic NTK scales its base to the
 # length past max_position_embeddings (gemma3_text: on its full-attention layers only). No sliding window here: the
 # rope's effect is not confined to 4 tokens.
@@ -183,7 +183,7 @@ def test_length_dependent_rope_packed_equals_unpacked(model_type, rope_type):
     assert result.ok, f"{model_type} with rope_type {rope_type}: {result.describe()}"
 
 
-# config values that change which tokens a token attends to (train/model_support.py ATTENTION_SETTINGS)
+# config values that change which tokens a token attends to (train/model/support.py ATTENTION_SETTINGS)
 ATTENTION_CHANGES = [
     ("gemma", "use_bidirectional_attention", True),
     ("gemma2", "use_bidirectional_attention", True),
@@ -226,7 +226,7 @@ def test_refused_attention_change_matters(model_type, key, value):
 
 def test_the_docs_table_is_current():
     from tests.conftest import ROOT
-    from train.model_support import supported_models_table
+    from train.model.support import supported_models_table
 
     assert supported_models_table() in (ROOT / "docs" / "TRAINING.md").read_text(), (
-        "docs/TRAINING.md's supported-models table is stale: regenerate it with `python -m train.model_support`")
+        "docs/TRAINING.md's supported-models table is stale: regenerate it with `python -m train.model.support`")

@@ -1,4 +1,4 @@
-"""MoE router load-balancing loss (train/moe.py): a packed row equals transformers' own aux_loss of the same
+"""MoE router load-balancing loss (train/model/moe.py): a packed row equals transformers' own aux_loss of the same
 sequences as one padded batch (value and gradient); gradient accumulation == data parallel, sequence parallel ==
 one process, a filler micro-batch adds nothing; aux_loss is logged. Tiny random MoE models, CPU fp32."""
 from __future__ import annotations
@@ -22,13 +22,13 @@ from tests._train_helpers import (  # noqa: F401  (one_thread is a fixture)
     write_config,
     write_packed,
 )
-from train.attention import BACKENDS, AttentionContext, LayerKernels
-from train.batch import make_batch, step_totals
+from train.attention.function import BACKENDS, AttentionContext, LayerKernels
+from train.steps.batch import make_batch, step_totals
 from train.checkpoint import safe_load
-from train.config import load_config
+from train.config.sections import load_config
 from train.metrics import loss_curves, plot_losses, read_log
-from train.moe import resolve_router_aux
-from train.packed_model import PackedCausalLM
+from train.model.moe import resolve_router_aux
+from train.model.packed import PackedCausalLM
 from train.trainer import Trainer
 
 SDPA_KERNELS = LayerKernels(every=BACKENDS["sdpa"])  # every layer through the SDPA loop
@@ -43,7 +43,7 @@ def tiny_moe(family: str, **overrides):
     """A random 2-layer MoE causal LM (4 experts, top 2) with the packsft attention."""
     import transformers
 
-    import train.attention  # noqa: F401  (registers attn_implementation="packsft")
+    import train.attention.function  # noqa: F401  (registers attn_implementation="packsft")
 
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, attention_dropout=0.0, use_cache=False,
@@ -81,9 +81,9 @@ def tiny_composite_moe(model_type: str):
     its text config."""
     from transformers import AutoModelForImageTextToText
 
-    import train.attention  # noqa: F401  (registers attn_implementation="packsft")
+    import train.attention.function  # noqa: F401  (registers attn_implementation="packsft")
     from tests.model_zoo import tiny_composite_config
-    from train.composite import attn_implementation
+    from train.model.composite import attn_implementation
 
     config = tiny_composite_config(model_type, num_experts=4, num_experts_per_tok=2, output_router_logits=True,
                                    router_aux_loss_coef=COEF)
@@ -159,7 +159,7 @@ def test_packed_row_equals_hf_padded_batch(family):
 
 def test_gpt_oss_router_logits_give_hf_aux_loss():
     """gpt_oss's packed forward differs from HF's (the packsft attention has no attention sinks), so its aux is
-    checked on HF's own router logits of a padded batch: train/moe.py's maths equals HF's aux_loss there."""
+    checked on HF's own router logits of a padded batch: train/model/moe.py's maths equals HF's aux_loss there."""
     lm = tiny_moe("gpt_oss")
     lm.config._attn_implementation = "eager"
     mask = torch.tensor([[1] * 9 + [0] * 3, [1] * 12, [1] * 4 + [0] * 8])

@@ -13,7 +13,7 @@ import pytest
 from common.config import ConfigError
 from tests._train_helpers import VOCAB, random_rows, save_tiny_model, write_config, write_packed
 from tests.conftest import ROOT
-from train.config import load_config
+from train.config.sections import load_config
 from train.preflight import preflight
 
 
@@ -37,7 +37,7 @@ def test_a_model_source_on_the_command_line_replaces_the_yaml_one(setup, tmp_pat
     tmp, data, model = setup
     config = write_config(tmp_path / "c.yaml", data_path=str(data), model_config=str(_model_config(
         tmp_path / "m.json", 512)), output_dir=str(tmp_path / "out"))
-    with caplog.at_level(logging.INFO, logger="train.config"):
+    with caplog.at_level(logging.INFO, logger="train.config.sections"):
         cfg = load_config(config, [f"model_path={model}"])
     assert cfg.model.model_path == str(model) and cfg.model.model_config is None
     preflight(cfg)
@@ -117,7 +117,7 @@ def test_sequences_longer_than_the_model_positions_are_a_warning(setup, tmp_path
         config = write_config(tmp_path / "c.yaml", data_path=str(data), output_dir=str(tmp_path / "out"),
                               model_config=str(_model_config(tmp_path / f"m{max_positions}.json", max_positions)))
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="train.config"):
+        with caplog.at_level(logging.WARNING, logger="train.config.sections"):
             preflight(load_config(config))
         messages = [r.getMessage() for r in caplog.records]
         assert bool(messages) == warned

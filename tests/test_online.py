@@ -1,10 +1,10 @@
-"""Online packing over a tokenized dataset (train/online.py)."""
+"""Online packing over a tokenized dataset (train/steps/online.py)."""
 import numpy as np
 import pytest
 
 from data.shards import IGNORE_INDEX, PackedDataset, ShardWriter
-from train.balance import dataset_row_costs, row_cost
-from train.online import OnlinePackedDataset, epoch_plan, open_train_dataset
+from train.steps.balance import dataset_row_costs, row_cost
+from train.steps.online import OnlinePackedDataset, epoch_plan, open_train_dataset
 
 MAX_LEN = 64
 
@@ -103,7 +103,7 @@ def test_deterministic_for_a_seed_and_epochs_differ(tokenized):
 
 
 def test_sampler_replans_once_per_epoch(tokenized, monkeypatch):
-    from train.data import StepSampler
+    from train.steps.sampler import StepSampler
 
     path, _ = tokenized
     ds = OnlinePackedDataset(path, MAX_LEN, seed=3)
@@ -146,7 +146,7 @@ def test_trainer_trains_every_sequence_once_per_epoch(tmp_path):
     """data_path at a tokenized dataset + online_max_length: the trainer re-plans per epoch and every tokenized
     sequence goes through exactly one micro-batch per epoch."""
     from tests._train_helpers import save_tiny_model, synthetic_sequence, write_config
-    from train.config import load_config
+    from train.config.sections import load_config
     from train.trainer import Trainer
 
     rng = np.random.default_rng(5)

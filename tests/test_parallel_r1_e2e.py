@@ -188,8 +188,8 @@ def test_block_and_path_ids_decode_to_the_tagged_text(pipeline_cfg, raw_outputs,
 def _first_step_losses(cfg) -> dict[str, float]:
     """Loss of step 1's micro-batch at the trainer's initial weights (same model, same rows) with the Parallel-R1
     position ids and/or attention mask switched on: `structured` (both), `positions_only`, `mask_only`, `plain`."""
-    from train.attention import AttentionContext
-    from train.batch import make_batch
+    from train.attention.function import AttentionContext
+    from train.steps.batch import make_batch
     from train.trainer import Trainer
 
     trainer = Trainer(cfg, console=lambda *_: None)
@@ -225,7 +225,7 @@ def test_trainer_trains_with_structured_attention(pipeline_cfg, tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
-    from train.config import load_config
+    from train.config.sections import load_config
     from train.metrics import read_log
 
     log = read_log(out)

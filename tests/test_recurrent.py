@@ -1,4 +1,4 @@
-"""Recurrent mixers restarted at packed-sequence boundaries (train/recurrent.py).
+"""Recurrent mixers restarted at packed-sequence boundaries (train/model/patches/recurrent.py).
 
 For tiny random-init hybrid and state-space models of each family: a packed row of four sequences through the
 body with the packsft attention equals each sequence alone through the same model with eager attention (outputs
@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import train.attention  # noqa: F401  (registers attn_implementation="packsft")
-from train import recurrent_kernels as kernels
-from train.attention import BACKENDS, AttentionContext, LayerKernels
-from train.model_check import GRAD_FLOOR, TOLERANCES
-from train.model_support import UnsupportedModelError
-from train.recurrent import (
+import train.attention.function  # noqa: F401  (registers attn_implementation="packsft")
+from train.model.patches import recurrent_kernels as kernels
+from train.attention.function import BACKENDS, AttentionContext, LayerKernels
+from train.model.self_check import GRAD_FLOOR, TOLERANCES
+from train.model.support import UnsupportedModelError
+from train.model.patches.recurrent import (
     KNOWN_MIXERS,
     ONE_CALL,
     ROW_KERNELS,
@@ -151,7 +151,7 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def assert_same(actual, expected, label: str) -> None:
     """Logits and loss as the reference, and every parameter's gradient, measured as the conformance suite measures
-    it (train/model_check.py: against the larger of its own magnitude and GRAD_FLOOR of the largest gradient, so
+    it (train/model/self_check.py: against the larger of its own magnitude and GRAD_FLOOR of the largest gradient, so
     that a gradient summed from terms that nearly cancel is not judged on its rounding noise alone)."""
     (logits, loss, grads), (ref_logits, ref_loss, ref_grads) = actual, expected
     assert relative_error(logits, ref_logits) < TOLERANCE, f"{label}: logits differ"
@@ -243,7 +243,7 @@ def test_every_one_call_mixer_is_checked_by_a_family():
 def test_packed_row_exact_through_lora():
     """LoRA injected after the wrappers (the trainer's order: build_lm applies LoRA, then the restart is installed
     on the PEFT model, or the other way round): adapters inside the mixers train exactly."""
-    from train.lora import apply_lora
+    from train.model.lora import apply_lora
 
     for install_first in (True, False):
         lm = tiny_model("qwen3_next")

@@ -1,4 +1,4 @@
-"""The boundary-restarting sequence kernels (train/recurrent_kernels.py) and the memory they save.
+"""The boundary-restarting sequence kernels (train/model/patches/recurrent_kernels.py) and the memory they save.
 
 - Each kernel on a packed row equals transformers' torch reference run on each sequence alone (outputs and the
   gradients of every input, fp32), for rows of one sequence, of sequences that cross chunk boundaries or start on
@@ -22,8 +22,8 @@ from transformers.models.granitemoehybrid import modeling_granitemoehybrid as gr
 from transformers.models.kimi_linear import modeling_kimi_linear as kimi
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
 
-from train import recurrent_kernels as kernels
-from train.recurrent_kernels import PackedRow
+from train.model.patches import recurrent_kernels as kernels
+from train.model.patches.recurrent_kernels import PackedRow
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-5

@@ -1,4 +1,4 @@
-"""Length-dependent ropes per packed sequence (train/rope.py): which rotary modules are wrapped, the wrapper against
+"""Length-dependent ropes per packed sequence (train/model/patches/rope.py): which rotary modules are wrapped, the wrapper against
 each sequence alone (also with positions that are not 0..n-1), and the refusal under sequence parallelism. The
 model-level equivalence (packed row = each sequence through the model alone) is in tests/test_model_conformance.py
 (`test_length_dependent_rope_packed_equals_unpacked`)."""
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.model_zoo import tiny_config
-from train.attention import AttentionContext
-from train.rope import (
+from train.attention.function import AttentionContext
+from train.model.patches.rope import (
     PerSequenceRope,
     install_per_sequence_rope,
     sequence_parallel_problem,
@@ -108,8 +108,8 @@ def test_sequence_parallel_refuses_length_dependent_ropes():
 def test_the_trainer_refuses_them_under_sequence_parallelism_before_the_model_loads():
     """The SP layout, planned from the model config before the mesh and the model, refuses them."""
     from common.config import ConfigError
-    from train.attention_plan import plan_sp_layout
-    from train.config import LaunchSection, ParallelSection
+    from train.plan.attention import plan_sp_layout
+    from train.config.sections import LaunchSection, ParallelSection
 
     model_type, overrides = CONFIGS["phi3-longrope"]
     config = tiny_config(model_type, **overrides)

@@ -19,8 +19,8 @@ from tests._train_helpers import (  # noqa: F401  (one_thread is a fixture)
     write_config,
     write_packed,
 )
-from train.attention import BACKENDS, LayerKernels
-from train.model_support import UnsupportedModelError
+from train.attention.function import BACKENDS, LayerKernels
+from train.model.support import UnsupportedModelError
 
 SDPA_KERNELS = LayerKernels(every=BACKENDS["sdpa"])  # every layer through the SDPA loop
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _config(tmp_path, **values):
-    from train.config import load_config
+    from train.config.sections import load_config
 
     data = write_packed(tmp_path / "data", random_rows(0, 4, seqs_per_row=3, min_len=8, max_len=20))
     path = write_config(tmp_path / "run.yaml", data_path=str(data), output_dir=str(tmp_path / "out"), max_steps=1,
@@ -72,8 +72,8 @@ def test_self_check_passes_on_an_exact_family(tmp_path):
 def test_self_check_stops_a_packed_path_that_leaks(tmp_path, monkeypatch):
     """Boundaries dropped (as a family whose layers ignore them would): the check names the family and the
     difference, before step 1."""
-    from train import model_check
-    from train.attention import AttentionContext
+    from train.model import self_check as model_check
+    from train.attention.function import AttentionContext
     from train.trainer import Trainer
 
     real = AttentionContext.for_micro_batch
@@ -92,7 +92,7 @@ def test_self_check_stops_a_packed_path_that_leaks(tmp_path, monkeypatch):
 def test_unverified_family_needs_the_self_check(tmp_path):
     from transformers import Qwen2Config
 
-    from train.model_support import check_model_support
+    from train.model.support import check_model_support
 
     config = Qwen2Config()
     config.model_type = "my_remote_family"
@@ -163,9 +163,9 @@ def _longrope_run(tmp_path):
 def test_self_check_covers_both_sides_of_a_rope_switch_point(tmp_path):
     """A rope whose frequencies switch with the sequence length (longrope at 16 tokens): the self-check packs
     sequences of at most 16 tokens with one longer (the first one of the data past the switch point, cut to 17)."""
-    from train.config import load_config
-    from train.model_check import self_check_sequences
-    from train.rope import switch_points
+    from train.config.sections import load_config
+    from train.model.self_check import self_check_sequences
+    from train.model.patches.rope import switch_points
     from train.trainer import Trainer
 
     lines = []
@@ -178,11 +178,11 @@ def test_self_check_covers_both_sides_of_a_rope_switch_point(tmp_path):
 
 
 def test_self_check_stops_a_rope_taken_from_the_longest_sequence(tmp_path, monkeypatch):
-    """Without per-sequence rope (transformers' choice from the row's longest sequence, as before train/rope.py)
+    """Without per-sequence rope (transformers' choice from the row's longest sequence, as before train/model/patches/rope.py)
     the check fails: it only can because one of its sequences is past the switch point."""
-    from train import packed_model
-    from train.config import load_config
-    from train.rope import PerSequenceRopes
+    from train.model import packed as packed_model
+    from train.config.sections import load_config
+    from train.model.patches.rope import PerSequenceRopes
     from train.trainer import Trainer
 
     monkeypatch.setattr(packed_model, "install_per_sequence_rope", lambda lm: PerSequenceRopes())
@@ -193,7 +193,7 @@ def test_self_check_stops_a_rope_taken_from_the_longest_sequence(tmp_path, monke
 def _deep_bf16_model():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from train.packed_model import PackedCausalLM
+    from train.model.packed import PackedCausalLM
 
     config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=12,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
@@ -208,8 +208,8 @@ def test_half_precision_judges_the_gradients_together(monkeypatch):
     """bf16 weights (the DeepSpeed bf16 path): both paths round at every matmul, so single parameters with tiny
     gradients differ by rounding noise; the check judges the whole gradient, which a leaking mask still moves
     by far more than the tolerance."""
-    from train import model_check
-    from train.attention import AttentionContext
+    from train.model import self_check as model_check
+    from train.attention.function import AttentionContext
 
     model, sequences = _deep_bf16_model()
     result = model_check.compare_packed_with_reference(model, sequences, SDPA_KERNELS, gradient_probe=True)
@@ -231,7 +231,7 @@ def test_blt_is_refused_for_what_breaks_not_as_multimodal():
     hashes, entropy patches, the patch-level transformer over the whole row), not a vision/audio tower."""
     from types import SimpleNamespace
 
-    from train.model_support import check_model_support
+    from train.model.support import check_model_support
 
     with pytest.raises(UnsupportedModelError, match="model family 'blt'") as err:
         check_model_support(SimpleNamespace(model_type="blt"))

@@ -12,12 +12,12 @@ import torch
 
 from tests._sp_worker import REDUCTIONS, sample_rows, spawned_results, structured_rows, totals_of
 from tests._train_helpers import free_port
-from train.batch import IGNORE_INDEX, make_batch
+from train.steps.batch import IGNORE_INDEX, make_batch
 from tests._kernels import varlen_attention
-from train.attention import AttentionContext
-from train.attention_plan import choose_ring_backend, choose_varlen_kernel, ring_kernel
-from train.sequence_parallel import SP_BACKENDS, TOKEN_PAD_VALUES, SPBackendUnavailable, shard_batch
-from train.varlen_kernels import NO_FEATURES
+from train.attention.function import AttentionContext
+from train.plan.attention import choose_ring_backend, choose_varlen_kernel, ring_kernel
+from train.attention.sequence_parallel import SP_BACKENDS, TOKEN_PAD_VALUES, SPBackendUnavailable, shard_batch
+from train.attention.varlen_kernels import NO_FEATURES
 
 WORLD = 4
 RTOL = 1e-5
@@ -314,7 +314,7 @@ def test_varlen_bounds_only_for_the_varlen_path():
 
 def test_kernel_choice(monkeypatch):
     """The fastest kernel without reasons: on CPU the SDPA loop; flash-attn first, then torch's varlen_attn."""
-    from train.varlen_kernels import KERNELS, VarlenKernel
+    from train.attention.varlen_kernels import KERNELS, VarlenKernel
 
     cpu = torch.empty(0)
     assert choose_varlen_kernel(cpu).name == "sdpa_loop"
@@ -332,7 +332,7 @@ def test_kernel_choice(monkeypatch):
 
 def _full_row_attention(q, k, v, cu, scale):
     """Reference: the whole padded row through the SDPA loop (fp32), q [T, H, D], k/v [T, Hkv, D]."""
-    from train.varlen_kernels import VarlenBounds
+    from train.attention.varlen_kernels import VarlenBounds
 
     return varlen_attention("sdpa_loop", q, k, v, VarlenBounds.build(cu.tolist()), scale)
 
@@ -356,7 +356,7 @@ def test_rank_slices_through_varlen_kernel_equal_full_row(kernel, device, sp):
     """Each rank's bounds + kernel on its slice of queries against the key window of the (locally built) gathered
     K/V give the full-row output rows of that slice; the K/V gradients summed over ranks (what the all-gather's
     backward does) give the full-row gradients. On CUDA: bf16 kernels against the fp32 reference."""
-    from train.varlen_kernels import KERNELS
+    from train.attention.varlen_kernels import KERNELS
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     if reasons := KERNELS[kernel].reasons(torch.empty(0, device=device, dtype=dtype), NO_FEATURES):
@@ -389,7 +389,7 @@ def test_rank_slices_through_varlen_kernel_equal_full_row(kernel, device, sp):
 def _fake_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
     """torch's varlen_attn (2.11 signature) on CPU: checks the device offsets it is given, computes with the
     reference kernel from those offsets alone."""
-    from train.varlen_kernels import VarlenBounds
+    from train.attention.varlen_kernels import VarlenBounds
 
     assert window_size == (-1, 0) and cu_q.dtype == cu_k.dtype == torch.int32
     assert q.shape[1] == k.shape[1] == v.shape[1]  # kv heads repeated: no enable_gqa in this signature
@@ -410,9 +410,9 @@ def test_gather_backend_varlen_path_with_local_gather(monkeypatch, device, kerne
     rank's part spliced in."""
     import dataclasses
 
-    import train.sequence_parallel as sequence_parallel
-    import train.varlen_kernels as varlen_kernels
-    from train.varlen_kernels import VarlenKernel
+    import train.attention.sequence_parallel as sequence_parallel
+    import train.attention.varlen_kernels as varlen_kernels
+    from train.attention.varlen_kernels import VarlenKernel
 
     if kernel == "torch_varlen":
         fake_api = varlen_kernels._TorchVarlenAPI(_fake_varlen_attn, {"window_size": (-1, 0)}, False, None)

@@ -20,7 +20,7 @@ from tests._train_helpers import (  # noqa: F401  (one_thread is a fixture)
 
 def _steps(tmp_path, tag, n_steps, **cfg_values):
     """`n_steps` optimizer steps of the real Trainer: (records, gradients of the last step)."""
-    from train.config import load_config
+    from train.config.sections import load_config
     from train.trainer import Trainer
 
     data = tmp_path / "data"
@@ -60,14 +60,14 @@ def test_compiled_layers_train_like_eager(tmp_path, monkeypatch):
 
 @pytest.mark.usefixtures("one_thread")
 def test_compiled_loss_trains_like_eager(tmp_path, monkeypatch):
-    """compile_loss: the trainer's loss runs train.loss's compiled chunk function (aot_eager on the CPU, as above);
+    """compile_loss: the trainer's loss runs train.model.loss's compiled chunk function (aot_eager on the CPU, as above);
     two steps equal eager (1e-5)."""
-    import train.loss
+    import train.model.loss
 
     _, eager_records, eager_grads = _steps(tmp_path, "eager", 2)
-    captured = torch.compile(train.loss.chunk_ce_grad, dynamic=True, backend="aot_eager")
+    captured = torch.compile(train.model.loss.chunk_ce_grad, dynamic=True, backend="aot_eager")
     calls = []
-    monkeypatch.setattr(train.loss, "_compiled_chunk_ce_grad", lambda *a: calls.append(1) or captured(*a))
+    monkeypatch.setattr(train.model.loss, "_compiled_chunk_ce_grad", lambda *a: calls.append(1) or captured(*a))
     _, records, grads = _steps(tmp_path, "fused", 2, compile_loss=True)
     assert calls, "the compiled chunk function was not used"
     np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in eager_records], rtol=1e-5)
@@ -76,7 +76,7 @@ def test_compiled_loss_trains_like_eager(tmp_path, monkeypatch):
 
 
 def test_liger_needs_a_gpu_and_the_package(tmp_path):
-    from train.config import load_config
+    from train.config.sections import load_config
 
     cfg_path = write_config(tmp_path / "c.yaml", data_path=str(tmp_path), output_dir=str(tmp_path / "out"),
                             model_config="configs/model/tiny_qwen2.json", liger=True)
@@ -89,7 +89,7 @@ def test_liger_needs_a_gpu_and_the_package(tmp_path):
 
 @pytest.mark.parametrize("name", ["auto", "flash_varlen", "torch_varlen", "flex", "sdpa"])
 def test_attn_backend_choices(tmp_path, name):
-    from train.config import load_config
+    from train.config.sections import load_config
 
     cfg_path = write_config(tmp_path / "c.yaml", data_path=str(tmp_path), output_dir=str(tmp_path / "out"),
                             model_config="configs/model/tiny_qwen2.json", attn_backend=name)
@@ -97,7 +97,7 @@ def test_attn_backend_choices(tmp_path, name):
 
 
 def test_unknown_attn_backend_is_a_config_error(tmp_path):
-    from train.config import load_config
+    from train.config.sections import load_config
 
     cfg_path = write_config(tmp_path / "c.yaml", data_path=str(tmp_path), output_dir=str(tmp_path / "out"),
                             model_config="configs/model/tiny_qwen2.json", attn_backend="xformers")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from data.parallel_thinking import position_ids
-from train.structured_attention import (
+from train.attention.structured import (
     build_mask,
     flex_structured_attention,
     structured_sdpa,

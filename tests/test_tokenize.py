@@ -226,7 +226,7 @@ def test_overlong_policies(qwen):
     assert full.labels[inside] != IGNORE_INDEX and mid.labels[0] == IGNORE_INDEX and mid.turn_ids[0] == 0
     assert np.array_equal(mid.labels[1:], full.labels[inside + 1:])
     assert mid.turn_ids.max() == 1 and mid.turn_ids[1] == 1
-    from train.batch import make_batch, step_totals
+    from train.steps.batch import make_batch, step_totals
 
     row = {"input_ids": mid.input_ids, "labels": mid.labels, "category_ids": mid.category_ids,
            "turn_ids": mid.turn_ids, "seq_lens": np.array([mid.input_ids.shape[0]])}

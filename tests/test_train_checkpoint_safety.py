@@ -14,7 +14,7 @@ import torch
 import train.checkpoint as checkpoint
 from tests._train_helpers import ROOT, one_thread, random_rows, save_tiny_model, write_config, write_packed  # noqa: F401
 from train.checkpoint import CheckpointError, checkpoint_root, resolve_resume, safe_load, write_manifest
-from train.config import load_config
+from train.config.sections import load_config
 from train.metrics import read_log
 from train.trainer import Trainer
 

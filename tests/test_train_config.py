@@ -9,9 +9,9 @@ import pytest
 
 from common.config import ConfigError
 from tests._train_helpers import random_rows, save_tiny_model, write_config, write_packed
-from train.config import load_config
+from train.config.sections import load_config
 from train.preflight import preflight
-from train.deepspeed_config import build_deepspeed_config
+from train.engines.deepspeed_config import build_deepspeed_config
 from train.trainer import lr_lambda_factory
 
 
@@ -135,7 +135,7 @@ def test_deepspeed_dict_built_in_code(setup, tmp_path):
 
 
 def test_deepspeed_template_offload_counts(setup):
-    from train.deepspeed_config import offloads_optimizer
+    from train.engines.deepspeed_config import offloads_optimizer
 
     _, config = setup
     template = "deepspeed.template=configs/deepspeed/zero3_offload.json"
@@ -276,7 +276,7 @@ def test_tokenizer_mismatch_with_a_pretrained_model_says_to_retokenize_the_data(
 def test_keys_flat_or_in_their_section(setup, tmp_path):
     """Every key of the sections but deepspeed / launch may be written flat (as every config before the sections did)
     or in its section; both give the same config, code reads the section (`cfg.optim.lr`)."""
-    from train.config import FLAT_KEYS, from_keys, key_path
+    from train.config.sections import FLAT_KEYS, from_keys, key_path
 
     _, config = setup
     flat = load_config(config, ["lr=3e-4", "sequence_parallel_size=2", "launch.num_processes=2"])

@@ -24,7 +24,7 @@ from tests._train_helpers import (  # noqa: F401  (one_thread is a fixture)
     write_packed,
 )
 from train.checkpoint import safe_load
-from train.config import load_config
+from train.config.sections import load_config
 from train.metrics import read_log
 from train.trainer import Trainer
 
@@ -139,7 +139,7 @@ def test_deepspeed_zero_matches_single_process(setup, reference, tmp_path, stage
 
 @pytest.mark.parametrize("options", [[], LONG_ROW_OPTIONS], ids=["plain", "long_row_options"])
 def test_sequence_parallel_matches_single_process(setup, tmp_path, one_thread, options):
-    pytest.importorskip("train.sequence_parallel")
+    pytest.importorskip("train.attention.sequence_parallel")
     _, config = setup
     ref_log, ref_grads = _in_process(config, tmp_path / "sp_ref")  # one row per step, one process, plain
     out = tmp_path / "sp"

@@ -17,9 +17,9 @@ from tests._train_helpers import (  # noqa: F401  (one_thread is a fixture)
     write_config,
     write_packed,
 )
-from train.attention import BACKENDS, AttentionContext, LayerKernels
-from train.batch import make_batch, step_totals
-from train.packed_model import PackedCausalLM
+from train.attention.function import BACKENDS, AttentionContext, LayerKernels
+from train.steps.batch import make_batch, step_totals
+from train.model.packed import PackedCausalLM
 
 SDPA_KERNELS = LayerKernels(every=BACKENDS["sdpa"])  # every layer through the SDPA loop
 
@@ -36,7 +36,7 @@ def _row_dict(seqs):
 
 def _reference_loss(model, seqs, reduction):
     """Each sample alone through a standard HF forward (sdpa attention, full logits), combined per the reduction
-    exactly as the definitions say (no train.batch code involved)."""
+    exactly as the definitions say (no train.steps.batch code involved)."""
     token_losses, turn_means, sample_means = [], [], []
     for s in seqs:
         ids = torch.from_numpy(s["input_ids"].astype(np.int64))[None]
@@ -99,7 +99,7 @@ def test_packed_row_equals_samples_alone(reduction, tie, chunk):
 
 def _trainer_grads(tmp_path, name, rows, **cfg_values):
     """One optimizer step of the real Trainer (single process); returns (log record, summed gradients)."""
-    from train.config import load_config
+    from train.config.sections import load_config
     from train.trainer import Trainer
 
     data = write_packed(tmp_path / f"data_{name}", rows)
@@ -161,7 +161,7 @@ def test_filler_with_more_loss_tokens_than_the_step(tmp_path):
     rows = [[synthetic_sequence(rng, 40, 2, 1)], [synthetic_sequence(rng, 40, 2, 1)],
             [synthetic_sequence(rng, 8, 1, 1)]]  # 27, 27 and 5 loss tokens
     seed = next(s for s in range(100) if np.random.default_rng([s, 0]).permutation(3)[2] == 2)
-    from train.config import load_config
+    from train.config.sections import load_config
     from train.trainer import Trainer
 
     data = write_packed(tmp_path / "data_filler", rows)

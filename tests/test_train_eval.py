@@ -6,7 +6,7 @@ import pytest
 
 from common.config import ConfigError
 from tests._train_helpers import one_thread, random_rows, save_tiny_model, write_config, write_packed  # noqa: F401
-from train.config import load_config
+from train.config.sections import load_config
 from train.preflight import eval_path, preflight
 from train.metrics import loss_curves, read_log, step_progress
 

@@ -19,7 +19,7 @@ from tests._train_helpers import (  # noqa: F401  (one_thread is a fixture)
     write_packed,
 )
 from train.checkpoint import CheckpointError
-from train.config import load_config
+from train.config.sections import load_config
 from train.metrics import read_log
 from train.trainer import Trainer
 
@@ -131,7 +131,7 @@ def test_fsdp2_resume_is_bitwise(fsdp2_run, resumed_run):
 @pytest.mark.multiprocess
 def test_another_backend_refuses_the_checkpoint(fsdp2_run):
     """An FSDP2 checkpoint is recognised by its dcp/ and refused by the other engines, naming both settings."""
-    from train.engines import ENGINES, saved_with
+    from train.engines.build import ENGINES, saved_with
 
     checkpoint = fsdp2_run / "checkpoints" / "step-000002"
     assert saved_with(checkpoint) == "fsdp2"
@@ -169,11 +169,11 @@ class _Planted:
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process without a group, on purpose
 def test_dcp_files_load_without_running_code(tmp_path):
-    """A DCP checkpoint (written in one process, without a process group) loads through train.dcp_checkpoint; a
+    """A DCP checkpoint (written in one process, without a process group) loads through train.engines.dcp; a
     pickle planted in a non-tensor value, or in .metadata, is refused instead of run."""
     import pickle
 
-    from train import dcp_checkpoint
+    from train.engines import dcp as dcp_checkpoint
 
     state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "optimizer": {"param_groups": [{"lr": 0.5}]}}
     dcp_checkpoint.save(state, tmp_path / "good")

@@ -14,7 +14,7 @@ import torch
 from common.config import ConfigError
 from tests._train_helpers import ROOT, one_thread, random_rows, save_tiny_model, write_config, write_packed  # noqa: F401
 from train.checkpoint import CheckpointError, checkpoint_root, safe_load
-from train.config import load_config
+from train.config.sections import load_config
 from train.metrics import read_log
 from train.nonfinite import NonFiniteError
 from train.trainer import Trainer

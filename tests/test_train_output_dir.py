@@ -10,7 +10,7 @@ import pytest
 from common.config import ConfigError
 from tests._train_helpers import one_thread, random_rows, save_tiny_model, write_config, write_packed  # noqa: F401
 from train.checkpoint import checkpoint_root
-from train.config import load_config
+from train.config.sections import load_config
 from train.preflight import preflight
 from train.metrics import read_log
 from train.trainer import Trainer

@@ -93,7 +93,7 @@ def test_start_lines_are_written_above_the_progress_bar(tmp_path, monkeypatch):
     """On a terminal the start lines go through the bar (tqdm.write), so the bar is never overwritten by them."""
     import tqdm
 
-    from train.config import load_config
+    from train.config.sections import load_config
     from train.trainer import Trainer
 
     written, printed = [], []

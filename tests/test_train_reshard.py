@@ -19,7 +19,7 @@ from tests._reshard_worker import record_rows
 from tests._train_helpers import (  # noqa: F401  (one_thread is a fixture)
     ROOT, free_port, one_thread, random_rows, save_tiny_model, write_config, write_packed)
 from train.checkpoint import CheckpointError, checkpoint_root
-from train.config import load_config
+from train.config.sections import load_config
 from train.metrics import read_log
 from train.trainer import Trainer
 

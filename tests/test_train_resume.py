@@ -8,7 +8,7 @@ import torch
 
 from tests._train_helpers import one_thread, random_rows, save_tiny_model, write_config, write_packed  # noqa: F401
 from train.checkpoint import checkpoint_root, resolve_resume, safe_load
-from train.config import load_config
+from train.config.sections import load_config
 from train.metrics import read_log
 from train.trainer import Trainer
 
@@ -95,7 +95,7 @@ class _Rows:
 
 
 def test_sampler_is_a_pure_function_of_the_step():
-    from train.data import StepSampler
+    from train.steps.sampler import StepSampler
 
     ds = _Rows(11)
     ranks = [StepSampler(ds, dp_size=2, dp_rank=r, grad_accum=2, micro_batch_rows=1, seed=3) for r in range(2)]

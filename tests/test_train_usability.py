@@ -13,7 +13,7 @@ import pytest
 from common.config import ConfigError, field_help
 from tests._train_helpers import ROOT, one_thread, random_rows, save_tiny_model, write_config, write_packed  # noqa: F401
 from tests.conftest import fixture_path, tokenizer_dir
-from train.config import FLAT_KEYS, SECTIONS, TrainConfig, load_config
+from train.config.sections import FLAT_KEYS, SECTIONS, TrainConfig, load_config
 from train.preflight import preflight
 
 
@@ -47,7 +47,7 @@ def test_help_lists_every_key_with_type_default_and_help():
         key = name if name in FLAT_KEYS else dotted
         heads = [i for i, line in enumerate(lines) if line.startswith(f"  {key} (")]
         assert len(heads) == 1, key
-        assert field_help(cls)[key.rsplit(".", 1)[-1]], f"{key} has no help comment in train/config.py"
+        assert field_help(cls)[key.rsplit(".", 1)[-1]], f"{key} has no help comment in train/config/sections.py"
         assert lines[heads[0] + 1].strip(), key
     assert "  lr (float, default 1.0e-05)" in lines
     assert "  loss_reduction (token|turn|sample, default token)" in lines

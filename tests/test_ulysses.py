@@ -20,10 +20,10 @@ from tests._train_helpers import (
     write_config,
     write_packed,
 )
-from train.batch import make_batch
-from train.attention_plan import choose_sp_layout
-from train.sp_rules import allowed_degrees, heads_problem
-from train.ulysses import UlyssesSpec, ulysses_shard
+from train.steps.batch import make_batch
+from train.plan.attention import choose_sp_layout
+from train.config.sp_rules import allowed_degrees, heads_problem
+from train.attention.ulysses import UlyssesSpec, ulysses_shard
 
 LOSS_RTOL = 1e-6
 GRAD_RTOL = 1e-5
@@ -107,8 +107,8 @@ def test_layout_errors(backend, sp, ulysses, heads, message):
 
 def test_config_refuses_what_no_ulysses_can_do(tmp_path):
     from common.config import ConfigError
-    from train.config import from_keys
-    from train.sp_rules import placement_problem
+    from train.config.sections import from_keys
+    from train.config.sp_rules import placement_problem
 
     base = dict(model_config="configs/model/tiny_qwen2.json", data_path=str(tmp_path), output_dir=str(tmp_path / "o"))
     cfg = from_keys({**base, "sequence_parallel_size": 4, "sp_ulysses_size": 3, "launch": {"num_processes": 4}})

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from tests._kernels import varlen_attention
-from train.attention_plan import choose_varlen_kernel
-from train.varlen_kernels import KERNELS, NO_FEATURES, AttentionFeatures, VarlenBounds, torch_varlen_api
+from train.plan.attention import choose_varlen_kernel
+from train.attention.varlen_kernels import KERNELS, NO_FEATURES, AttentionFeatures, VarlenBounds, torch_varlen_api
 
 
 def _dense_reference(q, k, v, cu_q, cu_k, scale):

@@ -49,7 +49,7 @@ def _overrides(packed, out, *more: str) -> list[str]:
 
 
 def _train(overrides: list[str]) -> tuple[list[dict], list[str]]:
-    from train.config import load_config
+    from train.config.sections import load_config
     from train.trainer import Trainer
 
     lines: list[str] = []
@@ -149,7 +149,7 @@ def test_self_check_says_why_it_skips_long_image_sequences(packed, tmp_path, mon
     """Image sequences are checked whole: where the first rows hold none short enough, the start line says so (not
     that the data has no sequence of 2 tokens)."""
     import train.trainer
-    from train.config import load_config
+    from train.config.sections import load_config
 
     monkeypatch.setattr(train.trainer, "SELF_CHECK_MAX_TOKENS", 100)  # the example's sequences have 140-195 tokens
     lines: list[str] = []

@@ -1,4 +1,4 @@
-"""Image conversations in the trainer (train/images.py): packed rows of LLaMA-Factory's demo records, through the real
+"""Image conversations in the trainer (train/model/images.py): packed rows of LLaMA-Factory's demo records, through the real
 Qwen2.5-VL processor, train exactly as transformers' composite forward on each record alone with its pixel_values
 (loss and every gradient, tower trained or frozen, under gradient accumulation; data and sequence parallelism in
 two gloo processes), and the families without an exact image path are refused before any weight loads.
@@ -102,9 +102,9 @@ def test_data_and_sequence_parallel_images_equal_one_process(recs, tmp_path):
 
 def test_self_check_compares_image_sequences_with_the_composite(recs):
     """The start-up self-check's inputs (whole sequences of a micro-batch, each with its images) and its comparison
-    through the tower: packed = the composite's own forward with pixel_values (train/model_check.py)."""
-    from train.attention import BACKENDS, LayerKernels
-    from train.model_check import compare_packed_with_reference
+    through the tower: packed = the composite's own forward with pixel_values (train/model/self_check.py)."""
+    from train.attention.function import BACKENDS, LayerKernels
+    from train.model.self_check import compare_packed_with_reference
 
     model = vi.tiny_vl_model()
     batch = vi.micro_batch(recs[:3], 1)

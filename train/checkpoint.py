@@ -2,7 +2,7 @@
 
 Layout of `step-000012/`:
     ds/ (DeepSpeed's per-rank files), or dcp/ + scheduler.pt (FSDP2: torch Distributed Checkpoint, see
-    train/dcp_checkpoint.py), or model.pt, optimizer.pt, scheduler.pt   model, optimizer, lr scheduler
+    train/engines/dcp.py), or model.pt, optimizer.pt, scheduler.pt   model, optimizer, lr scheduler
     trainer_state.json        step, sampler position, world size, the dataset's identity (`data`)
     rng/rank_<r>.json         python `random` and numpy generator states of rank r (plain ints)
     rng/rank_<r>.safetensors  torch CPU and CUDA generator states of rank r (uint8 tensors)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from common.config import ConfigError, pretrained_dir, relative_note
-from train.config import TrainConfig
+from train.config.sections import TrainConfig
 
 logger = logging.getLogger(__name__)
 

@@ -1,20 +1,20 @@
 """The training loop: packed rows -> exact step loss -> the engine's optimizer step (DeepSpeed, FSDP2 or plain
-torch: train/engines.py).
+torch: train/engines/build.py).
 
-Why DeepSpeed is driven directly (`deepspeed.initialize` with the dict built by train/deepspeed_config.py) and
+Why DeepSpeed is driven directly (`deepspeed.initialize` with the dict built by train/engines/deepspeed_config.py) and
 `accelerate launch` is only the launcher: under `accelerate launch --use_deepspeed` on CPU, accelerate's rank
 bookkeeping is wrong (process_index 0 and num_processes 1 on every rank, see ../shared/NOTES.md), and accelerate's
 DeepSpeed plugin rewrites the JSON and divides the loss by the accumulation steps behind our back. Ranks come from
 torch.distributed through train.distributed.build_mesh.
 
-Exact loss. Every token of a micro-batch carries the weight of the WHOLE optimizer step (train/batch.py), so the
+Exact loss. Every token of a micro-batch carries the weight of the WHOLE optimizer step (train/steps/batch.py), so the
 step loss is the plain sum of the local weighted sums over micro-batches, dp ranks and sp ranks. The gradient to
 apply is therefore the SUM of the local gradients; how each engine gets it (DeepSpeed's mean undone by the backward
-scale, FSDP2's reduce-scatter set to sum, the plain all_reduce) is train/engines.py's. The equivalence tests check
+scale, FSDP2's reduce-scatter set to sum, the plain all_reduce) is train/engines/build.py's. The equivalence tests check
 every engine against a single process, through the scale-sensitive gradient norm as well as the losses (Adam alone
 would hide a constant gradient factor).
 
-MoE models with a router load-balancing loss (train/moe.py): each micro-batch adds its rank's share of the aux
+MoE models with a router load-balancing loss (train/model/moe.py): each micro-batch adds its rank's share of the aux
 term, divided by the step's real micro-batches, to the local sum before the same scaling, so the aux term is
 exact under the same conventions. The logged `loss` is the LM loss; `aux_loss` is the aux term; the optimised
 objective is their sum.
@@ -36,8 +36,8 @@ import torch.distributed as dist
 
 from common.config import ConfigError
 from data.images import ImageLoader
-from train.attention_plan import plan_attention, plan_sp_layout
-from train.batch import make_batch, step_totals
+from train.plan.attention import plan_attention, plan_sp_layout
+from train.steps.batch import make_batch, step_totals
 from train.checkpoint import (
     FINAL_DIR,
     CheckpointError,
@@ -59,21 +59,21 @@ from train.checkpoint import (
     resume_candidates,
     save_checkpoint,
 )
-from train.composite import copy_processor_files, processor_dir
-from train.config import TrainConfig
+from train.model.composite import copy_processor_files, processor_dir
+from train.config.sections import TrainConfig
 from train.preflight import Preflight, preflight
-from train.data import MicroBatchPlan, StepPlan, StepSampler
-from train.feed import InlineFeed, PrefetchFeed, open_feed
+from train.steps.sampler import MicroBatchPlan, StepPlan, StepSampler
+from train.steps.feed import InlineFeed, PrefetchFeed, open_feed
 from train.distributed import Mesh, all_reduce_sum, build_mesh, default_device, init_distributed, ranks_per_machine
-from train.engines import Engine, build_engine, saved_with
-from train.images import SELF_CHECK_MAX_TOKENS
+from train.engines.build import Engine, build_engine, saved_with
+from train.model.images import SELF_CHECK_MAX_TOKENS
 from train.metrics import EvalProgress, MetricsLogger, plot_losses, step_progress, truncate_log
-from train.moe import real_tokens, resolve_router_aux
+from train.model.moe import real_tokens, resolve_router_aux
 from train.nonfinite import SKIPPED, NonFiniteError, nonfinite_tensors, stop_message
-from train.packed_model import PackedCausalLM, build_lm
-from train.rope import switch_points as rope_switch_points
-from train.tiled_mlp import describe_tiling
-from train.varlen_kernels import queued_copy
+from train.model.packed import PackedCausalLM, build_lm
+from train.model.patches.rope import switch_points as rope_switch_points
+from train.model.patches.tiled_mlp import describe_tiling
+from train.attention.varlen_kernels import queued_copy
 
 logger = logging.getLogger("packsft.train")
 
@@ -140,7 +140,7 @@ class Trainer:
             hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars
         _seed_everything(cfg.steps.seed)
 
-        from train.online import open_train_dataset
+        from train.steps.online import open_train_dataset
 
         self.dataset = open_train_dataset(cfg.data.data_path, cfg.data.online_max_length, seed=cfg.steps.seed, verify=cfg.data.verify_data)
         self.image_loader = ImageLoader.of(self.dataset.meta)  # None for text-only data
@@ -162,7 +162,7 @@ class Trainer:
         zero3 = cfg.deepspeed.stage == 3
         self._hf_ds_config = self.ds_config = None
         if cfg.uses_deepspeed:
-            from train.deepspeed_config import build_deepspeed_config, skip_unused_cpu_comm_op
+            from train.engines.deepspeed_config import build_deepspeed_config, skip_unused_cpu_comm_op
 
             skip_unused_cpu_comm_op()  # before DeepSpeed's communication backend starts (zero.Init or initialize)
             self.ds_config = build_deepspeed_config(cfg)
@@ -213,7 +213,7 @@ class Trainer:
         return None if path is None else PackedDataset(path, verify=self.cfg.data.verify_data)
 
     def _choose_checkpointing(self, row_length: int) -> tuple[bool, int | None, str]:
-        """gradient_checkpointing auto: on a GPU from the memory estimate of train/memory_plan.py (the fewest
+        """gradient_checkpointing auto: on a GPU from the memory estimate of train/plan/memory.py (the fewest
         decoder layers to checkpoint for a micro-batch's activations to fit the free memory less the model state);
         on CPU by row length. (enabled, layers checkpointed: None for all, why)."""
         cfg = self.cfg
@@ -226,7 +226,7 @@ class Trainer:
                 f"auto: {per_rank_row} tokens per rank {'>=' if enabled else '<'} checkpointing_min_length="
                 f"{cfg.model.checkpointing_min_length}")
             return enabled, None, f"{'on' if enabled else 'off'} ({why})"
-        from train.memory_plan import ModelShape, choose_checkpointing, mlp_tile
+        from train.plan.memory import ModelShape, choose_checkpointing, mlp_tile
 
         shape = ModelShape.from_hf_config(self.checked.model_config)
         tokens = -(-row_length * cfg.steps.micro_batch_rows // self.mesh.sp_size)
@@ -237,9 +237,9 @@ class Trainer:
         return decision.enabled, decision.layers, decision.describe()
 
     def _model_state_bytes(self, shape, world: int) -> int:
-        """Weights, gradients and optimizer state per GPU (train/memory_plan.py's estimate)."""
-        from train.deepspeed_config import build_deepspeed_config, offloads_optimizer
-        from train.memory_plan import model_state_bytes
+        """Weights, gradients and optimizer state per GPU (train/plan/memory.py's estimate)."""
+        from train.engines.deepspeed_config import build_deepspeed_config, offloads_optimizer
+        from train.plan.memory import model_state_bytes
 
         cfg = self.cfg
         n_trainable = shape.n_params if cfg.lora.lora_rank == 0 else 0  # LoRA adapters: negligible next to the model
@@ -252,10 +252,10 @@ class Trainer:
 
     def _choose_sp_degree(self, world: int) -> tuple[int, str]:
         """`sequence_parallel_size: auto`: the smallest degree whose share of a micro-batch fits the GPU with the
-        configured long-row options (train/memory_plan.py), from the least free memory of all ranks; 1 on CPU."""
+        configured long-row options (train/plan/memory.py), from the least free memory of all ranks; 1 on CPU."""
         if not torch.cuda.is_available():
             return 1, "auto: no CUDA device to size the rows against"
-        from train.memory_plan import LongRowOptions, ModelShape, available_host_bytes, choose_sp_degree, mlp_tile
+        from train.plan.memory import LongRowOptions, ModelShape, available_host_bytes, choose_sp_degree, mlp_tile
         from train.preflight import read_meta
 
         cfg = self.cfg
@@ -285,7 +285,7 @@ class Trainer:
         cfg = self.cfg
         if not cfg.model.activation_offload or self.device.type != "cuda":
             return  # on a CPU device the offload keeps the tensors where they are
-        from train.memory_plan import ModelShape, available_host_bytes, host_offload_problem
+        from train.plan.memory import ModelShape, available_host_bytes, host_offload_problem
 
         shape = ModelShape.from_hf_config(self.checked.model_config)
         tokens = -(-row_length * cfg.steps.micro_batch_rows // self.mesh.sp_size)
@@ -296,9 +296,9 @@ class Trainer:
                               "or activation_offload: false")
 
     def _check_family(self) -> str:
-        """The model family's status (train/model_support.py); a family that cannot train exactly on packed rows
+        """The model family's status (train/model/support.py); a family that cannot train exactly on packed rows
         stops here, naming the family and the reason."""
-        from train.model_support import check_model_support, model_type_of
+        from train.model.support import check_model_support, model_type_of
 
         config = self.checked.model_config
         status = check_model_support(config, self_check=self.cfg.model.self_check)
@@ -308,18 +308,18 @@ class Trainer:
         return model_type_of(config)
 
     def _check_images(self):
-        """The family's `ImageInputs` when the data holds images (train/images.py), None for text data; a family
-        without an exact image path stops here, naming the family and the reason (train/model_support.py)."""
+        """The family's `ImageInputs` when the data holds images (train/model/images.py), None for text data; a family
+        without an exact image path stops here, naming the family and the reason (train/model/support.py)."""
         if not any(getattr(data, "has_images", False) for data in (self.dataset, self.eval_dataset)):
             return None
-        from train.model_support import check_image_support
+        from train.model.support import check_image_support
 
         return check_image_support(self.checked.model_config)
 
     def _self_check(self, zero3: bool) -> None:
         """Packed path vs the model's own unpacked eager forward on a few sequences of the data, same weights:
-        training stops if they differ (a family or feature PackSFT does not reproduce). See train/model_check.py."""
-        from train.model_check import SelfCheckError, compare_packed_with_reference, self_check_sequences
+        training stops if they differ (a family or feature PackSFT does not reproduce). See train/model/self_check.py."""
+        from train.model.self_check import SelfCheckError, compare_packed_with_reference, self_check_sequences
 
         if zero3 and self.cfg.model.model_path is not None:
             self.console("self-check skipped: ZeRO-3 loads the weights partitioned (self_check covers ZeRO-0/1/2)")
@@ -439,7 +439,7 @@ class Trainer:
 
     def train_step(self, plan: StepPlan, feed: InlineFeed | PrefetchFeed | None = None) -> dict:
         """One optimizer step; its record's `loss` is the LM loss, `aux_loss` (MoE) the router aux term, which the
-        step optimises too. `feed`: where its micro-batches come from (train/feed.py; None: built here), and
+        step optimises too. `feed`: where its micro-batches come from (train/steps/feed.py; None: built here), and
         `batch_wait_s` in the record how long the step waited for them."""
         start = time.perf_counter()
         feed = feed or InlineFeed(self.sampler, self._build_micro_batch, plan.step + 1, current=plan)
@@ -508,7 +508,7 @@ class Trainer:
     def evaluate(self) -> dict:
         """`eval_loss`, the token-mean loss over the whole eval set (whatever loss_reduction), and
         `eval_category_loss` {name: token-mean loss} (every rank its rows; fillers keep ranks in step)."""
-        from train.batch import StepTotals
+        from train.steps.batch import StepTotals
 
         ds = self.eval_dataset
         totals = StepTotals(int(np.sum(ds.row_n_loss_tokens)), int(np.sum(ds.row_n_trained_turns)),
@@ -652,7 +652,7 @@ class Trainer:
 
     def export(self, out_dir: Path) -> Path:
         """HF format (safetensors + config + tokenizer), loadable with AutoModelForCausalLM.from_pretrained.
-        With LoRA: the adapter (train/lora.py), plus the merged model in `merged/` when lora_merge_on_save."""
+        With LoRA: the adapter (train/model/lora.py), plus the merged model in `merged/` when lora_merge_on_save."""
         state = self.engine.export_state(self.mesh.is_main)  # collective
         error = None
         if self.mesh.is_main:
@@ -688,7 +688,7 @@ class Trainer:
             tokenizer = AutoTokenizer.from_pretrained(tok_path)
         processor = processor_dir(self.lm.config, self.cfg.model.model_path, tok_path)  # a composite's image processor
         if self.cfg.lora.lora_rank > 0:
-            from train.lora import save_lora
+            from train.model.lora import save_lora
 
             save_lora(self.lm, out_dir, merge=self.cfg.lora.lora_merge_on_save, tokenizer=tokenizer, is_main=True,
                       state_dict=lm_state, processor_dir=processor)

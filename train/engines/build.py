@@ -1,0 +1,347 @@
+"""How a step's gradients are reduced and applied, and how the model and optimizer state are saved, resumed and
+exported: one engine, chosen once from the config by `build_engine` (`ENGINES`), which the trainer drives without
+asking which it is.
+
+Every engine applies the SUM of the local gradients (train/steps/batch.py: each token already carries the weight of the
+whole step, so the step loss is the sum of the local weighted sums over micro-batches, dp and sp ranks):
+- `PlainEngine` (deepspeed.stage null): torch AdamW on a full copy per rank, gradients summed with all_reduce.
+- `DeepSpeedEngine` (deepspeed.stage 0-3): DeepSpeed averages over its data-parallel world (every dp x sp rank, no
+  mpu is given) and would divide by the accumulation steps: the backward loss is the local sum times the world size
+  with `scale_wrt_gas=False`, and `engine.step()` runs after every micro-batch (DeepSpeed counts them and updates at
+  its accumulation boundary, the last one taken in `step` once the loss is known to be finite).
+- `FSDP2Engine` (distributed_backend: fsdp2): torch's `fully_shard` on every decoder layer and on the whole model
+  over all ranks (dp x sp: the sp ranks of a row hold parts of the same gradient, so they shard and sum like dp
+  ranks); its reduce-scatter sums (divide factor 1, plain SUM collectives) instead of averaging. Checkpoints are
+  torch Distributed Checkpoint directories (train/engines/dcp.py) that load on another number of ranks.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from train.checkpoint import (CheckpointError, install_zero_state, load_deepspeed_files_safely, read_zero_state,
+                              safe_load)
+from train.distributed import Mesh, all_reduce_sum_bucketed
+from train.nonfinite import gradient_norm, nonfinite_problem
+
+# how each engine's checkpoint is recognised (a file or directory only it writes) and named in errors
+SAVED_AS = {"deepspeed": ("ds", "DeepSpeed (deepspeed.stage set)"),
+            "fsdp2": ("dcp", "FSDP2 (distributed_backend: fsdp2)"),
+            "plain": ("model.pt", "plain torch (deepspeed.stage null, distributed_backend: deepspeed)")}
+
+
+def saved_with(path: Path) -> str | None:
+    """The engine that wrote checkpoint `path` (None: none PackSFT knows)."""
+    return next((name for name, (marker, _) in SAVED_AS.items() if (path / marker).exists()), None)
+
+
+class Engine:
+    """What the trainer asks of every engine, built as `Engine(cfg, model, param_groups, lr_factor, mesh,
+    ds_config)`: `model` is the PackedCausalLM, `param_groups()` the optimizer's parameter groups (called once the
+    engine has placed or sharded the parameters). `module`: what the forward calls; `backward_scale`: the factor of
+    the local loss given to `backward`; `autocasts`: whether the trainer wraps the forward in bf16 autocast."""
+
+    name: str
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    backward_scale = 1.0
+    autocasts = False
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def backward(self, loss: torch.Tensor, last: bool) -> None:
+        """Accumulate the gradient of one micro-batch's `loss` (`last`: the step's last micro-batch)."""
+        raise NotImplementedError
+
+    def step(self, loss: float, skip_nonfinite: bool, grad_hook: Callable[[], None] | None) -> tuple[float, str | None]:
+        """Apply the step's update unless its `loss` (all-reduced) or gradient norm is not finite: returns
+        (gradient norm, problem). A problem without `skip_nonfinite` leaves the model untouched (the trainer stops);
+        with it, the gradients are dropped and the lr schedule still advances."""
+        raise NotImplementedError
+
+    def save(self, directory: Path, is_main: bool) -> None:
+        raise NotImplementedError
+
+    def load(self, path: Path, resharded_from: int | None = None) -> None:
+        """Restore model, optimizer and scheduler from the checkpoint `path`; `resharded_from`: the number of
+        processes that saved it when this run has another (the global batch is the same, train/checkpoint.py)."""
+        raise NotImplementedError
+
+    def export_state(self, is_main: bool) -> dict | None:
+        """Collective. The full state dict to export on the main rank (None elsewhere), or None everywhere when
+        the export reads the live parameters (LoRA on full copies)."""
+        raise NotImplementedError
+
+    def check_saved_with(self, path: Path) -> None:
+        saved = saved_with(path)
+        if saved != self.name:
+            was = SAVED_AS[saved][1] if saved else "no engine PackSFT knows"
+            raise CheckpointError(f"{path} was saved with {was}, this run uses {SAVED_AS[self.name][1]}: resume with "
+                                  "the settings that saved it")
+
+
+def _adam(cfg) -> dict:
+    optim = cfg.optim
+    return dict(lr=optim.lr, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps)
+
+
+class _TorchOptimizerEngine(Engine):
+    """The engines whose update is a torch optimizer step taken here (plain, FSDP2)."""
+
+    def __init__(self, cfg, model, param_groups, lr_factor):
+        self.module = model
+        self.max_grad_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
+        self.optimizer = torch.optim.AdamW(param_groups(), **_adam(cfg))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor)
+
+    def _reduce(self, params: list[torch.Tensor]) -> None:
+        """Make every parameter's .grad the step's summed gradient (FSDP2's reduce-scatter already did)."""
+
+    def _clip(self, params: list[torch.Tensor], max_norm: float) -> float:
+        norm = gradient_norm(p.grad for p in params if p.grad is not None)  # float64 sums: the same on every rank
+        if math.isfinite(norm) and math.isfinite(max_norm):
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(norm))
+        return norm
+
+    def step(self, loss, skip_nonfinite, grad_hook):
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        self._reduce(params)
+        if grad_hook is not None:
+            grad_hook()
+        norm = self._clip(params, self.max_grad_norm)
+        problem = nonfinite_problem(loss, norm)
+        if problem and not skip_nonfinite:
+            return norm, problem
+        if not problem:
+            self.optimizer.step()
+        self.scheduler.step()  # a skipped step still counts: the lr stays a function of the step
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm, problem
+
+    def backward(self, loss, last):
+        loss.backward()
+
+
+class PlainEngine(_TorchOptimizerEngine):
+    name = "plain"
+
+    def __init__(self, cfg, model, param_groups, lr_factor, mesh: Mesh, ds_config: dict | None):
+        model.to(mesh.device)
+        super().__init__(cfg, model, param_groups, lr_factor)
+        self.lora, self.autocasts = cfg.lora.lora_rank > 0, cfg.model.bf16
+        if dist.is_initialized():  # every rank starts from rank 0's weights
+            for p in model.parameters():
+                dist.broadcast(p.data, src=0)
+
+    def describe(self) -> str:
+        return "no DeepSpeed (plain torch AdamW)"
+
+    def _reduce(self, params):
+        if dist.is_initialized():
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            all_reduce_sum_bucketed([p.grad for p in params])
+
+    def save(self, directory, is_main):
+        if is_main:
+            torch.save(self.module.state_dict(), directory / "model.pt")
+            torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+            torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
+
+    def load(self, path, resharded_from=None):  # optimizer.pt is whole: it loads as saved on any number of ranks
+        self.check_saved_with(path)
+        try:
+            self.module.load_state_dict(safe_load(path / "model.pt"))
+        except RuntimeError as exc:  # a checkpoint older than the model record of trainer_state.json
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            raise CheckpointError(
+                f"resume from {path}: its weights do not fit this model (model_config / model_path / lora_rank "
+                f"differ from the run that saved it): {lines[1] if len(lines) > 1 else lines[0]} ... Resume with "
+                "that run's model settings, or start a new run (another output_dir)") from exc
+        self.optimizer.load_state_dict(safe_load(path / "optimizer.pt"))  # moves the state to the params' device
+        self.scheduler.load_state_dict(safe_load(path / "scheduler.pt"))
+
+    def export_state(self, is_main):
+        if self.lora:
+            return None  # save_lora reads the live (full) parameters
+        return self.module.state_dict() if is_main else None
+
+
+class DeepSpeedEngine(Engine):
+    name = "deepspeed"
+
+    def __init__(self, cfg, model, param_groups, lr_factor, mesh: Mesh, ds_config: dict | None):
+        import deepspeed
+
+        from train.engines.deepspeed_config import offloads_optimizer
+
+        offload = offloads_optimizer(ds_config)  # the YAML flag or the template
+        optimizer = None if offload else torch.optim.AdamW(param_groups(), **_adam(cfg))
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            model_parameters=param_groups() if optimizer is None else None,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_factor),
+            config=ds_config,
+            dist_init_required=False,
+        )
+        self.module, self.model = self.engine, model
+        self.stage = cfg.deepspeed.stage
+        self.backward_scale = float(mesh.world_size)
+        self.lora = cfg.lora.lora_rank > 0
+
+    def describe(self) -> str:
+        return f"deepspeed stage {self.stage}"
+
+    def backward(self, loss, last):
+        self.engine.backward(loss, scale_wrt_gas=False)
+        if not last:
+            self.engine.step()  # DeepSpeed counts micro-batches here; the boundary's step() is taken in step()
+
+    def step(self, loss, skip_nonfinite, grad_hook):
+        problem = nonfinite_problem(loss)
+        if problem is not None:
+            return float("nan"), problem
+        self.engine.step()
+        if not self.engine.was_step_applied():  # ZeRO 1-3 skip an update whose gradients hold inf / nan
+            problem = "the gradients hold inf or nan (DeepSpeed skipped the update)"
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else float("nan")
+        return norm, problem or nonfinite_problem(loss, norm)
+
+    def save(self, directory, is_main):
+        self.engine.save_checkpoint(str(directory), tag="ds", save_latest=False)
+
+    def load(self, path, resharded_from=None):
+        self.check_saved_with(path)
+        if resharded_from is None:
+            load_deepspeed_files_safely(self.engine)  # no code runs from ds/*.pt
+            self.engine.load_checkpoint(str(path), tag="ds", load_optimizer_states=True,
+                                        load_lr_scheduler_states=True)
+            return
+        # DeepSpeed loads ZeRO partitions of the same world size only: join them, cut them anew
+        if self.stage == 0:
+            raise CheckpointError(f"resume from {path}: saved by {resharded_from} processes, this run has "
+                                  f"{dist.get_world_size()}: deepspeed.stage 0 resumes on the same number of "
+                                  "processes only (ZeRO 1-3, FSDP2 and no DeepSpeed reshard)")
+        install_zero_state(self.engine, read_zero_state(path / "ds"))
+
+    def export_state(self, is_main):
+        if self.stage == 3:
+            return self.engine._zero3_consolidated_16bit_state_dict()  # collective; full dict on rank 0 only
+        if self.lora:
+            return None
+        return self.model.state_dict() if is_main else None
+
+
+class FSDP2Engine(_TorchOptimizerEngine):
+    name = "fsdp2"
+
+    def __init__(self, cfg, model, param_groups, lr_factor, mesh: Mesh, ds_config: dict | None):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        from train.model.patches.tiled_mlp import decoder_layers
+
+        device, cpu_offload, bf16 = mesh.device, cfg.fsdp2.cpu_offload, cfg.model.bf16  # offload: GPUs (preflight)
+        self.device = device  # the collectives' (host-offloaded gradients included)
+        model.to(device)
+        if dist.get_world_size() > 1:  # every rank shards rank 0's weights
+            for p in model.parameters():
+                dist.broadcast(p.data, src=0)
+        self.world = init_device_mesh(device.type, (mesh.world_size,), mesh_dim_names=("fsdp",))
+        options = dict(
+            mesh=self.world, reshard_after_forward=cfg.fsdp2.reshard_after_forward,
+            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
+            else MixedPrecisionPolicy(),
+            offload_policy=CPUOffloadPolicy(pin_memory=True) if cpu_offload else OffloadPolicy(),
+        )
+        units = [*decoder_layers(model.lm), model]
+        for unit in units:
+            fully_shard(unit, **options)
+        for unit in units:  # reduce-scatter sums (exactly, with SUM collectives on every backend): see the docstring
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
+        # a parameter without a gradient on some rank (an MoE expert no token of this rank chose) reduces as zeros
+        # there, so every rank's reduce-scatter has the same inputs (else they would not match, and hang)
+        model.set_reduce_scatter_unused_params(True)
+        super().__init__(cfg, model, param_groups, lr_factor)  # the optimizer over the sharded parameters
+        self.cpu_offload = cpu_offload
+        self.n_units, self.size = len(units), mesh.world_size
+
+    def describe(self) -> str:
+        return (f"FSDP2 ({self.n_units} units sharded over {self.size} ranks"
+                + (", offloaded to host memory" if self.cpu_offload else "") + ")")
+
+    def backward(self, loss, last):
+        self.module.set_is_last_backward(last)
+        loss.backward()
+
+    def _clip(self, params, max_norm):
+        # the sharded gradients (DTensors, every parameter sharded: no element on two ranks): each rank's squares
+        # summed in float64 as the plain engine does, then over the ranks
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in params) if g is not None]
+        square = torch.tensor(gradient_norm(local) ** 2, dtype=torch.float64, device=self.device)
+        dist.all_reduce(square)
+        norm = math.sqrt(float(square))
+        if math.isfinite(norm) and math.isfinite(max_norm):
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(norm))
+        return norm
+
+    def _states(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optimizer = get_state_dict(self.module, self.optimizer)
+        return {"model": model, "optimizer": optimizer}
+
+    def save(self, directory, is_main):
+        from train.engines import dcp as dcp_checkpoint
+
+        dcp_checkpoint.save(self._states(), directory / "dcp")
+        if is_main:
+            torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
+
+    def load(self, path, resharded_from=None):  # DCP reads each rank's shards from whichever files hold them
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        from train.engines import dcp as dcp_checkpoint
+
+        self.check_saved_with(path)
+        states = self._states()
+        dcp_checkpoint.load(states, path / "dcp")
+        set_state_dict(self.module, self.optimizer, model_state_dict=states["model"],
+                       optim_state_dict=states["optimizer"])
+        self.scheduler.load_state_dict(safe_load(path / "scheduler.pt"))
+
+    def export_state(self, is_main):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # collective: the full tensors, on the main rank's host only
+        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not is_main:
+            return None
+        first: dict[int, str] = {}  # a tied weight (embeddings and head) as one tensor, as module.state_dict() has it,
+        for name, p in self.module.named_parameters(remove_duplicate=False):  # so the export writes it once
+            if (owner := first.setdefault(id(p), name)) != name and name in state:
+                state[name] = state[owner]
+        return state
+
+
+ENGINES: dict[str, type[Engine]] = {"plain": PlainEngine, "deepspeed": DeepSpeedEngine, "fsdp2": FSDP2Engine}
+
+
+def engine_name(cfg) -> str:
+    """The engine of a TrainConfig (config validation refuses fsdp2 with a DeepSpeed stage)."""
+    return "fsdp2" if cfg.uses_fsdp2 else "deepspeed" if cfg.uses_deepspeed else "plain"
+
+
+def build_engine(cfg, model, param_groups, lr_factor, mesh: Mesh, ds_config: dict | None) -> Engine:
+    return ENGINES[engine_name(cfg)](cfg, model, param_groups, lr_factor, mesh, ds_config)
