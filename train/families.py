@@ -9,7 +9,7 @@ per-family piece the trainer needs to train it exactly on packed rows; each modu
 - train/model/moe.py: the config key of its router aux-loss coefficient;
 - train/model/patches/tiled_mlp.py: whether its decoder layers' feed-forwards can run in tiles of tokens (`untileable_mlp`);
 - train/model/images.py: how a composite trains on image conversations (`images`: an `ImageInputs`), or why it cannot.
-The conformance suite (tests/test_model_conformance.py) is parametrized from this table: every `exact` family
+The conformance suite (tests/train/test_model_conformance.py) is parametrized from this table: every `exact` family
 trains on a packed row exactly as transformers' own unpacked forward (its length-dependent ropes included), every
 refused one is stopped before any weight loads, and every causal LM of the installed transformers is in it.
 

@@ -25,7 +25,7 @@ from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
 from train.model.patches import recurrent_kernels as kernels
 from train.model.patches.recurrent_kernels import PackedRow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-5
 CHUNK = 8
 # lengths of the packed sequences, against chunks of 8: one sequence; sequences across chunk boundaries, one starting

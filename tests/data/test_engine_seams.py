@@ -8,7 +8,7 @@ import pytest
 from common.config import ConfigError
 from data.config import DataConfig, InputSpec, output_config
 from data.shards import PackedDataset, ShardCutter, ShardWriter, shard_ranges
-from tests.test_shards import make_sequence
+from tests.shards.test_format import make_sequence
 
 
 def _rows(n_rows=31, seed=3):

@@ -11,7 +11,7 @@ from data import pack
 from data.pack import plan_rows
 from data.shards import PackedDataset
 from tests.conftest import fixture_path, tokenizer_dir
-from tests.test_pack_roundtrip import config, write_tokenized
+from tests.data.test_pack_roundtrip import config, write_tokenized
 
 
 def partitioned(lengths, max_length, seed=0, algorithm=pack.DEFAULT_ALGORITHM):

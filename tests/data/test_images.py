@@ -154,7 +154,7 @@ def test_shard_size_counts_the_images_bytes(tmp_path, monkeypatch):
     the global pass; 1 and 3 workers byte-identical). Images are ~200x the tokens here, as in real image data."""
     from data import pack
     from data.tokenize import ShardPlan
-    from tests.test_pack_roundtrip import config
+    from tests.data.test_pack_roundtrip import config
 
     monkeypatch.setattr(pack, "PARTITION_SEQUENCES", 32)
     rng = np.random.default_rng(3)

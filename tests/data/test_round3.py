@@ -433,7 +433,7 @@ def _tokenized(out_dir, sequences):
     import numpy as np
 
     from data.shards import ShardWriter
-    from tests.test_shards import make_sequence
+    from tests.shards.test_format import make_sequence
 
     rng = np.random.default_rng(0)
     writer = ShardWriter(out_dir, max_shard_bytes=4_000, kind="tokenized")
@@ -448,7 +448,7 @@ def test_duplicate_rows_and_rows_with_a_record_twice_are_counted_exactly(tmp_pat
     that holds one record twice is a row with a record twice; sequences without uids are never duplicates."""
     from data import pack
     from data.shards import PackedDataset
-    from tests.test_pack_roundtrip import config
+    from tests.data.test_pack_roundtrip import config
 
     _tokenized(tmp_path / "tokenized", [(200, [i]) for i in range(5)] * 3 + [(100, [7, 7]), (100, []), (100, [])])
     section = pack.run(config(tmp_path))
@@ -508,7 +508,7 @@ def test_packed_copies_are_byte_identical_for_any_worker_count(tmp_path, monkeyp
     import numpy as np
 
     from data import pack
-    from tests.test_pack_roundtrip import config
+    from tests.data.test_pack_roundtrip import config
 
     monkeypatch.setattr(pack, "PARTITION_SEQUENCES", 16)  # several partitions and a global pass
     rng = np.random.default_rng(2)

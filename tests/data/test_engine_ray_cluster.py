@@ -6,13 +6,13 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -r re
 pytestmark = [pytest.mark.timeout(300), pytest.mark.serial]
 
 from data import merge, tokenize  # noqa: E402
-from tests.test_engine_ray import assert_same_outputs, fault_hooks, run_local_then_ray  # noqa: E402
+from tests.data.test_engine_ray import assert_same_outputs, fault_hooks, run_local_then_ray  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
     """A head and a worker node of 1 CPU each, joined by this process; torn down at the end. Yields the
-    directory where the tokenize workers name their node (tests.test_engine_ray.fault_hooks)."""
+    directory where the tokenize workers name their node (tests.data.test_engine_ray.fault_hooks)."""
     from ray.cluster_utils import Cluster
 
     if ray.is_initialized():

@@ -7,7 +7,7 @@ import orjson
 import pytest
 
 from tests.conftest import fixture_path, tokenizer_dir
-from tests.test_tokenize_templates import _gsm8k_records, check_turn_text, reference_inputs
+from tests.data.test_tokenize_templates import _gsm8k_records, check_turn_text, reference_inputs
 
 from common.config import ConfigError
 from data.chat_template import analyze_template, load_chat_tokenizer

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("common", "data", "train")
 TRAIN_MAY_IMPORT_FROM_DATA = ("data.images", "data.pack", "data.parallel_thinking", "data.shards")
 
