@@ -175,6 +175,7 @@ def run_layout(spec: dict) -> dict:
 
     from train.config.sections import from_keys
     from train.model.packed import PackedCausalLM, build_lm
+    from train.plan.startup import MemoryPlan
 
     cuda = spec["device"] == "cuda"
     device = torch.device("cuda" if cuda else "cpu")
@@ -189,7 +190,7 @@ def run_layout(spec: dict) -> dict:
                          "attn_backend": spec["attn_backend"]})
         torch.manual_seed(spec["seed"])
         model_config = AutoConfig.from_pretrained(cfg.model.model_config)
-        lm = build_lm(cfg, model_config, dtype, checkpointing=spec["checkpointing"])  # same seed: same weights
+        lm = build_lm(cfg, model_config, dtype, MemoryPlan(checkpointing=spec["checkpointing"]))  # same seed: same weights
     if layout == "padded":
         lm.set_attn_implementation("sdpa")
         model = lm.to(device)

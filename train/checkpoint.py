@@ -821,3 +821,16 @@ def reshard_rng_seed(seed: int, step: int, rank: int) -> int:
     """The seed of rank `rank`'s generators when a run resumes on another number of ranks: the saved per-rank
     states cannot map onto the new ranks (rows move between ranks), so each rank starts fresh streams, reproducibly."""
     return int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
+
+
+def check_same_model(path: Path, state: dict, identity: dict, model) -> None:
+    """Before any tensor of checkpoint `path` loads (`state`: its trainer state): its weights belong to the model
+    of `identity` (`model_identity`), the one of config section `model`, or CheckpointError."""
+    source = f"model_path {model.model_path}" if model.model_path is not None else f"model_config {model.model_config}"
+    mismatch = model_mismatch(state.get("model"), identity, source)
+    if mismatch:
+        raise CheckpointError(
+            f"resume from {path}: the model is not the one the checkpoint was trained as: {mismatch}. Its weights "
+            "and optimizer state belong to that model: resume with the checkpoint's model config and LoRA "
+            "settings, or start a new run (another output_dir, or overwrite_output_dir=true with resume=none)"
+        )

@@ -238,3 +238,49 @@ def test_each_wing_says_in_one_line_what_lives_there(wing):
     assert doc and "\n" not in doc.strip(), f"train/{wing}/__init__.py: a one-line docstring says what lives there"
     # nothing else: a package that imports its modules would tie every importer of one to all of them
     assert len(tree.body) == 1, f"train/{wing}/__init__.py holds more than its docstring"
+
+
+def wing_of(module: str) -> str:
+    """train.model.patches.rope -> model (its wing); a module at train/'s top is its own node."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 else module
+
+
+def test_train_wings_import_one_way():
+    """No cycle between train/'s wings either (a module of one wing importing another wing that imports it back),
+    function-level imports counted; a wing's own folders (model/patches/) are inside it."""
+    graph: dict[str, set[str]] = {}
+    for module, imported in import_graph("train").items():
+        graph.setdefault(wing_of(module), set()).update(wing_of(other) for other in imported
+                                                         if wing_of(other) != wing_of(module))
+    assert [" -> ".join(cycle) for cycle in cycles(graph)] == []
+    assert wing_of("train.model.patches.rope") == "model" and wing_of("train.trainer") == "train.trainer"
+
+
+def test_the_trainer_runs_the_loop_and_decides_no_start_up():
+    """train/trainer.py takes the start-up decisions made elsewhere (the memory plan, the attention plan, the
+    engine's setup): no `_choose_*` / `_check_*` method, no model shape or memory-plan module, nothing assigned into
+    the config, no branch on the engine, at most 700 lines."""
+    path = ROOT / "train" / "trainer.py"
+    source = path.read_text()
+    tree = ast.parse(source)
+    methods = [node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    assert [name for name in methods if name.startswith(("_choose_", "_check_"))] == []
+    assert "ModelShape" not in source and "plan.memory" not in source and "memory_plan" not in source
+    assert "uses_deepspeed" not in source and "uses_fsdp2" not in source
+
+    def into_config(target: ast.AST) -> bool:  # cfg.x = ..., self.cfg.x.y = ..., cfg.x[k] = ...
+        while isinstance(target, (ast.Attribute, ast.Subscript)):
+            target = target.value
+            if isinstance(target, ast.Name) and target.id == "cfg":
+                return True
+            if isinstance(target, ast.Attribute) and target.attr == "cfg":
+                return True
+        return False
+
+    assigned = [f"trainer.py:{node.lineno}" for node in ast.walk(tree)
+                if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+                for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                for t in (target.elts if isinstance(target, ast.Tuple) else [target]) if into_config(t)]
+    assert assigned == []
+    assert len(source.splitlines()) <= 700

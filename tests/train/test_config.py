@@ -12,7 +12,7 @@ from tests._train_helpers import random_rows, save_tiny_model, write_config, wri
 from train.config.sections import load_config
 from train.preflight import preflight
 from train.engines.deepspeed_config import build_deepspeed_config
-from train.trainer import lr_lambda_factory
+from train.engines.schedule import lr_lambda_factory
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ from tests._train_helpers import one_thread, random_rows, save_tiny_model, write
 from tests.model_zoo import VOCAB, tiny_config
 from train.model.patches.offload import HostOffload
 from train.attention.function import BACKENDS, AttentionContext, LayerKernels
-from train.distributed import build_mesh
 from train.families import FAMILIES
 from train.plan.memory import (
     LONG_ROW_SHAPES,
@@ -332,7 +331,7 @@ def test_trainer_with_both_options_trains_the_same_steps(tmp_path, tile_calls):
     both = Trainer(_config(tmp_path, "both", tiled_mlp=True, tiled_mlp_tile=4, activation_offload=True),
                    console=lambda *_: None)
     both._console_write = lines.append
-    assert both.checkpointing  # auto turned on by activation_offload
+    assert both.memory.checkpointing  # auto turned on by activation_offload
     records = both.train()
     assert tile_calls and min(tile_calls) > 1
     for got, ref in zip(records, plain, strict=True):
@@ -436,32 +435,32 @@ def test_the_host_bounds_offload_in_the_plan():
         choose_sp_degree(llama, row, 8, 80 * GB, state, options, host_bytes=40 * GIB, host_ranks=8)
 
 
-def test_the_trainer_refuses_an_offload_the_host_cannot_hold(tmp_path, monkeypatch):
+def test_the_memory_plan_refuses_an_offload_the_host_cannot_hold(tmp_path, monkeypatch):
     """Checked before any weight loads, on a GPU only (CUDA faked: the device type and the host query are used)."""
-    import train.plan.memory as memory_plan
+    import train.plan.startup as startup
     from train.preflight import preflight
-    from train.trainer import Trainer
 
     cfg = _config(tmp_path, "offload", activation_offload=True)
-    trainer = Trainer.__new__(Trainer)
-    trainer.cfg, trainer.checked = cfg, preflight(cfg, 1)
-    trainer.mesh = dataclasses.replace(build_mesh(1), sp_size=2)
-    shape = ModelShape.from_hf_config(trainer.checked.model_config)
+    model_config = preflight(cfg, 1).model_config
+    shape = ModelShape.from_hf_config(model_config)
     assert cfg.steps.micro_batch_rows == 1
     need = offload_host_bytes(shape, 4096 // 2, 2 if cfg.model.bf16 else 4)
-    monkeypatch.setattr(memory_plan, "available_host_bytes", lambda: int(need / 0.9) - 1)
-    trainer.device = torch.device("cpu")
-    trainer._check_offload_host_memory(4096)  # on a CPU device the offload keeps its tensors: nothing to check
-    trainer.device = torch.device("cuda", 0)
+    monkeypatch.setattr(startup, "available_host_bytes", lambda: int(need / 0.9) - 1)
+
+    def plan(device):
+        return startup.plan_memory(cfg, model_config, 1, 4096 // 2, False, device=torch.device(device))
+
+    plan("cpu")  # on a CPU device the offload keeps its tensors: nothing to check
+    monkeypatch.setattr(startup, "_choose_checkpointing", lambda *args: (True, None, "on"))  # no GPU to query
     with pytest.raises(ConfigError, match=r"a 2,048-token micro-batch per rank keeps .*; set a larger "
                                           r"sequence_parallel_size \(or auto\), shorter rows \(max_length\) or "
                                           r"activation_offload: false"):
-        trainer._check_offload_host_memory(4096)
-    monkeypatch.setattr(memory_plan, "available_host_bytes", lambda: int(need / 0.9) + 8)
-    trainer._check_offload_host_memory(4096)
+        plan("cuda")
+    monkeypatch.setattr(startup, "available_host_bytes", lambda: int(need / 0.9) + 8)
+    plan("cuda")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks share that memory
     with pytest.raises(ConfigError, match="usable per rank for its 2 ranks"):
-        trainer._check_offload_host_memory(4096)
+        plan("cuda")
 
 
 def test_offload_without_checkpointing_is_not_a_plan():
@@ -485,35 +484,38 @@ def test_sp_auto_is_the_smallest_degree_of_the_world_that_fits():
         choose_sp_degree(QWEN_15B, row, 6, 80 * GB, state, options)
 
 
-def test_sp_auto_in_the_trainer(tmp_path, monkeypatch):
-    """The trainer sizes the data's rows against the least free GPU memory: with just enough for half a row it
-    picks 2 (CUDA faked: only the memory query is used); on CPU it keeps 1 and says why."""
-    from train.plan.memory import ModelShape
+def test_sp_auto_in_the_memory_plan(tmp_path, monkeypatch):
+    """The plan sizes the data's rows against the least free GPU memory: with just enough for half a row it picks 2
+    (CUDA faked: only the memory query is used); on CPU it keeps 1 and says why; the config it was given stays
+    `auto`, the plan's config holds the degree."""
+    import train.plan.startup as startup
     from train.preflight import preflight
-    from train.trainer import Trainer
 
     row = 4096
     write_packed(tmp_path / "data", random_rows(5, 2), meta_extra={"max_length": row})
     save_tiny_model(tmp_path / "model")
-    cfg = _config(tmp_path, "auto", sequence_parallel_size="auto")
+    cfg = _config(tmp_path, "auto", sequence_parallel_size="auto", launch={"num_processes": 2})
     cfg.validate(world_size=3)  # auto: no divisibility rule before the degree is chosen
-    trainer = Trainer.__new__(Trainer)
-    trainer.cfg, trainer.checked = cfg, preflight(cfg, 2)
-    assert trainer._choose_sp_degree(2) == (1, "auto: no CUDA device to size the rows against")
+    model_config = preflight(cfg, 2).model_config
+    cpu = torch.device("cpu")
+    plan = startup.plan_memory(cfg, model_config, 2, row, False, device=cpu)
+    assert (plan.sp_degree, plan.sp_reason) == (1, "auto: no CUDA device to size the rows against")
+    assert cfg.parallel.sequence_parallel_size == "auto" and plan.config.parallel.sequence_parallel_size == 1
 
-    shape = ModelShape.from_hf_config(trainer.checked.model_config)
-    state = trainer._model_state_bytes(shape, 2)
+    shape = ModelShape.from_hf_config(model_config)
+    state = startup._model_state_bytes(cfg, shape, 2, False)
     options = LongRowOptions(checkpointing=True)
     needed = state + activation_bytes(shape, row // 2, 4, True, cfg.steps.loss_chunk_size)
     free = int(needed / 0.9) + 1  # the plan keeps 10% headroom
     assert not row_fits(shape, row, free, state, options, act_bytes=4, loss_chunk=cfg.steps.loss_chunk_size)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
-    degree, reason = trainer._choose_sp_degree(2)
-    assert degree == 2 and reason.startswith("auto: 4,096-token micro-batches, 2,048 tokens per rank fit")
+    monkeypatch.setattr(startup.dist, "is_initialized", lambda: False)  # one rank's memory (a group of earlier tests)
+    plan = startup.plan_memory(cfg, model_config, 2, row, False, device=cpu)
+    assert plan.sp_degree == 2 and plan.sp_reason.startswith("auto: 4,096-token micro-batches, 2,048 tokens per rank fit")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (state, 2 * state))
     with pytest.raises(ConfigError, match="sequence_parallel_size: auto: a 4,096-token row does not fit"):
-        trainer._choose_sp_degree(2)
+        startup.plan_memory(cfg, model_config, 2, row, False, device=cpu)
 
 
 def test_sp_auto_trains_and_says_so(tmp_path):

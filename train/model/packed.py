@@ -107,13 +107,13 @@ class PackedCausalLM(nn.Module):
             self.lm.set_attn_implementation(previous)
 
 
-def build_lm(cfg: TrainConfig, model_config, dtype: torch.dtype, checkpointing: bool = False,
-             checkpointed_layers: int | None = None) -> nn.Module:
+def build_lm(cfg: TrainConfig, model_config, dtype: torch.dtype, memory=None) -> nn.Module:
     """The HF causal LM of `model_config` (train/preflight.py read it) with the packsft attention (a composite
     checkpoint: its own class, the packsft attention on its text decoder, towers frozen as configured:
-    train/model/composite.py); optional Liger kernels, activation checkpointing (of the first `checkpointed_layers`
-    decoder layers; None: all), LoRA and compiled decoder layers (in that order: compile wraps the patched,
-    checkpointed layers)."""
+    train/model/composite.py); optional Liger kernels, tiled MLPs, activation checkpointing, LoRA and compiled
+    decoder layers (in that order: compile wraps the patched, checkpointed layers). `memory`: the run's MemoryPlan
+    (train/plan/startup.py: checkpointing of the first `checkpointed_layers` decoder layers, None: all; the MLP
+    tile); None: no checkpointing, untiled."""
     model_config = copy.deepcopy(model_config)  # transformers sets the dtype and attention on the config it is given
     model_class = auto_model_class(model_config)
     attention = attn_implementation(model_config, ATTN_IMPLEMENTATION)
@@ -134,15 +134,14 @@ def build_lm(cfg: TrainConfig, model_config, dtype: torch.dtype, checkpointing: 
 
         _apply_liger_kernel_to_instance(model=lm, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                         fused_linear_cross_entropy=False)
-    if cfg.model.tiled_mlp:
-        from train.plan.memory import mlp_tile
-        from train.model.patches.tiled_mlp import install_tiled_mlp, intermediate_size
+    if memory is not None and memory.tile is not None:
+        from train.model.patches.tiled_mlp import install_tiled_mlp
 
-        install_tiled_mlp(lm, mlp_tile(cfg.model, intermediate_size(lm.config)))
-    if checkpointing:
+        install_tiled_mlp(lm, memory.tile)
+    if memory is not None and memory.checkpointing:
         lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        if checkpointed_layers is not None:
-            keep_checkpointing(lm, checkpointed_layers)
+        if memory.checkpointed_layers is not None:
+            keep_checkpointing(lm, memory.checkpointed_layers)
         if cfg.model.activation_offload:
             from train.model.patches.offload import HostOffload
 

@@ -126,6 +126,17 @@ def check_image_support(config) -> ImageInputs:
     return spec.images
 
 
+def check_family(config, self_check: bool, warn) -> str:
+    """The model family of `config`, checked before any weight loads: a family that cannot train exactly on packed
+    rows stops here (UnsupportedModelError naming the family and the reason); one outside the verified table is
+    named through `warn` (the start-up self-check decides)."""
+    status = check_model_support(config, self_check=self_check)
+    if status == "unverified":
+        warn(f"model family {model_type_of(config)!r} is not in PackSFT's verified table: the start-up "
+             "self-check decides whether it trains exactly")
+    return model_type_of(config)
+
+
 def supported_models_table() -> str:
     """The Markdown table of docs/TRAINING.md: every family of the table, with its status and notes."""
     rows = ["| family | packed training | notes |", "|---|---|---|"]
