@@ -3,7 +3,7 @@
 Lengths: the long-CoT fixture (SkyT1 MATH500 answers, 166 conversations) rendered with the Qwen2.5 chat
 template and tokenized; the assistant's `reasoning_content` is kept as a `<think>...</think>` block in front of
 its answer, as a long-CoT SFT sample is trained. The 166 lengths are resampled with replacement (seeded) to
-`--n-seqs` sequences, packed into rows of `--max-length` tokens with the pack stage's `data.pack.plan`
+`--n-seqs` sequences, packed into rows of `--max-length` tokens with the pack stage's `data.shards.rows.plan`
 (best-fit decreasing), and the rows are shuffled into optimizer steps of dp_size x rows_per_rank rows, as the
 trainer's sampler does.
 
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from data.pack import plan  # noqa: E402
+from data.shards.rows import plan  # noqa: E402
 from train.steps.balance import balance_step, imbalance, row_cost  # noqa: E402
 
 FIXTURES = ROOT.parent / "shared" / "fixtures"

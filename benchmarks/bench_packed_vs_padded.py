@@ -83,7 +83,7 @@ def _synthetic_rows(n_rows: int, row_length: int, mean_length: float, sigma: flo
 def _dataset_rows(path: str, n_rows: int, row_length: int | None):
     """The first `n_rows` benchmark rows of a packed dataset: consecutive dataset rows merged (whole) while the
     total stays within `row_length` (default: the dataset's own row length, one dataset row each)."""
-    from data.shards import PackedDataset
+    from data.shards.dataset import PackedDataset
 
     ds = PackedDataset(path)
     limit = row_length or int(ds.meta.get("max_length") or int(np.max(ds.row_n_tokens)))

@@ -49,7 +49,7 @@ from benchmarks.bench_train_gpu import (  # noqa: E402
 def step_sequences(packed: str, steps: int) -> list[tuple[list[int], list[int]]]:
     """(input_ids, completion_mask) of every sequence in the rows PackSFT's sampler gives steps 0..steps-1
     (one row per step, seed 0: what bench_train_gpu trains)."""
-    from data.shards import PackedDataset
+    from data.shards.dataset import PackedDataset
     from train.steps.sampler import StepSampler
 
     dataset = PackedDataset(packed)

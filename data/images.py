@@ -25,11 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from common.config import ConfigError
 from data.records import IMAGE_PLACEHOLDER, RecordError
-from data.shards import StoredImage
+from data.shards.dataset import StoredImage
 
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 VISION_SETUP = ("image conversations need torchvision and Pillow, which load only next to PyPI's (CUDA) torch "
@@ -241,32 +239,3 @@ class Vision:
             raise RecordError(source, "images", "the processor's image token count differs from its replacements",
                               "image_count_mismatch")
         return Expanded("".join(pieces), [(moved(a), moved(b)) for a, b in spans], image_spans, ids, images)
-
-
-# ---------------------------------------------------------------------------------------------- training
-class ImageLoader:
-    """The images of a micro-batch's rows -> (pixel_values, image_grid_thw) tensors, what train/model/vision.py's
-    `ImageBatch` holds: the shards' encoded bytes run through the same image processor (and pixel limits) as the
-    tokenize stage, each image's grid checked against the stored one."""
-
-    def __init__(self, processor_path: str, min_pixels: int | None = None, max_pixels: int | None = None):
-        self.vision = Vision(processor_path, min_pixels, max_pixels)
-
-    @classmethod
-    def of(cls, meta: dict) -> "ImageLoader | None":
-        """The loader of a dataset's meta.json (`images` section), None for text-only data."""
-        spec = meta.get("images")
-        if not spec:
-            return None
-        return cls(spec["processor_path"], spec.get("min_pixels"), spec.get("max_pixels"))
-
-    def __call__(self, datas: list[bytes], grids: np.ndarray) -> tuple[Any, Any]:
-        processor = self.vision.processor
-        pil = [decode_image(data, "shards", f"image {k}") for k, data in enumerate(datas)]
-        out = processor.image_processor(images=pil, return_tensors="pt", **self.vision.images_kwargs)
-        got = out["image_grid_thw"]
-        if tuple(got.shape) != tuple(grids.shape) or not np.array_equal(got.numpy(), grids):
-            raise ConfigError(f"the image processor of {self.vision.path} gives grids {got.tolist()} where the "
-                              f"shards hold {np.asarray(grids).tolist()}: the processor or its limits changed since "
-                              "the tokenize stage; re-run it")
-        return out["pixel_values"], got

@@ -45,7 +45,7 @@ def untrained_sequence(rng: np.random.Generator, length: int) -> dict:
 
 
 def write_packed(path: Path, rows: list[list[dict]], meta_extra: dict | None = None) -> Path:
-    from data.shards import ShardWriter
+    from data.shards.dataset import ShardWriter
 
     writer = ShardWriter(path, kind="packed")
     for row in rows:

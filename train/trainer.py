@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data.images import ImageLoader
+from data.shards.images import ImageLoader
 from train.plan.attention import plan_attention, plan_sp_layout
 from train.plan.startup import plan_memory
 from train.steps.batch import make_batch, step_totals
@@ -167,7 +167,7 @@ class Trainer:
         """The eval set, opened (memory-mapped) once at start and held for the whole run, or None: every evaluation
         reads the rows checked at start, even if its folder is removed or rewritten meanwhile (it was looked up
         again at every evaluation, and a folder deleted mid-run silently ended the evaluations)."""
-        from data.shards import PackedDataset
+        from data.shards.dataset import PackedDataset
 
         path = self.checked.eval_path
         return None if path is None else PackedDataset(path, verify=self.cfg.data.verify_data)

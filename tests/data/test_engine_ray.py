@@ -14,7 +14,7 @@ from data import engine_ray, pack, pipeline, preprocess, tokenize  # noqa: E402
 from data.config import STAGES, load_config  # noqa: E402
 from data.executor import LocalExecutor, Part  # noqa: E402
 from data.records import RecordError  # noqa: E402
-from data.shards import PackedDataset, ShardWriter  # noqa: E402
+from data.shards.dataset import PackedDataset, ShardWriter  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402
 
 OUTPUTS = ("canonical.jsonl", "sampled.jsonl", "merged.jsonl", "tokenized", "packed", "report.json")

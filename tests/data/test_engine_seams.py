@@ -7,7 +7,7 @@ import pytest
 
 from common.config import ConfigError
 from data.config import DataConfig, InputSpec, output_config
-from data.shards import PackedDataset, ShardCutter, ShardWriter, shard_ranges
+from data.shards.dataset import PackedDataset, ShardCutter, ShardWriter, shard_ranges
 from tests.shards.test_format import make_sequence
 
 

@@ -10,7 +10,7 @@ from common.config import ConfigError
 from data import pipeline, sample
 from data.config import load_config
 from data.report import check_arithmetic, read_report
-from data.shards import PackedDataset
+from data.shards.dataset import PackedDataset
 from tests.conftest import ROOT
 
 

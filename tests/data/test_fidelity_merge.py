@@ -19,7 +19,7 @@ from data import merge, preprocess, sample, tokenize
 from data.chat_template import load_chat_tokenizer
 from data.config import DataConfig
 from data.report import check_arithmetic
-from data.shards import PackedDataset
+from data.shards.dataset import PackedDataset
 
 TEMPLATED = ("qwen2_5_instruct", "qwen3", "llama3_1_instruct", "phi3_mini_instruct")
 MAX_LENGTH = 16384

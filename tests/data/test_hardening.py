@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from data import pipeline
-from data.shards import ShardWriter
+from data.shards.dataset import ShardWriter
 from tests.conftest import ROOT
 
 
@@ -45,7 +45,7 @@ def test_killed_writers_leave_temporaries_that_the_next_run_removes(tmp_path, mo
     out = tmp_path / "out"
     killed = subprocess.Popen([sys.executable, "-c", f"""
 import os, numpy as np
-from data.shards import ShardWriter
+from data.shards.dataset import ShardWriter
 from common.fsutil import atomic_writer
 w = ShardWriter({str(out / 'tokenized')!r}, kind="tokenized")
 w.add_row([{{k: np.ones(1000, np.int32) for k in ("input_ids", "labels", "category_ids", "turn_ids")}}])
@@ -176,7 +176,7 @@ def _copy_run(example_run, tmp_path):
 def test_disk_full_leaves_a_consistent_report_and_one_line(example_run, tmp_path, monkeypatch, capsys):
     import errno
 
-    from data import shards
+    from data.shards import dataset as shards
     from data.report import read_report
 
     monkeypatch.chdir(ROOT)  # the command the error suggests names data_process.sh from here
@@ -220,7 +220,7 @@ def test_data_process_sh_ends_a_full_disk_with_one_line(example_run, tmp_path):
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
-        "import errno\nfrom data import shards\n\n"
+        "import errno\nfrom data.shards import dataset as shards\n\n"
         "def full(self, batch):\n    raise OSError(errno.ENOSPC, 'No space left on device')\n\n"
         "shards._ShardBuffer._write = full\n")
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{hook}", PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")

@@ -19,7 +19,7 @@ from data import pipeline
 from data.config import InputSpec
 from data.preprocess import convert_row, detect_format
 from data.records import RecordError
-from data.shards import PackedDataset, ShardFormatError, ShardWriter, StoredImage
+from data.shards.dataset import PackedDataset, ShardFormatError, ShardWriter, StoredImage
 from tests.conftest import ROOT, fixture_path
 
 IMAGE_PAD = 151655  # <|image_pad|> of the Qwen2.5-VL processor fixture
@@ -260,7 +260,7 @@ def write_config(tmp_path, inputs, **extra):
 def test_example_tokenizes_to_the_processors_ids_with_exact_masks(tmp_path, monkeypatch):
     """configs/data/example_vision.json (LLaMA-Factory's demo records and images from ../shared/fixtures) end to
     end: ids, grids and pixel values as transformers' processor gives them, masks from the answers alone."""
-    from data.images import ImageLoader
+    from data.shards.images import ImageLoader
     from train.steps.batch import StepTotals, make_batch
 
     mm("mllm_demo.json")  # skips (fails in CI) without the fixtures

@@ -7,7 +7,7 @@ import pytest
 
 from data import pack
 from data.pack import SequenceTally
-from data.shards import PackedDataset, ShardWriter
+from data.shards.dataset import PackedDataset, ShardWriter
 from data.stats import Counts, add_category_counts, category_counts
 from tests.data.test_pack_roundtrip import config, write_tokenized
 from tests.shards.test_format import make_sequence, write_rows

@@ -8,8 +8,8 @@ import orjson
 import pytest
 
 from data import pack
-from data.pack import plan_rows
-from data.shards import PackedDataset
+from data.shards.rows import plan_rows
+from data.shards.dataset import PackedDataset
 from tests.conftest import fixture_path, tokenizer_dir
 from tests.data.test_pack_roundtrip import config, write_tokenized
 

@@ -9,7 +9,7 @@ import pytest
 
 from data.config import DataConfig, MergeConfig, PackConfig
 from data.pack import run
-from data.shards import IGNORE_INDEX, PackedDataset, ShardWriter
+from data.shards.dataset import IGNORE_INDEX, PackedDataset, ShardWriter
 from tests.shards.test_format import make_sequence
 
 CATEGORIES = {0: "untracked", 1: "math", 2: "code", 3: "chat"}

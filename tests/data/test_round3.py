@@ -304,7 +304,7 @@ def _sh(args, cwd):
 
 def _packed_categories(out) -> dict[str, int]:
     """Packed sequences per category name (one record each: merge.probability is 0)."""
-    from data.shards import PackedDataset
+    from data.shards.dataset import PackedDataset
 
     names = {rec["meta"]["uid"]: rec["meta"]["category_name"]
              for rec in map(orjson.loads, (out / "canonical.jsonl").read_bytes().splitlines())}
@@ -401,7 +401,7 @@ def test_up_sampled_copies_never_share_a_row_and_repeated_rows_are_counted(tmp_p
     the rows held a record twice). Copies are now planned in different layers: no row holds a record twice, and
     stats.json counts duplicate rows and rows with a record twice as an independent count over packed/ does."""
     from data.config import load_config
-    from data.shards import PackedDataset
+    from data.shards.dataset import PackedDataset
 
     monkeypatch.chdir(ROOT)
     out = tmp_path / "out"
@@ -432,7 +432,7 @@ def _tokenized(out_dir, sequences):
     """A tokenized dataset of (length, uids) sequences, one per row."""
     import numpy as np
 
-    from data.shards import ShardWriter
+    from data.shards.dataset import ShardWriter
     from tests.shards.test_format import make_sequence
 
     rng = np.random.default_rng(0)
@@ -447,7 +447,7 @@ def test_duplicate_rows_and_rows_with_a_record_twice_are_counted_exactly(tmp_pat
     """Records that fill a row alone, three copies each, repeat their row (2 duplicates each); a merged sequence
     that holds one record twice is a row with a record twice; sequences without uids are never duplicates."""
     from data import pack
-    from data.shards import PackedDataset
+    from data.shards.dataset import PackedDataset
     from tests.data.test_pack_roundtrip import config
 
     _tokenized(tmp_path / "tokenized", [(200, [i]) for i in range(5)] * 3 + [(100, [7, 7]), (100, []), (100, [])])
@@ -523,6 +523,6 @@ def test_packed_copies_are_byte_identical_for_any_worker_count(tmp_path, monkeyp
         pack.run(cfg)
         outputs.append({p.name: p.read_bytes() for p in cfg.packed_dir.iterdir()})
     assert outputs[0] == outputs[1]
-    from data.shards import PackedDataset
+    from data.shards.dataset import PackedDataset
 
     assert _count_repeats(_row_records(PackedDataset(tmp_path / "packed")))[1] == 0

@@ -2,7 +2,7 @@
 
 Every test runs data.preprocess.run -> data.sample.run -> data.merge.run -> data.tokenize.run on a config
 built with common.config.from_dict, on the real fixtures, and reads the tokenized output back with
-data.shards.PackedDataset. The reference for token ids is `apply_chat_template` of the whole conversation
+data.shards.dataset.PackedDataset. The reference for token ids is `apply_chat_template` of the whole conversation
 (with tools); the reference loss mask is built the OpenSFT way, from renders of prefixes (prompt with the
 generation prompt vs prompt + turn), which is valid for qwen2_5_instruct because its template is
 prefix-stable at assistant boundaries (asserted for every turn). The pipeline instead uses character spans of
@@ -27,7 +27,7 @@ from data import merge, preprocess, sample, tokenize
 from data.config import DataConfig
 from data.records import RecordError
 from data.report import check_arithmetic
-from data.shards import PackedDataset
+from data.shards.dataset import PackedDataset
 
 QWEN = "qwen2_5_instruct"
 IGNORE = -100

@@ -15,7 +15,7 @@ from data.config import DataConfig
 from data.executor import LocalExecutor
 from data.records import RecordError
 from data.report import check_arithmetic
-from data.shards import PackedDataset, ShardWriter
+from data.shards.dataset import PackedDataset, ShardWriter
 from data.pipeline import cli_main
 from data.tokenize import IGNORE_INDEX, TokenizeContext, run, tokenize_records
 

@@ -37,7 +37,7 @@ def _raw_outputs() -> list[str]:
 
 
 def _malformed(text: str) -> bool:
-    """Unbalanced tags, decided from the raw text alone (independent of data.parallel_thinking)."""
+    """Unbalanced tags, decided from the raw text alone (independent of data.shards.parallel_thinking)."""
     return any(text.count(open_tag) != text.count(close_tag) for open_tag, close_tag in TAG_PAIRS)
 
 
@@ -75,7 +75,7 @@ def _decode(tokenizer, ids) -> str:
 
 def _sequences_by_uid(path) -> dict[int, dict[str, np.ndarray]]:
     """uid -> token fields of its (single-record) sequence, over every row of an indexed dataset."""
-    from data.shards import PackedDataset
+    from data.shards.dataset import PackedDataset
 
     ds = PackedDataset(path)
     out = {}
@@ -102,7 +102,7 @@ def test_pipeline_accounts_for_every_row(pipeline_cfg, raw_outputs):
     assert report["tokenize"]["structure_kept_plain"] == 1
     assert report["pack"]["trace"]["every_record_once"] is True
 
-    from data.shards import PackedDataset
+    from data.shards.dataset import PackedDataset
 
     packed = PackedDataset(pipeline_cfg.packed_dir)
     assert {"block_ids", "path_ids"} <= set(packed.token_fields)
@@ -149,7 +149,7 @@ def test_on_error_error_names_the_malformed_record(pipeline_cfg, tmp_path):
 def test_block_and_path_ids_decode_to_the_tagged_text(pipeline_cfg, raw_outputs, tokenizer):
     """For the records of the first packed rows: the tokens of block b / path p decode to exactly the raw text
     between that block's (path's) tags, found in the raw parquet text with a regex."""
-    from data.shards import PackedDataset
+    from data.shards.dataset import PackedDataset
 
     packed = PackedDataset(pipeline_cfg.packed_dir)
     checked = 0

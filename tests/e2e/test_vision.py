@@ -72,7 +72,7 @@ def reference(packed, tmp_path_factory):
 
 
 def test_the_example_data_holds_images_in_the_rows_the_docstring_says(packed):
-    from data.shards import PackedDataset
+    from data.shards.dataset import PackedDataset
 
     train, held_out = PackedDataset(packed[0]), PackedDataset(packed[1])
     assert train.has_images and held_out.has_images

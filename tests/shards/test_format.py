@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from common.fsutil import tokenizer_hash
-from data.shards import (
+from data.shards.dataset import (
     FORMAT_VERSION,
     IGNORE_INDEX,
     PackedDataset,
@@ -434,7 +434,7 @@ def test_seq_column_is_that_field_of_the_index(tmp_path, rows, max_shard_bytes):
 def test_manifest_checksum_covers_every_key(tmp_path, rows):
     """meta.json records the checksum of its own content; any edit (a count, max_token_id) is refused, a reformat
     of the same content is not."""
-    from data.shards import MANIFEST_CHECKSUM, manifest_checksum
+    from data.shards.dataset import MANIFEST_CHECKSUM, manifest_checksum
 
     written = write_rows(tmp_path / "ds", rows)
     assert written[MANIFEST_CHECKSUM] == manifest_checksum(written) == _meta(tmp_path / "ds")[MANIFEST_CHECKSUM]

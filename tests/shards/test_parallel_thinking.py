@@ -5,7 +5,7 @@ import re
 import numpy as np
 import pytest
 
-from data.parallel_thinking import StructureError, parse_blocks, position_ids, token_structure, validate_structure
+from data.shards.parallel_thinking import StructureError, parse_blocks, position_ids, token_structure, validate_structure
 from tests.conftest import fixture_path, tokenizer_dir
 
 

@@ -4,8 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from data import pack
-from data.pack import RowPlan, _decreasing_order, layout, plan, plan_rows
+from data.shards import rows as pack
+from data.shards.rows import RowPlan, _decreasing_order, layout, plan, plan_rows
 
 ALGORITHMS = list(pack.ALGORITHMS)
 

@@ -188,7 +188,7 @@ def test_structure_mode_positions_per_sequence(monkeypatch):
         calls.append((block_ids.tolist(), path_ids.tolist()))
         return np.asarray(block_ids) * 10 + np.asarray(path_ids)
 
-    monkeypatch.setitem(sys.modules, "data.parallel_thinking", types.SimpleNamespace(position_ids=fake_position_ids))
+    monkeypatch.setitem(sys.modules, "data.shards.parallel_thinking", types.SimpleNamespace(position_ids=fake_position_ids))
     rng = np.random.default_rng(5)
     seqs = [conversation([(1, False, 0), (2, True, 0)], rng), conversation([(1, False, 0), (1, True, 0)], rng)]
     row = row_of(seqs)
@@ -202,7 +202,7 @@ def test_structure_mode_positions_per_sequence(monkeypatch):
 
 def test_with_packed_dataset(tmp_path, step_rows):
     """Round trip through the real shard format: the stored per-row counts give weights summing to 1."""
-    shards = pytest.importorskip("data.shards")
+    shards = pytest.importorskip("data.shards.dataset")
     writer = shards.ShardWriter(tmp_path / "packed")
     for row in step_rows:
         writer.add_row(row)

@@ -183,7 +183,7 @@ def test_trainer_refuses_images_before_any_weight_loads(tmp_path, monkeypatch):
     from train.config.sections import load_config
     from train.trainer import Trainer
 
-    def with_images(*args, **kwargs):  # the dataset as an image store opens (data/shards.py's has_images)
+    def with_images(*args, **kwargs):  # the dataset as an image store opens (data/shards/dataset.py's has_images)
         dataset = open_dataset(*args, **kwargs)
         dataset.has_images = True
         return dataset

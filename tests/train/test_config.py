@@ -208,7 +208,7 @@ def test_hand_edited_manifest_cannot_hide_token_ids_outside_the_vocabulary(setup
     manifest carries its own checksum, and a manifest without one (an older dataset) is not trusted for the maximum."""
     import orjson
 
-    from data.shards import MANIFEST_CHECKSUM
+    from data.shards.dataset import MANIFEST_CHECKSUM
 
     tmp, config = setup
     rows = random_rows(1, 1)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from common.config import ConfigError
-from data.shards import PackedDataset, ShardFormatError
+from data.shards.dataset import PackedDataset, ShardFormatError
 from tests._train_helpers import one_thread, random_rows, save_tiny_model, write_config, write_packed  # noqa: F401
 from train.config.sections import load_config
 from train.trainer import Trainer

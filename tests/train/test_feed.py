@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from data.shards import ShardFormatError
+from data.shards.dataset import ShardFormatError
 from tests._train_helpers import one_thread, random_rows, save_tiny_model, write_config, write_packed  # noqa: F401
 from train.steps.sampler import StepSampler
 from train.steps.feed import InlineFeed, PrefetchFeed, open_feed
@@ -149,7 +149,7 @@ def test_training_is_bitwise_the_same_with_and_without_prefetch(tmp_path, model,
 
 
 def test_a_corrupt_row_stops_training_with_prefetch_as_without(tmp_path, model, one_thread):  # noqa: F811
-    from data.shards import PackedDataset
+    from data.shards.dataset import PackedDataset
     from train.config.sections import load_config
     from train.trainer import Trainer
 

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from data.shards import IGNORE_INDEX, PackedDataset, ShardWriter
+from data.shards.dataset import IGNORE_INDEX, PackedDataset, ShardWriter
 from train.steps.balance import dataset_row_costs, row_cost
 from train.steps.online import OnlinePackedDataset, epoch_plan, open_train_dataset
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from data.parallel_thinking import position_ids
+from data.shards.parallel_thinking import position_ids
 from train.attention.structured import (
     build_mask,
     flex_structured_attention,
@@ -194,7 +194,7 @@ def test_path_logits_equal_isolated_causal_runs_on_a_real_qwen_sample(model):
     pq = pytest.importorskip("pyarrow.parquet")
     from transformers import AutoTokenizer
 
-    from data.parallel_thinking import token_structure
+    from data.shards.parallel_thinking import token_structure
     from tests.conftest import fixture_path, tokenizer_dir
 
     row = pq.read_table(fixture_path("data", "parallel_r1_gsm8k_sft_train.parquet"),

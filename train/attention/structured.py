@@ -4,7 +4,7 @@ Query q may attend to key k iff they are in the same packed sequence, k comes at
 (NOT by position id: paths share positions), and not (both are in paths of the same block and the paths
 differ). With all block/path ids zero this is the ordinary block-diagonal causal mask of a packed row, so the
 SDPA backend and the sequence-parallel ``torch`` backend (local queries against gathered keys) share it.
-The ids come from `data.parallel_thinking` (see its docstring for which tokens belong to which path).
+The ids come from `data.shards.parallel_thinking` (see its docstring for which tokens belong to which path).
 
 CPU path: `structured_sdpa` with the boolean mask of `build_mask`, or `structured_sdpa_by_sequence`, the same
 one packed sequence at a time without the Lq x Lk mask (the faster choice for rows of several sequences).

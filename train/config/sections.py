@@ -61,7 +61,7 @@ LOG_BACKENDS = ("tensorboard", "wandb")
 class DataSection:
     """The packed training data."""
 
-    data_path: str  # a packed dataset directory (data.shards format)
+    data_path: str  # a packed dataset directory (data.shards.dataset format)
     verify_data: Literal["full", "rows", "off"] = "rows"  # shard checks: per-row crc32 on read, + file hashes at start, none
     online_max_length: int | None = None  # data_path is a tokenized dataset packed on the fly (train/steps/online.py)
     balance_dp: bool = False  # train/steps/balance.py: balance the step's rows over dp ranks by tokens

@@ -57,7 +57,7 @@ def _row_column(rows_meta: Any, name: str) -> np.ndarray:
 def step_totals(rows_meta: Any, row_indices: Sequence[int] | np.ndarray) -> StepTotals:
     """Totals over the rows `row_indices` of the step (every micro-batch of every dp rank, each row once).
 
-    `rows_meta`: a `data.shards.PackedDataset` or any object / mapping with the per-row arrays
+    `rows_meta`: a `data.shards.dataset.PackedDataset` or any object / mapping with the per-row arrays
     `row_n_loss_tokens`, `row_n_trained_turns`, `row_n_samples`.
     """
     idx = np.asarray(row_indices, dtype=np.int64).reshape(-1)
@@ -100,7 +100,7 @@ def make_batch(
       n_loss_tokens / n_trained_turns / n_samples (ints, this micro-batch; summed over the step they equal
       `totals`), and in structure mode block_ids [T], path_ids [T] int64.
       images: an `ImageBatch` of the rows' images in the order of their token runs (rows of an image dataset,
-      whose `image_data` / `image_grid_thw` the loader `images`, e.g. data.images.ImageLoader, turns into pixel
+      whose `image_data` / `image_grid_thw` the loader `images`, e.g. data.shards.images.ImageLoader, turns into pixel
       values), None for text-only rows.
     """
     check_reduction(reduction)
@@ -175,7 +175,7 @@ def make_batch(
     if structure:
         block_ids = _concat(rows, "block_ids", np.int64)
         path_ids = _concat(rows, "path_ids", np.int64)
-        from data.parallel_thinking import position_ids as structure_position_ids  # lazy: optional mode
+        from data.shards.parallel_thinking import position_ids as structure_position_ids  # lazy: optional mode
 
         positions = np.concatenate(
             [

@@ -1,7 +1,7 @@
 """Online packing: train straight from tokenized/ (one sequence per row) without an offline pack stage.
 
-`OnlinePackedDataset` plans rows with the pack stage's own core and layout (`data.pack.plan_rows`, `layout`) once
-per epoch, seeded with seed + epoch, and then serves rows exactly like `data.shards.PackedDataset` does for packed/: `len`,
+`OnlinePackedDataset` plans rows with the pack stage's own core and layout (`data.shards.rows.plan_rows`, `layout`) once
+per epoch, seeded with seed + epoch, and then serves rows exactly like `data.shards.dataset.PackedDataset` does for packed/: `len`,
 `ds[i]` (input_ids, labels, category_ids, turn_ids, optional block_ids/path_ids, seq_lens, record_index)
 and the per-row normalizer arrays, so the trainer cannot tell the two apart. Planning needs only the
 per-row lengths (memory-mapped index), so it costs about a second per million sequences and no token I/O.
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from data.pack import ALGORITHMS, DEFAULT_ALGORITHM, RowPlan, layout, plan_rows
-from data.shards import SEQ_DTYPE, PackedDataset, ShardFormatError, read_meta
+from data.shards.rows import ALGORITHMS, DEFAULT_ALGORITHM, RowPlan, layout, plan_rows
+from data.shards.dataset import SEQ_DTYPE, PackedDataset, ShardFormatError, read_meta
 
 __all__ = ["OnlinePackedDataset", "epoch_plan", "open_train_dataset"]
 
@@ -174,7 +174,7 @@ def open_train_dataset(
     """A packed/ directory as a PackedDataset; a tokenized/ directory as an OnlinePackedDataset.
 
     For tokenized data `max_length` is the row capacity (default: the `max_length` in its meta.json).
-    `verify` is PackedDataset's (data.shards.VERIFY_MODES): the trainer's `verify_data`.
+    `verify` is PackedDataset's (data.shards.dataset.VERIFY_MODES): the trainer's `verify_data`.
     """
     meta = read_meta(path)
     if meta["kind"] != "tokenized":

@@ -88,6 +88,29 @@ class ShardFormatError(ValueError):
     """An indexed dataset on disk is missing, truncated, corrupt or of an incompatible format version."""
 
 
+class RowSlice(NamedTuple):
+    """One source shard's part of a range of rows (`PackedDataset.row_slices`)."""
+
+    shard: int
+    rows: np.ndarray  # the rows' index entries (a view)
+    nbytes: np.ndarray  # each row's stored bytes (token records, plus its images' bytes)
+
+
+class StoredRun(NamedTuple):
+    """Consecutive rows of one shard and what they point to, as stored (`PackedDataset.stored_run`): views whose
+    offsets start at `token_offset`, `seq_offset` and `uid_offset` of that shard."""
+
+    rows: np.ndarray
+    seqs: np.ndarray
+    uids: np.ndarray
+    tokens: np.ndarray
+    token_offset: int
+    seq_offset: int
+    uid_offset: int
+    images: np.ndarray | None  # their images' index entries (None: a dataset without images)
+    image_data: np.ndarray | None  # those images' encoded bytes (None: none)
+
+
 class StoredImage(NamedTuple):
     """One image of a sequence: its encoded bytes, patch grid (t, h, w) and number of tokens in the sequence."""
     data: bytes
@@ -463,47 +486,40 @@ class ShardWriter:
                              f"{self.token_fields}")
         if src.has_images != self.images:
             raise ValueError(f"{src.path}: image_store {src.has_images}, this dataset's {self.images}")
-        for k, (first, last) in enumerate(zip(src._row_starts[:-1].tolist(), src._row_starts[1:].tolist())):
-            a, b = max(start, first) - first, min(end, last) - first  # this source shard's rows, locally
-            if a >= b:
-                continue
-            rows = src._rows[k][a:b]
+        for row_slice in src.row_slices(start, end):
+            rows = row_slice.rows
             cutter = ShardCutter(self.max_shard_bytes, self._current.size if self._current is not None else 0)
-            cuts = cutter.cut(src._local_row_nbytes(k, a, b))
+            cuts = cutter.cut(row_slice.nbytes)
             for j, (run_start, run_end) in enumerate(zip([0, *cuts], [*cuts, len(rows)])):
                 if j:  # a run after a cut starts a shard (the first may be empty: a cut before the first row)
                     self._finish_shard()
                 if run_end > run_start:
-                    self._copy_run(src, k, rows[run_start:run_end])
+                    self._copy_run(src.stored_run(row_slice.shard, rows[run_start:run_end]))
 
-    def _copy_run(self, src: "PackedDataset", k: int, rows: np.ndarray) -> None:
-        """Append consecutive `rows` (index entries of `src`'s shard `k`) to the current shard, which takes them
-        all."""
+    def _copy_run(self, run: "StoredRun") -> None:
+        """Append a run of consecutive stored rows (`PackedDataset.stored_run`) to the current shard, which takes
+        them all."""
         shard = self._current
         if shard is None:
             shard = self._new_shard()
-        first, last = rows[0], rows[-1]
-        tok_lo, tok_hi = int(first["token_offset"]), int(last["token_offset"] + last["n_tokens"])
-        seq_lo, seq_hi = int(first["seq_offset"]), int(last["seq_offset"] + last["n_seqs"])
-        seqs = np.array(src._seqs[k][seq_lo:seq_hi])
-        uid_lo = int(seqs[0]["uid_offset"])
-        uids = src._uids[k][uid_lo:uid_lo + int(seqs["n_uids"].sum())]
-        tokens = src._tokens[k][tok_lo:tok_hi]
-        rows = np.array(rows)
+        tok_lo, seq_lo, uid_lo = run.token_offset, run.seq_offset, run.uid_offset
+        seqs = np.array(run.seqs)
+        uids = run.uids
+        tokens = run.tokens
+        rows = np.array(run.rows)
         rows["token_offset"] += shard.n_tokens - tok_lo
         rows["seq_offset"] += len(shard.seqs) - seq_lo
         seqs["uid_offset"] += len(shard.uids) - uid_lo
         if self.images:
-            lo, hi = src._image_range(k, seq_lo, seq_hi)
-            if hi > lo:
-                index = np.array(src._images[k][lo:hi])
+            if len(run.images):
+                index = np.array(run.images)
                 byte_lo = int(index["byte_offset"][0])
-                byte_hi = int(index["byte_offset"][-1] + index["n_bytes"][-1])
                 index["seq"] += len(shard.seqs) - seq_lo
                 index["byte_offset"] += shard.image_bytes - byte_lo
                 shard.images.extend(index.tolist())
-                shard.add_image_bytes(src._image_data[k][byte_lo:byte_hi])
-                self._counts["images"] += hi - lo
+                shard.add_image_bytes(run.image_data)
+                byte_hi = byte_lo + len(run.image_data)
+                self._counts["images"] += len(index)
                 self._counts["image_tokens"] += int(index["n_tokens"].sum())
                 self._counts["image_bytes"] += byte_hi - byte_lo
         shard.rows.extend(rows.tolist())
@@ -961,6 +977,35 @@ class PackedDataset:
         end = self._n if end is None else min(end, self._n)
         return _concat_shards([self._local_row_nbytes(k, a, b) for k, a, b in self._shard_spans(start, end)],
                               np.dtype(np.int64))
+
+    def row_slices(self, start: int, end: int) -> Iterator["RowSlice"]:
+        """Rows `[start, end)` shard by shard, as stored: each source shard's part of the range as a `RowSlice` (its
+        index entries and each row's stored bytes: token records plus image bytes), for a writer that copies rows
+        in bulk (`ShardWriter.add_rows`)."""
+        for k, (first, last) in enumerate(zip(self._row_starts[:-1].tolist(), self._row_starts[1:].tolist())):
+            a, b = max(start, first) - first, min(end, last) - first  # this shard's rows, locally
+            if a < b:
+                yield RowSlice(k, self._rows[k][a:b], self._local_row_nbytes(k, a, b))
+
+    def stored_run(self, shard: int, rows: np.ndarray) -> "StoredRun":
+        """What consecutive `rows` (index entries of a `RowSlice` of `shard`) point to, as stored (views of the
+        memory maps): their sequences, uids, token records and images, with the offsets they start at."""
+        first, last = rows[0], rows[-1]
+        tok_lo, tok_hi = int(first["token_offset"]), int(last["token_offset"] + last["n_tokens"])
+        seq_lo, seq_hi = int(first["seq_offset"]), int(last["seq_offset"] + last["n_seqs"])
+        seqs = self._seqs[shard][seq_lo:seq_hi]
+        uid_lo = int(seqs[0]["uid_offset"])
+        uids = self._uids[shard][uid_lo:uid_lo + int(seqs["n_uids"].sum())]
+        images, image_data = None, None
+        if self.has_images:
+            lo, hi = self._image_range(shard, seq_lo, seq_hi)
+            images = self._images[shard][lo:hi]
+            if hi > lo:
+                byte_lo = int(images["byte_offset"][0])
+                byte_hi = int(images["byte_offset"][-1] + images["n_bytes"][-1])
+                image_data = self._image_data[shard][byte_lo:byte_hi]
+        return StoredRun(rows, seqs, uids, self._tokens[shard][tok_lo:tok_hi], tok_lo, seq_lo, uid_lo, images,
+                         image_data)
 
     def _local_row_nbytes(self, shard: int, a: int, b: int) -> np.ndarray:
         rows = self._rows[shard][a:b]
