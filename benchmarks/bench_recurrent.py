@@ -93,7 +93,7 @@ def run_child(kind: str, sequences: int, path: str, tokens: int, repeats: int, d
 
     def step():
         lm.zero_grad(set_to_none=True)
-        layers.set_boundaries(cuts)
+        layers.set_row(attn.bounds)
         hidden = lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, packsft=attn)
         logits = lm.lm_head(hidden.last_hidden_state[0, :-1])
         loss = F.cross_entropy(logits, labels[0, 1:], ignore_index=-100)

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from train.attention.varlen_kernels import KERNELS, NO_FEATURES, AttentionFeatures, VarlenBounds
+from train.attention.varlen_kernels import KERNELS, NO_FEATURES, AttentionFeatures
+from train.row import Row
 
 
 def varlen_attention(
-    name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: VarlenBounds, scale: float | None,
+    name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: Row, scale: float | None,
     features: AttentionFeatures = NO_FEATURES, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Kernel `name` on q [Tq, H, D], k/v [Tk, Hkv, D] -> [Tq, H, D] with the layer's `features` (and its sinks [H]

@@ -34,7 +34,7 @@ def main(tokens: int, count: int) -> None:
     attn = AttentionContext(torch.tensor(bounds, dtype=torch.int32), max(lengths), LayerKernels(every=BACKENDS["sdpa"]))
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    layers.set_boundaries(attn.bounds.host_cu_q)
+    layers.set_row(attn.bounds)
     hidden = lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, packsft=attn)
     loss = F.cross_entropy(lm.lm_head(hidden.last_hidden_state[0, :-1]), input_ids[0, 1:])
     loss.backward()

@@ -74,7 +74,7 @@ from train.nonfinite import SKIPPED, NonFiniteError, nonfinite_tensors, stop_mes
 from train.model.packed import PackedCausalLM, build_lm
 from train.model.patches.rope import switch_points as rope_switch_points
 from train.model.patches.tiled_mlp import describe_tiling
-from train.attention.varlen_kernels import queued_copy
+from train.row import queued_copy
 
 logger = logging.getLogger("packsft.train")
 

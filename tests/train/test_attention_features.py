@@ -21,7 +21,8 @@ from train.config.sections import ModelSection, ParallelSection
 from train.distributed import Mesh
 from train.attention.sequence_parallel import SP_BACKENDS, shard_batch
 from train.attention.structured import structure_feature_problems
-from train.attention.varlen_kernels import NO_FEATURES, AttentionFeatures, VarlenBounds, visible_keys
+from train.attention.varlen_kernels import NO_FEATURES, AttentionFeatures, visible_keys
+from train.row import Row
 
 LENGTHS = (7, 11, 5, 9)
 RTOL = 1e-5
@@ -142,7 +143,7 @@ def test_sdpa_loop_features_match_dense_reference(features, cu_q, cu_k):
     k, v = (torch.randn(cu_k[-1], 2, 8, requires_grad=True) for _ in range(2))
     sinks = torch.randn(4, requires_grad=True) if features.has_sinks else None
     inputs = [t for t in (q, k, v, sinks) if t is not None]
-    out = varlen_attention("sdpa_loop", q, k, v, VarlenBounds.build(cu_q, cu_k), 0.5, features, sinks)
+    out = varlen_attention("sdpa_loop", q, k, v, Row.build(cu_q, cu_k), 0.5, features, sinks)
     ref = _dense_reference(q, k, v, cu_q, cu_k, 0.5, features, sinks)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     grad = torch.randn_like(ref)
@@ -204,7 +205,7 @@ def test_fused_kernels_translate_features_into_their_library_conventions(monkeyp
     torch.manual_seed(0)
     cu_q, cu_k = [0, 3, 10, 10, 16], [0, 6, 14, 16, 22]
     q, k, v = torch.randn(cu_q[-1], 4, 8), torch.randn(cu_k[-1], 2, 8), torch.randn(cu_k[-1], 2, 8)
-    bounds = VarlenBounds.build(cu_q, cu_k)
+    bounds = Row.build(cu_q, cu_k)
     out = varlen_kernels.KERNELS[kernel].fn(q, k, v, bounds, 0.5, features, None)
     want = varlen_attention("sdpa_loop", q, k, v, bounds, 0.5, features)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
@@ -219,7 +220,7 @@ def test_features_change_the_result():
     """Guards the cases above: each feature changes what plain causal attention gives."""
     torch.manual_seed(0)
     q, k, v = torch.randn(20, 4, 8), torch.randn(20, 2, 8), torch.randn(20, 2, 8)
-    bounds = VarlenBounds.build([0, 20])
+    bounds = Row.build([0, 20])
     plain = varlen_attention("sdpa_loop", q, k, v, bounds, 0.5)
     for features in (AttentionFeatures(sliding_window=4), AttentionFeatures(softcap=0.7)):
         assert not torch.allclose(varlen_attention("sdpa_loop", q, k, v, bounds, 0.5, features), plain)
@@ -233,7 +234,7 @@ def test_features_are_validated():
             AttentionFeatures(**bad)
     q = torch.randn(5, 4, 8)
     with pytest.raises(ValueError, match="has_sinks"):
-        varlen_attention("sdpa_loop", q, q, q, VarlenBounds.build([0, 5]), None, AttentionFeatures(has_sinks=True))
+        varlen_attention("sdpa_loop", q, q, q, Row.build([0, 5]), None, AttentionFeatures(has_sinks=True))
 
 
 # ---------------------------------------------------------------------------------------------- keyword arguments
@@ -447,7 +448,7 @@ def test_sp_torch_backend_features_equal_full_row(monkeypatch, layout, features)
     total = contexts[0].padded_length
     q, k, v = torch.randn(total, 4, 8), torch.randn(total, 2, 8), torch.randn(total, 2, 8)
     sinks = torch.randn(4, requires_grad=True) if features.has_sinks else None
-    ref = varlen_attention("sdpa_loop", q, k, v, VarlenBounds.build(contexts[0].cu_seqlens.tolist()), 0.25, features,
+    ref = varlen_attention("sdpa_loop", q, k, v, Row.build(contexts[0].cu_seqlens.tolist()), 0.25, features,
                            sinks)
     grad_out = torch.randn_like(ref)
     ref_sinks_grad = torch.autograd.grad(ref, sinks, grad_out)[0] if sinks is not None else None

@@ -22,13 +22,13 @@ from train.model.patches.recurrent import (
     ONE_CALL,
     ROW_KERNELS,
     SHORT_CONVOLUTION,
-    PackedBoundaries,
     RecurrentLayers,
     SequenceRestart,
     install_sequence_restart,
     recurrent_mixers,
     sequence_parallel_problem,
 )
+from train.row import Row, RowHolder
 
 from tests.model_zoo import RECURRENT_FAMILIES as FAMILIES
 
@@ -131,7 +131,7 @@ def packed(seqs, layers=None):
         cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
         attn = AttentionContext(cu_seqlens, max(lengths), SDPA_KERNELS)
         if layers is not None:
-            layers.set_boundaries(attn.bounds.host_cu_q)
+            layers.set_row(attn.bounds)
         input_ids = torch.cat(seqs)[None]
         position_ids = torch.cat([torch.arange(len(seq)) for seq in seqs])[None]
         hidden = body_of(lm)(input_ids=input_ids, position_ids=position_ids, use_cache=False, packsft=attn)
@@ -283,11 +283,11 @@ def test_wrapping_keeps_names_state_dict_and_unpacked_outputs():
 def test_boundaries_that_do_not_cover_the_input_raise():
     lm = tiny_model("mamba")
     layers = install_sequence_restart(lm)
-    layers.set_boundaries([0, 4, 9])
+    layers.set_row(Row.build([0, 4, 9]))
     with pytest.raises(ValueError, match="cover 9 tokens, the input has 10"):
         lm(input_ids=torch.arange(3, 13)[None], use_cache=False)
     with pytest.raises(ValueError, match="strictly increase"):
-        layers.set_boundaries([0, 4, 4, 9])
+        layers.set_row(Row.build([0, 4, 4, 9]))
 
 
 def test_plain_transformer_has_nothing_to_restart():
@@ -368,13 +368,13 @@ def test_one_call_only_where_the_forward_calls_the_kernels(monkeypatch, mixer_cl
     monkeypatch.setitem(ONE_CALL, mixer_class.__name__, SHORT_CONVOLUTION)
     torch.manual_seed(0)
     mixer = mixer_class(8)
-    layers = RecurrentLayers(boundaries=PackedBoundaries())
+    layers = RecurrentLayers(boundaries=RowHolder())
     wrapper = SequenceRestart(mixer, layers.boundaries)
     assert wrapper.one_call is one_call
     x = torch.randn(1, sum(LENGTHS), 8)
     starts = torch.tensor([0, *LENGTHS]).cumsum(0).tolist()
     alone = torch.cat([mixer(x[:, lo:hi]) for lo, hi in zip(starts[:-1], starts[1:])], dim=1)
-    layers.set_boundaries(starts)
+    layers.set_row(Row.build(starts))
     assert torch.allclose(wrapper(x), alone, atol=1e-6)
     assert not torch.allclose(mixer(x), alone, atol=1e-3)  # the module itself still convolves across sequences
 
@@ -391,11 +391,11 @@ def test_row_of_one_sequence_runs_the_mixer_unmasked(monkeypatch):
     monkeypatch.setitem(ROW_KERNELS, "causal_conv1d_fn", counted)
     torch.manual_seed(0)
     mixer = ConvolutionThroughKernel(8)
-    layers = RecurrentLayers(boundaries=PackedBoundaries())
+    layers = RecurrentLayers(boundaries=RowHolder())
     wrapper = SequenceRestart(mixer, layers.boundaries)
     x = torch.randn(1, sum(LENGTHS), 8)
-    layers.set_boundaries([0, x.shape[1]])
+    layers.set_row(Row.build([0, x.shape[1]]))
     assert torch.equal(wrapper(x), mixer(x)) and calls == []
-    layers.set_boundaries([0, 3, x.shape[1]])
+    layers.set_row(Row.build([0, 3, x.shape[1]]))
     wrapper(x)
     assert calls == [2]

@@ -23,7 +23,7 @@ from transformers.models.kimi_linear import modeling_kimi_linear as kimi
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
 
 from train.model.patches import recurrent_kernels as kernels
-from train.model.patches.recurrent_kernels import PackedRow
+from train.row import Row
 
 ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-5
@@ -37,11 +37,11 @@ ROWS = {
 }
 
 
-def row_of(lengths) -> PackedRow:
+def row_of(lengths) -> Row:
     offsets = [0]
     for n in lengths:
         offsets.append(offsets[-1] + n)
-    return PackedRow(tuple(offsets))
+    return Row.build(offsets)
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -58,7 +58,7 @@ def outputs_and_grads(function, inputs: list[torch.Tensor], weights: torch.Tenso
     return output.detach(), [x.grad for x in inputs if x.grad is not None], weights
 
 
-def check_against_each_alone(packed, reference, inputs, token_dims, row: PackedRow, output_dim: int) -> None:
+def check_against_each_alone(packed, reference, inputs, token_dims, row: Row, output_dim: int) -> None:
     """packed(*inputs) == reference on each sequence's slice of the inputs (token_dims: each input's token
     dimension, None for a weight), concatenated; gradients too. And reference(*inputs) on the whole row differs."""
     output, grads, weights = outputs_and_grads(packed, inputs)

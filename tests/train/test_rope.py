@@ -74,7 +74,7 @@ def test_each_token_gets_its_sequence_alone(case):
               torch.arange(23), torch.arange(16), torch.arange(30)]
     for row in (pieces, pieces[1:3]):
         cu = torch.tensor([0, *torch.tensor([len(p) for p in row]).cumsum(0).tolist()], dtype=torch.int32)
-        ropes.set_row(AttentionContext(cu, int(max(len(p) for p in row))))
+        ropes.set_row(AttentionContext(cu, int(max(len(p) for p in row))).bounds)
         args = (layer_type,) if layer_type else ()
         packed = wrapper(torch.zeros(1), torch.cat(row)[None], *args)
         expected = [_alone(original, p, layer_type) for p in row]
@@ -102,7 +102,7 @@ def test_sequence_parallel_refuses_length_dependent_ropes():
     assert sequence_parallel_problem(tiny_config("llama")) is None
     with pytest.raises(ValueError, match="sequence parallelism"):
         install_per_sequence_rope(_model("phi3-longrope")).set_row(
-            AttentionContext(torch.tensor([0, 4], dtype=torch.int32), 4, sp=object()))
+            AttentionContext(torch.tensor([0, 4], dtype=torch.int32), 4, sp=object()).bounds)
 
 
 def test_the_trainer_refuses_them_under_sequence_parallelism_before_the_model_loads():

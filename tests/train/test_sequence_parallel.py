@@ -332,9 +332,9 @@ def test_kernel_choice(monkeypatch):
 
 def _full_row_attention(q, k, v, cu, scale):
     """Reference: the whole padded row through the SDPA loop (fp32), q [T, H, D], k/v [T, Hkv, D]."""
-    from train.attention.varlen_kernels import VarlenBounds
+    from train.row import Row
 
-    return varlen_attention("sdpa_loop", q, k, v, VarlenBounds.build(cu.tolist()), scale)
+    return varlen_attention("sdpa_loop", q, k, v, Row.build(cu.tolist()), scale)
 
 
 def _row_qkv(total, device, dtype, heads=4, kv_heads=2, seed=0):
@@ -389,12 +389,12 @@ def test_rank_slices_through_varlen_kernel_equal_full_row(kernel, device, sp):
 def _fake_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
     """torch's varlen_attn (2.11 signature) on CPU: checks the device offsets it is given, computes with the
     reference kernel from those offsets alone."""
-    from train.attention.varlen_kernels import VarlenBounds
+    from train.row import Row
 
     assert window_size == (-1, 0) and cu_q.dtype == cu_k.dtype == torch.int32
     assert q.shape[1] == k.shape[1] == v.shape[1]  # kv heads repeated: no enable_gqa in this signature
     assert all(t.is_contiguous() for t in (q, k, v))
-    bounds = VarlenBounds.build(cu_q.tolist(), cu_k.tolist())
+    bounds = Row.build(cu_q.tolist(), cu_k.tolist())
     assert (max_q, max_k) == (bounds.max_q, bounds.max_k)
     return varlen_attention("sdpa_loop", q, k, v, bounds, scale)
 

@@ -4,7 +4,8 @@ import torch
 
 from tests._kernels import varlen_attention
 from train.plan.attention import choose_varlen_kernel
-from train.attention.varlen_kernels import KERNELS, NO_FEATURES, AttentionFeatures, VarlenBounds, torch_varlen_api
+from train.attention.varlen_kernels import KERNELS, NO_FEATURES, AttentionFeatures, torch_varlen_api
+from train.row import Row
 
 
 def _dense_reference(q, k, v, cu_q, cu_k, scale):
@@ -30,14 +31,14 @@ def test_sdpa_loop_matches_dense_masked_attention(cu_q, cu_k):
     torch.manual_seed(0)
     tq, tk = cu_q[-1], (cu_k or cu_q)[-1]
     q, k, v = torch.randn(tq, 4, 8), torch.randn(tk, 2, 8), torch.randn(tk, 2, 8)
-    bounds = VarlenBounds.build(cu_q, cu_k)
+    bounds = Row.build(cu_q, cu_k)
     out = varlen_attention("sdpa_loop", q, k, v, bounds, scale=0.3)
     torch.testing.assert_close(out, _dense_reference(q, k, v, cu_q, cu_k or cu_q, 0.3), rtol=1e-5, atol=1e-6)
 
 
 def test_bounds_reject_fewer_keys_than_queries():
     with pytest.raises(ValueError, match="at least as many keys"):
-        VarlenBounds.build([0, 4], [0, 3])
+        Row.build([0, 4], [0, 3])
 
 
 def test_cuda_kernels_give_reasons_on_cpu():
@@ -68,7 +69,7 @@ def test_cuda_kernel_matches_reference(name, cu_q, cu_k):
         pytest.skip(f"{name}: " + "; ".join(reasons))
     tk = (cu_k or cu_q)[-1]
     q, k, v = (t.bfloat16().requires_grad_() for t in (q0, torch.randn(tk, 2, 64, device="cuda"), torch.randn(tk, 2, 64, device="cuda")))
-    bounds = VarlenBounds.build(cu_q, cu_k, device="cuda")
+    bounds = Row.build(cu_q, cu_k, device="cuda")
     out = varlen_attention(name, q, k, v, bounds, scale=0.125)
     ref_inputs = [t.detach().float().requires_grad_() for t in (q, k, v)]
     ref = varlen_attention("sdpa_loop", *ref_inputs, bounds, scale=0.125)

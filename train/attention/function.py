@@ -23,7 +23,7 @@ usable) and the two Parallel-R1 mask kernels. Every kernel takes transformers' [
   every feature (softcap and sinks by the eager fp32 softmax of transformers' eager attention).
 The order of `BACKENDS` is `auto`'s, fixed, not timed at start-up: see benchmarks/bench_train_gpu.py.
 
-No host sync inside a layer: the context carries a `VarlenBounds` (device cu_seqlens plus host copies and max
+No host sync inside a layer: the context carries a `Row` (train/row.py) (device cu_seqlens plus host copies and max
 lengths) built once per micro-batch, and everything derived from it (the flex BlockMask) is built by the first layer
 and reused by the others (one flex BlockMask per sliding window).
 """
@@ -40,7 +40,8 @@ from train.attention import varlen_kernels
 from train.config.backend_names import ATTENTION_BACKENDS, FLASH_VARLEN, FLEX, SDPA, TORCH_VARLEN
 from train.families import FAMILIES
 from train.attention.structured import flex_structured_attention, structured_sdpa_by_sequence
-from train.attention.varlen_kernels import KERNELS, NO_FEATURES, AttentionFeatures, VarlenBounds
+from train.attention.varlen_kernels import KERNELS, NO_FEATURES, AttentionFeatures
+from train.row import Row
 
 ATTN_IMPLEMENTATION = "packsft"
 
@@ -93,23 +94,20 @@ class AttentionContext:
     seq_ids: torch.Tensor | None = None  # structure mode: per-token ids for the Parallel-R1 mask
     block_ids: torch.Tensor | None = None
     path_ids: torch.Tensor | None = None
-    bounds: VarlenBounds | None = None  # device + host offsets; derived from cu_seqlens when not given (no sp)
+    bounds: Row | None = None  # the micro-batch's Row (train/row.py); derived from cu_seqlens when not given (no sp)
 
     # built by the first layer that needs them, reused by the others (one micro-batch)
     _block_masks: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.bounds is None and self.sp is None:
-            host = tuple(int(x) for x in self.cu_seqlens.tolist())
-            cu = self.cu_seqlens.to(torch.int32)
-            lengths = [hi - lo for lo, hi in zip(host[:-1], host[1:])]
-            self.bounds = VarlenBounds(cu, cu, max(lengths), max(lengths), host, host)
+            self.bounds = Row.of_device_offsets(self.cu_seqlens)
 
     @classmethod
     def for_micro_batch(cls, cu_seqlens: torch.Tensor, device: torch.device | str, kernels: LayerKernels,
                         **kwargs) -> "AttentionContext":
         """From the host `cu_seqlens` of `train.steps.batch.make_batch`: one host→device copy, host copies kept."""
-        bounds = VarlenBounds.build(cu_seqlens.tolist(), device=device)
+        bounds = Row.build(cu_seqlens.tolist(), device=device)
         return cls(bounds.cu_q, bounds.max_q, kernels, bounds=bounds, **kwargs)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,

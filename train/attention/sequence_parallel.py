@@ -24,7 +24,7 @@ and, for `torch`, its varlen kernel per kind of layer, once at start):
   backward sums the K/V gradients back to their owner). Then, in the contiguous layout, ONE varlen kernel call
   (`train/attention/varlen_kernels.py`, the kernel the plan chose) runs the local queries against the gathered keys, as
   ring-flash-attn's llama3 variant does: `shard_batch` computes once per micro-batch, on the host, the
-  `VarlenBounds` of this rank's slice (cu_seqlens_q: the parts of the sequences inside the slice; cu_seqlens_k: from
+  `Row` of this rank's slice (cu_seqlens_q: the parts of the sequences inside the slice; cu_seqlens_k: from
   the start of each such sequence to its end or the slice end, whichever is first), and the kernels' bottom-right
   causal alignment supplies the offset of every query. The whole row's K/V are gathered (as llama3 does: one
   collective of equal shards); only the key window `key_range` (first local sequence's start to the slice end) is
@@ -55,7 +55,8 @@ import torch.nn.functional as F
 
 from train.config.backend_names import LLAMA3, RING_BACKENDS, TORCH, ZIGZAG
 from train.attention.structured import build_mask
-from train.attention.varlen_kernels import AttentionFeatures, VarlenBounds, VarlenKernel, eager_attention
+from train.attention.varlen_kernels import AttentionFeatures, VarlenKernel, eager_attention
+from train.row import Row
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -159,7 +160,7 @@ class SPContext:
     heads_k_stride: int | None = None  # None: all kv heads in one all-gather
     # torch backend, contiguous layout, no structure: the local queries against the key window, built once per
     # micro-batch (key offsets relative to key_range[0])
-    bounds: VarlenBounds | None = None
+    bounds: Row | None = None
     # zigzag backend: cu_seqlens of the local tokens (every sequence contributes 2 chunks)
     local_cu_seqlens: torch.Tensor | None = None
     local_max_seqlen: int = 0
@@ -184,7 +185,7 @@ class SPContext:
         if self.structure is not None:
             moved["structure"] = {k: v.to(device) for k, v in self.structure.items()}
         if self.bounds is not None:
-            moved["bounds"] = self.bounds._replace(cu_q=self.bounds.cu_q.to(device), cu_k=self.bounds.cu_k.to(device))
+            moved["bounds"] = self.bounds.to(device)
         if self.ulysses is not None:
             moved["ulysses"] = self.ulysses.to(device)
         return replace(self, _masks={}, **moved)
@@ -403,7 +404,7 @@ def shard_batch(
         heads_k_stride=heads_k_stride,
     )
     if backend == TORCH and layout == "contiguous" and not structured:
-        ctx.bounds = VarlenBounds.build(cu_q, cu_k)
+        ctx.bounds = Row.build(cu_q, cu_k)
     if structured:
         missing = [name for name in STRUCTURE_FIELDS if name not in fields]
         if missing:

@@ -1,7 +1,7 @@
 """Varlen causal attention kernels: one call covers every packed sequence of a micro-batch.
 
 Layout: q [Tq, H, D], k/v [Tk, Hkv, D] (Hkv divides H: grouped-query attention). The boundaries of the packed
-sequences come as a `VarlenBounds`, built once per micro-batch: device `cu_seqlens` for the kernels and host
+sequences come as a `Row` (train/row.py), built once per micro-batch: device `cu_seqlens` for the kernels and host
 copies (bounds, max lengths) so that no layer ever syncs the host with the device.
 
 Causality is bottom-right aligned per sequence: query i of a sequence with Lq queries and Lk >= Lq keys sees keys
@@ -33,6 +33,8 @@ from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from train.row import Row
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -82,41 +84,6 @@ class AttentionFeatures:
 NO_FEATURES = AttentionFeatures()
 
 
-class VarlenBounds(NamedTuple):
-    """Boundaries of the packed sequences of one micro-batch, on the device and on the host."""
-
-    cu_q: torch.Tensor  # int32 [S+1], on the tensors' device
-    cu_k: torch.Tensor  # int32 [S+1]
-    max_q: int
-    max_k: int
-    host_cu_q: tuple[int, ...]
-    host_cu_k: tuple[int, ...]
-
-    @classmethod
-    def build(cls, cu_q: list[int] | tuple[int, ...], cu_k=None, device: torch.device | str = "cpu") -> "VarlenBounds":
-        """From host offsets (one host→device copy per tensor; call once per micro-batch, not per layer)."""
-        host_q = tuple(int(x) for x in cu_q)
-        host_k = host_q if cu_k is None else tuple(int(x) for x in cu_k)
-        if len(host_q) != len(host_k) or len(host_q) < 2:
-            raise ValueError(f"cu_seqlens_q/k need the same number (>= 2) of offsets, got {len(host_q)}, {len(host_k)}")
-        lens_q = [hi - lo for lo, hi in zip(host_q[:-1], host_q[1:])]
-        lens_k = [hi - lo for lo, hi in zip(host_k[:-1], host_k[1:])]
-        if min(lens_q) < 0 or any(lk < lq for lq, lk in zip(lens_q, lens_k)):
-            raise ValueError("every sequence needs at least as many keys as queries (bottom-right causal alignment)")
-        cu_q_dev = queued_copy(torch.tensor(host_q, dtype=torch.int32), device)
-        cu_k_dev = cu_q_dev if cu_k is None else queued_copy(torch.tensor(host_k, dtype=torch.int32), device)
-        return cls(cu_q_dev, cu_k_dev, max(lens_q), max(lens_k), host_q, host_k)
-
-
-def queued_copy(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """`host` on `device` without stalling the host: a blocking host→GPU copy synchronizes the stream (waits for
-    the previous micro-batch's backward); from pinned memory it is queued and the host builds the next batch."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
 @dataclass(frozen=True)
 class VarlenKernel:
     name: str
@@ -164,7 +131,7 @@ def _flash_attn_reasons(q: torch.Tensor, features: AttentionFeatures) -> list[st
     return reasons
 
 
-def _flash_attn(q, k, v, bounds: VarlenBounds, scale, features: AttentionFeatures, sinks=None):
+def _flash_attn(q, k, v, bounds: Row, scale, features: AttentionFeatures, sinks=None):
     from flash_attn import flash_attn_varlen_func
 
     extra = {}
@@ -232,7 +199,7 @@ def _torch_varlen_reasons(q: torch.Tensor, features: AttentionFeatures) -> list[
     return reasons
 
 
-def _torch_varlen(q, k, v, bounds: VarlenBounds, scale, features: AttentionFeatures, sinks=None):
+def _torch_varlen(q, k, v, bounds: Row, scale, features: AttentionFeatures, sinks=None):
     api = torch_varlen_api()
     kwargs = dict(api.causal_kwargs, scale=scale)
     if features.sliding_window is not None:
@@ -287,7 +254,7 @@ def masked_attention(q, k, v, visible: torch.Tensor, scale: float | None, featur
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=features.dropout, scale=scale)
 
 
-def _sdpa_loop(q, k, v, bounds: VarlenBounds, scale, features: AttentionFeatures = NO_FEATURES, sinks=None):
+def _sdpa_loop(q, k, v, bounds: Row, scale, features: AttentionFeatures = NO_FEATURES, sinks=None):
     """Reference: SDPA per sequence ([H, L, D] each), bottom-right aligned when a sequence has extra keys."""
     k, v = _repeat_kv_heads(q, k, v)
     outs = []

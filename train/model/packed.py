@@ -73,10 +73,10 @@ class PackedCausalLM(nn.Module):
         token, 0.0 for sequence-parallel padding or a filler row; None: every token is real). `images`: the
         micro-batch's `row_images` (the tower runs, its features replace the image tokens' embeddings, and the
         M-RoPE positions replace `position_ids`)."""
-        if self.recurrent:  # left set after the forward: activation-checkpoint recomputation in backward reads them
-            self.recurrent.set_boundaries(attn.bounds.host_cu_q)
+        if self.recurrent:  # left set after the forward: activation-checkpoint recomputation in backward reads it
+            self.recurrent.set_row(attn.bounds)  # the micro-batch's Row (train/row.py), its index tensors cached
         if self.ropes:
-            self.ropes.set_row(attn)
+            self.ropes.set_row(attn.bounds)
         inputs = {"input_ids": input_ids, "position_ids": position_ids}
         if images is not None:
             inputs = self.vision.decoder_inputs(self.lm, input_ids, images, attn.sp)

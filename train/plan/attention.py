@@ -41,7 +41,8 @@ from train.config.sp_rules import allowed_degrees, heads_problem, kv_heads_after
 from train.config.sp_rules import ulysses_size_problem
 from train.attention.structured import structure_feature_problems
 from train.attention.ulysses import UlyssesSpec, ulysses_attention, ulysses_shard
-from train.attention.varlen_kernels import KERNELS, NO_FEATURES, AttentionFeatures, VarlenKernel, queued_copy
+from train.attention.varlen_kernels import KERNELS, NO_FEATURES, AttentionFeatures, VarlenKernel
+from train.row import queued_copy
 
 
 # ---------------------------------------------------------------------------------------------- 1. the SP layout

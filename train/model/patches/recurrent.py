@@ -20,13 +20,13 @@ How the trainer uses it::
 
     layers = install_sequence_restart(lm)               # once, after build_lm (LoRA / checkpointing included)
     ...
-    layers.set_boundaries(attn.bounds.host_cu_q)         # before each decoder call; stays set for the recompute
+    layers.set_row(attn.bounds)                          # before each decoder call; stays set for the recompute
     hidden = decoder_of(lm)(input_ids=..., position_ids=..., use_cache=False, packsft=attn)
 
-The boundaries reach the wrappers through one `PackedBoundaries` holder they share, not through transformers'
-keyword arguments (the decoder layers do not forward them to every mixer). They stay set after the forward so that
-activation-checkpoint recomputation during backward restarts at the same places; `set_boundaries` of the next
-micro-batch replaces them, `clear()` returns the wrappers to plain HF behaviour (one call on the whole input).
+The boundaries (the micro-batch's `Row`, train/row.py, with its cached index tensors) reach the wrappers through
+one `RowHolder` they share, not through transformers' keyword arguments (the decoder layers do not forward them to
+every mixer). They stay set after the forward so that activation-checkpoint recomputation during backward restarts
+at the same places; `set_row` of the next micro-batch replaces them, `clear()` returns the wrappers to plain HF behaviour (one call on the whole input).
 
 Sequence parallelism splits a row's tokens over ranks, so a rank's mixer would see a part of a sequence without the
 state its predecessor rank ended with: `sequence_parallel_problem` gives the refusal text.
@@ -45,6 +45,7 @@ from torch import nn
 from train.model.patches import recurrent_kernels as kernels
 from train.families import FAMILIES
 from train.model.support import UnsupportedModelError
+from train.row import Row, RowHolder
 
 # class names of the token mixers that carry state along the sequence (the families' `mixers`); every one of them
 # is exact when called once per sequence
@@ -87,14 +88,6 @@ MODALITY_TOWER = re.compile(r"audio|speech|vision|visual|image|video")
 CACHE_ARGUMENTS = ("cache_params", "past_key_values", "past_key_value", "cache", "state")
 
 
-@dataclass
-class PackedBoundaries:
-    """The current packed row (host offsets [0, l1, l1+l2, ..., T] and their index tensors), shared by all wrappers
-    of a model; None: no boundaries, plain HF calls."""
-
-    row: kernels.PackedRow | None = None
-
-
 class SequenceRestart(nn.Module):
     """Restarts `mixer` at each packed sequence while boundaries are set (in one call over the row for the mixers
     of `ONE_CALL`, else once per sequence), calls it directly otherwise.
@@ -105,7 +98,7 @@ class SequenceRestart(nn.Module):
     the module tree; attributes the wrapper lacks are read from it.
     """
 
-    def __init__(self, mixer: nn.Module, boundaries: PackedBoundaries):
+    def __init__(self, mixer: nn.Module, boundaries: RowHolder):
         super().__init__()
         self._parameters = mixer._parameters
         self._buffers = mixer._buffers
@@ -117,7 +110,7 @@ class SequenceRestart(nn.Module):
         self._hidden_argument = next(iter(self._signature.parameters))
         self.attach(boundaries)
 
-    def attach(self, boundaries: PackedBoundaries) -> None:
+    def attach(self, boundaries: RowHolder) -> None:
         """Read the boundaries from `boundaries` from now on."""
         object.__setattr__(self, "boundaries", boundaries)
         kernel_names = ONE_CALL.get(type(self.mixer).__name__)
@@ -200,7 +193,7 @@ class SequenceRestart(nn.Module):
         return f"SequenceRestart({type(self.mixer).__name__})"
 
 
-def _row_kernel(kernel, boundaries: PackedBoundaries):
+def _row_kernel(kernel, boundaries: RowHolder):
     """`kernel` (a function of train/model/patches/recurrent_kernels.py taking `row=`) with the holder's current row; None stays
     None (a fused path that is skipped)."""
     if kernel is None:
@@ -273,7 +266,7 @@ def _join(pieces: list, lengths: list[int]):
 class RecurrentLayers:
     """The wrappers `install_sequence_restart` put into a model (empty for a model without recurrent mixers)."""
 
-    boundaries: PackedBoundaries = field(default_factory=PackedBoundaries)
+    boundaries: RowHolder = field(default_factory=RowHolder)
     wrapped: dict[str, str] = field(default_factory=dict)  # module name -> mixer class name
 
     def __bool__(self) -> bool:
@@ -283,15 +276,16 @@ class RecurrentLayers:
     def names(self) -> list[str]:
         return list(self.wrapped)
 
-    def set_boundaries(self, host_cu_seqlens) -> None:
-        """Host offsets [0, l1, ..., T] of the packed row of the next forward (`AttentionContext.bounds.host_cu_q`;
-        a tensor is read once here). They stay set, for the backward's recomputation, until replaced or cleared."""
-        if isinstance(host_cu_seqlens, torch.Tensor):
-            host_cu_seqlens = host_cu_seqlens.tolist()
-        bounds = tuple(int(x) for x in host_cu_seqlens)
+    def set_row(self, row: Row | None) -> None:
+        """The packed row of the next forward (`AttentionContext.bounds`: its host offsets [0, l1, ..., T] and their
+        cached index tensors). It stays set, for the backward's recomputation, until replaced or cleared."""
+        if row is None:
+            raise ValueError("recurrent mixers (train/model/patches/recurrent.py) cannot run under sequence "
+                             "parallelism: a rank holds a slice of each sequence")
+        bounds = row.offsets
         if len(bounds) < 2 or bounds[0] != 0 or any(hi <= lo for lo, hi in zip(bounds[:-1], bounds[1:])):
             raise ValueError(f"packed boundaries must start at 0 and strictly increase, got {bounds}")
-        self.boundaries.row = kernels.PackedRow(bounds)
+        self.boundaries.row = row
 
     def clear(self) -> None:
         """Back to plain HF behaviour: each mixer call covers its whole input (one unpacked sequence)."""

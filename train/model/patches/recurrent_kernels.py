@@ -23,69 +23,18 @@ from __future__ import annotations
 
 import functools
 import importlib
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from train.row import Row
 
 # the fused kernels: module path -> function name
 FUSED_CONV = "causal_conv1d.causal_conv1d_fn"
 FUSED_MAMBA2 = "mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined"
 FUSED_GATED_DELTA = "fla.ops.gated_delta_rule.chunk_gated_delta_rule"
 FUSED_KDA = "fla.ops.kda.chunk_kda"
-
-
-@dataclass(frozen=True)
-class PackedRow:
-    """The boundaries of one packed row: host offsets [0, l1, l1+l2, ..., T], and the index tensors derived from them
-    (built once per device and use)."""
-
-    offsets: tuple[int, ...]
-    _cache: dict = field(default_factory=dict, compare=False, repr=False)
-
-    @property
-    def total(self) -> int:
-        return self.offsets[-1]
-
-    @property
-    def count(self) -> int:
-        return len(self.offsets) - 1
-
-    def _cached(self, key, build):
-        if key not in self._cache:
-            self._cache[key] = build()
-        return self._cache[key]
-
-    def seq_idx(self, device) -> torch.Tensor:
-        """[T] int32: the packed sequence of each token (mamba-ssm's and causal-conv1d's `seq_idx`, batch 1)."""
-        def build():
-            lengths = torch.tensor(self.offsets[1:]) - torch.tensor(self.offsets[:-1])
-            return torch.repeat_interleave(torch.arange(self.count, dtype=torch.int32), lengths).to(device)
-        return self._cached(("seq_idx", str(device)), build)
-
-    def cu_seqlens(self, device) -> torch.Tensor:
-        """[n + 1] int64 offsets (flash-linear-attention's `cu_seqlens`)."""
-        return self._cached(("cu_seqlens", str(device)), lambda: torch.tensor(self.offsets, device=device))
-
-    def chunk_ids(self, chunk_size: int, device) -> torch.Tensor:
-        """[chunks, chunk_size]: `seq_idx` cut into chunks, the padding of the last chunk a sequence of its own."""
-        def build():
-            pad = -self.total % chunk_size
-            return F.pad(self.seq_idx(device), (0, pad), value=self.count).view(-1, chunk_size)
-        return self._cached(("chunk_ids", chunk_size, str(device)), build)
-
-    def conv_indices(self, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """For a causal convolution of `width` taps: (gather, keep). `gather` [T + n (width - 1)] lays the row out
-        with width - 1 zeros before each sequence (index 0: a zero column prepended to the row, t + 1: token t);
-        `keep` [T] picks each token's output from an unpadded convolution of that layout."""
-        def build():
-            seq = self.seq_idx(device).long()
-            tokens = torch.arange(self.total, device=device)
-            gather = torch.zeros(self.total + self.count * (width - 1), dtype=torch.long, device=device)
-            gather[tokens + (seq + 1) * (width - 1)] = tokens + 1
-            return gather, tokens + seq * (width - 1)
-        return self._cached(("conv", width, str(device)), build)
 
 
 @functools.cache
@@ -110,7 +59,7 @@ def _no_state(**arguments) -> None:
                          "train with use_cache=False")
 
 
-def causal_conv1d(hidden_states, weight, bias=None, activation=None, *, row: PackedRow, **kwargs):
+def causal_conv1d(hidden_states, weight, bias=None, activation=None, *, row: Row, **kwargs):
     """transformers' `causal_conv1d_fn` ([1, dim, T] -> [1, dim, T], depthwise, `weight` [dim, width]) restarted at
     each packed sequence."""
     _no_state(initial_states=kwargs.get("initial_states"), return_final_states=kwargs.get("return_final_states"))
@@ -164,7 +113,7 @@ def _chunk_masks(ids: torch.Tensor):
 
 
 def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
-                      dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, *, row: PackedRow,
+                      dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, *, row: Row,
                       z=None, **kwargs):
     """transformers' Mamba2 `mamba2_chunk_scan` (the SSD chunked scan: x [1, T, heads, head_dim], dt [1, T, heads],
     A [heads], B and C [1, T, groups, state]) restarted at each packed sequence."""
@@ -229,7 +178,7 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
-                           use_qk_l2norm_in_kernel=False, *, row: PackedRow, **kwargs):
+                           use_qk_l2norm_in_kernel=False, *, row: Row, **kwargs):
     """transformers' `torch_chunk_gated_delta_rule` (q, k [1, T, k_heads, dk], v [1, T, v_heads, dv], g and beta
     [1, T, v_heads]) restarted at each packed sequence; returns (output, None)."""
     _no_state(initial_state=initial_state, output_final_state=output_final_state)
@@ -315,7 +264,7 @@ def _kda_intra_block(query, key, k_beta, g, masked):
 
 
 def chunk_kimi_delta_attention(query, key, value, g, beta, chunk_size=64, initial_state=None,
-                               output_final_state=False, use_qk_l2norm_in_kernel=False, *, row: PackedRow, **kwargs):
+                               output_final_state=False, use_qk_l2norm_in_kernel=False, *, row: Row, **kwargs):
     """transformers' `chunk_kimi_delta_attention` (KDA: the gated delta rule with a decay per key channel, q, k and
     g [1, T, heads, dk], v [1, T, heads, dv], beta [1, T, heads]) restarted at each packed sequence; returns
     (output, None)."""

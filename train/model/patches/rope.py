@@ -23,7 +23,7 @@ first for the same reason.
 How the trainer uses it::
 
     ropes = install_per_sequence_rope(lm)      # once, in PackedCausalLM (empty for other ropes)
-    ropes.set_row(attn)                        # before each packed decoder call
+    ropes.set_row(attn.bounds)                 # before each packed decoder call
     ropes.clear()                              # the model's own unpacked forward (train/model/self_check.py)
 
 Sequence parallelism gives a rank a slice of each sequence, not its length: `sequence_parallel_problem` refuses
@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from train.attention.function import AttentionContext, document_ids
+from train.attention.function import document_ids
+from train.row import Row, RowHolder
 
 LONGROPE = "longrope"
 
@@ -74,17 +75,10 @@ def sequence_parallel_problem(config) -> str | None:
     )
 
 
-@dataclass
-class PackedRow:
-    """The device offsets [0, l1, l1+l2, ..., T] of the current packed row, shared by all wrappers of a model."""
-
-    cu_seqlens: torch.Tensor | None = None
-
-
 class PerSequenceRope(nn.Module):
     """The rotary module `rope` (a child), computed per packed sequence while a row is set, else as is."""
 
-    def __init__(self, rope: nn.Module, row: PackedRow):
+    def __init__(self, rope: nn.Module, row: RowHolder):
         super().__init__()
         self.rope = rope
         object.__setattr__(self, "row", row)
@@ -113,7 +107,7 @@ class PerSequenceRope(nn.Module):
 
     @torch.no_grad()
     def forward(self, x, position_ids, *args, **kwargs):
-        cu_seqlens = self.row.cu_seqlens
+        cu_seqlens = None if self.row.row is None else self.row.row.cu_q
         switch = self.switches.get(kwargs.get("layer_type", args[0] if args else None))
         if cu_seqlens is None or switch is None:
             return self.rope(x, position_ids, *args, **kwargs)
@@ -166,22 +160,22 @@ def _where(mask: torch.Tensor, chosen, other):
 class PerSequenceRopes:
     """The wrappers `install_per_sequence_rope` put into a model (empty for a model without such ropes)."""
 
-    row: PackedRow = field(default_factory=PackedRow)
+    row: RowHolder = field(default_factory=RowHolder)
     wrapped: dict[str, PerSequenceRope] = field(default_factory=dict)  # module name -> wrapper
 
     def __bool__(self) -> bool:
         return bool(self.wrapped)
 
-    def set_row(self, attn: AttentionContext) -> None:
-        """The packed row of the next forward (it stays set until replaced or cleared)."""
-        if attn.bounds is None:
+    def set_row(self, row: Row | None) -> None:
+        """The packed row of the next forward (`AttentionContext.bounds`; it stays set until replaced or cleared)."""
+        if row is None:
             raise ValueError("length-dependent ropes (train/model/patches/rope.py) cannot run under sequence parallelism: a rank "
                              "holds a slice of each sequence, not its length")
-        self.row.cu_seqlens = attn.bounds.cu_q
+        self.row.row = row
 
     def clear(self) -> None:
         """Back to transformers' behaviour (one call covers one unpacked sequence)."""
-        self.row.cu_seqlens = None
+        self.row.row = None
 
 
 def install_per_sequence_rope(lm: nn.Module) -> PerSequenceRopes:
