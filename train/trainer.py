@@ -1,5 +1,5 @@
 """The training loop: packed rows -> exact step loss -> the engine's optimizer step (DeepSpeed, FSDP2 or plain
-torch: train/engines/build.py).
+torch: train/engines/).
 
 Why DeepSpeed is driven directly (`deepspeed.initialize` with the dict built by train/engines/deepspeed_config.py) and
 `accelerate launch` is only the launcher: under `accelerate launch --use_deepspeed` on CPU, accelerate's rank
@@ -10,7 +10,7 @@ torch.distributed through train.distributed.build_mesh.
 Exact loss. Every token of a micro-batch carries the weight of the WHOLE optimizer step (train/steps/batch.py), so the
 step loss is the plain sum of the local weighted sums over micro-batches, dp ranks and sp ranks. The gradient to
 apply is therefore the SUM of the local gradients; how each engine gets it (DeepSpeed's mean undone by the backward
-scale, FSDP2's reduce-scatter set to sum, the plain all_reduce) is train/engines/build.py's. The equivalence tests check
+scale, FSDP2's reduce-scatter set to sum, the plain all_reduce) is train/engines/'s. The equivalence tests check
 every engine against a single process, through the scale-sensitive gradient norm as well as the losses (Adam alone
 would hide a constant gradient factor).
 
@@ -65,7 +65,8 @@ from train.preflight import Preflight, preflight
 from train.steps.sampler import MicroBatchPlan, StepPlan, StepSampler
 from train.steps.feed import InlineFeed, PrefetchFeed, open_feed
 from train.distributed import Mesh, all_reduce_sum, build_mesh, init_distributed
-from train.engines.build import Engine, EngineSetup, saved_with, start_process_group
+from train.engines.build import EngineSetup, start_process_group
+from train.engines.engine import Engine, saved_with
 from train.engines.schedule import lr_lambda_factory, param_groups
 from train.model.images import SELF_CHECK_MAX_TOKENS
 from train.metrics import EvalProgress, MetricsLogger, plot_losses, step_progress, truncate_log

@@ -131,7 +131,8 @@ def test_fsdp2_resume_is_bitwise(fsdp2_run, resumed_run):
 @pytest.mark.multiprocess
 def test_another_backend_refuses_the_checkpoint(fsdp2_run):
     """An FSDP2 checkpoint is recognised by its dcp/ and refused by the other engines, naming both settings."""
-    from train.engines.build import ENGINES, saved_with
+    from train.engines.build import ENGINES
+    from train.engines.engine import saved_with
 
     checkpoint = fsdp2_run / "checkpoints" / "step-000002"
     assert saved_with(checkpoint) == "fsdp2"

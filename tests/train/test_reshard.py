@@ -225,7 +225,7 @@ def test_partition_files_are_read_without_running_code(tmp_path):
 
     import torch
 
-    from train.checkpoint import read_zero_state
+    from train.engines.deepspeed_engine import read_zero_state
 
     ds = tmp_path / "ds"
     ds.mkdir()
