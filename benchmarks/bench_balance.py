@@ -1,9 +1,9 @@
-"""Per-step load balance across data-parallel ranks, before and after `train.balance.balance_step`.
+"""Per-step load balance across data-parallel ranks, before and after `train.steps.balance.balance_step`.
 
 Lengths: the long-CoT fixture (SkyT1 MATH500 answers, 166 conversations) rendered with the Qwen2.5 chat
 template and tokenized; the assistant's `reasoning_content` is kept as a `<think>...</think>` block in front of
 its answer, as a long-CoT SFT sample is trained. The 166 lengths are resampled with replacement (seeded) to
-`--n-seqs` sequences, packed into rows of `--max-length` tokens with the pack stage's `data.pack.plan`
+`--n-seqs` sequences, packed into rows of `--max-length` tokens with the pack stage's `data.shards.rows.plan`
 (best-fit decreasing), and the rows are shuffled into optimizer steps of dp_size x rows_per_rank rows, as the
 trainer's sampler does.
 
@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from data.pack import plan  # noqa: E402
-from train.balance import balance_step, imbalance, row_cost  # noqa: E402
+from data.shards.rows import plan  # noqa: E402
+from train.steps.balance import balance_step, imbalance, row_cost  # noqa: E402
 
 FIXTURES = ROOT.parent / "shared" / "fixtures"
 DATA = FIXTURES / "data" / "skyt1_math500_longcot.messages.jsonl"
@@ -117,7 +117,7 @@ def main(argv=None) -> None:
     base = longcot_lengths(DATA, TOKENIZER)
     lengths = np.random.default_rng(args.seed).choice(base, size=args.n_seqs, replace=True)
     lines = [
-        "# Balanced dp micro-batching (train/balance.py)",
+        "# Balanced dp micro-batching (train/steps/balance.py)",
         "",
         f"Command: `python -m benchmarks.bench_balance {' '.join(sys.argv[1:] if argv is None else argv)}`".rstrip(),
         f"Machine: {platform.node()} ({platform.machine()}, {os.cpu_count()} cores, load average "

@@ -1,5 +1,5 @@
 """Peak memory and tokens/s of one training step on a long packed row with each long-row option on and off: activation
-checkpointing, tiled MLP (train/tiled_mlp.py), activation offload (train/activation_offload.py), measured side by
+checkpointing, tiled MLP (train/model/patches/tiled_mlp.py), activation offload (train/model/patches/offload.py), measured side by
 side in one run.
 
 The model has the layer sizes of `--shape` (Qwen2.5-1.5B: hidden 1536, intermediate 8960, 12 / 2 heads, the
@@ -7,7 +7,7 @@ The model has the layer sizes of `--shape` (Qwen2.5-1.5B: hidden 1536, intermedi
 configs/model/tiny_qwen2.json, the CPU check's) with `--layers` decoder layers (0: the shape's own), random weights
 built on the device, fp32 (`--bf16`: bf16 weights under bf16 autocast), through PackSFT's own path
 (`PackedCausalLM`, packed attention on the `sdpa` backend (CPU) or `torch_varlen` (CUDA), chunked loss, AdamW step).
-`--lora R` freezes the base weights and trains rank-R adapters on every linear layer (train/lora.py), only those in
+`--lora R` freezes the base weights and trains rank-R adapters on every linear layer (train/model/lora.py), only those in
 the optimizer: how an 8B model's row is measured on one 80 GB GPU, whose memory its full fine-tuning state (16 bytes
 a parameter, 128 GB) does not fit; the activations of the row, the figure here, are about a full fine-tune's (the
 adapters keep every linear layer's input). The row packs sequences of `--sequence` tokens; the last `--trained`
@@ -75,12 +75,12 @@ def run_step(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     sys.path.insert(0, str(ROOT))
-    import train.attention  # noqa: F401
-    from train.activation_offload import HostOffload
-    from train.attention import BACKENDS, AttentionContext, LayerKernels
-    from train.memory_plan import default_tile_tokens
-    from train.packed_model import PackedCausalLM
-    from train.tiled_mlp import install_tiled_mlp
+    import train.attention.function  # noqa: F401
+    from train.model.patches.offload import HostOffload
+    from train.attention.function import BACKENDS, AttentionContext, LayerKernels
+    from train.plan.memory import default_tile_tokens
+    from train.model.packed import PackedCausalLM
+    from train.model.patches.tiled_mlp import install_tiled_mlp
 
     torch.set_num_threads(spec["threads"])
     device = torch.device(spec["device"])
@@ -99,7 +99,7 @@ def run_step(spec: dict) -> dict:
         if offload:
             HostOffload().install(lm)
     if spec.get("lora"):
-        from train.lora import apply_lora
+        from train.model.lora import apply_lora
 
         lm = apply_lora(lm, spec["lora"])
     model = PackedCausalLM(lm, chunk_size=1024, num_categories=1).train()
@@ -181,7 +181,7 @@ def not_started(spec: dict, deadline: float | None) -> str | None:
     if deadline is not None and time.time() >= deadline:
         return "not run: the deadline had passed"
     if OPTIONS[spec["option"]][2] and spec["device"] == "cuda":
-        from train import memory_plan
+        from train.plan import memory as memory_plan
 
         shape = memory_plan.ModelShape.from_hf_config(model_config(spec["shape"], spec["layers"], spec["sequence"]))
         problem = memory_plan.host_offload_problem(shape, spec["length"], 2 if spec["bf16"] else 4,

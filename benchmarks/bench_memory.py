@@ -55,7 +55,7 @@ def run_step(spec: dict) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     sys.path.insert(0, str(ROOT))
-    from train.loss import weighted_lm_loss
+    from train.model.loss import weighted_lm_loss
 
     cuda = spec["device"] == "cuda"
     device = torch.device("cuda" if cuda else "cpu")

@@ -1,4 +1,4 @@
-"""Packing quality and speed: data.pack.plan (exact fill, best fit / first fit decreasing), the pack stage's rule
+"""Packing quality and speed: data.shards.rows.plan (exact fill, best fit / first fit decreasing), the pack stage's rule
 (partitions of 2^20 sequences planned on their own, then a global pass over the rows they release:
 `plan_by_partitions`) and the OpenSFT greedy packer.
 
@@ -26,7 +26,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data.pack import ALGORITHMS, DEFAULT_ALGORITHM, PARTITION_SEQUENCES, plan, plan_by_partitions  # noqa: E402
+from data.pack import PARTITION_SEQUENCES, plan_by_partitions  # noqa: E402
+from data.shards.rows import ALGORITHMS, DEFAULT_ALGORITHM, plan  # noqa: E402
 
 MEDIAN = 1500
 P_ABOVE_16K = 0.05
@@ -137,7 +138,7 @@ def bench_stage(n: int, cap: int, seed: int) -> None:
 
     from data.config import DataConfig
     from data.pack import run
-    from data.shards import ShardWriter, token_dtype
+    from data.shards.dataset import ShardWriter, token_dtype
 
     lengths = lognormal_lengths(n, cap, seed)
     fields = ["input_ids", "labels", "category_ids", "turn_ids"]
@@ -228,7 +229,7 @@ def plan_all_ways(lengths: np.ndarray, cap: int, seed: int) -> list[dict]:
 
 def bench_tokenized(path: str, caps: list[int], seed: int) -> None:
     """The algorithms over the sequence lengths of a tokenized/ directory, at each row length in `caps`."""
-    from data.shards import PackedDataset
+    from data.shards.dataset import PackedDataset
 
     src = PackedDataset(path)
     seqs, _ = src.row_range_sequences(0, len(src))

@@ -1,8 +1,8 @@
 """Packed rows vs the same samples padded (OpenSFT's "traditional" layout): tokens/s, tokens processed, peak memory.
 
 The SAME samples are trained in two layouts, one optimizer step per packed row in both:
-- packed: the row is one varlen micro-batch through the trainer's path (train.batch.make_batch, the registered
-  "packsft" attention: SDPA per packed sequence on CPU, flash-attn varlen on CUDA, train.packed_model.PackedCausalLM
+- packed: the row is one varlen micro-batch through the trainer's path (train.steps.batch.make_batch, the registered
+  "packsft" attention: SDPA per packed sequence on CPU, flash-attn varlen on CUDA, train.model.packed.PackedCausalLM
   with the chunked weighted loss);
 - padded: the row's samples, `--padded-batch` per micro-batch (gradients accumulated over the row's micro-batches),
   each padded to the longest sample of its micro-batch (`--pad-to longest`) or to the row length (`--pad-to
@@ -83,7 +83,7 @@ def _synthetic_rows(n_rows: int, row_length: int, mean_length: float, sigma: flo
 def _dataset_rows(path: str, n_rows: int, row_length: int | None):
     """The first `n_rows` benchmark rows of a packed dataset: consecutive dataset rows merged (whole) while the
     total stays within `row_length` (default: the dataset's own row length, one dataset row each)."""
-    from data.shards import PackedDataset
+    from data.shards.dataset import PackedDataset
 
     ds = PackedDataset(path)
     limit = row_length or int(ds.meta.get("max_length") or int(np.max(ds.row_n_tokens)))
@@ -114,7 +114,7 @@ def _dataset_rows(path: str, n_rows: int, row_length: int | None):
 
 def _totals(rows):
     """StepTotals of some rows, counted the way the shards count them (labels on positions > 0 of a sequence)."""
-    from train.batch import StepTotals
+    from train.steps.batch import StepTotals
 
     n_loss = n_turns = n_samples = 0
     for r in rows:
@@ -167,14 +167,15 @@ def run_layout(spec: dict) -> dict:
     """Loss check + timed training of one layout in this process."""
     import torch
 
-    import train.attention  # noqa: F401  (registers "packsft")
-    from train.attention import AttentionContext
-    from train.attention_plan import layer_kinds, packed_kernels
-    from train.batch import make_batch
+    import train.attention.function  # noqa: F401  (registers "packsft")
+    from train.attention.function import AttentionContext
+    from train.plan.attention import layer_kinds, packed_kernels
+    from train.steps.batch import make_batch
     from transformers import AutoConfig
 
-    from train.config import from_keys
-    from train.packed_model import PackedCausalLM, build_lm
+    from train.config.sections import from_keys
+    from train.model.packed import PackedCausalLM, build_lm
+    from train.plan.startup import MemoryPlan
 
     cuda = spec["device"] == "cuda"
     device = torch.device("cuda" if cuda else "cpu")
@@ -189,7 +190,7 @@ def run_layout(spec: dict) -> dict:
                          "attn_backend": spec["attn_backend"]})
         torch.manual_seed(spec["seed"])
         model_config = AutoConfig.from_pretrained(cfg.model.model_config)
-        lm = build_lm(cfg, model_config, dtype, checkpointing=spec["checkpointing"])  # same seed: same weights
+        lm = build_lm(cfg, model_config, dtype, MemoryPlan(checkpointing=spec["checkpointing"]))  # same seed: same weights
     if layout == "padded":
         lm.set_attn_implementation("sdpa")
         model = lm.to(device)

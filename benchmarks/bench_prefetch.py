@@ -1,4 +1,4 @@
-"""Micro-batches built ahead on a thread (`prefetch_micro_batches`, train/feed.py) vs in the loop, on image
+"""Micro-batches built ahead on a thread (`prefetch_micro_batches`, train/steps/feed.py) vs in the loop, on image
 conversations whose images are the size of a photo or screenshot. Needs .venv-vision (torchvision + Pillow).
 
     .venv-vision/bin/python benchmarks/bench_prefetch.py [--copies 4] [--size 1920x1080] [--steps 8] [--out F]

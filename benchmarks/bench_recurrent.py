@@ -1,4 +1,4 @@
-"""Tiny hybrid models on one packed row: recurrent mixers in one call over the row (train/recurrent.py's one-call
+"""Tiny hybrid models on one packed row: recurrent mixers in one call over the row (train/model/patches/recurrent.py's one-call
 forms, boundary-restarting kernels) against once per packed sequence (the path before them), side by side.
 
 For each mixer kind a random-init hybrid model is built from its config (never downloaded): one recurrent layer and
@@ -8,7 +8,7 @@ sequences in a row of `--tokens` tokens (equal lengths), each path runs in a fre
 set, exactly as the trainer calls it. Measured there: the peak memory of the first step (CPU: growth of the peak
 resident set, `getrusage`; CUDA: peak allocated above what the model and inputs hold), then the best time of
 `--repeats` more. The two paths' losses and every parameter's gradient are compared (the largest relative
-difference is printed, gradients measured as tests/test_recurrent.py measures them: both compute each sequence
+difference is printed, gradients measured as tests/train/test_recurrent.py measures them: both compute each sequence
 alone).
 
     OMP_NUM_THREADS=1 python -m benchmarks.bench_recurrent --out benchmarks/results/recurrent.md
@@ -53,7 +53,7 @@ PATHS = ("per_sequence", "one_call")
 def build_model(kind: str, device: str):
     from transformers import AutoModelForCausalLM
 
-    import train.attention  # noqa: F401  (registers attn_implementation="packsft")
+    import train.attention.function  # noqa: F401  (registers attn_implementation="packsft")
     from tests.model_zoo import tiny_config
 
     model_type, settings = MIXERS[kind]
@@ -70,8 +70,8 @@ def run_child(kind: str, sequences: int, path: str, tokens: int, repeats: int, d
     import torch
     import torch.nn.functional as F
 
-    from train import recurrent
-    from train.attention import BACKENDS, AttentionContext, LayerKernels
+    from train.model.patches import recurrent
+    from train.attention.function import BACKENDS, AttentionContext, LayerKernels
 
     torch.set_num_threads(1)
     if path == "per_sequence":
@@ -93,7 +93,7 @@ def run_child(kind: str, sequences: int, path: str, tokens: int, repeats: int, d
 
     def step():
         lm.zero_grad(set_to_none=True)
-        layers.set_boundaries(cuts)
+        layers.set_row(attn.bounds)
         hidden = lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, packsft=attn)
         logits = lm.lm_head(hidden.last_hidden_state[0, :-1])
         loss = F.cross_entropy(logits, labels[0, 1:], ignore_index=-100)
@@ -149,7 +149,7 @@ def difference(kind: str, sequences: int, scratch: Path) -> float:
     conformance suite measures it (against the larger of its own largest entry and GRAD_FLOOR of the largest
     gradient)."""
     from train.checkpoint import safe_load
-    from train.model_check import GRAD_FLOOR
+    from train.model.self_check import GRAD_FLOOR
 
     loop, one = (safe_load(scratch / f"{kind}-{sequences}-{path}.pt") for path in PATHS)
     scale = max(float(grad.abs().max()) for grad in loop["grads"].values())

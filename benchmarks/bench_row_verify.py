@@ -20,7 +20,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from data.shards import PackedDataset, ShardWriter  # noqa: E402
+from data.shards.dataset import PackedDataset, ShardWriter  # noqa: E402
 
 
 def write(path: Path, rows: int, row_tokens: int) -> None:

@@ -30,7 +30,7 @@ def main() -> None:
 
     import torch
 
-    from train.config import load_config
+    from train.config.sections import load_config
     from train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as out:

@@ -23,7 +23,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from data.shards import PackedDataset, ShardWriter, token_dtype  # noqa: E402
+from data.shards.dataset import PackedDataset, ShardWriter, token_dtype  # noqa: E402
 
 ROW = 131072
 

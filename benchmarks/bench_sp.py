@@ -1,14 +1,14 @@
 """Sequence parallelism on CPU: `shard_batch` cost and the `torch` backend's attention, varlen path vs mask path.
 
 1. `shard_batch` of one 131,072-token micro-batch (64 packed sequences of 2,048 tokens, built with
-   `train.batch.make_batch`), one thread, best of 5, per layout and sp size.
-2. the `torch` gather backend's attention (as train/attention_plan.py gives it to a layer) forward + backward of
+   `train.steps.batch.make_batch`), one thread, best of 5, per layout and sp size.
+2. the `torch` gather backend's attention (as train/plan/attention.py gives it to a layer) forward + backward of
    one rank of a packed row (seeded random sequence lengths), one process:
    the all-gather is replaced by the row's K/V (what the collective returns), so only the attention is timed.
    "varlen" is the contiguous-layout path (bounds from `shard_batch`, one kernel call: the SDPA loop on CPU);
    "mask" is the boolean-mask path of the same context (`bounds=None`), what the contiguous layout ran before.
    Both outputs are compared (max abs difference).
-3. Exactness: the multi-process world of tests/test_sequence_parallel.py (4 gloo processes, 23 configurations),
+3. Exactness: the multi-process world of tests/train/test_sequence_parallel.py (4 gloo processes, 23 configurations),
    worst relative errors against the single-process run, per attention path of the torch backend.
 
     python -m benchmarks.bench_sp --out benchmarks/results/sp_bench.md
@@ -26,7 +26,7 @@
     python -m benchmarks.bench_sp --compare --out benchmarks/results/sp_ulysses.md
 
 5. `--limits`: the longest row per GPU each backend allows for Qwen2.5 0.5B / 1.5B / 7B shapes, COMPUTED from the
-   memory model of train/memory_plan.py (80 GB GPUs, 10% headroom, bf16, DeepSpeed ZeRO-3 over the 8 ranks,
+   memory model of train/plan/memory.py (80 GB GPUs, 10% headroom, bf16, DeepSpeed ZeRO-3 over the 8 ranks,
    gradient checkpointing, fused attention kernels: no L² term) plus each backend's per-layer transient buffers
    (`sp_transient_bytes`); nothing is measured.
 
@@ -49,12 +49,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import train.sequence_parallel as sequence_parallel  # noqa: E402
-from train.batch import StepTotals, make_batch  # noqa: E402
-from train.attention import BACKENDS, AttentionContext, LayerKernels  # noqa: E402
-from train.attention_plan import ring_kernel  # noqa: E402
-from train.sequence_parallel import shard_batch  # noqa: E402
-from train.varlen_kernels import NO_FEATURES  # noqa: E402
+import train.attention.sequence_parallel as sequence_parallel  # noqa: E402
+from train.steps.batch import StepTotals, make_batch  # noqa: E402
+from train.attention.function import BACKENDS, AttentionContext, LayerKernels  # noqa: E402
+from train.plan.attention import ring_kernel  # noqa: E402
+from train.attention.sequence_parallel import shard_batch  # noqa: E402
+from train.attention.varlen_kernels import NO_FEATURES  # noqa: E402
 
 
 def _row(lengths: list[int], seed: int) -> dict:
@@ -212,7 +212,7 @@ def _layer(backend: str, total: int, heads: int, kv_heads: int, sp: int, groups:
     """Forward + backward of one attention layer on this rank under `backend`; (bytes fwd, bytes bwd, peak)."""
     import torch.distributed as dist
 
-    from train.ulysses import UlyssesSpec, ulysses_attention, ulysses_shard
+    from train.attention.ulysses import UlyssesSpec, ulysses_attention, ulysses_shard
 
     rank = dist.get_rank()
     sp_rank = rank % sp
@@ -339,7 +339,7 @@ def sp_transient_bytes(shape, backend: str, row: int, sp: int, ulysses: int, act
     - Ulysses of degree u (inside sp): the exchanged q/k/v and output (send and receive buffers) of row/sp tokens,
       with kv heads repeated up to u: 2 · row/sp · (2 · q_dim + 2 · kv_dim'); in the hybrid, plus the torch
       gather of the rank's head slice over the row: 2 · row · 2 · kv_dim'/u."""
-    from train.sp_rules import kv_heads_after_repeat
+    from train.config.sp_rules import kv_heads_after_repeat
 
     kv_dim, q_dim, local = shape.kv_dim, shape.n_heads * shape.head_dim, row // sp
     if backend in ("torch", "llama3"):
@@ -354,7 +354,7 @@ def sp_transient_bytes(shape, backend: str, row: int, sp: int, ulysses: int, act
 
 def longest_row(shape, backend: str, sp: int, ulysses: int = 1) -> int:
     """The longest row (tokens, a multiple of 1024) whose rank's share fits the GPU under the memory model."""
-    from train.memory_plan import activation_bytes, model_state_bytes
+    from train.plan.memory import activation_bytes, model_state_bytes
 
     state = model_state_bytes(shape.n_params, shape.n_params, 3, WORLD, bf16=True)
     usable = int(GPU_BYTES * 0.9)
@@ -371,8 +371,8 @@ def longest_row(shape, backend: str, sp: int, ulysses: int = 1) -> int:
 
 
 def limits() -> list[str]:
-    from train.memory_plan import ModelShape
-    from train.sp_rules import allowed_degrees
+    from train.plan.memory import ModelShape
+    from train.config.sp_rules import allowed_degrees
 
     lines = ["| model (H / kv heads) | sp | torch (gather) | llama3 | zigzag | Ulysses (degree) |",
              "|---|---|---|---|---|---|"]

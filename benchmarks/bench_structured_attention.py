@@ -1,4 +1,4 @@
-"""Parallel-R1 structured attention (train/structured_attention.py) on one packed row: mask building (a CPU
+"""Parallel-R1 structured attention (train/attention/structured.py) on one packed row: mask building (a CPU
 micro-benchmark) and, with `--attention`, forward + backward of one layer per path (FlexAttention on CUDA).
 
     python -m benchmarks.bench_structured_attention --length 16384 --repeat 5 --threads 1
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from train.structured_attention import (  # noqa: E402
+from train.attention.structured import (  # noqa: E402
     _mask_elementwise,
     _runs,
     build_mask,

@@ -10,7 +10,7 @@ config written here (random init from a Qwen2.5-shaped config, bf16 on CUDA, `at
       FLOPs(step) = 6 · N · T  +  6 · n_layers · n_heads · head_dim · Σ_i L_i²
 
   N = parameters that take part in a matmul per token (every decoder-layer weight and the lm head; the input
-  embedding is a lookup: `train.memory_plan.ModelShape.matmul_params`), T = tokens of the step, L_i = length of
+  embedding is a lookup: `train.plan.memory.ModelShape.matmul_params`), T = tokens of the step, L_i = length of
   packed sequence i of the step. The attention term is causal QKᵀ and PV: forward 2 matmuls · 2 FLOPs per
   multiply-add · H · d · L²/2 (causal half) = 2·H·d·L², backward twice the forward, so 3 · 2·H·d·L² per layer.
   Recomputation under activation checkpointing is NOT counted (the usual MFU convention: useful work only);
@@ -124,8 +124,8 @@ def run_one(spec: dict) -> dict:
     import torch
     import yaml
 
-    from train.config import load_config
-    from train.memory_plan import ModelShape
+    from train.config.sections import load_config
+    from train.plan.memory import ModelShape
     from train.trainer import Trainer
 
     work = Path(spec["work_dir"])
@@ -159,7 +159,7 @@ def run_one(spec: dict) -> dict:
         peak = torch.cuda.max_memory_allocated()
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    result = {"backend": trainer.plan.train.every.name, "checkpointing": trainer.checkpointing_reason, "steps": steps,
+    result = {"backend": trainer.plan.train.every.name, "checkpointing": trainer.memory.checkpointing_reason, "steps": steps,
               "peak_bytes": int(peak), "n_params": shape.n_params, "matmul_params": shape.matmul_params,
               "loss_finite": bool(np.isfinite([x["loss"] for x in steps]).all())}
     write_atomic(Path(spec["result_path"]), json.dumps(result))  # before the profile: a cut profile keeps the figures
@@ -242,8 +242,8 @@ def backend_reasons(device: str) -> dict[str, list[str]]:
     """Why each backend cannot run on this machine (bf16 on CUDA, fp32 on CPU), before any process starts."""
     import torch
 
-    from train.attention import BACKENDS as TABLE
-    from train.varlen_kernels import NO_FEATURES
+    from train.attention.function import BACKENDS as TABLE
+    from train.attention.varlen_kernels import NO_FEATURES
 
     probe = torch.empty((1, 1, 0, 1), device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     return {name: TABLE[name].reasons(probe, NO_FEATURES) for name in BACKENDS}

@@ -49,8 +49,8 @@ from benchmarks.bench_train_gpu import (  # noqa: E402
 def step_sequences(packed: str, steps: int) -> list[tuple[list[int], list[int]]]:
     """(input_ids, completion_mask) of every sequence in the rows PackSFT's sampler gives steps 0..steps-1
     (one row per step, seed 0: what bench_train_gpu trains)."""
-    from data.shards import PackedDataset
-    from train.data import StepSampler
+    from data.shards.dataset import PackedDataset
+    from train.steps.sampler import StepSampler
 
     dataset = PackedDataset(packed)
     sampler = StepSampler(dataset, dp_size=1, dp_rank=0, grad_accum=1, micro_batch_rows=1, seed=0)
@@ -74,7 +74,7 @@ def run_one(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from train.memory_plan import ModelShape
+    from train.plan.memory import ModelShape
 
     device = spec["device"]
     sequences = step_sequences(spec["packed"], spec["steps"])

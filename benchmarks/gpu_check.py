@@ -108,7 +108,7 @@ HEAVY_TEST_FILES = ("test_attention_backends.py", "test_step_options.py")  # tra
 
 def gpu_test_files(tests_dir: Path) -> list[str]:
     """Every test file with a `gpu` mark, the ones that build trainers and compile last."""
-    files = sorted(p for p in tests_dir.glob("test_*.py") if "mark.gpu" in p.read_text())
+    files = sorted(p for p in tests_dir.glob("*/test_*.py") if "mark.gpu" in p.read_text())
     files.sort(key=lambda p: p.name in HEAVY_TEST_FILES)
     return [str(p.relative_to(ROOT)) for p in files]
 

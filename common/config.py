@@ -1,7 +1,7 @@
 """Typed configuration from dataclasses: a nested dict (the JSON or YAML file) plus `key=value` overrides checked
 and converted field by field, errors that name the key and where it came from (with the closest known key), `--help`
 lines read from the source comments, and Hugging Face Hub ids resolved to local directories. The data config
-(data/config.py) and the trainer's (train/config.py) are both built with it.
+(data/config.py) and the trainer's (train/config/sections.py) are both built with it.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from common.config import ConfigError
 from common.fsutil import file_blake2b, tokenizer_hash
 from data.config import DataConfig
 from data.report import read_report
-from data.shards import ShardFormatError, read_meta
+from data.shards.dataset import ShardFormatError, read_meta
 
 
 def template_overhead(tokenizer, enable_thinking: bool | None = None) -> int:

@@ -19,7 +19,7 @@ an error under `overlong: error`).
 Per token: `input_ids`, `labels` (= input id where trained, -100 elsewhere), `category_ids` (category of the
 assistant message the token belongs to: its own turn, or the prompt that precedes it; tokens after the last
 assistant turn belong to it), `turn_ids` (k = 1..T on the k-th trained turn, 0 elsewhere), and in structure
-mode `block_ids`/`path_ids` from `data.parallel_thinking.token_structure`.
+mode `block_ids`/`path_ids` from `data.shards.parallel_thinking.token_structure`.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from data.progress import progress
 from data.records import RecordError, message_category, record_uids, validate_canonical
 from data.report import DROPPED_AT_LIMIT, check_arithmetic, format_tokenize_summary, sorted_counts, update_report
 from data.io import parse_jsonl_line, read_lines
-from data.shards import (IGNORE_INDEX, REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, PackedDataset, ShardCutter,
+from data.shards.dataset import (IGNORE_INDEX, REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, PackedDataset, ShardCutter,
                          ShardWriter, StoredImage)
 from data.token_bound import TokenBound
 
@@ -290,7 +290,7 @@ def _build(norm: dict, rendered: Rendered, enc, source: str, record_index: int,
         block_ids = path_ids = None
         kept_plain = False
         if ctx.structure == "parallel_thinking":
-            from data.parallel_thinking import StructureError, token_structure
+            from data.shards.parallel_thinking import StructureError, token_structure
 
             offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(n, 2)
             try:
@@ -325,7 +325,7 @@ def _build(norm: dict, rendered: Rendered, enc, source: str, record_index: int,
             arrays[3] = _renumber_turns(arrays[3])
             truncated = True
             if ctx.structure == "parallel_thinking" and not kept_plain and policy != "truncate":
-                from data.parallel_thinking import StructureError, validate_structure
+                from data.shards.parallel_thinking import StructureError, validate_structure
 
                 try:  # a token-level cut may split a <Parallel> block
                     validate_structure(arrays[4], arrays[5])
@@ -751,7 +751,7 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
 
 
 def images_meta(cfg: DataConfig, ctx: TokenizeContext) -> dict:
-    """meta.json's `images`: what the trainer's `data.images.ImageLoader` needs to turn the stored bytes into the
+    """meta.json's `images`: what the trainer's `data.shards.images.ImageLoader` needs to turn the stored bytes into the
     pixel values the tokenize stage counted tokens for."""
     return {"processor_path": os.path.abspath(cfg.tokenizer_path), "min_pixels": cfg.image_min_pixels,
             "max_pixels": cfg.image_max_pixels, "pixel_limit": cfg.image_pixel_limit,

@@ -30,9 +30,9 @@ if [ "${PACKSFT_VISION_TESTS:-1}" != "0" ]; then
   bash scripts/setup_vision.sh
   # no arguments: only the files that hold image tests (the others would be collected for nothing, and the
   # optional engines' modules skip at import where they are not installed)
-  if [ "$#" -eq 0 ]; then set -- $(grep -l "mark.vision" tests/test_*.py); fi
+  if [ "$#" -eq 0 ]; then set -- $(grep -l "mark.vision" tests/*/test_*.py); fi
   status=0
   .venv-vision/bin/python -m pytest -q -rs -m vision "$@" || status=$?
-  # 5: no image test among the ones asked for (e.g. `scripts/test.sh tests/test_pack_plan.py`)
+  # 5: no image test among the ones asked for (e.g. `scripts/test.sh tests/shards/test_row_plan.py`)
   if [ "$status" != "0" ] && [ "$status" != "5" ]; then exit "$status"; fi
 fi

@@ -1,13 +1,14 @@
-"""A varlen kernel of train/varlen_kernels.py called by name, for the tests that compare kernels and paths."""
+"""A varlen kernel of train/attention/varlen_kernels.py called by name, for the tests that compare kernels and paths."""
 from __future__ import annotations
 
 import torch
 
-from train.varlen_kernels import KERNELS, NO_FEATURES, AttentionFeatures, VarlenBounds
+from train.attention.varlen_kernels import KERNELS, NO_FEATURES, AttentionFeatures
+from train.row import Row
 
 
 def varlen_attention(
-    name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: VarlenBounds, scale: float | None,
+    name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: Row, scale: float | None,
     features: AttentionFeatures = NO_FEATURES, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Kernel `name` on q [Tq, H, D], k/v [Tk, Hkv, D] -> [Tq, H, D] with the layer's `features` (and its sinks [H]

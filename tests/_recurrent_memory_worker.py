@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, GraniteMoeHybridConfig
 
-import train.attention  # noqa: F401  (registers attn_implementation="packsft")
+import train.attention.function  # noqa: F401  (registers attn_implementation="packsft")
 from tests.model_zoo import tiny_config
-from train.attention import BACKENDS, AttentionContext, LayerKernels
-from train.recurrent import install_sequence_restart
+from train.attention.function import BACKENDS, AttentionContext, LayerKernels
+from train.model.patches.recurrent import install_sequence_restart
 
 
 def main(tokens: int, count: int) -> None:
@@ -34,7 +34,7 @@ def main(tokens: int, count: int) -> None:
     attn = AttentionContext(torch.tensor(bounds, dtype=torch.int32), max(lengths), LayerKernels(every=BACKENDS["sdpa"]))
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    layers.set_boundaries(attn.bounds.host_cu_q)
+    layers.set_row(attn.bounds)
     hidden = lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, packsft=attn)
     loss = F.cross_entropy(lm.lm_head(hidden.last_hidden_state[0, :-1]), input_ids[0, 1:])
     loss.backward()

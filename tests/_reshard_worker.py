@@ -27,7 +27,7 @@ def record_rows(trainer, rows_dir: Path) -> None:
 
 
 def main():
-    from train.config import load_config
+    from train.config.sections import load_config
     from train.trainer import Trainer
 
     config, rows_dir, *overrides = sys.argv[1:]

@@ -1,4 +1,4 @@
-"""Tiny models with attention features, and the 2-process gloo worker of tests/test_attention_features.py: sp = 2
+"""Tiny models with attention features, and the 2-process gloo worker of tests/train/test_attention_features.py: sp = 2
 over the torch backend (contiguous layout: one varlen call; zigzag: the boolean mask) for tiny gemma2 (softcap,
 alternating window) and gpt-oss (sinks, alternating window) against transformers' eager attention on each sequence
 alone; rank 0 writes the worst relative errors to a JSON file."""
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tests._sp_worker import reference_step, relative_errors, sample_rows, sp_step, totals_of, write_results
-from train.batch import make_batch
+from train.steps.batch import make_batch
 
 FAMILIES = ("gemma2", "gpt_oss")
 WINDOW = 4
@@ -41,7 +41,7 @@ def tiny_config(family: str, **overrides):
 def tiny_model(family: str, **overrides):
     """The random tiny model of `family` with the packsft attention, fp32 (the same weights on every call);
     `overrides`: config fields to change."""
-    import train.attention  # noqa: F401  registers attn_implementation="packsft"
+    import train.attention.function  # noqa: F401  registers attn_implementation="packsft"
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Helpers and the multi-process worker of tests/test_sequence_parallel.py (gloo, CPU, fp32).
+"""Helpers and the multi-process worker of tests/train/test_sequence_parallel.py (gloo, CPU, fp32).
 
 One spawned world of 4 processes runs every configuration (sp=4; dp=2 x sp=2, whose sp groups are the sp=2
 checks; contiguous (varlen kernel path) and zigzag (mask path) layouts through the torch backend) for every loss
@@ -16,8 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from train.batch import IGNORE_INDEX, StepTotals, make_batch
-from train.loss import weighted_lm_loss
+from train.steps.batch import IGNORE_INDEX, StepTotals, make_batch
+from train.model.loss import weighted_lm_loss
 
 NUM_CATEGORIES = 4
 VOCAB = 97
@@ -102,7 +102,7 @@ def totals_of(rows: list[dict]) -> StepTotals:
 
 def tiny_models():
     """The same random tiny Qwen2 twice: one with the packsft attention (sp), one with plain sdpa (reference)."""
-    import train.attention  # noqa: F401  registers attn_implementation="packsft"
+    import train.attention.function  # noqa: F401  registers attn_implementation="packsft"
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(
@@ -119,8 +119,8 @@ def tiny_models():
 
 
 def _full_mask_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Reference for structure mode: one process, the whole row, the mask of train.structured_attention."""
-    from train.structured_attention import structured_sdpa
+    """Reference for structure mode: one process, the whole row, the mask of train.attention.structured."""
+    from train.attention.structured import structured_sdpa
 
     return structured_sdpa(query, key, value, kwargs["structure_mask"], scaling), None
 
@@ -153,7 +153,7 @@ def _accumulate_reference(reference, batches, hidden_of) -> dict:
 
 
 def structured_reference_step(reference, batches) -> dict:
-    from train.structured_attention import build_mask
+    from train.attention.structured import build_mask
 
     def hidden_of(batch):
         ids = (batch["seq_ids"], batch["block_ids"], batch["path_ids"], torch.arange(batch["seq_ids"].numel()))
@@ -187,11 +187,11 @@ def reference_step(reference, batches) -> dict:
 
 def sp_plan(model, sp_rank: int, sp_size: int, group, structure: bool = False, sp_backend: str = "torch",
             ulysses_size: int = 1, ulysses_group=None, ring_group=None):
-    """The attention plan train/attention_plan.py makes for `model` (CPU, fp32, attn_backend auto) on an sp group
+    """The attention plan train/plan/attention.py makes for `model` (CPU, fp32, attn_backend auto) on an sp group
     of `sp_size` ranks: `ulysses_size` > 1 with its Ulysses group (and, when smaller than `sp_size`, the ring group
     across the Ulysses groups)."""
-    from train.attention_plan import SPLayout, plan_attention
-    from train.config import ModelSection, ParallelSection
+    from train.plan.attention import SPLayout, plan_attention
+    from train.config.sections import ModelSection, ParallelSection
     from train.distributed import Mesh
 
     mesh = Mesh(dist.get_world_size(), dist.get_rank(), 1, 0, sp_size, sp_rank, None, group, torch.device("cpu"),
@@ -207,8 +207,8 @@ def sp_step(model, batches, sp_rank, sp_size, group, layout, reduce_group, **pla
     what `sp_plan` chose (`plan`: its Ulysses arguments); `layout` zigzag: the torch backend's CPU reference of the
     zigzag layout, which no plan chooses."""
     world_size = dist.get_world_size(reduce_group)
-    from train.attention import AttentionContext
-    from train.sequence_parallel import shard_batch
+    from train.attention.function import AttentionContext
+    from train.attention.sequence_parallel import shard_batch
 
     planned = sp_plan(model, sp_rank, sp_size, group, structure="block_ids" in batches[0], **plan)
     model.zero_grad(set_to_none=True)

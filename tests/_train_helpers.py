@@ -45,7 +45,7 @@ def untrained_sequence(rng: np.random.Generator, length: int) -> dict:
 
 
 def write_packed(path: Path, rows: list[list[dict]], meta_extra: dict | None = None) -> Path:
-    from data.shards import ShardWriter
+    from data.shards.dataset import ShardWriter
 
     writer = ShardWriter(path, kind="packed")
     for row in rows:
@@ -70,7 +70,7 @@ def tiny_model(vocab: int = VOCAB, tie: bool = False):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    import train.attention  # noqa: F401
+    import train.attention.function  # noqa: F401
 
     cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

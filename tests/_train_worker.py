@@ -10,7 +10,7 @@ sys.path.insert(0, str(ROOT))
 def main():
     import torch
 
-    from train.config import load_config
+    from train.config.sections import load_config
     from train.trainer import Trainer
 
     config, grads_dir, *overrides = sys.argv[1:]

@@ -72,10 +72,10 @@ def tiny_vl_model(model_type: str = "qwen2_5_vl", freeze_tower: bool = False):
     placement errors move the loss well past the tolerances."""
     from transformers import AutoModelForImageTextToText
 
-    from train.attention import ATTN_IMPLEMENTATION
-    from train.composite import attn_implementation, freeze_towers
+    from train.attention.function import ATTN_IMPLEMENTATION
+    from train.model.composite import attn_implementation, freeze_towers
     from train.families import FAMILIES
-    from train.packed_model import PackedCausalLM
+    from train.model.packed import PackedCausalLM
 
     config = tiny_vl_config(model_type)
     torch.manual_seed(0)
@@ -98,9 +98,9 @@ def targets_of(record: dict) -> torch.Tensor:
 
 
 def micro_batch(recs: list[dict], n_targets: int) -> dict:
-    """The packed micro-batch of `recs` (one row) as train/batch.py's make_batch lays it out, token weights 1 /
+    """The packed micro-batch of `recs` (one row) as train/steps/batch.py's make_batch lays it out, token weights 1 /
     `n_targets` (the step's), with its ImageBatch."""
-    from train.vision import ImageBatch
+    from train.model.vision import ImageBatch
 
     ids = torch.cat([r["input_ids"] for r in recs])
     lengths = [r["input_ids"].numel() for r in recs]
@@ -142,7 +142,7 @@ def take_grads(lm) -> dict:
 
 
 def grad_error(got: dict, want: dict) -> float:
-    """The worst per-parameter relative difference (floor: 1e-3 of the largest gradient, as train/model_check.py)."""
+    """The worst per-parameter relative difference (floor: 1e-3 of the largest gradient, as train/model/self_check.py)."""
     assert sorted(got) == sorted(want)
     scale = max(float(g.abs().max()) for g in want.values())
     return max(float((got[n] - g).abs().max()) / max(float(g.abs().max()), 1e-3 * scale) for n, g in want.items())
@@ -168,7 +168,7 @@ def load_records(path) -> list[dict]:
 def packed_step(model, batches: list[dict], attention=None) -> tuple[float, dict]:
     """PackedCausalLM over `batches` (accumulated): (summed loss, gradients); `attention(batch)` -> (this rank's
     batch, AttentionContext), default the whole row with the sdpa kernel."""
-    from train.attention import BACKENDS, AttentionContext, LayerKernels
+    from train.attention.function import BACKENDS, AttentionContext, LayerKernels
 
     def whole_row(batch):
         return batch, AttentionContext.for_micro_batch(batch["cu_seqlens"], "cpu", LayerKernels(every=BACKENDS["sdpa"]))

@@ -52,7 +52,7 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma4_text": {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16},
     "gemma4_unified_text": {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16},
     "gptj": {"rotary_dim": 8},
-    "hrm_text": {"prefix_lm": False},  # a prefix-LM config is refused (train/model_support.py ATTENTION_SETTINGS)
+    "hrm_text": {"prefix_lm": False},  # a prefix-LM config is refused (train/model/support.py ATTENTION_SETTINGS)
     **{mt: {"head_dim": 8} for mt in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa",
                                       "longcat_flash", "minicpm3", "youtu", "axk1", "axk2")},
 }

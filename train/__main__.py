@@ -33,7 +33,7 @@ def launch_args(cfg) -> list[str]:
 def resume_command(config_path: str, overrides: list[str]) -> str:
     """The command that continues a run stopped by stop_at_step: the same config and overrides with resume=latest
     (and stop_at_step=null when the YAML file sets one)."""
-    from train.config import load_config
+    from train.config.sections import load_config
 
     own = ("resume", "stop_at_step")
     kept = [o for o in overrides if o.split("=", 1)[0].strip() not in own]
@@ -46,7 +46,7 @@ def resume_command(config_path: str, overrides: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
-        from train.config import help_text
+        from train.config.sections import help_text
 
         try:
             print(help_text(), flush=True)
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv and argv[0] == "--launch":  # train.sh: accelerate launch under a supervisor (train/launch.py)
         from common.lock import LockHeldError
-        from train.config import load_config
+        from train.config.sections import load_config
         from train.launch import supervise
         from train.preflight import preflight
 
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_supervisor()  # under train.sh: never outlive it (kill -9 to it leaves no orphan training on)
     config_path = argv.pop(0) if argv and "=" not in argv[0] else DEFAULT_CONFIG
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from train.config import load_config
+    from train.config.sections import load_config
     from train.preflight import preflight
 
     received = stop_on_signals()
@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(config_path, argv)
         checked = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before the model (and most imports) load
         from train.checkpoint import CheckpointError
-        from train.model_check import SelfCheckError
-        from train.model_support import UnsupportedModelError
+        from train.model.self_check import SelfCheckError
+        from train.model.support import UnsupportedModelError
         from train.nonfinite import NonFiniteError
         from train.trainer import Trainer
     except ConfigError as exc:

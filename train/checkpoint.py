@@ -2,7 +2,7 @@
 
 Layout of `step-000012/`:
     ds/ (DeepSpeed's per-rank files), or dcp/ + scheduler.pt (FSDP2: torch Distributed Checkpoint, see
-    train/dcp_checkpoint.py), or model.pt, optimizer.pt, scheduler.pt   model, optimizer, lr scheduler
+    train/engines/dcp.py), or model.pt, optimizer.pt, scheduler.pt   model, optimizer, lr scheduler
     trainer_state.json        step, sampler position, world size, the dataset's identity (`data`)
     rng/rank_<r>.json         python `random` and numpy generator states of rank r (plain ints)
     rng/rank_<r>.safetensors  torch CPU and CUDA generator states of rank r (uint8 tensors)
@@ -10,7 +10,8 @@ Layout of `step-000012/`:
 
 Every load of a `.pt` file goes through `safe_load` (weights_only=True, map_location cpu): a crafted pickle in a
 checkpoint is refused instead of run. DeepSpeed's own `ds/` files too: its checkpoint engine's load is replaced by
-`safe_load` with the few DeepSpeed classes those files hold (`load_deepspeed_files_safely`).
+`safe_load` with the few DeepSpeed classes those files hold (`load_deepspeed_files_safely`, with the ZeRO reshard
+in train/engines/deepspeed_engine.py: each engine owns its checkpoint format).
 
 Saving: every rank writes into `.step-000012.tmp/`; after a barrier rank 0 writes the manifest (fsyncing every
 file), renames the directory to `step-000012/` and then replaces the `latest` pointer file (write temp + os.replace).
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import io
 import logging
-import math
 import os
 import pickle
 import random
@@ -39,7 +39,6 @@ import shutil
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -130,27 +129,6 @@ def safe_load(path: str | os.PathLike, allowed_classes: list | tuple = (), data:
     except Exception as exc:  # zip / storage errors of a truncated or overwritten file
         size = len(data) if data is not None else path.stat().st_size if path.exists() else 0
         raise CheckpointError(f"{path}: cannot be read ({size} bytes; truncated or corrupt): {exc}") from None
-
-
-def deepspeed_checkpoint_classes() -> list:
-    """The classes DeepSpeed's checkpoint files hold besides tensors and containers (ZeRO 1-3 optimizer states:
-    the static loss scaler, the stage enum, fragment addresses)."""
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, ZeroStageEnum, fragment_address]
-
-
-def load_deepspeed_files_safely(engine) -> None:
-    """Make `engine` read checkpoint files as safe_load does (weights_only=True with the classes above) instead of
-    DeepSpeed's unrestricted unpickling, so a pickle planted in `ds/` is refused, not run. DeepSpeed reads
-    every file of a checkpoint through `engine.checkpoint_engine.load`, except universal checkpoints (refused)."""
-    if engine.load_universal_checkpoint():
-        raise CheckpointError("deepspeed checkpoint.load_universal unpickles files without restriction, outside "
-                              "DeepSpeed's checkpoint engine: PackSFT does not resume universal checkpoints")
-    allowed = deepspeed_checkpoint_classes()
-    engine.checkpoint_engine.load = lambda path, map_location=None: safe_load(path, allowed)
 
 
 # ---------------------------------------------------------------------------------------------- rng states
@@ -682,157 +660,20 @@ def model_mismatch(saved: dict | None, current: dict, source: str) -> str | None
 
 
 # ---------------------------------------------------------------------------------------------- another world size
-# DeepSpeed refuses to load ZeRO partitions written by another number of ranks, and its own way around that (the
-# universal checkpoint: ds_to_universal.py, then `load_universal`) unpickles files without restriction. PackSFT reads
-# the saved partitions itself (through safe_load), joins them into whole tensors per parameter and writes this rank's
-# slices into the new engine: copies only, so the resumed step sees bit for bit the fp32 weights and Adam moments the
-# saving run held (tested with deepspeed 0.19.8 for ZeRO-1/2/3).
-ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
-_ZERO_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
-
-
-@dataclass
-class WholeZeroState:
-    """A ZeRO checkpoint with no world size left in it."""
-
-    stage: int
-    saved_ranks: int
-    params: dict[str, dict[str, torch.Tensor]]  # trainable parameter name -> {"fp32", "exp_avg", "exp_avg_sq"}, whole
-    step: Any  # the optimizer's step count (a tensor for torch's AdamW)
-    groups: list[dict]  # each param group's hyperparameters (lr, betas, ...), its params left out
-    engine_state: dict  # lr_scheduler, global_steps, global_samples, skipped_steps
-    module: dict | None  # ZeRO-1/2: the module's state dict (every weight, frozen ones included); ZeRO-3: None
-
-
-def _zero_rank_files(ds_dir: Path) -> list[Path]:
-    """The optimizer partition files of `ds_dir`, by rank (0..n-1, none missing)."""
-    found = {int(m.group(1)): p for p in ds_dir.iterdir() if (m := _ZERO_FILE.match(p.name))}
-    if not found or sorted(found) != list(range(len(found))):
-        raise CheckpointError(f"{ds_dir}: the ZeRO optimizer partition files are not ranks 0..n-1 "
-                              f"(found ranks {sorted(found)})")
-    return [found[r] for r in range(len(found))]
-
-
-def read_zero_state(ds_dir: Path) -> WholeZeroState:
-    """The whole optimizer state of the ZeRO-1/2/3 checkpoint `ds_dir` (DeepSpeed's files of any number of ranks),
-    every file read through safe_load."""
-    allowed = deepspeed_checkpoint_classes()
-    files = _zero_rank_files(ds_dir)
-    parts = [safe_load(f, allowed)["optimizer_state_dict"] for f in files]
-    stage = int(parts[0]["zero_stage"])
-    model_file = ds_dir / ("zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt")
-    model = safe_load(model_file, allowed)
-    if int(model["dp_world_size"]) != len(files):
-        raise CheckpointError(f"{model_file}: written by {model['dp_world_size']} ranks, but {ds_dir} holds "
-                              f"{len(files)} optimizer partition files")
-    if stage == 3 and model.get("frozen_param_shapes"):
-        raise CheckpointError(f"{model_file}: ZeRO-3 with frozen parameters (LoRA): resuming it on another number of "
-                              "processes is not supported; resume with the saving run's processes")
-    base = [p["optimizer_state_dict"] if stage == 3 else p["base_optimizer_state"] for p in parts]
-    shapes = model["param_shapes"]
-    if stage == 3:
-        params = _join_zero3(parts, base, shapes)
-    else:
-        params = _join_zero12(parts, base, shapes)
-    states = base[0]["state"]
-    step = states[min(states)]["step"]
-    groups = [{k: v for k, v in group.items() if k != "params"} for group in base[0]["param_groups"]]
-    engine_state = {k: model[k] for k in ("lr_scheduler", "global_steps", "global_samples", "skipped_steps")}
-    return WholeZeroState(stage, len(files), params, step, groups, engine_state,
-                          None if stage == 3 else model["module"])
-
-
-def _join_zero12(parts: list[dict], base: list[dict], shapes: list[dict]) -> dict:
-    """ZeRO-1/2: each rank holds one contiguous slice of every param group's flat vector; its file says where each
-    parameter's piece lies in it (param_slice_mappings), in rank order."""
-    params = {}
-    for g, group_shapes in enumerate(shapes):
-        sources = [("fp32", [p["single_partition_of_fp32_groups"][g] for p in parts])]
-        sources += [(key, [b["state"][g][key] for b in base]) for key in ADAM_MOMENTS]
-        for name, shape in group_shapes.items():
-            whole = {}
-            for key, flats in sources:
-                pieces = [flat.narrow(0, m.start, m.numel) for part, flat in zip(parts, flats)
-                          if (m := part["param_slice_mappings"][g].get(name)) is not None]
-                whole[key] = torch.cat(pieces).view(shape)  # a wrong piece count fails here (numel)
-            params[name] = whole
-    return params
-
-
-def _join_zero3(parts: list[dict], base: list[dict], shapes: list[dict]) -> dict:
-    """ZeRO-3: every parameter is cut into n equal slices (the last one padded), slice r on rank r; a rank's flat
-    vector is its slices of every parameter in order."""
-    n = len(parts)
-    flats = {"fp32": [torch.cat(list(p["fp32_flat_groups"])) for p in parts]}
-    for key in ADAM_MOMENTS:
-        flats[key] = [torch.cat([b["state"][i][key] for i in sorted(b["state"])]) for b in base]
-    params, offset = {}, 0
-    for group_shapes in shapes:
-        for name, shape in group_shapes.items():
-            numel = math.prod(shape)
-            size = -(-numel // n)
-            params[name] = {key: torch.cat([flat.narrow(0, offset, size) for flat in ranks])[:numel].view(shape)
-                            for key, ranks in flats.items()}
-            offset += size
-    return params
-
-
-def install_zero_state(engine, whole: WholeZeroState) -> None:
-    """Write this rank's slices of `whole` into a freshly built engine of the same ZeRO stage (any number of ranks):
-    fp32 master weights, Adam moments and step, the module's weights, the lr scheduler and the engine's counters."""
-    optimizer = engine.optimizer
-    if engine.zero_optimization_stage() != whole.stage:
-        raise CheckpointError(f"the checkpoint was saved with ZeRO-{whole.stage}, this run uses ZeRO-"
-                              f"{engine.zero_optimization_stage()}: resume with deepspeed.stage={whole.stage}")
-    names = {p: n for n, p in engine.module.named_parameters()}
-    if engine.zero_optimization_stage() == 3:
-        flats, groups = optimizer.fp32_partitioned_groups_flat, optimizer.fp16_groups
-    else:
-        flats, groups = optimizer.single_partition_of_fp32_groups, optimizer.bit16_groups
-        engine.module.load_state_dict(whole.module)  # the module's weights: every rank holds them whole
-    trained, saved = {names[p] for group in groups for p in group}, set(whole.params)
-    if trained != saved:
-        def some(found: set) -> str:
-            return ", ".join(sorted(found)[:3]) + (", ..." if len(found) > 3 else "") or "none"
-
-        raise CheckpointError("the checkpoint's optimizer state does not fit the parameters this run trains (only in "
-                              f"the checkpoint: {some(saved - trained)}; only here: {some(trained - saved)})")
-    for g, (flat, params) in enumerate(zip(flats, groups)):
-        local = {"fp32": flat.detach().clone(), **{key: torch.zeros_like(flat) for key in ADAM_MOMENTS}}
-        for p in params:
-            whole_p = whole.params[names[p]]
-            for key, dest in local.items():
-                _copy_local_slice(optimizer, p, whole_p[key].reshape(-1), dest)
-        flat.data.copy_(local["fp32"])
-        state_step = whole.step.clone() if torch.is_tensor(whole.step) else whole.step
-        optimizer.optimizer.state[flat] = {"step": state_step, **{k: local[k] for k in ADAM_MOMENTS}}
-        group_id = optimizer.sub_group_to_group_id[g] if whole.stage == 3 else g
-        optimizer.optimizer.param_groups[group_id].update(whole.groups[group_id])  # lr, betas, ...
-    if engine.zero_optimization_stage() == 3:  # the module's partitions from the fp32 masters (as DeepSpeed does)
-        for g, flat in enumerate(optimizer.fp16_partitioned_groups_flat):
-            flat.data.copy_(optimizer.fp32_partitioned_groups_flat[g].data)
-            for part, view in zip(optimizer.fp16_partitioned_groups[g],
-                                  optimizer.unflatten(flat, optimizer.fp16_partitioned_groups[g])):
-                part.data = view.data
-    else:
-        optimizer._hp_optimizer_states_linked = False  # relinked to the new moments at the next step
-    engine.lr_scheduler.load_state_dict(whole.engine_state["lr_scheduler"])
-    for key in ("global_steps", "global_samples", "skipped_steps"):
-        setattr(engine, key, whole.engine_state[key])
-
-
-def _copy_local_slice(optimizer, param, whole: torch.Tensor, dest: torch.Tensor) -> None:
-    """Copy this rank's part of `whole` (one parameter, flattened) to where the engine keeps it in `dest`."""
-    if hasattr(param, "ds_id"):  # ZeRO-3: slice `rank` of n equal slices, at the parameter's offset
-        _, offset, size = optimizer.grad_position[optimizer.get_param_id(param)]
-        piece = whole[size * optimizer._get_param_partition_rank(param):][:size]
-        dest.narrow(0, offset, piece.numel()).copy_(piece)
-    elif param._hp_mapping is not None:  # ZeRO-1/2: the fragment of the parameter this rank's partition holds
-        hp, lp = param._hp_mapping.hp_fragment_address, param._hp_mapping.lp_fragment_address
-        dest.narrow(0, hp.start, hp.numel).copy_(whole.narrow(0, lp.start, lp.numel))
-
-
 def reshard_rng_seed(seed: int, step: int, rank: int) -> int:
     """The seed of rank `rank`'s generators when a run resumes on another number of ranks: the saved per-rank
     states cannot map onto the new ranks (rows move between ranks), so each rank starts fresh streams, reproducibly."""
     return int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
+
+
+def check_same_model(path: Path, state: dict, identity: dict, model) -> None:
+    """Before any tensor of checkpoint `path` loads (`state`: its trainer state): its weights belong to the model
+    of `identity` (`model_identity`), the one of config section `model`, or CheckpointError."""
+    source = f"model_path {model.model_path}" if model.model_path is not None else f"model_config {model.model_config}"
+    mismatch = model_mismatch(state.get("model"), identity, source)
+    if mismatch:
+        raise CheckpointError(
+            f"resume from {path}: the model is not the one the checkpoint was trained as: {mismatch}. Its weights "
+            "and optimizer state belong to that model: resume with the checkpoint's model config and LoRA "
+            "settings, or start a new run (another output_dir, or overwrite_output_dir=true with resume=none)"
+        )

@@ -3,7 +3,7 @@
 Ranks come from torch.distributed, never from accelerate: under `accelerate launch --use_deepspeed` on CPU,
 accelerate reports process_index 0 and num_processes 1 on every rank (see ../shared/NOTES.md).
 Layout: world rank r = dp_rank * sp_size + sp_rank, so the ranks of one sp group are neighbours. With Ulysses
-sequence parallelism of degree u (train/ulysses.py) the sp dimension is itself a 2-D mesh, sp_rank =
+sequence parallelism of degree u (train/attention/ulysses.py) the sp dimension is itself a 2-D mesh, sp_rank =
 ring_rank * u + ulysses_rank: the u ranks of a Ulysses group are neighbours (one machine, where the all-to-all is
 fastest) and the ring group joins the ranks holding the same heads across the Ulysses groups.
 """
@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from train.sp_rules import degree_problem, processes_problem
+from train.config.sp_rules import degree_problem, processes_problem
 
 
 @dataclass

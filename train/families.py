@@ -2,14 +2,14 @@
 
 A spec holds the family's support status (exact, or refused with the reason and what to do instead) and every
 per-family piece the trainer needs to train it exactly on packed rows; each module reads its piece from here:
-- train/model_support.py: the status (`check_model_support`) and the docs table of docs/TRAINING.md;
-- train/lm_head.py: the logit transform of the family's `*ForCausalLM.forward`, or why no LMHead reproduces it;
-- train/recurrent.py: the class names of its recurrent token mixers, restarted at each packed sequence;
-- train/attention.py: whether its sliding window lives only in transformers' mask function;
-- train/moe.py: the config key of its router aux-loss coefficient;
-- train/tiled_mlp.py: whether its decoder layers' feed-forwards can run in tiles of tokens (`untileable_mlp`);
-- train/vision.py: how a composite trains on image conversations (`images`: an `ImageInputs`), or why it cannot.
-The conformance suite (tests/test_model_conformance.py) is parametrized from this table: every `exact` family
+- train/model/support.py: the status (`check_model_support`) and the docs table of docs/TRAINING.md;
+- train/model/lm_head.py: the logit transform of the family's `*ForCausalLM.forward`, or why no LMHead reproduces it;
+- train/model/patches/recurrent.py: the class names of its recurrent token mixers, restarted at each packed sequence;
+- train/attention/function.py: whether its sliding window lives only in transformers' mask function;
+- train/model/moe.py: the config key of its router aux-loss coefficient;
+- train/model/patches/tiled_mlp.py: whether its decoder layers' feed-forwards can run in tiles of tokens (`untileable_mlp`);
+- train/model/images.py: how a composite trains on image conversations (`images`: an `ImageInputs`), or why it cannot.
+The conformance suite (tests/train/test_model_conformance.py) is parametrized from this table: every `exact` family
 trains on a packed row exactly as transformers' own unpacked forward (its length-dependent ropes included), every
 refused one is stopped before any weight loads, and every causal LM of the installed transformers is in it.
 
@@ -38,7 +38,7 @@ class LogitOp(Enum):
     VOCAB_SIZE = "vocabulary cut to"  # logits = logits[..., :value] (a padded output embedding)
 
 
-# rope types whose frequencies depend on the sequence length (train/rope.py), as the docs table names them
+# rope types whose frequencies depend on the sequence length (train/model/patches/rope.py), as the docs table names them
 ROPE_NOTES = {"longrope": "`rope_type: longrope`", "dynamic": "`rope_type: dynamic` (NTK)"}
 
 
@@ -52,7 +52,7 @@ class Refusal:
 
 @dataclass(frozen=True)
 class ImageInputs:
-    """How a composite's image conversations train on packed rows (train/vision.py runs it): its tower runs on the
+    """How a composite's image conversations train on packed rows (train/model/images.py runs it): its tower runs on the
     micro-batch's images (`get_image_features(pixel_values, image_grid_thw)`), the features replace the embeddings of
     its image tokens (`config.image_token_id`), and its M-RoPE positions are its own `get_rope_index` on each packed
     sequence with that sequence's images."""
@@ -77,7 +77,7 @@ class FamilySpec:
     # decoder's pieces (mixers, window, ropes); `logits` stays the composite's own (its forward applies them)
     text_family: str | None = None
     composite_only: bool = False  # a text decoder transformers builds only inside its composite (no *ForCausalLM)
-    untileable_mlp: str | None = None  # why tiled_mlp (train/tiled_mlp.py) cannot run its feed-forwards in tiles
+    untileable_mlp: str | None = None  # why tiled_mlp (train/model/patches/tiled_mlp.py) cannot run its feed-forwards in tiles
     # a composite's image conversations: how they train, or why they cannot (None: UNVERIFIED_IMAGES)
     images: ImageInputs | Refusal | None = None
 
@@ -99,17 +99,17 @@ class FamilySpec:
             return self.refusal.why
         parts = [self.note or "causal attention"]
         if self.text_family:
-            parts = [f"composite: text rows train its `{self.text_family}` decoder, towers kept (train/composite.py)"]
+            parts = [f"composite: text rows train its `{self.text_family}` decoder, towers kept (train/model/composite.py)"]
             if self.image_refusal is None:
-                parts.append("image conversations: tower per micro-batch, M-RoPE per packed sequence (train/vision.py)")
+                parts.append("image conversations: tower per micro-batch, M-RoPE per packed sequence (train/model/images.py)")
         elif self.composite_only:
             parts.append("trained inside its composite")
         if self.logits:
             steps = ", ".join(f"{op.value} `{attribute}`" for attribute, op in self.logits)
-            parts.append(f"{steps} (train/lm_head.py)")
+            parts.append(f"{steps} (train/model/lm_head.py)")
         if self.ropes:
             parts.append(f"{' and '.join(ROPE_NOTES[rope] for rope in self.ropes)} frequencies per packed "
-                         "sequence (train/rope.py)")
+                         "sequence (train/model/patches/rope.py)")
         return ", ".join(parts)
 
 
@@ -199,7 +199,7 @@ DRAFT_MODEL = Refusal(
     "a draft (assistant) model for speculative decoding that reads the target model's hidden states: not a "
     "standalone causal LM", "fine-tune the target model (`gemma4_text`)")
 
-# why a composite's image conversations cannot train (`images`, train/vision.py)
+# why a composite's image conversations cannot train (`images`, train/model/images.py)
 UNVERIFIED_IMAGES = Refusal(
     "PackSFT trains image conversations on the composites whose tower, image tokens and positions it reproduces "
     "exactly on packed rows (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE); this family's are not verified packed = unpacked",
@@ -213,7 +213,7 @@ BIDIRECTIONAL_IMAGES = Refusal(
 QWEN_VL_IMAGES = ImageInputs()
 QWEN3_VL_IMAGES = ImageInputs(deepstack=True)
 
-# why a family's feed-forwards cannot run in tiles (`untileable_mlp`, train/tiled_mlp.py)
+# why a family's feed-forwards cannot run in tiles (`untileable_mlp`, train/model/patches/tiled_mlp.py)
 NO_MLP_MODULE = ("its decoder layers have no feed-forward module (`mlp`, `feed_forward`, `block_sparse_moe`, `ffn`) "
                  "of their own to tile")
 NO_FEED_FORWARD = "its layers are state-space mixers without a feed-forward"
@@ -227,9 +227,9 @@ MROPE = ("multimodal rotary positions (M-RoPE): all components the packed 1-D po
 WINDOW = "sliding-window layers (window shorter than the sequences in the suite)"
 SINKS = WINDOW + ", attention sinks (trained)"
 ATTENTION_SOFTCAP = WINDOW + ", attention-logit softcap"
-LINEAR_ATTENTION = "linear-attention layers restarted per sequence (train/recurrent.py)"
-MAMBA = "Mamba layers restarted per sequence (train/recurrent.py)"
-SHORT_CONVOLUTION = "short convolutions restarted per sequence (train/recurrent.py)"
+LINEAR_ATTENTION = "linear-attention layers restarted per sequence (train/model/patches/recurrent.py)"
+MAMBA = "Mamba layers restarted per sequence (train/model/patches/recurrent.py)"
+SHORT_CONVOLUTION = "short convolutions restarted per sequence (train/model/patches/recurrent.py)"
 
 SOFTCAPPED = (("final_logit_softcapping", LogitOp.SOFTCAP),)
 LOGIT_SCALE = (("logit_scale", LogitOp.MULTIPLY),)
@@ -351,7 +351,7 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _exact("mellum"),
     _exact("mimo_v2_flash", SINKS),
     _exact("minicpm3", logits=(("logits_scaling", LogitOp.DIVIDE_HIDDEN),)),  # hidden_size / dim_model_base
-    _exact("minimax", "lightning (linear) attention restarted per sequence (train/recurrent.py), sliding-window "
+    _exact("minimax", "lightning (linear) attention restarted per sequence (train/model/patches/recurrent.py), sliding-window "
                       "layers", mixers=("MiniMaxLightningAttention",)),
     _exact("minimax_m2"),
     _refused("minimax_m3_vl_text", BLOCK_INDEXER),
@@ -393,7 +393,7 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _exact("qwen3_moe"),
     _exact("qwen3_next", LINEAR_ATTENTION, mixers=("Qwen3NextGatedDeltaNet",)),
     _exact("qwen4_exp_text", LINEAR_ATTENTION, mixers=("Qwen4ExpTextGatedDeltaNet",)),
-    _exact("recurrent_gemma", "RG-LRU and convolutions restarted per sequence (train/recurrent.py), local "
+    _exact("recurrent_gemma", "RG-LRU and convolutions restarted per sequence (train/model/patches/recurrent.py), local "
                               "attention window", logits=(("logits_soft_cap", LogitOp.SOFTCAP),),
            mixers=("RecurrentGemmaRecurrentBlock",), untileable_mlp=NO_MLP_MODULE),
     _refused("reformer", OWN_ATTENTION),
@@ -403,7 +403,7 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _refused("roc_bert", ENCODER),
     _refused("roformer", ENCODER),
     # both mixers shift each token by one (time mixing)
-    _exact("rwkv", "token shift and WKV state restarted per sequence (train/recurrent.py)",
+    _exact("rwkv", "token shift and WKV state restarted per sequence (train/model/patches/recurrent.py)",
            mixers=("RwkvSelfAttention", "RwkvFeedForward"), untileable_mlp=SHIFTING_FEED_FORWARD),
     _exact("seed_oss"),
     _exact("smollm3"),
@@ -418,17 +418,17 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _refused("xlm-roberta", ENCODER),
     _refused("xlm-roberta-xl", ENCODER),
     _refused("xlnet", UNPACKED_ONLY),
-    _exact("xlstm", "mLSTM layers restarted per sequence (train/recurrent.py)",
+    _exact("xlstm", "mLSTM layers restarted per sequence (train/model/patches/recurrent.py)",
            logits=(("output_logit_soft_cap", LogitOp.SOFTCAP),), mixers=("xLSTMLayer",)),
     _refused("xmod", ENCODER),
     _exact("youtu"),
     _exact("zamba", MAMBA, mixers=("ZambaMambaMixer",), untileable_mlp=NO_MLP_MODULE),
     _exact("zamba2", MAMBA, mixers=("Zamba2MambaMixer",), untileable_mlp=NO_MLP_MODULE),
     # a convolution over q/k and a one-token-delayed v inside the attention block
-    _exact("zaya", "attention-side convolution restarted per sequence (train/recurrent.py)",
+    _exact("zaya", "attention-side convolution restarted per sequence (train/model/patches/recurrent.py)",
            mixers=("ZayaCCAProjection",)),
     # Composite checkpoints (transformers' image-text-to-text mapping): trained on packed text through their text
-    # decoder (train/composite.py), towers kept; a refused text decoder refuses its composite (`_table`).
+    # decoder (train/model/composite.py), towers kept; a refused text decoder refuses its composite (`_table`).
     _composite("aria", "aria_text"),
     _composite("aya_vision", "cohere2"),
     _refused("blip", MULTIMODAL),

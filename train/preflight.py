@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from common.config import ConfigError, pretrained_dir, relative_note
-from train.config import TrainConfig
+from train.config.sections import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -303,9 +303,9 @@ def meta_tokenizer_hash(meta: dict) -> str | None:
 
 
 def read_meta(path: str | os.PathLike) -> dict:
-    """The dataset's manifest, checked (format, and its own checksum: data.shards.read_meta)."""
-    from data.shards import ShardFormatError
-    from data.shards import read_meta as read_checked_meta
+    """The dataset's manifest, checked (format, and its own checksum: data.shards.dataset.read_meta)."""
+    from data.shards.dataset import ShardFormatError
+    from data.shards.dataset import read_meta as read_checked_meta
 
     try:
         return read_checked_meta(path)
@@ -326,7 +326,7 @@ def tokenizer_hash(path: str | os.PathLike) -> str | None:
 def max_token_id(path: str | os.PathLike, meta: dict | None = None) -> int:
     """Largest input id of a packed dataset: from a checksummed manifest, else a chunked scan of the shards (an older
     manifest without its checksum may have been edited)."""
-    from data.shards import PackedDataset, trusted_manifest
+    from data.shards.dataset import PackedDataset, trusted_manifest
 
     meta = meta if meta is not None else read_meta(path)
     if trusted_manifest(meta) and isinstance(meta.get("max_token_id"), int):
@@ -344,7 +344,7 @@ def warn_past_max_positions(cfg: TrainConfig, text_config, name: str, path: str)
     limit = getattr(text_config, "max_position_embeddings", None)
     if not isinstance(limit, int):
         return  # recurrent models: no position limit
-    from data.shards import PackedDataset
+    from data.shards.dataset import PackedDataset
 
     lengths = PackedDataset(path, verify="off").seq_column("length")
     longest = int(lengths.max()) if len(lengths) else 0

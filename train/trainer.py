@@ -1,20 +1,20 @@
 """The training loop: packed rows -> exact step loss -> the engine's optimizer step (DeepSpeed, FSDP2 or plain
-torch: train/engines.py).
+torch: train/engines/).
 
-Why DeepSpeed is driven directly (`deepspeed.initialize` with the dict built by train/deepspeed_config.py) and
+Why DeepSpeed is driven directly (`deepspeed.initialize` with the dict built by train/engines/deepspeed_config.py) and
 `accelerate launch` is only the launcher: under `accelerate launch --use_deepspeed` on CPU, accelerate's rank
 bookkeeping is wrong (process_index 0 and num_processes 1 on every rank, see ../shared/NOTES.md), and accelerate's
 DeepSpeed plugin rewrites the JSON and divides the loss by the accumulation steps behind our back. Ranks come from
 torch.distributed through train.distributed.build_mesh.
 
-Exact loss. Every token of a micro-batch carries the weight of the WHOLE optimizer step (train/batch.py), so the
+Exact loss. Every token of a micro-batch carries the weight of the WHOLE optimizer step (train/steps/batch.py), so the
 step loss is the plain sum of the local weighted sums over micro-batches, dp ranks and sp ranks. The gradient to
 apply is therefore the SUM of the local gradients; how each engine gets it (DeepSpeed's mean undone by the backward
-scale, FSDP2's reduce-scatter set to sum, the plain all_reduce) is train/engines.py's. The equivalence tests check
+scale, FSDP2's reduce-scatter set to sum, the plain all_reduce) is train/engines/'s. The equivalence tests check
 every engine against a single process, through the scale-sensitive gradient norm as well as the losses (Adam alone
 would hide a constant gradient factor).
 
-MoE models with a router load-balancing loss (train/moe.py): each micro-batch adds its rank's share of the aux
+MoE models with a router load-balancing loss (train/model/moe.py): each micro-batch adds its rank's share of the aux
 term, divided by the step's real micro-batches, to the local sum before the same scaling, so the aux term is
 exact under the same conventions. The logged `loss` is the LM loss; `aux_loss` is the aux term; the optimised
 objective is their sum.
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import random
 import sys
 import time
@@ -34,13 +33,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common.config import ConfigError
-from data.images import ImageLoader
-from train.attention_plan import plan_attention, plan_sp_layout
-from train.batch import make_batch, step_totals
+from data.shards.images import ImageLoader
+from train.plan.attention import plan_attention, plan_sp_layout
+from train.plan.startup import plan_memory
+from train.steps.batch import make_batch, step_totals
 from train.checkpoint import (
     FINAL_DIR,
     CheckpointError,
+    check_same_model,
     checkpoint_root,
     choose_checkpoint,
     data_mismatch,
@@ -53,58 +53,31 @@ from train.checkpoint import (
     load_rng,
     load_trainer_state,
     model_identity,
-    model_mismatch,
     remove_stale_temporaries,
     reshard_rng_seed,
     resume_candidates,
     save_checkpoint,
 )
-from train.composite import copy_processor_files, processor_dir
-from train.config import TrainConfig
+from train.model.composite import copy_processor_files, processor_dir
+from train.model.support import check_family, check_image_support
+from train.config.sections import TrainConfig
 from train.preflight import Preflight, preflight
-from train.data import MicroBatchPlan, StepPlan, StepSampler
-from train.feed import InlineFeed, PrefetchFeed, open_feed
-from train.distributed import Mesh, all_reduce_sum, build_mesh, default_device, init_distributed, ranks_per_machine
-from train.engines import Engine, build_engine, saved_with
-from train.images import SELF_CHECK_MAX_TOKENS
+from train.steps.sampler import MicroBatchPlan, StepPlan, StepSampler
+from train.steps.feed import InlineFeed, PrefetchFeed, open_feed
+from train.distributed import Mesh, all_reduce_sum, build_mesh, init_distributed
+from train.engines.build import EngineSetup, start_process_group
+from train.engines.engine import Engine, saved_with
+from train.engines.schedule import lr_lambda_factory, param_groups
+from train.model.images import SELF_CHECK_MAX_TOKENS
 from train.metrics import EvalProgress, MetricsLogger, plot_losses, step_progress, truncate_log
-from train.moe import real_tokens, resolve_router_aux
+from train.model.moe import real_tokens, resolve_router_aux
 from train.nonfinite import SKIPPED, NonFiniteError, nonfinite_tensors, stop_message
-from train.packed_model import PackedCausalLM, build_lm
-from train.rope import switch_points as rope_switch_points
-from train.tiled_mlp import describe_tiling
-from train.varlen_kernels import queued_copy
+from train.model.packed import PackedCausalLM, build_lm
+from train.model.patches.rope import switch_points as rope_switch_points
+from train.model.patches.tiled_mlp import describe_tiling
+from train.row import queued_copy
 
 logger = logging.getLogger("packsft.train")
-
-
-def lr_lambda_factory(total_steps: int, warmup_steps: int, schedule: str, min_ratio: float):
-    """lr multiplier of optimizer step s (0-based): linear warmup to 1 over `warmup_steps`, then cosine or
-    linear decay to `min_ratio` at the last step (constant: stays at 1)."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if schedule == "constant":
-            return 1.0
-        span = max(1, total_steps - warmup_steps - 1)
-        progress = min(1.0, (step - warmup_steps) / span)
-        if schedule == "cosine":
-            return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-        return min_ratio + (1.0 - min_ratio) * (1.0 - progress)
-
-    return factor
-
-
-def _init_single_process_group() -> None:
-    """A world of one (no launcher environment). Its rendezvous is an in-process store: a free port found by binding
-    and releasing it could be taken by another process before the group's store binds it again (EADDRINUSE, seen
-    under load)."""
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(),
-                            world_size=1, rank=0)
 
 
 def _seed_everything(seed: int) -> None:
@@ -118,16 +91,22 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, console=None, checked: Preflight | None = None):
         """`checked`: what train/preflight.py found (python -m train runs it before the heavy imports); None: it
         runs here."""
-        self.cfg = cfg
         init_distributed()
-        if (cfg.uses_deepspeed or cfg.uses_fsdp2) and not dist.is_initialized():
-            _init_single_process_group()  # DeepSpeed and FSDP2 need a process group, also for one process
+        start_process_group(cfg)
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.checked = checked = checked or preflight(cfg, world)  # every check before the model loads
-        self.sp_reason = None
-        if cfg.parallel.sequence_parallel_size == "auto":
-            cfg.parallel.sequence_parallel_size, self.sp_reason = self._choose_sp_degree(world)
-            cfg.validate(world)  # the sp rules of the degree chosen
+        self.engine_setup = setup = EngineSetup(cfg)  # what the engine decides before the model (DeepSpeed's dict)
+        family_warnings = []  # said below, once the main rank is known
+        self.family = check_family(checked.model_config, cfg.model.self_check, family_warnings.append)  # refused: here
+        _seed_everything(cfg.steps.seed)
+
+        from train.steps.online import open_train_dataset
+
+        self.dataset = open_train_dataset(cfg.data.data_path, cfg.data.online_max_length, seed=cfg.steps.seed, verify=cfg.data.verify_data)
+        row_length = int(self.dataset.meta.get("max_length") or int(np.max(self.dataset.row_n_tokens)))
+        # SP degree (auto), checkpointing per layer, the MLP tile, the offload's host memory: once, before any weight
+        self.memory = plan_memory(cfg, checked.model_config, world, row_length, setup.offloads_optimizer)
+        self.cfg = cfg = self.memory.config  # the config as planned (sequence_parallel_size auto resolved)
         self.sp_layout = plan_sp_layout(cfg.parallel, cfg.launch, checked.model_config)  # before the mesh
         self.mesh: Mesh = build_mesh(cfg.parallel.sequence_parallel_size,
                                      ulysses_size=self.sp_layout.ulysses_size if self.sp_layout else 1)
@@ -138,11 +117,6 @@ class Trainer:
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars
-        _seed_everything(cfg.steps.seed)
-
-        from train.online import open_train_dataset
-
-        self.dataset = open_train_dataset(cfg.data.data_path, cfg.data.online_max_length, seed=cfg.steps.seed, verify=cfg.data.verify_data)
         self.image_loader = ImageLoader.of(self.dataset.meta)  # None for text-only data
         if checked.tokenizer_path is None:  # none named anywhere (a named one must exist)
             self._warn("no tokenizer (tokenizer_path, model_path, the shards' meta.json): final/ will be exported "
@@ -159,26 +133,13 @@ class Trainer:
         self.warmup_steps = (
             cfg.optim.warmup_steps if cfg.optim.warmup_steps is not None else int(cfg.optim.warmup_ratio * self.total_steps)
         )
-        zero3 = cfg.deepspeed.stage == 3
-        self._hf_ds_config = self.ds_config = None
-        if cfg.uses_deepspeed:
-            from train.deepspeed_config import build_deepspeed_config, skip_unused_cpu_comm_op
-
-            skip_unused_cpu_comm_op()  # before DeepSpeed's communication backend starts (zero.Init or initialize)
-            self.ds_config = build_deepspeed_config(cfg)
-            if zero3 and cfg.model.model_path is not None:
-                # from_pretrained then loads straight into partitions (zero.Init) instead of a full copy per rank
-                from transformers.integrations import HfDeepSpeedConfig
-
-                self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
-        dtype = torch.bfloat16 if (cfg.model.bf16 and cfg.uses_deepspeed) else torch.float32
-        row_length = int(self.dataset.meta.get("max_length") or int(np.max(self.dataset.row_n_tokens)))
-        self.checkpointing, self.checkpointed_layers, self.checkpointing_reason = self._choose_checkpointing(row_length)
-        self._check_offload_host_memory(row_length)
-        self.family = self._check_family()  # before any weight is loaded
-        self.image_inputs = self._check_images()  # idem: how the model trains on the data's images, or why it cannot
+        for warning in family_warnings:
+            self._warn(warning)
+        # idem: how the model trains on the data's images (None for text data), or why it cannot
+        self.image_inputs = check_image_support(checked.model_config) if any(
+            getattr(data, "has_images", False) for data in (self.dataset, self.eval_dataset)) else None
         self.model_identity = model_identity(checked.model_config, cfg.lora)
-        self.lm = build_lm(cfg, checked.model_config, dtype, self.checkpointing, self.checkpointed_layers)
+        self.lm = build_lm(cfg, checked.model_config, setup.dtype, self.memory)
         self.plan = plan_attention(cfg.model, cfg.parallel, self.sp_layout, self.mesh, self.lm, self.structure)
         self.router_aux, router_warning = resolve_router_aux(self.lm, cfg.moe.output_router_logits,
                                                              cfg.moe.router_aux_loss_coef)
@@ -188,14 +149,14 @@ class Trainer:
         # the CPU on the eager loop (inductor's C++ build there costs more than it saves)
         self.compiles_loss = cfg.model.compile_loss is True or (cfg.model.compile_loss == "auto"
                                                                 and self.device.type == "cuda")
-        self.model = PackedCausalLM(self.lm, cfg.steps.loss_chunk_size, self.num_categories, zero3=zero3,
+        self.model = PackedCausalLM(self.lm, cfg.steps.loss_chunk_size, self.num_categories, zero3=setup.zero3,
                                     router_aux=self.router_aux, fused_loss=self.compiles_loss,
                                     images=self.image_inputs)
         if cfg.model.self_check:
-            self._self_check(zero3)
+            self._self_check()
         self.lr_factor = lr_lambda_factory(self.total_steps, self.warmup_steps, cfg.optim.schedule, cfg.optim.min_lr_ratio)
-        self.engine: Engine = build_engine(cfg, self.model, self._param_groups, self.lr_factor, self.mesh,
-                                           self.ds_config)
+        self.engine: Engine = setup.build(cfg, self.model, lambda: param_groups(self.model, cfg.optim.weight_decay),
+                                          self.lr_factor, self.mesh)
         self.optimizer, self.scheduler = self.engine.optimizer, self.engine.scheduler
         self.step = 0
         self._maybe_resume()  # before the logger opens log.jsonl: resuming truncates it to the checkpoint's step
@@ -207,121 +168,17 @@ class Trainer:
         """The eval set, opened (memory-mapped) once at start and held for the whole run, or None: every evaluation
         reads the rows checked at start, even if its folder is removed or rewritten meanwhile (it was looked up
         again at every evaluation, and a folder deleted mid-run silently ended the evaluations)."""
-        from data.shards import PackedDataset
+        from data.shards.dataset import PackedDataset
 
         path = self.checked.eval_path
         return None if path is None else PackedDataset(path, verify=self.cfg.data.verify_data)
 
-    def _choose_checkpointing(self, row_length: int) -> tuple[bool, int | None, str]:
-        """gradient_checkpointing auto: on a GPU from the memory estimate of train/memory_plan.py (the fewest
-        decoder layers to checkpoint for a micro-batch's activations to fit the free memory less the model state);
-        on CPU by row length. (enabled, layers checkpointed: None for all, why)."""
-        cfg = self.cfg
-        per_rank_row = -(-row_length // self.mesh.sp_size)
-        if cfg.model.activation_offload and cfg.model.gradient_checkpointing == "auto":
-            return True, None, "on (auto: activation_offload keeps the checkpointed layer inputs on the host)"
-        if cfg.model.gradient_checkpointing != "auto" or self.device.type != "cuda":
-            enabled = cfg.model.checkpointing_enabled(per_rank_row)
-            why = "set" if cfg.model.gradient_checkpointing != "auto" else (
-                f"auto: {per_rank_row} tokens per rank {'>=' if enabled else '<'} checkpointing_min_length="
-                f"{cfg.model.checkpointing_min_length}")
-            return enabled, None, f"{'on' if enabled else 'off'} ({why})"
-        from train.memory_plan import ModelShape, choose_checkpointing, mlp_tile
-
-        shape = ModelShape.from_hf_config(self.checked.model_config)
-        tokens = -(-row_length * cfg.steps.micro_batch_rows // self.mesh.sp_size)
-        free, _ = torch.cuda.mem_get_info(self.device)
-        decision = choose_checkpointing(shape, tokens, free, self._model_state_bytes(shape, self.mesh.world_size),
-                                        act_bytes=2 if cfg.model.bf16 else 4, loss_chunk=cfg.steps.loss_chunk_size,
-                                        tile=mlp_tile(cfg.model, shape.intermediate))
-        return decision.enabled, decision.layers, decision.describe()
-
-    def _model_state_bytes(self, shape, world: int) -> int:
-        """Weights, gradients and optimizer state per GPU (train/memory_plan.py's estimate)."""
-        from train.deepspeed_config import build_deepspeed_config, offloads_optimizer
-        from train.memory_plan import model_state_bytes
-
-        cfg = self.cfg
-        n_trainable = shape.n_params if cfg.lora.lora_rank == 0 else 0  # LoRA adapters: negligible next to the model
-        if cfg.uses_fsdp2:  # fp32 weights, gradients and moments sharded over every rank, as ZeRO-3 in fp32
-            return model_state_bytes(shape.n_params, n_trainable, 3, world, offload_optimizer=cfg.fsdp2.cpu_offload,
-                                     bf16=False)
-        offload = cfg.uses_deepspeed and offloads_optimizer(build_deepspeed_config(cfg))
-        return model_state_bytes(shape.n_params, n_trainable, cfg.deepspeed.stage, world, offload_optimizer=offload,
-                                 bf16=cfg.model.bf16)
-
-    def _choose_sp_degree(self, world: int) -> tuple[int, str]:
-        """`sequence_parallel_size: auto`: the smallest degree whose share of a micro-batch fits the GPU with the
-        configured long-row options (train/memory_plan.py), from the least free memory of all ranks; 1 on CPU."""
-        if not torch.cuda.is_available():
-            return 1, "auto: no CUDA device to size the rows against"
-        from train.memory_plan import LongRowOptions, ModelShape, available_host_bytes, choose_sp_degree, mlp_tile
-        from train.preflight import read_meta
-
-        cfg = self.cfg
-        row = cfg.data.online_max_length or int(read_meta(cfg.data.data_path)["max_length"])
-        shape = ModelShape.from_hf_config(self.checked.model_config)
-        free = torch.cuda.mem_get_info(default_device())[0]
-        host = available_host_bytes()
-        if dist.is_initialized():  # every rank must choose the same degree: the least memory of all
-            least = torch.tensor([free, -1 if host is None else host], dtype=torch.int64, device=default_device())
-            dist.all_reduce(least, op=dist.ReduceOp.MIN)
-            free, host = int(least[0]), (None if int(least[1]) < 0 else int(least[1]))
-        options = LongRowOptions(checkpointing=cfg.model.gradient_checkpointing is not False,
-                                 tile=mlp_tile(cfg.model, shape.intermediate), offload=cfg.model.activation_offload)
-        try:
-            choice = choose_sp_degree(shape, row * cfg.steps.micro_batch_rows, world, free,
-                                      self._model_state_bytes(shape, world), options,
-                                      act_bytes=2 if cfg.model.bf16 else 4, loss_chunk=cfg.steps.loss_chunk_size,
-                                      host_bytes=host, host_ranks=ranks_per_machine(cfg.launch.processes_per_machine))
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        return choice.degree, choice.describe()
-
-    def _check_offload_host_memory(self, row_length: int) -> None:
-        """activation_offload on a GPU: a micro-batch's pinned layer inputs must fit the host memory available to
-        this rank (the machine's, shared by its ranks), checked before any weight loads; past it the kernel's OOM
-        killer would end the run in the middle of a forward."""
-        cfg = self.cfg
-        if not cfg.model.activation_offload or self.device.type != "cuda":
-            return  # on a CPU device the offload keeps the tensors where they are
-        from train.memory_plan import ModelShape, available_host_bytes, host_offload_problem
-
-        shape = ModelShape.from_hf_config(self.checked.model_config)
-        tokens = -(-row_length * cfg.steps.micro_batch_rows // self.mesh.sp_size)
-        problem = host_offload_problem(shape, tokens, 2 if cfg.model.bf16 else 4, available_host_bytes(),
-                                       ranks_per_machine(cfg.launch.processes_per_machine))
-        if problem:
-            raise ConfigError(f"{problem}; set a larger sequence_parallel_size (or auto), shorter rows (max_length) "
-                              "or activation_offload: false")
-
-    def _check_family(self) -> str:
-        """The model family's status (train/model_support.py); a family that cannot train exactly on packed rows
-        stops here, naming the family and the reason."""
-        from train.model_support import check_model_support, model_type_of
-
-        config = self.checked.model_config
-        status = check_model_support(config, self_check=self.cfg.model.self_check)
-        if status == "unverified":
-            self._warn(f"model family {model_type_of(config)!r} is not in PackSFT's verified table: the start-up "
-                       "self-check decides whether it trains exactly")
-        return model_type_of(config)
-
-    def _check_images(self):
-        """The family's `ImageInputs` when the data holds images (train/images.py), None for text data; a family
-        without an exact image path stops here, naming the family and the reason (train/model_support.py)."""
-        if not any(getattr(data, "has_images", False) for data in (self.dataset, self.eval_dataset)):
-            return None
-        from train.model_support import check_image_support
-
-        return check_image_support(self.checked.model_config)
-
-    def _self_check(self, zero3: bool) -> None:
+    def _self_check(self) -> None:
         """Packed path vs the model's own unpacked eager forward on a few sequences of the data, same weights:
-        training stops if they differ (a family or feature PackSFT does not reproduce). See train/model_check.py."""
-        from train.model_check import SelfCheckError, compare_packed_with_reference, self_check_sequences
+        training stops if they differ (a family or feature PackSFT does not reproduce). See train/model/self_check.py."""
+        from train.model.self_check import SelfCheckError, compare_packed_with_reference, self_check_sequences
 
-        if zero3 and self.cfg.model.model_path is not None:
+        if self.engine_setup.partitioned_load:
             self.console("self-check skipped: ZeRO-3 loads the weights partitioned (self_check covers ZeRO-0/1/2)")
             return
         switch_points = rope_switch_points(self.lm.config.get_text_config())
@@ -342,8 +199,7 @@ class Trainer:
             return
         start = time.perf_counter()
         self.model.to(self.device)
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.cfg.model.bf16 and not self.cfg.uses_deepspeed \
-            else None
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.engine_setup.autocast_bf16 else None
         result = compare_packed_with_reference(self.model, seqs, self.plan.packed, gradient_probe=True,
                                               autocast=autocast, images=images)
         elapsed = time.perf_counter() - start
@@ -365,18 +221,6 @@ class Trainer:
                      + (f" ({with_images} with images: the tower, their features and M-RoPE positions)"
                         if images is not None else "") + " (loss difference "
                      f"{result.loss_error:.1e}, gradient difference {result.grad_error:.1e}{rope}) in {elapsed:.2f} s")
-
-    def _param_groups(self):
-        decay, no_decay = [], []
-        for name, p in self.model.named_parameters():
-            if not p.requires_grad:
-                continue
-            ndim = len(getattr(p, "ds_shape", p.shape))  # ZeRO-3 (zero.Init) partitions are flat: use the full shape
-            (no_decay if ndim < 2 or "norm" in name.lower() else decay).append(p)
-        groups = [{"params": decay, "weight_decay": self.cfg.optim.weight_decay}]
-        if no_decay:
-            groups.append({"params": no_decay, "weight_decay": 0.0})
-        return groups
 
     def _warn(self, text: str) -> None:
         if self.mesh.is_main:
@@ -439,7 +283,7 @@ class Trainer:
 
     def train_step(self, plan: StepPlan, feed: InlineFeed | PrefetchFeed | None = None) -> dict:
         """One optimizer step; its record's `loss` is the LM loss, `aux_loss` (MoE) the router aux term, which the
-        step optimises too. `feed`: where its micro-batches come from (train/feed.py; None: built here), and
+        step optimises too. `feed`: where its micro-batches come from (train/steps/feed.py; None: built here), and
         `batch_wait_s` in the record how long the step waited for them."""
         start = time.perf_counter()
         feed = feed or InlineFeed(self.sampler, self._build_micro_batch, plan.step + 1, current=plan)
@@ -508,7 +352,7 @@ class Trainer:
     def evaluate(self) -> dict:
         """`eval_loss`, the token-mean loss over the whole eval set (whatever loss_reduction), and
         `eval_category_loss` {name: token-mean loss} (every rank its rows; fillers keep ranks in step)."""
-        from train.batch import StepTotals
+        from train.steps.batch import StepTotals
 
         ds = self.eval_dataset
         totals = StepTotals(int(np.sum(ds.row_n_loss_tokens)), int(np.sum(ds.row_n_trained_turns)),
@@ -564,18 +408,6 @@ class Trainer:
     def _data_identity(self) -> dict:
         return dataset_identity(self.cfg.data.data_path, len(self.dataset))
 
-    def _check_same_model(self, path: Path, state: dict) -> None:
-        """Before any tensor of the checkpoint loads: its weights belong to the model it was trained as."""
-        cfg = self.cfg
-        source = f"model_path {cfg.model.model_path}" if cfg.model.model_path is not None else f"model_config {cfg.model.model_config}"
-        mismatch = model_mismatch(state.get("model"), self.model_identity, source)
-        if mismatch:
-            raise CheckpointError(
-                f"resume from {path}: the model is not the one the checkpoint was trained as: {mismatch}. Its weights "
-                "and optimizer state belong to that model: resume with the checkpoint's model config and LoRA "
-                "settings, or start a new run (another output_dir, or overwrite_output_dir=true with resume=none)"
-            )
-
     def _state_bytes_estimate(self) -> int:
         """Size of a first checkpoint: the weights plus two fp32 Adam moments per trainable parameter."""
         total = 0
@@ -624,7 +456,7 @@ class Trainer:
                 "giving its rows per step), or start a new run (another output_dir, or overwrite_output_dir=true with "
                 "resume=none)"
             )
-        self._check_same_model(path, state)
+        check_same_model(path, state, self.model_identity, self.cfg.model)
         saved_world = state.get("world_size")
         resharded = saved_world is not None and int(saved_world) != self.mesh.world_size
         if resharded and "rows_per_step" not in state:
@@ -652,7 +484,7 @@ class Trainer:
 
     def export(self, out_dir: Path) -> Path:
         """HF format (safetensors + config + tokenizer), loadable with AutoModelForCausalLM.from_pretrained.
-        With LoRA: the adapter (train/lora.py), plus the merged model in `merged/` when lora_merge_on_save."""
+        With LoRA: the adapter (train/model/lora.py), plus the merged model in `merged/` when lora_merge_on_save."""
         state = self.engine.export_state(self.mesh.is_main)  # collective
         error = None
         if self.mesh.is_main:
@@ -688,7 +520,7 @@ class Trainer:
             tokenizer = AutoTokenizer.from_pretrained(tok_path)
         processor = processor_dir(self.lm.config, self.cfg.model.model_path, tok_path)  # a composite's image processor
         if self.cfg.lora.lora_rank > 0:
-            from train.lora import save_lora
+            from train.model.lora import save_lora
 
             save_lora(self.lm, out_dir, merge=self.cfg.lora.lora_merge_on_save, tokenizer=tokenizer, is_main=True,
                       state_dict=lm_state, processor_dir=processor)
@@ -720,15 +552,15 @@ class Trainer:
         self._console_write(self.plan.describe())
         self._console_write(
             f"training {self.total_steps} steps: world {self.mesh.world_size} (dp {self.mesh.dp_size} x sp "
-            f"{self.mesh.sp_size}" + (f" [{self.sp_reason}]" if self.sp_reason else "")
+            f"{self.mesh.sp_size}" + (f" [{self.memory.sp_reason}]" if self.memory.sp_reason else "")
             + f"), {self.sampler.rows_per_step} rows/step, {self.engine.describe()}, "
             f"loss {cfg.steps.loss_reduction}, "
-            f"activation checkpointing {self.checkpointing_reason}"
+            f"activation checkpointing {self.memory.checkpointing_reason}"
             + (", compiled decoder layers" if cfg.model.compile_layers else "")
             + (", compiled loss chunks" if self.compiles_loss else "") + (", Liger kernels" if cfg.model.liger else "")
             + (f", {describe_tiling(self.lm)}" if cfg.model.tiled_mlp else "")
             + (f", {self.model.vision.describe()}" if self.model.vision is not None else "")
-            + (", checkpointed inputs offloaded to host memory" if cfg.model.activation_offload and self.checkpointing
+            + (", checkpointed inputs offloaded to host memory" if cfg.model.activation_offload and self.memory.checkpointing
                else "")
             + (f", router aux loss (coef {self.router_aux.coef:g}, {self.router_aux.num_experts} experts, top "
                f"{self.router_aux.top_k})" if self.router_aux is not None else "")

@@ -1,0 +1,1 @@
+"""Tests of the data pipeline (data/): stages, executors, engines, the pack stage."""

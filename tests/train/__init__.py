@@ -1,0 +1,1 @@
+"""Tests of the trainer (train/): config, plans, model, attention, engines, steps, the loop."""

@@ -1,0 +1,1 @@
+"""Attention over packed rows: the attention function, varlen kernels, structured masks, sequence parallel, Ulysses."""

@@ -1,0 +1,108 @@
+"""The FSDP2 engine (distributed_backend: fsdp2): torch's `fully_shard` over all ranks, its reduce-scatter summing;
+its checkpoints are torch Distributed Checkpoint directories (train/engines/dcp.py) that load on another number
+of ranks."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from train.checkpoint import safe_load
+from train.distributed import Mesh
+from train.engines.engine import _TorchOptimizerEngine
+from train.nonfinite import gradient_norm
+
+
+class FSDP2Engine(_TorchOptimizerEngine):
+    name = "fsdp2"
+
+    def __init__(self, cfg, model, param_groups, lr_factor, mesh: Mesh, ds_config: dict | None):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        from train.model.patches.tiled_mlp import decoder_layers
+
+        device, cpu_offload, bf16 = mesh.device, cfg.fsdp2.cpu_offload, cfg.model.bf16  # offload: GPUs (preflight)
+        self.device = device  # the collectives' (host-offloaded gradients included)
+        model.to(device)
+        if dist.get_world_size() > 1:  # every rank shards rank 0's weights
+            for p in model.parameters():
+                dist.broadcast(p.data, src=0)
+        self.world = init_device_mesh(device.type, (mesh.world_size,), mesh_dim_names=("fsdp",))
+        options = dict(
+            mesh=self.world, reshard_after_forward=cfg.fsdp2.reshard_after_forward,
+            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
+            else MixedPrecisionPolicy(),
+            offload_policy=CPUOffloadPolicy(pin_memory=True) if cpu_offload else OffloadPolicy(),
+        )
+        units = [*decoder_layers(model.lm), model]
+        for unit in units:
+            fully_shard(unit, **options)
+        for unit in units:  # reduce-scatter sums (exactly, with SUM collectives on every backend): see the docstring
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
+        # a parameter without a gradient on some rank (an MoE expert no token of this rank chose) reduces as zeros
+        # there, so every rank's reduce-scatter has the same inputs (else they would not match, and hang)
+        model.set_reduce_scatter_unused_params(True)
+        super().__init__(cfg, model, param_groups, lr_factor)  # the optimizer over the sharded parameters
+        self.cpu_offload = cpu_offload
+        self.n_units, self.size = len(units), mesh.world_size
+
+    def describe(self) -> str:
+        return (f"FSDP2 ({self.n_units} units sharded over {self.size} ranks"
+                + (", offloaded to host memory" if self.cpu_offload else "") + ")")
+
+    def backward(self, loss, last):
+        self.module.set_is_last_backward(last)
+        loss.backward()
+
+    def _clip(self, params, max_norm):
+        # the sharded gradients (DTensors, every parameter sharded: no element on two ranks): each rank's squares
+        # summed in float64 as the plain engine does, then over the ranks
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in params) if g is not None]
+        square = torch.tensor(gradient_norm(local) ** 2, dtype=torch.float64, device=self.device)
+        dist.all_reduce(square)
+        norm = math.sqrt(float(square))
+        if math.isfinite(norm) and math.isfinite(max_norm):
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(norm))
+        return norm
+
+    def _states(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optimizer = get_state_dict(self.module, self.optimizer)
+        return {"model": model, "optimizer": optimizer}
+
+    def save(self, directory, is_main):
+        from train.engines import dcp as dcp_checkpoint
+
+        dcp_checkpoint.save(self._states(), directory / "dcp")
+        if is_main:
+            torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
+
+    def load(self, path, resharded_from=None):  # DCP reads each rank's shards from whichever files hold them
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        from train.engines import dcp as dcp_checkpoint
+
+        self.check_saved_with(path)
+        states = self._states()
+        dcp_checkpoint.load(states, path / "dcp", manifest_dir=path)  # only files its manifest lists
+        set_state_dict(self.module, self.optimizer, model_state_dict=states["model"],
+                       optim_state_dict=states["optimizer"])
+        self.scheduler.load_state_dict(safe_load(path / "scheduler.pt"))
+
+    def export_state(self, is_main):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # collective: the full tensors, on the main rank's host only
+        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not is_main:
+            return None
+        first: dict[int, str] = {}  # a tied weight (embeddings and head) as one tensor, as module.state_dict() has it,
+        for name, p in self.module.named_parameters(remove_duplicate=False):  # so the export writes it once
+            if (owner := first.setdefault(id(p), name)) != name and name in state:
+                state[name] = state[owner]
+        return state

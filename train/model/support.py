@@ -1,0 +1,149 @@
+"""Which model families train exactly on packed rows, and why the others are refused.
+
+The status of a family is its `FamilySpec` in train/families.py (every causal-LM family of the installed
+transformers), which the conformance suite (tests/train/test_model_conformance.py) holds to account: an `exact` family
+must train on a packed row exactly as transformers' own unpacked eager forward on each sequence alone (loss and
+every parameter's gradient, fp32); a refused family must be refused by `check_model_support` before any weight is
+loaded, with the family and the reason. A family the table does not know (a newer transformers, remote code)
+trains only behind the start-up self-check (`self_check: true`, train/model/self_check.py), which compares the packed
+path with the model's own forward on the user's data. Beyond the family, `check_model_support` reads the config: a
+setting that changes which tokens attend to which (`ATTENTION_SETTINGS`: bidirectional attention, prefix-LM) is
+refused in any family.
+
+`UnsupportedModelError` is the one error for a model PackSFT does not train: a refused family or setting here, a
+head train/model/lm_head.py cannot reproduce, recurrent mixers train/model/patches/recurrent.py cannot restart.
+
+`python -m train.model.support` prints the supported-models table of docs/TRAINING.md from the family table.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from train.families import FAMILIES, ImageInputs
+
+
+class UnsupportedModelError(ValueError):
+    """A model PackSFT cannot train exactly on packed rows (or not with the requested setup)."""
+
+
+@dataclass(frozen=True)
+class SettingRefusal:
+    """A model config setting PackSFT refuses in whichever family has it."""
+
+    key: str
+    applies: Callable[[Any], bool]  # the config's value -> refused
+    why: str
+    what_to_do: str
+
+
+# Settings that change which tokens a token attends to. Packed attention is causal within each sequence, and
+# neither transformers' masks nor a layer's `is_causal` reach it: with one of these set, a packed row would
+# silently train another model. First match wins.
+ATTENTION_SETTINGS = (
+    SettingRefusal(
+        "use_bidirectional_attention", lambda value: value is True or value == "all",
+        "it makes the attention layers bidirectional (embedding models such as EmbeddingGemma; the layers' "
+        "`is_causal = False`), so every "
+        "token attends to the tokens after it, the one it is trained to predict included; PackSFT's packed attention "
+        "is causal",
+        "set use_bidirectional_attention to false / null in the model config (a causal LM) or train another model"),
+    SettingRefusal(
+        "prefix_lm", bool,
+        "the tokens its `token_type_ids` mark (the instruction) attend to each other bidirectionally; packed rows "
+        "carry no token_type_ids and PackSFT's packed attention is causal, so the instruction would train as causal "
+        "text, not as the prefix-LM the model is",
+        "set prefix_lm: false in the model config to fine-tune it as a plain causal LM (its instruction then attends "
+        "causally), or train another family"),
+    SettingRefusal(
+        "is_causal", lambda value: value is False,
+        "transformers then builds a bidirectional mask (every token attends to the tokens after it); PackSFT's "
+        "packed attention is causal",
+        "remove is_causal: false from the model config"),
+)
+
+
+def model_type_of(config) -> str:
+    return str(getattr(config, "model_type", "") or "")
+
+
+def check_model_support(config, *, self_check: bool = True) -> str:
+    """Raise UnsupportedModelError for a family that cannot train exactly on packed rows, or a config setting
+    (ATTENTION_SETTINGS) that no family can; return the family's status, `exact` or `unverified` (not in
+    train/families.py: only the start-up self-check vouches for it).
+
+    An unverified family passes only with the start-up self-check on (it then proves the packed path on the
+    user's own data before step 1)."""
+    model_type = model_type_of(config)
+    spec = FAMILIES.get(model_type)
+    if spec is not None and spec.refusal is not None:
+        refusal = spec.refusal
+        raise UnsupportedModelError(
+            f"model family {model_type!r} cannot be trained on packed rows: {refusal.why}. "
+            f"What to do: {refusal.what_to_do.replace('<family>', model_type)}."
+        )
+    if spec is not None and spec.composite_only:
+        raise UnsupportedModelError(
+            f"model family {model_type!r} is the text decoder of a composite checkpoint, which transformers builds "
+            "only inside it (no causal LM of its own). What to do: set model_path to the composite checkpoint "
+            "(docs/TRAINING.md, 'Composite checkpoints').")
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if spec is None and text_config is not config:
+        raise UnsupportedModelError(
+            f"model family {model_type!r} cannot be trained on packed rows: a composite checkpoint (its text decoder "
+            f"is {model_type_of(text_config)!r}) that PackSFT's table (train/families.py) does not list, so nothing "
+            "says which of its modules run on text. What to do: train its text-only model type or a listed composite.")
+    for setting, value in ((s, getattr(c, s.key, None)) for s in ATTENTION_SETTINGS for c in (config, text_config)):
+        if setting.applies(value):
+            raise UnsupportedModelError(
+                f"model family {model_type!r} cannot be trained on packed rows with `{setting.key}: {value}`: "
+                f"{setting.why}. What to do: {setting.what_to_do}."
+            )
+    if spec is None and not self_check:
+        raise UnsupportedModelError(
+            f"model family {model_type!r} is not in PackSFT's verified table (train/families.py) and "
+            "self_check=false: nothing would show whether packed rows train it exactly. Set self_check: true "
+            "(the default): it compares the packed path with the model's own unpacked forward before step 1."
+        )
+    return "unverified" if spec is None else spec.status
+
+
+def check_image_support(config) -> ImageInputs:
+    """How image conversations train on this model (its family's `images`), or UnsupportedModelError naming the
+    family and the reason: read from the config, before any weight loads."""
+    model_type = model_type_of(config)
+    spec = FAMILIES.get(model_type)
+    if spec is None:
+        raise UnsupportedModelError(
+            f"model family {model_type!r} cannot train on image conversations: not in PackSFT's table "
+            "(train/families.py), so nothing says how its tower, image tokens and positions run on packed rows. What "
+            "to do: use a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint, or data without images.")
+    refusal = spec.image_refusal
+    if refusal is not None:
+        raise UnsupportedModelError(
+            f"model family {model_type!r} cannot train on image conversations (the data holds images): "
+            f"{refusal.why}. What to do: {refusal.what_to_do.replace('<family>', model_type)}.")
+    return spec.images
+
+
+def check_family(config, self_check: bool, warn) -> str:
+    """The model family of `config`, checked before any weight loads: a family that cannot train exactly on packed
+    rows stops here (UnsupportedModelError naming the family and the reason); one outside the verified table is
+    named through `warn` (the start-up self-check decides)."""
+    status = check_model_support(config, self_check=self_check)
+    if status == "unverified":
+        warn(f"model family {model_type_of(config)!r} is not in PackSFT's verified table: the start-up "
+             "self-check decides whether it trains exactly")
+    return model_type_of(config)
+
+
+def supported_models_table() -> str:
+    """The Markdown table of docs/TRAINING.md: every family of the table, with its status and notes."""
+    rows = ["| family | packed training | notes |", "|---|---|---|"]
+    for model_type, spec in sorted(FAMILIES.items()):
+        rows.append(f"| `{model_type}` | {spec.status} | {spec.docs_note()} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(supported_models_table())

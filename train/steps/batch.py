@@ -1,0 +1,231 @@
+"""Micro-batches of packed rows with the exact per-token loss weights of the whole optimizer step.
+
+The step loss of every reduction is linear in the per-token cross-entropies:
+
+    loss_step = sum over micro-batches, dp ranks (and sp shards) of sum_t weights[t] * ce[t]
+
+so it is exact under any split of the step's rows into micro-batches and ranks, provided each token's weight
+already holds the step's normalizer. `step_totals` reads those normalizers from the shards' per-row counts
+(before any forward pass, no communication); `make_batch` turns a micro-batch's rows into tensors.
+
+    token:  w = 1 / N_step                               (N_step: loss tokens of the step)
+    turn:   w = 1 / (n_tokens_of_that_turn * Turns_step)  (every trained turn weighs the same)
+    sample: w = 1 / (n_loss_tokens_of_that_seq * Samples_step)
+
+Rows are whole (a packed sequence never spans two micro-batches), so per-turn and per-sequence token counts
+are computed locally from the row; only the step totals come from the shard metadata.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from train.model.vision import ImageBatch
+
+IGNORE_INDEX = -100
+REDUCTIONS = ("token", "turn", "sample")
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """Normalizers of one whole optimizer step: all micro-batches of all dp ranks (rows counted once, not per
+    sp rank: the ranks of one sp group share their rows)."""
+
+    n_loss_tokens: int
+    n_trained_turns: int
+    n_samples: int
+
+    def normalizer(self, reduction: str) -> int:
+        """The denominator of `reduction` for this step: loss tokens, trained turns or samples."""
+        check_reduction(reduction)
+        return {"token": self.n_loss_tokens, "turn": self.n_trained_turns, "sample": self.n_samples}[reduction]
+
+
+def check_reduction(reduction: str) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"loss reduction must be one of {REDUCTIONS}, got {reduction!r}")
+
+
+def _row_column(rows_meta: Any, name: str) -> np.ndarray:
+    col = rows_meta[name] if isinstance(rows_meta, Mapping) else getattr(rows_meta, name)
+    return np.asarray(col)
+
+
+def step_totals(rows_meta: Any, row_indices: Sequence[int] | np.ndarray) -> StepTotals:
+    """Totals over the rows `row_indices` of the step (every micro-batch of every dp rank, each row once).
+
+    `rows_meta`: a `data.shards.dataset.PackedDataset` or any object / mapping with the per-row arrays
+    `row_n_loss_tokens`, `row_n_trained_turns`, `row_n_samples`.
+    """
+    idx = np.asarray(row_indices, dtype=np.int64).reshape(-1)
+    return StepTotals(
+        n_loss_tokens=int(_row_column(rows_meta, "row_n_loss_tokens")[idx].sum(dtype=np.int64)),
+        n_trained_turns=int(_row_column(rows_meta, "row_n_trained_turns")[idx].sum(dtype=np.int64)),
+        n_samples=int(_row_column(rows_meta, "row_n_samples")[idx].sum(dtype=np.int64)),
+    )
+
+
+def _concat(rows: Sequence[Mapping[str, np.ndarray]], key: str, dtype) -> np.ndarray:
+    return np.concatenate([np.asarray(r[key]).reshape(-1) for r in rows]).astype(dtype, copy=False)
+
+
+def shift_targets(labels: np.ndarray, seq_starts: np.ndarray) -> np.ndarray:
+    """target[t] = labels[t+1] when t+1 belongs to the same sequence, else -100 (labels: HF convention, not
+    shifted). `seq_starts`: index of the first token of every sequence (ascending, starting at 0)."""
+    targets = np.full(labels.shape[0], IGNORE_INDEX, dtype=np.int64)
+    targets[:-1] = labels[1:]
+    targets[seq_starts[1:] - 1] = IGNORE_INDEX  # the last token of a sequence predicts nothing
+    if labels.shape[0]:
+        targets[-1] = IGNORE_INDEX
+    return targets
+
+
+def make_batch(
+    rows: Sequence[Mapping[str, np.ndarray]],
+    totals: StepTotals,
+    reduction: str,
+    structure: bool = False,
+    images: Callable[[list[bytes], np.ndarray], tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> dict[str, Any]:
+    """Tensors of one micro-batch: `rows` (dicts from `PackedDataset[i]`) concatenated into one varlen sequence.
+
+    Returns (T tokens, S packed sequences):
+      input_ids [1, T] int64, position_ids [1, T] int64 (restart at 0 per sequence; Parallel-R1 rule when
+      `structure`), cu_seqlens [S+1] int32, max_seqlen int, seq_ids [T] int64 (sequence index in the
+      micro-batch), targets [T] int64, weights [T] float32 (exact step weights, 0 where target = -100),
+      target_categories [T] int64 (category of the predicted label token, 0 where ignored),
+      n_loss_tokens / n_trained_turns / n_samples (ints, this micro-batch; summed over the step they equal
+      `totals`), and in structure mode block_ids [T], path_ids [T] int64.
+      images: an `ImageBatch` of the rows' images in the order of their token runs (rows of an image dataset,
+      whose `image_data` / `image_grid_thw` the loader `images`, e.g. data.shards.images.ImageLoader, turns into pixel
+      values), None for text-only rows.
+    """
+    check_reduction(reduction)
+    if not rows:
+        raise ValueError("make_batch needs at least one row")
+    input_ids = _concat(rows, "input_ids", np.int64)
+    labels = _concat(rows, "labels", np.int64)
+    categories = _concat(rows, "category_ids", np.int64)
+    turn_ids = _concat(rows, "turn_ids", np.int64)
+    seq_lens = _concat(rows, "seq_lens", np.int64)
+    n_tok = input_ids.shape[0]
+    for key, arr in (("labels", labels), ("category_ids", categories), ("turn_ids", turn_ids)):
+        if arr.shape[0] != n_tok:
+            raise ValueError(f"make_batch: {key} has {arr.shape[0]} tokens, input_ids has {n_tok}")
+    if seq_lens.sum() != n_tok or (seq_lens <= 0).any():
+        raise ValueError(f"make_batch: seq_lens {seq_lens.tolist()} do not split the {n_tok} tokens")
+
+    cu = np.zeros(seq_lens.shape[0] + 1, dtype=np.int64)
+    np.cumsum(seq_lens, out=cu[1:])
+    starts = cu[:-1]
+    seq_ids = np.repeat(np.arange(seq_lens.shape[0], dtype=np.int64), seq_lens)
+    untrainable = labels[starts] != IGNORE_INDEX
+    if untrainable.any():
+        k = int(np.flatnonzero(untrainable)[0])
+        raise ValueError(
+            f"make_batch: sequence {k} of the micro-batch has a loss label on its first token; no token predicts "
+            "it, so the shard's loss-token counts (and the step normalizers) would not match the shifted targets"
+        )
+
+    targets = shift_targets(labels, starts)
+    valid = targets != IGNORE_INDEX
+    # Category and turn of a target are those of the label token it predicts (position t+1).
+    target_categories = np.zeros(n_tok, dtype=np.int64)
+    target_turns = np.zeros(n_tok, dtype=np.int64)
+    target_categories[:-1] = categories[1:]
+    target_turns[:-1] = turn_ids[1:]
+    target_categories[~valid] = 0
+    target_turns[~valid] = 0
+
+    seq_loss = np.bincount(seq_ids[valid], minlength=seq_lens.shape[0])
+    n_loss = int(valid.sum())
+    n_samples = int(np.count_nonzero(seq_loss))
+    # Turns never merge across sequences: key = (sequence, turn id).
+    if valid.any() and (target_turns[valid] <= 0).any():
+        bad = int(np.flatnonzero(valid & (target_turns <= 0))[0])
+        turn_problem = f"loss token at position {bad + 1} has turn id {int(turn_ids[bad + 1])}"
+    else:
+        turn_problem = None
+    max_turn = int(turn_ids.max(initial=0)) + 1
+    turn_key = seq_ids * max_turn + target_turns
+    turn_tokens = np.bincount(turn_key[valid], minlength=seq_lens.shape[0] * max_turn)
+    n_turns = int(np.count_nonzero(turn_tokens.reshape(seq_lens.shape[0], max_turn)[:, 1:]))
+    if turn_problem is None:
+        # the shards count the distinct non-zero turn ids of each sequence; every one must own loss tokens
+        stored = int(np.unique((seq_ids * max_turn + turn_ids)[turn_ids > 0]).shape[0])
+        if stored != n_turns:
+            turn_problem = f"{stored} turns carry turn ids but {n_turns} have loss tokens"
+
+    weights = np.zeros(n_tok, dtype=np.float64)
+    if n_loss:
+        if reduction == "token":
+            weights[valid] = 1.0 / _positive(totals.n_loss_tokens, "n_loss_tokens", n_loss)
+        elif reduction == "sample":
+            denom = _positive(totals.n_samples, "n_samples", n_samples)
+            weights[valid] = 1.0 / (seq_loss[seq_ids[valid]] * float(denom))
+        else:
+            if turn_problem is not None:
+                raise ValueError(f"make_batch: reduction 'turn' needs every loss token in a trained turn: {turn_problem}")
+            denom = _positive(totals.n_trained_turns, "n_trained_turns", n_turns)
+            weights[valid] = 1.0 / (turn_tokens[turn_key[valid]] * float(denom))
+
+    if structure:
+        block_ids = _concat(rows, "block_ids", np.int64)
+        path_ids = _concat(rows, "path_ids", np.int64)
+        from data.shards.parallel_thinking import position_ids as structure_position_ids  # lazy: optional mode
+
+        positions = np.concatenate(
+            [
+                np.asarray(structure_position_ids(block_ids[cu[k] : cu[k + 1]], path_ids[cu[k] : cu[k + 1]]))
+                .reshape(-1)
+                .astype(np.int64)
+                for k in range(seq_lens.shape[0])
+            ]
+        )
+        if positions.shape[0] != n_tok:
+            raise ValueError(f"make_batch: structure position ids have {positions.shape[0]} tokens, expected {n_tok}")
+    else:
+        positions = np.arange(n_tok, dtype=np.int64) - np.repeat(starts, seq_lens)
+
+    batch: dict[str, Any] = {
+        "input_ids": torch.from_numpy(input_ids).unsqueeze(0),
+        "position_ids": torch.from_numpy(positions).unsqueeze(0),
+        "cu_seqlens": torch.from_numpy(cu.astype(np.int32)),
+        "max_seqlen": int(seq_lens.max()),
+        "seq_ids": torch.from_numpy(seq_ids),
+        "targets": torch.from_numpy(targets),
+        "weights": torch.from_numpy(weights.astype(np.float32)),
+        "target_categories": torch.from_numpy(target_categories),
+        "n_loss_tokens": n_loss,
+        "n_trained_turns": n_turns,
+        "n_samples": n_samples,
+    }
+    batch["images"] = _image_batch(rows, images)
+    if structure:
+        batch["block_ids"] = torch.from_numpy(block_ids)
+        batch["path_ids"] = torch.from_numpy(path_ids)
+    return batch
+
+
+def _image_batch(rows: Sequence[Mapping[str, Any]], loader) -> ImageBatch | None:
+    datas = [data for row in rows for data in row.get("image_data", ())]
+    if not datas:
+        return None
+    if loader is None:
+        raise ValueError("make_batch: the rows hold images but no image loader was given (images=)")
+    grids = np.concatenate([np.asarray(row["image_grid_thw"], dtype=np.int64).reshape(-1, 3) for row in rows
+                            if len(row.get("image_data", ()))])
+    pixel_values, grid_thw = loader(datas, grids)
+    return ImageBatch(pixel_values=pixel_values, image_grid_thw=grid_thw)
+
+
+def _positive(total: int, name: str, local: int) -> int:
+    if total < local or total <= 0:
+        raise ValueError(
+            f"make_batch: step total {name}={total} is smaller than this micro-batch's {local}; the totals must "
+            "cover every row of the optimizer step"
+        )
+    return total
