@@ -120,8 +120,8 @@ def tiny_config(model_type: str, **overrides):
     for key in dir(default):
         if key.startswith("_"):
             continue
-        if ("dropout" in key or "pdrop" in key) and isinstance(_get(default, key), float):
-            kwargs[key] = 0.0
+        if ("dropout" in key or "pdrop" in key or "jitter" in key) and isinstance(_get(default, key), float):
+            kwargs[key] = 0.0  # dropout and router jitter: random in training mode
     default_types = _get(default, "layer_types")
     if isinstance(default_types, list) and default_types and model_type not in RECURRENT_FAMILIES:
         kwargs["layer_types"] = _layer_types(default_types, kwargs.get("num_hidden_layers", 2))
@@ -173,6 +173,15 @@ FAMILY_OVERRIDES.update({
 })
 
 
+# a composite's own sizes beyond its towers' TOWER_SHRINK keys (a large tower left there costs seconds to initialise)
+COMPOSITE_OVERRIDES: dict[str, dict[str, Any]] = {
+    "ovis2": {"hidden_size": 64, "vocab_size": VOCAB},  # its visual embedding table: visual vocab x hidden_size
+    "janus": {"vq_config": {"base_channels": 32, "channel_multiplier": [1, 1], "num_res_blocks": 1,
+                            "num_embeddings": 64, "latent_channels": 32, "projection_dim": 64,
+                            "image_token_embed_dim": 64}},
+}
+
+
 def tiny_composite_config(model_type: str, **text_overrides):
     """A composite checkpoint's tiny config: the text decoder of `tiny_config(text family)` (train/families.py's
     `text_family`), every modality tower shrunk by TOWER_SHRINK, the composite's own settings left as they are."""
@@ -197,6 +206,8 @@ def tiny_composite_config(model_type: str, **text_overrides):
     for key in dir(default):
         if not key.startswith("_") and ("dropout" in key or "pdrop" in key) and isinstance(_get(default, key), float):
             kwargs[key] = 0.0
+    for key, value in COMPOSITE_OVERRIDES.get(model_type, {}).items():
+        kwargs[key] = {**kwargs[key], **value} if isinstance(value, dict) else value
     config = cls(**kwargs)
     config.use_cache = False
     config.get_text_config().use_cache = False

@@ -11,7 +11,9 @@ per-family piece the trainer needs to train it exactly on packed rows; each modu
 - train/model/images.py: how a composite trains on image conversations (`images`: an `ImageInputs`), or why it cannot.
 The conformance suite (tests/train/test_model_conformance.py) is parametrized from this table: every `exact` family
 trains on a packed row exactly as transformers' own unpacked forward (its length-dependent ropes included), every
-refused one is stopped before any weight loads, and every causal LM of the installed transformers is in it.
+refused one is stopped before any weight loads, and every causal LM of the installed transformers is in it;
+tests/train/test_family_startup.py runs every `exact` one through the trainer's start-up (the CLI's) and one step on a
+packed row of 56 sequences against transformers' unpacked forward.
 
 The table covers every causal-LM model type of transformers 5.23 (its auto mapping) and the multimodal types whose
 text head the loss knows (they are not causal LMs there: refused, their transform recorded for their text model).

@@ -360,14 +360,16 @@ def layer_features(lm: torch.nn.Module) -> list[AttentionFeatures]:
     """The attention features of every attention module of `lm`, in module order, read before any forward (the
     attention plan's layer kinds): sliding windows, logit softcapping, attention sinks, attention dropout.
 
-    Attention modules are those with `scaling` and `head_dim` (transformers' convention); a module's own
-    `sliding_window` attribute wins (gemma2, qwen2, gpt-oss set it per layer, None on full layers), else its
-    config's (mistral, phi3, starcoder2 read `config.sliding_window` in forward)."""
+    Attention modules are those `is_attention_module` finds; a module's own `sliding_window` attribute wins (gemma2,
+    qwen2, gpt-oss set it per layer, None on full layers), else its config's (mistral, phi3, starcoder2 read
+    `config.sliding_window` in forward)."""
     found = []
     for module in lm.modules():
-        if not (hasattr(module, "scaling") and hasattr(module, "head_dim")):
+        if not is_attention_module(module):
             continue
-        if hasattr(module, "sliding_window"):
+        if not passes_window(type(module)):  # the window its forward leaves to the mask, as packsft_attention reads it
+            window = mask_only_window(module)
+        elif hasattr(module, "sliding_window"):
             window = module.sliding_window if getattr(module, "is_sliding", True) else None
         else:
             window = getattr(getattr(module, "config", None), "sliding_window", None)
@@ -375,9 +377,47 @@ def layer_features(lm: torch.nn.Module) -> list[AttentionFeatures]:
         if softcap is not None and not passes_softcap(type(module)):
             softcap = None  # held but never passed (Gemma 3 / 3n / 4 keep Gemma 2's attribute; their forward drops it)
         sinks = isinstance(getattr(module, "sinks", None), torch.nn.Parameter)
-        dropout = float(getattr(module, "attention_dropout", 0.0) or 0.0)
+        dropout = getattr(module, "attention_dropout", 0.0) or 0.0
+        dropout = float(dropout.p if isinstance(dropout, torch.nn.Dropout) else dropout)  # Persimmon holds the module
         found.append(AttentionFeatures(dropout, window, softcap, sinks))
     return found
+
+
+HEAD_DIM_ATTRIBUTES = ("head_dim", "qk_head_dim", "head_size")  # per-head size: most / latent attention / GPT-NeoX
+
+
+def is_attention_module(module: torch.nn.Module) -> bool:
+    """A transformers attention module: its `scaling` and a per-head size (`head_dim`; multi-head latent attention
+    (DeepSeek-V2/V3, GLM-4.7-Flash, MiniCPM3, Kimi Linear...) holds `qk_head_dim` and `v_head_dim` instead, GPT-NeoX
+    `head_size`), or its `scaling` and a forward that calls transformers' attention functions. A module missed here
+    would find no kernel in the attention plan at its first forward."""
+    if not hasattr(module, "scaling"):
+        return False
+    return any(hasattr(module, name) for name in HEAD_DIM_ATTRIBUTES) or calls_attention_functions(type(module))
+
+
+@functools.lru_cache(maxsize=None)
+def calls_attention_functions(module_class: type) -> bool:
+    """Whether the module class's forward dispatches through transformers' ALL_ATTENTION_FUNCTIONS."""
+    import inspect
+
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(module_class.forward)
+    except (OSError, TypeError):
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def passes_window(attention_class: type) -> bool:
+    """Whether the attention module's forward hands a `sliding_window` to the attention function; one that does not
+    (Qwen2-MoE, PhiMoE) has its window applied by transformers' mask function alone (`mask_only_window`)."""
+    import inspect
+
+    try:
+        source = inspect.getsource(attention_class.forward)
+    except (OSError, TypeError):  # no source to read: trust the attributes
+        return True
+    return "sliding_window=" in source
 
 
 @functools.lru_cache(maxsize=None)
@@ -453,7 +493,26 @@ def packsft_attention(
         # the autocast dtype; the fused kernels need one half-precision dtype
         dtype = torch.get_autocast_dtype(device_type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    if value.shape[-1] != query.shape[-1]:  # multi-head latent attention: v heads of another size than q/k's
+        return _attend_other_value_size(ctx, query, key, value, scaling, features, s_aux), None
     return ctx.attend(query, key, value, scaling, features, s_aux), None
+
+
+def _attend_other_value_size(ctx: AttentionContext, query, key, value, scaling, features, sinks) -> torch.Tensor:
+    """Attention whose value heads differ in size from the query / key heads (DeepSeek-V2/V3's MLA: q/k 192, v 128):
+    the smaller side zero-padded to the larger, as transformers does for flash attention, and the output cut to the
+    value size. Exact: zero columns of q and k add nothing to a score (the scale stays the q/k size's), and zero
+    columns of v give output columns that are dropped. The flash kernels need one head size; the plan's kernel runs
+    unchanged."""
+    qk_size, v_size = query.shape[-1], value.shape[-1]
+    if scaling is None:
+        scaling = qk_size ** -0.5
+    size = max(qk_size, v_size)
+    if qk_size < size:
+        query, key = (torch.nn.functional.pad(t, (0, size - qk_size)) for t in (query, key))
+    else:
+        value = torch.nn.functional.pad(value, (0, size - v_size))
+    return ctx.attend(query, key, value, scaling, features, sinks)[..., :v_size]
 
 
 # never traced: compiled decoder layers (compile_layers) break their graph here instead of guarding on the host

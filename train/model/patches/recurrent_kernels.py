@@ -169,7 +169,9 @@ def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=No
     output = (Y_diag + Y_off).reshape(1, -1, heads, head_dim)
     if D_residual is not None:
         output = output + D_residual
-    return output[:, :length]
+    # contiguous, as transformers' own scan returns it: its mixers `view` the output (Falcon-H1: `scan_output.view(
+    # batch, seq_len, -1)`), and a row of one chunk leaves einsum's strides here, which no view can merge
+    return output[:, :length].contiguous()
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
