@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from data.shards.images import ImageLoader
-from train.plan.attention import plan_attention, plan_sp_layout
+from common.config import ConfigError
+from train.plan.attention import TREE_SP_REFUSAL, plan_attention, plan_sp_layout
 from train.plan.startup import plan_memory
 from train.steps.batch import make_batch, step_totals
 from train.checkpoint import (
@@ -123,7 +124,9 @@ class Trainer:
         self.eval_dataset = self._open_eval_set()
         self.categories = {int(k): v for k, v in (self.dataset.meta.get("categories") or {}).items()}
         self.num_categories = max([0, *self.categories]) + 1
-        self.structure = "block_ids" in self.dataset.token_fields
+        self.structure = "block_ids" in self.dataset.token_fields or "tree_spans" in self.dataset.token_fields
+        if "tree_spans" in self.dataset.token_fields and self.sp_layout is not None:
+            raise ConfigError(f"data.data_path {cfg.data.data_path}: {TREE_SP_REFUSAL}")
         self.sampler = StepSampler(
             self.dataset, self.mesh.dp_size, self.mesh.dp_rank, cfg.steps.grad_accum, cfg.steps.micro_batch_rows, cfg.steps.seed,
             balance=cfg.data.balance_dp,
