@@ -102,6 +102,8 @@ def test_report_counts_are_the_expansions(data_dirs):
         assert int(np.sum(getattr(packed["tree"], column))) == int(np.sum(getattr(packed["samples"], column)))
     assert int(np.sum(packed["tree"].row_n_tokens)) == t_step["tokens_stored"]
     assert "tree_spans" in packed["tree"].token_fields and "tree_spans" not in packed["samples"].token_fields
+    stats = orjson.loads((data_dirs["tree"].packed_dir / "stats.json").read_bytes())
+    assert stats["stepwise"] == t_step and stats["tokens"] == t_step["tokens_stored"]
 
 
 def test_samples_are_the_templates_rendering_of_each_step(data_dirs, qwen3):
