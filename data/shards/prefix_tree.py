@@ -64,6 +64,9 @@ class PrefixTree:
     n_samples: int = 0
     sample_tokens: int = 0  # tokens of the samples inserted (what `stepwise: samples` stores)
     turns: int = 0  # trained turns numbered so far
+    # per inserted sample (ids, its node at each depth): the fast path finds the shared prefix with numpy
+    paths: list = field(default_factory=list)
+    split: bool = False  # a node was split by the trained-twice rule: insert by walking the trie
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -88,8 +91,37 @@ class PrefixTree:
             yield d, node, key, trains
             level = None if node is None else self.children[node]  # after a new node, every later one is new
 
+    def _shared(self, ids: np.ndarray, trains: np.ndarray) -> tuple[int, np.ndarray] | None:
+        """(depths shared with the trie, the trie's nodes at those depths), from the inserted sample with the longest
+        common prefix; None when the walk must decide (a split node, or a target both would train)."""
+        if self.split:
+            return None
+        best, nodes = 0, None
+        for other, path in self.paths:
+            m = min(len(ids), len(other))
+            differ = np.flatnonzero(ids[:m] != other[:m])
+            lcp = int(differ[0]) if len(differ) else m
+            # node d is shared when the tokens agree through d + 1 (or both samples end at d)
+            shared = lcp if lcp == len(ids) == len(other) else max(lcp - 1, 0)
+            if shared > best:
+                best, nodes = shared, path[:shared]
+        if best and any(self.trained[int(nodes[d])] for d in np.flatnonzero(trains[:best])):
+            return None
+        return best, nodes if nodes is not None else np.zeros(0, dtype=np.int64)
+
+    @staticmethod
+    def _trains(ids: np.ndarray, labels: np.ndarray) -> np.ndarray:
+        """Per depth: the sample trains that node's target (the next token)."""
+        trains = np.zeros(len(ids), dtype=bool)
+        trains[:-1] = labels[1:] != IGNORE_INDEX
+        return trains
+
     def cost(self, sample: dict) -> int:
         """How many nodes inserting `sample` would add."""
+        ids = np.asarray(sample["input_ids"])
+        shared = self._shared(ids, self._trains(ids, np.asarray(sample["labels"])))
+        if shared is not None:
+            return len(ids) - shared[0]
         return sum(1 for _, node, _, _ in self._walk(sample) if node is None)
 
     def insert(self, sample: dict) -> int:
@@ -105,7 +137,22 @@ class PrefixTree:
         turn_base = self.turns
         added = 0
         parent = -1
-        for d, node, key, trains in list(self._walk(sample)):
+        n = len(ids)
+        trains_at = self._trains(ids, labels)
+        shared = self._shared(ids, trains_at)
+        if shared is not None:  # the shared prefix found with numpy, then only the new nodes one by one
+            depth, nodes = shared
+            steps = [(d, int(nodes[d]), None, bool(trains_at[d])) for d in np.flatnonzero(trains_at[:depth])]
+            parent = int(nodes[depth - 1]) if depth else -1
+            steps += [(d, None, (int(ids[d]), int(ids[d + 1]) if d + 1 < n else _END), bool(trains_at[d]))
+                      for d in range(depth, n)]
+        else:
+            steps = list(self._walk(sample))
+            nodes = np.zeros(0, dtype=np.int64)
+            depth = 0
+        path = np.empty(n, dtype=np.int64)
+        path[:depth] = nodes
+        for d, node, key, trains in steps:
             if node is None:
                 node = len(self.tokens)
                 self.tokens.append(key[0])
@@ -116,13 +163,20 @@ class PrefixTree:
                 self.category.append(int(cats[d]))
                 self.children.append({})
                 siblings = self.roots if parent < 0 else self.children[parent]
-                siblings.setdefault(key, []).append(node)
+                same_key = siblings.setdefault(key, [])
+                self.split = self.split or bool(same_key)  # a second node of one key: walk from now on
+                same_key.append(node)
                 added += 1
             if trains:
+                if self.trained[node]:
+                    raise TreeError("internal: a node's target trained twice")  # `_shared` / `_walk` prevent it
                 self.trained[node] = True
                 self.target_category[node] = int(cats[d + 1])
                 self.target_turn[node] = turn_base + int(turns[d + 1])
-            parent = node
+            if d >= depth:
+                path[d] = node
+                parent = node
+        self.paths.append((ids, path))
         self.turns = turn_base + int(turns.max(initial=0))
         self.n_samples += 1
         self.sample_tokens += len(ids)

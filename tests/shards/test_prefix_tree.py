@@ -124,3 +124,25 @@ def test_a_label_after_a_foreign_branch_is_refused():
     labels = np.asarray([IGNORE_INDEX, IGNORE_INDEX, 5])
     with pytest.raises(TreeError, match="parent is token 0"):
         check_flat_labels(labels, spans)
+
+
+def test_the_numpy_prefix_search_builds_the_walks_tree():
+    """The fast path (shared prefix by array comparison) and the token-by-token walk build the same tree."""
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        base = rng.integers(0, 5, size=30)
+        samples = []
+        for _ in range(int(rng.integers(2, 7))):
+            cut = int(rng.integers(1, 30))
+            tail = rng.integers(0, 5, size=int(rng.integers(1, 8)))
+            ids = np.concatenate([base[:cut], tail])
+            samples.append(sample(ids, cut if cut > 0 else 1))
+        fast, walked = PrefixTree(), PrefixTree(split=True)
+        for s in samples:
+            assert fast.cost(s) == walked.cost(s)
+            fast.insert(s)
+            walked.insert(s)
+        a, b = fast.arrays(), walked.arrays()
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+        assert trained_pairs_of_tree(a) == trained_pairs_of_samples(samples)
