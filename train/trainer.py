@@ -108,6 +108,8 @@ class Trainer:
         self.memory = plan_memory(cfg, checked.model_config, world, row_length, setup.offloads_optimizer)
         self.cfg = cfg = self.memory.config  # the config as planned (sequence_parallel_size auto resolved)
         self.sp_layout = plan_sp_layout(cfg.parallel, cfg.launch, checked.model_config)  # before the mesh
+        if "tree_spans" in self.dataset.token_fields and self.sp_layout is not None:
+            raise ConfigError(f"data_path {cfg.data.data_path}: {TREE_SP_REFUSAL}")
         self.mesh: Mesh = build_mesh(cfg.parallel.sequence_parallel_size,
                                      ulysses_size=self.sp_layout.ulysses_size if self.sp_layout else 1)
         self.device = self.mesh.device
@@ -125,8 +127,6 @@ class Trainer:
         self.categories = {int(k): v for k, v in (self.dataset.meta.get("categories") or {}).items()}
         self.num_categories = max([0, *self.categories]) + 1
         self.structure = "block_ids" in self.dataset.token_fields or "tree_spans" in self.dataset.token_fields
-        if "tree_spans" in self.dataset.token_fields and self.sp_layout is not None:
-            raise ConfigError(f"data.data_path {cfg.data.data_path}: {TREE_SP_REFUSAL}")
         self.sampler = StepSampler(
             self.dataset, self.mesh.dp_size, self.mesh.dp_rank, cfg.steps.grad_accum, cfg.steps.micro_batch_rows, cfg.steps.seed,
             balance=cfg.data.balance_dp,
