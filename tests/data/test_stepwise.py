@@ -109,3 +109,87 @@ def test_an_overlong_step_follows_overlong_in_both_modes(qwen3):
     held = [s for t in trees for s in t.samples]
     assert [s.input_ids.tolist() for s in held] == [s.input_ids.tolist() for s in kept]
     assert len(kept) == 6 - n_over and all(len(t.input_ids) <= limit for t in trees)
+
+
+# ------------------------------------------------------------------------- ShareGPT with Llama 3.1, agent trajectories
+def _sharegpt_records() -> list[dict]:
+    import orjson
+
+    from data.config import InputSpec
+    from data.preprocess import convert_sharegpt
+    from tests.conftest import fixture_path
+
+    path = fixture_path("data", "fastchat_dummy_conversation.json")
+    spec = InputSpec(path=[str(path)], format="sharegpt")
+    out = []
+    for i, raw in enumerate(orjson.loads(path.read_bytes())):
+        rec = convert_sharegpt(raw, spec, f"{path}:{i}")
+        if sum(m["role"] == "assistant" for m in rec["messages"]) >= 2:
+            rec.setdefault("labels", [int(m["role"] == "assistant") for m in rec["messages"]])
+            rec["meta"] = {"uid": i, "category_id": 1, "category_name": "sharegpt"}
+            out.append(rec)
+        if len(out) == 4:
+            return out
+    return out
+
+
+def _agent_records(n: int = 2) -> list[dict]:
+    """Trajectories of 10-12 steps (reasoning + tool call, tool result) behind a ~2K-token tools prompt."""
+    import random
+
+    rng = random.Random(0)
+    words = ("account balance cache cluster deploy dataset filter index invoice ledger metric node order payload "
+             "query region record report schema search service shard status stream ticket token user").split()
+    tools = [{"type": "function", "function": {
+        "name": f"tool_{k}", "description": " ".join(rng.choices(words, k=14)),
+        "parameters": {"type": "object", "properties": {f"{w}_{j}": {"type": "string", "description": " ".join(
+            rng.choices(words, k=6))} for j, w in enumerate(rng.choices(words, k=3))}}}} for k in range(16)]
+    out = []
+    for uid in range(n):
+        messages = [{"role": "system", "content": "You are an agent."},
+                    {"role": "user", "content": " ".join(rng.choices(words, k=30))}]
+        for _ in range(rng.randint(10, 12)):
+            tool = rng.choice(tools)["function"]
+            messages += [{"role": "assistant", "content": "", "reasoning_content": " ".join(rng.choices(words, k=30)),
+                          "tool_calls": [{"type": "function", "function": {"name": tool["name"], "arguments": {
+                              p: rng.choice(words) for p in tool["parameters"]["properties"]}}}]},
+                         {"role": "tool", "content": " ".join(rng.choices(words, k=40))}]
+        messages.append({"role": "assistant", "content": " ".join(rng.choices(words, k=20)),
+                         "reasoning_content": " ".join(rng.choices(words, k=20))})
+        out.append({"messages": messages, "labels": [int(m["role"] == "assistant") for m in messages],
+                    "tools": tools, "meta": {"uid": uid, "category_id": 1, "category_name": "agent"}})
+    return out
+
+
+@pytest.mark.parametrize("tokenizer, records", [("llama3_1_instruct", _sharegpt_records),
+                                                ("qwen3", _agent_records)])
+def test_samples_are_template_renders_and_trees_train_them(tokenizer, records):
+    from data.chat_template import analyze_template, load_chat_tokenizer
+    from data.shards.prefix_tree import tree_positions
+    from data.tokenize import TokenizeContext, stepwise_records, template_inputs, tokenize_records
+    from tests.conftest import tokenizer_dir
+    from tests.shards.test_prefix_tree import paths, trained_pairs_of_samples, trained_pairs_of_tree
+
+    tok = load_chat_tokenizer(str(tokenizer_dir(tokenizer)))
+    info = analyze_template(tok)
+    recs = records()
+    assert len(recs) >= 2
+    samples = tokenize_records(recs, TokenizeContext(tokenizer=tok, info=info, max_length=10**6, stepwise="samples"))
+    trees = tokenize_records(recs, TokenizeContext(tokenizer=tok, info=info, max_length=10**6, stepwise="tree"))
+    steps = [step for rec in recs for step in stepwise_records(rec, "test")]
+    assert len(samples) == len(steps) and len(trees) == len(recs)
+    for seq, step in zip(samples, steps):  # sequence k: the template's own rendering of the messages up to turn k
+        messages, kwargs = template_inputs(step)
+        assert seq.input_ids.tolist() == list(tok.apply_chat_template(messages, tokenize=True, **kwargs)["input_ids"])
+    k = 0
+    for tree in trees:
+        mine = [s.token_fields() for s in samples[k:k + len(tree.samples)]]
+        k += len(tree.samples)
+        arrays = tree.token_fields()
+        got = sorted(tuple(arrays["input_ids"][p].tolist()) for p in paths(arrays))
+        assert got == sorted(tuple(s["input_ids"].tolist()) for s in mine)
+        depth = tree_positions(arrays["tree_spans"])
+        assert all(depth[p].tolist() == list(range(len(p))) for p in paths(arrays))
+        assert trained_pairs_of_tree(arrays) == trained_pairs_of_samples(mine)
+    if tokenizer == "qwen3":  # 10+ steps behind a long tools prompt: the trees store >= 3x fewer tokens
+        assert sum(len(s.input_ids) for s in samples) >= 3 * sum(len(t.input_ids) for t in trees)
