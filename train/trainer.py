@@ -204,7 +204,6 @@ class Trainer:
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.engine_setup.autocast_bf16 else None
         result = compare_packed_with_reference(self.model, seqs, self.plan.packed, gradient_probe=True,
                                               autocast=autocast, images=images)
-        elapsed = time.perf_counter() - start
         if not result.ok:
             raise SelfCheckError(
                 f"start-up self-check failed for model family {self.family!r}: on {len(seqs)} sequences of the data, "
@@ -212,6 +211,21 @@ class Trainer:
                 "not reproduce this model on packed rows; do not train it packed (self_check=false skips this check "
                 "at your own risk)"
             )
+        tree = ""
+        if "tree_spans" in self.dataset.token_fields and self.sp_layout is None:
+            from train.model.self_check import compare_tree_with_reference, self_check_tree
+
+            cut = self_check_tree(self.dataset)
+            if cut is not None:  # a branching tree through the structured kernels vs transformers on its paths
+                checked = compare_tree_with_reference(self.model, *cut, self.plan.train, gradient_probe=True,
+                                                      autocast=autocast)
+                if not checked.ok:
+                    raise SelfCheckError(
+                        f"start-up self-check failed for model family {self.family!r}: on a prefix tree of the data "
+                        f"({len(cut[0])} tokens), the tree attention differs from the model's own unpacked forward of "
+                        f"each root-to-leaf path: {checked.describe()}")
+                tree = (f"; tree = its paths on {len(cut[0])} tokens (loss difference {checked.loss_error:.1e}, "
+                        f"gradient difference {checked.grad_error:.1e})")
         rope = ""
         if switch_points:
             longest = max(seq.numel() for seq in seqs)
@@ -222,7 +236,8 @@ class Trainer:
         self.console(f"self-check: packed = unpacked on {len(seqs)} sequences"
                      + (f" ({with_images} with images: the tower, their features and M-RoPE positions)"
                         if images is not None else "") + " (loss difference "
-                     f"{result.loss_error:.1e}, gradient difference {result.grad_error:.1e}{rope}) in {elapsed:.2f} s")
+                     f"{result.loss_error:.1e}, gradient difference {result.grad_error:.1e}{rope}{tree}) in "
+                     f"{time.perf_counter() - start:.2f} s")
 
     def _warn(self, text: str) -> None:
         if self.mesh.is_main:

@@ -170,7 +170,7 @@ def test_tree_paths_are_the_samples(data_dirs):
 
 
 # ---------------------------------------------------------------------------------------------- trainer
-def _trainer(tmp, name, data_cfg, **values):
+def _trainer(tmp, name, data_cfg, console=lambda *_: None, **values):
     from train.config.sections import load_config
     from train.trainer import Trainer
 
@@ -186,7 +186,7 @@ def _trainer(tmp, name, data_cfg, **values):
                        output_dir=str(tmp / f"out_{name}"), lr=1e-3, max_grad_norm=0.0, loss_chunk_size=256,
                        attn_backend="sdpa", bf16=False, plot=False, max_steps=1, seed=7, save_steps=0,
                        log_backends=[], **values)
-    return Trainer(load_config(cfg), console=lambda *_: None)
+    return Trainer(load_config(cfg), console=console)
 
 
 def _all_rows_batch(trainer, reduction: str) -> dict:
@@ -249,11 +249,20 @@ def _unpacked_reference(trainer, data_cfg) -> tuple[float, dict[int, float]]:
 
 def test_tree_rows_train_exactly_as_samples_rows(data_dirs, tmp_path):
     torch.set_num_threads(1)
-    trainers = {m: _trainer(tmp_path, m, data_dirs[m], grad_accum=6, micro_batch_rows=1, loss_reduction="token")
-                for m in ("samples", "tree")}
+    said: list[str] = []
+    trainers = {m: _trainer(tmp_path, m, data_dirs[m], console=said.append, grad_accum=6, micro_batch_rows=1,
+                            loss_reduction="token") for m in ("samples", "tree")}
     try:
         s, t = trainers["samples"], trainers["tree"]
         assert t.structure and "tree_spans" in t.dataset.token_fields
+        # the start-up self-check ran a branching tree of the data against transformers on its paths, and would
+        # have failed under the plain causal kernels
+        assert sum("tree = its paths" in line for line in said) == 1, said
+        from train.model.self_check import compare_tree_with_reference, self_check_tree
+
+        cut = self_check_tree(t.dataset)
+        assert cut is not None and compare_tree_with_reference(t.model, *cut, t.plan.train).ok
+        assert not compare_tree_with_reference(t.model, *cut, t.plan.packed).ok
         for (name, a), b in zip(s.model.named_parameters(), t.model.parameters()):
             assert torch.equal(a, b), f"the two trainers start from different weights ({name})"
         for tr in trainers.values():  # one step holds every row, in two or more real micro-batches
