@@ -91,6 +91,9 @@ class DataConfig:
     truncation: Literal["left", "right", "error"] | None = None  # verl's name; when set it overrides `overlong`
     loss_turns: Literal["all", "last"] = "all"  # rllm: cumulative (all assistant turns) or stepwise (last only)
     structure: Literal["parallel_thinking"] | None = None  # Parallel-R1 data: per-token block and path ids
+    # multi-turn / agent records trained per assistant step in the context the template renders for it (docs/DATA.md):
+    # off (one sequence per record) | samples (one sequence per trained turn) | tree (those as one prefix tree)
+    stepwise: Literal["off", "samples", "tree"] = "off"
     enable_thinking: bool | None = None  # default for records without their own `enable_thinking`
     # image records (tokenizer_path a processor directory): the image processor's smallest pixel count per image,
     # replacing the processor's min_pixels (Qwen2-VL family); null: the processor's own
@@ -199,6 +202,15 @@ class DataConfig:
         for root in self.image_root:
             if not Path(root).is_dir():
                 raise ConfigError(f"image_root: {root} is not a directory{relative_note(root)}")
+        if self.stepwise not in ("off", "samples", "tree"):
+            raise ConfigError(f"stepwise must be one of off, samples, tree; got {self.stepwise!r}")
+        if self.stepwise != "off" and self.merge.probability > 0:
+            raise ConfigError(f"stepwise: {self.stepwise} trains every assistant turn in its own rendered context; "
+                              f"pseudo-multiturn merging (merge.probability {self.merge.probability}) would join "
+                              "records into one context: set merge.probability to 0")
+        if self.stepwise == "tree" and self.structure:
+            raise ConfigError(f"stepwise: tree cannot be combined with structure: {self.structure} (one attention "
+                              "mask per row); use stepwise: samples")
         if self.pack.shard_size_mb <= 0:
             raise ConfigError(f"pack.shard_size_mb must be positive, got {self.pack.shard_size_mb}")
         self._validate_eval_size()
@@ -287,7 +299,8 @@ def output_config(cfg: DataConfig) -> dict:
     """The config stored in tokenized/ and packed/ meta.json: without the keys that do not change the output
     (`EXECUTION_KEYS`: `num_workers`, `stages`, `engine`, `ray_address`, `render_timeout`), so meta.json is
     byte-identical whatever the worker count, the stages run or the engine."""
-    return {k: v for k, v in to_dict(cfg).items() if k not in EXECUTION_KEYS}
+    return {k: v for k, v in to_dict(cfg).items()
+            if k not in EXECUTION_KEYS and not (k == "stepwise" and v == "off")}  # off: meta.json as before the key
 
 
 def _has_split(pattern: str) -> bool:

@@ -546,6 +546,8 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
         stats.update(duplicate_rows=count_duplicates(executor, key_files, counts["rows"]),
                      rows_with_a_record_twice=twice, algorithm=cfg.pack.algorithm, seed=cfg.seed,
                      tokenize=tokenize_losses)
+        if tokenize_section is not None and "stepwise" in tokenize_section:  # samples, sequences, tokens saved
+            stats["stepwise"] = tokenize_section["stepwise"]
         if src.has_images:
             stats.update(images=counts["images"], image_tokens=counts["image_tokens"],
                          image_bytes=counts["image_bytes"])

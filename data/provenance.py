@@ -112,7 +112,10 @@ def stage_settings(cfg: DataConfig, stage: str) -> dict[str, Any]:
         return {**_tokenizer_settings(cfg), "max_length": cfg.max_length, "overlong": cfg.overlong,
                 "truncation": cfg.truncation, "structure": cfg.structure,
                 **_fidelity_settings(cfg), "image_min_pixels": cfg.image_min_pixels,
-                "image_max_pixels": cfg.image_max_pixels, "image_pixel_limit": cfg.image_pixel_limit}
+                "image_max_pixels": cfg.image_max_pixels, "image_pixel_limit": cfg.image_pixel_limit,
+                "stepwise": cfg.stepwise,
+                # a tree longer than the row is split between steps at tokenize
+                **({"pack.max_length": cfg.pack_max_length} if cfg.stepwise == "tree" else {})}
     if stage == "pack":
         return {"pack.max_length": cfg.pack_max_length, "pack.algorithm": cfg.pack.algorithm, "seed": cfg.seed}
     raise ValueError(f"unknown stage {stage!r}")

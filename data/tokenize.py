@@ -20,6 +20,14 @@ Per token: `input_ids`, `labels` (= input id where trained, -100 elsewhere), `ca
 assistant message the token belongs to: its own turn, or the prompt that precedes it; tokens after the last
 assistant turn belong to it), `turn_ids` (k = 1..T on the k-th trained turn, 0 elsewhere), and in structure
 mode `block_ids`/`path_ids` from `data.shards.parallel_thinking.token_structure`.
+
+`stepwise` (docs/DATA.md): `samples` expands a record with K trained assistant turns into K step records (record
+k: the messages up to and including the k-th trained assistant turn, only that turn labelled), each tokenized as
+above, so sequence k is the chat template's own rendering of what inference sees at that step. Every count of the
+stage (in/out, drops, categories, turns, fidelity) is then the expansion's: one per step record. `tree` tokenizes
+the same step records and stores each record's kept steps as prefix trees (data/shards/prefix_tree.py, per-token
+`tree_spans`), at most the pack capacity long each (a cut between steps); the counts stay the expansion's, and the
+report's `stepwise` section says how many tokens the trees store and save.
 """
 from __future__ import annotations
 
@@ -44,8 +52,8 @@ from data.progress import progress
 from data.records import RecordError, message_category, record_uids, validate_canonical
 from data.report import DROPPED_AT_LIMIT, check_arithmetic, format_tokenize_summary, sorted_counts, update_report
 from data.io import parse_jsonl_line, read_lines
-from data.shards.dataset import (IGNORE_INDEX, REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, PackedDataset, ShardCutter,
-                         ShardWriter, StoredImage)
+from data.shards.dataset import (IGNORE_INDEX, REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, TREE_TOKEN_FIELDS,
+                         PackedDataset, ShardCutter, ShardWriter, StoredImage)
 from data.token_bound import TokenBound
 
 OVERLONG_POLICIES = ("drop", "error", "truncate", "left", "right")
@@ -71,6 +79,8 @@ class TokenizedSequence:
     fidelity: dict = field(default_factory=dict)  # per-record counters of data.fidelity.STAT_KEYS
     counts_before: dict = field(default_factory=dict)  # {category: [tokens, loss tokens]} before truncation
     images: list[StoredImage] = field(default_factory=list)  # in the order of their token runs
+    tree_spans: np.ndarray | None = None  # int32 [n], `stepwise: tree`
+    samples: list["TokenizedSequence"] = field(default_factory=list)  # a tree's step sequences (for the counts)
 
     @property
     def n_loss_tokens(self) -> int:
@@ -82,6 +92,8 @@ class TokenizedSequence:
         if self.block_ids is not None:
             out["block_ids"] = self.block_ids
             out["path_ids"] = self.path_ids
+        if self.tree_spans is not None:
+            out["tree_spans"] = self.tree_spans
         return out
 
 
@@ -101,6 +113,8 @@ class TokenizeContext:
     tool_arguments: str = "parse"
     render_bound: RenderBound = RenderBound(None, "the chat template")  # time to render one record (render_timeout)
     vision: Vision | None = None  # the processor of image records (loaded on the first one); None: no processor
+    stepwise: str = "off"  # off | samples | tree (module doc)
+    tree_max_length: int | None = None  # longest prefix tree (the pack capacity); None: max_length
     backend: Any = field(init=False, repr=False)
     fidelity: FidelityOptions = field(init=False, repr=False)
     renders_reasoning: bool = field(init=False, repr=False)
@@ -125,7 +139,8 @@ class TokenizeContext:
                    structure=cfg.structure, enable_thinking=cfg.enable_thinking, reasoning=cfg.reasoning,
                    reasoning_tags=tuple(cfg.reasoning_tags), tool_arguments=cfg.tool_arguments, render_bound=bound,
                    vision=Vision(cfg.tokenizer_path, cfg.image_min_pixels, cfg.image_max_pixels,
-                                 cfg.image_pixel_limit))
+                                 cfg.image_pixel_limit),
+                   stepwise=cfg.stepwise, tree_max_length=cfg.pack_max_length)
 
 
 # ---------------------------------------------------------------------------------------------- the pure core
@@ -353,6 +368,70 @@ def _build(norm: dict, rendered: Rendered, enc, source: str, record_index: int,
         raise
 
 
+def stepwise_records(record: Any, source: str) -> list[Any]:
+    """`stepwise` expansion of one record: per trained assistant turn k (in order), the record cut after that turn
+    with only it labelled (`loss_turns: last` of the cut record). A record that does not validate, or has no
+    trained turn, comes back as it is (the tokenize path rejects it with its reason); a merged record (meta.parts)
+    or one with images is refused (RecordError `stepwise`)."""
+    try:
+        norm = validate_canonical(record, source)
+    except RecordError:
+        return [record]
+    if norm["meta"].get("parts"):
+        return [RecordError(source, "meta.parts", "a pseudo-multiturn merged record cannot be expanded stepwise "
+                            "(set merge.probability: 0 with stepwise)", "stepwise")]
+    if norm.get("images"):
+        return [RecordError(source, "images", "records with images are not expanded stepwise yet (stepwise: off "
+                            "for image data)", "stepwise")]
+    messages, labels = norm["messages"], norm["labels"]
+    trained = [i for i, (m, label) in enumerate(zip(messages, labels)) if m["role"] == "assistant" and label]
+    if not trained:
+        return [record]
+    return [dict(norm, messages=messages[:i + 1], labels=[0] * i + [1]) for i in trained]
+
+
+def _stepwise_tokenize(records: list[Any], ctx: TokenizeContext, sources: list[str],
+                       record_indices: list[int]) -> list[Any]:
+    """`tokenize_records` under `stepwise`: the step records of every record tokenized in one batch; `samples`
+    returns one result per step record, `tree` each record's kept steps as prefix trees (its dropped steps as
+    their RecordErrors)."""
+    from data.shards.prefix_tree import build_trees
+
+    steps, owner, step_sources, step_indices = [], [], [], []
+    for i, rec in enumerate(records):
+        expanded = stepwise_records(rec, sources[i])
+        for k, step in enumerate(expanded, start=1):
+            steps.append(step)
+            owner.append(i)
+            step_sources.append(sources[i] if len(expanded) == 1 else f"{sources[i]} step {k}/{len(expanded)}")
+            step_indices.append(record_indices[i])
+    results = _tokenize_batch(steps, ctx, step_sources, step_indices)
+    if ctx.stepwise == "samples":
+        return results
+    out: list[Any] = []
+    k = 0
+    while k < len(results):
+        end = k
+        while end < len(results) and owner[end] == owner[k]:
+            end += 1
+        kept = [r for r in results[k:end] if isinstance(r, TokenizedSequence)]
+        out.extend(r for r in results[k:end] if not isinstance(r, TokenizedSequence))
+        trees = build_trees([r.token_fields() for r in kept], ctx.tree_max_length or ctx.max_length)
+        j = 0
+        for tree in trees:
+            members = kept[j:j + tree.n_samples]
+            j += tree.n_samples
+            arrays = tree.arrays()
+            first = members[0]
+            out.append(TokenizedSequence(
+                input_ids=arrays["input_ids"], labels=arrays["labels"], category_ids=arrays["category_ids"],
+                turn_ids=arrays["turn_ids"], uids=first.uids, record_index=first.record_index,
+                category_id=first.category_id, category_name=first.category_name,
+                tree_spans=arrays["tree_spans"], samples=members))
+        k = end
+    return out
+
+
 def tokenize_records(
     records: list[Any],
     ctx: TokenizeContext,
@@ -369,7 +448,17 @@ def tokenize_records(
     n = len(records)
     sources = sources if sources is not None else [f"record {i}" for i in range(n)]
     record_indices = record_indices if record_indices is not None else list(range(n))
-    sources = [_with_origin(src, rec) for src, rec in zip(sources, records)]
+    if ctx.stepwise != "off":
+        return _stepwise_tokenize(records, ctx, [_with_origin(src, rec) for src, rec in zip(sources, records)],
+                                  record_indices)
+    return _tokenize_batch(records, ctx, [_with_origin(src, rec) for src, rec in zip(sources, records)],
+                           record_indices)
+
+
+def _tokenize_batch(records: list[Any], ctx: TokenizeContext, sources: list[str], record_indices: list[int]
+                    ) -> list[TokenizedSequence | RecordError]:
+    """`tokenize_records` of records as they are (sources already naming their origin)."""
+    n = len(records)
     out: list[Any] = [None] * n
     prepared = []
     for i, rec in enumerate(records):
@@ -423,6 +512,9 @@ class TokenizeTally:
     n_images: int = 0
     n_image_tokens: int = 0
     n_image_bytes: int = 0
+    n_rows: int = 0  # sequences written (a tree is one; otherwise n_out)
+    n_stored: int = 0  # tokens written (a tree's trie size; otherwise n_tokens)
+    n_records: int = 0  # stepwise: records expanded (the range's lines with a record)
     dropped: dict = field(default_factory=dict)
     # reason -> sources of its first DROPPED_AT_LIMIT drops: records come in input order, and tallies merge in it
     dropped_at: dict = field(default_factory=dict)
@@ -458,8 +550,8 @@ class TokenizeTally:
         """Count a batch's `tokenize_records` results and add its kept sequences to `writer`; a bad record
         raises its RecordError when the policy says so (`on_error`, `overlong: error`)."""
         for res in results:
-            self.n_in += 1
             if isinstance(res, RecordError):
+                self.n_in += 1
                 fatal = cfg.effective_overlong == "error" if res.reason == "overlong" else cfg.on_error == "error"
                 if fatal:
                     raise res
@@ -475,37 +567,45 @@ class TokenizeTally:
                 continue
             writer.add_row([res.token_fields()], record_indices=[res.record_index], uids=[res.uids],
                            images=[res.images] if writer.images else None)
-            self.n_images += len(res.images)
-            self.n_image_tokens += sum(image.n_tokens for image in res.images)
-            self.n_image_bytes += sum(len(image.data) for image in res.images)
-            n = res.input_ids.shape[0]
-            self.n_out += 1
-            self.n_truncated += res.truncated
-            self.n_plain += res.structure_kept_plain
-            self.n_tokens += n
-            loss_mask = res.labels != IGNORE_INDEX
-            self.n_loss += int(np.count_nonzero(loss_mask))
-            self.n_turns += int(res.turn_ids.max())
-            row = self._cat_row(res.category_id)
-            row["before"] += 1
-            row["after"] += 1
-            self._name(res.category_id, res.category_name)
-            self._count_before(res.counts_before)
-            after = _category_counts(res.category_ids, loss_mask) if res.truncated else res.counts_before
-            for c, (tokens, loss) in after.items():
-                r = self._cat_row(c)
-                r["tokens"] += tokens
-                r["loss_tokens"] += loss
-            for key, value in res.fidelity.items():
-                self.stats[key] += value
-            for reason in ("reasoning_not_rendered", "reasoning_dropped"):  # kept records, pieces not trained
-                if res.fidelity.get(reason):
-                    self._count_lost(reason, 1, res.fidelity[f"{reason}_chars"])
+            self.n_rows += 1
+            self.n_stored += res.input_ids.shape[0]
+            for sample in res.samples or [res]:  # a tree counts as the samples it stores
+                self._count_kept(sample)
+
+    def _count_kept(self, res: TokenizedSequence) -> None:
+        """Count one kept sequence (one sample of the `stepwise` expansion)."""
+        self.n_images += len(res.images)
+        self.n_image_tokens += sum(image.n_tokens for image in res.images)
+        self.n_image_bytes += sum(len(image.data) for image in res.images)
+        n = res.input_ids.shape[0]
+        self.n_in += 1
+        self.n_out += 1
+        self.n_truncated += res.truncated
+        self.n_plain += res.structure_kept_plain
+        self.n_tokens += n
+        loss_mask = res.labels != IGNORE_INDEX
+        self.n_loss += int(np.count_nonzero(loss_mask))
+        self.n_turns += int(res.turn_ids.max())
+        row = self._cat_row(res.category_id)
+        row["before"] += 1
+        row["after"] += 1
+        self._name(res.category_id, res.category_name)
+        self._count_before(res.counts_before)
+        after = _category_counts(res.category_ids, loss_mask) if res.truncated else res.counts_before
+        for c, (tokens, loss) in after.items():
+            r = self._cat_row(c)
+            r["tokens"] += tokens
+            r["loss_tokens"] += loss
+        for key, value in res.fidelity.items():
+            self.stats[key] += value
+        for reason in ("reasoning_not_rendered", "reasoning_dropped"):  # kept records, pieces not trained
+            if res.fidelity.get(reason):
+                self._count_lost(reason, 1, res.fidelity[f"{reason}_chars"])
 
     def merge(self, other: "TokenizeTally") -> None:
         """Add the tally of the records that follow this one's."""
         for key in ("n_in", "n_out", "n_truncated", "n_plain", "n_tokens", "n_loss", "n_turns", "n_images",
-                    "n_image_tokens", "n_image_bytes"):
+                    "n_image_tokens", "n_image_bytes", "n_rows", "n_stored", "n_records"):
             setattr(self, key, getattr(self, key) + getattr(other, key))
         for reason, n in other.dropped.items():
             self.dropped[reason] = self.dropped.get(reason, 0) + n
@@ -558,7 +658,7 @@ class RangeTask:
 @dataclass
 class RangeResult:
     """A tokenized range: its tally, its bytes of merged.jsonl, and its part (None: no record kept; else
-    `tally.n_out` rows of `tally.n_tokens` tokens)."""
+    `tally.n_rows` rows of `tally.n_stored` tokens)."""
     tally: TokenizeTally
     n_bytes: int
     part: str | None
@@ -580,7 +680,8 @@ def tokenize_range(task: RangeTask) -> RangeResult:
             records = [parse_jsonl_line(line, src, require_object=False) for (_, line), src in zip(batch, sources)]
             indices = list(range(task.records_before + first, task.records_before + first + len(batch)))
             tally.add_results(tokenize_records(records, ctx, sources, indices), writer, cfg)
-        if not tally.n_out:
+            tally.n_records += len(records)
+        if not tally.n_rows:
             return RangeResult(tally, task.lines.end - task.lines.start, None)
         writer.close()
     return RangeResult(tally, task.lines.end - task.lines.start, task.part)
@@ -645,7 +746,8 @@ class ShardPlan:
 
 def token_fields(cfg: DataConfig) -> list[str]:
     """The token fields of tokenized/: the structure mode's too when it is on."""
-    return list(REQUIRED_TOKEN_FIELDS) + (list(STRUCTURE_TOKEN_FIELDS) if cfg.structure else [])
+    return list(REQUIRED_TOKEN_FIELDS) + (list(STRUCTURE_TOKEN_FIELDS) if cfg.structure else []) + (
+        list(TREE_TOKEN_FIELDS) if cfg.stepwise == "tree" else [])
 
 
 def tokenize_ranges(cfg: DataConfig, executor: Executor, parts: Path) -> Iterator[RangeResult]:
@@ -697,7 +799,7 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
                 tally.merge(done.tally)
                 bar.update(done.n_bytes)
                 if done.part is not None:
-                    plan.add(done.part, done.tally.n_out, done.tally.n_tokens, done.tally.n_image_bytes)
+                    plan.add(done.part, done.tally.n_rows, done.tally.n_stored, done.tally.n_image_bytes)
         if tally.n_out == 0:
             raise ConfigError(f"tokenize: no record of {cfg.merged_path} survived ({tally.n_in} in, dropped "
                               f"{sorted_counts(tally.dropped)})")
@@ -724,6 +826,7 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
             "category_loss_warning": cfg.category_loss_warning,
             "warnings": warnings,
             **fidelity_section(tally.stats, tally.lost, ctx),
+            **({"stepwise": stepwise_section(cfg, tally)} if cfg.stepwise != "off" else {}),
         })
         print(format_tokenize_summary(section), flush=True)
         if emptied:  # before tokenized/ is replaced: the previous output stays
@@ -748,6 +851,14 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
         })
     update_report(cfg.report_path, "tokenize", section)
     return section
+
+
+def stepwise_section(cfg: DataConfig, tally: TokenizeTally) -> dict:
+    """report.json's `stepwise`: the records expanded, the samples (steps) they gave, the sequences and tokens
+    stored, and the tokens the prefix trees saved against storing every sample (`tokens`, the expansion's)."""
+    return {"mode": cfg.stepwise, "records": tally.n_records, "samples": tally.n_in, "samples_kept": tally.n_out,
+            "sequences": tally.n_rows, "sample_tokens": tally.n_tokens, "tokens_stored": tally.n_stored,
+            "tokens_saved": tally.n_tokens - tally.n_stored}
 
 
 def images_meta(cfg: DataConfig, ctx: TokenizeContext) -> dict:

@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from data.shards.images import ImageLoader
-from train.plan.attention import plan_attention, plan_sp_layout
+from common.config import ConfigError
+from train.plan.attention import TREE_SP_REFUSAL, plan_attention, plan_sp_layout
 from train.plan.startup import plan_memory
 from train.steps.batch import make_batch, step_totals
 from train.checkpoint import (
@@ -108,6 +109,8 @@ class Trainer:
         self.memory = plan_memory(cfg, checked.model_config, world, row_length, setup.offloads_optimizer)
         self.cfg = cfg = self.memory.config  # the config as planned (sequence_parallel_size auto resolved)
         self.sp_layout = plan_sp_layout(cfg.parallel, cfg.launch, checked.model_config)  # before the mesh
+        if "tree_spans" in self.dataset.token_fields and self.sp_layout is not None:
+            raise ConfigError(f"data_path {cfg.data.data_path}: {TREE_SP_REFUSAL}")
         self.mesh: Mesh = build_mesh(cfg.parallel.sequence_parallel_size,
                                      ulysses_size=self.sp_layout.ulysses_size if self.sp_layout else 1)
         self.device = self.mesh.device
@@ -124,7 +127,7 @@ class Trainer:
         self.eval_dataset = self._open_eval_set()
         self.categories = {int(k): v for k, v in (self.dataset.meta.get("categories") or {}).items()}
         self.num_categories = max([0, *self.categories]) + 1
-        self.structure = "block_ids" in self.dataset.token_fields
+        self.structure = "block_ids" in self.dataset.token_fields or "tree_spans" in self.dataset.token_fields
         self.sampler = StepSampler(
             self.dataset, self.mesh.dp_size, self.mesh.dp_rank, cfg.steps.grad_accum, cfg.steps.micro_batch_rows, cfg.steps.seed,
             balance=cfg.data.balance_dp,
@@ -202,7 +205,6 @@ class Trainer:
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.engine_setup.autocast_bf16 else None
         result = compare_packed_with_reference(self.model, seqs, self.plan.packed, gradient_probe=True,
                                               autocast=autocast, images=images)
-        elapsed = time.perf_counter() - start
         if not result.ok:
             raise SelfCheckError(
                 f"start-up self-check failed for model family {self.family!r}: on {len(seqs)} sequences of the data, "
@@ -210,6 +212,21 @@ class Trainer:
                 "not reproduce this model on packed rows; do not train it packed (self_check=false skips this check "
                 "at your own risk)"
             )
+        tree = ""
+        if "tree_spans" in self.dataset.token_fields and self.sp_layout is None:
+            from train.model.self_check import compare_tree_with_reference, self_check_tree
+
+            cut = self_check_tree(self.dataset)
+            if cut is not None:  # a branching tree through the structured kernels vs transformers on its paths
+                checked = compare_tree_with_reference(self.model, *cut, self.plan.train, gradient_probe=True,
+                                                      autocast=autocast)
+                if not checked.ok:
+                    raise SelfCheckError(
+                        f"start-up self-check failed for model family {self.family!r}: on a prefix tree of the data "
+                        f"({len(cut[0])} tokens), the tree attention differs from the model's own unpacked forward of "
+                        f"each root-to-leaf path: {checked.describe()}")
+                tree = (f"; tree = its paths on {len(cut[0])} tokens (loss difference {checked.loss_error:.1e}, "
+                        f"gradient difference {checked.grad_error:.1e})")
         rope = ""
         if switch_points:
             longest = max(seq.numel() for seq in seqs)
@@ -220,7 +237,8 @@ class Trainer:
         self.console(f"self-check: packed = unpacked on {len(seqs)} sequences"
                      + (f" ({with_images} with images: the tower, their features and M-RoPE positions)"
                         if images is not None else "") + " (loss difference "
-                     f"{result.loss_error:.1e}, gradient difference {result.grad_error:.1e}{rope}) in {elapsed:.2f} s")
+                     f"{result.loss_error:.1e}, gradient difference {result.grad_error:.1e}{rope}{tree}) in "
+                     f"{time.perf_counter() - start:.2f} s")
 
     def _warn(self, text: str) -> None:
         if self.mesh.is_main:

@@ -46,9 +46,11 @@ KNOWN_TOKEN_FIELDS: dict[str, str] = {
     "turn_ids": "<i2",
     "block_ids": "<i2",
     "path_ids": "<i2",
+    "tree_spans": "<i4",  # stepwise trees (data/shards/prefix_tree.py): each token's subtree size
 }
 REQUIRED_TOKEN_FIELDS = ("input_ids", "labels", "category_ids", "turn_ids")
 STRUCTURE_TOKEN_FIELDS = ("block_ids", "path_ids")
+TREE_TOKEN_FIELDS = ("tree_spans",)
 
 ROW_DTYPE = np.dtype(
     [
@@ -417,7 +419,8 @@ class ShardWriter:
         n_tok = row_tokens.shape[0]
         row_loss = sum(seq_loss)
         row_turns = sum(seq_turns)
-        row_samples = sum(1 for x in seq_loss if x > 0)
+        # a stepwise tree holds one sample per trained turn (data/shards/prefix_tree.py): count the expansion's
+        row_samples = sum(seq_turns) if "tree_spans" in self.dtype.names else sum(1 for x in seq_loss if x > 0)
         row_data = row_tokens.view(np.uint8)
         crc = zlib.crc32(row_data)
         for k, seq_images in enumerate(images or ()):

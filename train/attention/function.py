@@ -94,6 +94,7 @@ class AttentionContext:
     seq_ids: torch.Tensor | None = None  # structure mode: per-token ids for the Parallel-R1 mask
     block_ids: torch.Tensor | None = None
     path_ids: torch.Tensor | None = None
+    tree_spans: torch.Tensor | None = None  # stepwise trees: per-token subtree sizes (data/shards/prefix_tree.py)
     bounds: Row | None = None  # the micro-batch's Row (train/row.py); derived from cu_seqlens when not given (no sp)
 
     # built by the first layer that needs them, reused by the others (one micro-batch)
@@ -122,7 +123,7 @@ class AttentionContext:
             from train.attention.structured import structured_block_mask
 
             ids = (self.seq_ids, self.block_ids, self.path_ids, torch.arange(length, device=device))
-            self._block_masks[key] = structured_block_mask(*ids, *ids, length, length, device)
+            self._block_masks[key] = structured_block_mask(*ids, *ids, length, length, device, self.tree_spans)
         return self._block_masks[key]
 
     def document_block_mask(self, device: torch.device, compile_mask: bool = True, sliding_window: int | None = None):
@@ -300,12 +301,13 @@ def _structured_ids(query: torch.Tensor, ctx: AttentionContext) -> tuple:
 def _structured_flex(query, key, value, ctx: AttentionContext, scaling, features, sinks):
     ids = _structured_ids(query, ctx)
     block_mask = ctx.structured_block_mask(query.device, query.shape[2])
-    return flex_structured_attention(query, key, value, *ids, *ids, scaling, block_mask=block_mask)
+    return flex_structured_attention(query, key, value, *ids, *ids, scaling, block_mask=block_mask,
+                                     k_span=ctx.tree_spans)
 
 
 def _structured_sdpa(query, key, value, ctx: AttentionContext, scaling, features, sinks):
     ids = _structured_ids(query, ctx)
-    return structured_sdpa_by_sequence(query, key, value, *ids, *ids, scaling)
+    return structured_sdpa_by_sequence(query, key, value, *ids, *ids, scaling, k_span=ctx.tree_spans)
 
 
 # the structure ids of the micro-batch (train/attention/structured.py): FlexAttention on CUDA, else SDPA per sequence

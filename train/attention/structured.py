@@ -4,6 +4,8 @@ Query q may attend to key k iff they are in the same packed sequence, k comes at
 (NOT by position id: paths share positions), and not (both are in paths of the same block and the paths
 differ). With all block/path ids zero this is the ordinary block-diagonal causal mask of a packed row, so the
 SDPA backend and the sequence-parallel ``torch`` backend (local queries against gathered keys) share it.
+Stepwise prefix trees (data/shards/prefix_tree.py) add per-key subtree spans: a key is visible only to queries in
+its subtree (k <= q < k + span), i.e. a tree token attends to its ancestors and itself.
 The ids come from `data.shards.parallel_thinking` (see its docstring for which tokens belong to which path).
 
 CPU path: `structured_sdpa` with the boolean mask of `build_mask`, or `structured_sdpa_by_sequence`, the same
@@ -43,8 +45,8 @@ def _sibling_groups(seq: torch.Tensor, block: torch.Tensor, path: torch.Tensor, 
     return torch.where(path > 0, seq * 65536 + block, torch.full_like(seq, outside))
 
 
-def build_mask(q_seq, q_block, q_path, q_index=None, k_seq=None, k_block=None, k_path=None, k_index=None
-               ) -> torch.Tensor:
+def build_mask(q_seq, q_block, q_path, q_index=None, k_seq=None, k_block=None, k_path=None, k_index=None,
+               k_span=None) -> torch.Tensor:
     """Boolean mask [Lq, Lk], True where the query may attend to the key.
 
     Inputs are 1-D (tensors or arrays): packed-sequence id, block id, path id and token index (order in the
@@ -54,6 +56,10 @@ def build_mask(q_seq, q_block, q_path, q_index=None, k_seq=None, k_block=None, k
     When the keys are in token order and each sequence is one run of keys (a packed row, or the gathered keys
     of sequence parallelism) the mask is filled by rectangles and triangles per run of queries, a few memsets
     instead of elementwise comparisons over Lq x Lk; any other layout takes the elementwise definition.
+
+    `k_span` (stepwise prefix trees, data/shards/prefix_tree.py): per key the size of its subtree in token order,
+    0 for no limit; a key with a span is visible only to queries with index < key index + span (its descendants).
+    With keys = queries it defaults to the queries' own spans only when given as `k_span`.
     """
     q_seq, q_block, q_path = map(_as_long, (q_seq, q_block, q_path))
     device = q_seq.device
@@ -75,8 +81,21 @@ def build_mask(q_seq, q_block, q_path, q_index=None, k_seq=None, k_block=None, k
         return torch.zeros(lq, lk, dtype=torch.bool, device=device)
     seq_runs = _runs(k_seq)
     if bool((k_index[1:] > k_index[:-1]).all()) and len(torch.unique(k_seq[seq_runs[0]])) == len(seq_runs[0]):
-        return _mask_by_runs(q_seq, q_block, q_path, q_index, k_seq, k_block, k_path, k_index, seq_runs)
-    return _mask_elementwise(q_seq, q_block, q_path, q_index, k_seq, k_block, k_path, k_index)
+        mask = _mask_by_runs(q_seq, q_block, q_path, q_index, k_seq, k_block, k_path, k_index, seq_runs)
+    else:
+        mask = _mask_elementwise(q_seq, q_block, q_path, q_index, k_seq, k_block, k_path, k_index)
+    if k_span is not None:
+        k_span = _as_long(k_span).to(device)
+        if len(k_span) != lk:
+            raise ValueError(f"build_mask: k_span has {len(k_span)} entries, expected {lk}")
+        mask &= _tree_visible(q_index, k_index, k_span)
+    return mask
+
+
+def _tree_visible(q_index: torch.Tensor, k_index: torch.Tensor, k_span: torch.Tensor) -> torch.Tensor:
+    """[Lq, Lk]: the query lies in the key's subtree (or the key has no span)."""
+    end = torch.where(k_span > 0, k_index + k_span, torch.full_like(k_index, torch.iinfo(torch.int64).max))
+    return q_index[:, None] < end[None, :]
 
 
 def _runs(*keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +188,7 @@ def structured_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def structured_sdpa_by_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                 q_seq, q_block, q_path, q_index, k_seq, k_block, k_path, k_index,
-                                scaling: float | None) -> torch.Tensor:
+                                scaling: float | None, k_span=None) -> torch.Tensor:
     """`structured_sdpa` one packed sequence at a time: the same result without the Lq x Lk mask.
 
     A packed row's mask is block-diagonal, so attention per sequence (its queries against its keys) skips the
@@ -178,6 +197,7 @@ def structured_sdpa_by_sequence(query: torch.Tensor, key: torch.Tensor, value: t
     """
     q_seq, q_block, q_path, q_index = map(_as_long, (q_seq, q_block, q_path, q_index))
     k_seq, k_block, k_path, k_index = (_as_long(t).to(q_seq.device) for t in (k_seq, k_block, k_path, k_index))
+    k_span = None if k_span is None else _as_long(k_span).to(q_seq.device)
     if len(q_seq) == 0:
         return query.new_empty(query.shape[0], 0, query.shape[1], value.shape[-1])
     starts, ends = _runs(q_seq)
@@ -189,27 +209,35 @@ def structured_sdpa_by_sequence(query: torch.Tensor, key: torch.Tensor, value: t
         if int(cols[-1] - cols[0]) + 1 == len(cols):  # one run of keys: a view, no copy
             c = slice(int(cols[0]), int(cols[-1]) + 1)
             k, v, kb, kp, ki = key[:, :, c], value[:, :, c], k_block[c], k_path[c], k_index[c]
+            ks = None if k_span is None else k_span[c]
         else:
             k, v = key.index_select(2, cols.to(key.device)), value.index_select(2, cols.to(value.device))
             kb, kp, ki = k_block[cols], k_path[cols], k_index[cols]
+            ks = None if k_span is None else k_span[cols]
         q_run = slice(r0, r1)
         mask = build_mask(q_seq[q_run], q_block[q_run], q_path[q_run], q_index[q_run],
-                          torch.full_like(ki, s), kb, kp, ki)
+                          torch.full_like(ki, s), kb, kp, ki, ks)
         outputs.append(structured_sdpa(query[:, :, q_run], k, v, mask, scaling))
     return torch.cat(outputs, dim=1)
 
 
-def structure_mask_mod(q_seq, q_block, q_path, q_index, k_seq, k_block, k_path, k_index):
+def structure_mask_mod(q_seq, q_block, q_path, q_index, k_seq, k_block, k_path, k_index, k_span=None):
     """FlexAttention `mask_mod(b, h, q_idx, kv_idx)` equal to `build_mask` over the same ids (one device)."""
     q_seq, q_block, q_path, q_index = map(_as_long, (q_seq, q_block, q_path, q_index))
     device = q_seq.device
     k_seq, k_block, k_path, k_index = (_as_long(t).to(device) for t in (k_seq, k_block, k_path, k_index))
     q_group = _sibling_groups(q_seq, q_block, q_path, -1)
     k_group = _sibling_groups(k_seq, k_block, k_path, -2)
+    k_end = None
+    if k_span is not None:
+        k_span = _as_long(k_span).to(device)
+        k_end = torch.where(k_span > 0, k_index + k_span, torch.full_like(k_index, torch.iinfo(torch.int64).max))
 
     def mask_mod(b, h, q_idx, kv_idx):
         visible = (q_seq[q_idx] == k_seq[kv_idx]) & (k_index[kv_idx] <= q_index[q_idx])
         sibling = (q_group[q_idx] == k_group[kv_idx]) & (q_path[q_idx] != k_path[kv_idx])
+        if k_end is not None:
+            visible = visible & (q_index[q_idx] < k_end[kv_idx])
         return visible & ~sibling
 
     return mask_mod
@@ -219,23 +247,25 @@ _compiled_flex = None
 
 
 def structured_block_mask(q_seq, q_block, q_path, q_index, k_seq, k_block, k_path, k_index,
-                          q_len: int, kv_len: int, device: torch.device):
+                          q_len: int, kv_len: int, device: torch.device, k_span=None):
     """FlexAttention's BlockMask of the structured mask (CUDA). The same for every layer of a forward: build it
     once per micro-batch (train.attention.function.AttentionContext caches it)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     ids = [_as_long(t).to(device) for t in (q_seq, q_block, q_path, q_index, k_seq, k_block, k_path, k_index)]
-    return create_block_mask(structure_mask_mod(*ids), B=None, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device,
+    span = None if k_span is None else _as_long(k_span).to(device)
+    return create_block_mask(structure_mask_mod(*ids, span), B=None, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device,
                              _compile=True)
 
 
 def flex_structured_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                               q_seq, q_block, q_path, q_index, k_seq, k_block, k_path, k_index,
-                              scaling: float | None, block_mask=None) -> torch.Tensor:
+                              scaling: float | None, block_mask=None, k_span=None) -> torch.Tensor:
     """FlexAttention with the structured mask on CUDA (same layouts as `structured_sdpa`); SDPA elsewhere.
     `block_mask`: the `structured_block_mask` of these ids, when the caller has it already."""
     if query.device.type != "cuda":
-        mask = build_mask(q_seq, q_block, q_path, q_index, k_seq, k_block, k_path, k_index).to(query.device)
+        mask = build_mask(q_seq, q_block, q_path, q_index, k_seq, k_block, k_path, k_index, k_span
+                          ).to(query.device)
         return structured_sdpa(query, key, value, mask, scaling)
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -244,7 +274,7 @@ def flex_structured_attention(query: torch.Tensor, key: torch.Tensor, value: tor
         _compiled_flex = torch.compile(flex_attention)
     if block_mask is None:
         block_mask = structured_block_mask(q_seq, q_block, q_path, q_index, k_seq, k_block, k_path, k_index,
-                                           query.shape[2], key.shape[2], query.device)
+                                           query.shape[2], key.shape[2], query.device, k_span)
     out = _compiled_flex(query, key, value, block_mask=block_mask, scale=scaling,
                          enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous()

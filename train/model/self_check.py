@@ -214,6 +214,116 @@ def _compare(model, lm, params, sequences, device, dtype, guard, gradient_probe,
     return PackedCheck(loss_packed, loss_reference, loss_error, grad_error, worst, dtype, worst_error)
 
 
+# ---------------------------------------------------------------------------------------------- stepwise trees
+def self_check_tree(dataset, chain_tokens: int = 16, max_children: int = 3) -> tuple[np.ndarray, np.ndarray] | None:
+    """(token ids, tree spans) of a small tree cut from the first tree of the first rows with a branch point (data
+    with `tree_spans`, data/shards/prefix_tree.py): the last `chain_tokens` tokens up to that branch point, then up to
+    `max_children` of its branches, `chain_tokens` tokens down each. None: no tree there branches."""
+    from data.shards.prefix_tree import tree_parents
+
+    for r in range(min(len(dataset), 8)):
+        row = dataset[r]
+        if "tree_spans" not in row:
+            return None
+        bounds = np.concatenate([[0], np.cumsum(np.asarray(row["seq_lens"], dtype=np.int64))])
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            ids, spans = np.asarray(row["input_ids"][lo:hi]), np.asarray(row["tree_spans"][lo:hi])
+            parents = tree_parents(spans)
+            children = np.bincount(parents[parents >= 0], minlength=len(parents))
+            branching = np.flatnonzero(children >= 2)
+            if not len(branching):
+                continue
+            b = int(branching[0])  # the first branch point: tokens 0..b are one chain
+            nodes = list(range(max(0, b - chain_tokens + 1), b + 1))
+            for kid in np.flatnonzero(parents == b)[:max_children]:
+                x = int(kid)
+                for _ in range(chain_tokens):
+                    nodes.append(x)
+                    if x + 1 >= len(parents) or parents[x + 1] != x:
+                        break
+                    x += 1
+            index = {node: j for j, node in enumerate(nodes)}
+            sub_parent = [index.get(int(parents[node]), -1) for node in nodes]
+            size = np.ones(len(nodes), dtype=np.int64)
+            for j in range(len(nodes) - 1, 0, -1):
+                if sub_parent[j] >= 0:
+                    size[sub_parent[j]] += size[j]
+            return ids[nodes].astype(np.int64), size
+    return None
+
+
+def compare_tree_with_reference(model, ids: np.ndarray, spans: np.ndarray, kernels: LayerKernels, *,
+                                gradient_probe: bool = False, seed: int = 1234,
+                                autocast: torch.autocast | None = None) -> PackedCheck:
+    """A tree row through `kernels` (the structured kernels: each token sees its ancestors) vs the model's own
+    unpacked forward of each root-to-leaf path: every tree token predicts its first child, once (from the first
+    path through it in the reference). Loss and gradients as `compare_packed_with_reference`."""
+    from data.shards.prefix_tree import tree_parents, tree_positions
+
+    lm = model.lm
+    params = _trainable(lm)
+    device = params[0][1].device if params else torch.device("cpu")
+    dtype = autocast.fast_dtype if autocast is not None and autocast.fast_dtype is not None else \
+        next(lm.parameters()).dtype
+    guard = autocast if autocast is not None else nullcontext()
+    parents = tree_parents(spans)
+    n = len(ids)
+    targets = np.full(n, -100, dtype=np.int64)
+    follows = parents[1:] == np.arange(n - 1)  # the flat next token is the first child
+    targets[:-1][follows] = ids[1:][follows]
+    n_targets = int((targets != -100).sum())
+    if n_targets == 0:
+        raise ValueError("the tree self-check needs a tree with at least one parent-child pair")
+    has_child = np.zeros(n, dtype=bool)
+    has_child[parents[parents >= 0]] = True
+    ids_t = torch.from_numpy(ids).to(device)
+    for _, p in params:
+        p.grad = None
+    was_training = model.training
+    model.eval()
+    try:
+        with model.unpacked(), guard:
+            total, seen = None, set()
+            for leaf in np.flatnonzero(~has_child):
+                path, x = [], int(leaf)
+                while x >= 0:
+                    path.append(x)
+                    x = int(parents[x])
+                path.reverse()
+                pick = [i for i, node in enumerate(path[:-1]) if node not in seen]
+                seen.update(path[i] for i in pick)
+                if not pick:
+                    continue
+                logits = lm(input_ids=ids_t[path][None], use_cache=False).logits[0].float()
+                nxt = torch.tensor([path[i + 1] for i in pick], device=device)
+                ce = F.cross_entropy(logits[pick], ids_t[nxt], reduction="sum") / n_targets
+                total = ce if total is None else total + ce
+        total.backward()
+        loss_reference = float(total.detach())
+        reference = _gradient_summary(params, gradient_probe, seed)
+
+        zeros = torch.zeros(n, dtype=torch.int64, device=device)
+        attn = AttentionContext.for_micro_batch(torch.tensor([0, n], dtype=torch.int32), device, kernels,
+                                                seq_ids=zeros, block_ids=zeros, path_ids=zeros,
+                                                tree_spans=torch.from_numpy(np.asarray(spans, np.int64)).to(device))
+        positions = torch.from_numpy(tree_positions(spans)).to(device)
+        targets_t = torch.from_numpy(targets).to(device)
+        weights = (targets_t != -100).float() / n_targets
+        with guard:
+            loss = model(ids_t[None], positions[None], targets_t, weights, torch.zeros_like(targets_t), attn)[0]
+        loss.backward()
+        loss_packed = float(loss.detach())
+        packed = _gradient_summary(params, gradient_probe, seed)
+    finally:
+        model.train(was_training)
+    loss_error = abs(loss_packed - loss_reference) / max(abs(loss_reference), 1e-30)
+    worst_error, worst, together = _gradient_errors(packed, reference, gradient_probe)
+    if not (math.isfinite(loss_packed) and math.isfinite(loss_reference)):
+        loss_error = math.inf
+    grad_error = worst_error if dtype == torch.float32 else together
+    return PackedCheck(loss_packed, loss_reference, loss_error, grad_error, worst, dtype, worst_error)
+
+
 # ---------------------------------------------------------------------------------------------- loaded weights
 FINITE_CHUNK = 1 << 24  # elements per isfinite pass: a bounded temporary, whatever the tensor's size
 

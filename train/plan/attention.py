@@ -229,6 +229,11 @@ def ring_kernel(name: str, query: torch.Tensor, features: AttentionFeatures, str
     return Kernel(label, _Sharded(SP_BACKENDS[name].attention, varlen))
 
 
+TREE_SP_REFUSAL = ("stepwise trees (tree_spans in the shards) cannot run under sequence parallelism yet: no SP "
+                   "layout carries their subtree mask. Train them with sequence_parallel_size: 1, or re-run the data "
+                   "pipeline with stepwise: samples")
+
+
 # ---------------------------------------------------------------------------------------------- the plan
 @dataclass(frozen=True)
 class AttentionPlan:
@@ -251,7 +256,11 @@ class AttentionPlan:
         device, mesh = self.mesh.device, self.mesh
         if self.layout is None:
             structure = {k: queued_copy(batch[k], device) for k in STRUCTURE_FIELDS} if self.structure else {}
+            if self.structure and "tree_spans" in batch:  # stepwise trees (data/shards/prefix_tree.py)
+                structure["tree_spans"] = queued_copy(batch["tree_spans"], device)
             return batch, AttentionContext.for_micro_batch(batch["cu_seqlens"], device, self.train, **structure)
+        if "tree_spans" in batch:  # the trainer refuses this at start; a direct caller gets the same answer
+            raise ValueError(TREE_SP_REFUSAL)
         if self.ulysses is not None:
             local, sp = ulysses_shard(batch, mesh.sp_rank, mesh.sp_size, self.ulysses, group=mesh.sp_group)
         else:

@@ -98,7 +98,8 @@ def make_batch(
       micro-batch), targets [T] int64, weights [T] float32 (exact step weights, 0 where target = -100),
       target_categories [T] int64 (category of the predicted label token, 0 where ignored),
       n_loss_tokens / n_trained_turns / n_samples (ints, this micro-batch; summed over the step they equal
-      `totals`), and in structure mode block_ids [T], path_ids [T] int64.
+      `totals`), and in structure mode block_ids [T], path_ids [T] int64, plus tree_spans [T] int64 for stepwise
+      trees (data/shards/prefix_tree.py: positions are depths; with reduction `sample` a sample is a trained turn).
       images: an `ImageBatch` of the rows' images in the order of their token runs (rows of an image dataset,
       whose `image_data` / `image_grid_thw` the loader `images`, e.g. data.shards.images.ImageLoader, turns into pixel
       values), None for text-only rows.
@@ -143,6 +144,7 @@ def make_batch(
     seq_loss = np.bincount(seq_ids[valid], minlength=seq_lens.shape[0])
     n_loss = int(valid.sum())
     n_samples = int(np.count_nonzero(seq_loss))
+    tree = structure and "tree_spans" in rows[0]  # stepwise trees: a sample is a trained turn (prefix_tree.py)
     # Turns never merge across sequences: key = (sequence, turn id).
     if valid.any() and (target_turns[valid] <= 0).any():
         bad = int(np.flatnonzero(valid & (target_turns <= 0))[0])
@@ -158,6 +160,8 @@ def make_batch(
         stored = int(np.unique((seq_ids * max_turn + turn_ids)[turn_ids > 0]).shape[0])
         if stored != n_turns:
             turn_problem = f"{stored} turns carry turn ids but {n_turns} have loss tokens"
+    if tree:
+        n_samples = n_turns
 
     weights = np.zeros(n_tok, dtype=np.float64)
     if n_loss:
@@ -165,14 +169,31 @@ def make_batch(
             weights[valid] = 1.0 / _positive(totals.n_loss_tokens, "n_loss_tokens", n_loss)
         elif reduction == "sample":
             denom = _positive(totals.n_samples, "n_samples", n_samples)
-            weights[valid] = 1.0 / (seq_loss[seq_ids[valid]] * float(denom))
+            if tree:  # each trained turn of a tree is one sample of the `stepwise: samples` expansion
+                if turn_problem is not None:
+                    raise ValueError(f"make_batch: a stepwise tree needs every loss token in a trained turn: "
+                                     f"{turn_problem}")
+                weights[valid] = 1.0 / (turn_tokens[turn_key[valid]] * float(denom))
+            else:
+                weights[valid] = 1.0 / (seq_loss[seq_ids[valid]] * float(denom))
         else:
             if turn_problem is not None:
                 raise ValueError(f"make_batch: reduction 'turn' needs every loss token in a trained turn: {turn_problem}")
             denom = _positive(totals.n_trained_turns, "n_trained_turns", n_turns)
             weights[valid] = 1.0 / (turn_tokens[turn_key[valid]] * float(denom))
 
-    if structure:
+    if tree:  # prefix trees: no Parallel-R1 blocks; positions are depths, the mask follows the spans
+        block_ids = np.zeros(n_tok, dtype=np.int64)
+        path_ids = np.zeros(n_tok, dtype=np.int64)
+        tree_spans = _concat(rows, "tree_spans", np.int64)
+        from data.shards.prefix_tree import check_flat_labels, tree_positions  # lazy: optional mode
+
+        positions = np.zeros(n_tok, dtype=np.int64)
+        for k in range(seq_lens.shape[0]):
+            sl = slice(int(cu[k]), int(cu[k + 1]))
+            positions[sl] = tree_positions(tree_spans[sl])
+            check_flat_labels(labels[sl], tree_spans[sl])
+    elif structure:
         block_ids = _concat(rows, "block_ids", np.int64)
         path_ids = _concat(rows, "path_ids", np.int64)
         from data.shards.parallel_thinking import position_ids as structure_position_ids  # lazy: optional mode
@@ -207,6 +228,8 @@ def make_batch(
     if structure:
         batch["block_ids"] = torch.from_numpy(block_ids)
         batch["path_ids"] = torch.from_numpy(path_ids)
+    if tree:
+        batch["tree_spans"] = torch.from_numpy(tree_spans)
     return batch
 
 
