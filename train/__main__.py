@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(config_path, argv)
         checked = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before the model (and most imports) load
+        quiet_cpu_accelerator_notice()
         from train.checkpoint import CheckpointError
         from train.model_check import SelfCheckError
         from train.model_support import UnsupportedModelError
@@ -127,6 +128,23 @@ def main(argv: list[str] | None = None) -> int:
         trainer = None
         release_process_groups()
     return 0
+
+
+def quiet_cpu_accelerator_notice() -> None:
+    """Without CUDA (nor another accelerator's torch extension), DeepSpeed's accelerator is the CPU: say so
+    (`DS_ACCELERATOR=cpu`) instead of letting DeepSpeed warn that it "was unable to detect" a GPU when the run (or
+    the export, through transformers) first touches it. An explicit DS_ACCELERATOR is kept."""
+    import importlib.util
+
+    import torch
+
+    others = ("intel_extension_for_pytorch", "torch_npu", "habana_frameworks", "torch_mlu", "torch_musa",
+              "torch_sdaa", "torch_supa", "torch_xmlir")
+    if "DS_ACCELERATOR" in os.environ or torch.cuda.is_available() or getattr(torch.backends, "mps", None) and \
+            torch.backends.mps.is_available():
+        return
+    if not any(importlib.util.find_spec(name) for name in others):
+        os.environ["DS_ACCELERATOR"] = "cpu"
 
 
 class Interrupted(KeyboardInterrupt):
@@ -194,4 +212,13 @@ def release_process_groups() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # everything the run writes is on disk (synced, atomically renamed) and its process groups are released: skip
+    # the interpreter's teardown of torch and its thread pools (seconds on 2 busy cores) that would follow
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that left (`| head`), a closed stream
+            pass
+    os._exit(status)

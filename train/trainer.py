@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from common.config import ConfigError
+from data.chat_templates import data_chat_template
 from data.images import ImageLoader
 from train.attention_plan import plan_attention, plan_sp_layout
 from train.batch import make_batch, step_totals
@@ -72,6 +73,7 @@ from train.moe import real_tokens, resolve_router_aux
 from train.nonfinite import SKIPPED, NonFiniteError, nonfinite_tensors, stop_message
 from train.packed_model import PackedCausalLM, build_lm
 from train.rope import switch_points as rope_switch_points
+from train.summary import process_age, run_summary
 from train.tiled_mlp import describe_tiling
 from train.varlen_kernels import queued_copy
 
@@ -686,6 +688,7 @@ class Trainer:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(tok_path)
+            tokenizer.chat_template = data_chat_template(self.dataset.meta) or tokenizer.chat_template  # the data's
         processor = processor_dir(self.lm.config, self.cfg.model.model_path, tok_path)  # a composite's image processor
         if self.cfg.lora.lora_rank > 0:
             from train.lora import save_lora
@@ -770,5 +773,7 @@ class Trainer:
                 png = plot_losses(cfg.checkpoint.output_dir)
                 if png:
                     self.console(f"loss curves: {png}")
+        self.console(run_summary(records, time.perf_counter() - started, self._saved_path, cfg.out / FINAL_DIR
+                                 if self.step >= self.total_steps else None, process_age()))
         self.metrics.close()
         return records
