@@ -10,7 +10,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("common", "data", "train")
-TRAIN_MAY_IMPORT_FROM_DATA = ("data.images", "data.pack", "data.parallel_thinking", "data.shards")
+TRAIN_MAY_IMPORT_FROM_DATA = ("data.chat_template", "data.chat_templates", "data.images", "data.pack",
+                              "data.parallel_thinking", "data.shards")
 
 
 def _is_module(dotted: str) -> bool:

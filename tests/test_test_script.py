@@ -31,9 +31,10 @@ def test_five():
 '''
 
 
-def _run(tmp_path, *args, ok: bool, **env) -> subprocess.CompletedProcess:
+def _run(tmp_path, *args, ok: bool, target=None, **env) -> subprocess.CompletedProcess:
     path = tmp_path / "test_tiny.py"
     path.write_text(TINY.format(ok=ok))
+    path = target or path
     environ = {k: v for k, v in os.environ.items() if k not in ("CI", "PACKSFT_VISION_TESTS", "PYTEST_ADDOPTS")}
     environ.update({"PACKSFT_SETUP": "0", "PACKSFT_TEST_WORKERS": "1", **env})
     return subprocess.run(["bash", str(ROOT / "scripts" / "test.sh"), *args, str(path)], cwd=ROOT, env=environ,
@@ -69,8 +70,9 @@ def test_all_green_exits_zero_and_under_ci_a_stage_that_does_not_run_fails(tmp_p
     assert _summary(ci.stdout)[1].split()[:2] == ["vision", "FAILED:"]
 
 
-def test_quick_leaves_out_the_slow_tests_and_the_image_stage(tmp_path):
-    result = _run(tmp_path, "--quick", ok=True)
+def test_quick_leaves_out_the_slow_tests_the_long_files_and_the_image_stage(tmp_path):
+    (tmp_path / "test_lm_head.py").write_text("def test_long():\n    assert False\n")  # a file --quick leaves out
+    result = _run(tmp_path, "--quick", ok=True, target=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "==> stage quick: fast unit tests in .venv" in out
