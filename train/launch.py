@@ -156,10 +156,13 @@ def run_single_process(argv: list[str]) -> int:
     process group and receives the forwarded signals itself; this process waits for it (dying first would SIGKILL it
     through its parent-death signal, before it could say where it stopped)."""
     module = argv[argv.index("-m") + 1:]
+    env = dict(os.environ)
+    if "--cpu" not in argv:  # accelerate's single-process launcher on a GPU: one OpenMP thread unless told
+        env.setdefault("OMP_NUM_THREADS", "1")  # (on CPU it leaves torch's default, the physical cores)
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, lambda *_: None)
     try:
-        code = subprocess.call([sys.executable, "-m", *module])
+        code = subprocess.call([sys.executable, "-m", *module], env=env)
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
     return _status(code, "the trainer")
