@@ -209,7 +209,8 @@ def test_the_examples_ratio_file_is_written_to_its_output_directory_not_under_co
 # ---------------------------------------------------------------------------------------------- start-up
 def test_a_single_process_launch_starts_the_trainer_as_accelerate_would(tmp_path, monkeypatch, capfd):
     """One process on one machine: the trainer module started directly (no accelerate launcher process), with
-    accelerate's OpenMP setting (one thread on a GPU unless set; torch's default on CPU), and its exit status."""
+    accelerate's OpenMP setting (the threads train/__main__.py chose on CPU; one on a GPU unless set), and its exit
+    status."""
     import signal
 
     from train.launch import FORWARDED_SIGNALS, run_single_process
@@ -220,9 +221,10 @@ def test_a_single_process_launch_starts_the_trainer_as_accelerate_would(tmp_path
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     handlers = {sig: signal.getsignal(sig) for sig in FORWARDED_SIGNALS}
     try:
-        assert run_single_process(["--num_processes", "1", "--cpu", "-m", "probe_env", "a.yaml", "k=v"]) == 3
+        assert run_single_process(["--num_processes", "1", "--cpu", "--num_cpu_threads_per_process", "2", "-m",
+                                   "probe_env", "a.yaml", "k=v"]) == 3
         assert run_single_process(["--num_processes", "1", "-m", "probe_env", "a.yaml"]) == 3
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-    assert capfd.readouterr().out.splitlines() == ["None a.yaml k=v", "1 a.yaml"]
+    assert capfd.readouterr().out.splitlines() == ["2 a.yaml k=v", "1 a.yaml"]

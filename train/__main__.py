@@ -27,6 +27,14 @@ def launch_args(cfg) -> list[str]:
         args.append("--multi_gpu")  # accelerate's torchrun launcher; it also starts CPU processes (gloo)
     elif not torch.cuda.is_available():
         args.append("--cpu")  # accelerate's --cpu launcher starts a single process only
+    if not torch.cuda.is_available():
+        # the OpenMP threads per process accelerate would choose (OMP_NUM_THREADS, else the physical cores over the
+        # processes of a machine), said, so that accelerate does not print a notice about choosing them
+        import psutil
+
+        per_machine = max(launch.num_processes // max(launch.num_machines, 1), 1)
+        threads = os.environ.get("OMP_NUM_THREADS") or max((psutil.cpu_count(logical=False) or 1) // per_machine, 1)
+        args += ["--num_cpu_threads_per_process", str(threads)]
     return args
 
 

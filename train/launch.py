@@ -157,8 +157,10 @@ def run_single_process(argv: list[str]) -> int:
     through its parent-death signal, before it could say where it stopped)."""
     module = argv[argv.index("-m") + 1:]
     env = dict(os.environ)
-    if "--cpu" not in argv:  # accelerate's single-process launcher on a GPU: one OpenMP thread unless told
-        env.setdefault("OMP_NUM_THREADS", "1")  # (on CPU it leaves torch's default, the physical cores)
+    if "--num_cpu_threads_per_process" in argv:  # the OpenMP threads, as accelerate's launcher sets them
+        env["OMP_NUM_THREADS"] = argv[argv.index("--num_cpu_threads_per_process") + 1]
+    else:  # accelerate's single-process launcher on a GPU: one thread unless OMP_NUM_THREADS says otherwise
+        env.setdefault("OMP_NUM_THREADS", "1")
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, lambda *_: None)
     try:
