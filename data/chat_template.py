@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import ConfigError
+from data.shards.chat_templates import BUILTIN_TEMPLATES, builtin_name, names as template_names
 from data.images import is_processor_dir, processor_chat_template
 from data.timebound import TimeBoundExceeded, time_bound
 
@@ -56,7 +57,8 @@ def template_error(exc: BaseException) -> str:
 def template_origin(tokenizer_path: str, chat_template: str | None) -> str:
     """Where the chat template comes from, as the config key (and file) to fix."""
     if chat_template:
-        return f"chat_template: {chat_template} (tokenizer {tokenizer_path})"
+        builtin = " (built-in)" if builtin_name(chat_template) and not Path(chat_template).is_file() else ""
+        return f"chat_template: {chat_template}{builtin} (tokenizer {tokenizer_path})"
     own = Path(tokenizer_path) / "chat_template.jinja"
     source = own if own.is_file() else Path(tokenizer_path) / "tokenizer_config.json"
     return f"tokenizer_path: {tokenizer_path}: the chat template of {source.name}"
@@ -115,15 +117,19 @@ def load_chat_tokenizer(tokenizer_path: str, chat_template: str | None = None,
         raise ConfigError(f"tokenizer_path: {tokenizer_path} has no fast (Rust) tokenizer; offsets need one")
     if chat_template:
         path = Path(chat_template)
-        if not path.is_file():
-            raise ConfigError(f"chat_template: {chat_template} is not a file")
-        tokenizer.chat_template = path.read_text(encoding="utf-8")
+        if path.is_file():
+            tokenizer.chat_template = path.read_text(encoding="utf-8")
+        elif builtin_name(chat_template):
+            tokenizer.chat_template = BUILTIN_TEMPLATES[builtin_name(chat_template)]
+        else:
+            raise ConfigError(f"chat_template: {chat_template} is neither a file nor a built-in template name "
+                              f"({template_names()})")
     elif is_processor_dir(tokenizer_path) and processor_chat_template(tokenizer_path):
         tokenizer.chat_template = processor_chat_template(tokenizer_path)  # the one that renders image parts
     if not tokenizer.chat_template:
         raise ConfigError(
-            f"tokenizer_path: the tokenizer at {tokenizer_path} has no chat template; "
-            "set chat_template: path/to/template.jinja"
+            f"tokenizer_path: the tokenizer at {tokenizer_path} has no chat template; set chat_template to the "
+            f"model family's built-in template ({template_names()}) or to a Jinja file (path/to/template.jinja)"
         )
     check_template_renders(tokenizer, RenderBound.of(tokenizer_path, chat_template, render_timeout))
     return tokenizer

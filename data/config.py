@@ -14,6 +14,7 @@ import orjson
 
 from common.config import (ConfigError, apply_overrides, check_keys, check_override_values, from_dict, key_tree,
                            pretrained_dir, relative_note, to_dict)
+from data.shards.chat_templates import builtin_name, names as template_names
 
 STAGES = ("preprocess", "sample", "merge", "tokenize", "pack")
 # other tools' names for data config keys: the "did you mean" of an unknown key (difflib cannot find these)
@@ -80,7 +81,7 @@ class DataConfig:
     inputs: list[InputSpec]  # the raw inputs (keys of each below)
     output_dir: str  # where every output goes: canonical/sampled/merged.jsonl, tokenized/, packed/, report.json
     tokenizer_path: str  # a local tokenizer directory (fast tokenizer) or a Hub id org/name; needed by merge and tokenize
-    chat_template: str | None = None  # a Jinja file, for tokenizers without (or to replace) a chat template
+    chat_template: str | None = None  # a Jinja file or a built-in name (chatml, llama3, phi3, qwen), for tokenizers without (or to replace) a chat template
     ratio_path: str | None = None  # the ratio JSON the user edits; None: <output_dir>/ratios.json
     max_length: int = 131072  # longest tokenized sequence (tokens); longer records follow `overlong`
     seed: int = 42  # seeds sampling, merging and packing
@@ -226,8 +227,9 @@ class DataConfig:
         needs_tokenizer = {"tokenize", "merge"} & set(self.stages)
         if needs_tokenizer:
             self.tokenizer_path = str(check_tokenizer_dir(self.tokenizer_path))  # a Hub id: its cached snapshot
-        if self.chat_template and not Path(self.chat_template).is_file():
-            raise ConfigError(f"chat_template: {self.chat_template} is not a file{relative_note(self.chat_template)}")
+        if self.chat_template and not Path(self.chat_template).is_file() and not builtin_name(self.chat_template):
+            raise ConfigError(f"chat_template: {self.chat_template} is neither a file{relative_note(self.chat_template)} "
+                              f"nor a built-in template name ({template_names()})")
         self._validate_fidelity()
         self._validate_engine()
 

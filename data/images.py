@@ -21,6 +21,7 @@ import binascii
 import io
 import multiprocessing
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,20 @@ DEFAULT_PIXEL_LIMIT = 89_478_485
 VISION_SETUP = ("image conversations need torchvision and Pillow, which load only next to PyPI's (CUDA) torch "
                 "build: run `bash scripts/setup_vision.sh` (builds .venv-vision, runs on CPU too) or, beside a CUDA "
                 "torch, `pip install -r requirements-vision.txt`")
+VISION_VENV = Path(__file__).resolve().parents[1] / ".venv-vision"
+
+
+def vision_setup_message() -> str:
+    """What to do when torchvision or Pillow does not load here: where the image environment is built already
+    (scripts/setup_vision.sh) but this is another interpreter, run the command again with `PACKSFT_VENV=.venv-vision`;
+    else build it."""
+    python = VISION_VENV / "bin" / "python"
+    if python.exists() and Path(os.path.realpath(sys.prefix)) != Path(os.path.realpath(VISION_VENV)):
+        return ("image conversations need torchvision and Pillow, which this Python environment "
+                f"({sys.prefix}) lacks; the image environment is built ({VISION_VENV}): run the command with "
+                "the prefix `PACKSFT_VENV=.venv-vision`, e.g. `PACKSFT_VENV=.venv-vision sh data_process.sh CONFIG` "
+                "or `PACKSFT_VENV=.venv-vision sh train.sh CONFIG`")
+    return VISION_SETUP
 
 
 # ---------------------------------------------------------------------------------------------- records
@@ -105,7 +120,7 @@ def _pil():
     try:
         from PIL import Image
     except ImportError:
-        raise ConfigError(VISION_SETUP) from None
+        raise ConfigError(vision_setup_message()) from None
     Image.MAX_IMAGE_PIXELS = None  # the bound is `decode_image`'s pixel_limit, checked from the header alike
     return Image
 
@@ -179,7 +194,7 @@ def load_processor(path: str):
     try:
         import torchvision  # noqa: F401  (the Qwen2-VL processors import it; fail here with the fix)
     except Exception as exc:  # ImportError, or RuntimeError "operator torchvision::nms does not exist"
-        raise ConfigError(f"{VISION_SETUP} ({type(exc).__name__}: {exc})") from None
+        raise ConfigError(f"{vision_setup_message()} ({type(exc).__name__}: {exc})") from None
     from transformers import AutoProcessor
 
     try:

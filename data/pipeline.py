@@ -160,6 +160,12 @@ def run_stage(cfg: DataConfig, stage: str, executor: Executor, stage_fn: StageFn
     extra = f" dropped={dict(dropped)}" if dropped else ""
     print(f"[{label or stage}] in={section.get('in')} out={section.get('out')}{extra} "
           f"({time.perf_counter() - start:.1f}s)", flush=True)
+    if stage == "preprocess":  # where the file the user edits is, and what to run after editing it
+        print(f"  ratio file: {cfg.ratio_file} (a sample_rate per category: edit it, then re-run from sample: "
+              f"{command(list(STAGES[STAGES.index('sample'):]))})",
+              flush=True)
+    elif stage == "sample":
+        print(f"  rates from the ratio file {cfg.ratio_file}", flush=True)
     return section
 
 

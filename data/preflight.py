@@ -12,7 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from common.config import ConfigError
-from common.fsutil import file_blake2b, tokenizer_hash
+from common.fsutil import tokenizer_hash
+from data.shards.chat_templates import chat_template_hash
 from data.config import DataConfig
 from data.report import read_report
 from data.shards.dataset import ShardFormatError, read_meta
@@ -40,7 +41,7 @@ def tokenizer_identity(cfg: DataConfig) -> dict:
     """The hashes a stage output records: tokenizer files, and the chat template file when one is set."""
     return {
         "tokenizer_hash": tokenizer_hash(cfg.tokenizer_path),
-        "chat_template_hash": file_blake2b(cfg.chat_template) if cfg.chat_template else None,
+        "chat_template_hash": chat_template_hash(cfg.chat_template),
     }
 
 

@@ -42,7 +42,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from common.config import ConfigError, to_dict
-from common.fsutil import file_blake2b, tokenizer_hash
+from common.fsutil import tokenizer_hash
+from data.shards.chat_templates import chat_template_hash
 from data.chat_template import RenderBound, TemplateInfo, analyze_template, load_chat_tokenizer
 from data.config import DataConfig, output_config
 from data.executor import ByteRange, Executor, LocalExecutor, count_lines, spread_ranges
@@ -842,7 +843,7 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
             "tokenizer_path": os.path.abspath(cfg.tokenizer_path),  # the trainer exports it, from any directory
             "tokenizer_hash": tokenizer_hash(cfg.tokenizer_path),
             "chat_template": cfg.chat_template,
-            "chat_template_hash": file_blake2b(cfg.chat_template) if cfg.chat_template else None,
+            "chat_template_hash": chat_template_hash(cfg.chat_template),
             "template": {"header": ctx.info.header, "end_of_turn": ctx.info.end_of_turn},
             "max_length": cfg.max_length,
             "config": output_config(cfg),

@@ -27,6 +27,14 @@ def launch_args(cfg) -> list[str]:
         args.append("--multi_gpu")  # accelerate's torchrun launcher; it also starts CPU processes (gloo)
     elif not torch.cuda.is_available():
         args.append("--cpu")  # accelerate's --cpu launcher starts a single process only
+    if not torch.cuda.is_available():
+        # the OpenMP threads per process accelerate would choose (OMP_NUM_THREADS, else the physical cores over the
+        # processes of a machine), said, so that accelerate does not print a notice about choosing them
+        import psutil
+
+        per_machine = max(launch.num_processes // max(launch.num_machines, 1), 1)
+        threads = os.environ.get("OMP_NUM_THREADS") or max((psutil.cpu_count(logical=False) or 1) // per_machine, 1)
+        args += ["--num_cpu_threads_per_process", str(threads)]
     return args
 
 
@@ -86,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(config_path, argv)
         checked = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before the model (and most imports) load
+        quiet_cpu_accelerator_notice()
         from train.checkpoint import CheckpointError
         from train.model.self_check import SelfCheckError
         from train.model.support import UnsupportedModelError
@@ -127,6 +136,23 @@ def main(argv: list[str] | None = None) -> int:
         trainer = None
         release_process_groups()
     return 0
+
+
+def quiet_cpu_accelerator_notice() -> None:
+    """Without CUDA (nor another accelerator's torch extension), DeepSpeed's accelerator is the CPU: say so
+    (`DS_ACCELERATOR=cpu`) instead of letting DeepSpeed warn that it "was unable to detect" a GPU when the run (or
+    the export, through transformers) first touches it. An explicit DS_ACCELERATOR is kept."""
+    import importlib.util
+
+    import torch
+
+    others = ("intel_extension_for_pytorch", "torch_npu", "habana_frameworks", "torch_mlu", "torch_musa",
+              "torch_sdaa", "torch_supa", "torch_xmlir")
+    if "DS_ACCELERATOR" in os.environ or torch.cuda.is_available() or getattr(torch.backends, "mps", None) and \
+            torch.backends.mps.is_available():
+        return
+    if not any(importlib.util.find_spec(name) for name in others):
+        os.environ["DS_ACCELERATOR"] = "cpu"
 
 
 class Interrupted(KeyboardInterrupt):
@@ -194,4 +220,13 @@ def release_process_groups() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # everything the run writes is on disk (synced, atomically renamed) and its process groups are released: skip
+    # the interpreter's teardown of torch and its thread pools (seconds on 2 busy cores) that would follow
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that left (`| head`), a closed stream
+            pass
+    os._exit(status)

@@ -149,9 +149,32 @@ def _status(code: int, who: str) -> int:
     return 128 - code
 
 
+def run_single_process(argv: list[str]) -> int:
+    """One process on one machine: the trainer (`-m MODULE ARGS` of ARGV) started as accelerate's single-process
+    launcher would, without importing accelerate and torch in this process first (seconds of start-up, and
+    accelerate's notice about `--num_cpu_threads_per_process`, which says nothing to a user). The trainer is in this
+    process group and receives the forwarded signals itself; this process waits for it (dying first would SIGKILL it
+    through its parent-death signal, before it could say where it stopped)."""
+    module = argv[argv.index("-m") + 1:]
+    env = dict(os.environ)
+    if "--num_cpu_threads_per_process" in argv:  # the OpenMP threads, as accelerate's launcher sets them
+        env["OMP_NUM_THREADS"] = argv[argv.index("--num_cpu_threads_per_process") + 1]
+    else:  # accelerate's single-process launcher on a GPU: one thread unless OMP_NUM_THREADS says otherwise
+        env.setdefault("OMP_NUM_THREADS", "1")
+    for sig in FORWARDED_SIGNALS:
+        signal.signal(sig, lambda *_: None)
+    try:
+        code = subprocess.call([sys.executable, "-m", *module], env=env)
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+    return _status(code, "the trainer")
+
+
 def run_accelerate(argv: list[str]) -> int:
     """`accelerate launch ARGV` in this process; returns the trainer's exit status (the first failed rank's under
     torchrun) instead of raising accelerate's and torchrun's tracebacks over the trainer's own message."""
+    if "--multi_gpu" not in argv and "-m" in argv:
+        return run_single_process(argv)
     import torch.distributed.run  # noqa: F401  (imports the elastic modules below)
     from accelerate.commands.launch import launch_command, launch_command_parser
     from torch.distributed.elastic.multiprocessing.api import SignalException

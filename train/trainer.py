@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from data.shards.images import ImageLoader
 from common.config import ConfigError
+from data.shards.chat_templates import data_chat_template
 from train.plan.attention import TREE_SP_REFUSAL, plan_attention, plan_sp_layout
 from train.plan.startup import plan_memory
 from train.steps.batch import make_batch, step_totals
@@ -70,7 +71,7 @@ from train.engines.build import EngineSetup, start_process_group
 from train.engines.engine import Engine, saved_with
 from train.engines.schedule import lr_lambda_factory, param_groups
 from train.model.images import SELF_CHECK_MAX_TOKENS
-from train.metrics import EvalProgress, MetricsLogger, plot_losses, step_progress, truncate_log
+from train.metrics import EvalProgress, MetricsLogger, plot_losses, process_age, run_summary, step_progress, truncate_log
 from train.model.moe import real_tokens, resolve_router_aux
 from train.nonfinite import SKIPPED, NonFiniteError, nonfinite_tensors, stop_message
 from train.model.packed import PackedCausalLM, build_lm
@@ -536,6 +537,7 @@ class Trainer:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(tok_path)
+            tokenizer.chat_template = data_chat_template(self.dataset.meta) or tokenizer.chat_template  # the data's
         processor = processor_dir(self.lm.config, self.cfg.model.model_path, tok_path)  # a composite's image processor
         if self.cfg.lora.lora_rank > 0:
             from train.model.lora import save_lora
@@ -620,5 +622,7 @@ class Trainer:
                 png = plot_losses(cfg.checkpoint.output_dir)
                 if png:
                     self.console(f"loss curves: {png}")
+        self.console(run_summary(records, time.perf_counter() - started, self._saved_path, cfg.out / FINAL_DIR
+                                 if self.step >= self.total_steps else None, process_age()))
         self.metrics.close()
         return records

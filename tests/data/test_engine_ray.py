@@ -77,9 +77,7 @@ def example_config(tmp_path, name, *overrides):
     """configs/data/example.json with absolute paths, its own copy of the ratio file, output in tmp_path/name."""
     raw = orjson.loads((ROOT / "configs/data/example.json").read_bytes())
     tmp_path.mkdir(parents=True, exist_ok=True)
-    ratios = tmp_path / "ratios.json"
-    if not ratios.exists():
-        shutil.copy(ROOT / raw["ratio_path"], ratios)
+    ratios = tmp_path / "ratios.json"  # preprocess writes it (every rate 1.0), as the example's first run does
     args = [f"output_dir={tmp_path / name}", f"ratio_path={ratios}", f"tokenizer_path={ROOT / raw['tokenizer_path']}",
             "inputs=" + orjson.dumps([{**spec, "path": str(ROOT / spec["path"])} for spec in raw["inputs"]]).decode()]
     cfg = load_config(ROOT / "configs/data/example.json", args + list(overrides))
@@ -516,7 +514,8 @@ def test_preprocess_and_sample_lines_are_written_by_the_workers(fault_dir, tmp_p
     from data import sample
 
     ratios = tmp_path / "ratios.json"
-    categories = orjson.loads((ROOT / "configs/data/example_ratios.json").read_bytes())["categories"]
+    raw = orjson.loads((ROOT / "configs/data/example.json").read_bytes())
+    categories = [{"category_id": i, "category_name": spec["category_name"]} for i, spec in enumerate(raw["inputs"], 1)]
     for cat, rate in zip(categories, [2.5, 0.4, 0, 1.3, 1]):
         cat["sample_rate"] = rate
     ratios.write_bytes(orjson.dumps({"categories": categories}))

@@ -51,7 +51,7 @@ def test_data_process_with_an_unreachable_ray_address_stops_in_seconds_naming_it
     from tests.conftest import ROOT
 
     raw = orjson.loads((ROOT / "configs/data/example.json").read_bytes())
-    raw.update(output_dir=str(tmp_path / "out"), ratio_path=str(ROOT / raw["ratio_path"]),
+    raw.update(output_dir=str(tmp_path / "out"),
                tokenizer_path=str(ROOT / raw["tokenizer_path"]),
                inputs=[{**spec, "path": str(ROOT / spec["path"])} for spec in raw["inputs"]])
     config = tmp_path / "config.json"

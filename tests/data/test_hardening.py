@@ -161,8 +161,7 @@ def example_config(directory, **extra):
 def example_run(tmp_path_factory):
     """The example pipeline run once; tests take a copy (`_copy_run`)."""
     directory = tmp_path_factory.mktemp("example")
-    (directory / "ratios.json").write_bytes((ROOT / "configs/data/example_ratios.json").read_bytes())
-    pipeline.main([str(example_config(directory))])
+    pipeline.main([str(example_config(directory))])  # preprocess writes ratios.json (every rate 1.0)
     return directory
 
 

@@ -211,13 +211,17 @@ def test_text_pipeline_never_imports_pil_or_torchvision():
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
-def test_without_torchvision_an_image_record_says_how_to_set_it_up():
+def test_without_torchvision_an_image_record_says_how_to_set_it_up(tmp_path, monkeypatch):
+    """(where .venv-vision is built, the message is the prefix instead: tests/test_newcomer_round3.py)"""
     try:
         import torchvision  # noqa: F401
         pytest.skip("torchvision loads here (.venv-vision)")
     except Exception:
         pass
+    from data import images
     from data.images import load_processor
+
+    monkeypatch.setattr(images, "VISION_VENV", tmp_path / ".venv-vision")  # not built
 
     with pytest.raises(ConfigError, match="scripts/setup_vision.sh"):
         load_processor(str(mm("qwen2_5_vl_processor")))

@@ -46,8 +46,13 @@ def test_driver_runs_requested_stages_in_order_and_ends_with_packed_dir(tmp_path
     pipeline.main([str(config), "--stages", "pack,sample,merge,preprocess,tokenize", "max_length=4096",
                    "ratio_path=" + str(tmp_path / "r.json")])
     lines = capsys.readouterr().out.strip().splitlines()
-    assert [line.split("]")[0] for line in lines[:5]] == ["[preprocess", "[sample", "[merge", "[tokenize", "[pack"]
+    stage_lines = [line for line in lines if line.startswith("[")]
+    assert [line.split("]")[0] for line in stage_lines[:5]] == ["[preprocess", "[sample", "[merge", "[tokenize", "[pack"]
     assert lines[0].startswith("[preprocess] in=530 out=530")
+    assert lines[1] == (f"  ratio file: {tmp_path / 'r.json'} (a sample_rate per category: edit it, then re-run "
+                        f"from sample: sh data_process.sh {config} --stages sample,merge,tokenize,pack "
+                        f"max_length=4096 ratio_path={tmp_path / 'r.json'})")
+    assert lines[2].startswith("[sample] ") and lines[3] == f"  rates from the ratio file {tmp_path / 'r.json'}"
     assert lines[-1] == f"packed: {tmp_path / 'out' / 'packed'}"
     assert calls == [("sample", 4096), ("merge", 4096), ("tokenize", 4096), ("pack", 4096)]
     assert (tmp_path / "r.json").exists() and not (tmp_path / "out" / "sampled.jsonl").exists()

@@ -32,9 +32,18 @@ def _train_sh(*args: str) -> subprocess.CompletedProcess:
 
 def test_example_trains_and_exports(example_data, tmp_path):
     out = tmp_path / "run"
-    _train_sh("configs/train/example.yaml", f"data_path={example_data}", f"output_dir={out}", "max_steps=8",
-              "warmup_steps=2", "save_steps=4", "grad_accum=1", f"eval_data_path={example_data}", "eval_steps=8")
+    proc = _train_sh("configs/train/example.yaml", f"data_path={example_data}", f"output_dir={out}", "max_steps=8",
+                     "warmup_steps=2", "save_steps=4", "grad_accum=1", f"eval_data_path={example_data}",
+                     "eval_steps=8")
     log = read_log(out)
+    # the run ends with its summary (tests/test_newcomer_round3.py checks its wording), and without launcher notices
+    summary = proc.stdout[proc.stdout.index("run summary: steps 1-8 in "):].splitlines()
+    assert f"final loss {log[-1]['loss']:.4g}, eval loss {log[-1]['eval_loss']:.4g} (step 8)" in summary[0]
+    assert summary[1:4] == [f"  checkpoint:  {out / 'checkpoints' / 'step-000008'}", f"  final model: {out / 'final'}",
+                            f"  try it:      python -m train.chat {out / 'final'}   (one user turn per line; with "
+                            ".venv active, from the project directory)"]
+    for notice in ("were not passed to `accelerate launch`", "Setting accelerator to CPU"):
+        assert notice not in proc.stdout + proc.stderr
     assert [r["step"] for r in log] == list(range(1, 9))
     for record in log:
         for key in ("epoch", "loss", "lr", "grad_norm", "tokens_per_s", "loss_tokens", "category_loss"):
@@ -60,6 +69,13 @@ def test_example_trains_and_exports(example_data, tmp_path):
         gen = model.generate(**prompt, max_new_tokens=8, do_sample=False)
     assert gen.shape[1] == prompt["input_ids"].shape[1] + 8 or int(gen[0, -1]) == tok.eos_token_id
     assert isinstance(tok.decode(gen[0, prompt["input_ids"].shape[1]:]), str)
+
+    # the summary's command on this final/, its input piped: one answer per line, the greedy continuation
+    chat = subprocess.run([sys.executable, "-m", "train.chat", str(final), "--max-new-tokens", "8"], cwd=ROOT,
+                          input="What is 2 + 3?\n", capture_output=True, text=True, timeout=300)
+    assert chat.returncode == 0, chat.stderr
+    answer = tok.decode(gen[0, prompt["input_ids"].shape[1]:]).split("<|im_end|>")[0].strip()
+    assert chat.stdout == f"assistant: {answer}\n"
 
 
 def test_config_error_is_reported_before_training(tmp_path):
