@@ -69,6 +69,7 @@ from train.engines.build import Engine, EngineSetup, saved_with, start_process_g
 from train.engines.schedule import lr_lambda_factory, param_groups
 from train.model.images import SELF_CHECK_MAX_TOKENS
 from train.metrics import EvalProgress, MetricsLogger, plot_losses, step_progress, truncate_log
+from train.model.experts import apply_expert_parallel, describe as describe_experts
 from train.model.moe import real_tokens, resolve_router_aux
 from train.nonfinite import SKIPPED, NonFiniteError, nonfinite_tensors, stop_message
 from train.model.packed import PackedCausalLM, build_lm
@@ -108,7 +109,8 @@ class Trainer:
         self.cfg = cfg = self.memory.config  # the config as planned (sequence_parallel_size auto resolved)
         self.sp_layout = plan_sp_layout(cfg.parallel, cfg.launch, checked.model_config)  # before the mesh
         self.mesh: Mesh = build_mesh(cfg.parallel.sequence_parallel_size,
-                                     ulysses_size=self.sp_layout.ulysses_size if self.sp_layout else 1)
+                                     ulysses_size=self.sp_layout.ulysses_size if self.sp_layout else 1,
+                                     ep_size=cfg.parallel.expert_parallel_size)
         self.device = self.mesh.device
         self.console = console or (print if self.mesh.is_main else (lambda *_: None))
         self.progress_bar = sys.stderr.isatty()  # redirected output: plain step lines, no tqdm fragments
@@ -139,6 +141,8 @@ class Trainer:
             getattr(data, "has_images", False) for data in (self.dataset, self.eval_dataset)) else None
         self.model_identity = model_identity(checked.model_config, cfg.lora)
         self.lm = build_lm(cfg, checked.model_config, setup.dtype, self.memory)
+        # expert parallelism: this rank's part of every MoE layer's experts (train/model/experts.py)
+        self.experts = apply_expert_parallel(self.lm, checked.model_config, self.mesh, cfg.moe.moe_kernel)
         self.plan = plan_attention(cfg.model, cfg.parallel, self.sp_layout, self.mesh, self.lm, self.structure)
         self.router_aux, router_warning = resolve_router_aux(self.lm, cfg.moe.output_router_logits,
                                                              cfg.moe.router_aux_loss_coef)
@@ -392,6 +396,7 @@ class Trainer:
         epoch, in_epoch = self.sampler.position(self.step)
         return {"step": self.step, "epoch": epoch, "step_in_epoch": in_epoch, **self._step_layout(),
                 "seed": self.cfg.steps.seed, "world_size": self.mesh.world_size, "engine": self.engine.name,
+                "expert_parallel_size": self.mesh.ep_size,
                 "deepspeed_stage": self.cfg.deepspeed.stage, "data": self._data_identity(),
                 "model": self.model_identity}
 
@@ -456,6 +461,12 @@ class Trainer:
                 "resume=none)"
             )
         check_same_model(path, state, self.model_identity, self.cfg.model)
+        saved_ep = int(state.get("expert_parallel_size", 1))
+        if saved_ep != self.mesh.ep_size:
+            raise CheckpointError(
+                f"resume from {path}: saved with expert_parallel_size={saved_ep}, this run has expert_parallel_size="
+                f"{self.mesh.ep_size}: resuming on another expert-parallel degree is not supported yet; resume with "
+                f"expert_parallel_size={saved_ep}")
         saved_world = state.get("world_size")
         resharded = saved_world is not None and int(saved_world) != self.mesh.world_size
         if resharded and "rows_per_step" not in state:
@@ -553,7 +564,8 @@ class Trainer:
             f"training {self.total_steps} steps: world {self.mesh.world_size} (dp {self.mesh.dp_size} x sp "
             f"{self.mesh.sp_size}" + (f" [{self.memory.sp_reason}]" if self.memory.sp_reason else "")
             + f"), {self.sampler.rows_per_step} rows/step, {self.engine.describe()}, "
-            f"loss {cfg.steps.loss_reduction}, "
+            + (f"{describe_experts(self.experts, self.mesh.ep_size)}, " if self.experts else "")
+            + f"loss {cfg.steps.loss_reduction}, "
             f"activation checkpointing {self.memory.checkpointing_reason}"
             + (", compiled decoder layers" if cfg.model.compile_layers else "")
             + (", compiled loss chunks" if self.compiles_loss else "") + (", Liger kernels" if cfg.model.liger else "")

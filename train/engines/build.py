@@ -131,15 +131,27 @@ class _TorchOptimizerEngine(Engine):
 
 
 class PlainEngine(_TorchOptimizerEngine):
+    """With expert parallelism (train/model/experts.py) each rank holds its part of the experts: an expert gradient
+    is summed over the edp group (the ranks holding the same part), the norm counts every part once, checkpoints hold
+    one file per part, and the export gathers the parts."""
+
     name = "plain"
 
     def __init__(self, cfg, model, param_groups, lr_factor, mesh: Mesh, ds_config: dict | None):
+        from train.model.experts import is_expert_parameter
+
         model.to(mesh.device)
         super().__init__(cfg, model, param_groups, lr_factor)
         self.lora, self.autocasts = cfg.lora.lora_rank > 0, cfg.model.bf16
-        if dist.is_initialized():  # every rank starts from rank 0's weights
+        self.mesh, self.ep = mesh, mesh.ep_size > 1
+        self.expert_ids = {id(p) for p in model.parameters() if is_expert_parameter(p)}
+        if dist.is_initialized():  # every rank starts from rank 0's weights (an expert part: its edp group's first)
+            edp_first = dist.get_process_group_ranks(mesh.edp_group)[0] if self.ep else 0
             for p in model.parameters():
-                dist.broadcast(p.data, src=0)
+                if id(p) in self.expert_ids:
+                    dist.broadcast(p.data, src=edp_first, group=mesh.edp_group)
+                else:
+                    dist.broadcast(p.data, src=0)
 
     def describe(self) -> str:
         return "no DeepSpeed (plain torch AdamW)"
@@ -149,31 +161,66 @@ class PlainEngine(_TorchOptimizerEngine):
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            all_reduce_sum_bucketed([p.grad for p in params])
+            all_reduce_sum_bucketed([p.grad for p in params if id(p) not in self.expert_ids])
+            if self.expert_ids:
+                all_reduce_sum_bucketed([p.grad for p in params if id(p) in self.expert_ids],
+                                        group=self.mesh.edp_group)
+
+    def _clip(self, params, max_norm):
+        if not self.ep:
+            return super()._clip(params, max_norm)
+        # replicated gradients once, every part of the experts once (summed over the ep group)
+        squares = [gradient_norm([p.grad for p in params if p.grad is not None and (id(p) in self.expert_ids) == part])
+                   ** 2 for part in (False, True)]
+        experts = torch.tensor(squares[1], dtype=torch.float64)
+        dist.all_reduce(experts, group=self.mesh.ep_group)
+        norm = math.sqrt(squares[0] + float(experts))
+        if math.isfinite(norm) and math.isfinite(max_norm):
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(norm))
+        return norm
+
+    def _part_files(self) -> tuple[str, str] | None:
+        """Under expert parallelism, on the first rank of its edp group other than part 0: its part's files."""
+        if not self.ep or self.mesh.ep_rank == 0:
+            return None
+        if dist.get_rank() != dist.get_process_group_ranks(self.mesh.edp_group)[0]:
+            return None
+        return f"model.ep{self.mesh.ep_rank}.pt", f"optimizer.ep{self.mesh.ep_rank}.pt"
 
     def save(self, directory, is_main):
         if is_main:
             torch.save(self.module.state_dict(), directory / "model.pt")
             torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
             torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
+        elif part := self._part_files():  # the experts' part ep_rank: its weights and optimizer state
+            torch.save(self.module.state_dict(), directory / part[0])
+            torch.save(self.optimizer.state_dict(), directory / part[1])
 
     def load(self, path, resharded_from=None):  # optimizer.pt is whole: it loads as saved on any number of ranks
         self.check_saved_with(path)
+        model_file, optimizer_file = "model.pt", "optimizer.pt"
+        if self.ep and self.mesh.ep_rank > 0:  # every rank holding part ep_rank reads its part's files
+            model_file, optimizer_file = f"model.ep{self.mesh.ep_rank}.pt", f"optimizer.ep{self.mesh.ep_rank}.pt"
         try:
-            self.module.load_state_dict(safe_load(path / "model.pt"))
+            self.module.load_state_dict(safe_load(path / model_file))
         except RuntimeError as exc:  # a checkpoint older than the model record of trainer_state.json
             lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
             raise CheckpointError(
                 f"resume from {path}: its weights do not fit this model (model_config / model_path / lora_rank "
                 f"differ from the run that saved it): {lines[1] if len(lines) > 1 else lines[0]} ... Resume with "
                 "that run's model settings, or start a new run (another output_dir)") from exc
-        self.optimizer.load_state_dict(safe_load(path / "optimizer.pt"))  # moves the state to the params' device
+        self.optimizer.load_state_dict(safe_load(path / optimizer_file))  # moves the state to the params' device
         self.scheduler.load_state_dict(safe_load(path / "scheduler.pt"))
 
     def export_state(self, is_main):
         if self.lora:
             return None  # save_lora reads the live (full) parameters
-        return self.module.state_dict() if is_main else None
+        state = self.module.state_dict() if is_main else None
+        if self.ep:  # collective: every expert, the parts of the main rank's ep group put together
+            from train.model.experts import gather_expert_state
+
+            state = gather_expert_state(self.module, state, self.mesh.ep_group, is_main)
+        return state
 
 
 class DeepSpeedEngine(Engine):

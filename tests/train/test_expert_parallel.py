@@ -1,0 +1,146 @@
+"""expert_parallel_size: 2 through the trainer's start-up (`python -m train` under torchrun, gloo, 2 CPU processes)
+equals one process without expert parallelism on the same 2 rows a step: losses, router aux losses and gradient
+norms of 3 steps within 1e-5 relative, and final/ (every expert, the model's own layout, loading with
+from_pretrained) equal to the reference's final/. Per family one launch, shared by its assertions. The
+dispatch / combine core alone: tests/train/test_experts.py."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests._train_helpers import (  # noqa: F401  (one_thread is a fixture)
+    VOCAB,
+    one_thread,
+    random_rows,
+    run_train,
+    write_config,
+    write_packed,
+)
+from train.checkpoint import CheckpointError
+from train.config.sections import load_config
+from train.metrics import read_log
+from train.trainer import Trainer
+
+RTOL = 1e-5
+STEPS = 3
+COMMON = ["max_grad_norm=0.5", "self_check=true"]
+AUX = ["output_router_logits=true", "router_aux_loss_coef=0.05"]  # not deepseek_v3: its routers balance by a bias
+
+
+def _model_config(family: str) -> dict:
+    """Tiny random-init configs: 8 experts top-2, 2 layers, hidden 32."""
+    base = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, max_position_embeddings=256, use_cache=False, tie_word_embeddings=False)
+    if family == "qwen3_moe":
+        return dict(base, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                    intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    if family == "gpt_oss":  # expert biases, interleaved clamped SwiGLU, attention sinks
+        return dict(base, model_type="gpt_oss", num_local_experts=8, num_experts_per_tok=2, intermediate_size=16,
+                    swiglu_limit=0.5, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    # deepseek_v3: a dense first layer, shared experts, grouped sigmoid routing with its correction bias
+    return dict(base, model_type="deepseek_v3", num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                intermediate_size=48, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+                kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                norm_topk_prob=True, routed_scaling_factor=2.5)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ep")
+    return tmp, write_packed(tmp / "data", random_rows(5, 6))
+
+
+def _setup(data, family: str):
+    tmp, packed = data
+    model_config = tmp / f"{family}.json"
+    model_config.write_text(json.dumps(_model_config(family)))
+    config = write_config(tmp / f"{family}.yaml", data_path=str(packed), model_config=str(model_config),
+                          max_steps=STEPS, lr=1e-3, loss_chunk_size=16, plot=False, output_dir=str(tmp / "unused"),
+                          seed=3)
+    return tmp, config
+
+
+def _options(family: str) -> list[str]:
+    return COMMON + ([] if family == "deepseek_v3" else AUX)
+
+
+def _reference(config, out, family) -> list[dict]:
+    """One process, no expert parallelism, the same 2 rows a step (2 micro-batches)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return Trainer(load_config(config, [f"output_dir={out}", *_options(family), "grad_accum=2"]),
+                       console=lambda *_: None).train()
+    finally:
+        torch.set_num_threads(before)
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def _assert_equal_runs(family, ep_out, ref_out, ref_log):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    log = read_log(ep_out)
+    assert [r["step"] for r in log] == [r["step"] for r in ref_log] == list(range(1, STEPS + 1))
+    for got, want in zip(log, ref_log):
+        assert ("aux_loss" in want) == (family != "deepseek_v3")
+        for key in [key for key in ("loss", "aux_loss", "grad_norm") if key in want]:
+            assert _rel(got[key], want[key]) <= RTOL, (family, key, got["step"], got[key], want[key])
+    got, want = load_file(ep_out / "final" / "model.safetensors"), load_file(ref_out / "final" / "model.safetensors")
+    assert got.keys() == want.keys()
+    experts = [name for name in want if ".experts." in name]
+    assert experts and all(got[name].shape == want[name].shape for name in experts)  # every expert exported
+    for name in want:  # atol as tests/train/test_fsdp2.py: Adam's first steps magnify the rounding of the gradient
+        # sums' order where a gradient is tiny (the weights are ~0.02: 1e-6 is 5e-5 of them)
+        torch.testing.assert_close(got[name], want[name], rtol=RTOL,
+                                   atol=max(1e-6, RTOL * float(want[name].abs().max())))
+    model = AutoModelForCausalLM.from_pretrained(ep_out / "final")
+    assert model.config.model_type == family
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_runs(data):
+    """EP 2 on 2 processes (activation checkpointing on, a checkpoint at step 2), and the reference."""
+    tmp, config = _setup(data, "qwen3_moe")
+    ep_out = tmp / "qwen3_moe_ep2"
+    proc = run_train(config, [f"output_dir={ep_out}", *_options("qwen3_moe"), "expert_parallel_size=2",
+                              "launch.num_processes=2", "gradient_checkpointing=true", "save_steps=2", "moe_kernel=auto"], nproc=2)
+    ref_out = tmp / "qwen3_moe_ref"
+    return config, ep_out, ref_out, _reference(config, ref_out, "qwen3_moe"), proc.stdout + proc.stderr
+
+
+@pytest.mark.multiprocess
+def test_qwen3_moe_ep2_equals_one_process(qwen3_moe_runs):
+    config, ep_out, ref_out, ref_log, output = qwen3_moe_runs
+    assert "expert parallel 2: 4 of 8 experts per rank, grouped_mm" in output
+    _assert_equal_runs("qwen3_moe", ep_out, ref_out, ref_log)
+    step2 = ep_out / "checkpoints" / "step-000002"
+    assert (step2 / "model.pt").is_file() and (step2 / "model.ep1.pt").is_file()  # one file per part
+
+
+@pytest.mark.multiprocess
+def test_resume_with_another_degree_is_refused(qwen3_moe_runs, tmp_path, one_thread):
+    config, ep_out, *_ = qwen3_moe_runs
+    cfg = load_config(config, [f"output_dir={tmp_path / 'out'}", *_options("qwen3_moe"), "grad_accum=2",
+                               f"resume={ep_out / 'checkpoints' / 'step-000002'}"])
+    with pytest.raises(CheckpointError, match="expert_parallel_size=2"):
+        Trainer(cfg, console=lambda *_: None)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family", ["gpt_oss"])
+def test_other_families_ep2_equal_one_process(data, family):
+    """gpt_oss: expert biases, interleaved clamped SwiGLU, attention sinks; the per-expert loop."""
+    tmp, config = _setup(data, family)
+    ep_out, ref_out = tmp / f"{family}_ep2", tmp / f"{family}_ref"
+    kernel = "loop" if family == "gpt_oss" else "grouped_mm"
+    proc = run_train(config, [f"output_dir={ep_out}", *_options(family), "expert_parallel_size=2",
+                              "launch.num_processes=2", f"moe_kernel={kernel}"], nproc=2)
+    assert f"4 of 8 experts per rank, {kernel}" in proc.stdout + proc.stderr
+    _assert_equal_runs(family, ep_out, ref_out, _reference(config, ref_out, family))
