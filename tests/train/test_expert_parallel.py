@@ -144,3 +144,30 @@ def test_other_families_ep2_equal_one_process(data, family):
                               "launch.num_processes=2", f"moe_kernel={kernel}"], nproc=2)
     assert f"4 of 8 experts per rank, {kernel}" in proc.stdout + proc.stderr
     _assert_equal_runs(family, ep_out, ref_out, _reference(config, ref_out, family))
+
+
+@pytest.mark.multiprocess
+def test_deepseek_v3_model_ep2(tmp_path):
+    """deepseek_v3 (a dense first layer, a shared expert, grouped sigmoid routing with its correction bias) at the
+    model level on 2 processes, each its own number of tokens: the loss and every gradient with the experts split
+    equal the full model's (summed over the ranks) within 1e-5 of each tensor's scale, and the gathered experts are
+    the original ones. (Not yet through the trainer: its attention plan does not know latent attention.)"""
+    import subprocess
+    import sys
+
+    from tests._train_helpers import ROOT, free_port
+
+    config = {k: v for k, v in _model_config("deepseek_v3").items()}
+    config_file, out = tmp_path / "config.json", tmp_path / "out.json"
+    config_file.write_text(json.dumps(config))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           str(ROOT / "tests" / "_ep_worker.py"), "deepseek_v3", str(config_file), str(out), "grouped_mm"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["info"] == {"layers": 1, "num_experts": 8, "local": 4, "kernel": "grouped_mm"}
+    assert result["dense_layers"] == 1
+    assert result["loss"] <= RTOL
+    assert max(result["grads"].values()) <= RTOL, result["grads"]
+    assert result["gathered_equal"] and all(result["gathered_equal"].values())
