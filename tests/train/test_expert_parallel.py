@@ -171,3 +171,26 @@ def test_deepseek_v3_model_ep2(tmp_path):
     assert result["loss"] <= RTOL
     assert max(result["grads"].values()) <= RTOL, result["grads"]
     assert result["gathered_equal"] and all(result["gathered_equal"].values())
+
+
+def test_train_sh_refuses_expert_parallelism_on_a_dense_model(data, tmp_path):
+    """`sh train.sh` checks expert_parallel_size against the model config before accelerate starts any process:
+    one line naming the key, exit 2, nothing written."""
+    import os
+    import subprocess
+
+    from tests._train_helpers import ROOT
+
+    _, packed = data
+    dense = tmp_path / "dense.json"
+    dense.write_text(json.dumps({"model_type": "qwen2", "vocab_size": VOCAB, "hidden_size": 32,
+                                 "num_hidden_layers": 1, "num_attention_heads": 4, "intermediate_size": 64}))
+    config = write_config(tmp_path / "c.yaml", data_path=str(packed), model_config=str(dense),
+                          output_dir=str(tmp_path / "out"))
+    proc = subprocess.run(["sh", "train.sh", str(config), "expert_parallel_size=2", "launch.num_processes=2"],
+                          cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "config error: expert_parallel_size=2 needs a mixture-of-experts model" in proc.stderr
+    assert "set expert_parallel_size=1" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()

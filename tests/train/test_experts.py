@@ -145,6 +145,7 @@ def _config(tmp_path, **values):
     ({"expert_parallel_size": 2, "lora_rank": 4}, 2, "lora_rank=0"),
     ({"expert_parallel_size": 2, "sequence_parallel_size": 2}, 4, "sequence_parallel_size=1"),
     ({"expert_parallel_size": 2, "tiled_mlp": True}, 2, "tiled_mlp=false"),
+    ({"expert_parallel_size": 2, "compile_layers": True}, 2, "compile_layers=false"),
     ({"expert_parallel_size": 0}, 2, "expert_parallel_size must be >= 1"),
 ])
 def test_config_refusals(tmp_path, values, world, needle):

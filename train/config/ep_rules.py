@@ -33,6 +33,9 @@ def expert_parallel_problem(cfg, world_size: int) -> str | None:
     if cfg.model.tiled_mlp:
         return (f"{head} with tiled_mlp: true would run each MoE block's token exchange once per tile, a different "
                 "number of times on each rank; set tiled_mlp=false, or expert_parallel_size=1")
+    if cfg.model.compile_layers:
+        return (f"{head} with compile_layers: true is not verified yet (the token exchange inside a compiled decoder "
+                "layer); set compile_layers=false, or expert_parallel_size=1")
     for processes, what in ((world_size, f"world size {world_size}"),
                             (cfg.launch.num_processes, f"launch.num_processes={cfg.launch.num_processes}")):
         if processes > 1 and processes % ep:
