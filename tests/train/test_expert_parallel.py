@@ -1,8 +1,9 @@
 """expert_parallel_size: 2 through the trainer's start-up (`python -m train` under torchrun, gloo, 2 CPU processes)
 equals one process without expert parallelism on the same 2 rows a step: losses, router aux losses and gradient
 norms of 3 steps within 1e-5 relative, and final/ (every expert, the model's own layout, loading with
-from_pretrained) equal to the reference's final/. Per family one launch, shared by its assertions. The
-dispatch / combine core alone: tests/train/test_experts.py."""
+from_pretrained) equal to the reference's final/ — qwen3_moe (stopped after step 2 and resumed from its per-part
+checkpoint) and gpt_oss; deepseek_v3 at the model level (tests/_ep_worker.py); the refusals of `sh train.sh` and of a
+resume on another degree. The dispatch / combine core alone: tests/train/test_experts.py."""
 from __future__ import annotations
 
 import json
@@ -106,22 +107,28 @@ def _assert_equal_runs(family, ep_out, ref_out, ref_log):
 
 @pytest.fixture(scope="module")
 def qwen3_moe_runs(data):
-    """EP 2 on 2 processes (activation checkpointing on, a checkpoint at step 2), and the reference."""
+    """EP 2 on 2 processes with activation checkpointing, stopped after step 2 (its checkpoint: one file per part of
+    the experts) and resumed to the end; and the reference."""
     tmp, config = _setup(data, "qwen3_moe")
     ep_out = tmp / "qwen3_moe_ep2"
-    proc = run_train(config, [f"output_dir={ep_out}", *_options("qwen3_moe"), "expert_parallel_size=2",
-                              "launch.num_processes=2", "gradient_checkpointing=true", "save_steps=2", "moe_kernel=auto"], nproc=2)
+    options = [f"output_dir={ep_out}", *_options("qwen3_moe"), "expert_parallel_size=2", "launch.num_processes=2",
+               "gradient_checkpointing=true", "moe_kernel=auto"]
+    run_train(config, [*options, "stop_at_step=2"], nproc=2)
+    step2 = ep_out / "checkpoints" / "step-000002"
+    parts = sorted(path.name for path in step2.glob("*.pt") if path.name.startswith(("model", "optimizer")))
+    proc = run_train(config, [*options, "resume=latest"], nproc=2)
     ref_out = tmp / "qwen3_moe_ref"
-    return config, ep_out, ref_out, _reference(config, ref_out, "qwen3_moe"), proc.stdout + proc.stderr
+    return config, ep_out, ref_out, _reference(config, ref_out, "qwen3_moe"), proc.stdout + proc.stderr, parts
 
 
 @pytest.mark.multiprocess
 def test_qwen3_moe_ep2_equals_one_process(qwen3_moe_runs):
-    config, ep_out, ref_out, ref_log, output = qwen3_moe_runs
+    """EP 2 (resumed from its step-2 checkpoint for step 3) == one process: steps, aux losses, norms, final/."""
+    config, ep_out, ref_out, ref_log, output, parts = qwen3_moe_runs
     assert "expert parallel 2: 4 of 8 experts per rank, grouped_mm" in output
+    assert "resumed from" in output
+    assert parts == ["model.ep1.pt", "model.pt", "optimizer.ep1.pt", "optimizer.pt"]  # one file per part
     _assert_equal_runs("qwen3_moe", ep_out, ref_out, ref_log)
-    step2 = ep_out / "checkpoints" / "step-000002"
-    assert (step2 / "model.pt").is_file() and (step2 / "model.ep1.pt").is_file()  # one file per part
 
 
 @pytest.mark.multiprocess
