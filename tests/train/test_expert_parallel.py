@@ -2,7 +2,7 @@
 equals one process without expert parallelism on the same 2 rows a step: losses, router aux losses and gradient
 norms of 3 steps within 1e-5 relative, and final/ (every expert, the model's own layout, loading with
 from_pretrained) equal to the reference's final/ — qwen3_moe (stopped after step 2 and resumed from its per-part
-checkpoint) and gpt_oss; deepseek_v3 at the model level (tests/_ep_worker.py); the refusals of `sh train.sh` and of a
+checkpoint) and gpt_oss (under FSDP2); deepseek_v3 at the model level (tests/_ep_worker.py); the refusals of `sh train.sh` and of a
 resume on another degree. The dispatch / combine core alone: tests/train/test_experts.py."""
 from __future__ import annotations
 
@@ -142,14 +142,15 @@ def test_resume_with_another_degree_is_refused(qwen3_moe_runs, tmp_path, one_thr
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("family", ["gpt_oss"])
-def test_other_families_ep2_equal_one_process(data, family):
-    """gpt_oss: expert biases, interleaved clamped SwiGLU, attention sinks; the per-expert loop."""
+def test_other_families_ep2_fsdp2_equal_one_process(data, family):
+    """gpt_oss (expert biases, interleaved clamped SwiGLU, attention sinks; the per-expert loop) under
+    distributed_backend: fsdp2 (the experts sharded over their edp group, the rest over all ranks)."""
     tmp, config = _setup(data, family)
     ep_out, ref_out = tmp / f"{family}_ep2", tmp / f"{family}_ref"
-    kernel = "loop" if family == "gpt_oss" else "grouped_mm"
     proc = run_train(config, [f"output_dir={ep_out}", *_options(family), "expert_parallel_size=2",
-                              "launch.num_processes=2", f"moe_kernel={kernel}"], nproc=2)
-    assert f"4 of 8 experts per rank, {kernel}" in proc.stdout + proc.stderr
+                              "launch.num_processes=2", "moe_kernel=loop", "distributed_backend=fsdp2"], nproc=2)
+    output = proc.stdout + proc.stderr
+    assert "the experts over their edp group" in output and "4 of 8 experts per rank, loop" in output
     _assert_equal_runs(family, ep_out, ref_out, _reference(config, ref_out, family))
 
 

@@ -138,8 +138,7 @@ def _config(tmp_path, **values):
 
 
 @pytest.mark.parametrize("values,world,needle", [
-    ({"expert_parallel_size": 2, "deepspeed": {"stage": 2}}, 2, "deepspeed.stage=null"),
-    ({"expert_parallel_size": 2, "distributed_backend": "fsdp2"}, 2, "distributed_backend: fsdp2"),
+    ({"expert_parallel_size": 2, "deepspeed": {"stage": 2}}, 2, "use distributed_backend=fsdp2 with deepspeed.stage=null"),
     ({"expert_parallel_size": 3}, 4, "must divide the data-parallel size (world size 4)"),
     ({"expert_parallel_size": 2}, 1, "needs 2 processes"),
     ({"expert_parallel_size": 2, "lora_rank": 4}, 2, "lora_rank=0"),
@@ -159,6 +158,7 @@ def test_section_and_flat_key(tmp_path):
     assert _config(tmp_path, parallel={"expert_parallel_size": 2}).parallel.expert_parallel_size == 2
     assert _config(tmp_path, expert_parallel_size=2, moe_kernel="loop").moe.moe_kernel == "loop"
     _config(tmp_path, expert_parallel_size=2).validate(4)
+    _config(tmp_path, expert_parallel_size=2, distributed_backend="fsdp2", launch={"num_processes": 4}).validate(4)
 
 
 def test_model_refusals():

@@ -1,7 +1,7 @@
 """The rules expert parallelism (`expert_parallel_size`, train/model/experts.py) obeys, each written once: pure
 functions (no torch) that say what is wrong (None: nothing), naming the key and what would work.
 
-- the values (train/config/sections.py, before anything is read): the engine (the plain torch engine for now), the
+- the values (train/config/sections.py, before anything is read): the engine (plain torch or FSDP2), the
   data-parallel size divisible by the degree, and the features not yet verified with it;
 - the model (train/preflight.py, once its config is read, before any weight loads): a mixture-of-experts family
   whose experts module the family table marks (`FamilySpec.experts`), with num_experts divisible by the degree.
@@ -17,12 +17,12 @@ def expert_parallel_problem(cfg, world_size: int) -> str | None:
     if ep == 1:
         return None
     head = f"expert_parallel_size={ep}"
-    if cfg.uses_fsdp2 or cfg.uses_deepspeed:
-        engine = ("distributed_backend: fsdp2" if cfg.uses_fsdp2 else f"DeepSpeed (deepspeed.stage={cfg.deepspeed.stage})")
-        return (f"{head} runs on the plain torch engine only for now: {engine} would reduce (and shard) each expert's "
-                "gradient over every rank, while under expert parallelism only the ranks holding the same experts "
-                "share one; set deepspeed.stage=null and distributed_backend=deepspeed (plain torch AdamW), or "
-                "expert_parallel_size=1")
+    if cfg.uses_deepspeed:
+        return (f"{head} is not supported under DeepSpeed (deepspeed.stage={cfg.deepspeed.stage}): ZeRO would average "
+                "each expert's gradient over every rank and partition it across the ranks holding other experts, "
+                "while under expert parallelism only the ranks holding the same experts share one; use "
+                "distributed_backend=fsdp2 with deepspeed.stage=null (or deepspeed.stage=null alone: plain torch "
+                "AdamW), or expert_parallel_size=1")
     sp = cfg.parallel.sequence_parallel_size
     if sp != 1:
         return (f"{head} with sequence_parallel_size={sp} is not verified yet: set sequence_parallel_size=1, or "
