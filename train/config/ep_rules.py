@@ -2,7 +2,8 @@
 functions (no torch) that say what is wrong (None: nothing), naming the key and what would work.
 
 - the values (train/config/sections.py, before anything is read): the engine (plain torch or FSDP2), the
-  data-parallel size divisible by the degree, and the features not yet verified with it;
+  data-parallel size (processes / sequence_parallel_size) divisible by the degree, and the features not yet verified
+  with it;
 - the model (train/preflight.py, once its config is read, before any weight loads): a mixture-of-experts family
   whose experts module the family table marks (`FamilySpec.experts`), with num_experts divisible by the degree.
 """
@@ -23,10 +24,6 @@ def expert_parallel_problem(cfg, world_size: int) -> str | None:
                 "while under expert parallelism only the ranks holding the same experts share one; use "
                 "distributed_backend=fsdp2 with deepspeed.stage=null (or deepspeed.stage=null alone: plain torch "
                 "AdamW), or expert_parallel_size=1")
-    sp = cfg.parallel.sequence_parallel_size
-    if sp != 1:
-        return (f"{head} with sequence_parallel_size={sp} is not verified yet: set sequence_parallel_size=1, or "
-                "expert_parallel_size=1")
     if cfg.lora.lora_rank > 0:
         return (f"{head} with LoRA (lora_rank={cfg.lora.lora_rank}) is not supported yet: set lora_rank=0 (full "
                 "fine-tuning), or expert_parallel_size=1")
@@ -36,11 +33,15 @@ def expert_parallel_problem(cfg, world_size: int) -> str | None:
     if cfg.model.compile_layers:
         return (f"{head} with compile_layers: true is not verified yet (the token exchange inside a compiled decoder "
                 "layer); set compile_layers=false, or expert_parallel_size=1")
+    sp = cfg.parallel.sequence_parallel_size  # auto: checked again once the trainer has chosen the degree
     for processes, what in ((world_size, f"world size {world_size}"),
                             (cfg.launch.num_processes, f"launch.num_processes={cfg.launch.num_processes}")):
-        if processes > 1 and processes % ep:
-            return (f"{head} must divide the data-parallel size ({what}): each group of {ep} data-parallel ranks "
-                    f"shares one copy of the experts; use a divisor of {processes}")
+        if processes <= 1 or sp == "auto" or processes % sp:  # (not whole sp groups: sp_rules' message)
+            continue
+        if (processes // sp) % ep:
+            return (f"{head} must divide the data-parallel size ({processes // sp} = {what} / sequence_parallel_size "
+                    f"{sp}): each group of {ep} data-parallel ranks shares one copy of the experts; use a divisor of "
+                    f"{processes // sp}")
     if world_size == 1:
         return (f"{head} needs {ep} processes (a multiple of {ep}), got one; run `sh train.sh` with "
                 f"launch.num_processes={ep} (or a multiple), or expert_parallel_size=1")

@@ -35,8 +35,6 @@ import torch.nn.functional as F
 
 from common.config import ConfigError
 
-KERNELS = ("auto", "grouped_mm", "loop")
-
 
 # ---------------------------------------------------------------------------------------------- the pure pieces
 def plan_dispatch(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,8 +225,8 @@ def grouped_mm_problem(experts: torch.nn.Module, names: list[str]) -> str | None
     return None
 
 
-def find_experts(lm: torch.nn.Module, path: str) -> list[tuple[str, torch.nn.Module]]:
-    """(name, module) of every decoder layer's experts module at `path` (layers without one: a dense layer)."""
+def find_experts(lm: torch.nn.Module, path: str) -> list[torch.nn.Module]:
+    """Every decoder layer's experts module at `path` (layers without one: a dense layer)."""
     from train.model.patches.tiled_mlp import decoder_layers
 
     found = []
@@ -239,7 +237,7 @@ def find_experts(lm: torch.nn.Module, path: str) -> list[tuple[str, torch.nn.Mod
             if module is None:
                 break
         if module is not None and hasattr(module, "has_gate"):  # transformers' experts module (the decorator's flag)
-            found.append((path, module))
+            found.append(module)
     return found
 
 
@@ -251,7 +249,7 @@ def shard_experts(lm: torch.nn.Module, path: str, ep_size: int, ep_rank: int, gr
         raise ConfigError(f"expert_parallel_size={ep_size}: the model has no experts module at `{path}` of its decoder "
                           "layers; set expert_parallel_size=1")
     chosen = None
-    for _, experts in found:
+    for experts in found:
         num_experts = experts.num_experts
         local = num_experts // ep_size
         names = expert_parameter_names(experts, num_experts)
