@@ -396,9 +396,15 @@ class Trainer:
         epoch, in_epoch = self.sampler.position(self.step)
         return {"step": self.step, "epoch": epoch, "step_in_epoch": in_epoch, **self._step_layout(),
                 "seed": self.cfg.steps.seed, "world_size": self.mesh.world_size, "engine": self.engine.name,
-                "expert_parallel_size": self.mesh.ep_size,
+                "expert_parallel_size": self.mesh.ep_size, **self._expert_record(),
                 "deepspeed_stage": self.cfg.deepspeed.stage, "data": self._data_identity(),
                 "model": self.model_identity}
+
+    def _expert_record(self) -> dict:
+        """Under expert parallelism on the plain engine: the expert parameters' names (a resume on another degree
+        cuts them anew)."""
+        names = getattr(self.engine, "expert_parameter_names", None)
+        return {"expert_parameters": names()} if self.mesh.ep_size > 1 and names is not None else {}
 
     def _step_layout(self) -> dict:
         """What decides the rows and the lr of every step (a resume with another global batch or step count is
@@ -462,11 +468,17 @@ class Trainer:
             )
         check_same_model(path, state, self.model_identity, self.cfg.model)
         saved_ep = int(state.get("expert_parallel_size", 1))
+        experts_from = None
         if saved_ep != self.mesh.ep_size:
-            raise CheckpointError(
-                f"resume from {path}: saved with expert_parallel_size={saved_ep}, this run has expert_parallel_size="
-                f"{self.mesh.ep_size}: resuming on another expert-parallel degree is not supported yet; resume with "
-                f"expert_parallel_size={saved_ep}")
+            names = (state.get("expert_parameters") if saved_ep > 1 else
+                     getattr(self.engine, "expert_parameter_names", lambda: None)())
+            if self.engine.name != "plain" or not names:
+                raise CheckpointError(
+                    f"resume from {path}: saved with expert_parallel_size={saved_ep}, this run has "
+                    f"expert_parallel_size={self.mesh.ep_size}: another expert-parallel degree resumes on the plain "
+                    "engine (deepspeed.stage null, distributed_backend deepspeed) from a checkpoint it saved with "
+                    f"expert parallelism; resume with expert_parallel_size={saved_ep}")
+            experts_from = (saved_ep, names)
         saved_world = state.get("world_size")
         resharded = saved_world is not None and int(saved_world) != self.mesh.world_size
         if resharded and "rows_per_step" not in state:
@@ -475,7 +487,7 @@ class Trainer:
                 "predates the record of its global batch (PackSFT's resume on another number of processes needs "
                 "it); resume with the same number of processes"
             )
-        self.engine.load(path, resharded_from=int(saved_world) if resharded else None)
+        self.engine.load(path, resharded_from=int(saved_world) if resharded else None, experts_from=experts_from)
         self.step = int(state["step"])
         if resharded:  # rows move between ranks: no saved stream belongs to a new rank (dropout off: no effect)
             _seed_everything(reshard_rng_seed(self.cfg.steps.seed, self.step, self.mesh.rank))

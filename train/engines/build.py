@@ -73,9 +73,11 @@ class Engine:
     def save(self, directory: Path, is_main: bool) -> None:
         raise NotImplementedError
 
-    def load(self, path: Path, resharded_from: int | None = None) -> None:
+    def load(self, path: Path, resharded_from: int | None = None, experts_from=None) -> None:
         """Restore model, optimizer and scheduler from the checkpoint `path`; `resharded_from`: the number of
-        processes that saved it when this run has another (the global batch is the same, train/checkpoint.py)."""
+        processes that saved it when this run has another (the global batch is the same, train/checkpoint.py);
+        `experts_from`: (expert_parallel_size, expert parameter names) of the run that saved it when this run has
+        another degree (the plain engine only)."""
         raise NotImplementedError
 
     def export_state(self, is_main: bool) -> dict | None:
@@ -199,21 +201,58 @@ class PlainEngine(_TorchOptimizerEngine):
             torch.save(self.module.state_dict(), directory / part[0])
             torch.save(self.optimizer.state_dict(), directory / part[1])
 
-    def load(self, path, resharded_from=None):  # optimizer.pt is whole: it loads as saved on any number of ranks
+    def load(self, path, resharded_from=None, experts_from=None):
+        """optimizer.pt is whole: it loads as saved on any number of ranks. `experts_from`: (the expert_parallel_size
+        that saved the checkpoint, its expert parameters' names) when this run has another degree: the saved parts
+        are put together and this rank's part cut from them (weights and Adam moments)."""
         self.check_saved_with(path)
         model_file, optimizer_file = "model.pt", "optimizer.pt"
         if self.ep and self.mesh.ep_rank > 0:  # every rank holding part ep_rank reads its part's files
             model_file, optimizer_file = f"model.ep{self.mesh.ep_rank}.pt", f"optimizer.ep{self.mesh.ep_rank}.pt"
+        if experts_from is not None:
+            model_state, optimizer_state = self._cut_parts(path, *experts_from)
+        else:
+            model_state, optimizer_state = safe_load(path / model_file), safe_load(path / optimizer_file)
         try:
-            self.module.load_state_dict(safe_load(path / model_file))
+            self.module.load_state_dict(model_state)
         except RuntimeError as exc:  # a checkpoint older than the model record of trainer_state.json
             lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
             raise CheckpointError(
                 f"resume from {path}: its weights do not fit this model (model_config / model_path / lora_rank "
                 f"differ from the run that saved it): {lines[1] if len(lines) > 1 else lines[0]} ... Resume with "
                 "that run's model settings, or start a new run (another output_dir)") from exc
-        self.optimizer.load_state_dict(safe_load(path / optimizer_file))  # moves the state to the params' device
+        self.optimizer.load_state_dict(optimizer_state)  # moves the state to the params' device
         self.scheduler.load_state_dict(safe_load(path / "scheduler.pt"))
+
+    def _cut_parts(self, path: Path, saved_ep: int, names: list[str]) -> tuple[dict, dict]:
+        """The model and optimizer state of this rank's part of the experts, from the `saved_ep` parts of `path`."""
+        files = [("model.pt", "optimizer.pt")] + [(f"model.ep{r}.pt", f"optimizer.ep{r}.pt") for r in range(1, saved_ep)]
+        models = [safe_load(path / model_file) for model_file, _ in files]
+        optimizers = [safe_load(path / optimizer_file) for _, optimizer_file in files]
+        size, rank = self.mesh.ep_size, self.mesh.ep_rank
+
+        def part(tensors: list[torch.Tensor]) -> torch.Tensor:
+            whole = torch.cat(tensors)
+            local = whole.shape[0] // size
+            return whole[rank * local:(rank + 1) * local].clone()
+
+        model, optimizer = models[0], optimizers[0]
+        for name in names:
+            model[name] = part([m[name] for m in models])
+        named = {id(p): name for name, p in self.module.named_parameters()}
+        order = [named[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
+        for index, name in enumerate(order):  # the optimizer state is keyed by position in the parameter groups
+            if name in names and index in optimizer["state"]:
+                state = dict(optimizer["state"][index])
+                for key, value in state.items():
+                    if torch.is_tensor(value) and value.dim() > 0:  # exp_avg, exp_avg_sq (not the step count)
+                        state[key] = part([o["state"][index][key] for o in optimizers])
+                optimizer["state"][index] = state
+        return model, optimizer
+
+    def expert_parameter_names(self) -> list[str]:
+        """The names of this rank's expert parameters (what a resume on another degree cuts anew)."""
+        return sorted(name for name, p in self.module.named_parameters() if id(p) in self.expert_ids)
 
     def export_state(self, is_main):
         if self.lora:
@@ -271,7 +310,7 @@ class DeepSpeedEngine(Engine):
     def save(self, directory, is_main):
         self.engine.save_checkpoint(str(directory), tag="ds", save_latest=False)
 
-    def load(self, path, resharded_from=None):
+    def load(self, path, resharded_from=None, experts_from=None):
         self.check_saved_with(path)
         if resharded_from is None:
             load_deepspeed_files_safely(self.engine)  # no code runs from ds/*.pt
@@ -404,7 +443,7 @@ class FSDP2Engine(_TorchOptimizerEngine):
         if is_main:
             torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
 
-    def load(self, path, resharded_from=None):  # DCP reads each rank's shards from whichever files hold them
+    def load(self, path, resharded_from=None, experts_from=None):  # DCP reads each rank's shards from whichever files hold them
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         from train.engines import dcp as dcp_checkpoint
