@@ -8,7 +8,8 @@ per-family piece the trainer needs to train it exactly on packed rows; each modu
 - train/attention/function.py: whether its sliding window lives only in transformers' mask function;
 - train/model/moe.py: the config key of its router aux-loss coefficient;
 - train/model/patches/tiled_mlp.py: whether its decoder layers' feed-forwards can run in tiles of tokens (`untileable_mlp`);
-- train/model/images.py: how a composite trains on image conversations (`images`: an `ImageInputs`), or why it cannot.
+- train/model/images.py: how a composite trains on image conversations (`images`: an `ImageInputs`), or why it cannot;
+- train/model/experts.py: where its experts module lives, for expert parallelism (`experts`: an `ExpertsSpec`).
 The conformance suite (tests/train/test_model_conformance.py) is parametrized from this table: every `exact` family
 trains on a packed row exactly as transformers' own unpacked forward (its length-dependent ropes included), every
 refused one is stopped before any weight loads, and every causal LM of the installed transformers is in it;
@@ -63,6 +64,21 @@ class ImageInputs:
 
 
 @dataclass(frozen=True)
+class ExpertsSpec:
+    """Where a mixture-of-experts family's routed experts live, for expert parallelism (train/model/experts.py): the
+    module at `path` in each MoE decoder layer is transformers' experts module (a `use_experts_implementation` class:
+    3-D `gate_up_proj` / `down_proj` weights, optional biases, `forward(hidden_states, top_k_index, top_k_weights)`
+    returning the routing-weighted sum of the chosen experts), whose per-expert function its layout flags say
+    (`is_transposed`, `has_bias`, `has_gate`, its `_apply_gate`: concatenated SiLU gate, gpt_oss's interleaved
+    clamped SwiGLU). A layer without that module there (a dense first layer) keeps its MLP. The router, shared
+    experts and everything else of the block stay as transformers runs them. `count_key`: the config key of the
+    number of routed experts."""
+
+    path: str = "mlp.experts"
+    count_key: str = "num_experts"
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     """One model type; every field defaults to what a plain causal-attention decoder needs."""
 
@@ -82,6 +98,7 @@ class FamilySpec:
     untileable_mlp: str | None = None  # why tiled_mlp (train/model/patches/tiled_mlp.py) cannot run its feed-forwards in tiles
     # a composite's image conversations: how they train, or why they cannot (None: UNVERIFIED_IMAGES)
     images: ImageInputs | Refusal | None = None
+    experts: ExpertsSpec | None = None  # expert parallelism: where its experts live (None: refused under EP)
 
     @property
     def image_refusal(self) -> Refusal | None:
@@ -273,7 +290,7 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _refused("data2vec-text", ENCODER),
     _refused("dbrx", OWN_ATTENTION),
     _exact("deepseek_v2"),
-    _exact("deepseek_v3"),
+    _exact("deepseek_v3", experts=ExpertsSpec(count_key="n_routed_experts")),
     _refused("deepseek_v32", SPARSE_INDEXER),
     _refused("deepseek_v4", COMPRESSED_ATTENTION),
     _exact("diffllama"),
@@ -310,7 +327,7 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _refused("gpt_neo", OWN_ATTENTION),
     _exact("gpt_neox"),
     _refused("gpt_neox_japanese", OWN_ATTENTION),
-    _exact("gpt_oss", SINKS),
+    _exact("gpt_oss", SINKS, experts=ExpertsSpec(count_key="num_local_experts")),
     _refused("gptj", OWN_ATTENTION),
     _exact("granite", logits=GRANITE_SCALING),
     _exact("granite_swa", SINKS, logits=GRANITE_SCALING),
@@ -392,7 +409,7 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _exact("qwen3"),
     _exact("qwen3_5_moe_text", LINEAR_ATTENTION, mixers=("Qwen3_5MoeGatedDeltaNet",)),
     _exact("qwen3_5_text", LINEAR_ATTENTION, mixers=("Qwen3_5GatedDeltaNet",)),
-    _exact("qwen3_moe"),
+    _exact("qwen3_moe", experts=ExpertsSpec()),
     _exact("qwen3_next", LINEAR_ATTENTION, mixers=("Qwen3NextGatedDeltaNet",)),
     _exact("qwen4_exp_text", LINEAR_ATTENTION, mixers=("Qwen4ExpTextGatedDeltaNet",)),
     _exact("recurrent_gemma", "RG-LRU and convolutions restarted per sequence (train/model/patches/recurrent.py), local "
@@ -536,3 +553,8 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _composite("vipllava", "llama"),
     _composite("vision-encoder-decoder", "bert"),
 )
+
+
+def expert_parallel_families() -> list[str]:
+    """The model types whose experts expert parallelism splits (`FamilySpec.experts`), sorted."""
+    return sorted(model_type for model_type, spec in FAMILIES.items() if spec.experts is not None)

@@ -311,7 +311,7 @@ def plot_losses(output_dir: str | os.PathLike, path: str | os.PathLike | None = 
 # ---------------------------------------------------------------------------------------------- the run summary
 # The lines a training run ends with: how long it took (start-up and steps), tokens/s, the final loss (and eval
 # loss), where the checkpoint and the exported model are, and how to talk to the model (train/chat.py).
-def _duration(seconds: float) -> str:
+def _span(seconds: float) -> str:
     seconds = int(round(seconds))
     hours, rest = divmod(seconds, 3600)
     return f"{hours}h{rest // 60:02d}m{rest % 60:02d}s" if hours else f"{rest // 60}m{rest % 60:02d}s"
@@ -351,9 +351,9 @@ def run_summary(records: list[dict], loop_seconds: float, checkpoint: Path | Non
         step_seconds = sum(r["tokens"] / r["tokens_per_s"] for r in records if r.get("tokens_per_s") and r.get("tokens"))
         seconds = step_seconds or loop_seconds
         steps = f"step {first}" if first == last else f"steps {first}-{last}"
-        took = f"{steps} in {_duration(seconds)}"
+        took = f"{steps} in {_span(seconds)}"
         if total_seconds is not None:
-            took += f" ({_duration(total_seconds)} in all, start-up and saving included)"
+            took += f" ({_span(total_seconds)} in all, start-up and saving included)"
         rate = f", {tokens / seconds:,.0f} tokens/s" if seconds > 0 and tokens else ""
         loss = f", final loss {last_loss:.4g}" if (last_loss := records[-1].get("loss")) is not None else ""
         evals = [r for r in records if "eval_loss" in r]

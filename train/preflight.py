@@ -49,9 +49,20 @@ def preflight(cfg: TrainConfig, world_size: int = 1) -> Preflight:
     check_output_dir(cfg)
     check_paths(cfg)
     model_config = read_model_config(cfg)
+    check_expert_parallel(cfg, model_config)
     checked = Preflight(model_config, eval_path(cfg), resolved_tokenizer(cfg)[0])
     check_data(cfg, checked)
     return checked
+
+
+def check_expert_parallel(cfg: TrainConfig, model_config) -> None:
+    """expert_parallel_size against the model: an MoE family whose experts the table marks, experts divisible."""
+    from train.config.ep_rules import model_expert_parallel_problem
+
+    problem = model_expert_parallel_problem(cfg.parallel.expert_parallel_size, model_config,
+                                            getattr(model_config, "model_type", "?"))
+    if problem:
+        raise ConfigError(problem)
 
 
 # ---------------------------------------------------------------------------------------------- the machine

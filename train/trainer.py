@@ -72,6 +72,7 @@ from train.engines.engine import Engine, saved_with
 from train.engines.schedule import lr_lambda_factory, param_groups
 from train.model.images import SELF_CHECK_MAX_TOKENS
 from train.metrics import EvalProgress, MetricsLogger, plot_losses, process_age, run_summary, step_progress, truncate_log
+from train.model.experts import apply_expert_parallel, describe as describe_experts
 from train.model.moe import real_tokens, resolve_router_aux
 from train.nonfinite import SKIPPED, NonFiniteError, nonfinite_tensors, stop_message
 from train.model.packed import PackedCausalLM, build_lm
@@ -113,7 +114,8 @@ class Trainer:
         if "tree_spans" in self.dataset.token_fields and self.sp_layout is not None:
             raise ConfigError(f"data_path {cfg.data.data_path}: {TREE_SP_REFUSAL}")
         self.mesh: Mesh = build_mesh(cfg.parallel.sequence_parallel_size,
-                                     ulysses_size=self.sp_layout.ulysses_size if self.sp_layout else 1)
+                                     ulysses_size=self.sp_layout.ulysses_size if self.sp_layout else 1,
+                                     ep_size=cfg.parallel.expert_parallel_size)
         self.device = self.mesh.device
         self.console = console or (print if self.mesh.is_main else (lambda *_: None))
         self.progress_bar = sys.stderr.isatty()  # redirected output: plain step lines, no tqdm fragments
@@ -144,6 +146,8 @@ class Trainer:
             getattr(data, "has_images", False) for data in (self.dataset, self.eval_dataset)) else None
         self.model_identity = model_identity(checked.model_config, cfg.lora)
         self.lm = build_lm(cfg, checked.model_config, setup.dtype, self.memory)
+        # expert parallelism: this rank's part of every MoE layer's experts (train/model/experts.py)
+        self.experts = apply_expert_parallel(self.lm, checked.model_config, self.mesh, cfg.moe.moe_kernel)
         self.plan = plan_attention(cfg.model, cfg.parallel, self.sp_layout, self.mesh, self.lm, self.structure)
         self.router_aux, router_warning = resolve_router_aux(self.lm, cfg.moe.output_router_logits,
                                                              cfg.moe.router_aux_loss_coef)
@@ -412,8 +416,15 @@ class Trainer:
         epoch, in_epoch = self.sampler.position(self.step)
         return {"step": self.step, "epoch": epoch, "step_in_epoch": in_epoch, **self._step_layout(),
                 "seed": self.cfg.steps.seed, "world_size": self.mesh.world_size, "engine": self.engine.name,
+                "expert_parallel_size": self.mesh.ep_size, **self._expert_record(),
                 "deepspeed_stage": self.cfg.deepspeed.stage, "data": self._data_identity(),
                 "model": self.model_identity}
+
+    def _expert_record(self) -> dict:
+        """Under expert parallelism on the plain engine: the expert parameters' names (a resume on another degree
+        cuts them anew)."""
+        names = getattr(self.engine, "expert_parameter_names", None)
+        return {"expert_parameters": names()} if self.mesh.ep_size > 1 and names is not None else {}
 
     def _step_layout(self) -> dict:
         """What decides the rows and the lr of every step (a resume with another global batch or step count is
@@ -476,6 +487,18 @@ class Trainer:
                 "resume=none)"
             )
         check_same_model(path, state, self.model_identity, self.cfg.model)
+        saved_ep = int(state.get("expert_parallel_size", 1))
+        experts_from = None
+        if saved_ep != self.mesh.ep_size:
+            names = (state.get("expert_parameters") if saved_ep > 1 else
+                     getattr(self.engine, "expert_parameter_names", lambda: None)())
+            if self.engine.name != "plain" or not names:
+                raise CheckpointError(
+                    f"resume from {path}: saved with expert_parallel_size={saved_ep}, this run has "
+                    f"expert_parallel_size={self.mesh.ep_size}: another expert-parallel degree resumes on the plain "
+                    "engine (deepspeed.stage null, distributed_backend deepspeed) from a checkpoint it saved with "
+                    f"expert parallelism; resume with expert_parallel_size={saved_ep}")
+            experts_from = (saved_ep, names)
         saved_world = state.get("world_size")
         resharded = saved_world is not None and int(saved_world) != self.mesh.world_size
         if resharded and "rows_per_step" not in state:
@@ -484,7 +507,7 @@ class Trainer:
                 "predates the record of its global batch (PackSFT's resume on another number of processes needs "
                 "it); resume with the same number of processes"
             )
-        self.engine.load(path, resharded_from=int(saved_world) if resharded else None)
+        self.engine.load(path, resharded_from=int(saved_world) if resharded else None, experts_from=experts_from)
         self.step = int(state["step"])
         if resharded:  # rows move between ranks: no saved stream belongs to a new rank (dropout off: no effect)
             _seed_everything(reshard_rng_seed(self.cfg.steps.seed, self.step, self.mesh.rank))
@@ -574,7 +597,8 @@ class Trainer:
             f"training {self.total_steps} steps: world {self.mesh.world_size} (dp {self.mesh.dp_size} x sp "
             f"{self.mesh.sp_size}" + (f" [{self.memory.sp_reason}]" if self.memory.sp_reason else "")
             + f"), {self.sampler.rows_per_step} rows/step, {self.engine.describe()}, "
-            f"loss {cfg.steps.loss_reduction}, "
+            + (f"{describe_experts(self.experts, self.mesh.ep_size)}, " if self.experts else "")
+            + f"loss {cfg.steps.loss_reduction}, "
             f"activation checkpointing {self.memory.checkpointing_reason}"
             + (", compiled decoder layers" if cfg.model.compile_layers else "")
             + (", compiled loss chunks" if self.compiles_loss else "") + (", Liger kernels" if cfg.model.liger else "")

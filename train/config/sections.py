@@ -38,6 +38,7 @@ from common.config import (
     to_dict,
 )
 from train.config.backend_names import ATTN_BACKEND_CHOICES, SP_BACKEND_CHOICES
+from train.config.ep_rules import expert_parallel_problem
 from train.config.sp_rules import placement_problem, processes_problem, ulysses_size_problem
 
 logger = logging.getLogger(__name__)
@@ -164,6 +165,9 @@ class ParallelSection:
     sequence_parallel_size: int | Literal["auto"] = 1
     sp_backend: Literal[SP_BACKEND_CHOICES] = "auto"  # sequence-parallel attention (auto: by heads and placement)
     sp_ulysses_size: int | None = None  # Ulysses degree inside the sp group (< sequence_parallel_size: the hybrid); null: chosen
+    # MoE: split each MoE layer's experts over this many data-parallel ranks (num_experts / N each, tokens exchanged
+    # by all-to-all, dropless; train/model/experts.py); 1: every rank holds every expert
+    expert_parallel_size: int = 1
 
 
 @dataclass
@@ -206,6 +210,9 @@ class MoESection:
     # objective
     output_router_logits: bool | None = None
     router_aux_loss_coef: float | None = None  # weight of the router aux loss, >= 0; null: the model config's
+    # the local experts under expert_parallel_size > 1: one grouped matrix product per projection (torch._grouped_mm),
+    # or one product per expert (loop); auto: grouped_mm where torch has it for the weights' dtype and device
+    moe_kernel: Literal["auto", "grouped_mm", "loop"] = "auto"
 
 
 @dataclass
@@ -374,6 +381,8 @@ class TrainConfig:
         if launch.num_machines > 1 and not launch.main_process_ip:
             raise ConfigError("launch.main_process_ip is required when launch.num_machines > 1")
         if sp == "auto":  # checked again once the trainer has chosen the degree
+            if problem := expert_parallel_problem(self, world_size):
+                raise ConfigError(problem)
             return
         problem = (processes_problem(world_size, f"world size {world_size}", sp)
                    or processes_problem(launch.num_processes, f"launch.num_processes={launch.num_processes}", sp)
@@ -381,6 +390,8 @@ class TrainConfig:
                    or placement_problem(parallel.sp_backend, sp, parallel.sp_ulysses_size,
                                         launch.processes_per_machine))
         if problem:
+            raise ConfigError(problem)
+        if problem := expert_parallel_problem(self, world_size):
             raise ConfigError(problem)
 
     def _validate_combinations(self) -> None:

@@ -1,6 +1,8 @@
 """The engine of a run, chosen once from the config: `EngineSetup` (what it decides before the model exists) and
 `EngineSetup.build` / `build_engine` (`ENGINES`: plain, DeepSpeed, FSDP2, one module each), which the trainer
-drives without asking which it is."""
+drives without asking which it is. Under expert parallelism (train/model/experts.py; plain and FSDP2) an expert's
+gradient is summed over the ranks holding the same experts (the mesh's edp group; FSDP2: each experts module a unit
+sharded over it), each part of the experts is saved apart, and the export gathers the parts."""
 from __future__ import annotations
 
 import os

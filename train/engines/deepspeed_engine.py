@@ -8,6 +8,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -90,7 +91,7 @@ class DeepSpeedEngine(Engine):
     def save(self, directory, is_main):
         self.engine.save_checkpoint(str(directory), tag="ds", save_latest=False)
 
-    def load(self, path, resharded_from=None):
+    def load(self, path, resharded_from=None, experts_from=None):
         self.check_saved_with(path)
         if resharded_from is None:
             load_deepspeed_files_safely(self.engine)  # no code runs from ds/*.pt

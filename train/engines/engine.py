@@ -66,9 +66,11 @@ class Engine:
     def save(self, directory: Path, is_main: bool) -> None:
         raise NotImplementedError
 
-    def load(self, path: Path, resharded_from: int | None = None) -> None:
+    def load(self, path: Path, resharded_from: int | None = None, experts_from=None) -> None:
         """Restore model, optimizer and scheduler from the checkpoint `path`; `resharded_from`: the number of
-        processes that saved it when this run has another (the global batch is the same, train/checkpoint.py)."""
+        processes that saved it when this run has another (the global batch is the same, train/checkpoint.py);
+        `experts_from`: (expert_parallel_size, expert parameter names) of the run that saved it when this run has
+        another degree (the plain engine only)."""
         raise NotImplementedError
 
     def export_state(self, is_main: bool) -> dict | None:

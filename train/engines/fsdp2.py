@@ -24,12 +24,24 @@ class FSDP2Engine(_TorchOptimizerEngine):
 
         from train.model.patches.tiled_mlp import decoder_layers
 
+        from train.model.experts import is_expert_parameter
+
         device, cpu_offload, bf16 = mesh.device, cfg.fsdp2.cpu_offload, cfg.model.bf16  # offload: GPUs (preflight)
         self.device = device  # the collectives' (host-offloaded gradients included)
         model.to(device)
-        if dist.get_world_size() > 1:  # every rank shards rank 0's weights
-            for p in model.parameters():
-                dist.broadcast(p.data, src=0)
+        self.mesh, self.ep = mesh, mesh.ep_size > 1
+        # expert parallelism (train/model/experts.py): each experts module is sharded over its edp group (the ranks
+        # holding the same experts), every other weight over all ranks
+        self.expert_names = {name for name, p in model.named_parameters() if is_expert_parameter(p)}
+        expert_units = [m for m in model.modules()
+                        if any(is_expert_parameter(p) for p in m.parameters(recurse=False))]
+        if dist.get_world_size() > 1:  # every rank shards rank 0's weights (an expert part: its edp group's first)
+            edp_first = dist.get_process_group_ranks(mesh.edp_group)[0] if self.ep else 0
+            for name, p in model.named_parameters():
+                if name in self.expert_names:
+                    dist.broadcast(p.data, src=edp_first, group=mesh.edp_group)
+                else:
+                    dist.broadcast(p.data, src=0)
         self.world = init_device_mesh(device.type, (mesh.world_size,), mesh_dim_names=("fsdp",))
         options = dict(
             mesh=self.world, reshard_after_forward=cfg.fsdp2.reshard_after_forward,
@@ -37,21 +49,29 @@ class FSDP2Engine(_TorchOptimizerEngine):
             else MixedPrecisionPolicy(),
             offload_policy=CPUOffloadPolicy(pin_memory=True) if cpu_offload else OffloadPolicy(),
         )
-        units = [*decoder_layers(model.lm), model]
-        for unit in units:
+        if expert_units:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            edp_mesh = DeviceMesh.from_group(mesh.edp_group, device.type, mesh_dim_names=("edp",))
+            for unit in expert_units:
+                fully_shard(unit, **{**options, "mesh": edp_mesh})
+        units = [*expert_units, *decoder_layers(model.lm), model]
+        for unit in units[len(expert_units):]:
             fully_shard(unit, **options)
         for unit in units:  # reduce-scatter sums (exactly, with SUM collectives on every backend): see the docstring
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
         # a parameter without a gradient on some rank (an MoE expert no token of this rank chose) reduces as zeros
         # there, so every rank's reduce-scatter has the same inputs (else they would not match, and hang)
-        model.set_reduce_scatter_unused_params(True)
+        for unit in (model, *expert_units):
+            unit.set_reduce_scatter_unused_params(True)
         super().__init__(cfg, model, param_groups, lr_factor)  # the optimizer over the sharded parameters
         self.cpu_offload = cpu_offload
         self.n_units, self.size = len(units), mesh.world_size
 
     def describe(self) -> str:
         return (f"FSDP2 ({self.n_units} units sharded over {self.size} ranks"
+                + (", the experts over their edp group" if self.ep else "")
                 + (", offloaded to host memory" if self.cpu_offload else "") + ")")
 
     def backward(self, loss, last):
@@ -64,16 +84,40 @@ class FSDP2Engine(_TorchOptimizerEngine):
         local = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in params) if g is not None]
         square = torch.tensor(gradient_norm(local) ** 2, dtype=torch.float64, device=self.device)
         dist.all_reduce(square)
-        norm = math.sqrt(float(square))
+        norm = math.sqrt(float(square))  # expert parts: disjoint shards too (each part over its own edp group)
         if math.isfinite(norm) and math.isfinite(max_norm):
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(norm))
+            for same_mesh in self._by_mesh(params):
+                torch.nn.utils.clip_grads_with_norm_(same_mesh, max_norm, torch.tensor(norm))
         return norm
+
+    def _by_mesh(self, params) -> list[list[torch.Tensor]]:
+        """The parameters of the experts (sharded over the edp group) apart from the others (over all ranks)."""
+        if not self.ep:
+            return [params]
+        experts = {id(p) for name, p in self.module.named_parameters() if name in self.expert_names}
+        return [[p for p in params if (id(p) in experts) == part] for part in (False, True)]
+
+    def _part_key(self, key: str) -> str:
+        """A checkpoint key of an expert parameter names its part: the parts are different tensors of one name."""
+        return f"{key}@ep{self.mesh.ep_rank}"
 
     def _states(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model, optimizer = get_state_dict(self.module, self.optimizer)
+        if self.ep:
+            model = {self._part_key(k) if k in self.expert_names else k: v for k, v in model.items()}
+            optimizer = {**optimizer, "state": {self._part_key(k) if k in self.expert_names else k: v
+                                                for k, v in optimizer["state"].items()}}
         return {"model": model, "optimizer": optimizer}
+
+    def _unpart(self, states: dict) -> dict:
+        if not self.ep:
+            return states
+        names = {self._part_key(k): k for k in self.expert_names}
+        return {"model": {names.get(k, k): v for k, v in states["model"].items()},
+                "optimizer": {**states["optimizer"], "state": {names.get(k, k): v for k, v in
+                                                               states["optimizer"]["state"].items()}}}
 
     def save(self, directory, is_main):
         from train.engines import dcp as dcp_checkpoint
@@ -82,7 +126,7 @@ class FSDP2Engine(_TorchOptimizerEngine):
         if is_main:
             torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
 
-    def load(self, path, resharded_from=None):  # DCP reads each rank's shards from whichever files hold them
+    def load(self, path, resharded_from=None, experts_from=None):  # DCP reads each rank's shards from whichever files hold them
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         from train.engines import dcp as dcp_checkpoint
@@ -90,6 +134,7 @@ class FSDP2Engine(_TorchOptimizerEngine):
         self.check_saved_with(path)
         states = self._states()
         dcp_checkpoint.load(states, path / "dcp", manifest_dir=path)  # only files its manifest lists
+        states = self._unpart(states)
         set_state_dict(self.module, self.optimizer, model_state_dict=states["model"],
                        optim_state_dict=states["optimizer"])
         self.scheduler.load_state_dict(safe_load(path / "scheduler.pt"))
@@ -99,6 +144,14 @@ class FSDP2Engine(_TorchOptimizerEngine):
 
         # collective: the full tensors, on the main rank's host only
         state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.ep:  # every expert: each part gathered over its edp group, the parts over the ep group
+            for name, p in self.module.named_parameters():
+                if name in self.expert_names:
+                    part = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+                    parts = [torch.empty_like(part) for _ in range(self.mesh.ep_size)]
+                    dist.all_gather(parts, part.contiguous(), group=self.mesh.ep_group)
+                    if is_main:
+                        state[name] = torch.cat(parts).cpu()
         if not is_main:
             return None
         first: dict[int, str] = {}  # a tied weight (embeddings and head) as one tensor, as module.state_dict() has it,
