@@ -77,7 +77,7 @@ def build_packed(out_dir: Path, row_length: int, fixtures: Path | None, smoke: b
         raw = json.loads((ROOT / "configs/data/example.json").read_text())
         for spec in raw["inputs"]:
             spec["path"] = str(ROOT / spec["path"])
-        raw.update(tokenizer_path=str(ROOT / raw["tokenizer_path"]), ratio_path=str(ROOT / raw["ratio_path"]))
+        raw.update(tokenizer_path=str(ROOT / raw["tokenizer_path"]))  # the ratio file: written into output_dir
     else:
         if fixtures is None or not (fixtures / "data").is_dir():
             raise SystemExit(f"--fixtures {fixtures}: no data/ directory (a copy of ../shared/fixtures); or --packed")

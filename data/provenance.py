@@ -35,6 +35,7 @@ import orjson
 from common.config import ConfigError, to_dict
 from common.fsutil import atomic_write_bytes, file_blake2b, tokenizer_hash
 from data.config import STAGES, DataConfig
+from data.shards.chat_templates import chat_template_hash
 
 PROVENANCE_NAME = "provenance.json"
 FORMAT = 1
@@ -89,7 +90,7 @@ def identity(path: str | os.PathLike) -> dict | None:
 def _tokenizer_settings(cfg: DataConfig) -> dict:
     tokenizer = tokenizer_hash(cfg.tokenizer_path) if Path(cfg.tokenizer_path).is_dir() else None
     return {"tokenizer": tokenizer,
-            "chat_template": file_blake2b(cfg.chat_template) if cfg.chat_template else None}
+            "chat_template": chat_template_hash(cfg.chat_template)}  # a file's bytes, or a built-in name's text
 
 
 def stage_settings(cfg: DataConfig, stage: str) -> dict[str, Any]:

@@ -145,6 +145,7 @@ class Trainer:
         self.image_inputs = check_image_support(checked.model_config) if any(
             getattr(data, "has_images", False) for data in (self.dataset, self.eval_dataset)) else None
         self.model_identity = model_identity(checked.model_config, cfg.lora)
+        setup.before_weights_load()
         self.lm = build_lm(cfg, checked.model_config, setup.dtype, self.memory)
         # expert parallelism: this rank's part of every MoE layer's experts (train/model/experts.py)
         self.experts = apply_expert_parallel(self.lm, checked.model_config, self.mesh, cfg.moe.moe_kernel)

@@ -122,7 +122,7 @@ def test_structured_block_mask_built_once_per_micro_batch(monkeypatch):
     built = []
 
     def fake_builder(*args):
-        built.append(args[-3:])  # (q_len, kv_len, device)
+        built.append(args[-4:-1])  # (q_len, kv_len, device), before the tree spans
         return object()
 
     monkeypatch.setattr(structured, "structured_block_mask", fake_builder)

@@ -46,11 +46,6 @@ class EngineSetup:
 
             skip_unused_cpu_comm_op()  # before DeepSpeed's communication backend starts (zero.Init or initialize)
             self.ds_config = build_deepspeed_config(cfg)
-            if self.zero3 and cfg.model.model_path is not None:
-                # from_pretrained then loads straight into partitions (zero.Init) instead of a full copy per rank
-                from transformers.integrations import HfDeepSpeedConfig
-
-                self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
         # DeepSpeed runs bf16 weights itself; the others keep fp32 weights and autocast their forwards
         self.dtype = torch.bfloat16 if (cfg.model.bf16 and self.name == "deepspeed") else torch.float32
         self.autocast_bf16 = cfg.model.bf16 and self.name != "deepspeed"
@@ -64,6 +59,15 @@ class EngineSetup:
             self.offloads_optimizer = offloads_optimizer(self.ds_config)
         else:
             self.offloads_optimizer = False
+
+    def before_weights_load(self) -> None:
+        """Right before the model's weights load: under ZeRO-3 with a checkpoint, from_pretrained then loads straight
+        into partitions (zero.Init) instead of a full copy per rank. Not earlier: every model transformers builds
+        while it is registered (the start-up's meta-device models, e.g. the SP layout's) would be built by zero.Init."""
+        if self.partitioned_load and self._hf_ds_config is None:
+            from transformers.integrations import HfDeepSpeedConfig
+
+            self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
 
     def build(self, cfg, model, param_groups, lr_factor, mesh: Mesh) -> Engine:
         return ENGINES[self.name](cfg, model, param_groups, lr_factor, mesh, self.ds_config)
