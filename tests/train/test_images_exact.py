@@ -127,7 +127,7 @@ def conversations(tmp_path_factory):
 def test_a_packed_row_of_image_conversations_equals_the_composite_per_conversation(conversations, tmp_path):
     import torch.nn.functional as F
 
-    from data.shards import PackedDataset
+    from data.shards.dataset import PackedDataset
     from train.config.sections import load_config
     from train.model.lm_head import decoder_of
     from train.trainer import Trainer
