@@ -1,7 +1,7 @@
 """Process groups for data parallelism (dp) x sequence parallelism (sp), from one device mesh.
 
 Ranks come from torch.distributed, never from accelerate: under `accelerate launch --use_deepspeed` on CPU,
-accelerate reports process_index 0 and num_processes 1 on every rank (see ../shared/NOTES.md).
+accelerate reports process_index 0 and num_processes 1 on every rank (measured with accelerate 1.15 on CPU).
 Layout: world rank r = dp_rank * sp_size + sp_rank, so the ranks of one sp group are neighbours. With Ulysses
 sequence parallelism of degree u (train/attention/ulysses.py) the sp dimension is itself a 2-D mesh, sp_rank =
 ring_rank * u + ulysses_rank: the u ranks of a Ulysses group are neighbours (one machine, where the all-to-all is

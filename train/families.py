@@ -558,3 +558,9 @@ FAMILIES: dict[str, FamilySpec] = _table(
 def expert_parallel_families() -> list[str]:
     """The model types whose experts expert parallelism splits (`FamilySpec.experts`), sorted."""
     return sorted(model_type for model_type, spec in FAMILIES.items() if spec.experts is not None)
+
+
+def text_config(config):
+    """The config of a model's language model: a composite's text config, a plain model's own config (also a plain
+    object without `get_text_config`, as tests and the memory plan's shapes pass)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config

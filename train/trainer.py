@@ -3,7 +3,7 @@ torch: train/engines/).
 
 Why DeepSpeed is driven directly (`deepspeed.initialize` with the dict built by train/engines/deepspeed_config.py) and
 `accelerate launch` is only the launcher: under `accelerate launch --use_deepspeed` on CPU, accelerate's rank
-bookkeeping is wrong (process_index 0 and num_processes 1 on every rank, see ../shared/NOTES.md), and accelerate's
+bookkeeping is wrong (process_index 0 and num_processes 1 on every rank, measured with accelerate 1.15 on CPU), and accelerate's
 DeepSpeed plugin rewrites the JSON and divides the loss by the accumulation steps behind our back. Ranks come from
 torch.distributed through train.distributed.build_mesh.
 

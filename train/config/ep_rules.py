@@ -59,12 +59,12 @@ MOE_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_n
 def model_expert_parallel_problem(expert_parallel_size: int, model_config, model_type: str) -> str | None:
     """What the model config forbids for `expert_parallel_size`: a dense model, a family whose experts the table
     does not mark, a number of experts the degree does not divide."""
-    from train.families import FAMILIES, expert_parallel_families
+    from train.families import FAMILIES, expert_parallel_families, text_config
 
     ep = expert_parallel_size
     if ep == 1:
         return None
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    text = text_config(model_config)
     text_type = getattr(text, "model_type", model_type)
     spec = FAMILIES.get(text_type)
     head = f"expert_parallel_size={ep}"

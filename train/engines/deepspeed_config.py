@@ -95,7 +95,7 @@ def _pin_memory() -> bool:
 
 def skip_unused_cpu_comm_op() -> None:
     """On DeepSpeed's CPU accelerator, skip the shared-memory all-reduce its communication backend compiles when it
-    starts (a JIT C++ build: 27 s on a 2-core VM, about 2 minutes in ../shared/NOTES.md, again for every new checkout
+    starts (a JIT C++ build: 27 s on a 2-core VM, about 2 minutes measured on another, again for every new checkout
     or environment path), which only `inference_all_reduce` uses: training never calls it, and that call falls back
     to the process group's all_reduce without it. DeepSpeed decides from its table of compatible ops (`deepspeed.ops.__compatible_ops__`,
     probed once per process and kept so that edits persist); the op is marked incompatible there. Other

@@ -291,10 +291,10 @@ def gather_expert_state(model: torch.nn.Module, state: dict | None, group, is_ma
 def apply_expert_parallel(lm: torch.nn.Module, model_config, mesh, kernel: str) -> dict | None:
     """Shard the experts of `lm` over the mesh's ep group (train/distributed.py) where the family table says they
     live (preflight has checked the family and the counts); None without expert parallelism."""
-    from train.families import FAMILIES
+    from train.families import FAMILIES, text_config
 
     if mesh.ep_size == 1:
         return None
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    text = text_config(model_config)
     spec = FAMILIES[text.model_type].experts
     return shard_experts(lm, spec.path, mesh.ep_size, mesh.ep_rank, mesh.ep_group, kernel)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from train.families import FAMILIES, ImageInputs
+from train.families import FAMILIES, ImageInputs, text_config
 
 
 class UnsupportedModelError(ValueError):
@@ -87,13 +87,13 @@ def check_model_support(config, *, self_check: bool = True) -> str:
             f"model family {model_type!r} is the text decoder of a composite checkpoint, which transformers builds "
             "only inside it (no causal LM of its own). What to do: set model_path to the composite checkpoint "
             "(docs/TRAINING.md, 'Composite checkpoints').")
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if spec is None and text_config is not config:
+    text = text_config(config)
+    if spec is None and text is not config:
         raise UnsupportedModelError(
             f"model family {model_type!r} cannot be trained on packed rows: a composite checkpoint (its text decoder "
-            f"is {model_type_of(text_config)!r}) that PackSFT's table (train/families.py) does not list, so nothing "
+            f"is {model_type_of(text)!r}) that PackSFT's table (train/families.py) does not list, so nothing "
             "says which of its modules run on text. What to do: train its text-only model type or a listed composite.")
-    for setting, value in ((s, getattr(c, s.key, None)) for s in ATTENTION_SETTINGS for c in (config, text_config)):
+    for setting, value in ((s, getattr(c, s.key, None)) for s in ATTENTION_SETTINGS for c in (config, text)):
         if setting.applies(value):
             raise UnsupportedModelError(
                 f"model family {model_type!r} cannot be trained on packed rows with `{setting.key}: {value}`: "

@@ -36,6 +36,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from train.families import text_config
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -53,7 +55,7 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, config) -> "ModelShape":
-        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+        cfg = text_config(config)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         return cls(
             hidden=cfg.hidden_size, n_layers=cfg.num_hidden_layers, n_heads=cfg.num_attention_heads,

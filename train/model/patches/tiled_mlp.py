@@ -25,7 +25,7 @@ import inspect
 import torch
 from torch import nn
 
-from train.families import FAMILIES
+from train.families import FAMILIES, text_config
 from train.model.lm_head import causal_lm_of, decoder_of
 from train.model.support import UnsupportedModelError
 
@@ -36,7 +36,7 @@ FEED_FORWARD_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "ffn")
 def intermediate_size(config) -> int:
     """The feed-forward width a token's tile holds (train.plan.memory.default_tile_tokens): the dense
     `intermediate_size`, else the routed experts' (`moe_intermediate_size` x experts per token), else 4 x hidden."""
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    cfg = text_config(config)
     width = getattr(cfg, "intermediate_size", None)
     if isinstance(width, (list, tuple)):
         width = max(width)
