@@ -24,18 +24,35 @@ def _close(got, want):
     torch.testing.assert_close(got, want, rtol=RTOL, atol=RTOL * float(want.detach().abs().max()))
 
 
+# family -> (its experts class in transformers' modeling module, the tiny config's keys: hidden 32, expert width 16)
+EXPERTS = {
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeExperts", {"moe_intermediate_size": 16, "num_experts": None}),
+    "gpt_oss": ("gpt_oss", "GptOssExperts", {"intermediate_size": 16, "num_local_experts": None, "swiglu_limit": 0.5}),
+    "deepseek_v3": ("deepseek_v3", "DeepseekV3Experts", {"moe_intermediate_size": 16, "n_routed_experts": None}),
+    "deepseek_v2": ("deepseek_v2", "DeepseekV2Experts", {"moe_intermediate_size": 16, "n_routed_experts": None}),
+    "glm4_moe": ("glm4_moe", "Glm4MoeExperts", {"moe_intermediate_size": 16, "n_routed_experts": None}),
+    "granitemoe": ("granitemoe", "GraniteMoeExperts", {"intermediate_size": 16, "num_local_experts": None}),
+    "minimax": ("minimax", "MiniMaxExperts", {"intermediate_size": 16, "num_local_experts": None}),
+    "mixtral": ("mixtral", "MixtralExperts", {"intermediate_size": 16, "num_local_experts": None}),
+    "olmoe": ("olmoe", "OlmoeExperts", {"intermediate_size": 16, "num_experts": None}),
+    "qwen2_moe": ("qwen2_moe", "Qwen2MoeExperts", {"moe_intermediate_size": 16, "num_experts": None}),
+    "qwen3_next": ("qwen3_next", "Qwen3NextExperts", {"moe_intermediate_size": 16, "num_experts": None}),
+    "qwen3_5_moe_text": ("qwen3_5_moe", "Qwen3_5MoeExperts", {"moe_intermediate_size": 16, "num_experts": None}),
+    "qwen3_vl_moe_text": ("qwen3_vl_moe", "Qwen3VLMoeTextExperts", {"moe_intermediate_size": 16, "num_experts": None}),
+}
+KERNELS = ("loop", "grouped_mm")
+
+
 def _experts(family: str, num_experts: int = 8):
     """transformers' experts module of a tiny `family` config, random weights."""
+    import importlib
+
     from transformers import AutoConfig
 
-    if family == "qwen3_moe":
-        config = AutoConfig.for_model("qwen3_moe", hidden_size=32, moe_intermediate_size=16, num_experts=num_experts,
-                                      num_experts_per_tok=2)
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts as cls
-    else:
-        config = AutoConfig.for_model("gpt_oss", hidden_size=32, intermediate_size=16, num_local_experts=num_experts,
-                                      num_experts_per_tok=2, swiglu_limit=0.5)
-        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts as cls
+    module_name, class_name, keys = EXPERTS[family]
+    config = AutoConfig.for_model(family, hidden_size=32, num_experts_per_tok=2,
+                                  **{k: num_experts if v is None else v for k, v in keys.items()})
+    cls = getattr(importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}"), class_name)
     config._experts_implementation = "eager"
     torch.manual_seed(0)
     module = cls(config)
@@ -77,8 +94,8 @@ def _simulated_ep(full, xs, indices, weights, n: int, kernel: str):
     return outs, parts
 
 
-@pytest.mark.parametrize("family,n,kernel", [("qwen3_moe", 2, "loop"), ("qwen3_moe", 4, "grouped_mm"),
-                                             ("gpt_oss", 2, "grouped_mm"), ("gpt_oss", 4, "loop")])
+@pytest.mark.parametrize("family,n,kernel", [(family, n, KERNELS[(i + n // 2) % 2]) for i, family in enumerate(EXPERTS)
+                                             for n in (2, 4)])
 def test_dispatch_combine_equals_the_experts_module(family, n, kernel):
     """n ranks of 5-9 tokens each (an expert some rank never picks included), top-2 of 8: every rank's output and
     the gradients of its tokens and of every expert's weights equal transformers' module on the same tokens."""
@@ -104,7 +121,7 @@ def test_dispatch_combine_equals_the_experts_module(family, n, kernel):
         assert getattr(parts[0], name).shape[0] == local
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", list(EXPERTS))
 def test_grouped_mm_equals_the_loop(family):
     """One grouped product per projection == one product per expert (fp32 on CPU), forward and backward, with
     empty experts."""
@@ -167,9 +184,42 @@ def test_model_refusals():
 
     dense = AutoConfig.for_model("qwen2")
     assert "dense" in model_expert_parallel_problem(2, dense, "qwen2")
-    olmoe = AutoConfig.for_model("olmoe", num_experts=8)
-    assert "'olmoe' is not one expert parallelism supports" in model_expert_parallel_problem(2, olmoe, "olmoe")
+    phimoe = AutoConfig.for_model("phimoe", num_local_experts=8)
+    assert "'phimoe' is not one expert parallelism supports" in model_expert_parallel_problem(2, phimoe, "phimoe")
     moe = AutoConfig.for_model("qwen3_moe", num_experts=6)
     assert "num_experts=6" in model_expert_parallel_problem(4, moe, "qwen3_moe")
     assert model_expert_parallel_problem(2, moe, "qwen3_moe") is None
     assert model_expert_parallel_problem(1, dense, "qwen2") is None
+
+
+def test_family_table_marks_the_tested_experts():
+    """Every family the table marks for expert parallelism is one whose experts module the dispatch test above
+    compares with transformers'; in a tiny model of it (meta weights), the table's path finds one experts module per
+    MoE layer, of that class, holding the table's count_key experts."""
+    import importlib
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from train.families import FAMILIES, expert_parallel_families
+    from train.model.experts import find_experts
+
+    assert set(expert_parallel_families()) == set(EXPERTS)
+    for family in EXPERTS:
+        spec = FAMILIES[family].experts
+        module_name, class_name, keys = EXPERTS[family]
+        config = AutoConfig.for_model(family, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=2, vocab_size=64, num_experts_per_tok=2,
+                                      **{k: 4 if v is None else v for k, v in keys.items()})
+        if hasattr(config, "first_k_dense_replace"):
+            config.first_k_dense_replace = 1  # a dense first layer (no experts module there), then a MoE layer
+        with torch.device("meta"):
+            if FAMILIES[family].composite_only:
+                modeling = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+                lm = torch.nn.Module()  # its text decoder under a causal LM's attribute names
+                lm.config, lm.base_model_prefix = config, "model"
+                lm.model = getattr(modeling, class_name.replace("Experts", "Model"))(config)
+            else:
+                lm = AutoModelForCausalLM.from_config(config)
+        found = find_experts(lm, spec.path)
+        assert found and all(type(m).__name__ == class_name for m in found), family
+        assert {m.num_experts for m in found} == {getattr(config, spec.count_key)}

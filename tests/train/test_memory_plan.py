@@ -145,3 +145,103 @@ def test_keep_checkpointing_recomputes_only_the_first_layers(one_thread):
     assert all_calls == [2, 2] and calls == [2, 1]
     for name, grad in all_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------- mixture of experts
+def _qwen3_moe_config(**values):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model("qwen3_moe", **values)
+
+
+@pytest.mark.parametrize("family,values", [
+    ("qwen3_moe", dict(num_experts=8, moe_intermediate_size=16)),
+    ("deepseek_v3", dict(n_routed_experts=8, moe_intermediate_size=16, first_k_dense_replace=1, n_shared_experts=1)),
+    ("mixtral", dict(num_local_experts=8, intermediate_size=16)),
+])
+def test_expert_params_equal_the_built_model(family, values):
+    """The shape's routed-expert count (what EP splits) is exact for a tiny model of the family (meta weights),
+    its dense first layer and shared experts excluded."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(family, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                                  num_key_value_heads=2, vocab_size=64, num_experts_per_tok=2, **values)
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(config)
+    experts = sum(p.numel() for name, p in lm.named_parameters() if ".experts." in name)
+    shape = ModelShape.from_hf_config(config)
+    assert shape.expert_params == experts and shape.n_experts == 8 and shape.top_k == 2
+    assert shape.moe_layers == (2 if family == "deepseek_v3" else 3)
+
+
+def test_qwen3_30b_a3b_shape():
+    """The table's Qwen3-30B-A3B shape is what the released config gives, 30.5B parameters (the published count)."""
+    from train.plan.memory import MOE_SHAPES
+
+    config = _qwen3_moe_config(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                               head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                               num_experts_per_tok=8, vocab_size=151936, tie_word_embeddings=False)
+    shape = MOE_SHAPES["Qwen3-30B-A3B"]
+    assert ModelShape.from_hf_config(config) == shape
+    assert abs(shape.n_params - 30.5e9) / 30.5e9 < 0.005
+    assert shape.matmul_params < shape.n_params / 9  # top 8 of 128 experts active per token
+
+
+def test_expert_state_divided_by_expert_parallel_size():
+    """Per-rank expert weights + gradients + AdamW state halve from EP 1 to EP 2 under the plain engine; under
+    FSDP2 (fp32, sharded over every rank) the resident share is the same and the gathered layer halves; the
+    all-to-all buffers are 4 · tokens · top_k · hidden · bytes, none without EP."""
+    from train.plan.memory import MOE_SHAPES, all_to_all_bytes, gathered_experts_bytes
+
+    shape = MOE_SHAPES["Qwen3-30B-A3B"]
+    n, e = shape.n_params, shape.expert_params
+    others = model_state_bytes(n - e, n - e, None, 8)
+    per_rank = {ep: model_state_bytes(n, n, None, 8, expert_params=e, expert_parallel_size=ep) - others
+                for ep in (1, 2, 8)}
+    assert per_rank[1] == 16 * e and per_rank[2] * 2 == per_rank[1] and per_rank[8] * 8 == per_rank[1]
+    assert model_state_bytes(n, n, None, 8, expert_params=e, expert_parallel_size=1) == model_state_bytes(n, n, None, 8)
+    fsdp2 = [model_state_bytes(n, n, 3, 8, bf16=False, expert_params=e, expert_parallel_size=ep) for ep in (1, 2)]
+    assert abs(fsdp2[0] - fsdp2[1]) <= 16
+    assert gathered_experts_bytes(shape, 2) * 2 == gathered_experts_bytes(shape, 1) == 4 * e // 48
+    assert all_to_all_bytes(shape, 1024, 2, 2) == 4 * 1024 * 8 * 2048 * 2
+    assert all_to_all_bytes(shape, 1024, 2, 1) == 0 == all_to_all_bytes(QWEN_15B, 1024, 2, 2)
+
+
+@pytest.mark.parametrize("engine", ["plain", "deepspeed", "fsdp2"])
+def test_dense_plan_unchanged(tmp_path, engine):
+    """A dense model's shape has no experts, and its model state is the count of before (no expert terms), bitwise,
+    under every engine, whatever expert_parallel_size says."""
+    from tests._train_helpers import tiny_model
+    from train.config.sections import from_keys
+    from train.plan.startup import _model_state_bytes
+
+    shape = ModelShape.from_hf_config(tiny_model().config)
+    assert (shape.n_experts, shape.expert_params, shape.moe_layers) == (0, 0, 0)
+    dense_fields = ("hidden", "n_layers", "n_heads", "n_kv_heads", "head_dim", "intermediate", "vocab",
+                    "tied_embeddings", "qkv_bias")
+    assert ModelShape(**{f: getattr(shape, f) for f in dense_fields}) == shape
+    values = {"plain": {}, "deepspeed": {"deepspeed": {"stage": 2}}, "fsdp2": {"distributed_backend": "fsdp2"}}[engine]
+    cfg = from_keys({"data_path": str(tmp_path), "output_dir": str(tmp_path / "out"), "model_config": "m.json",
+                     **values})
+    stage, bf16 = {"plain": (None, cfg.model.bf16), "deepspeed": (2, cfg.model.bf16), "fsdp2": (3, False)}[engine]
+    before = model_state_bytes(shape.n_params, shape.n_params, stage, 4, bf16=bf16)
+    assert _model_state_bytes(cfg, shape, 4, False) == before
+    assert model_state_bytes(shape.n_params, shape.n_params, stage, 4, bf16=bf16, expert_parallel_size=2) == before
+
+
+def test_memory_cli_shows_expert_parallelism():
+    """`python -m train.plan.memory --expert-parallel 8`: Qwen3-30B-A3B on 8 GPUs, EP 1 and EP 8, both engines."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "train.plan.memory", "--expert-parallel", "8"], capture_output=True,
+                         text=True, check=True).stdout
+    rows = [line for line in out.splitlines() if line.startswith("| Qwen3-30B-A3B")]
+    assert len(rows) == 4 and sum("| 16 of 128 |" in r for r in rows) == 2
+    plain = {r.split("|")[3].strip(): float(r.split("|")[5].split()[0]) for r in rows if "| plain |" in r}
+    assert plain["1"] == pytest.approx(8 * plain["8"], rel=1e-3)
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "TRAINING.md").read_text()
+    assert all(f"  {row}\n" in docs for row in rows), "docs/TRAINING.md's EP table differs from the CLI's"

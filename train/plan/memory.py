@@ -30,6 +30,20 @@ tokens·n_layers·a·hidden only two layers' inputs stay on the device (one copy
 use). `longest_row` and `smallest_sp_degree` answer "does a row fit on one GPU, else over how many ranks" from the
 same estimate; `choose_sp_degree` is `sequence_parallel_size: auto` (`python -m train.plan.memory` prints the
 table of docs/TRAINING.md).
+
+Mixture of experts (`ModelShape.n_experts` > 0): an MoE layer's feed-forward is its router (hidden · n_experts), its
+shared experts (3 · hidden · shared_intermediate) and its routed experts (3 · hidden · moe_intermediate each, the
+`expert_params`); a dense layer (DeepSeek's first ones) keeps 3 · hidden · intermediate. Expert parallelism
+(`expert_parallel_size: N`, train/model/experts.py) splits the routed experts over N ranks: `model_state_bytes`
+counts the expert weights, gradients and AdamW state of expert_params / N on each rank — under the plain engine
+that is the saving; under FSDP2 the N-th is further sharded over its world / N expert-data-parallel ranks, so the
+resident share stays expert_params / world and what EP saves is the gathered unit (one layer's experts
+all-gathered: `gathered_experts_bytes`, E / N of them) and the all-gather traffic. `all_to_all_bytes`: the
+exchanges of one MoE layer, an estimate of 4 · tokens · top_k · hidden · a (the rows sent and received by the
+dispatch, the outputs sent and received back), assuming balanced routing (a rank receives on average what it
+sends; a skewed router can receive up to N times more); added to the model state when EP > 1. The activation
+estimate above stays the dense layer's (`intermediate`); `python -m train.plan.memory --moe` prints the
+Qwen3-30B-A3B shape on 8 GPUs with and without EP (`--expert-parallel`).
 """
 from __future__ import annotations
 
@@ -52,6 +66,13 @@ class ModelShape:
     vocab: int
     tied_embeddings: bool = True
     qkv_bias: bool = True  # Qwen2 has biases on q/k/v
+    # mixture of experts (0: a dense model): routed experts, chosen per token, each one's width, the layers with
+    # experts (the others dense, `intermediate` wide), the shared experts' total width
+    n_experts: int = 0
+    top_k: int = 0
+    moe_intermediate: int = 0
+    moe_layers: int = 0
+    shared_intermediate: int = 0
 
     @classmethod
     def from_hf_config(cls, config) -> "ModelShape":
@@ -63,7 +84,13 @@ class ModelShape:
             intermediate=cfg.intermediate_size, vocab=cfg.vocab_size,
             tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             qkv_bias=bool(getattr(cfg, "attention_bias", cfg.model_type == "qwen2")),
+            **_moe_fields(cfg),
         )
+
+    @property
+    def expert_params(self) -> int:
+        """The routed experts' weights over all MoE layers (what expert parallelism splits)."""
+        return self.moe_layers * self.n_experts * 3 * self.hidden * self.moe_intermediate
 
     @property
     def kv_dim(self) -> int:
@@ -77,17 +104,46 @@ class ModelShape:
             attn += q_dim + 2 * self.kv_dim
         return attn + 3 * self.hidden * self.intermediate + 2 * self.hidden  # + the two RMSNorm weights
 
+    def _moe_change(self, experts_per_layer: int) -> int:
+        """What the MoE layers change in the layer count: their dense MLP out, their router, shared experts and
+        `experts_per_layer` routed experts in."""
+        if not self.n_experts:
+            return 0
+        mlp = 3 * self.hidden * (self.shared_intermediate + experts_per_layer * self.moe_intermediate)
+        return self.moe_layers * (self.hidden * self.n_experts + mlp - 3 * self.hidden * self.intermediate)
+
     @property
     def n_params(self) -> int:
         """All parameters (the embedding once when tied)."""
         embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-        return self.n_layers * self.layer_params + embeddings + self.hidden
+        return self.n_layers * self.layer_params + embeddings + self.hidden + self._moe_change(self.n_experts)
 
     @property
     def matmul_params(self) -> int:
         """Parameters that take part in a matmul per token: every layer weight plus the lm head (the input
-        embedding is a lookup). The N of the 6·N·tokens FLOP count."""
-        return self.n_layers * self.layer_params + self.vocab * self.hidden
+        embedding is a lookup); of the routed experts, the top_k a token runs. The N of the 6·N·tokens FLOP count."""
+        return self.n_layers * self.layer_params + self.vocab * self.hidden + self._moe_change(self.top_k)
+
+
+def _moe_fields(cfg) -> dict:
+    """The MoE fields of ModelShape from a (text) config; {} for a dense one."""
+    from train.config.ep_rules import MOE_COUNT_KEYS
+    from train.families import FAMILIES
+
+    spec = FAMILIES.get(getattr(cfg, "model_type", None))
+    keys = (spec.experts.count_key,) if spec is not None and spec.experts is not None else MOE_COUNT_KEYS
+    n_experts = next((getattr(cfg, k) for k in keys if isinstance(getattr(cfg, k, None), int)), 0)
+    top_k = getattr(cfg, "num_experts_per_tok", None)
+    if n_experts <= 1 or not isinstance(top_k, int):
+        return {}
+    width = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    dense = int(getattr(cfg, "first_k_dense_replace", 0) or 0) + len(getattr(cfg, "mlp_only_layers", None) or ())
+    step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+    moe_layers = sum(1 for i in range(dense, cfg.num_hidden_layers) if (i + 1) % step == 0)
+    shared = (getattr(cfg, "shared_expert_intermediate_size", None)
+              or (getattr(cfg, "n_shared_experts", None) or 0) * width)
+    return dict(n_experts=n_experts, top_k=top_k, moe_intermediate=width, moe_layers=moe_layers,
+                shared_intermediate=shared)
 
 
 def activation_bytes_per_token_layer(shape: ModelShape, act_bytes: int) -> int:
@@ -180,14 +236,24 @@ def host_offload_problem(shape: ModelShape, tokens: int, act_bytes: int, host_by
 
 
 def model_state_bytes(n_params: int, n_trainable: int, deepspeed_stage: int | None, dp_size: int = 1,
-                      offload_optimizer: bool = False, bf16: bool = True) -> int:
+                      offload_optimizer: bool = False, bf16: bool = True, expert_params: int = 0,
+                      expert_parallel_size: int = 1) -> int:
     """Weights + gradients + AdamW state on one GPU.
 
     Plain torch (no DeepSpeed): fp32 weights (bf16 runs under autocast), fp32 gradients, two fp32 Adam moments:
     4·N + 12·trainable. DeepSpeed bf16: bf16 weights and gradients, fp32 master weights and moments (12 bytes per
     trainable parameter), partitioned over dp ranks by the ZeRO stage (1: optimizer, 2: + gradients,
     3: + weights); offload_optimizer moves the 12 bytes to the CPU.
+    Expert parallelism (`expert_parallel_size` N > 1): of the `expert_params` (all trainable: LoRA is refused under
+    EP), a rank holds expert_params / N, partitioned by the same rules over its dp_size / N expert-data-parallel
+    ranks; the other parameters as above.
     """
+    if expert_parallel_size > 1 and expert_params:
+        ep = expert_parallel_size
+        rest = model_state_bytes(n_params - expert_params, n_trainable - expert_params, deepspeed_stage, dp_size,
+                                 offload_optimizer, bf16)
+        return rest + model_state_bytes(expert_params // ep, expert_params // ep, deepspeed_stage,
+                                        max(dp_size // ep, 1), offload_optimizer, bf16)
     if deepspeed_stage is None:
         return 4 * n_params + 12 * n_trainable
     w = 2 if bf16 else 4
@@ -196,6 +262,22 @@ def model_state_bytes(n_params: int, n_trainable: int, deepspeed_stage: int | No
     grads = w * n_trainable / (dp_size if stage >= 2 else 1)
     optim = 0 if offload_optimizer else (12 if bf16 else 8) * n_trainable / (dp_size if stage >= 1 else 1)
     return int(weights + grads + optim)
+
+
+def all_to_all_bytes(shape: ModelShape, tokens: int, act_bytes: int, expert_parallel_size: int) -> int:
+    """The exchanges of one MoE layer under expert parallelism for a `tokens`-token micro-batch per rank (module
+    docstring: 4 · tokens · top_k · hidden · a, balanced routing); 0 without EP or experts."""
+    if expert_parallel_size <= 1 or not shape.n_experts:
+        return 0
+    return 4 * tokens * shape.top_k * shape.hidden * act_bytes
+
+
+def gathered_experts_bytes(shape: ModelShape, expert_parallel_size: int, param_bytes: int = 4) -> int:
+    """One MoE layer's routed experts held whole on a rank while a fully sharded engine (FSDP2, fp32) runs it:
+    n_experts / N of them."""
+    if not shape.moe_layers:
+        return 0
+    return param_bytes * shape.expert_params // shape.moe_layers // expert_parallel_size
 
 
 @dataclass(frozen=True)
@@ -368,13 +450,61 @@ def long_row_table(world: int = 8, gpu_bytes: int = H100_BYTES) -> list[str]:
     return lines
 
 
+# Qwen3-30B-A3B (config.json of the released model): 48 layers, all MoE, 128 experts top-8, no shared expert
+MOE_SHAPES = {
+    "Qwen3-30B-A3B": ModelShape(2048, 48, 32, 4, 128, 6144, 151936, False, False, n_experts=128, top_k=8,
+                                moe_intermediate=768, moe_layers=48),
+}
+
+
+def expert_parallel_table(world: int = 8, degrees: tuple[int, ...] = (1, 8), tokens: int = 8192,
+                          gpu_bytes: int = H100_BYTES) -> list[str]:
+    """Per-rank model state of each MoE shape on `world` GPUs under each expert-parallel degree, for the plain
+    engine (fp32 weights + AdamW, replicated) and FSDP2 (fp32, sharded over every rank), with the all-to-all
+    buffers of a `tokens`-token micro-batch (bf16) and, under FSDP2, one layer's experts gathered."""
+    gib = 1 << 30
+    lines = [f"| model | engine | expert_parallel_size | experts per rank | expert state per rank | other state "
+             f"per rank | all-to-all ({tokens // 1024}K tokens) | gathered experts (1 layer) | total | fits "
+             f"{gpu_bytes / 1e9:.0f} GB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, shape in MOE_SHAPES.items():
+        dense = shape.n_params - shape.expert_params
+        for engine, stage in (("plain", None), ("fsdp2", 3)):
+            for ep in degrees:
+                if world % ep or shape.n_experts % ep:
+                    continue
+                state = model_state_bytes(shape.n_params, shape.n_params, stage, world, bf16=False,
+                                          expert_params=shape.expert_params, expert_parallel_size=ep)
+                other = model_state_bytes(dense, dense, stage, world, bf16=False)
+                buffers = all_to_all_bytes(shape, tokens, 2, ep)
+                gathered = gathered_experts_bytes(shape, ep) if stage == 3 else 0
+                total = state + buffers + gathered
+                lines.append(f"| {name} | {engine} | {ep} | {shape.n_experts // ep} of {shape.n_experts} | "
+                             f"{(state - other) / gib:.1f} GiB | {other / gib:.1f} GiB | {buffers / gib:.2f} GiB | "
+                             f"{gathered / gib:.2f} GiB | {total / gib:.1f} GiB | "
+                             f"{'yes' if total <= gpu_bytes * 0.9 else 'no'} |")
+    return lines
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description="The longest row per GPU with each long-row option (the memory "
-                                                 "plan's estimate, not a measurement).")
-    parser.add_argument("--world", type=int, default=8, help="GPUs ZeRO-3 partitions the model state over")
+    parser = argparse.ArgumentParser(description="The longest row per GPU with each long-row option, or (--moe) "
+                                                 "the model state per GPU of a Qwen3-30B-A3B shape with and without "
+                                                 "expert parallelism (the memory plan's estimate, not a "
+                                                 "measurement).")
+    parser.add_argument("--world", type=int, default=8, help="GPUs the model state is partitioned over")
     parser.add_argument("--gpu-gb", type=float, default=80.0, help="GPU memory, GB (10^9 bytes)")
+    parser.add_argument("--moe", action="store_true", help="the MoE table: Qwen3-30B-A3B, EP 1 and --expert-parallel")
+    parser.add_argument("--expert-parallel", type=int, default=None, metavar="N",
+                        help="the expert-parallel degree to show beside 1 (implies --moe; default: the world)")
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens per micro-batch per rank (--moe)")
     args = parser.parse_args()
-    print("\n".join(long_row_table(args.world, int(args.gpu_gb * 10**9))))
+    gpu_bytes = int(args.gpu_gb * 10**9)
+    if args.moe or args.expert_parallel is not None:
+        ep = args.expert_parallel or args.world
+        if ep < 1 or args.world % ep:
+            parser.error(f"--expert-parallel must divide --world ({args.world}), got {ep}")
+        print("\n".join(expert_parallel_table(args.world, tuple(sorted({1, ep})), args.tokens, gpu_bytes)))
+        return
+    print("\n".join(long_row_table(args.world, gpu_bytes)))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from train.model.patches.tiled_mlp import intermediate_size
 from train.plan.memory import (
     LongRowOptions,
     ModelShape,
+    all_to_all_bytes,
     available_host_bytes,
     choose_checkpointing,
     choose_sp_degree,
@@ -89,8 +90,11 @@ def _choose_checkpointing(cfg: TrainConfig, shape, row_length: int, sp_size: int
         return enabled, None, f"{'on' if enabled else 'off'} ({why})"
     tokens = -(-row_length * cfg.steps.micro_batch_rows // sp_size)
     free, _ = torch.cuda.mem_get_info(device)
-    decision = choose_checkpointing(shape(), tokens, free, _model_state_bytes(cfg, shape(), world, offloads_optimizer),
-                                    act_bytes=2 if cfg.model.bf16 else 4, loss_chunk=cfg.steps.loss_chunk_size,
+    act_bytes = 2 if cfg.model.bf16 else 4
+    state = (_model_state_bytes(cfg, shape(), world, offloads_optimizer)
+             + all_to_all_bytes(shape(), tokens, act_bytes, cfg.parallel.expert_parallel_size))
+    decision = choose_checkpointing(shape(), tokens, free, state, act_bytes=act_bytes,
+                                    loss_chunk=cfg.steps.loss_chunk_size,
                                     tile=mlp_tile(cfg.model, shape().intermediate))
     return decision.enabled, decision.layers, decision.describe()
 
@@ -98,11 +102,13 @@ def _choose_checkpointing(cfg: TrainConfig, shape, row_length: int, sp_size: int
 def _model_state_bytes(cfg: TrainConfig, shape: ModelShape, world: int, offloads_optimizer: bool) -> int:
     """Weights, gradients and optimizer state per GPU (train/plan/memory.py's estimate)."""
     n_trainable = shape.n_params if cfg.lora.lora_rank == 0 else 0  # LoRA adapters: negligible next to the model
+    # expert parallelism: each rank's expert_params / N (train/plan/memory.py); dense: 0 experts, the same count
+    experts = dict(expert_params=shape.expert_params, expert_parallel_size=cfg.parallel.expert_parallel_size)
     if cfg.uses_fsdp2:  # fp32 weights, gradients and moments sharded over every rank, as ZeRO-3 in fp32
         return model_state_bytes(shape.n_params, n_trainable, 3, world, offload_optimizer=offloads_optimizer,
-                                 bf16=False)
+                                 bf16=False, **experts)
     return model_state_bytes(shape.n_params, n_trainable, cfg.deepspeed.stage, world,
-                             offload_optimizer=offloads_optimizer, bf16=cfg.model.bf16)
+                             offload_optimizer=offloads_optimizer, bf16=cfg.model.bf16, **experts)
 
 
 def _choose_sp_degree(cfg: TrainConfig, shape, world: int, offloads_optimizer: bool) -> tuple[int, str]:
@@ -121,9 +127,12 @@ def _choose_sp_degree(cfg: TrainConfig, shape, world: int, offloads_optimizer: b
         free, host = int(least[0]), (None if int(least[1]) < 0 else int(least[1]))
     options = LongRowOptions(checkpointing=cfg.model.gradient_checkpointing is not False,
                              tile=mlp_tile(cfg.model, shape().intermediate), offload=cfg.model.activation_offload)
+    # the all-to-all buffers of a whole micro-batch (sp 1): an upper bound over the degrees tried
+    state = (_model_state_bytes(cfg, shape(), world, offloads_optimizer)
+             + all_to_all_bytes(shape(), row * cfg.steps.micro_batch_rows, 2 if cfg.model.bf16 else 4,
+                                cfg.parallel.expert_parallel_size))
     try:
-        choice = choose_sp_degree(shape(), row * cfg.steps.micro_batch_rows, world, free,
-                                  _model_state_bytes(cfg, shape(), world, offloads_optimizer), options,
+        choice = choose_sp_degree(shape(), row * cfg.steps.micro_batch_rows, world, free, state, options,
                                   act_bytes=2 if cfg.model.bf16 else 4, loss_chunk=cfg.steps.loss_chunk_size,
                                   host_bytes=host, host_ranks=ranks_per_machine(cfg.launch.processes_per_machine))
     except ValueError as exc:
