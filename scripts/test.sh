@@ -17,7 +17,8 @@
 #           torch build) in .venv-vision (scripts/setup_vision.sh, ~6 GB). PACKSFT_VISION_TESTS=0 skips this stage
 #           for text-only work (under CI=true a stage that does not run is a failure: CI runs them all).
 # Every stage runs even when an earlier one fails; each prints its name before it starts and its counts and wall
-# time when it ends, a table of all stages closes the run, and the exit status is 1 if any stage failed.
+# time when it ends (after its slowest tests: pytest --durations, so a log shows where the time went), a table of all
+# stages closes the run, and the exit status is 1 if any stage failed.
 # PACKSFT_SETUP=0 skips scripts/setup*.sh (the environments exist already).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -117,8 +118,9 @@ if [ "$quick" = 1 ]; then
 elif [ "$#" -eq 0 ]; then
   if [ "$workers" -gt 1 ]; then
     run_stage main "everything but the serial and image tests, $workers workers, in .venv" .venv/bin/python \
-      -q -rs -m "not vision and not serial" "${parallel[@]}"
-    run_stage serial "the serial tests, one at a time, in .venv" .venv/bin/python -q -rs -m "serial and not vision"
+      -q -rs -m "not vision and not serial" --durations=25 "${parallel[@]}"
+    run_stage serial "the serial tests, one at a time, in .venv" .venv/bin/python -q -rs -m "serial and not vision" \
+      --durations=10
   else
     run_stage main "everything but the image tests, one process, in .venv" .venv/bin/python -q -rs -m "not vision"
   fi
@@ -139,7 +141,7 @@ if [ "$quick" = 0 ]; then
     if [ ! -x .venv-vision/bin/python ]; then
       not_run vision ".venv-vision does not exist: bash scripts/setup_vision.sh"
     else
-      run_stage vision "the image tests, in .venv-vision" .venv-vision/bin/python -q -rs -m vision "$@"
+      run_stage vision "the image tests, in .venv-vision" .venv-vision/bin/python -q -rs -m vision --durations=5 "$@"
     fi
   fi
 fi
