@@ -18,8 +18,8 @@ Measured per rank:
   parameters, their gradients just before the optimizer step (read by a wrapper around `optimizer.step`), every
   tensor in the optimizer's state after the last step; split into the routed experts (parameters under `.experts.`)
   and the rest;
-- beside it the memory plan's figure for the same run (train/plan/startup.py's model-state estimate: train/plan/memory.py
-  `model_state_bytes` with the experts divided by expert_parallel_size), and its experts part;
+- beside it the memory plan's figure for the same run (train/plan/startup.py's model-state estimate:
+  train/plan/memory.py `model_state_bytes` with the experts divided by expert_parallel_size), and its experts part;
 - the step's wall time and CPU time (process time, what a shared machine's load does not inflate), medians over the
   steps after `--warmup`; the peak RSS of the process;
 - the losses (EP computes what one replica computes: the runs' losses agree within float rounding).
@@ -240,12 +240,14 @@ def mib(n: float) -> str:
 def markdown(report: dict) -> str:
     lines = [f"## Expert parallelism on CPU, {report['date']}", "",
              f"Machine: {report['machine']}. Command: `{report['command']}`", "",
-             f"Model: {report['model']}. Rows: {report['row_length']} tokens, one per rank and step, {report['steps']} "
-             f"steps (medians of steps {report['warmup'] + 1}..{report['steps']}), {NPROC} processes (gloo), plain engine.",
-             "", "Bytes each rank holds (MiB; parameters + gradients + AdamW state, from the tensors), the memory plan's "
+             f"Model: {report['model']}. Rows: {report['row_length']} tokens, one per rank and step, "
+             f"{report['steps']} steps (medians of steps {report['warmup'] + 1}..{report['steps']}), {NPROC} processes "
+             "(gloo), plain engine.", "",
+             "Bytes each rank holds (MiB; parameters + gradients + AdamW state, from the tensors), the memory plan's "
              "figure beside them, and the step:", "",
-             "| run | rank | experts | params (experts / other) | grads (experts / other) | AdamW state (experts / other) "
-             "| held: experts | held: total | plan: experts | plan: total | step wall s | step CPU s | peak RSS MiB |",
+             "| run | rank | experts | params (experts / other) | grads (experts / other) | AdamW state (experts / "
+             "other) | held: experts | held: total | plan: experts | plan: total | step wall s | step CPU s | "
+             "peak RSS MiB |",
              "|---|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, res in report["results"].items():
         if "error" in res:
