@@ -4,6 +4,7 @@ reasoning of turns before the last user query).
 
     python benchmarks/bench_stepwise.py [--agents 20] [--seed 0]
     python benchmarks/bench_stepwise.py --train 12     # also: one training step over every row, per mode
+    python -m benchmarks.bench_stepwise --prepare DIR --max-length 32768   # packed tree and samples rows only
 
 Per data set and mode: sequences written, tokens stored, loss tokens (trained targets), and the tokenize stage's
 core time (`data.tokenize.tokenize_records` in this process, one core; rendering, encoding and the trie). `off` trains
@@ -15,6 +16,11 @@ targets; `tree` stores the shared prefixes once.
 the Trainer over every row (micro_batch_rows 1, one micro-batch per row) of a small random-init Qwen2 (hidden 256,
 4 layers, the Qwen3 vocabulary, fp32, SDPA; trees through the structured SDPA mask), one torch thread: CPU seconds
 of the step and trained tokens per CPU second (every mode trains the same targets).
+
+`--prepare DIR`: only the packed rows of `samples` and `tree` (DIR/samples/packed, DIR/tree/packed; `--records N` of
+the fixture, pack capacity `--max-length`), and DIR/stepwise.json with each set's rows, tokens and trained tokens:
+what the GPU check (benchmarks/gpu_check.py, phase `trees`) trains with bench_train_gpu, tree rows through the
+structured attention (FlexAttention on CUDA) against the same targets as samples rows through the varlen kernel.
 """
 from __future__ import annotations
 
@@ -106,6 +112,43 @@ def measure(records: list[dict], tokenizer, info, mode: str) -> dict:
             "dropped": len(results) - len(kept)}
 
 
+def build_stepwise(out_dir: Path, mode: str, tok_dir: Path, max_length: int, n_records: int | None = None,
+                   fixtures: Path = FIXTURES) -> Path:
+    """The fixture's first `n_records` records (all: None) through the pipeline with `stepwise: mode`, packed into
+    rows of `max_length` tokens; returns the packed directory."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines = [line for line in (fixtures / "data" / "llamafactory_reason_tool_use_demo_50.jsonl").read_bytes()
+             .splitlines() if line.strip()]
+    subset = out_dir / f"records_{mode}.jsonl"
+    subset.write_bytes(b"\n".join(lines[:n_records]) + b"\n")
+    cfg = from_dict(DataConfig, {
+        "inputs": [{"path": str(subset), "format": "messages", "category_name": "reason_tool"}],
+        "output_dir": str(out_dir / mode), "tokenizer_path": str(tok_dir), "num_workers": 1, "max_length": max_length,
+        "stepwise": mode, "merge": {"probability": 0.0}, "pack": {"max_length": max_length}})
+    cfg.validate()
+    run_pipeline(cfg)
+    return cfg.packed_dir
+
+
+def prepare(out_dir: Path, max_length: int, n_records: int | None, fixtures: Path) -> dict:
+    """`--prepare`: tree and samples rows of the same records; their sizes in DIR/stepwise.json."""
+    import numpy as np
+
+    from data.shards.dataset import PackedDataset
+
+    sets = {}
+    for mode in ("tree", "samples"):
+        packed = build_stepwise(out_dir, mode, fixtures / "tokenizers" / "qwen3", max_length, n_records, fixtures)
+        data = PackedDataset(packed)
+        loss_tokens = sum(int((data[i]["labels"] != -100).sum()) for i in range(len(data)))
+        sets[mode] = {"packed": str(packed), "rows": len(data), "tokens": int(np.asarray(data.row_n_tokens).sum()),
+                      "loss_tokens": loss_tokens}
+    out = {"max_length": max_length, "records": n_records, "sets": sets}
+    (out_dir / "stepwise.json").write_text(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
+    print(orjson.dumps(out).decode(), flush=True)
+    return out
+
+
 def train_step_times(n_records: int, tok_dir: Path) -> None:
     import json
 
@@ -158,7 +201,14 @@ def main() -> None:
     ap.add_argument("--agents", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train", type=int, default=0, help="also time a training step on the first N fixture records")
+    ap.add_argument("--prepare", type=Path, help="only write packed tree and samples rows (and their sizes) here")
+    ap.add_argument("--max-length", type=int, default=32768, help="--prepare: the rows' capacity")
+    ap.add_argument("--records", type=int, default=None, help="--prepare: the fixture's first N records (all: unset)")
+    ap.add_argument("--fixtures", type=Path, default=FIXTURES, help="a copy of ../shared/fixtures")
     args = ap.parse_args()
+    if args.prepare:
+        prepare(args.prepare, args.max_length, args.records, args.fixtures)
+        return
     tok_dir = FIXTURES / "tokenizers" / "qwen3"
     if args.train:
         train_step_times(args.train, tok_dir)

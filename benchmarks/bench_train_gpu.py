@@ -24,7 +24,15 @@ ShareGPT chats, tool calls; Qwen2.5 tokenizer), packed at each row length; `--fi
 `--smoke`: the CPU check of this script (the embedded example data and its tiny model, 2K rows, fp32, 3 steps).
 A backend may carry trainer options after `+`: `torch_varlen+liger` (Liger's fused kernels), `flex+compile`
 (`compile_layers`), `+compile_loss` (the loss chunk's softmax and gradient compiled into one kernel), `+ckpt` (every
-layer checkpointed, whatever `--gradient-checkpointing` says). `--prepare DIR` only builds the packed data (DIR/data_<length>/packed) and exits;
+layer checkpointed, whatever `--gradient-checkpointing` says); on a mixture of experts `+moe_grouped_mm` / `+moe_loop`
+set transformers' `experts_implementation` (grouped_mm / eager: one grouped GEMM per projection, or the per-expert
+loop) in the run's model config: on one process (no expert parallelism) the experts run as transformers' module, and
+PackSFT's `moe_kernel` applies under `expert_parallel_size` > 1 only.
+`--model-config FILE` runs that model config (any family: a mixture of experts' MFU counts its ACTIVE parameters,
+the top-k experts a token runs) instead of `--shapes`, named `--model-name` in the tables; with `--smoke` too.
+Besides tokens/s, the trained (loss) tokens per second: what compares rows that store the same targets in fewer
+tokens (stepwise prefix trees against the same steps expanded as samples).
+`--prepare DIR` only builds the packed data (DIR/data_<length>/packed) and exits;
 `--profile-out FILE` profiles one more step of each run with torch.profiler and appends its table to FILE.
 
     python -m benchmarks.bench_train_gpu --fixtures .fixtures --shapes qwen2.5-0.5b --row-lengths 32768,131072
@@ -54,6 +62,8 @@ from benchmarks.bench_memory import SHAPES, machine_description  # noqa: E402
 BACKENDS = ("sdpa", "torch_varlen", "flex", "flash_varlen")
 BACKEND_OPTIONS = {"liger": "liger", "compile": "compile_layers", "compile_loss": "compile_loss",  # `+<option>` ->
                    "ckpt": "gradient_checkpointing"}  # config key set true
+MODEL_OPTIONS = {"moe_grouped_mm": {"experts_implementation": "grouped_mm"},  # `+<option>` -> model config keys
+                 "moe_loop": {"experts_implementation": "eager"}}
 H100_BF16_DENSE_TFLOPS = 989.0
 MEDIAN_STEPS = slice(2, 8)  # steps 3..8 (1-based)
 FIXTURE_INPUTS = [  # (file under <fixtures>/data, InputSpec fields)
@@ -104,10 +114,19 @@ def packed_by_length(dirs: list[str]) -> dict[int, Path]:
 def parse_variant(variant: str) -> tuple[str, dict]:
     """`torch_varlen+liger+compile` -> ("torch_varlen", {"liger": True, "compile_layers": True})."""
     backend, *options = variant.split("+")
-    unknown = [o for o in options if o not in BACKEND_OPTIONS]
+    unknown = [o for o in options if o not in BACKEND_OPTIONS and o not in MODEL_OPTIONS]
     if backend not in BACKENDS or unknown:
-        raise SystemExit(f"--backends {variant!r}: backends are {BACKENDS}, options after '+' {sorted(BACKEND_OPTIONS)}")
-    return backend, {BACKEND_OPTIONS[o]: True for o in options}
+        raise SystemExit(f"--backends {variant!r}: backends are {BACKENDS}, options after '+' "
+                         f"{sorted(BACKEND_OPTIONS) + sorted(MODEL_OPTIONS)}")
+    return backend, {BACKEND_OPTIONS[o]: True for o in options if o in BACKEND_OPTIONS}
+
+
+def model_changes(variant: str) -> dict:
+    """The model config keys a variant's `+moe_*` options set (`+moe_loop` -> experts_implementation eager)."""
+    changes: dict = {}
+    for option in variant.split("+")[1:]:
+        changes.update(MODEL_OPTIONS.get(option, {}))
+    return changes
 
 
 # ---------------------------------------------------------------------------------------------- one run (child)
@@ -132,8 +151,12 @@ def run_one(spec: dict) -> dict:
     backend, options = parse_variant(spec["backend"])
     name = spec["backend"].replace("+", "_")
     cfg_path = work / f"{name}.yaml"
+    model_config = spec["model_config"]
+    if changes := model_changes(spec["backend"]):
+        model_config = str(work / f"model_{name}.json")
+        write_atomic(Path(model_config), json.dumps({**json.loads(Path(spec["model_config"]).read_text()), **changes}))
     cfg_path.write_text(yaml.safe_dump({
-        "data_path": spec["data_path"], "model_config": spec["model_config"],
+        "data_path": spec["data_path"], "model_config": model_config,
         "output_dir": str(work / f"out_{name}"), "overwrite_output_dir": True,
         "bf16": spec["device"] == "cuda", "attn_backend": backend, "lr": 1e-5, "warmup_steps": 0,
         "max_steps": spec["steps"] + (1 if spec.get("profile_out") else 0), "micro_batch_rows": 1, "grad_accum": 1,
@@ -154,13 +177,17 @@ def run_one(spec: dict) -> dict:
         seq_lens = [int(n) for r in plan.step_rows for n in trainer.dataset[int(r)]["seq_lens"]]
         elapsed = record["tokens"] / record["tokens_per_s"] if record["tokens_per_s"] else float("nan")
         steps.append({"loss": record["loss"], "tokens": record["tokens"], "tokens_per_s": record["tokens_per_s"],
-                      "sequences": len(seq_lens), "flops": step_flops(shape, seq_lens), "seconds": elapsed})
+                      "loss_tokens": record["loss_tokens"], "sequences": len(seq_lens),
+                      "flops": step_flops(shape, seq_lens), "seconds": elapsed})
     if spec["device"] == "cuda":
         peak = torch.cuda.max_memory_allocated()
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result = {"backend": trainer.plan.train.every.name, "checkpointing": trainer.memory.checkpointing_reason, "steps": steps,
               "peak_bytes": int(peak), "n_params": shape.n_params, "matmul_params": shape.matmul_params,
+              "experts_implementation": (getattr(trainer.lm.config.get_text_config(), "_experts_implementation", None)
+                                         if shape.n_experts else None),
+              "attention": trainer.plan.train.every.name,
               "loss_finite": bool(np.isfinite([x["loss"] for x in steps]).all())}
     write_atomic(Path(spec["result_path"]), json.dumps(result))  # before the profile: a cut profile keeps the figures
     if spec.get("profile_out"):
@@ -229,6 +256,9 @@ def summarize(result: dict, peak_tflops: float | None) -> dict:
     window = result["steps"][MEDIAN_STEPS] or result["steps"]
     tps = statistics.median(s["tokens_per_s"] for s in window)
     out = {"tokens_per_s": tps, "peak_gib": result["peak_bytes"] / 2**30, "log": result.get("log", []),
+           "loss_tokens_per_s": statistics.median(s["loss_tokens"] / s["seconds"] for s in window),
+           "matmul_params": result["matmul_params"], "n_params": result["n_params"],
+           "experts_implementation": result.get("experts_implementation"), "attention": result.get("attention"),
            "process_s": result.get("process_s"),
            "first_losses": [round(s["loss"], 4) for s in result["steps"]],
            "sequences_per_row": statistics.mean(s["sequences"] for s in result["steps"]),
@@ -252,18 +282,27 @@ def backend_reasons(device: str) -> dict[str, list[str]]:
 def markdown(report: dict) -> str:
     lines = [f"## Trainer step per attention backend, {report['date']}", "",
              f"Machine: {report['machine']}. Command: `{report['command']}`", "",
-             "| shape | row length | backend | tokens/s (median steps 3–8) | MFU | peak memory GiB | seqs/row | "
-             "activation checkpointing | losses of steps 1.. |",
-             "|---|---:|---|---:|---:|---:|---:|---|---|"]
+             "| shape | row length | backend | tokens/s (median steps 3–8) | trained tokens/s | MFU | peak memory GiB | "
+             "seqs/row | activation checkpointing | losses of steps 1.. |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---|---|"]
     for row in report["results"]:
         if "error" in row or "skipped" in row:
             why = row.get("error") or "not run: " + row["skipped"]
-            lines.append(f"| {row['shape']} | {row['row_length']} | {row['backend']} | {why} | | | | | |")
+            lines.append(f"| {row['shape']} | {row['row_length']} | {row['backend']} | {why} | | | | | | |")
             continue
         mfu = f"{100 * row['mfu']:.1f}%" if row.get("mfu") is not None else "n/a (no peak given)"
         losses = " ".join(f"{x:.4f}" for x in row["first_losses"])
-        lines.append(f"| {row['shape']} | {row['row_length']} | {row['backend']} | {row['tokens_per_s']:,.0f} | {mfu} | "
-                     f"{row['peak_gib']:.2f} | {row['sequences_per_row']:.0f} | {row['checkpointing']} | {losses} |")
+        backend = row["backend"] + (f" ({row['attention']})" if row.get("attention") and row["attention"] not in
+                                    row["backend"] else "")
+        lines.append(f"| {row['shape']} | {row['row_length']} | {backend} | {row['tokens_per_s']:,.0f} | "
+                     f"{row.get('loss_tokens_per_s', float('nan')):,.0f} | {mfu} | {row['peak_gib']:.2f} | "
+                     f"{row['sequences_per_row']:.0f} | {row['checkpointing']} | {losses} |")
+    if any(row.get("experts_implementation") for row in report["results"]):
+        lines += ["", "MFU of a mixture of experts: FLOPs of its ACTIVE parameters (attention, router, the top-k "
+                  "experts a token runs, lm head): " + ", ".join(
+                      f"{row['backend']}: {row['matmul_params'] / 1e6:,.2f}M active of {row['n_params'] / 1e6:,.2f}M, "
+                      f"experts_implementation {row['experts_implementation']}"
+                      for row in report["results"] if row.get("experts_implementation"))]
     return "\n".join(lines) + "\n"
 
 
@@ -280,6 +319,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true", help="CPU check: example data, tiny model, 2K rows, 3 steps")
     ap.add_argument("--shapes", default="qwen2.5-0.5b,qwen2.5-1.5b", help=f"comma list of {sorted(SHAPES)}")
+    ap.add_argument("--model-config", type=Path, help="a model config JSON to run instead of --shapes (any family)")
+    ap.add_argument("--model-name", help="its name in the tables (default: the file's stem)")
     ap.add_argument("--row-lengths", default="32768,131072")
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--steps", type=int, default=8)
@@ -302,8 +343,12 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.model_config is not None and not args.model_config.is_file():
+        raise SystemExit(f"--model-config {args.model_config}: no such file")
     if args.smoke:
         shapes, lengths, steps = ["example-tiny"], [2048], min(args.steps, 3)
+    elif args.model_config is not None:
+        shapes, lengths, steps = [], [int(x) for x in args.row_lengths.split(",")], args.steps
     else:
         shapes, lengths, steps = args.shapes.split(","), [int(x) for x in args.row_lengths.split(",")], args.steps
         unknown = [s for s in shapes if s not in SHAPES]
@@ -327,8 +372,12 @@ def main(argv: list[str] | None = None) -> None:
         tmp = Path(tmp)
         for length in lengths:
             data = prebuilt.get(length) or build_packed(tmp / f"data_{length}", length, args.fixtures, args.smoke)
+            if args.model_config is not None:  # its name in the tables
+                shapes = [args.model_name or args.model_config.stem]
             for shape in shapes:
-                if args.smoke:
+                if args.model_config is not None:
+                    model_config = args.model_config
+                elif args.smoke:
                     model_config = ROOT / "configs" / "model" / "tiny_qwen2.json"
                 else:
                     from transformers import Qwen2Config

@@ -7,7 +7,8 @@ dataset and lets TRL do what its docs recommend for long-context SFT: BFD packin
 padding-free batches (position ids restarted per sequence), one row per step, bf16 autocast over fp32 weights (as
 PackSFT without DeepSpeed), activation checkpointing on (SFTConfig's default) unless `--gradient-checkpointing false`
 (to match a PackSFT run whose memory plan left it off). The model is the same random-init
-Qwen2.5 shape; `--attn` lists transformers attention implementations to try, each in its own process.
+Qwen2.5 shape, or `--model-config FILE`'s (any family, e.g. the Qwen3-30B-A3B shape of the GPU check's `moe` phase:
+its experts run as transformers' default `experts_implementation`, and MFU counts the active parameters); `--attn` lists transformers attention implementations to try, each in its own process.
 
 Per step: wall time from TRL's step-begin to step-end callback (forward, backward, optimizer; CUDA synchronized),
 tokens of the step's batch, and the step's FLOPs by bench_train_gpu's formula from the batch's sequence lengths.
@@ -71,7 +72,7 @@ def run_one(spec: dict) -> dict:
     import numpy as np
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, TrainerCallback
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
     from train.plan.memory import ModelShape
@@ -80,7 +81,8 @@ def run_one(spec: dict) -> dict:
     sequences = step_sequences(spec["packed"], spec["steps"])
     dataset = Dataset.from_dict({"input_ids": [s[0] for s in sequences], "completion_mask": [s[1] for s in sequences]})
     if spec.get("model_config"):
-        config = Qwen2Config.from_json_file(spec["model_config"])
+        raw = json.loads(Path(spec["model_config"]).read_text())
+        config = AutoConfig.for_model(raw.pop("model_type"), **raw)
     else:
         config = Qwen2Config(**SHAPES[spec["shape"]], max_position_embeddings=max(32768, spec["row_length"]))
     torch.manual_seed(0)
@@ -193,7 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true", help="CPU check: example data and tiny model, 2K rows, 3 steps")
     ap.add_argument("--packed", help="packed directory (its meta.json gives the row length)")
-    ap.add_argument("--shape", default="qwen2.5-0.5b", help=f"one of {sorted(SHAPES)}")
+    ap.add_argument("--shape", default="qwen2.5-0.5b", help=f"one of {sorted(SHAPES)} (with --model-config: its name)")
+    ap.add_argument("--model-config", type=Path, help="a model config JSON instead of --shape's (any family)")
     ap.add_argument("--tokenizer", default=str(ROOT.parent / "shared/fixtures/tokenizers/qwen2_5_instruct"))
     ap.add_argument("--attn", default="flex_attention,sdpa", help="transformers attention implementations")
     ap.add_argument("--steps", type=int, default=8)
@@ -218,11 +221,16 @@ def main(argv: list[str] | None = None) -> None:
               "peak_tflops": peak_tflops, "results": []}
     with tempfile.TemporaryDirectory(prefix="bench_trl_") as tmp:
         model_config, tokenizer, shape, steps = None, args.tokenizer, args.shape, args.steps
+        if args.model_config is not None:
+            if not args.model_config.is_file():
+                raise SystemExit(f"--model-config {args.model_config}: no such file")
+            model_config = str(args.model_config)
         if args.smoke:  # the rows given (gpu_check's, PackSFT's runs' own), else the example's built here
             packed = args.packed or str(build_packed(Path(tmp) / "data", 2048, fixtures=None, smoke=True))
-            model_config = str(ROOT / "configs/model/tiny_qwen2.json")
             tokenizer = str(ROOT / json.loads((ROOT / "configs/data/example.json").read_text())["tokenizer_path"])
-            shape, steps = "example-tiny", min(steps, 3)
+            steps = min(steps, 3)
+            if model_config is None:
+                model_config, shape = str(ROOT / "configs/model/tiny_qwen2.json"), "example-tiny"
         elif args.packed:
             packed = args.packed
         else:

@@ -13,6 +13,20 @@ runs from one command and nothing waits for a person. Phases, in order (what the
    its full fine-tuning state does not fit one GPU) on a 512K-token row with checkpointing + tiled MLP + offload
    (then 256K, 128K while no longer row was measured), and each option's tokens/s and peak memory at 32K.
 
+`--second`: the second command (its own budget of DEFAULT_BUDGET: the first one's phases fill theirs), the phases
+issue 42 added after those runs, while the 32K rows are built on the CPU:
+
+4. `trees`: stepwise prefix trees (issue 44): the reasoning + tool-use fixture's records as `stepwise: tree` rows and
+   as `samples` rows (bench_stepwise --prepare: the same trained targets), each trained by bench_train_gpu on the
+   Qwen2.5-0.5B shape at 32K rows: tree rows through the structured attention (FlexAttention on CUDA), samples rows
+   through the varlen kernel (`torch_varlen`); tokens/s and trained tokens/s, tree over samples;
+5. `moe`: a Qwen3-30B-A3B shape (hidden 2048, 128 experts top-8, moe_intermediate 768, vocabulary 151936; MOE_LAYERS
+   decoder layers of its 48) at 32K rows on one GPU, bf16: the experts as one grouped GEMM per projection
+   (`+moe_grouped_mm`) and as the per-expert loop (`+moe_loop`), tokens/s and MFU on ACTIVE parameters; then TRL's
+   SFTTrainer on the same rows and shape (bench_trl --model-config), with PackSFT's checkpointing choice. One
+   process has no expert parallelism: the experts run as transformers' module, whose `experts_implementation` the
+   variants set (PackSFT's `moe_kernel` applies under expert_parallel_size > 1 only).
+
 `--legacy` appends what the previous runs measured: the 0.5B shape at 32K per backend, both shapes at 128K rows,
 TRL's SFTTrainer on the same sequences (bench_trl) and a profile of the target furthest from its goal; they share
 what the default phases leave of the budget.
@@ -20,14 +34,17 @@ Each phase ends by its own deadline (a share of the budget, leaving every later 
 cannot starve the rest; whatever a phase measured before its deadline is kept. After every phase
 `<out>/gpu_check.json` (versions, every phase's results) and `<out>/gpu_check.md` (the tables) are rewritten
 atomically; `<out>/gpu_check.log` has all output, `<out>/gpu_tests.log` pytest's, `<out>/profile.txt` the profiles,
-`<out>/long_rows.md` the long-row tables. Without CUDA the GPU phases are recorded as skipped and the tests phase
+`<out>/long_rows.md` the long-row tables, `<out>/moe.md`, `<out>/trees.md` the second command's. Without CUDA the GPU phases are recorded as skipped and the tests phase
 runs (every gpu test skips): the CPU check. `--smoke` runs every phase on the CPU with the example's tiny model
 (TRL with SDPA only: FlexAttention has no backward on the CPU; `train_128k` is recorded as skipped: its smoke runs
-would be train_32k_small's again). `--no-caps` lifts every phase deadline and per-run timeout (a hang guard of
+would be train_32k_small's again); with `--second` the trees phase on 3 fixture records at 4K rows with a tiny Qwen2
+of the Qwen vocabulary (SDPA; tree rows through the structured SDPA mask) and the moe phase with a tiny qwen3_moe
+(SMOKE_MOE) on the example's 2K rows, TRL on SDPA. `--no-caps` lifts every phase deadline and per-run timeout (a hang guard of
 NO_CAPS_TIMEOUT stays): each phase runs to its end, so what it records does not depend on the machine's load (the
 CPU smoke test, tests/test_gpu_check.py); the caps are sized for the GPU machine's time limits.
 
     bash scripts/gpu_check.sh $OUT                # on the GPU machine (installs the carried wheels first)
+    bash scripts/gpu_check.sh $OUT/second --second   # the second 10-minute command: trees, moe
     python -m benchmarks.gpu_check --out /tmp/gc  # anywhere
 """
 from __future__ import annotations
@@ -102,6 +119,25 @@ SMOKE_LONG_ROW_FLAGS = ["--shape", "example-tiny", "--layers", "0", "--lora", "4
 SMOKE_SKIPPED = {"train_128k": "--smoke: bench_train_gpu runs the example's 2K rows and tiny model whatever the "
                                "length and shape, the runs of train_32k_small again"}
 
+# --second (its own command and budget): the stepwise trees first (their data is built in seconds while the 32K rows
+# pack in the background, ~40-80 s on the GPU machine's CPU), then the MoE shape: two PackSFT processes and TRL's,
+# each building a ~1.9B-parameter model on the CPU first (the 1.5B shape's process took 60 s besides its steps).
+SECOND_PHASES = [Phase("trees", 180, 110), Phase("moe", 400, 250)]
+MOE_LAYERS = 2
+QWEN3_30B_A3B = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=151936,
+                     hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                     num_experts_per_tok=8, norm_topk_prob=True, num_attention_heads=32, num_key_value_heads=4,
+                     head_dim=128, num_hidden_layers=48, decoder_sparse_step=1, mlp_only_layers=[],
+                     max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False, use_cache=False,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+# --smoke: the same family at the example data's scale (its tokenizer has fewer than 2,048 ids)
+SMOKE_MOE = dict(QWEN3_30B_A3B, vocab_size=2048, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                 num_experts=8, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 num_hidden_layers=2, max_position_embeddings=4096)
+MOE_BACKEND = "torch_varlen+compile_loss"  # the fused step less Liger (its SwiGLU patch is the dense MLP's)
+TREES_SHAPE = SHAPE_SMALL
+SMOKE_TREES = {"records": 3, "max_length": 4096, "model_config": "configs/model/tiny_qwen2_qwen_vocab.json"}
+
 NO_CAPS_TIMEOUT = 3600.0  # --no-caps: seconds a run may take, a guard against a hang only
 HEAVY_TEST_FILES = ("test_attention_backends.py", "test_step_options.py")  # trainer steps, compiles: run last
 
@@ -115,10 +151,10 @@ def gpu_test_files(tests_dir: Path) -> list[str]:
 
 class Check:
     def __init__(self, out: Path, budget: float, fixtures: Path, work: Path, steps: int, smoke: bool,
-                 legacy: bool = False, caps: bool = True):
+                 legacy: bool = False, caps: bool = True, second: bool = False):
         self.out, self.fixtures, self.work, self.steps, self.smoke = out, fixtures, work, steps, smoke
         self.caps = caps
-        self.phases = PHASES + (LEGACY_PHASES if legacy else [])
+        self.phases = SECOND_PHASES if second else PHASES + (LEGACY_PHASES if legacy else [])
         self.lengths = (32768, 131072) if legacy else (32768,)
         self.targets = SMOKE_TARGETS if smoke else TARGETS
         self.bench_flags = ["--smoke"] if smoke else []
@@ -127,7 +163,7 @@ class Check:
         self.end = self.start + budget
         self.log = open(out / "gpu_check.log", "a", buffering=1)
         self.report: dict = {"date": dt.date.today().isoformat(), "budget_s": budget if caps else None,
-                             "caps": caps, "phases": {}}
+                             "caps": caps, "command": "second" if second else "first", "phases": {}}
         self.tables: dict[str, str] = {}
 
     # ---------------------------------------------------------------------------------------- plumbing
@@ -341,11 +377,103 @@ class Check:
     def packsft_checkpointing(self, shape: str, length: int) -> str:
         """"true" / "false": what PackSFT's memory plan chose for this shape and length (TRL then does the same
         recomputation); "true" when nothing was measured."""
-        for phase in TRAIN_PHASES:
+        for phase in (*TRAIN_PHASES, "moe"):
             for row in self.report["phases"].get(phase, {}).get("report", {}).get("results", []):
                 if (row["shape"], row["row_length"]) == (shape, length) and "checkpointing" in row:
                     return "false" if row["checkpointing"].startswith("off") else "true"
         return "true"
+
+    def moe(self, data: dict[int, Path]) -> None:
+        """The Qwen3-30B-A3B shape (MOE_LAYERS layers) at 32K rows: PackSFT with grouped-GEMM experts and with the
+        per-expert loop (bench_train_gpu), then TRL on the same rows and shape (bench_trl)."""
+        if not self.benches or 32768 not in data:
+            self.report["phases"]["moe"] = {"skipped": "no CUDA" if not self.benches else "no packed data at 32768"}
+            self.save()
+            return
+        deadline = self.deadline("moe")
+        name = "example-tiny-moe" if self.smoke else f"qwen3-30b-a3b-{MOE_LAYERS}l"
+        model_config = self.work / f"{name}.json"
+        write_atomic(model_config, json.dumps(SMOKE_MOE if self.smoke else dict(QWEN3_30B_A3B,
+                                                                                  num_hidden_layers=MOE_LAYERS)))
+        backend = "sdpa" if self.smoke else MOE_BACKEND  # --smoke: no varlen kernel, no compile on the CPU
+        length = 2048 if self.smoke else 32768
+        entry: dict = {"shape": name, "row_length": length, "model_config": json.loads(model_config.read_text())}
+        self.report["phases"]["moe"] = entry
+        result = self.work / "moe"
+        # TRL keeps its share: the PackSFT runs end 30% of the phase before its deadline
+        packsft_deadline = deadline - 0.3 * (deadline - time.time()) if self.caps else deadline
+        cmd = [sys.executable, "-m", "benchmarks.bench_train_gpu", "--packed", str(data[32768]), "--model-config",
+               str(model_config), "--model-name", name, "--row-lengths", str(length), "--backends",
+               f"{backend}+moe_grouped_mm,{backend}+moe_loop", "--steps", str(self.steps),
+               *self.limits(200, packsft_deadline - 5), "--out", str(result)]
+        code, seconds = self.run(cmd, packsft_deadline, self.work / "moe.log")
+        entry.update(returncode=code, seconds=round(seconds, 1))
+        if result.with_suffix(".json").exists():
+            entry["report"] = json.loads(result.with_suffix(".json").read_text())
+            self.tables["moe"] = result.with_suffix(".md").read_text()
+        self.save()
+        trl = self.work / "moe_trl"
+        cmd = [sys.executable, "-m", "benchmarks.bench_trl", "--packed", str(data[32768]), "--model-config",
+               str(model_config), "--shape", name,
+               "--tokenizer", str(self.fixtures / "tokenizers" / "qwen2_5_instruct"),
+               "--attn", "sdpa" if self.smoke else "flex_attention", "--steps", str(self.steps),
+               *self.limits(200, deadline - 5), "--gradient-checkpointing", self.packsft_checkpointing(name, length),
+               "--out", str(trl), *self.bench_flags]
+        code, seconds = self.run(cmd, deadline, self.work / "moe_trl.log")
+        entry["trl"] = {"returncode": code, "seconds": round(seconds, 1)}
+        if trl.with_suffix(".json").exists():
+            entry["trl"]["report"] = json.loads(trl.with_suffix(".json").read_text())
+            self.tables["moe_trl"] = trl.with_suffix(".md").read_text()
+        entry["summary"] = moe_summary(entry)
+        self.tables["moe_summary"] = moe_markdown(entry["summary"])
+        write_atomic(self.out / "moe.md", "\n".join(self.tables.get(k, "") for k in ("moe_summary", "moe", "moe_trl")))
+        self.say(f"moe: {entry['summary']}")
+        self.save()
+
+    def trees(self) -> None:
+        """Stepwise tree rows vs the same targets as samples rows (bench_stepwise --prepare), each trained by
+        bench_train_gpu: tree rows through the structured attention, samples rows through the varlen kernel."""
+        if not self.benches:
+            self.report["phases"]["trees"] = {"skipped": "no CUDA"}
+            self.save()
+            return
+        deadline = self.deadline("trees")
+        entry: dict = {"runs": {}}
+        self.report["phases"]["trees"] = entry
+        data = self.work / "stepwise"
+        length = SMOKE_TREES["max_length"] if self.smoke else 32768
+        fixtures = self.fixtures
+        if self.smoke and not (fixtures / "tokenizers" / "qwen3").is_dir():  # the CPU check: the shared fixtures
+            fixtures = ROOT.parent / "shared" / "fixtures"
+        cmd = [sys.executable, "-m", "benchmarks.bench_stepwise", "--prepare", str(data), "--max-length", str(length),
+               "--fixtures", str(fixtures)] + (["--records", str(SMOKE_TREES["records"])] if self.smoke else [])
+        code, seconds = self.run(cmd, deadline, self.work / "trees.log")
+        entry["prepare"] = {"returncode": code, "seconds": round(seconds, 1)}
+        if code != 0 or not (data / "stepwise.json").exists():
+            self.save()
+            return
+        sets = json.loads((data / "stepwise.json").read_text())["sets"]
+        entry["sets"] = sets
+        model = (["--model-config", str(ROOT / SMOKE_TREES["model_config"]), "--model-name", "tiny-qwen-vocab"]
+                 if self.smoke else ["--shapes", TREES_SHAPE])
+        backend = "sdpa" if self.smoke else "torch_varlen"  # tree rows: the structured attention whatever is named
+        for i, mode in enumerate(("tree", "samples")):
+            result = self.work / f"trees_{mode}"
+            run_deadline = deadline if i else deadline - 0.5 * (deadline - time.time()) if self.caps else deadline
+            cmd = [sys.executable, "-m", "benchmarks.bench_train_gpu", "--packed", sets[mode]["packed"], *model,
+                   "--row-lengths", str(length), "--backends", backend, "--steps", str(self.steps),
+                   *self.limits(150, run_deadline - 5), "--out", str(result)]
+            code, seconds = self.run(cmd, run_deadline, self.work / "trees.log")
+            run = {"returncode": code, "seconds": round(seconds, 1)}
+            if result.with_suffix(".json").exists():
+                run["report"] = json.loads(result.with_suffix(".json").read_text())
+            entry["runs"][mode] = run
+            self.save()
+        entry["summary"] = trees_summary(entry)
+        self.tables["trees"] = trees_markdown(entry["summary"])
+        write_atomic(self.out / "trees.md", self.tables["trees"])
+        self.say(f"trees: {entry['summary']}")
+        self.save()
 
     def collect(self, phase: str, result: Path, code: int | None, seconds: float) -> None:
         entry = {"returncode": code, "seconds": round(seconds, 1)}
@@ -394,6 +522,86 @@ class Check:
         self.save()
 
 
+def _measured(report: dict | None) -> list[dict]:
+    return [r for r in (report or {}).get("results", []) if "tokens_per_s" in r]
+
+
+def moe_summary(entry: dict) -> dict:
+    """Per run: tokens/s, MFU, peak memory; grouped over loop, PackSFT (grouped) over TRL."""
+    rows = {r["backend"].rsplit("+", 1)[-1]: r for r in _measured(entry.get("report"))}
+    trl = _measured(entry.get("trl", {}).get("report"))
+    out: dict = {"shape": entry["shape"], "row_length": entry.get("row_length"), "runs": {}}
+    for name, r in rows.items():
+        out["runs"][name] = {k: r.get(k) for k in ("tokens_per_s", "mfu", "peak_gib", "checkpointing",
+                                                    "experts_implementation", "matmul_params", "n_params")}
+    if trl:
+        out["runs"]["trl"] = {k: trl[0].get(k) for k in ("tokens_per_s", "mfu", "peak_gib", "attn", "trl")}
+        out["runs"]["trl"]["checkpointing"] = "on" if trl[0].get("gradient_checkpointing") else "off"
+    runs = out["runs"]
+    if "moe_grouped_mm" in runs and "moe_loop" in runs:
+        out["grouped_over_loop"] = runs["moe_grouped_mm"]["tokens_per_s"] / runs["moe_loop"]["tokens_per_s"]
+    if "moe_grouped_mm" in runs and "trl" in runs:
+        out["packsft_over_trl"] = runs["moe_grouped_mm"]["tokens_per_s"] / runs["trl"]["tokens_per_s"]
+    not_run = [r for r in (entry.get("report") or {}).get("results", []) if "tokens_per_s" not in r]
+    not_run += [r for r in (entry.get("trl", {}).get("report") or {}).get("results", []) if "tokens_per_s" not in r]
+    if not_run:
+        out["not_run"] = [f"{r.get('backend') or r.get('attn')}: {r.get('error') or r.get('skipped')}" for r in not_run]
+    return out
+
+
+def moe_markdown(summary: dict) -> str:
+    lines = [f"## MoE: {summary['shape']} at {summary['row_length']}-token rows, one device — grouped GEMM vs the "
+             "per-expert loop, beside TRL", "",
+             "| run | tokens/s | MFU (active parameters) | peak GiB | activation checkpointing |",
+             "|---|---:|---:|---:|---|"]
+    for name, r in summary["runs"].items():
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
+        label = f"TRL {r.get('trl')} ({r.get('attn')})" if name == "trl" else f"PackSFT {name}"
+        lines.append(f"| {label} | {r['tokens_per_s']:,.0f} | {mfu} | {r['peak_gib']:.2f} | {r.get('checkpointing')} |")
+    for key, text in (("grouped_over_loop", "grouped GEMM / loop"), ("packsft_over_trl", "PackSFT (grouped) / TRL")):
+        if key in summary:
+            lines.append(f"\n{text}: {summary[key]:.2f}x tokens/s")
+    lines += [f"\nnot run: {why}" for why in summary.get("not_run", [])]
+    return "\n".join(lines) + "\n"
+
+
+def trees_summary(entry: dict) -> dict:
+    """Per set: its rows, tokens, trained tokens, and the trainer's tokens/s and trained tokens/s; tree / samples."""
+    out: dict = {"sets": {}}
+    for mode, run in entry.get("runs", {}).items():
+        rows = _measured(run.get("report"))
+        cell = dict(entry["sets"][mode])
+        cell.pop("packed", None)
+        if rows:
+            cell.update({k: rows[0].get(k) for k in ("tokens_per_s", "loss_tokens_per_s", "attention", "peak_gib")})
+        else:
+            cell["not_run"] = next((r.get("error") or r.get("skipped") for r in (run.get("report") or {})
+                                    .get("results", [])), f"exit {run.get('returncode')}")
+        out["sets"][mode] = cell
+    tree, samples = out["sets"].get("tree", {}), out["sets"].get("samples", {})
+    if tree.get("loss_tokens_per_s") and samples.get("loss_tokens_per_s"):
+        out["tree_over_samples_trained"] = tree["loss_tokens_per_s"] / samples["loss_tokens_per_s"]
+        out["tree_over_samples_tokens"] = tree["tokens_per_s"] / samples["tokens_per_s"]
+    return out
+
+
+def trees_markdown(summary: dict) -> str:
+    lines = ["## Stepwise prefix trees vs the same targets as samples rows", "",
+             "| set | attention | rows | tokens | trained tokens | tokens/s | trained tokens/s | peak GiB |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for mode, c in summary["sets"].items():
+        if "not_run" in c:
+            lines.append(f"| {mode} | not run: {c['not_run']} | {c['rows']} | {c['tokens']:,} | {c['loss_tokens']:,} "
+                         f"| | | |")
+            continue
+        lines.append(f"| {mode} | {c['attention']} | {c['rows']} | {c['tokens']:,} | {c['loss_tokens']:,} | "
+                     f"{c['tokens_per_s']:,.0f} | {c['loss_tokens_per_s']:,.0f} | {c['peak_gib']:.2f} |")
+    if "tree_over_samples_trained" in summary:
+        lines.append(f"\ntree / samples: {summary['tree_over_samples_trained']:.2f}x trained tokens/s "
+                     f"({summary['tree_over_samples_tokens']:.2f}x tokens/s)")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="directory for gpu_check.{json,md,log}, ...")
@@ -404,6 +612,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=6, help="optimizer steps per benchmark run (median of 3..)")
     ap.add_argument("--smoke", action="store_true",
                     help="run every phase on the CPU too: the example data at 2K and its tiny model (the check's check)")
+    ap.add_argument("--second", action="store_true",
+                    help="the second command: the trees and moe phases (issue 42), with their own budget")
     ap.add_argument("--legacy", action="store_true",
                     help="after the default phases, also the 0.5B shape per backend, 128K rows, TRL and a profile")
     ap.add_argument("--no-caps", action="store_true",
@@ -412,10 +622,17 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.second and args.legacy:
+        raise SystemExit("--second runs its own phases (trees, moe); --legacy belongs to the first command")
     check = Check(args.out, args.budget, args.fixtures, args.work, args.steps, args.smoke, args.legacy,
-                  caps=not args.no_caps)
+                  caps=not args.no_caps, second=args.second)
     check.environment()
     prep = check.start_data()
+    if args.second:  # the 32K rows pack on the CPU while the trees phase runs
+        check.trees()
+        check.moe(check.wait_data(prep))
+        check.say(f"done in {time.time() - check.start:.0f} s")
+        return
     check.tests()
     data = check.wait_data(prep)
     # the 1.5B shape's fused step with the plan's partial checkpointing, then with every layer checkpointed (the

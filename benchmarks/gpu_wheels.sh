@@ -25,6 +25,6 @@ for name in gsm8k_train.jsonl skyt1_math500_longcot.messages.jsonl fastchat_dumm
             llamafactory_glaive_toolcall_en_demo.json llamafactory_reason_tool_use_demo_50.jsonl; do
     cp "$FIXTURES/data/$name" .fixtures/data/
 done
-cp -r "$FIXTURES/tokenizers/qwen2_5_instruct" .fixtures/tokenizers/
+cp -r "$FIXTURES/tokenizers/qwen2_5_instruct" "$FIXTURES/tokenizers/qwen3" .fixtures/tokenizers/  # qwen3: stepwise trees
 chmod -R u+w .fixtures
 du -sh .whl .fixtures

@@ -4,6 +4,7 @@
 # every gpu test and the trainer benchmarks within a time budget, writing gpu_check.{json,md,log}, gpu_tests.log and
 # profile.txt into OUT. Without CUDA it is the CPU check: the tests phase runs (every gpu test skips), the rest skip.
 #   bash scripts/gpu_check.sh OUT [--budget SECONDS] [...]
+#   bash scripts/gpu_check.sh OUT2 --second        the second 10-minute command: stepwise trees, the MoE shape
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu_check.sh OUT [gpu_check options]}

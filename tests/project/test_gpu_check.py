@@ -1,6 +1,7 @@
 """benchmarks/gpu_check.py and scripts/gpu_check.sh: the unattended GPU check, run on the CPU (GPU steps skipped),
 and every phase of it in --smoke mode (the example data and tiny model on the CPU, the long-row runs and, with
---legacy, TRL's SFTTrainer included); bench_long_rows' refusals before a run starts."""
+--legacy, TRL's SFTTrainer included); the second command (--second: trees, moe) on the CPU and its MoE shape and
+kernel variants; bench_long_rows' refusals before a run starts."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,8 @@ import pytest
 import torch
 
 from benchmarks.bench_long_rows import model_config, not_started
-from benchmarks.gpu_check import TEST_LINE, XDIST_LINE, gpu_test_files
+from benchmarks.bench_train_gpu import model_changes, parse_variant
+from benchmarks.gpu_check import QWEN3_30B_A3B, TEST_LINE, XDIST_LINE, gpu_test_files
 from tests._train_helpers import ROOT
 
 pytestmark = pytest.mark.serial  # scripts/test.sh runs these alone (see pytest.ini)
@@ -111,3 +113,28 @@ def test_long_rows_refuses_an_offload_the_host_cannot_hold_and_runs_after_the_de
     assert not_started(dict(spec, length=1024), None) is None  # 256 MiB
     assert not_started(dict(spec, option="ckpt+tiled"), None) is None  # no offload: nothing asked of the host
     assert not_started(dict(spec, length=1024), deadline=0.0) == "not run: the deadline had passed"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the check")
+def test_second_command_on_the_cpu_records_its_phases_as_skipped(tmp_path):
+    report = _run_check(tmp_path / "out", "--second")
+    assert report["command"] == "second" and list(report["phases"]) == ["trees", "moe"]
+    assert report["phases"] == {"trees": {"skipped": "no CUDA"}, "moe": {"skipped": "no CUDA"}}
+
+
+def test_moe_phase_shape_is_qwen3_30b_a3b_and_its_variants_choose_the_experts_kernel():
+    from transformers import AutoConfig
+
+    from train.plan.memory import ModelShape
+
+    raw = dict(QWEN3_30B_A3B)
+    shape = ModelShape.from_hf_config(AutoConfig.for_model(raw.pop("model_type"), **raw))
+    # Qwen3-30B-A3B's model card: 30.5B parameters, 3.3B activated (the input embedding, 0.31B, is no matmul)
+    assert round(shape.n_params / 1e9, 1) == 30.5
+    assert shape.matmul_params + shape.vocab * shape.hidden == pytest.approx(3.3e9, rel=0.03)
+    assert parse_variant("torch_varlen+compile_loss+moe_loop") == ("torch_varlen", {"compile_loss": True})
+    assert model_changes("torch_varlen+compile_loss+moe_loop") == {"experts_implementation": "eager"}
+    assert model_changes("sdpa+moe_grouped_mm") == {"experts_implementation": "grouped_mm"}
+    assert model_changes("torch_varlen+liger") == {}
+    with pytest.raises(SystemExit, match="moe_grouped_mm"):
+        parse_variant("sdpa+moe_fast")
