@@ -8,7 +8,8 @@ router aux losses, gradient norms, the rows of every step, final/ within 1e-5 re
                                           1 process, steps 3-4     1 process, step 4
 
 i.e. 1 -> 2, 2 -> 4 (EP 4 on 4 processes equals EP 1: two steps and the final weights), 2 -> 1 and 4 -> 1. Two
-multi-process launches in all. The plain engine's 2 -> 1 is tests/train/test_expert_parallel.py's."""
+multi-process launches in all. The plain engine's 2 -> 1 is tests/train/test_expert_parallel.py's. Also: what
+cannot be regrouped is refused by name, and the resume line's words."""
 from __future__ import annotations
 
 import os
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from tests._reshard_worker import record_rows
-from tests._train_helpers import ROOT, free_port
+from tests._train_helpers import ROOT, free_port, one_thread  # noqa: F401 (a fixture)
 from tests.train.test_expert_parallel import _assert_equal_runs, _options, _setup, data  # noqa: F401 (a fixture)
 from tests.train.test_reshard import _rows_by_step
 from train.checkpoint import checkpoint_root, load_trainer_state
@@ -80,11 +81,11 @@ def chain(data):
                                                             f"resume={_step(runs['two'], 2)}")
     console["four_to_one"], rows["four_to_one"] = _in_process(config, runs["four_to_one"], *FSDP2,
                                                               f"resume={_step(runs['four'], 3)}")
-    return runs, console, rows
+    return runs, console, rows, config
 
 
 def _assert_equal(chain, name: str, first_step: int):
-    runs, _, rows = chain
+    runs, _, rows, _ = chain
     ref_log = read_log(runs["ref"])
     assert rows[name] == {step: rows["ref"][step] for step in range(first_step, STEPS + 1)}  # the data position
     _assert_equal_runs("qwen3_moe", runs[name], runs["ref"], ref_log, first_step=first_step, steps=STEPS)
@@ -93,7 +94,7 @@ def _assert_equal(chain, name: str, first_step: int):
 @pytest.mark.multiprocess
 def test_fsdp2_resume_one_to_two(chain):
     """EP 1 on 1 process (step 1) -> EP 2 on 2 processes (steps 2-4)."""
-    runs, console, rows = chain
+    runs, console, rows, _ = chain
     assert [r["step"] for r in read_log(runs["one"])] == [1] and rows["one"] == {1: rows["ref"][1]}
     assert ("experts regrouped: expert_parallel_size 1 → 2 (each rank read its experts from the whole tensors of "
             "the DCP checkpoint, weights and Adam moments)") in console["two"], console["two"]
@@ -106,7 +107,7 @@ def test_fsdp2_resume_one_to_two(chain):
 def test_fsdp2_ep4_resumed_from_ep2_equals_one_process(chain):
     """EP 2 on 2 processes (step 2) -> EP 4 on 4 processes (2 of 8 experts a rank, each EP 2 part split in two):
     steps 3-4 and final/ equal the process without EP."""
-    runs, console, _ = chain
+    runs, console, _, _ = chain
     assert load_trainer_state(_step(runs["four"], 3))["expert_parallel_size"] == 4
     assert "experts regrouped: expert_parallel_size 2 → 4" in console["four"]
     _assert_equal(chain, "four", 3)
@@ -116,7 +117,7 @@ def test_fsdp2_ep4_resumed_from_ep2_equals_one_process(chain):
 @pytest.mark.parametrize("source", ["two", "four"])
 def test_fsdp2_resume_on_one_process(chain, source):
     """EP 2 (step 2) and EP 4 (step 3) checkpoints resumed on 1 process without EP."""
-    runs, console, _ = chain
+    runs, console, _, _ = chain
     name, first = f"{source}_to_one", {"two": 3, "four": 4}[source]
     saved = {"two": 2, "four": 4}[source]
     assert any(f"experts regrouped: expert_parallel_size {saved} → 1" in line for line in console[name]), console[name]
@@ -141,3 +142,31 @@ def test_resume_line_names_the_expert_regrouping():
                          "rank's part cut from them, weights and Adam moments)")
     assert describe_resume({**fsdp2, "expert_parallel_size": 2}, {**fsdp2, "expert_parallel_size": 2}) is None
     assert describe_resume(fsdp2, {**fsdp2, "expert_parallel_size": 1}) is None  # older records: no EP
+
+
+@pytest.mark.multiprocess
+def test_what_cannot_be_regrouped_is_refused(chain, tmp_path, one_thread):
+    """Before any tensor loads, naming the key and the way: an FSDP2 checkpoint of another degree on the plain engine
+    (the engine named), and a plain checkpoint recorded as saved with EP 2 but without the names of its split
+    parameters (trainer_state.json's expert_parameters) on another degree."""
+    import shutil
+
+    import orjson
+
+    from train.checkpoint import CheckpointError, write_manifest
+
+    runs, _, _, config = chain
+    with pytest.raises(CheckpointError, match=r"was saved with FSDP2 \(distributed_backend: fsdp2\), this run uses "
+                                              r"plain torch"):
+        Trainer(load_config(config, [f"output_dir={tmp_path / 'a'}", *_options("qwen3_moe"), f"max_steps={STEPS}",
+                                     *SPLITS[1], f"resume={_step(runs['two'], 2)}"]), console=lambda *_: None)
+    step = tmp_path / "step-000004"
+    shutil.copytree(_step(runs["ref"], STEPS), step)
+    state = orjson.loads((step / "trainer_state.json").read_bytes())
+    (step / "trainer_state.json").write_bytes(orjson.dumps({**state, "expert_parallel_size": 2}))
+    write_manifest(step, STEPS)
+    with pytest.raises(CheckpointError, match=r"saved with expert_parallel_size=2, this run has "
+                                              r"expert_parallel_size=1, and its trainer_state.json does not record "
+                                              r".*\(expert_parameters\).*; resume with expert_parallel_size=2"):
+        Trainer(load_config(config, [f"output_dir={tmp_path / 'b'}", *_options("qwen3_moe"), f"max_steps={STEPS}",
+                                     *SPLITS[1], f"resume={step}"]), console=lambda *_: None)
