@@ -120,7 +120,8 @@ def test_fsdp2_resume_on_one_process(chain, source):
     runs, console, _, _ = chain
     name, first = f"{source}_to_one", {"two": 3, "four": 4}[source]
     saved = {"two": 2, "four": 4}[source]
-    assert any(f"experts regrouped: expert_parallel_size {saved} → 1" in line for line in console[name]), console[name]
+    regrouped = f"experts regrouped: expert_parallel_size {saved} → 1"
+    assert any(regrouped in line for line in console[name]), console[name]
     _assert_equal(chain, name, first)
 
 
