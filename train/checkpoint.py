@@ -573,10 +573,16 @@ def _engine_name(values: dict) -> str:
 def describe_resume(saved: dict, current: dict) -> str | None:
     """What a resume changes of the checkpoint's layout (None: nothing): the dp / sp degrees, the split of a step
     into micro-batches, and what that did to the optimizer state. `saved`: trainer_state.json; `current`: the same
-    keys for this run (dp_size, sp_size, grad_accum, micro_batch_rows, world_size, engine, deepspeed_stage)."""
+    keys for this run (dp_size, sp_size, grad_accum, micro_batch_rows, world_size, engine, deepspeed_stage,
+    expert_parallel_size: another degree regroups the experts)."""
     keys = ("dp_size", "sp_size", "grad_accum", "micro_batch_rows")
+    ep_before, ep_now = int(saved.get("expert_parallel_size", 1)), int(current.get("expert_parallel_size", 1))
+    experts = "" if ep_before == ep_now else (
+        f"experts regrouped: expert_parallel_size {ep_before} → {ep_now} ("
+        + ("each rank read its experts from the whole tensors of the DCP checkpoint" if current["engine"] == "fsdp2"
+           else "the saved parts put together, each rank's part cut from them") + ", weights and Adam moments)")
     if all(saved.get(k) == current[k] for k in keys):
-        return None
+        return experts or None
 
     def layout(values: dict) -> str:
         return (f"dp={values.get('dp_size')} sp={values.get('sp_size')} grad_accum={values['grad_accum']} "
@@ -592,7 +598,7 @@ def describe_resume(saved: dict, current: dict) -> str | None:
     else:
         what = f"optimizer state resharded {before} → {now} ZeRO partitions"
     rng = "" if before == now else "; rng: fresh per-rank streams seeded from (seed, step, rank)"
-    return f"saved on {layout(saved)}, now {layout(current)}: {what}{rng}"
+    return f"saved on {layout(saved)}, now {layout(current)}: {what}{rng}" + (f"; {experts}" if experts else "")
 
 
 # Model config keys a resumed run may change: they change how it trains, what it outputs or how the config is filed,

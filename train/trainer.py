@@ -490,15 +490,16 @@ class Trainer:
         check_same_model(path, state, self.model_identity, self.cfg.model)
         saved_ep = int(state.get("expert_parallel_size", 1))
         experts_from = None
-        if saved_ep != self.mesh.ep_size:
+        if saved_ep != self.mesh.ep_size and self.engine.name == "plain":  # FSDP2's DCP holds the experts whole
+            self.engine.check_saved_with(path)  # a checkpoint of another engine: named as such
             names = (state.get("expert_parameters") if saved_ep > 1 else
                      getattr(self.engine, "expert_parameter_names", lambda: None)())
-            if self.engine.name != "plain" or not names:
+            if not names:
                 raise CheckpointError(
                     f"resume from {path}: saved with expert_parallel_size={saved_ep}, this run has "
-                    f"expert_parallel_size={self.mesh.ep_size}: another expert-parallel degree resumes on the plain "
-                    "engine (deepspeed.stage null, distributed_backend deepspeed) from a checkpoint it saved with "
-                    f"expert parallelism; resume with expert_parallel_size={saved_ep}")
+                    f"expert_parallel_size={self.mesh.ep_size}, and its trainer_state.json does not record which "
+                    f"parameters were split (expert_parameters), so its parts cannot be cut anew; resume with "
+                    f"expert_parallel_size={saved_ep}")
             experts_from = (saved_ep, names)
         saved_world = state.get("world_size")
         resharded = saved_world is not None and int(saved_world) != self.mesh.world_size
@@ -522,7 +523,7 @@ class Trainer:
         change = None if "rows_per_step" not in state else describe_resume(
             {**state, "engine": state.get("engine", saved_with(path))},  # older checkpoints: from their files
             {**self._step_layout(), "world_size": self.mesh.world_size, "engine": self.engine.name,
-             "deepspeed_stage": self.cfg.deepspeed.stage})
+             "deepspeed_stage": self.cfg.deepspeed.stage, "expert_parallel_size": self.mesh.ep_size})
         self.console(f"resumed from {path} at step {self.step}" + (f"; {change}" if change else ""))
 
     def export(self, out_dir: Path) -> Path:

@@ -2,6 +2,8 @@
 
 Every rank writes its shards (`__<rank>_0.distcp`); rank 0 writes `.metadata`, which says where each piece of every
 tensor lies, so a checkpoint written by N ranks loads on M ranks (DCP reads the pieces each rank's shards need).
+Under expert parallelism the FSDP2 engine describes each expert parameter as the whole tensor of every expert (a 2-D
+mesh: the part, then its shard), so a checkpoint also loads on another expert_parallel_size.
 
 What torch 2.13 unpickles on load, and what PackSFT does instead:
 - `.metadata` is a pickle that `FileSystemReader.read_metadata` reads with plain `pickle.load` (any callable).

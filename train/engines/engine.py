@@ -70,7 +70,8 @@ class Engine:
         """Restore model, optimizer and scheduler from the checkpoint `path`; `resharded_from`: the number of
         processes that saved it when this run has another (the global batch is the same, train/checkpoint.py);
         `experts_from`: (expert_parallel_size, expert parameter names) of the run that saved it when this run has
-        another degree (the plain engine only)."""
+        another degree (the plain engine only: FSDP2's checkpoints hold every expert parameter whole, any degree
+        reads its part)."""
         raise NotImplementedError
 
     def export_state(self, is_main: bool) -> dict | None:

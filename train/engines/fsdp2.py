@@ -1,6 +1,7 @@
 """The FSDP2 engine (distributed_backend: fsdp2): torch's `fully_shard` over all ranks, its reduce-scatter summing;
 its checkpoints are torch Distributed Checkpoint directories (train/engines/dcp.py) that load on another number
-of ranks."""
+of ranks and, under expert parallelism, another expert_parallel_size (each expert parameter saved as the whole tensor
+of every expert, each rank writing and reading its own part of it)."""
 from __future__ import annotations
 
 import math
@@ -68,6 +69,7 @@ class FSDP2Engine(_TorchOptimizerEngine):
         super().__init__(cfg, model, param_groups, lr_factor)  # the optimizer over the sharded parameters
         self.cpu_offload = cpu_offload
         self.n_units, self.size = len(units), mesh.world_size
+        self._experts_2d = None  # _expert_mesh, built at the first save or load
 
     def describe(self) -> str:
         return (f"FSDP2 ({self.n_units} units sharded over {self.size} ranks"
@@ -97,27 +99,58 @@ class FSDP2Engine(_TorchOptimizerEngine):
         experts = {id(p) for name, p in self.module.named_parameters() if name in self.expert_names}
         return [[p for p in params if (id(p) in experts) == part] for part in (False, True)]
 
-    def _part_key(self, key: str) -> str:
-        """A checkpoint key of an expert parameter names its part: the parts are different tensors of one name."""
-        return f"{key}@ep{self.mesh.ep_rank}"
+    def _expert_mesh(self):
+        """The 2-D mesh (ep, edp) of the expert parameters: row e the edp group holding part e, column j an ep group
+        (train/distributed.py's layout), so Shard(0) on both dimensions is where each rank's shard of an expert
+        parameter lies in the whole one [E, ...]: part ep_rank, then its edp shard (FSDP2's chunking of the part)."""
+        if self._experts_2d is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            from train.distributed import expert_group_ranks
+
+            _, edp_groups = expert_group_ranks(self.mesh.world_size, self.mesh.sp_size, self.mesh.ep_size)
+            self._experts_2d = DeviceMesh.from_group([self.mesh.ep_group, self.mesh.edp_group], self.device.type,
+                                                     mesh=edp_groups, mesh_dim_names=("ep", "edp"))
+        return self._experts_2d
+
+    def _whole(self, t: DTensor) -> DTensor:
+        """This rank's shard of an expert parameter's part (or its Adam moment) as a shard of the whole tensor, every
+        expert: the checkpoint key and shape are then those of a run without expert parallelism."""
+        from torch.distributed.tensor import Shard
+
+        shape = torch.Size((t.shape[0] * self.mesh.ep_size, *t.shape[1:]))
+        return DTensor.from_local(t.to_local().detach(), self._expert_mesh(), [Shard(0), Shard(0)], run_check=False,
+                                  shape=shape, stride=torch.empty(shape, device="meta").stride())
 
     def _states(self) -> dict:
+        """What the checkpoint holds: the model's and the optimizer's sharded state dicts (DTensors), every expert
+        parameter under its own name with the shape of the whole tensor (all experts), whatever the degree that saved
+        it, so DCP reads each rank's experts on any expert_parallel_size and number of processes."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model, optimizer = get_state_dict(self.module, self.optimizer)
         if self.ep:
-            model = {self._part_key(k) if k in self.expert_names else k: v for k, v in model.items()}
-            optimizer = {**optimizer, "state": {self._part_key(k) if k in self.expert_names else k: v
-                                                for k, v in optimizer["state"].items()}}
+            model = {k: self._whole(v) if k in self.expert_names else v for k, v in model.items()}
+            optimizer = {**optimizer, "state": {
+                k: ({key: self._whole(v) if isinstance(v, DTensor) else v for key, v in moments.items()}
+                    if k in self.expert_names else moments) for k, moments in optimizer["state"].items()}}
         return {"model": model, "optimizer": optimizer}
 
-    def _unpart(self, states: dict) -> dict:
-        if not self.ep:
-            return states
-        names = {self._part_key(k): k for k in self.expert_names}
-        return {"model": {names.get(k, k): v for k, v in states["model"].items()},
-                "optimizer": {**states["optimizer"], "state": {names.get(k, k): v for k, v in
-                                                               states["optimizer"]["state"].items()}}}
+    def _local_again(self, states: dict, like: dict) -> dict:
+        """The loaded state dicts with each expert tensor back on its edp mesh (`like`: get_state_dict's), as
+        set_state_dict expects this run's parameters."""
+        def back(loaded, original):
+            if isinstance(original, DTensor) and loaded is not original:
+                local = loaded.to_local() if isinstance(loaded, DTensor) else loaded
+                return DTensor.from_local(local, original.device_mesh, original.placements, run_check=False,
+                                          shape=original.shape, stride=original.stride())
+            return loaded
+
+        model = {k: back(states["model"][k], v) for k, v in like["model"].items()}
+        optimizer = {**states["optimizer"], "state": {
+            k: {key: back(states["optimizer"]["state"][k][key], v) for key, v in moments.items()}
+            for k, moments in like["optimizer"]["state"].items()}}
+        return {"model": model, "optimizer": optimizer}
 
     def save(self, directory, is_main):
         from train.engines import dcp as dcp_checkpoint
@@ -126,15 +159,19 @@ class FSDP2Engine(_TorchOptimizerEngine):
         if is_main:
             torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
 
-    def load(self, path, resharded_from=None, experts_from=None):  # DCP reads each rank's shards from whichever files hold them
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+    def load(self, path, resharded_from=None, experts_from=None):
+        """DCP reads each rank's shards from whichever files hold them: a checkpoint of another number of processes
+        or another expert_parallel_size (its experts saved whole, `_states`) loads alike."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         from train.engines import dcp as dcp_checkpoint
 
         self.check_saved_with(path)
+        like = get_state_dict(self.module, self.optimizer) if self.ep else None
         states = self._states()
         dcp_checkpoint.load(states, path / "dcp", manifest_dir=path)  # only files its manifest lists
-        states = self._unpart(states)
+        if like is not None:
+            states = self._local_again(states, {"model": like[0], "optimizer": like[1]})
         set_state_dict(self.module, self.optimizer, model_state_dict=states["model"],
                        optim_state_dict=states["optimizer"])
         self.scheduler.load_state_dict(safe_load(path / "scheduler.pt"))
