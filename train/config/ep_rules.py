@@ -3,7 +3,8 @@ functions (no torch) that say what is wrong (None: nothing), naming the key and 
 
 - the values (train/config/sections.py, before anything is read): the engine (plain torch or FSDP2), the
   data-parallel size (processes / sequence_parallel_size) divisible by the degree, and the features not yet verified
-  with it;
+  with it (LoRA and tiled_mlp are: LoRA adapts the linear layers, which every rank holds whole, and tiled_mlp tiles
+  the rows each rank's experts receive, after the exchange);
 - the model (train/preflight.py, once its config is read, before any weight loads): a mixture-of-experts family
   whose experts module the family table marks (`FamilySpec.experts`), with num_experts divisible by the degree.
 """
@@ -24,12 +25,6 @@ def expert_parallel_problem(cfg, world_size: int) -> str | None:
                 "while under expert parallelism only the ranks holding the same experts share one; use "
                 "distributed_backend=fsdp2 with deepspeed.stage=null (or deepspeed.stage=null alone: plain torch "
                 "AdamW), or expert_parallel_size=1")
-    if cfg.lora.lora_rank > 0:
-        return (f"{head} with LoRA (lora_rank={cfg.lora.lora_rank}) is not supported yet: set lora_rank=0 (full "
-                "fine-tuning), or expert_parallel_size=1")
-    if cfg.model.tiled_mlp:
-        return (f"{head} with tiled_mlp: true would run each MoE block's token exchange once per tile, a different "
-                "number of times on each rank; set tiled_mlp=false, or expert_parallel_size=1")
     if cfg.model.compile_layers:
         return (f"{head} with compile_layers: true is not verified yet (the token exchange inside a compiled decoder "
                 "layer); set compile_layers=false, or expert_parallel_size=1")

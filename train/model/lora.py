@@ -110,6 +110,7 @@ def apply_lora(
         missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
         if missing:
             raise ValueError(f"target_modules {missing} match no module of {type(model).__name__}")
+        _refuse_routed_experts(model, targets)
     if is_composite(model.config):  # the text decoder only, never the towers' layers of the same names
         linear = [name for name, module in model.named_modules() if isinstance(module, nn.Linear) and name != head]
         targets = text_decoder_targets(model, targets, linear)
@@ -131,6 +132,22 @@ def apply_lora(
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         peft_model = get_peft_model(model, config)
     return peft_model
+
+
+def _refuse_routed_experts(model: nn.Module, targets: list[str]) -> None:
+    """LoRA adapts linear layers; a target naming a routed-experts module (transformers' fused experts: 3-D weight
+    tensors, with or without expert parallelism) is refused with what works."""
+    from common.config import ConfigError
+    from train.model.patches.tiled_mlp import is_experts_module
+
+    for name, module in model.named_modules():
+        hit = [t for t in targets if name == t or name.endswith("." + t)]
+        if hit and is_experts_module(module):
+            raise ConfigError(
+                f"target_modules {hit} names the routed experts ({type(module).__name__} at {name}): their weights are "
+                "fused 3-D tensors, which LoRA here does not adapt; adapt the attention and the dense / shared-expert "
+                "linear layers (e.g. target_modules=[\"q_proj\",\"k_proj\",\"v_proj\",\"o_proj\"]), or train the "
+                "routed experts with full fine-tuning (lora_rank=0)")
 
 
 # ---------------------------------------------------------------------------------------------- export
