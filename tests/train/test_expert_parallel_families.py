@@ -3,11 +3,11 @@ equals one process without expert parallelism on the same 2 rows a step, for the
 tests/train/test_expert_parallel.py does not run: losses, router aux losses and gradient norms of 3 steps within
 1e-5 relative, and final/ equal to the reference's final/ (each tensor within 1e-5 of its scale):
 - deepseek_v3 (a dense first layer, a shared expert, grouped sigmoid routing with its correction bias, latent
-  attention) with tiled_mlp: the dense layer and the shared expert tiled over tokens, the routed experts over the rows
-  they receive after the exchange (train/model/experts.py `tiled_local_experts`);
+  attention) under FSDP2 with tiled_mlp: the dense layer tiled over tokens, the routed experts over the rows they
+  receive after the exchange (train/model/experts.py `tiled_local_experts`);
 - the qwen3_5_moe composite's text decoder (gated delta-net and full attention layers), final/ the whole composite;
-- mixtral (a newly marked family) with LoRA on its attention and tiled_mlp: the adapter and the merged model equal
-  the one-process LoRA run's (the routed experts stay frozen, as without expert parallelism).
+- mixtral (a newly marked family) on the plain engine with LoRA on its attention and tiled_mlp: the adapter and the
+  merged model equal the one-process LoRA run's (the routed experts stay frozen, as without expert parallelism).
 One launch per family; the references run in this process."""
 from __future__ import annotations
 
@@ -46,7 +46,9 @@ def _family_config(family: str) -> dict:
 
 
 OPTIONS = {  # each family's EP run beyond expert_parallel_size=2 on 2 processes, and what its reference shares
-    "deepseek_v3": (TILED + ["moe_kernel=grouped_mm"], []),  # its routers balance by a bias: no aux loss
+    # deepseek_v3 under FSDP2 (each experts module a unit over its edp group: the tiles recomputed inside its
+    # backward); no aux loss: its routers balance by a bias
+    "deepseek_v3": (TILED + ["moe_kernel=grouped_mm", "distributed_backend=fsdp2"], []),
     "qwen3_5_moe": (AUX + ["moe_kernel=loop"], AUX),
     "mixtral": (AUX + LORA + TILED + ["moe_kernel=auto"], AUX + LORA),
 }
@@ -105,13 +107,14 @@ def _assert_same_tensors(got_file, want_file, experts: str = ".experts."):
 
 @pytest.mark.multiprocess
 def test_deepseek_v3_ep2_tiled_mlp_equals_one_process(data):
-    """deepseek_v3 under EP 2 with tiled_mlp (4-token tiles: the routed experts' received rows in tiles of 8 pairs)
-    == one process, untiled."""
+    """deepseek_v3 under EP 2 and FSDP2 with tiled_mlp (4-token tiles: the routed experts' received rows in tiles of
+    8 pairs) == one process, untiled."""
     from transformers import AutoModelForCausalLM
 
     ep_out, ref_out, ref_log, output = _runs(data, "deepseek_v3")
     assert "expert parallel 2: 4 of 8 experts per rank, grouped_mm (1 MoE layers)" in output
     assert "tiled MLP (dense and experts, 2 modules, 4-token tiles)" in output
+    assert "the experts over their edp group" in output
     assert "self-check: packed = unpacked" in output
     _assert_same_logs(ep_out, ref_log, aux=False)
     _assert_same_tensors(ep_out / "final" / "model.safetensors", ref_out / "final" / "model.safetensors")
