@@ -5,9 +5,11 @@ tests/train/test_expert_parallel.py does not run: losses, router aux losses and 
 - deepseek_v3 (a dense first layer, a shared expert, grouped sigmoid routing with its correction bias, latent
   attention) under FSDP2 with tiled_mlp: the dense layer tiled over tokens, the routed experts over the rows they
   receive after the exchange (train/model/experts.py `tiled_local_experts`);
-- the qwen3_5_moe composite's text decoder (gated delta-net and full attention layers), final/ the whole composite;
-- mixtral (a newly marked family) on the plain engine with LoRA on its attention and tiled_mlp: the adapter and the
-  merged model equal the one-process LoRA run's (the routed experts stay frozen, as without expert parallelism).
+- the qwen3_5_moe composite's text decoder (gated delta-net and full attention layers) on the plain engine with
+  tiled_mlp, final/ the whole composite;
+- mixtral (a newly marked family) with LoRA on its attention and on its routed experts (peft's parameter targets:
+  one adapter per expert, whole on every rank, each rank adding its experts' deltas to its part): the adapter and the
+  merged model equal the one-process LoRA run's.
 One launch per family; the references run in this process."""
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from train.metrics import read_log
 from train.trainer import Trainer
 
 LORA = ["lora_rank=4", "lora_alpha=8", 'target_modules=["q_proj","k_proj","v_proj","o_proj"]',
-        "lora_merge_on_save=true"]
+        'target_parameters=["experts.gate_up_proj","experts.down_proj"]', "lora_merge_on_save=true"]
 TILED = ["tiled_mlp=true", "tiled_mlp_tile=4"]  # rows of 6-24 tokens a sequence, 3 a row: several tiles per layer
 
 
@@ -49,8 +51,8 @@ OPTIONS = {  # each family's EP run beyond expert_parallel_size=2 on 2 processes
     # deepseek_v3 under FSDP2 (each experts module a unit over its edp group: the tiles recomputed inside its
     # backward); no aux loss: its routers balance by a bias
     "deepseek_v3": (TILED + ["moe_kernel=grouped_mm", "distributed_backend=fsdp2"], []),
-    "qwen3_5_moe": (AUX + ["moe_kernel=loop"], AUX),
-    "mixtral": (AUX + LORA + TILED + ["moe_kernel=auto"], AUX + LORA),
+    "qwen3_5_moe": (AUX + TILED + ["moe_kernel=loop"], AUX),
+    "mixtral": (AUX + LORA + ["moe_kernel=auto"], AUX + LORA),
 }
 
 
@@ -123,25 +125,31 @@ def test_deepseek_v3_ep2_tiled_mlp_equals_one_process(data):
 
 @pytest.mark.multiprocess
 def test_qwen3_5_moe_composite_ep2_equals_one_process(data):
-    """The qwen3_5_moe composite's text decoder under EP 2 == one process; final/ is the whole composite (towers
-    included, unchanged: trained or not, they are equal to the reference's)."""
+    """The qwen3_5_moe composite's text decoder under EP 2 with tiled_mlp == one process untiled; final/ is the whole
+    composite (towers included, unchanged: trained or not, they are equal to the reference's)."""
     from transformers import AutoModelForImageTextToText
 
     ep_out, ref_out, ref_log, output = _runs(data, "qwen3_5_moe")
     assert "expert parallel 2: 4 of 8 experts per rank, loop" in output
+    assert "tiled MLP (experts, 2 modules, 4-token tiles)" in output
     _assert_same_logs(ep_out, ref_log, aux=True)
     _assert_same_tensors(ep_out / "final" / "model.safetensors", ref_out / "final" / "model.safetensors")
     assert AutoModelForImageTextToText.from_pretrained(ep_out / "final").config.model_type == "qwen3_5_moe"
 
 
 @pytest.mark.multiprocess
-def test_mixtral_ep2_lora_tiled_mlp_equals_one_process(data):
-    """mixtral under EP 2 with LoRA on its attention and tiled_mlp == one process with the same LoRA: the adapter
-    (replicated on every rank) and final/merged/ (every expert gathered: frozen, the checkpoint's own)."""
+def test_mixtral_ep2_lora_on_attention_and_experts_equals_one_process(data):
+    """mixtral under EP 2 with LoRA on its attention and its routed experts == one process with the same LoRA: the
+    adapter (the experts' adapters trained: B no longer zero) and final/merged/ (every expert gathered, its adapter
+    folded in)."""
+    from safetensors.torch import load_file
+
     ep_out, ref_out, ref_log, output = _runs(data, "mixtral")
     assert "expert parallel 2: 4 of 8 experts per rank" in output
-    assert "tiled MLP (experts, 2 modules, 4-token tiles)" in output
     _assert_same_logs(ep_out, ref_log, aux=True)
+    adapter = load_file(ep_out / "final" / "adapter_model.safetensors")
+    experts_b = [name for name in adapter if ".experts." in name and "lora_B" in name]
+    assert len(experts_b) == 2 * 2 and all(adapter[name].abs().max() > 0 for name in experts_b)  # 2 layers x 2
     _assert_same_tensors(ep_out / "final" / "adapter_model.safetensors",
                          ref_out / "final" / "adapter_model.safetensors", experts="")
     _assert_same_tensors(ep_out / "final" / "merged" / "model.safetensors",
@@ -177,16 +185,53 @@ def test_tiled_local_experts_equal_one_call(family, kernel):
     assert type(y.grad_fn).__name__ == "TiledCallBackward" and type(want_y.grad_fn).__name__ != "TiledCallBackward"
 
 
-def test_lora_refuses_the_routed_experts():
-    """A LoRA target naming a routed-experts module (fused 3-D weights): one ConfigError naming target_modules and
-    what works, with or without expert parallelism."""
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_lora_on_the_experts_merges_as_peft_does(family):
+    """LoRA on the routed experts' fused weights (target_parameters; gpt_oss: transposed, with biases): the merged
+    export (train/model/lora.py, out of place from the state dict) equals peft's own merge_and_unload, key for key."""
+    import copy
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from train.model.lora import apply_lora, merged_state_dict
+
+    values = {**_family_config("mixtral"), "model_type": family, "num_hidden_layers": 1}
+    if family == "gpt_oss":
+        values.update(layer_types=["full_attention"], sliding_window=8)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**values))
+    lora = apply_lora(model, 4, 8.0, 0.0, ["q_proj"], ["experts.gate_up_proj", "experts.down_proj"])
+    for name, p in lora.named_parameters():
+        if "lora_B" in name:  # zero at init: the fold would show nothing
+            torch.nn.init.normal_(p, std=0.1)
+    merged = merged_state_dict(lora, is_main=True)
+    want = copy.deepcopy(lora).merge_and_unload().state_dict()
+    assert merged.keys() == want.keys()
+    assert any(".experts.gate_up_proj" in k for k in merged)
+    for name in want:
+        torch.testing.assert_close(merged[name], want[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_lora_expert_refusals(tmp_path):
+    """One ConfigError naming the key and what works: target_modules naming the experts module (its fused weights:
+    target_parameters), a target parameter matching nothing, target_parameters with tiled_mlp or lora_dropout."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from common.config import ConfigError
+    from train.config.sections import from_keys
     from train.model.lora import apply_lora
 
-    config = AutoConfig.for_model(**{**_family_config("mixtral"), "num_hidden_layers": 1})
-    model = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**_family_config("mixtral"),
+                                                                     "num_hidden_layers": 1}))
     with pytest.raises(ConfigError, match=r"target_modules \['experts'\] names the routed experts \(MixtralExperts") as err:
         apply_lora(model, 4, 8.0, 0.0, ["q_proj", "experts"])
-    assert 'target_modules=["q_proj","k_proj","v_proj","o_proj"]' in str(err.value) and "lora_rank=0" in str(err.value)
+    assert 'target_parameters=["experts.gate_up_proj","experts.down_proj"]' in str(err.value)
+    with pytest.raises(ConfigError, match=r"target_parameters \['experts.up_proj'\] match no parameter"):
+        apply_lora(model, 4, 8.0, 0.0, ["q_proj"], ["experts.up_proj"])
+    base = {"data_path": str(tmp_path), "output_dir": str(tmp_path / "out"), "model_config": "m.json", "lora_rank": 4,
+            "target_parameters": ["experts.down_proj"]}
+    assert from_keys(base).lora.target_parameters == ["experts.down_proj"]
+    for extra, needle in (({"tiled_mlp": True}, "set tiled_mlp=false"), ({"lora_dropout": 0.1}, "needs lora_dropout=0")):
+        with pytest.raises(ConfigError, match="target_parameters") as err:
+            from_keys({**base, **extra}).validate(1)
+        assert needle in str(err.value)

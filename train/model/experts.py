@@ -208,15 +208,20 @@ class ExpertParallelExperts:
         return combine(returned, order, top_k_weights).to(hidden_states.dtype)
 
 
-def _expert_parallel_class(cls: type) -> type:
-    name = f"ExpertParallel{cls.__name__}"
-    cached = _CLASSES.get(cls)
+def _class_with(mixin: type, cls: type) -> type:
+    """`cls` with `mixin`'s methods first (one class per pair)."""
+    cached = _CLASSES.get((mixin, cls))
     if cached is None:
-        cached = _CLASSES[cls] = type(name, (ExpertParallelExperts, cls), {"__module__": __name__})
+        cached = _CLASSES[(mixin, cls)] = type(f"{mixin.__name__.removesuffix('Experts')}{cls.__name__}",
+                                               (mixin, cls), {"__module__": __name__})
     return cached
 
 
-_CLASSES: dict[type, type] = {}
+def _expert_parallel_class(cls: type) -> type:
+    return _class_with(ExpertParallelExperts, cls)
+
+
+_CLASSES: dict[tuple[type, type], type] = {}
 
 
 def expert_parameter_names(experts: torch.nn.Module, num_experts: int) -> list[str]:
@@ -249,8 +254,19 @@ def grouped_mm_problem(experts: torch.nn.Module, names: list[str]) -> str | None
     return None
 
 
+def lora_wrappers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """peft's ParamWrappers around an experts module (LoRA `target_parameters`: one per targeted parameter, nested),
+    outermost first."""
+    wrappers = []
+    while hasattr(module, "parameter_name") and isinstance(getattr(module, "base_layer", None), torch.nn.Module):
+        wrappers.append(module)
+        module = module.base_layer
+    return wrappers
+
+
 def find_experts(lm: torch.nn.Module, path: str) -> list[torch.nn.Module]:
-    """Every decoder layer's experts module at `path` (layers without one: a dense layer)."""
+    """Every decoder layer's experts module at `path` (layers without one: a dense layer; through peft's
+    ParamWrappers of LoRA on its parameters)."""
     from train.model.patches.tiled_mlp import decoder_layers
 
     found = []
@@ -260,9 +276,29 @@ def find_experts(lm: torch.nn.Module, path: str) -> list[torch.nn.Module]:
             module = getattr(module, part, None)
             if module is None:
                 break
+        wrappers = lora_wrappers(module) if module is not None else []
+        module = wrappers[-1].base_layer if wrappers else module
         if module is not None and hasattr(module, "has_gate"):  # transformers' experts module (the decorator's flag)
+            module._lora_wrappers = wrappers
             found.append(module)
     return found
+
+
+class ExpertParallelLora:
+    """Mixed into peft's ParamWrapper on an expert-parallel experts module (LoRA `target_parameters`): its adapters
+    stay whole on every rank (one B·A per expert of all E: small, replicated, their gradients summed over the world
+    like any replicated weight's), and the delta added to the rank's part of the weight is that of its experts."""
+
+    _ep_experts: tuple[int, int]  # (first, count)
+
+    def get_delta_factors(self, adapter_name):
+        lhs, rhs, scaling = super().get_delta_factors(adapter_name)
+        first, count = self._ep_experts
+        return lhs[first:first + count], rhs[first:first + count], scaling
+
+    def get_delta_weight(self, adapter_name, *args, **kwargs):
+        first, count = self._ep_experts
+        return super().get_delta_weight(adapter_name, *args, **kwargs)[first:first + count]
 
 
 class _TiledLocalExperts(TiledForward):
@@ -305,6 +341,9 @@ def shard_experts(lm: torch.nn.Module, path: str, ep_size: int, ep_rank: int, gr
         keep_part(experts, names, ep_rank * local, local)
         experts.__class__ = _expert_parallel_class(type(experts))
         experts._ep = ExpertParallelState(group, ep_size, ep_rank, num_experts, chosen, _exchange_once(experts))
+        for wrapper in experts.__dict__.pop("_lora_wrappers", []):
+            wrapper.__class__ = _class_with(ExpertParallelLora, type(wrapper))
+            wrapper._ep_experts = (ep_rank * local, local)
         experts.num_experts = local  # what the module holds (its forward reads _ep)
     return {"layers": len(found), "num_experts": num_experts, "local": local, "kernel": chosen}
 
