@@ -231,7 +231,11 @@ def test_lora_expert_refusals(tmp_path):
     base = {"data_path": str(tmp_path), "output_dir": str(tmp_path / "out"), "model_config": "m.json", "lora_rank": 4,
             "target_parameters": ["experts.down_proj"]}
     assert from_keys(base).lora.target_parameters == ["experts.down_proj"]
-    for extra, needle in (({"tiled_mlp": True}, "set tiled_mlp=false"), ({"lora_dropout": 0.1}, "needs lora_dropout=0")):
+    for extra, needle in (({"tiled_mlp": True}, "set tiled_mlp=false"), ({"lora_dropout": 0.1}, "needs lora_dropout=0"),
+                          ({"expert_parallel_size": 2, "distributed_backend": "fsdp2", "launch": {"num_processes": 2}},
+                           "expert_parallel_size=2 with LoRA target_parameters=['experts.down_proj'] under "
+                           "distributed_backend=fsdp2 is not supported")):
         with pytest.raises(ConfigError, match="target_parameters") as err:
-            from_keys({**base, **extra}).validate(1)
+            from_keys({**base, **extra}).validate(extra.get("launch", {}).get("num_processes", 1))
         assert needle in str(err.value)
+    from_keys({**base, "expert_parallel_size": 2, "launch": {"num_processes": 2}}).validate(2)  # the plain engine

@@ -25,6 +25,11 @@ def expert_parallel_problem(cfg, world_size: int) -> str | None:
                 "while under expert parallelism only the ranks holding the same experts share one; use "
                 "distributed_backend=fsdp2 with deepspeed.stage=null (or deepspeed.stage=null alone: plain torch "
                 "AdamW), or expert_parallel_size=1")
+    if cfg.uses_fsdp2 and cfg.lora.lora_rank > 0 and cfg.lora.target_parameters:
+        return (f"{head} with LoRA target_parameters={cfg.lora.target_parameters} under distributed_backend=fsdp2 is "
+                "not supported: each experts module is its own FSDP2 unit, still sharded where peft folds the "
+                "adapters into its weights; use the plain engine (distributed_backend=deepspeed with "
+                "deepspeed.stage=null), target_parameters=[] (LoRA on linear layers only), or expert_parallel_size=1")
     if cfg.model.compile_layers:
         return (f"{head} with compile_layers: true is not verified yet (the token exchange inside a compiled decoder "
                 "layer); set compile_layers=false, or expert_parallel_size=1")
