@@ -3,8 +3,9 @@ functions (no torch) that say what is wrong (None: nothing), naming the key and 
 
 - the values (train/config/sections.py, before anything is read): the engine (plain torch or FSDP2), the
   data-parallel size (processes / sequence_parallel_size) divisible by the degree, and the features not yet verified
-  with it (LoRA and tiled_mlp are: LoRA adapts the linear layers, which every rank holds whole, and tiled_mlp tiles
-  the rows each rank's experts receive, after the exchange);
+  with it (LoRA and tiled_mlp are verified: adapters stay whole on every rank, the routed experts' too, and
+  tiled_mlp tiles the rows each rank's experts receive, after the exchange; LoRA on the routed experts under FSDP2
+  is refused);
 - the model (train/preflight.py, once its config is read, before any weight loads): a mixture-of-experts family
   whose experts module the family table marks (`FamilySpec.experts`), with num_experts divisible by the degree.
 """
