@@ -18,7 +18,7 @@ import json
 import pytest
 import torch
 
-from tests._train_helpers import one_thread, random_rows, run_train, write_config, write_packed  # noqa: F401
+from tests._train_helpers import random_rows, run_train, write_config, write_packed
 from tests._train_helpers import VOCAB
 from tests.train.test_expert_parallel import AUX, COMMON, RTOL, STEPS, _model_config, _rel
 from train.config.sections import load_config
