@@ -638,6 +638,8 @@ def model_identity(model_config, lora) -> dict:
         targets = lora.target_modules
         record.update(lora_alpha=lora.lora_alpha,
                       target_modules="all-linear" if targets == ["all-linear"] else sorted(targets))
+        if lora.target_parameters:  # recorded when set (older checkpoints have none)
+            record["target_parameters"] = sorted(lora.target_parameters)
     return {"config": orjson.loads(model_config.to_json_string(use_diff=False)), "lora": record}
 
 

@@ -2,8 +2,10 @@
 equals one process without expert parallelism on the same 2 rows a step: losses, router aux losses and gradient
 norms of 3 steps within 1e-5 relative, and final/ (every expert, the model's own layout, loading with
 from_pretrained) equal to the reference's final/ — qwen3_moe with sequence parallelism 2 on 4 processes (stopped
-after step 2 and resumed from its per-part checkpoint) and gpt_oss under FSDP2 on 2; deepseek_v3 at the model level (tests/_ep_worker.py); a resume on another degree (2 -> 1); the refusal of
-`sh train.sh` on a dense model. The dispatch / combine core alone: tests/train/test_experts.py."""
+after step 2 and resumed from its per-part checkpoint) and gpt_oss under FSDP2 on 2; a resume on another degree (2 -> 1);
+the refusal of `sh train.sh` on a dense model. deepseek_v3, the qwen3_5_moe composite's text and mixtral, with
+tiled_mlp and LoRA: tests/train/test_expert_parallel_families.py. The dispatch / combine core alone:
+tests/train/test_experts.py."""
 from __future__ import annotations
 
 import json
@@ -160,33 +162,6 @@ def test_other_families_ep2_fsdp2_equal_one_process(data, family):
     output = proc.stdout + proc.stderr
     assert "the experts over their edp group" in output and "4 of 8 experts per rank, loop" in output
     _assert_equal_runs(family, ep_out, ref_out, _reference(config, ref_out, family))
-
-
-@pytest.mark.multiprocess
-def test_deepseek_v3_model_ep2(tmp_path):
-    """deepseek_v3 (a dense first layer, a shared expert, grouped sigmoid routing with its correction bias) at the
-    model level on 2 processes, each its own number of tokens: the loss and every gradient with the experts split
-    equal the full model's (summed over the ranks) within 1e-5 of each tensor's scale, and the gathered experts are
-    the original ones. (Not yet through the trainer: its attention plan does not know latent attention.)"""
-    import subprocess
-    import sys
-
-    from tests._train_helpers import ROOT, free_port
-
-    config = {k: v for k, v in _model_config("deepseek_v3").items()}
-    config_file, out = tmp_path / "config.json", tmp_path / "out.json"
-    config_file.write_text(json.dumps(config))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           str(ROOT / "tests" / "_ep_worker.py"), "deepseek_v3", str(config_file), str(out), "grouped_mm"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(out.read_text())
-    assert result["info"] == {"layers": 1, "num_experts": 8, "local": 4, "kernel": "grouped_mm"}
-    assert result["dense_layers"] == 1
-    assert result["loss"] <= RTOL
-    assert max(result["grads"].values()) <= RTOL, result["grads"]
-    assert result["gathered_equal"] and all(result["gathered_equal"].values())
 
 
 def test_train_sh_refuses_expert_parallelism_on_a_dense_model(data, tmp_path):

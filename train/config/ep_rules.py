@@ -3,7 +3,9 @@ functions (no torch) that say what is wrong (None: nothing), naming the key and 
 
 - the values (train/config/sections.py, before anything is read): the engine (plain torch or FSDP2), the
   data-parallel size (processes / sequence_parallel_size) divisible by the degree, and the features not yet verified
-  with it;
+  with it (LoRA and tiled_mlp are verified: adapters stay whole on every rank, the routed experts' too, and
+  tiled_mlp tiles the rows each rank's experts receive, after the exchange; LoRA on the routed experts under FSDP2
+  is refused);
 - the model (train/preflight.py, once its config is read, before any weight loads): a mixture-of-experts family
   whose experts module the family table marks (`FamilySpec.experts`), with num_experts divisible by the degree.
 """
@@ -24,12 +26,11 @@ def expert_parallel_problem(cfg, world_size: int) -> str | None:
                 "while under expert parallelism only the ranks holding the same experts share one; use "
                 "distributed_backend=fsdp2 with deepspeed.stage=null (or deepspeed.stage=null alone: plain torch "
                 "AdamW), or expert_parallel_size=1")
-    if cfg.lora.lora_rank > 0:
-        return (f"{head} with LoRA (lora_rank={cfg.lora.lora_rank}) is not supported yet: set lora_rank=0 (full "
-                "fine-tuning), or expert_parallel_size=1")
-    if cfg.model.tiled_mlp:
-        return (f"{head} with tiled_mlp: true would run each MoE block's token exchange once per tile, a different "
-                "number of times on each rank; set tiled_mlp=false, or expert_parallel_size=1")
+    if cfg.uses_fsdp2 and cfg.lora.lora_rank > 0 and cfg.lora.target_parameters:
+        return (f"{head} with LoRA target_parameters={cfg.lora.target_parameters} under distributed_backend=fsdp2 is "
+                "not supported: each experts module is its own FSDP2 unit, still sharded where peft folds the "
+                "adapters into its weights; use the plain engine (distributed_backend=deepspeed with "
+                "deepspeed.stage=null), target_parameters=[] (LoRA on linear layers only), or expert_parallel_size=1")
     if cfg.model.compile_layers:
         return (f"{head} with compile_layers: true is not verified yet (the token exchange inside a compiled decoder "
                 "layer); set compile_layers=false, or expert_parallel_size=1")

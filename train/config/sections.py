@@ -200,6 +200,9 @@ class LoraSection:
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
     lora_merge_on_save: bool = True  # LoRA: also export the merged model to final/merged/
+    # LoRA on parameters that are no linear layer (peft's parameter targets): `module.parameter` suffixes, e.g. an MoE's
+    # fused routed experts ["experts.gate_up_proj", "experts.down_proj"]; [] (default): none
+    target_parameters: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -403,6 +406,17 @@ class TrainConfig:
                               "in backward would gather the partitioned MLP weights once per tile; for sharded weights "
                               "with tiled MLPs use distributed_backend=fsdp2 (deepspeed.stage=null; it gathers each "
                               "decoder layer whole), else set tiled_mlp=false or use deepspeed.stage 2")
+        if self.lora.target_parameters and self.lora.lora_rank > 0:
+            if model.tiled_mlp:
+                raise ConfigError(
+                    f"target_parameters={self.lora.target_parameters} with tiled_mlp: true: a tile's recomputation "
+                    "in backward would not reach the adapters of the targeted parameters; set tiled_mlp=false, or "
+                    "target_parameters=[] (LoRA on the linear layers only)")
+            if self.lora.lora_dropout:
+                raise ConfigError(
+                    f"target_parameters={self.lora.target_parameters} needs lora_dropout=0 (got "
+                    f"{self.lora.lora_dropout}): peft's parameter adapters fold B·A into the weight, where no dropout "
+                    "of the input applies")
         if model.activation_offload and model.gradient_checkpointing is False:
             raise ConfigError("activation_offload: true moves the inputs that gradient checkpointing keeps; it needs "
                               "gradient_checkpointing: true (or auto, which it turns on); got gradient_checkpointing: "

@@ -134,8 +134,8 @@ class PlainEngine(_TorchOptimizerEngine):
         return sorted(name for name, p in self.module.named_parameters() if id(p) in self.expert_ids)
 
     def export_state(self, is_main):
-        if self.lora:
-            return None  # save_lora reads the live (full) parameters
+        if self.lora and not self.ep:
+            return None  # save_lora reads the live (full) parameters; under EP the experts' parts are gathered
         state = self.module.state_dict() if is_main else None
         if self.ep:  # collective: every expert, the parts of the main rank's ep group put together
             from train.model.experts import gather_expert_state

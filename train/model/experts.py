@@ -15,7 +15,8 @@ The forward on a rank's T tokens with top-k routing (`top_k_index`, `top_k_weigh
    splits: each owner receives, source rank by source rank, its experts' rows in expert order;
 3. `receive_layout` groups the received rows by local expert; `local_experts` runs the experts over them: one
    grouped matrix product per projection (`torch._grouped_mm`, `moe_kernel: grouped_mm`) or one product per expert
-   (`loop`);
+   (`loop`); under `tiled_mlp` in tiles of those rows (`tiled_local_experts`: the exchange itself runs once per
+   layer, the same number of times on every rank);
 4. the outputs return by the reverse all-to-all, and `combine` sums each token's k outputs times their routing
    weights (transformers' loop adds them expert by expert: the same terms, summed in another order).
 Backward runs through the same exchanges (`AllToAll`: the backward of an all-to-all is the reverse all-to-all). No
@@ -34,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from common.config import ConfigError
+from train.model.patches.tiled_mlp import TiledForward
 
 
 # ---------------------------------------------------------------------------------------------- the pure pieces
@@ -125,6 +127,26 @@ def local_experts(experts: torch.nn.Module, x: torch.Tensor, per_expert: torch.T
     return y
 
 
+def tiled_local_experts(experts: torch.nn.Module, x: torch.Tensor, per_expert: torch.Tensor, kernel: str,
+                        tile: int | None) -> torch.Tensor:
+    """`local_experts` over the rows `x` in tiles of `tile` rows (None: whole), forward and backward
+    (train/model/patches/tiled_mlp.py's TiledCall: a tile's [rows x intermediate] activations recomputed in backward):
+    `tiled_mlp` under expert parallelism. The rows are grouped by expert, so a tile's rows are too: its per-expert
+    counts are those of its slice of each row's expert. Each row's output depends on that row alone: the same maths
+    as one call."""
+    if tile is None or x.shape[0] <= tile:
+        return local_experts(experts, x, per_expert, kernel)
+    from train.model.patches.tiled_mlp import TiledCall
+
+    expert_ids = torch.repeat_interleave(torch.arange(per_expert.numel(), device=x.device), per_expert)
+
+    def run(rows, ids):
+        return local_experts(experts, rows, torch.bincount(ids, minlength=per_expert.numel()), kernel)
+
+    params = [p for p in experts.parameters() if p.requires_grad]
+    return TiledCall.apply(run, tile, 2, x, expert_ids, *params)
+
+
 # ---------------------------------------------------------------------------------------------- the exchange
 class AllToAll(torch.autograd.Function):
     """`dist.all_to_all_single` with uneven splits (rows); backward: the reverse exchange of the gradient."""
@@ -159,6 +181,7 @@ class ExpertParallelState:
     rank: int  # this rank's part
     num_experts: int  # E, over the group
     kernel: str  # grouped_mm | loop
+    tile: int | None = None  # tiled_mlp: the tile in tokens (the local experts run in tiles of tile x top-k pairs)
 
     @property
     def local(self) -> int:
@@ -179,20 +202,26 @@ class ExpertParallelExperts:
         recv_splits = received.sum(dim=1).tolist()
         rows = AllToAll.apply(hidden_states[order // k], recv_splits, send_splits, ep.group)
         perm, per_local = receive_layout(received)
-        out = local_experts(self, rows[perm], per_local, ep.kernel)[inverse_permutation(perm)]
+        tile = None if ep.tile is None else ep.tile * k  # the pairs of `tile` tokens: the memory plan's tile
+        out = tiled_local_experts(self, rows[perm], per_local, ep.kernel, tile)[inverse_permutation(perm)]
         returned = AllToAll.apply(out, send_splits, recv_splits, ep.group)
         return combine(returned, order, top_k_weights).to(hidden_states.dtype)
 
 
-def _expert_parallel_class(cls: type) -> type:
-    name = f"ExpertParallel{cls.__name__}"
-    cached = _CLASSES.get(cls)
+def _class_with(mixin: type, cls: type) -> type:
+    """`cls` with `mixin`'s methods first (one class per pair)."""
+    cached = _CLASSES.get((mixin, cls))
     if cached is None:
-        cached = _CLASSES[cls] = type(name, (ExpertParallelExperts, cls), {"__module__": __name__})
+        cached = _CLASSES[(mixin, cls)] = type(f"{mixin.__name__.removesuffix('Experts')}{cls.__name__}",
+                                               (mixin, cls), {"__module__": __name__})
     return cached
 
 
-_CLASSES: dict[type, type] = {}
+def _expert_parallel_class(cls: type) -> type:
+    return _class_with(ExpertParallelExperts, cls)
+
+
+_CLASSES: dict[tuple[type, type], type] = {}
 
 
 def expert_parameter_names(experts: torch.nn.Module, num_experts: int) -> list[str]:
@@ -225,8 +254,19 @@ def grouped_mm_problem(experts: torch.nn.Module, names: list[str]) -> str | None
     return None
 
 
+def lora_wrappers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """peft's ParamWrappers around an experts module (LoRA `target_parameters`: one per targeted parameter, nested),
+    outermost first."""
+    wrappers = []
+    while hasattr(module, "parameter_name") and isinstance(getattr(module, "base_layer", None), torch.nn.Module):
+        wrappers.append(module)
+        module = module.base_layer
+    return wrappers
+
+
 def find_experts(lm: torch.nn.Module, path: str) -> list[torch.nn.Module]:
-    """Every decoder layer's experts module at `path` (layers without one: a dense layer)."""
+    """Every decoder layer's experts module at `path` (layers without one: a dense layer; through peft's
+    ParamWrappers of LoRA on its parameters)."""
     from train.model.patches.tiled_mlp import decoder_layers
 
     found = []
@@ -236,9 +276,49 @@ def find_experts(lm: torch.nn.Module, path: str) -> list[torch.nn.Module]:
             module = getattr(module, part, None)
             if module is None:
                 break
+        wrappers = lora_wrappers(module) if module is not None else []
+        module = wrappers[-1].base_layer if wrappers else module
         if module is not None and hasattr(module, "has_gate"):  # transformers' experts module (the decorator's flag)
+            module._lora_wrappers = wrappers
             found.append(module)
     return found
+
+
+class ExpertParallelLora:
+    """Mixed into peft's ParamWrapper on an expert-parallel experts module (LoRA `target_parameters`): its adapters
+    stay whole on every rank (one B·A per expert of all E: small, replicated, their gradients summed over the world
+    like any replicated weight's), and the delta added to the rank's part of the weight is that of its experts."""
+
+    _ep_experts: tuple[int, int]  # (first, count)
+
+    def get_delta_factors(self, adapter_name):
+        lhs, rhs, scaling = super().get_delta_factors(adapter_name)
+        first, count = self._ep_experts
+        return lhs[first:first + count], rhs[first:first + count], scaling
+
+    def get_delta_weight(self, adapter_name, *args, **kwargs):
+        first, count = self._ep_experts
+        return super().get_delta_weight(adapter_name, *args, **kwargs)[first:first + count]
+
+
+class _TiledLocalExperts(TiledForward):
+    """tiled_mlp's forward of an experts module under expert parallelism: the module's own forward, whole. Tiling
+    the tokens would run the block's token exchange once per tile, a different number of times on each rank (each
+    has its own number of tokens); instead the exchange runs once and the experts' rows are tiled after it
+    (`tiled_local_experts`, the module's `_ep.tile`). Still a TiledForward: the start line counts the module."""
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+
+def _exchange_once(experts: torch.nn.Module) -> int | None:
+    """The tile of tiled_mlp's forward on `experts` (train/model/patches/tiled_mlp.py), now a `_TiledLocalExperts`
+    over the expert-parallel forward; None when it is not tiled."""
+    tiled = experts.__dict__.get("forward")
+    if not isinstance(tiled, TiledForward):
+        return None
+    experts.forward = _TiledLocalExperts(experts, type(experts).forward.__get__(experts), tiled.tile)
+    return tiled.tile
 
 
 def shard_experts(lm: torch.nn.Module, path: str, ep_size: int, ep_rank: int, group, kernel: str) -> dict:
@@ -260,7 +340,10 @@ def shard_experts(lm: torch.nn.Module, path: str, ep_size: int, ep_rank: int, gr
             chosen = kernel if kernel != "auto" else ("loop" if problem else "grouped_mm")
         keep_part(experts, names, ep_rank * local, local)
         experts.__class__ = _expert_parallel_class(type(experts))
-        experts._ep = ExpertParallelState(group, ep_size, ep_rank, num_experts, chosen)
+        experts._ep = ExpertParallelState(group, ep_size, ep_rank, num_experts, chosen, _exchange_once(experts))
+        for wrapper in experts.__dict__.pop("_lora_wrappers", []):
+            wrapper.__class__ = _class_with(ExpertParallelLora, type(wrapper))
+            wrapper._ep_experts = (ep_rank * local, local)
         experts.num_experts = local  # what the module holds (its forward reads _ep)
     return {"layers": len(found), "num_experts": num_experts, "local": local, "kernel": chosen}
 

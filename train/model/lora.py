@@ -71,12 +71,16 @@ def apply_lora(
     lora_alpha: float = 16.0,
     lora_dropout: float = 0.0,
     target_modules: str | Sequence[str] = ALL_LINEAR,
+    target_parameters: Sequence[str] = (),
 ):
     """Freeze `model` and wrap it with LoRA adapters; returns the peft `PeftModelForCausalLM`.
 
     `target_modules`: "all-linear" (every nn.Linear of the decoder) or a list of module names matched as
     peft matches them (suffixes such as "q_proj"). The output head is never adapted.
-    `apply_lora(model, cfg)` takes all four settings from a config with those attribute names (TrainConfig).
+    `target_parameters`: peft's parameter targets, `module.parameter` suffixes of parameters that are no linear
+    layer's (an MoE's fused routed experts: "experts.gate_up_proj", "experts.down_proj"; each a 3-D [experts, ...]
+    tensor gets one adapter per expert); () by default.
+    `apply_lora(model, cfg)` takes all five settings from a config with those attribute names (TrainConfig).
     """
     from peft import LoraConfig, TaskType, get_peft_model
 
@@ -84,6 +88,7 @@ def apply_lora(
         cfg = lora_rank
         lora_rank, lora_alpha, lora_dropout = cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout
         target_modules = cfg.target_modules
+        target_parameters = getattr(cfg, "target_parameters", ())
     if isinstance(target_modules, (list, tuple)) and list(target_modules) == [ALL_LINEAR]:
         target_modules = ALL_LINEAR  # a YAML list holding the keyword
 
@@ -110,6 +115,10 @@ def apply_lora(
         missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
         if missing:
             raise ValueError(f"target_modules {missing} match no module of {type(model).__name__}")
+        _refuse_routed_experts(model, targets)
+    target_parameters = [str(t) for t in target_parameters or ()]
+    if target_parameters:
+        _check_target_parameters(model, target_parameters, lora_dropout)
     if is_composite(model.config):  # the text decoder only, never the towers' layers of the same names
         linear = [name for name, module in model.named_modules() if isinstance(module, nn.Linear) and name != head]
         targets = text_decoder_targets(model, targets, linear)
@@ -124,6 +133,7 @@ def apply_lora(
         target_modules=targets,
         exclude_modules=[head] if head else None,
         bias="none",
+        target_parameters=target_parameters or None,
     )
     with warnings.catch_warnings():
         # peft reads the deprecated `is_gradient_checkpointing` (and, when it is on, makes the embedding
@@ -131,6 +141,36 @@ def apply_lora(
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         peft_model = get_peft_model(model, config)
     return peft_model
+
+
+def _refuse_routed_experts(model: nn.Module, targets: list[str]) -> None:
+    """LoRA adapts linear layers; a target naming a routed-experts module (transformers' fused experts: 3-D weight
+    tensors, with or without expert parallelism) is refused with what works."""
+    from common.config import ConfigError
+    from train.model.patches.tiled_mlp import is_experts_module
+
+    for name, module in model.named_modules():
+        hit = [t for t in targets if name == t or name.endswith("." + t)]
+        if hit and is_experts_module(module):
+            fused = [f"{name.rsplit('.', 1)[-1]}.{n}" for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
+            raise ConfigError(
+                f"target_modules {hit} names the routed experts ({type(module).__name__} at {name}): their weights are "
+                "fused 3-D tensors, not linear layers; adapt them with target_parameters="
+                + "[" + ",".join(f'"{n}"' for n in fused) + "] (one adapter per expert), and keep target_modules for "
+                "linear layers (e.g. [\"q_proj\",\"k_proj\",\"v_proj\",\"o_proj\"])")
+
+
+def _check_target_parameters(model: nn.Module, targets: list[str], lora_dropout: float) -> None:
+    """Each `module.parameter` suffix must name a parameter of the model (peft matches them so)."""
+    from common.config import ConfigError
+
+    if lora_dropout:
+        raise ConfigError(f"target_parameters={targets} needs lora_dropout=0, got {lora_dropout}")
+    names = [name for name, _ in model.named_parameters()]
+    missing = [t for t in targets if "." not in t or not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        raise ConfigError(f"target_parameters {missing} match no parameter of {type(model).__name__} (give "
+                          "`module.parameter` suffixes, e.g. \"experts.gate_up_proj\")")
 
 
 # ---------------------------------------------------------------------------------------------- export
@@ -201,7 +241,7 @@ def merged_state_dict(
     formed in float32); None on non-main ranks. `state_dict`: a full PeftModel state dict to merge instead of
     the live parameters (then nothing is gathered).
     """
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer, ParamWrapper
 
     peft_model = _unwrap(model)
     if not is_peft_model(peft_model):
@@ -213,7 +253,13 @@ def merged_state_dict(
     outer = "base_model.model."  # PeftModelForCausalLM -> LoraModel -> the transformers model
     src = {(k[len(outer):] if k.startswith(outer) else k): v for k, v in state_dict.items()}
     out = dict(src)
+    wrapped = []  # the outermost ParamWrapper of each adapted module: its keys lose their `.base_layer`s
     for name, module in peft_model.get_base_model().named_modules():
+        if isinstance(module, ParamWrapper):
+            _fold_parameter(module, name, src, out)
+            if not any(name.startswith(w + ".") for w in wrapped):
+                wrapped.append(name)
+            continue
         if not isinstance(module, LoraLayer):
             continue
         w_key = f"{name}.base_layer.weight"
@@ -234,10 +280,43 @@ def merged_state_dict(
             out[f"{name}.bias"] = out.pop(f"{name}.base_layer.bias")
         for key in [k for k in out if k.startswith(f"{name}.lora_")]:
             del out[key]
+    for prefix in wrapped:
+        for key in [k for k in out if k.startswith(prefix + ".base_layer.")]:
+            out[prefix + "." + key[len(prefix) + 1:].replace("base_layer.", "")] = out.pop(key)
     leftover = [k for k in out if "lora_" in k or ".base_layer." in k]
     if leftover:
         raise ValueError(f"merged_state_dict: cannot fold adapter tensors {leftover[:3]} (only LoRA on linear layers)")
     return out
+
+
+def _fold_parameter(module, name: str, src: dict, out: dict) -> None:
+    """A ParamWrapper's targeted parameter (peft's `target_parameters`) with its adapters folded in, as peft's own
+    merge computes it (`ParamWrapper.get_delta_weight`: one B·A per expert of a 3-D parameter), summed in float32;
+    its lora_ tensors removed from `out`. The parameter lives in the innermost wrapped module."""
+    base, path = module, name
+    while hasattr(base, "base_layer") and hasattr(base, "parameter_name"):
+        base, path = base.base_layer, f"{path}.base_layer"
+    key = f"{path}.{module.parameter_name}"
+    if key not in src:
+        raise KeyError(f"merged_state_dict: {key} missing from the state dict")
+    weight = src[key]
+    merged = weight.to(torch.float32)
+    for adapter in module.active_adapters:
+        if adapter not in module.lora_A:
+            continue
+        a = src[f"{name}.lora_A.{adapter}.weight"].to(torch.float32)
+        b = src[f"{name}.lora_B.{adapter}.weight"].to(torch.float32)
+        experts = module.num_experts
+        if weight.dim() == 2:
+            delta = b @ a
+        else:
+            a, b = a.reshape(experts, -1, a.shape[-1]), b.reshape(b.shape[0], -1, experts)
+            layout = "e o i" if module._did_swap_in_out_features else "e i o"
+            delta = torch.einsum(f"o r e, e r i -> {layout}", b, a)
+        merged = merged + delta * module.scaling[adapter]
+    out[key] = merged.to(weight.dtype)
+    for lora_key in [k for k in out if k.startswith(f"{name}.lora_")]:
+        del out[lora_key]
 
 
 def save_lora(
