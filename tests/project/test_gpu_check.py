@@ -60,12 +60,13 @@ def test_smoke_check_runs_every_phase_on_the_cpu(tmp_path):
     """--smoke --legacy: the trainer benchmark with and without full checkpointing, each profiled, the long-row
     runs, TRL's SFTTrainer on the same rows, the furthest target's profile: what the GPU run does. --no-caps: the
     phases' deadlines and timeouts are sized for the GPU machine; here every phase runs to its end, so a loaded
-    machine makes the check slower, never its results missing."""
+    machine makes the check slower, never its results missing. --skip-tests: the tests phase is the test above's."""
     out = tmp_path / "out"
-    report = _run_check(out, "--smoke", "--legacy", "--no-caps", "--steps", "3")
+    report = _run_check(out, "--smoke", "--legacy", "--no-caps", "--skip-tests", "--steps", "3")
     assert report["caps"] is False and report["budget_s"] is None
     phases = report["phases"]
     assert list(phases) == ["tests", "train_32k_large", "long_rows", "train_32k_small", "train_128k", "trl", "profile"]
+    assert phases["tests"] == {"skipped": "--skip-tests"}  # what test_cpu_check_runs_the_gpu_tests_... runs
     ran = [name for name, phase in phases.items() if "skipped" not in phase]
     assert all(phases[name].get("returncode") == 0 for name in ran if name != "long_rows"), phases
     assert all(run.get("returncode", 0) == 0 for run in phases["long_rows"]["runs"])
