@@ -26,7 +26,7 @@ from data.executor import Executor, LocalExecutor
 from data.progress import progress
 from data.randomness import (PACK_CHECK_LENGTHS, PACK_CHECK_RECORDS, PACK_CHECK_UIDS, PACK_LAYER, PACK_LEFTOVERS,
                              PACK_PARTITION, PACK_ROW_KEY, PACK_ROW_SEQUENCE, PACK_ROW_UNNAMED, record_keys)
-from data.shards.rows import DEFAULT_ALGORITHM, RowPlan, layout, plan, plan_rows
+from data.shards.rows import DEFAULT_ALGORITHM, RowPlan, layout, plan_rows
 from data.shards.dataset import RESERVED_META_KEYS, PackedDataset, ShardWriter, dump_json, shard_ranges
 from data.stats import Counts, add_category_counts, category_counts
 
