@@ -56,7 +56,9 @@ def test_lora_on_the_experts_two_processes_equal_one(reference, engine):
     out = tmp / engine
     proc = run_train(config, [f"output_dir={out}", *COMMON, *AUX, *LORA, "launch.num_processes=2", *overrides],
                      nproc=2)
-    assert start_line in proc.stdout + proc.stderr
+    output = proc.stdout + proc.stderr
+    assert start_line in output
+    assert "experts: grouped_mm (transformers' experts module, experts_implementation=grouped_mm" in output  # auto
     _assert_same_logs(out, ref_log, aux=True)
     adapter = load_file(out / "final" / "adapter_model.safetensors")
     experts_b = [name for name in adapter if ".experts." in name and "lora_B" in name]

@@ -243,13 +243,16 @@ def grouped_mm_problem(experts: torch.nn.Module, names: list[str]) -> str | None
     """Why torch._grouped_mm cannot run this module's experts here (None: it can)."""
     if not hasattr(torch, "_grouped_mm"):
         return f"this torch ({torch.__version__}) has no torch._grouped_mm"
+    if not names:
+        return f"{type(experts).__name__} has no 3-D expert weights for it"
     weight = getattr(experts, names[0])
     if weight.device.type == "cuda" and torch.cuda.get_device_capability(weight.device) < (8, 0):
         return "torch._grouped_mm needs a GPU of compute capability 8.0 or newer"
     for name in names:  # every row of its operands starts on a 16-byte boundary
         p = getattr(experts, name)
-        if p.dim() == 3 and any(d * p.element_size() % 16 for d in p.shape[1:]):
-            return (f"torch._grouped_mm needs 16-byte aligned rows: {name} has shape {tuple(p.shape[1:])} per expert "
+        shape = getattr(p, "ds_shape", p.shape)  # ZeRO-3 loading partitioned: the whole tensor's shape
+        if len(shape) == 3 and any(d * p.element_size() % 16 for d in shape[1:]):
+            return (f"torch._grouped_mm needs 16-byte aligned rows: {name} has shape {tuple(shape[1:])} per expert "
                     f"in {p.dtype}")
     return None
 
@@ -291,7 +294,8 @@ def set_experts_kernel(lm: torch.nn.Module, model_config, kernel: str) -> dict |
                               "transformers experts module (fused 3-D expert weights) for it to run on; use "
                               "moe_kernel=auto or loop")
         return None
-    names = [name for name, p in found[0].named_parameters(recurse=False) if p.dim() == 3]
+    names = [name for name, p in found[0].named_parameters(recurse=False)
+             if len(getattr(p, "ds_shape", p.shape)) == 3]  # ZeRO-3 loading partitioned: the whole tensor's shape
     chosen = choose_kernel(found[0], names, kernel)
     implementation = EXPERTS_IMPLEMENTATION[chosen]
     base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # under peft's LoRA wrapper
