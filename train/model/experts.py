@@ -25,6 +25,10 @@ capacity: every pair is computed, as without EP.
 Gradients (train/engines/build.py): an expert's gradient on its owner already holds every token of the ep group that
 chose it; it is summed over the edp group (the ranks holding the same experts), a replicated weight's over the world.
 Export: `gather_expert_state` puts the parts back together, so final/ is the model's own layout with every expert.
+
+`moe_kernel` means the same at every degree (`choose_kernel`, decided here once): at expert_parallel_size 1 the
+experts run as transformers' own experts module, and `set_experts_kernel` sets its `experts_implementation` from it
+(grouped_mm -> grouped_mm, loop -> eager).
 """
 from __future__ import annotations
 
@@ -267,7 +271,7 @@ def choose_kernel(experts: torch.nn.Module, names: list[str], kernel: str) -> st
     return kernel if kernel != "auto" else ("loop" if problem else "grouped_mm")
 
 
-# moe_kernel's kernel -> transformers' `experts_implementation` running it in its own experts module (expert_parallel_size 1)
+# moe_kernel's kernel -> the transformers `experts_implementation` running it (expert_parallel_size 1)
 EXPERTS_IMPLEMENTATION = {"grouped_mm": "grouped_mm", "loop": "eager"}
 
 
