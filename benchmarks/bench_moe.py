@@ -6,10 +6,10 @@ row, one row per rank and step). Every run is 2 processes started by torch.distr
 `python -m train` does under `sh train.sh` (the config loaded, `preflight`, the `Trainer` with its memory plan, plain
 engine and self-check), then `--steps` optimizer steps of `Trainer.train_step`. Runs (`--runs`):
 
-- `ep1`: expert_parallel_size 1 (the experts run as transformers' experts module: its default
-  `experts_implementation`, grouped_mm where torch has it; every rank holds every expert);
-- `ep1_eager`: the same with transformers' `experts_implementation: eager` (its per-expert loop), set in the model
-  config: the kernel choice without expert parallelism (PackSFT's `moe_kernel` applies under EP > 1 only);
+- `ep1`: expert_parallel_size 1 (the experts run as transformers' experts module; `moe_kernel: auto` sets its
+  `experts_implementation` to grouped_mm where torch has it; every rank holds every expert);
+- `ep1_eager`: the same with `moe_kernel: loop` (transformers' `experts_implementation: eager`, its per-expert loop):
+  the kernel choice without expert parallelism;
 - `ep2_grouped_mm`, `ep2_loop`: expert_parallel_size 2, `moe_kernel: grouped_mm | loop` (train/model/experts.py:
   one `torch._grouped_mm` per projection over the rank's 32 experts, or one product per expert).
 
@@ -58,7 +58,7 @@ MODEL = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], voca
              tie_word_embeddings=False, use_cache=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
 RUNS = {  # name -> (trainer overrides, model config changes)
     "ep1": (["expert_parallel_size=1"], {}),
-    "ep1_eager": (["expert_parallel_size=1"], {"experts_implementation": "eager"}),
+    "ep1_eager": (["expert_parallel_size=1", "moe_kernel=loop"], {}),
     "ep2_grouped_mm": (["expert_parallel_size=2", "moe_kernel=grouped_mm"], {}),
     "ep2_loop": (["expert_parallel_size=2", "moe_kernel=loop"], {}),
 }

@@ -25,9 +25,9 @@ ShareGPT chats, tool calls; Qwen2.5 tokenizer), packed at each row length; `--fi
 A backend may carry trainer options after `+`: `torch_varlen+liger` (Liger's fused kernels), `flex+compile`
 (`compile_layers`), `+compile_loss` (the loss chunk's softmax and gradient compiled into one kernel), `+ckpt` (every
 layer checkpointed, whatever `--gradient-checkpointing` says); on a mixture of experts `+moe_grouped_mm` / `+moe_loop`
-set transformers' `experts_implementation` (grouped_mm / eager: one grouped GEMM per projection, or the per-expert
-loop) in the run's model config: on one process (no expert parallelism) the experts run as transformers' module, and
-PackSFT's `moe_kernel` applies under `expert_parallel_size` > 1 only.
+set the trainer's `moe_kernel` (grouped_mm / loop: one grouped GEMM per projection, or the per-expert loop; on one
+process, without expert parallelism, it sets transformers' `experts_implementation`: grouped_mm / eager); without
+either, `moe_kernel: auto` (grouped_mm where it runs).
 `--model-config FILE` runs that model config (any family: a mixture of experts' MFU counts its ACTIVE parameters,
 the top-k experts a token runs) instead of `--shapes`, named `--model-name` in the tables; with `--smoke` too.
 Besides tokens/s, the trained (loss) tokens per second: what compares rows that store the same targets in fewer
@@ -62,8 +62,7 @@ from benchmarks.bench_memory import SHAPES, machine_description  # noqa: E402
 BACKENDS = ("sdpa", "torch_varlen", "flex", "flash_varlen")
 BACKEND_OPTIONS = {"liger": "liger", "compile": "compile_layers", "compile_loss": "compile_loss",  # `+<option>` ->
                    "ckpt": "gradient_checkpointing"}  # config key set true
-MODEL_OPTIONS = {"moe_grouped_mm": {"experts_implementation": "grouped_mm"},  # `+<option>` -> model config keys
-                 "moe_loop": {"experts_implementation": "eager"}}
+MOE_OPTIONS = {"moe_grouped_mm": "grouped_mm", "moe_loop": "loop"}  # `+<option>` -> moe_kernel
 H100_BF16_DENSE_TFLOPS = 989.0
 MEDIAN_STEPS = slice(2, 8)  # steps 3..8 (1-based)
 FIXTURE_INPUTS = [  # (file under <fixtures>/data, InputSpec fields)
@@ -112,21 +111,15 @@ def packed_by_length(dirs: list[str]) -> dict[int, Path]:
 
 
 def parse_variant(variant: str) -> tuple[str, dict]:
-    """`torch_varlen+liger+compile` -> ("torch_varlen", {"liger": True, "compile_layers": True})."""
+    """`torch_varlen+liger+compile` -> ("torch_varlen", {"liger": True, "compile_layers": True}); `+moe_loop` ->
+    {"moe_kernel": "loop"}."""
     backend, *options = variant.split("+")
-    unknown = [o for o in options if o not in BACKEND_OPTIONS and o not in MODEL_OPTIONS]
+    unknown = [o for o in options if o not in BACKEND_OPTIONS and o not in MOE_OPTIONS]
     if backend not in BACKENDS or unknown:
         raise SystemExit(f"--backends {variant!r}: backends are {BACKENDS}, options after '+' "
-                         f"{sorted(BACKEND_OPTIONS) + sorted(MODEL_OPTIONS)}")
-    return backend, {BACKEND_OPTIONS[o]: True for o in options if o in BACKEND_OPTIONS}
-
-
-def model_changes(variant: str) -> dict:
-    """The model config keys a variant's `+moe_*` options set (`+moe_loop` -> experts_implementation eager)."""
-    changes: dict = {}
-    for option in variant.split("+")[1:]:
-        changes.update(MODEL_OPTIONS.get(option, {}))
-    return changes
+                         f"{sorted(BACKEND_OPTIONS) + sorted(MOE_OPTIONS)}")
+    return backend, {**{BACKEND_OPTIONS[o]: True for o in options if o in BACKEND_OPTIONS},
+                     **{"moe_kernel": MOE_OPTIONS[o] for o in options if o in MOE_OPTIONS}}
 
 
 # ---------------------------------------------------------------------------------------------- one run (child)
@@ -152,9 +145,6 @@ def run_one(spec: dict) -> dict:
     name = spec["backend"].replace("+", "_")
     cfg_path = work / f"{name}.yaml"
     model_config = spec["model_config"]
-    if changes := model_changes(spec["backend"]):
-        model_config = str(work / f"model_{name}.json")
-        write_atomic(Path(model_config), json.dumps({**json.loads(Path(spec["model_config"]).read_text()), **changes}))
     cfg_path.write_text(yaml.safe_dump({
         "data_path": spec["data_path"], "model_config": model_config,
         "output_dir": str(work / f"out_{name}"), "overwrite_output_dir": True,

@@ -25,7 +25,7 @@ issue 42 added after those runs, while the 32K rows are built on the CPU:
    (`+moe_grouped_mm`) and as the per-expert loop (`+moe_loop`), tokens/s and MFU on ACTIVE parameters; then TRL's
    SFTTrainer on the same rows and shape (bench_trl --model-config), with PackSFT's checkpointing choice. One
    process has no expert parallelism: the experts run as transformers' module, whose `experts_implementation` the
-   variants set (PackSFT's `moe_kernel` applies under expert_parallel_size > 1 only).
+   variants' `moe_kernel` sets (grouped_mm / eager).
 
 `--legacy` appends what the previous runs measured: the 0.5B shape at 32K per backend, both shapes at 128K rows,
 TRL's SFTTrainer on the same sequences (bench_trl) and a profile of the target furthest from its goal; they share

@@ -72,7 +72,8 @@ from train.engines.engine import Engine, saved_with
 from train.engines.schedule import lr_lambda_factory, param_groups
 from train.model.images import SELF_CHECK_MAX_TOKENS
 from train.metrics import EvalProgress, MetricsLogger, plot_losses, process_age, run_summary, step_progress, truncate_log
-from train.model.experts import apply_expert_parallel, describe as describe_experts
+from train.model.experts import (apply_expert_parallel, describe as describe_experts, describe_experts_kernel,
+                                  set_experts_kernel)
 from train.model.moe import real_tokens, resolve_router_aux
 from train.nonfinite import SKIPPED, NonFiniteError, nonfinite_tensors, stop_message
 from train.model.packed import PackedCausalLM, build_lm
@@ -149,6 +150,9 @@ class Trainer:
         self.lm = build_lm(cfg, checked.model_config, setup.dtype, self.memory)
         # expert parallelism: this rank's part of every MoE layer's experts (train/model/experts.py)
         self.experts = apply_expert_parallel(self.lm, checked.model_config, self.mesh, cfg.moe.moe_kernel)
+        # without it: moe_kernel chooses transformers' experts_implementation (the same kernel at every degree)
+        self.experts_kernel = (set_experts_kernel(self.lm, checked.model_config, cfg.moe.moe_kernel)
+                               if self.experts is None else None)
         self.plan = plan_attention(cfg.model, cfg.parallel, self.sp_layout, self.mesh, self.lm, self.structure)
         self.router_aux, router_warning = resolve_router_aux(self.lm, cfg.moe.output_router_logits,
                                                              cfg.moe.router_aux_loss_coef)
@@ -600,6 +604,7 @@ class Trainer:
             f"{self.mesh.sp_size}" + (f" [{self.memory.sp_reason}]" if self.memory.sp_reason else "")
             + f"), {self.sampler.rows_per_step} rows/step, {self.engine.describe()}, "
             + (f"{describe_experts(self.experts, self.mesh.ep_size)}, " if self.experts else "")
+            + (f"{describe_experts_kernel(self.experts_kernel)}, " if self.experts_kernel else "")
             + f"loss {cfg.steps.loss_reduction}, "
             f"activation checkpointing {self.memory.checkpointing_reason}"
             + (", compiled decoder layers" if cfg.model.compile_layers else "")

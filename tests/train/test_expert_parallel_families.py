@@ -8,9 +8,10 @@ tests/train/test_expert_parallel.py does not run: losses, router aux losses and 
 - the qwen3_5_moe composite's text decoder (gated delta-net and full attention layers) on the plain engine with
   tiled_mlp, final/ the whole composite;
 - mixtral (a newly marked family) with LoRA on its attention and on its routed experts (peft's parameter targets:
-  one adapter per expert, whole on every rank, each rank adding its experts' deltas to its part): the adapter and the
-  merged model equal the one-process LoRA run's.
-One launch per family; the references run in this process."""
+  one adapter per expert, whole on every rank, each rank adding its experts' deltas to its part), stopped after
+  step 2 and resumed for step 3 (a second launch): the adapter and the merged model equal the uninterrupted
+  one-process LoRA run's; its step-2 checkpoint also resumes on one process without EP.
+One launch per family (mixtral: two); the references run in this process."""
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ import json
 import pytest
 import torch
 
-from tests._train_helpers import random_rows, run_train, write_config, write_packed
+from tests._train_helpers import one_thread, random_rows, run_train, write_config, write_packed  # noqa: F401
 from tests._train_helpers import VOCAB
 from tests.train.test_expert_parallel import AUX, COMMON, RTOL, STEPS, _model_config, _rel
 from train.config.sections import load_config
@@ -54,6 +55,7 @@ OPTIONS = {  # each family's EP run beyond expert_parallel_size=2 on 2 processes
     "qwen3_5_moe": (AUX + TILED + ["moe_kernel=loop"], AUX),
     "mixtral": (AUX + LORA + ["moe_kernel=auto"], AUX + LORA),
 }
+STOPPED = {"mixtral"}  # its EP run stops after step 2 (stop_at_step) and a second launch resumes it (resume=latest)
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +75,11 @@ def _runs(data, family: str):
                           seed=3)
     ep_options, shared = OPTIONS[family]
     ep_out, ref_out = tmp / f"{family}_ep2", tmp / f"{family}_ref"
-    proc = run_train(config, [f"output_dir={ep_out}", *COMMON, *ep_options, "expert_parallel_size=2",
-                              "launch.num_processes=2"], nproc=2)
+    ep_run = [f"output_dir={ep_out}", *COMMON, *ep_options, "expert_parallel_size=2", "launch.num_processes=2"]
+    if family in STOPPED:
+        run_train(config, [*ep_run, "stop_at_step=2"], nproc=2)
+        ep_run.append("resume=latest")
+    proc = run_train(config, ep_run, nproc=2)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -82,7 +87,7 @@ def _runs(data, family: str):
                           console=lambda *_: None).train()
     finally:
         torch.set_num_threads(before)
-    return ep_out, ref_out, ref_log, proc.stdout + proc.stderr
+    return config, ep_out, ref_out, ref_log, proc.stdout + proc.stderr
 
 
 def _assert_same_logs(ep_out, ref_log, aux: bool):
@@ -113,7 +118,7 @@ def test_deepseek_v3_ep2_tiled_mlp_equals_one_process(data):
     8 pairs) == one process, untiled."""
     from transformers import AutoModelForCausalLM
 
-    ep_out, ref_out, ref_log, output = _runs(data, "deepseek_v3")
+    _, ep_out, ref_out, ref_log, output = _runs(data, "deepseek_v3")
     assert "expert parallel 2: 4 of 8 experts per rank, grouped_mm (1 MoE layers)" in output
     assert "tiled MLP (dense and experts, 2 modules, 4-token tiles)" in output
     assert "the experts over their edp group" in output
@@ -129,7 +134,7 @@ def test_qwen3_5_moe_composite_ep2_equals_one_process(data):
     composite (towers included, unchanged: trained or not, they are equal to the reference's)."""
     from transformers import AutoModelForImageTextToText
 
-    ep_out, ref_out, ref_log, output = _runs(data, "qwen3_5_moe")
+    _, ep_out, ref_out, ref_log, output = _runs(data, "qwen3_5_moe")
     assert "expert parallel 2: 4 of 8 experts per rank, loop" in output
     assert "tiled MLP (experts, 2 modules, 4-token tiles)" in output
     _assert_same_logs(ep_out, ref_log, aux=True)
@@ -137,15 +142,21 @@ def test_qwen3_5_moe_composite_ep2_equals_one_process(data):
     assert AutoModelForImageTextToText.from_pretrained(ep_out / "final").config.model_type == "qwen3_5_moe"
 
 
+@pytest.fixture(scope="module")
+def mixtral_runs(data):
+    return _runs(data, "mixtral")
+
+
 @pytest.mark.multiprocess
-def test_mixtral_ep2_lora_on_attention_and_experts_equals_one_process(data):
-    """mixtral under EP 2 with LoRA on its attention and its routed experts == one process with the same LoRA: the
-    adapter (the experts' adapters trained: B no longer zero) and final/merged/ (every expert gathered, its adapter
-    folded in)."""
+def test_mixtral_ep2_lora_on_attention_and_experts_equals_one_process(mixtral_runs):
+    """mixtral under EP 2 with LoRA on its attention and its routed experts, stopped after step 2 and resumed ==
+    one uninterrupted process with the same LoRA: steps 1-3, the adapter (the experts' adapters trained: B no longer
+    zero) and final/merged/ (every expert gathered, its adapter folded in)."""
     from safetensors.torch import load_file
 
-    ep_out, ref_out, ref_log, output = _runs(data, "mixtral")
+    _, ep_out, ref_out, ref_log, output = mixtral_runs
     assert "expert parallel 2: 4 of 8 experts per rank" in output
+    assert "resumed from" in output
     _assert_same_logs(ep_out, ref_log, aux=True)
     adapter = load_file(ep_out / "final" / "adapter_model.safetensors")
     experts_b = [name for name in adapter if ".experts." in name and "lora_B" in name]
@@ -153,6 +164,24 @@ def test_mixtral_ep2_lora_on_attention_and_experts_equals_one_process(data):
     _assert_same_tensors(ep_out / "final" / "adapter_model.safetensors",
                          ref_out / "final" / "adapter_model.safetensors", experts="")
     _assert_same_tensors(ep_out / "final" / "merged" / "model.safetensors",
+                         ref_out / "final" / "merged" / "model.safetensors")
+
+
+@pytest.mark.multiprocess
+def test_mixtral_ep2_lora_checkpoint_resumes_without_ep(mixtral_runs, tmp_path, one_thread):
+    """The EP 2 LoRA run's step-2 checkpoint (the frozen experts one file per part, the adapters whole) resumes on
+    one process without expert parallelism: step 3, the adapter and final/merged/ equal the uninterrupted run's."""
+    config, ep_out, ref_out, ref_log, _ = mixtral_runs
+    out = tmp_path / "out"
+    log = Trainer(load_config(config, [f"output_dir={out}", *COMMON, *OPTIONS["mixtral"][1], "grad_accum=2",
+                                       f"resume={ep_out / 'checkpoints' / 'step-000002'}"]),
+                  console=lambda *_: None).train()
+    assert [r["step"] for r in log] == [3]
+    for key in ("loss", "aux_loss", "grad_norm"):
+        assert _rel(log[0][key], ref_log[2][key]) <= RTOL, (key, log[0][key], ref_log[2][key])
+    _assert_same_tensors(out / "final" / "adapter_model.safetensors", ref_out / "final" / "adapter_model.safetensors",
+                         experts="")
+    _assert_same_tensors(out / "final" / "merged" / "model.safetensors",
                          ref_out / "final" / "merged" / "model.safetensors")
 
 

@@ -213,8 +213,9 @@ class MoESection:
     # objective
     output_router_logits: bool | None = None
     router_aux_loss_coef: float | None = None  # weight of the router aux loss, >= 0; null: the model config's
-    # the local experts under expert_parallel_size > 1: one grouped matrix product per projection (torch._grouped_mm),
-    # or one product per expert (loop); auto: grouped_mm where torch has it for the weights' dtype and device
+    # the routed experts' kernel at every expert_parallel_size: one grouped matrix product per projection
+    # (torch._grouped_mm), or one product per expert (loop); auto: grouped_mm where torch has it for the weights'
+    # dtype and device. At expert_parallel_size 1 it sets transformers' experts_implementation (grouped_mm / eager)
     moe_kernel: Literal["auto", "grouped_mm", "loop"] = "auto"
 
 

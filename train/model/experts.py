@@ -25,6 +25,10 @@ capacity: every pair is computed, as without EP.
 Gradients (train/engines/build.py): an expert's gradient on its owner already holds every token of the ep group that
 chose it; it is summed over the edp group (the ranks holding the same experts), a replicated weight's over the world.
 Export: `gather_expert_state` puts the parts back together, so final/ is the model's own layout with every expert.
+
+`moe_kernel` means the same at every degree (`choose_kernel`, decided here once): at expert_parallel_size 1 the
+experts run as transformers' own experts module, and `set_experts_kernel` sets its `experts_implementation` from it
+(grouped_mm -> grouped_mm, loop -> eager).
 """
 from __future__ import annotations
 
@@ -243,15 +247,80 @@ def grouped_mm_problem(experts: torch.nn.Module, names: list[str]) -> str | None
     """Why torch._grouped_mm cannot run this module's experts here (None: it can)."""
     if not hasattr(torch, "_grouped_mm"):
         return f"this torch ({torch.__version__}) has no torch._grouped_mm"
+    if not names:
+        return f"{type(experts).__name__} has no 3-D expert weights for it"
     weight = getattr(experts, names[0])
     if weight.device.type == "cuda" and torch.cuda.get_device_capability(weight.device) < (8, 0):
         return "torch._grouped_mm needs a GPU of compute capability 8.0 or newer"
     for name in names:  # every row of its operands starts on a 16-byte boundary
         p = getattr(experts, name)
-        if p.dim() == 3 and any(d * p.element_size() % 16 for d in p.shape[1:]):
-            return (f"torch._grouped_mm needs 16-byte aligned rows: {name} has shape {tuple(p.shape[1:])} per expert "
+        shape = getattr(p, "ds_shape", p.shape)  # ZeRO-3 loading partitioned: the whole tensor's shape
+        if len(shape) == 3 and any(d * p.element_size() % 16 for d in shape[1:]):
+            return (f"torch._grouped_mm needs 16-byte aligned rows: {name} has shape {tuple(shape[1:])} per expert "
                     f"in {p.dtype}")
     return None
+
+
+def choose_kernel(experts: torch.nn.Module, names: list[str], kernel: str) -> str:
+    """`moe_kernel` (auto | grouped_mm | loop) -> the kernel the experts run (grouped_mm | loop), at every
+    expert_parallel_size: auto is grouped_mm where it runs on this module's weights (`grouped_mm_problem`), else
+    loop; grouped_mm where it cannot run is a ConfigError naming why."""
+    problem = grouped_mm_problem(experts, names)
+    if kernel == "grouped_mm" and problem:
+        raise ConfigError(f"moe_kernel=grouped_mm: {problem}; use moe_kernel=auto or loop")
+    return kernel if kernel != "auto" else ("loop" if problem else "grouped_mm")
+
+
+# moe_kernel's kernel -> the transformers `experts_implementation` running it (expert_parallel_size 1)
+EXPERTS_IMPLEMENTATION = {"grouped_mm": "grouped_mm", "loop": "eager"}
+
+
+def experts_modules(lm: torch.nn.Module) -> list[torch.nn.Module]:
+    """transformers' experts modules of `lm` (`use_experts_implementation` classes: the decorator sets `has_gate` on
+    the instance; peft's wrappers around one are not counted), in module order."""
+    return [m for m in lm.modules() if "has_gate" in vars(m) and "is_transposed" in vars(m)]
+
+
+def set_experts_kernel(lm: torch.nn.Module, model_config, kernel: str) -> dict | None:
+    """expert_parallel_size 1: the experts run as transformers' own experts module, whose kernel is the model's
+    `experts_implementation`; set it from `moe_kernel` (`choose_kernel`: loop -> eager, grouped_mm -> grouped_mm).
+    Returns what the start line says ({"layers", "kernel", "implementation"}), None for a model without transformers'
+    experts modules (dense, or experts as a list of linear layers: moe_kernel=grouped_mm is then a ConfigError)."""
+    from train.families import text_config
+    from train.config.ep_rules import MOE_COUNT_KEYS
+
+    found = experts_modules(lm)
+    if not found:
+        text = text_config(model_config)
+        if kernel == "grouped_mm" and any(isinstance(getattr(text, k, None), int) and getattr(text, k) > 1
+                                          for k in MOE_COUNT_KEYS):
+            raise ConfigError(f"moe_kernel=grouped_mm: {getattr(text, 'model_type', 'the model')!r} has no "
+                              "transformers experts module (fused 3-D expert weights) for it to run on; use "
+                              "moe_kernel=auto or loop")
+        return None
+    names = [name for name, p in found[0].named_parameters(recurse=False)
+             if len(getattr(p, "ds_shape", p.shape)) == 3]  # ZeRO-3 loading partitioned: the whole tensor's shape
+    chosen = choose_kernel(found[0], names, kernel)
+    implementation = EXPERTS_IMPLEMENTATION[chosen]
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # under peft's LoRA wrapper
+    try:
+        base.set_experts_implementation(implementation)
+    except (ValueError, ImportError) as err:  # transformers will not dispatch grouped_mm for this class
+        if kernel == "grouped_mm":
+            raise ConfigError(f"moe_kernel=grouped_mm: {type(base).__name__} cannot run experts_implementation="
+                              f"grouped_mm ({err}); use moe_kernel=auto or loop") from err
+        chosen, implementation = "loop", EXPERTS_IMPLEMENTATION["loop"]
+        base.set_experts_implementation(implementation)
+    for module in found:  # every experts module reads the config it was built with (a composite: its text config)
+        if module.config._experts_implementation != implementation:
+            module.config._experts_implementation = implementation
+    return {"layers": len(found), "kernel": chosen, "implementation": implementation}
+
+
+def describe_experts_kernel(info: dict) -> str:
+    """The start line's part at expert_parallel_size 1: `experts: grouped_mm (transformers' experts module, ...)`."""
+    return (f"experts: {info['kernel']} (transformers' experts module, experts_implementation="
+            f"{info['implementation']}, {info['layers']} MoE layers)")
 
 
 def lora_wrappers(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -334,10 +403,7 @@ def shard_experts(lm: torch.nn.Module, path: str, ep_size: int, ep_rank: int, gr
         local = num_experts // ep_size
         names = expert_parameter_names(experts, num_experts)
         if chosen is None:
-            problem = grouped_mm_problem(experts, names)
-            if kernel == "grouped_mm" and problem:
-                raise ConfigError(f"moe_kernel=grouped_mm: {problem}; use moe_kernel=auto or loop")
-            chosen = kernel if kernel != "auto" else ("loop" if problem else "grouped_mm")
+            chosen = choose_kernel(experts, names, kernel)
         keep_part(experts, names, ep_rank * local, local)
         experts.__class__ = _expert_parallel_class(type(experts))
         experts._ep = ExpertParallelState(group, ep_size, ep_rank, num_experts, chosen, _exchange_once(experts))
