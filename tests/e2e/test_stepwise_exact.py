@@ -130,8 +130,11 @@ def _grads(model) -> dict:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("case, lora", [("sharegpt_llama3_1", 0), ("sharegpt_llama3_1", 4), ("agents_qwen3", 0)],
-                         ids=["sharegpt_llama3_1", "sharegpt_llama3_1_lora", "agents_qwen3"])
+@pytest.mark.parametrize("case, lora", [
+    pytest.param("sharegpt_llama3_1", 0, id="sharegpt_llama3_1"),
+    pytest.param("sharegpt_llama3_1", 4, id="sharegpt_llama3_1_lora"),
+    pytest.param("agents_qwen3", 0, id="agents_qwen3", marks=pytest.mark.slow),  # ~70K tokens as samples
+])
 def test_tree_trains_exactly_as_samples(built, case, lora, tmp_path):
     torch.set_num_threads(1)
     data = built(case)
@@ -226,7 +229,8 @@ def test_trees_under_data_parallelism_accumulation_lora_and_resume(built, tmp_pa
         assert [r["step"] for r in ref_log] == list(range(1, steps + 1))
 
         said: list[str] = []
-        resumed = _trainer(config, console=said.append, overrides=[f"output_dir={out}", "grad_accum=4", "resume=latest"])
+        resumed = _trainer(config, console=said.append,
+                           overrides=[f"output_dir={out}", "grad_accum=4", "resume=latest"])
         assert resumed.step == 2 and any("resumed from" in line for line in said), said
         for step in range(steps):  # the data position: every step trains the reference's rows
             np.testing.assert_array_equal(resumed.sampler.plan(step).step_rows, ref.sampler.plan(step).step_rows)

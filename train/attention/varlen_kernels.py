@@ -261,7 +261,7 @@ def _sdpa_loop(q, k, v, bounds: Row, scale, features: AttentionFeatures = NO_FEA
     for qlo, qhi, klo, khi in zip(bounds.host_cu_q[:-1], bounds.host_cu_q[1:], bounds.host_cu_k[:-1], bounds.host_cu_k[1:]):
         if qhi == qlo:
             continue
-        # [1, H, L, D]: torch's CPU SDPA takes its flash kernel for 4-D inputs only (3-D ones: the math path, ~5x slower)
+        # [1, H, L, D]: torch's CPU SDPA takes its flash kernel for 4-D inputs only (3-D: the math path, ~5x slower)
         qs, ks, vs = (t.transpose(0, 1)[None] for t in (q[qlo:qhi], k[klo:khi], v[klo:khi]))
         window = features.sliding_window
         if window is not None and window >= khi - klo:
