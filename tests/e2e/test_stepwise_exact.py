@@ -1,11 +1,11 @@
 """`stepwise: tree` trains exactly as `stepwise: samples` through the Trainer, beyond the Qwen3 fixture of
 tests/e2e/test_stepwise_trees.py:
 
-- ShareGPT multi-turn data (FastChat's) with Llama 3.1's template, and synthetic agent trajectories of 10+ steps
+- ShareGPT multi-turn data (FastChat's) with Llama 3.1's template, and a synthetic agent trajectory of 10 steps
   behind a ~2K-token tools prompt (benchmarks/bench_stepwise.py's generator) with Qwen3's: per optimizer step the
   loss, per-category loss, loss tokens and gradients, and the weights after the steps (fp32 on CPU, 1e-6), full
-  fine-tuning and LoRA (with the `sample` loss reduction: a tree's trained turn is one sample); `samples` equals
-  transformers' unpacked forward of each rendered step;
+  fine-tuning and LoRA (with the `sample` loss reduction: a tree's trained turn is one sample); on ShareGPT
+  `samples` equals transformers' unpacked forward of each rendered step;
 - trees under data parallelism (2 gloo processes, gradient accumulation 2, LoRA, stopped after step 2) and a resume
   (1 process, gradient accumulation 4) equal one uninterrupted process: loss, gradients and rows of every step, the
   adapter at the end.
@@ -30,12 +30,13 @@ from tests.e2e.test_stepwise_trees import _close, _unpacked_reference
 TOL = 1e-6
 SHAREGPT_RECORDS = 8  # FastChat records with 2-3 assistant turns
 # model: a tiny random-init decoder of the tokenizer's family and vocabulary; steps: optimizer steps of the tree ==
-# samples runs, each over the whole data set (the agents' 2 x 11 steps hold ~70K tokens as samples: one step)
+# samples runs, each over the whole data set (the agent's 11 steps hold ~36K tokens as samples: one step);
+# categories: how many the data has
 CASES = {
     "sharegpt_llama3_1": {"tokenizer": "llama3_1_instruct", "model_type": "llama", "architecture": "LlamaForCausalLM",
-                          "vocab": 128256, "max_length": 192, "steps": 2},
+                          "vocab": 128256, "max_length": 192, "steps": 2, "categories": 2},
     "agents_qwen3": {"tokenizer": "qwen3", "model_type": "qwen2", "architecture": "Qwen2ForCausalLM",
-                     "vocab": 151936, "max_length": 8192, "steps": 1},
+                     "vocab": 151936, "max_length": 8192, "steps": 1, "categories": 1},
 }
 
 
@@ -51,16 +52,14 @@ def _sharegpt_inputs(root) -> list[dict]:
 
 
 def _agent_inputs(root) -> list[dict]:
-    """Two trajectories of 10 steps (11 trained assistant turns) behind the ~2K-token tools prompt, one per
-    category."""
+    """One trajectory of 10 steps (11 trained assistant turns) behind the ~2K-token tools prompt (one category: its
+    11 samples are ~36K tokens, ~3.3K each, and CPU attention costs the square of that)."""
     from benchmarks.bench_stepwise import agent_records
 
-    inputs = []
-    for k, rec in enumerate(agent_records(2, seed=0, steps=(10, 10))):
-        line = {"messages": rec["messages"], "tools": rec["tools"], "labels": rec["labels"]}
-        (root / f"agent_{k}.jsonl").write_bytes(orjson.dumps(line) + b"\n")
-        inputs.append({"path": str(root / f"agent_{k}.jsonl"), "format": "messages", "category_name": f"agent_{k}"})
-    return inputs
+    (rec,) = agent_records(1, seed=0, steps=(10, 10))
+    line = {"messages": rec["messages"], "tools": rec["tools"], "labels": rec["labels"]}
+    (root / "agent.jsonl").write_bytes(orjson.dumps(line) + b"\n")
+    return [{"path": str(root / "agent.jsonl"), "format": "messages", "category_name": "agent"}]
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +132,7 @@ def _grads(model) -> dict:
 @pytest.mark.parametrize("case, lora", [
     pytest.param("sharegpt_llama3_1", 0, id="sharegpt_llama3_1"),
     pytest.param("sharegpt_llama3_1", 4, id="sharegpt_llama3_1_lora"),
-    pytest.param("agents_qwen3", 0, id="agents_qwen3", marks=pytest.mark.slow),  # ~70K tokens as samples
+    pytest.param("agents_qwen3", 0, id="agents_qwen3", marks=pytest.mark.slow),  # ~36K tokens as samples
 ])
 def test_tree_trains_exactly_as_samples(built, case, lora, tmp_path):
     torch.set_num_threads(1)
@@ -160,7 +159,7 @@ def test_tree_trains_exactly_as_samples(built, case, lora, tmp_path):
         assert sum("tree = its paths" in line for line in said) == 1, said  # the tree run's start-up self-check
         for (name, a), b in zip(s.model.named_parameters(), t.model.parameters()):
             assert torch.equal(a, b), f"the two trainers start from different weights ({name})"
-        unpacked = case.startswith("sharegpt") and not lora  # the agents' 4K-token steps: eager attention is slow
+        unpacked = case.startswith("sharegpt") and not lora  # the agent's 3-4K-token steps: eager attention is slow
         if unpacked:  # samples == transformers' unpacked forward of each rendered step (token mean, per category)
             ref_loss, ref_cats = _unpacked_reference(s, data["samples"])
         for mode, tr in trainers.items():
@@ -170,7 +169,7 @@ def test_tree_trains_exactly_as_samples(built, case, lora, tmp_path):
         for step, (rs, rt) in enumerate(zip(records["samples"], records["tree"])):
             assert abs(rt["loss"] - rs["loss"]) <= TOL * max(1.0, rs["loss"]), step
             assert rt["loss_tokens"] == rs["loss_tokens"] and rt["tokens"] < rs["tokens"], step
-            assert rs["category_loss"].keys() == rt["category_loss"].keys() and len(rs["category_loss"]) == 2
+            assert rs["category_loss"].keys() == rt["category_loss"].keys() and len(rs["category_loss"]) == CASES[case]["categories"]
             for name, value in rs["category_loss"].items():
                 assert abs(rt["category_loss"][name] - value) <= TOL * max(1.0, value), (step, name)
             if step == 0 and unpacked:

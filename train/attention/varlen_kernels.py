@@ -261,8 +261,7 @@ def _sdpa_loop(q, k, v, bounds: Row, scale, features: AttentionFeatures = NO_FEA
     for qlo, qhi, klo, khi in zip(bounds.host_cu_q[:-1], bounds.host_cu_q[1:], bounds.host_cu_k[:-1], bounds.host_cu_k[1:]):
         if qhi == qlo:
             continue
-        # [1, H, L, D]: torch's CPU SDPA takes its flash kernel for 4-D inputs only (3-D: the math path, ~5x slower)
-        qs, ks, vs = (t.transpose(0, 1)[None] for t in (q[qlo:qhi], k[klo:khi], v[klo:khi]))
+        qs, ks, vs = (t.transpose(0, 1) for t in (q[qlo:qhi], k[klo:khi], v[klo:khi]))
         window = features.sliding_window
         if window is not None and window >= khi - klo:
             window = None  # the window holds the whole sequence: plain causal
@@ -271,7 +270,7 @@ def _sdpa_loop(q, k, v, bounds: Row, scale, features: AttentionFeatures = NO_FEA
         else:
             out = masked_attention(qs, ks, vs, visible_keys(qhi - qlo, khi - klo, window, q.device), scale, features,
                                    sinks)
-        outs.append(out[0].transpose(0, 1))
+        outs.append(out.transpose(0, 1))
     if not outs:
         return q.new_zeros(q.shape)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
