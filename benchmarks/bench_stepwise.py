@@ -76,16 +76,17 @@ def tool_schema(rng: random.Random, n_tools: int = 16) -> list[dict]:
     return tools
 
 
-def agent_records(n: int, seed: int) -> list[dict]:
-    """Synthetic agent trajectories: a system prompt, the tool schema, one user task, 10-30 steps of (reasoning +
-    tool call, tool result), a final answer; every assistant turn trained."""
+def agent_records(n: int, seed: int, steps: tuple[int, int] = (10, 30)) -> list[dict]:
+    """Synthetic agent trajectories: a system prompt, the tool schema, one user task, `steps` (inclusive range) steps
+    of (reasoning + tool call, tool result), a final answer; every assistant turn trained. Also the tests' agent data
+    (tests/data/test_stepwise.py, tests/e2e/test_stepwise_exact.py)."""
     rng = random.Random(seed)
     tools = tool_schema(rng)
     out = []
     for uid in range(n):
         messages = [{"role": "system", "content": "You are an agent. Use the tools to complete the task."},
                     {"role": "user", "content": "Task: " + " ".join(rng.choices(WORDS, k=40))}]
-        for _ in range(rng.randint(10, 30)):
+        for _ in range(rng.randint(*steps)):
             tool = rng.choice(tools)["function"]
             messages.append({"role": "assistant", "content": "",
                              "reasoning_content": " ".join(rng.choices(WORDS, k=rng.randint(30, 90))),

@@ -133,32 +133,11 @@ def _sharegpt_records() -> list[dict]:
     return out
 
 
-def _agent_records(n: int = 2) -> list[dict]:
-    """Trajectories of 10-12 steps (reasoning + tool call, tool result) behind a ~2K-token tools prompt."""
-    import random
+def _agent_records() -> list[dict]:
+    """Two trajectories of 10-12 steps (reasoning + tool call, tool result) behind a ~2K-token tools prompt."""
+    from benchmarks.bench_stepwise import agent_records
 
-    rng = random.Random(0)
-    words = ("account balance cache cluster deploy dataset filter index invoice ledger metric node order payload "
-             "query region record report schema search service shard status stream ticket token user").split()
-    tools = [{"type": "function", "function": {
-        "name": f"tool_{k}", "description": " ".join(rng.choices(words, k=14)),
-        "parameters": {"type": "object", "properties": {f"{w}_{j}": {"type": "string", "description": " ".join(
-            rng.choices(words, k=6))} for j, w in enumerate(rng.choices(words, k=3))}}}} for k in range(16)]
-    out = []
-    for uid in range(n):
-        messages = [{"role": "system", "content": "You are an agent."},
-                    {"role": "user", "content": " ".join(rng.choices(words, k=30))}]
-        for _ in range(rng.randint(10, 12)):
-            tool = rng.choice(tools)["function"]
-            messages += [{"role": "assistant", "content": "", "reasoning_content": " ".join(rng.choices(words, k=30)),
-                          "tool_calls": [{"type": "function", "function": {"name": tool["name"], "arguments": {
-                              p: rng.choice(words) for p in tool["parameters"]["properties"]}}}]},
-                         {"role": "tool", "content": " ".join(rng.choices(words, k=40))}]
-        messages.append({"role": "assistant", "content": " ".join(rng.choices(words, k=20)),
-                         "reasoning_content": " ".join(rng.choices(words, k=20))})
-        out.append({"messages": messages, "labels": [int(m["role"] == "assistant") for m in messages],
-                    "tools": tools, "meta": {"uid": uid, "category_id": 1, "category_name": "agent"}})
-    return out
+    return agent_records(2, seed=0, steps=(10, 12))
 
 
 @pytest.mark.parametrize("tokenizer, records", [("llama3_1_instruct", _sharegpt_records),
