@@ -85,3 +85,56 @@ def test_sequence_parallelism_refuses_tree_rows():
     with pytest.raises(ValueError, match="sequence_parallel_size: 1"):
         plan.context({"tree_spans": torch.ones(3, dtype=torch.int64)})
     assert "stepwise: samples" in TREE_SP_REFUSAL
+
+
+def _tree_ids(row):
+    spans, seq, _ = row
+    zeros = np.zeros(len(spans), dtype=np.int64)
+    return spans, (seq, zeros, zeros, np.arange(len(spans)))
+
+
+def test_flex_mask_mod_of_tree_rows_is_the_mask(row):
+    """The FlexAttention mask_mod (CUDA's path) over tree spans == build_mask (the SDPA path's), every query against
+    every key, including queries of a slice (as a micro-batch's local rows see all keys)."""
+    from train.attention.structured import structure_mask_mod
+
+    spans, ids = _tree_ids(row)
+    n = len(spans)
+    rows = np.r_[2:n - 3]
+    mask_mod = structure_mask_mod(*(t[rows] for t in ids), *ids, k_span=spans)
+    q_idx, kv_idx = torch.arange(len(rows))[:, None], torch.arange(n)[None, :]
+    assert torch.equal(mask_mod(0, 0, q_idx, kv_idx), build_mask(*ids, *ids, spans)[rows])
+
+
+@pytest.mark.gpu
+def test_flex_attention_over_trees_equals_causal_attention_per_path_on_gpu():
+    """Tree rows on CUDA (FlexAttention, compiled, its block mask from the spans) == causal SDPA over each
+    root-to-leaf path alone, forward and backward, over several of FlexAttention's 128-token blocks."""
+    from train.attention.structured import flex_structured_attention
+
+    rng = np.random.default_rng(3)
+    trees = [random_tree(rng, 6) for _ in range(40)]
+    spans = np.concatenate([t["tree_spans"] for t in trees]).astype(np.int64)
+    seq = np.concatenate([np.full(len(t["tree_spans"]), k) for k, t in enumerate(trees)])
+    offsets = np.cumsum([0] + [len(t["tree_spans"]) for t in trees])
+    parents = np.concatenate([np.where(p >= 0, p + o, -1) for p, o in
+                              zip((tree_parents(t["tree_spans"]) for t in trees), offsets)])
+    n = len(spans)
+    assert n > 4 * 128
+    zeros, index = np.zeros(n, dtype=np.int64), np.arange(n)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, 64, device="cuda", requires_grad=True) for h in (4, 2, 2))
+    out = flex_structured_attention(q, k, v, seq, zeros, zeros, index, seq, zeros, zeros, index, 0.125,
+                                    k_span=spans)  # [1, n, 4, 64]
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    has_child = np.zeros(n, dtype=bool)
+    has_child[parents[parents >= 0]] = True
+    ref = torch.zeros_like(out)
+    for leaf in np.flatnonzero(~has_child):  # each token's output is that of any path through it
+        idx = torch.tensor(sorted(ancestors(parents, int(leaf))), device="cuda")
+        ref[:, idx] = F.scaled_dot_product_attention(q[:, :, idx], k[:, :, idx], v[:, :, idx], is_causal=True,
+                                                     scale=0.125, enable_gqa=True).transpose(1, 2)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)  # a leaking or missing key: O(1)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-2, rtol=1e-3)
