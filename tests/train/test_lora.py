@@ -201,6 +201,9 @@ def _zero3_worker(rank: int, world: int, port: int, out_dir: str, steps: int) ->
     torch.set_num_threads(1)
     import deepspeed
 
+    from train.engines.deepspeed_config import skip_unused_cpu_comm_op
+
+    skip_unused_cpu_comm_op()  # as the trainer does: no JIT build of an op training never calls
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     model = apply_lora(tiny_qwen2(tie=False), lora_rank=4, lora_alpha=8, target_modules="all-linear")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1.0, eps=1.0)  # ~ SGD
