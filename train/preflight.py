@@ -50,6 +50,7 @@ def preflight(cfg: TrainConfig, world_size: int = 1) -> Preflight:
     check_paths(cfg)
     model_config = read_model_config(cfg)
     check_expert_parallel(cfg, model_config)
+    check_lora_targets(cfg, model_config)
     checked = Preflight(model_config, eval_path(cfg), resolved_tokenizer(cfg)[0])
     check_data(cfg, checked)
     return checked
@@ -64,6 +65,30 @@ def check_expert_parallel(cfg: TrainConfig, model_config) -> None:
     if problem:
         raise ConfigError(problem)
 
+
+
+def check_lora_targets(cfg: TrainConfig, model_config) -> None:
+    """LoRA's target_modules / target_parameters against the model's module names, on a meta-device model (its
+    modules, no memory, no weights read): a target that matches nothing, the output head, the routed experts named
+    as a module are refused now, not after the weights have loaded (minutes for a large checkpoint). A model that
+    cannot be built on the meta device is left to the same check in apply_lora."""
+    if cfg.lora.lora_rank <= 0:
+        return
+    import copy
+
+    import torch
+
+    from train.model.composite import auto_model_class
+    from train.model.lora import check_targets
+
+    try:
+        with torch.device("meta"):
+            config = copy.deepcopy(model_config)  # transformers sets the attention on the config it is given
+            model = auto_model_class(config).from_config(config, attn_implementation="eager")
+    except Exception as err:  # noqa: BLE001 (a family's init that needs real tensors: apply_lora checks later)
+        logging.getLogger(__name__).debug("LoRA targets not checked before loading: %s", err)
+        return
+    check_targets(model, cfg.lora.target_modules, cfg.lora.target_parameters, cfg.lora.lora_dropout)
 
 # ---------------------------------------------------------------------------------------------- the machine
 def check_machine(cfg: TrainConfig) -> None:

@@ -89,8 +89,6 @@ def apply_lora(
         lora_rank, lora_alpha, lora_dropout = cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout
         target_modules = cfg.target_modules
         target_parameters = getattr(cfg, "target_parameters", ())
-    if isinstance(target_modules, (list, tuple)) and list(target_modules) == [ALL_LINEAR]:
-        target_modules = ALL_LINEAR  # a YAML list holding the keyword
 
     if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank <= 0:
         raise ValueError(f"lora_rank must be a positive integer, got {lora_rank!r}")
@@ -100,31 +98,8 @@ def apply_lora(
         raise ValueError(f"lora_dropout must be in [0, 1), got {lora_dropout!r}")
     if is_peft_model(model):
         raise ValueError("apply_lora: the model already carries peft adapters")
+    targets, target_parameters = check_targets(model, target_modules, target_parameters, lora_dropout)
     head = _output_head_name(model)
-    if isinstance(target_modules, str):
-        if target_modules != ALL_LINEAR:
-            raise ValueError(f"target_modules must be {ALL_LINEAR!r} or a list of module names, got {target_modules!r}")
-        targets: str | list[str] = ALL_LINEAR
-    else:
-        targets = [str(t) for t in target_modules]
-        if not targets:
-            raise ValueError("target_modules is an empty list")
-        if head is not None and any(head == t or head.endswith("." + t) for t in targets):
-            raise ValueError(f"target_modules {targets}: the output head {head!r} is never adapted (the loss reads its weight)")
-        names = {n for n, _ in model.named_modules()}
-        missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
-        if missing:
-            raise ValueError(f"target_modules {missing} match no module of {type(model).__name__}")
-        _refuse_routed_experts(model, targets)
-    target_parameters = [str(t) for t in target_parameters or ()]
-    if target_parameters:
-        _check_target_parameters(model, target_parameters, lora_dropout)
-    if is_composite(model.config):  # the text decoder only, never the towers' layers of the same names
-        linear = [name for name, module in model.named_modules() if isinstance(module, nn.Linear) and name != head]
-        targets = text_decoder_targets(model, targets, linear)
-        if not targets:
-            raise ValueError(f"target_modules {target_modules} match no layer of the text decoder of "
-                             f"{type(model).__name__}: a composite checkpoint adapts its text decoder only")
     config = LoraConfig(
         task_type=TaskType.CAUSAL_LM,
         r=lora_rank,
@@ -141,6 +116,44 @@ def apply_lora(
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         peft_model = get_peft_model(model, config)
     return peft_model
+
+
+def check_targets(model: nn.Module, target_modules, target_parameters, lora_dropout: float):
+    """What LoRA of these targets would adapt in `model` (peft's `target_modules`, `target_parameters`), or a
+    ConfigError naming the key: the output head named, a target matching nothing, the routed experts named as a
+    module, a composite's targets outside its text decoder. Needs the model's modules only, not its weights: the
+    start-up runs it on a meta-device copy before any weight loads (train/preflight.py), apply_lora again."""
+    from common.config import ConfigError
+
+    if isinstance(target_modules, (list, tuple)) and list(target_modules) == [ALL_LINEAR]:
+        target_modules = ALL_LINEAR  # a YAML list holding the keyword
+    head = _output_head_name(model)
+    if isinstance(target_modules, str):
+        if target_modules != ALL_LINEAR:
+            raise ConfigError(f"target_modules must be {ALL_LINEAR!r} or a list of module names, got {target_modules!r}")
+        targets: str | list[str] = ALL_LINEAR
+    else:
+        targets = [str(t) for t in target_modules]
+        if not targets:
+            raise ConfigError("target_modules is an empty list")
+        if head is not None and any(head == t or head.endswith("." + t) for t in targets):
+            raise ConfigError(f"target_modules {targets}: the output head {head!r} is never adapted (the loss reads "
+                              "its weight)")
+        names = {n for n, _ in model.named_modules()}
+        missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+        if missing:
+            raise ConfigError(f"target_modules {missing} match no module of {type(model).__name__}")
+        _refuse_routed_experts(model, targets)
+    target_parameters = [str(t) for t in target_parameters or ()]
+    if target_parameters:
+        _check_target_parameters(model, target_parameters, lora_dropout)
+    if is_composite(model.config):  # the text decoder only, never the towers' layers of the same names
+        linear = [name for name, module in model.named_modules() if isinstance(module, nn.Linear) and name != head]
+        targets = text_decoder_targets(model, targets, linear)
+        if not targets:
+            raise ConfigError(f"target_modules {target_modules} match no layer of the text decoder of "
+                              f"{type(model).__name__}: a composite checkpoint adapts its text decoder only")
+    return targets, target_parameters
 
 
 def _refuse_routed_experts(model: nn.Module, targets: list[str]) -> None:
