@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up the environments (idempotent) and runs the test suite, stage by stage. Extra arguments go to pytest.
 #
-#   bash scripts/test.sh                 every stage (~19 min on 2 idle cores: main 12, serial 5, images 2)
+#   bash scripts/test.sh                 every stage (~20 min on 2 idle cores: main 15, serial 3, images 2)
 #   bash scripts/test.sh --quick         the fast unit tests only (no slow, multi-process, serial or image tests,
 #                                        nor the longest files: QUICK_SKIP_FILES): a few minutes on 2 idle cores
 #   bash scripts/test.sh tests/train/test_x.py one pytest process in .venv over what the arguments select, then the image
