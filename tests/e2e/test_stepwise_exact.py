@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -25,7 +24,7 @@ import torch
 
 from tests._train_helpers import ROOT, free_port, write_config
 from tests.conftest import fixture_path, tokenizer_dir
-from tests.e2e.test_stepwise_trees import _close, _unpacked_reference
+from tests.e2e.test_stepwise_trees import _close, _unpacked_reference, build_samples_and_tree
 
 TOL = 1e-6
 SHAREGPT_RECORDS = 8  # FastChat records with 2-3 assistant turns
@@ -65,10 +64,6 @@ def _agent_inputs(root) -> list[dict]:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """case -> {mode: DataConfig} of the data pipeline run with stepwise samples and tree (built once per case)."""
-    from common.config import from_dict
-    from data.config import DataConfig
-    from data.pipeline import run_pipeline
-
     cache: dict[str, dict] = {}
 
     def build(case: str) -> dict:
@@ -77,20 +72,8 @@ def built(tmp_path_factory):
         root = tmp_path_factory.mktemp(case)
         spec = CASES[case]
         inputs = _sharegpt_inputs(root) if case.startswith("sharegpt") else _agent_inputs(root)
-        cfgs = {}
-        for mode in ("samples", "tree"):  # tree re-runs tokenize and pack on the samples run's merged.jsonl
-            raw = {"inputs": inputs, "output_dir": str(root / mode), "num_workers": 1,
-                   "tokenizer_path": str(tokenizer_dir(spec["tokenizer"])), "max_length": spec["max_length"],
-                   "stepwise": mode, "merge": {"probability": 0.0}, "pack": {"max_length": spec["max_length"]}}
-            if mode == "tree":
-                shutil.copytree(root / "samples", root / mode, ignore=shutil.ignore_patterns("tokenized", "packed"))
-                raw["stages"] = ["tokenize", "pack"]
-            cfg = from_dict(DataConfig, raw)
-            cfg.validate()
-            run_pipeline(cfg)
-            cfgs[mode] = cfg
-        cache[case] = cfgs
-        return cfgs
+        cache[case] = build_samples_and_tree(root, inputs, tokenizer_dir(spec["tokenizer"]), spec["max_length"])
+        return cache[case]
 
     return build
 

@@ -38,20 +38,26 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
 @pytest.fixture(scope="module")
 def data_dirs(tmp_path_factory):
     """The pipeline run on a few fixture records with stepwise samples and tree (Qwen3 tokenizer)."""
-    from common.config import from_dict
-    from data.config import DataConfig
-    from data.pipeline import run_pipeline
-
     root = tmp_path_factory.mktemp("stepwise")
     lines = fixture_path("data", "llamafactory_reason_tool_use_demo_50.jsonl").read_bytes().splitlines()
     subset = root / "subset.jsonl"
     subset.write_bytes(b"\n".join(lines[i] for i in LINES) + b"\n")
+    return build_samples_and_tree(root, [{"path": str(subset), "format": "messages", "category_name": "reason_tool"}],
+                                  tokenizer_dir("qwen3"), MAX_LENGTH)
+
+
+def build_samples_and_tree(root, inputs: list[dict], tokenizer, max_length: int) -> dict:
+    """{mode: DataConfig} of the data pipeline run on `inputs` with stepwise samples (every stage) and tree (tokenize
+    and pack again on the samples run's merged.jsonl), under `root`/samples and `root`/tree."""
+    from common.config import from_dict
+    from data.config import DataConfig
+    from data.pipeline import run_pipeline
+
     cfgs = {}
-    for mode in ("samples", "tree"):  # every stage for samples; tree re-runs tokenize and pack on its merged.jsonl
-        raw = {"inputs": [{"path": str(subset), "format": "messages", "category_name": "reason_tool"}],
-               "output_dir": str(root / mode), "tokenizer_path": str(tokenizer_dir("qwen3")), "num_workers": 1,
-               "max_length": MAX_LENGTH, "stepwise": mode, "merge": {"probability": 0.0},
-               "pack": {"max_length": MAX_LENGTH}}
+    for mode in ("samples", "tree"):
+        raw = {"inputs": inputs, "output_dir": str(root / mode), "tokenizer_path": str(tokenizer), "num_workers": 1,
+               "max_length": max_length, "stepwise": mode, "merge": {"probability": 0.0},
+               "pack": {"max_length": max_length}}
         if mode == "tree":
             shutil.copytree(root / "samples", root / mode, ignore=shutil.ignore_patterns("tokenized", "packed"))
             raw["stages"] = ["tokenize", "pack"]

@@ -21,7 +21,6 @@ from tests._train_helpers import (  # noqa: F401  (one_thread is a fixture)
     write_config,
     write_packed,
 )
-from train.checkpoint import CheckpointError
 from train.config.sections import load_config
 from train.metrics import read_log
 from train.trainer import Trainer
@@ -56,10 +55,13 @@ def data(tmp_path_factory):
     return tmp, write_packed(tmp / "data", random_rows(5, 6))
 
 
-def _setup(data, family: str):
+def _setup(data, family: str, model_config: dict | None = None):
+    """The run config of `family` (its tiny model config: `model_config`, else `_model_config(family)`) on the
+    module's data: (the data's tmp dir, the config file)."""
     tmp, packed = data
+    config_dict = model_config if model_config is not None else _model_config(family)
     model_config = tmp / f"{family}.json"
-    model_config.write_text(json.dumps(_model_config(family)))
+    model_config.write_text(json.dumps(config_dict))
     config = write_config(tmp / f"{family}.yaml", data_path=str(packed), model_config=str(model_config),
                           max_steps=STEPS, lr=1e-4, loss_chunk_size=16, plot=False, output_dir=str(tmp / "unused"),
                           seed=3)

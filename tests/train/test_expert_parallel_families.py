@@ -14,14 +14,12 @@ tests/train/test_expert_parallel.py does not run: losses, router aux losses and 
 One launch per family (mixtral: two); the references run in this process."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from tests._train_helpers import one_thread, random_rows, run_train, write_config, write_packed  # noqa: F401
+from tests._train_helpers import one_thread, random_rows, run_train, write_packed  # noqa: F401
 from tests._train_helpers import VOCAB
-from tests.train.test_expert_parallel import AUX, COMMON, RTOL, STEPS, _model_config, _rel
+from tests.train.test_expert_parallel import AUX, COMMON, RTOL, STEPS, _model_config, _rel, _setup
 from train.config.sections import load_config
 from train.metrics import read_log
 from train.trainer import Trainer
@@ -67,12 +65,7 @@ def data(tmp_path_factory):
 def _runs(data, family: str):
     """The EP 2 run (2 processes) and the one-process reference (2 micro-batches a step): their output dirs, the
     reference's log and the EP run's console output."""
-    tmp, packed = data
-    model_config = tmp / f"{family}.json"
-    model_config.write_text(json.dumps(_family_config(family)))
-    config = write_config(tmp / f"{family}.yaml", data_path=str(packed), model_config=str(model_config),
-                          max_steps=STEPS, lr=1e-4, loss_chunk_size=16, plot=False, output_dir=str(tmp / "unused"),
-                          seed=3)
+    tmp, config = _setup(data, family, _family_config(family))
     ep_options, shared = OPTIONS[family]
     ep_out, ref_out = tmp / f"{family}_ep2", tmp / f"{family}_ref"
     ep_run = [f"output_dir={ep_out}", *COMMON, *ep_options, "expert_parallel_size=2", "launch.num_processes=2"]

@@ -57,6 +57,11 @@ def expert_count(text_config, count_key: str) -> int | None:
 MOE_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
+def expert_count_keys(text_config) -> list[str]:
+    """The keys of MOE_COUNT_KEYS the (text) model config sets above 1: none for a dense model."""
+    return [k for k in MOE_COUNT_KEYS if isinstance(getattr(text_config, k, None), int) and getattr(text_config, k) > 1]
+
+
 def model_expert_parallel_problem(expert_parallel_size: int, model_config, model_type: str) -> str | None:
     """What the model config forbids for `expert_parallel_size`: a dense model, a family whose experts the table
     does not mark, a number of experts the degree does not divide."""
@@ -69,7 +74,7 @@ def model_expert_parallel_problem(expert_parallel_size: int, model_config, model
     text_type = getattr(text, "model_type", model_type)
     spec = FAMILIES.get(text_type)
     head = f"expert_parallel_size={ep}"
-    counts = [k for k in MOE_COUNT_KEYS if isinstance(getattr(text, k, None), int) and getattr(text, k) > 1]
+    counts = expert_count_keys(text)
     if spec is None or spec.experts is None:
         if not counts:
             return (f"{head} needs a mixture-of-experts model; {model_type!r} is dense (its config has none of "

@@ -307,14 +307,13 @@ def set_experts_kernel(lm: torch.nn.Module, model_config, kernel: str) -> dict |
     `experts_implementation`; set it from `moe_kernel` (`choose_kernel`: loop -> eager, grouped_mm -> grouped_mm).
     Returns what the start line says ({"layers", "kernel", "implementation"}), None for a model without transformers'
     experts modules (dense, or experts as a list of linear layers: moe_kernel=grouped_mm is then a ConfigError)."""
+    from train.config.ep_rules import expert_count_keys
     from train.families import text_config
-    from train.config.ep_rules import MOE_COUNT_KEYS
 
     found = experts_modules(lm)
     if not found:
         text = text_config(model_config)
-        if kernel == "grouped_mm" and any(isinstance(getattr(text, k, None), int) and getattr(text, k) > 1
-                                          for k in MOE_COUNT_KEYS):
+        if kernel == "grouped_mm" and expert_count_keys(text):
             raise ConfigError(f"moe_kernel=grouped_mm: {getattr(text, 'model_type', 'the model')!r} has no "
                               "transformers experts module (fused 3-D expert weights) for it to run on; use "
                               "moe_kernel=auto or loop")

@@ -280,11 +280,7 @@ def merged_state_dict(
             raise KeyError(f"merged_state_dict: {w_key} missing from the state dict")
         weight = src[w_key]
         merged = weight.to(torch.float32)
-        for adapter in module.active_adapters:
-            if adapter not in module.lora_A:
-                continue
-            a = src[f"{name}.lora_A.{adapter}.weight"].to(torch.float32)
-            b = src[f"{name}.lora_B.{adapter}.weight"].to(torch.float32)
+        for adapter, a, b in _adapter_factors(module, name, src):
             delta = (b @ a) * module.scaling[adapter]
             merged = merged + (delta.T if getattr(module, "fan_in_fan_out", False) else delta)
         out[f"{name}.weight"] = merged.to(weight.dtype)
@@ -302,6 +298,15 @@ def merged_state_dict(
     return out
 
 
+def _adapter_factors(module, name: str, src: dict):
+    """(adapter, A, B) in float32 from the state dict `src`, for each active adapter the peft layer `module` (at
+    `name`) holds."""
+    for adapter in module.active_adapters:
+        if adapter in module.lora_A:
+            yield (adapter, src[f"{name}.lora_A.{adapter}.weight"].to(torch.float32),
+                   src[f"{name}.lora_B.{adapter}.weight"].to(torch.float32))
+
+
 def _fold_parameter(module, name: str, src: dict, out: dict) -> None:
     """A ParamWrapper's targeted parameter (peft's `target_parameters`) with its adapters folded in, as peft's own
     merge computes it (`ParamWrapper.get_delta_weight`: one B·A per expert of a 3-D parameter), summed in float32;
@@ -314,11 +319,7 @@ def _fold_parameter(module, name: str, src: dict, out: dict) -> None:
         raise KeyError(f"merged_state_dict: {key} missing from the state dict")
     weight = src[key]
     merged = weight.to(torch.float32)
-    for adapter in module.active_adapters:
-        if adapter not in module.lora_A:
-            continue
-        a = src[f"{name}.lora_A.{adapter}.weight"].to(torch.float32)
-        b = src[f"{name}.lora_B.{adapter}.weight"].to(torch.float32)
+    for adapter, a, b in _adapter_factors(module, name, src):
         experts = module.num_experts
         if weight.dim() == 2:
             delta = b @ a
