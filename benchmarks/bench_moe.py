@@ -103,7 +103,7 @@ def run_rank(spec: dict) -> None:
 
     from train.config.sections import load_config
     from train.plan.memory import ModelShape, model_state_bytes
-    from train.plan.startup import _model_state_bytes
+    from train.plan.memory_plan import _model_state_bytes
     from train.preflight import preflight
     from train.trainer import Trainer
 
@@ -148,7 +148,7 @@ def run_rank(spec: dict) -> None:
                                      bf16=cfg.model.bf16)
     result = {
         "rank": rank, "engine": trainer.engine.describe(), "startup_s": round(startup_s, 2),
-        "experts": trainer.experts,  # None without EP: transformers' experts module runs
+        "experts": trainer.plan.experts.applied if trainer.plan.experts.parallel > 1 else None,  # None without EP: transformers' experts module runs
         "experts_implementation": trainer.lm.config.get_text_config()._experts_implementation,
         "params": params, "grads": {k: grads.get(k, 0) for k in ("experts", "other")}, "optimizer": optim,
         "plan_total": int(plan_total), "plan_experts": int(plan_experts),

@@ -175,7 +175,7 @@ def run_layout(spec: dict) -> dict:
 
     from train.config.sections import from_keys
     from train.model.packed import PackedCausalLM, build_lm
-    from train.plan.startup import MemoryPlan
+    from train.plan.memory_plan import MemoryPlan
 
     cuda = spec["device"] == "cuda"
     device = torch.device("cuda" if cuda else "cpu")
@@ -206,12 +206,12 @@ def run_layout(spec: dict) -> dict:
 
     def packed_loss(row, totals):
         batch = make_batch([row], totals, "token")
-        attn = AttentionContext(cu_seqlens=batch["cu_seqlens"].to(device), max_seqlen=batch["max_seqlen"],
+        attn = AttentionContext(cu_seqlens=batch.cu_seqlens.to(device), max_seqlen=batch.max_seqlen,
                                 kernels=kernels)
-        weighted, _, _ = model(batch["input_ids"].to(device), batch["position_ids"].to(device),
-                               batch["targets"].to(device), batch["weights"].to(device),
-                               batch["target_categories"].to(device), attn)
-        return weighted, int(batch["input_ids"].numel())
+        weighted, _, _ = model(batch.input_ids.to(device), batch.position_ids.to(device),
+                               batch.targets.to(device), batch.weights.to(device),
+                               batch.target_categories.to(device), attn)
+        return weighted, int(batch.input_ids.numel())
 
     def padded_losses(row, totals):
         n_items = torch.tensor(totals.n_loss_tokens, device=device)

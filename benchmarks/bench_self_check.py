@@ -1,6 +1,7 @@
 """Cost of the trainer's start-up self-check next to one optimizer step, in one process, side by side.
 
-Builds the Trainer of a train config with `self_check=false`, then times `Trainer._self_check` (a few sequences
+Builds the Trainer of a train config with `self_check=false`, then times the start-up self-check
+(train/run/check.py `run_self_check`: a few sequences
 packed vs the model's own unpacked eager forward, gradient probe) and `train_step` over the first steps, each
 `--repeats` times; prints the medians and their ratio.
 
@@ -32,6 +33,7 @@ def main() -> None:
 
     from train.config.sections import load_config
     from train.trainer import Trainer
+    from train.run.check import run_self_check
 
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(args.config, [f"output_dir={out}", "self_check=false", "save_steps=0"])
@@ -39,7 +41,8 @@ def main() -> None:
         checks, steps = [], []
         for _ in range(args.repeats):
             start = time.perf_counter()
-            trainer._self_check(zero3=False)
+            run_self_check(trainer.model, trainer.plan, trainer.dataset, trainer.run.image_loader, False,
+                           lambda *_: None)
             checks.append(time.perf_counter() - start)
         for step in range(args.steps):
             start = time.perf_counter()

@@ -173,11 +173,11 @@ def run_one(spec: dict) -> dict:
         peak = torch.cuda.max_memory_allocated()
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    result = {"backend": trainer.plan.train.every.name, "checkpointing": trainer.memory.checkpointing_reason, "steps": steps,
+    result = {"backend": trainer.plan.attention.train.every.name, "checkpointing": trainer.plan.memory.checkpointing_reason, "steps": steps,
               "peak_bytes": int(peak), "n_params": shape.n_params, "matmul_params": shape.matmul_params,
               "experts_implementation": (getattr(trainer.lm.config.get_text_config(), "_experts_implementation", None)
                                          if shape.n_experts else None),
-              "attention": trainer.plan.train.every.name,
+              "attention": trainer.plan.attention.train.every.name,
               "loss_finite": bool(np.isfinite([x["loss"] for x in steps]).all())}
     write_atomic(Path(spec["result_path"]), json.dumps(result))  # before the profile: a cut profile keeps the figures
     if spec.get("profile_out"):

@@ -22,9 +22,14 @@ from typing import Any, Literal
 
 import orjson
 
+from common.errors import PackSFTError
 
-class ConfigError(ValueError):
+
+class ConfigError(PackSFTError, ValueError):
     """A configuration value is missing, of the wrong type or violates an invariant."""
+
+    label = "config error"
+    exit_code = 2
 
 
 def parse_value(text: str) -> Any:

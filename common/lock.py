@@ -21,12 +21,16 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from common.errors import PackSFTError
+
 LOCK_NAME = ".packsft.lock"
 LOCKS_ENV = "PACKSFT_LOCKS"  # the run tokens of the locks held by this process's ancestors, space-separated
 
 
-class LockHeldError(RuntimeError):
+class LockHeldError(PackSFTError, RuntimeError):
     """The directory is locked by a run that is still alive (or on another host)."""
+
+    exit_code = 2
 
 
 def process_start(pid: int) -> str | None:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from train.steps.batch import IGNORE_INDEX, StepTotals, make_batch
 from train.model.loss import weighted_lm_loss
+from data.shards.dataset import Structure
 
 NUM_CATEGORIES = 4
 VOCAB = 97
@@ -156,9 +157,9 @@ def structured_reference_step(reference, batches) -> dict:
     from train.attention.structured import build_mask
 
     def hidden_of(batch):
-        ids = (batch["seq_ids"], batch["block_ids"], batch["path_ids"], torch.arange(batch["seq_ids"].numel()))
+        ids = (batch.seq_ids, batch.block_ids, batch.path_ids, torch.arange(batch.seq_ids.numel()))
         return reference.model(
-            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
+            input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
             structure_mask=build_mask(*ids, *ids),
         ).last_hidden_state[0]
 
@@ -167,7 +168,7 @@ def structured_reference_step(reference, batches) -> dict:
 
 def loss_of(model, hidden, batch):
     return weighted_lm_loss(
-        hidden, model.lm_head.weight, batch["targets"], batch["weights"], batch["target_categories"],
+        hidden, model.lm_head.weight, batch.targets, batch.weights, batch.target_categories,
         NUM_CATEGORIES, LOSS_CHUNK,
     )
 
@@ -176,16 +177,16 @@ def reference_step(reference, batches) -> dict:
     """Single process, no packing at all: every sequence runs alone through the sdpa model."""
 
     def hidden_of(batch):
-        cu = batch["cu_seqlens"].tolist()
+        cu = batch.cu_seqlens.tolist()
         return torch.cat([
-            reference.model(input_ids=batch["input_ids"][:, a:b], use_cache=False).last_hidden_state[0]
+            reference.model(input_ids=batch.input_ids[:, a:b], use_cache=False).last_hidden_state[0]
             for a, b in zip(cu[:-1], cu[1:])
         ])
 
     return _accumulate_reference(reference, batches, hidden_of)
 
 
-def sp_plan(model, sp_rank: int, sp_size: int, group, structure: bool = False, sp_backend: str = "torch",
+def sp_plan(model, sp_rank: int, sp_size: int, group, structure=Structure.NONE, sp_backend: str = "torch",
             ulysses_size: int = 1, ulysses_group=None, ring_group=None):
     """The attention plan train/plan/attention.py makes for `model` (CPU, fp32, attn_backend auto) on an sp group
     of `sp_size` ranks: `ulysses_size` > 1 with its Ulysses group (and, when smaller than `sp_size`, the ring group
@@ -210,7 +211,7 @@ def sp_step(model, batches, sp_rank, sp_size, group, layout, reduce_group, **pla
     from train.attention.function import AttentionContext
     from train.attention.sequence_parallel import shard_batch
 
-    planned = sp_plan(model, sp_rank, sp_size, group, structure="block_ids" in batches[0], **plan)
+    planned = sp_plan(model, sp_rank, sp_size, group, structure=batches[0].structure, **plan)
     model.zero_grad(set_to_none=True)
     loss = torch.zeros(())
     cat_sum = torch.zeros(NUM_CATEGORIES)
@@ -219,8 +220,8 @@ def sp_step(model, batches, sp_rank, sp_size, group, layout, reduce_group, **pla
     paths = set()
     for batch in batches:
         if layout == "zigzag":
-            local, ctx = shard_batch(batch, sp_rank, sp_size, "torch", group=group, layout=layout)
-            attn = AttentionContext(ctx.cu_seqlens, ctx.max_seqlen, planned.train, sp=ctx)
+            fields, ctx = shard_batch(batch, sp_rank, sp_size, "torch", group=group, layout=layout)
+            local, attn = batch.local(fields), AttentionContext(ctx.cu_seqlens, ctx.max_seqlen, planned.train, sp=ctx)
         else:
             local, attn = planned.context(batch)
             ctx = attn.sp
@@ -229,7 +230,7 @@ def sp_step(model, batches, sp_rank, sp_size, group, layout, reduce_group, **pla
         else:
             paths.add("varlen" if ctx.bounds is not None else "mask")  # which attention path of the torch backend ran
         hidden = model.model(
-            input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False, packsft=attn
+            input_ids=local.input_ids, position_ids=local.position_ids, use_cache=False, packsft=attn
         ).last_hidden_state[0]
         weighted, cs, cc = loss_of(model, hidden, local)
         (weighted * world_size).backward()
@@ -311,7 +312,7 @@ def worker(rank: int, world_size: int, port: int, out_path: str) -> None:
         results["checkpointing-sp4/contiguous/token"] = relative_errors(got, want)
         model.gradient_checkpointing_disable()
         # structure mode (Parallel-R1 mask), token reduction: sp = 4 and dp = 2 x sp = 2, both layouts
-        structured = [make_batch([row], totals, "token", structure=True) for row in structured_rows()]
+        structured = [make_batch([row], totals, "token", structure=Structure.PARALLEL_THINKING) for row in structured_rows()]
         want = structured_reference_step(structured_reference_model(model), structured)
         for layout in ("contiguous", "zigzag"):
             got = sp_step(model, structured, rank, 4, world_group, layout, world_group)

@@ -27,6 +27,7 @@ from tests._sp_worker import (
     write_results,
 )
 from train.steps.batch import make_batch
+from data.shards.dataset import Structure
 
 FAMILIES = ("qwen2", "gemma2", "gpt_oss")
 
@@ -82,7 +83,7 @@ def worker(rank: int, world_size: int, port: int, out_path: str) -> None:
                     # row 1's last contiguous shard (rank 3) holds no loss token
                     results[key]["row1_last_rank_loss"] = _from_rank(3, row1_last)
         model, _ = tiny_models()
-        structured = [make_batch([row], totals, "token", structure=True) for row in structured_rows()]
+        structured = [make_batch([row], totals, "token", structure=Structure.PARALLEL_THINKING) for row in structured_rows()]
         want = structured_reference_step(structured_reference_model(model), structured)
         for name, got, _ in _configurations(model, structured, rank, pairs, rings):
             results[f"structure/{name}/token"] = relative_errors(got, want)

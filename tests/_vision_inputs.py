@@ -171,7 +171,7 @@ def packed_step(model, batches: list[dict], attention=None) -> tuple[float, dict
     from train.attention.function import BACKENDS, AttentionContext, LayerKernels
 
     def whole_row(batch):
-        return batch, AttentionContext.for_micro_batch(batch["cu_seqlens"], "cpu", LayerKernels(every=BACKENDS["sdpa"]))
+        return batch, AttentionContext.for_micro_batch(batch.cu_seqlens, "cpu", LayerKernels(every=BACKENDS["sdpa"]))
 
     attention = attention or whole_row
     model.lm.zero_grad(set_to_none=True)
@@ -179,8 +179,8 @@ def packed_step(model, batches: list[dict], attention=None) -> tuple[float, dict
     for batch in batches:
         row = model.row_images(batch)  # on the whole row, before any sharding
         local, attn = attention(batch)
-        loss = model(local["input_ids"], local["position_ids"], local["targets"], local["weights"],
-                     local["target_categories"], attn, images=row)[0]
+        loss = model(local.input_ids, local.position_ids, local.targets, local.weights,
+                     local.target_categories, attn, images=row)[0]
         loss.backward()
         total += float(loss.detach())
     return total, take_grads(model.lm)

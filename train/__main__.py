@@ -7,7 +7,7 @@ import shlex
 import signal
 import sys
 
-from common.config import ConfigError
+from common.errors import PackSFTError
 
 DEFAULT_CONFIG = "configs/train/example.yaml"
 
@@ -62,7 +62,6 @@ def main(argv: list[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     if argv and argv[0] == "--launch":  # train.sh: accelerate launch under a supervisor (train/launch.py)
-        from common.lock import LockHeldError
         from train.config.sections import load_config
         from train.launch import supervise
         from train.preflight import preflight
@@ -72,15 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         try:  # every check is made here, before accelerate starts any process
             cfg = load_config(config_path, argv)
             preflight(cfg, world_size=cfg.launch.num_processes)
-        except ConfigError as exc:
-            print(f"config error: {exc}", file=sys.stderr)
-            return 2
-        command = [sys.executable, "-m", "train.launch", *launch_args(cfg), "-m", "train", config_path, *argv]
-        try:  # machine 0 holds the lock of the shared output_dir for every machine of the run
+            command = [sys.executable, "-m", "train.launch", *launch_args(cfg), "-m", "train", config_path, *argv]
+            # machine 0 holds the lock of the shared output_dir for every machine of the run
             return supervise(command, cfg.checkpoint.output_dir if cfg.launch.machine_rank == 0 else None)
-        except LockHeldError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        except PackSFTError as exc:
+            print(exc.one_line(), file=sys.stderr)
+            return exc.exit_code
     from train.launch import die_with_supervisor
 
     die_with_supervisor()  # under train.sh: never outlive it (kill -9 to it leaves no orphan training on)
@@ -95,37 +91,15 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(config_path, argv)
         checked = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before the model (and most imports) load
         quiet_cpu_accelerator_notice()
-        from train.checkpoint import CheckpointError
-        from train.model.self_check import SelfCheckError
-        from train.model.support import UnsupportedModelError
-        from train.nonfinite import NonFiniteError
         from train.trainer import Trainer
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    except Interrupted as exc:
-        report_interrupt(exc.signum, None, cfg, config_path, argv)
-        return 128 + exc.signum
-    try:
+
         trainer = Trainer(cfg, checked=checked)
         trainer.train()
         if trainer.step < trainer.total_steps and trainer.mesh.is_main:
             print(f"resume with: {resume_command(config_path, argv)}", flush=True)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    except UnsupportedModelError as exc:
-        print(f"model not supported: {exc}", file=sys.stderr)
-        return 2
-    except SelfCheckError as exc:
-        print(f"self-check failed: {exc}", file=sys.stderr)
-        return 1
-    except NonFiniteError as exc:
-        print(f"training stopped: {exc}", file=sys.stderr)
-        return 1
-    except CheckpointError as exc:  # resume: no usable checkpoint, other data; a save: full disk, write error
-        print(f"checkpoint error: {exc}", file=sys.stderr)
-        return 1
+    except PackSFTError as exc:  # a config, model, checkpoint, data or self-check error, a diverged step: one line
+        print(exc.one_line(), file=sys.stderr)
+        return exc.exit_code
     except BaseException:
         if not received:
             raise

@@ -47,6 +47,7 @@ import orjson
 import torch
 import torch.distributed as dist
 
+from common.errors import PackSFTError
 from common.fsutil import (apply_umask, atomic_directory, atomic_write_bytes, file_blake2b, fsync_dir, replace_dir,
                            stale_temporaries)
 
@@ -68,8 +69,10 @@ disk_usage = shutil.disk_usage  # module attribute so tests can simulate a full 
 WRITE_ERRORS = (OSError, RuntimeError)
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(PackSFTError, RuntimeError):
     """A checkpoint cannot be written or read; the message names the file or directory and what to do."""
+
+    label = "checkpoint error"
 
 
 def _barrier() -> None:
@@ -246,7 +249,7 @@ def checkpoint_bytes(directory: Path) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- saving
-def remove_stale_temporaries(output_dir: str | os.PathLike) -> list[Path]:
+def remove_stale_saves(output_dir: str | os.PathLike) -> list[Path]:
     """Half-written `.step-N.tmp/` directories and pointer temporaries of a crashed or killed save (one run per
     output_dir, so nothing else is writing them), and a killed export's `final/` temporaries. Returns what was
     removed."""
@@ -299,7 +302,7 @@ def save_checkpoint(output_dir, step: int, rank: int, save_fn, trainer_state: di
     problem = None
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        remove_stale_temporaries(output_dir)  # leftovers of a crashed save
+        remove_stale_saves(output_dir)  # leftovers of a crashed save
         problem = free_space_problem(root, step, estimate_bytes, keep)
         if problem is None:
             tmp.mkdir()

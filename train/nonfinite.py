@@ -11,12 +11,16 @@ from collections.abc import Iterable
 
 import torch
 
+from common.errors import PackSFTError
+
 SKIPPED = "nonfinite"  # the `skipped` value of a step record whose update nonfinite=skip_step skipped
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(PackSFTError, RuntimeError):
     """A step's loss or gradient is inf or nan and `nonfinite` is `stop`: the message names the step, what was
     non-finite, the last (finite) checkpoint and what to do."""
+
+    label = "training stopped"
 
 
 def nonfinite_problem(loss: float, grad_norm: float | None = None) -> str | None:

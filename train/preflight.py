@@ -173,7 +173,7 @@ def check_paths(cfg: TrainConfig) -> None:
                           f"{relative_note(data_path)}")
     if not (Path(data_path) / "meta.json").is_file():
         raise ConfigError(f"data_path: {data_path} has no meta.json: not a packed dataset")
-    if cfg.data.online_max_length is not None and read_meta(data_path).get("kind") != "tokenized":
+    if cfg.data.online_max_length is not None and checked_meta(data_path).get("kind") != "tokenized":
         raise ConfigError(
             f"online_max_length is set but data_path {data_path} is already packed; point data_path at a "
             "tokenized/ directory for online packing, or drop online_max_length"
@@ -245,7 +245,7 @@ def check_data(cfg: TrainConfig, checked: Preflight) -> None:
     for name, path in (("data_path", cfg.data.data_path), ("eval_data_path", checked.eval_path)):
         if path is None:
             continue
-        meta = read_meta(path)
+        meta = checked_meta(path)
         if not meta["counts"].get("loss_tokens"):
             raise ConfigError(
                 f"{name}: {path} has no loss token (every label is -100): training on it would run steps of loss 0 "
@@ -296,7 +296,7 @@ def tokenizer_hash_mismatch(cfg: TrainConfig, meta: dict, data_tok: str) -> str 
     data_hash = meta_tokenizer_hash(meta)
     if tok_path is None or data_hash is None:
         return None
-    model_hash = tokenizer_hash(tok_path)
+    model_hash = tokenizer_hash_of(tok_path)
     if model_hash is None or model_hash == data_hash:
         return None
     if cfg.model.model_path is not None:  # its embeddings belong to its own tokenizer's ids
@@ -321,7 +321,7 @@ def resolved_tokenizer(cfg: TrainConfig, meta: dict | None = None) -> tuple[str 
         model_dir = pretrained_dir(model.model_path, "model_path")
         if any((model_dir / f).is_file() for f in TOKENIZER_FILES):
             return str(model_dir), "model_path"
-    meta = meta if meta is not None else read_meta(cfg.data.data_path)
+    meta = meta if meta is not None else checked_meta(cfg.data.data_path)
     tok = meta_tokenizer_path(meta)
     return (tok, "the shards' meta.json") if tok and Path(tok).exists() else (None, "")
 
@@ -338,23 +338,23 @@ def meta_tokenizer_hash(meta: dict) -> str | None:
     return meta.get("tokenizer_hash")
 
 
-def read_meta(path: str | os.PathLike) -> dict:
-    """The dataset's manifest, checked (format, and its own checksum: data.shards.dataset.read_meta)."""
-    from data.shards.dataset import ShardFormatError
-    from data.shards.dataset import read_meta as read_checked_meta
+def checked_meta(path: str | os.PathLike) -> dict:
+    """The dataset's manifest, checked (format, and its own checksum: data.shards.dataset.read_meta); a damaged one
+    is a ConfigError of the key naming it."""
+    from data.shards.dataset import ShardFormatError, read_meta
 
     try:
-        return read_checked_meta(path)
+        return read_meta(path)
     except ShardFormatError as exc:
         raise ConfigError(str(exc)) from None
 
 
-def tokenizer_hash(path: str | os.PathLike) -> str | None:
+def tokenizer_hash_of(path: str | os.PathLike) -> str | None:
     """The packing pipeline's tokenizer hash of `path` (common.fsutil.tokenizer_hash), None without tokenizer files."""
-    from common import fsutil
+    from common.fsutil import tokenizer_hash
 
     try:
-        return fsutil.tokenizer_hash(path)
+        return tokenizer_hash(path)
     except FileNotFoundError:
         return None
 
@@ -364,7 +364,7 @@ def max_token_id(path: str | os.PathLike, meta: dict | None = None) -> int:
     manifest without its checksum may have been edited)."""
     from data.shards.dataset import PackedDataset, trusted_manifest
 
-    meta = meta if meta is not None else read_meta(path)
+    meta = meta if meta is not None else checked_meta(path)
     if trusted_manifest(meta) and isinstance(meta.get("max_token_id"), int):
         return meta["max_token_id"]
     best = -1

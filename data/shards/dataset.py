@@ -24,12 +24,14 @@ import os
 import shutil
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
+from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import orjson
 
+from common.errors import PackSFTError
 from common.fsutil import file_blake2b, fsync_dir, replace_dir, set_aside, temp_sibling, write_synced
 
 FORMAT_NAME = "packsft-indexed"
@@ -51,6 +53,25 @@ KNOWN_TOKEN_FIELDS: dict[str, str] = {
 REQUIRED_TOKEN_FIELDS = ("input_ids", "labels", "category_ids", "turn_ids")
 STRUCTURE_TOKEN_FIELDS = ("block_ids", "path_ids")
 TREE_TOKEN_FIELDS = ("tree_spans",)
+
+
+class Structure(str, Enum):
+    """What a dataset's sequences carry beyond causal text, stated by its token fields (meta.json): nothing,
+    Parallel-R1's block / path ids (data/shards/parallel_thinking.py), or stepwise prefix trees' subtree spans
+    (data/shards/prefix_tree.py). The one reading of those fields: everything else asks `structure_of`."""
+
+    NONE = "none"
+    PARALLEL_THINKING = "parallel_thinking"
+    TREE = "tree"
+
+
+def structure_of(token_fields: Iterable[str]) -> Structure:
+    fields = set(token_fields)
+    if fields.issuperset(TREE_TOKEN_FIELDS):
+        return Structure.TREE
+    if fields.issuperset(STRUCTURE_TOKEN_FIELDS):
+        return Structure.PARALLEL_THINKING
+    return Structure.NONE
 
 ROW_DTYPE = np.dtype(
     [
@@ -86,8 +107,10 @@ RESERVED_META_KEYS = ("format", "format_version", "row_checksum", "kind", "token
                       "shards", "manifest_blake2b", "image_store")
 MANIFEST_CHECKSUM = "manifest_blake2b"  # meta.json's checksum of its own content (manifest_checksum)
 
-class ShardFormatError(ValueError):
+class ShardFormatError(PackSFTError, ValueError):
     """An indexed dataset on disk is missing, truncated, corrupt or of an incompatible format version."""
+
+    label = "data error"
 
 
 class RowSlice(NamedTuple):
@@ -420,7 +443,8 @@ class ShardWriter:
         row_loss = sum(seq_loss)
         row_turns = sum(seq_turns)
         # a stepwise tree holds one sample per trained turn (data/shards/prefix_tree.py): count the expansion's
-        row_samples = sum(seq_turns) if "tree_spans" in self.dtype.names else sum(1 for x in seq_loss if x > 0)
+        row_samples = (sum(seq_turns) if structure_of(self.dtype.names) is Structure.TREE
+                       else sum(1 for x in seq_loss if x > 0))
         row_data = row_tokens.view(np.uint8)
         crc = zlib.crc32(row_data)
         for k, seq_images in enumerate(images or ()):
@@ -835,6 +859,7 @@ class PackedDataset:
         except ValueError as exc:
             raise ShardFormatError(f"{self.path / 'meta.json'}: {exc}") from None
         self.dtype = token_dtype(self.token_fields)
+        self.structure = structure_of(self.token_fields)
         self.has_images = bool(meta.get("image_store"))
         self._images: list[np.ndarray] = []  # IMAGE_DTYPE index per shard (image datasets)
         self._image_data: list[np.ndarray] = []  # the images' bytes per shard, memory-mapped

@@ -301,7 +301,7 @@ def test_example_tokenizes_to_the_processors_ids_with_exact_masks(tmp_path, monk
     # the micro-batch: pixel values of the rows' images, in the order of their token runs, as the processor gives
     rows = [packed[i] for i in range(len(packed))]
     batch = make_batch(rows, StepTotals(10 ** 6, 10 ** 6, 10 ** 6), "token", images=ImageLoader.of(packed.meta))
-    images = batch["images"]
+    images = batch.images
     grids = np.concatenate([r["image_grid_thw"] for r in rows])
     assert images.image_grid_thw.tolist() == grids.tolist() and len(images) == 8
     order = [merged[int(k)]["meta"]["uid"] for r in rows for k in r["record_index"]]
@@ -309,7 +309,7 @@ def test_example_tokenizes_to_the_processors_ids_with_exact_masks(tmp_path, monk
     import torch
 
     assert torch.equal(images.pixel_values, torch.cat(want))
-    assert int((batch["input_ids"] == IMAGE_PAD).sum()) == int(images.image_grid_thw.prod(-1).sum()) // 4
+    assert int((batch.input_ids == IMAGE_PAD).sum()) == int(images.image_grid_thw.prod(-1).sum()) // 4
     # online packing of tokenized/ carries the images of its rows the same way
     from train.steps.online import open_train_dataset
 
@@ -317,7 +317,7 @@ def test_example_tokenizes_to_the_processors_ids_with_exact_masks(tmp_path, monk
     rows = [online[i] for i in range(len(online))]
     batch = make_batch(rows, StepTotals(10 ** 6, 10 ** 6, 10 ** 6), "token", images=ImageLoader.of(online.meta))
     pads = sum(int((tokenized[i]["input_ids"] == IMAGE_PAD).sum()) for i in range(len(tokenized)))
-    assert len(batch["images"]) == 8 and int((batch["input_ids"] == IMAGE_PAD).sum()) == pads
+    assert len(batch.images) == 8 and int((batch.input_ids == IMAGE_PAD).sum()) == pads
 
 
 @pytest.mark.vision

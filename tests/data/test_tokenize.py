@@ -232,7 +232,7 @@ def test_overlong_policies(qwen):
            "turn_ids": mid.turn_ids, "seq_lens": np.array([mid.input_ids.shape[0]])}
     meta = {"row_n_loss_tokens": np.array([int((mid.labels != IGNORE_INDEX).sum())]),
             "row_n_trained_turns": np.array([1]), "row_n_samples": np.array([1])}
-    assert float(make_batch([row], step_totals(meta, [0]), "turn")["weights"].sum()) == pytest.approx(1.0)
+    assert float(make_batch([row], step_totals(meta, [0]), "turn").weights.sum()) == pytest.approx(1.0)
     right = one("right")
     assert right.input_ids.tolist() == full.input_ids[:limit].tolist() and right.input_ids.shape[0] == limit
     assert np.array_equal(right.turn_ids, full.turn_ids[:limit])

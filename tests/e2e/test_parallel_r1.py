@@ -16,6 +16,8 @@ import sys
 import numpy as np
 import orjson
 import pytest
+
+from data.shards.dataset import Structure
 import torch
 
 from tests._train_helpers import in_project_root
@@ -197,20 +199,20 @@ def _first_step_losses(cfg) -> dict[str, float]:
         plan = trainer.sampler.plan(0)
         assert len(plan.micro_batches) == 1
         rows = [trainer.dataset[r] for r in plan.micro_batches[0].rows]
-        structured = make_batch(rows, plan.totals, cfg.steps.loss_reduction, structure=True)
-        plain = make_batch(rows, plan.totals, cfg.steps.loss_reduction, structure=False)
-        assert not torch.equal(structured["position_ids"], plain["position_ids"])
-        ids = {k: structured[k] for k in ("seq_ids", "block_ids", "path_ids")}
+        structured = make_batch(rows, plan.totals, cfg.steps.loss_reduction, structure=Structure.PARALLEL_THINKING)
+        plain = make_batch(rows, plan.totals, cfg.steps.loss_reduction)
+        assert not torch.equal(structured.position_ids, plain.position_ids)
+        ids = {k: getattr(structured, k) for k in ("seq_ids", "block_ids", "path_ids")}
         variants = {"structured": (structured, ids), "positions_only": (structured, {}),
                     "mask_only": (plain, ids), "plain": (plain, {})}
         losses = {}
         with torch.no_grad():
             for name, (batch, mask_ids) in variants.items():
-                kernels = trainer.plan.train if mask_ids else trainer.plan.packed  # the Parallel-R1 mask, or none
-                attn = AttentionContext(cu_seqlens=batch["cu_seqlens"], max_seqlen=batch["max_seqlen"],
+                kernels = trainer.plan.attention.train if mask_ids else trainer.plan.attention.packed  # the mask, or none
+                attn = AttentionContext(cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen,
                                         kernels=kernels, **mask_ids)
-                weighted, _, _ = trainer.model(batch["input_ids"], batch["position_ids"], batch["targets"],
-                                               batch["weights"], batch["target_categories"], attn)
+                weighted, _, _ = trainer.model(batch.input_ids, batch.position_ids, batch.targets,
+                                               batch.weights, batch.target_categories, attn)
                 losses[name] = float(weighted)
     finally:
         trainer.metrics.close()

@@ -195,25 +195,26 @@ def _trainer(tmp, name, data_cfg, console=lambda *_: None, **values):
     return Trainer(load_config(cfg), console=console)
 
 
-def _all_rows_batch(trainer, reduction: str) -> dict:
+def _all_rows_batch(trainer, reduction: str):
     from train.steps.batch import make_batch, step_totals
 
     rows = list(range(len(trainer.dataset)))
     return make_batch([trainer.dataset[r] for r in rows], step_totals(trainer.dataset, rows), reduction,
-                      structure=trainer.structure)
+                      structure=trainer.plan.data.structure)
 
 
-def _weighted_targets(batch: dict) -> list[tuple]:
+def _weighted_targets(batch) -> list[tuple]:
     """Sorted (context tokens, target, category, weight) of every trained target of a micro-batch: the context is
     the token path that predicts the target (a tree token's ancestors and itself, else its sequence's prefix)."""
     from data.shards.prefix_tree import tree_parents
 
-    ids = batch["input_ids"][0].numpy()
-    cu = batch["cu_seqlens"].numpy()
-    targets, weights, cats = batch["targets"].numpy(), batch["weights"].numpy(), batch["target_categories"].numpy()
+    ids = batch.input_ids[0].numpy()
+    cu = batch.cu_seqlens.numpy()
+    targets, weights, cats = batch.targets.numpy(), batch.weights.numpy(), batch.target_categories.numpy()
     out = []
     for lo, hi in zip(cu[:-1], cu[1:]):
-        parent = tree_parents(batch["tree_spans"][lo:hi].numpy()) if "tree_spans" in batch else np.arange(-1, hi - lo - 1)
+        parent = (tree_parents(batch.tree_spans[lo:hi].numpy()) if batch.tree_spans is not None
+                  else np.arange(-1, hi - lo - 1))
         for t in np.flatnonzero(targets[lo:hi] != IGNORE):
             chain, x = [], int(t)
             while x >= 0:
@@ -225,10 +226,15 @@ def _weighted_targets(batch: dict) -> list[tuple]:
 
 
 def _tree_loss_under_plain_mask(trainer) -> float:
+    from train.attention.function import AttentionContext
+
     batch = _all_rows_batch(trainer, "token")
-    del batch["tree_spans"]  # tree positions, but every token sees every earlier token of its sequence
+    # tree positions, but every token sees every earlier token of its sequence: the structured kernel without spans
+    attn = AttentionContext.for_micro_batch(batch.cu_seqlens, trainer.device, trainer.plan.attention.train,
+                                            seq_ids=batch.seq_ids, block_ids=batch.block_ids, path_ids=batch.path_ids)
     with torch.no_grad():
-        return float(trainer.forward_micro_batch(batch)[0])
+        return float(trainer.model(batch.input_ids, batch.position_ids, batch.targets, batch.weights,
+                                   batch.target_categories, attn)[0])
 
 
 def _unpacked_reference(trainer, data_cfg) -> tuple[float, dict[int, float]]:

@@ -219,7 +219,7 @@ def test_the_cycle_finder_finds_cycles():
 
 # train/'s wings (docs/ARCHITECTURE.md, "The train/ house"): every module but the few entry points and shared leaves
 # at the top lives in one of these folders
-TRAIN_WINGS = ("config", "plan", "model", "model/patches", "attention", "engines", "steps")
+TRAIN_WINGS = ("config", "plan", "model", "model/patches", "attention", "engines", "steps", "run")
 TRAIN_TOP_FILES_AT_MOST = 12
 
 
@@ -259,30 +259,83 @@ def test_train_wings_import_one_way():
     assert wing_of("train.model.patches.rope") == "model" and wing_of("train.trainer") == "train.trainer"
 
 
-def test_the_trainer_runs_the_loop_and_decides_no_start_up():
-    """train/trainer.py takes the start-up decisions made elsewhere (the memory plan, the attention plan, the
-    engine's setup): no `_choose_*` / `_check_*` method, no model shape or memory-plan module, nothing assigned into
-    the config, no branch on the engine, at most 700 lines."""
+def _string_constants(tree: ast.AST) -> set[str]:
+    return {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+
+
+def _assigned_into_config(tree: ast.AST, file: str) -> list[str]:
+    """`cfg.x = ...`, `self.cfg.x.y = ...`, `run.cfg.x[k] = ...`: a value written into the config."""
+    def into_config(target: ast.AST) -> bool:
+        while isinstance(target, (ast.Attribute, ast.Subscript)):
+            target = target.value
+            if isinstance(target, ast.Name) and target.id == "cfg" or isinstance(target, ast.Attribute) and \
+                    target.attr == "cfg":
+                return True
+        return False
+
+    return [f"{file}:{node.lineno}" for node in ast.walk(tree)
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            for t in (target.elts if isinstance(target, ast.Tuple) else [target]) if into_config(t)]
+
+
+def test_the_trainer_is_the_loop():
+    """train/trainer.py keeps steps, evaluation and the loop: no start-up choice (no `auto` value read, no
+    `_choose_*` / `_check_*`), no question to the engine of which it is (`engine.name`, `getattr(engine, ...)`), no
+    import of the config or the model's patches, nothing written into the config, at most 400 lines."""
     path = ROOT / "train" / "trainer.py"
     source = path.read_text()
     tree = ast.parse(source)
     methods = [node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
     assert [name for name in methods if name.startswith(("_choose_", "_check_"))] == []
-    assert "ModelShape" not in source and "plan.memory" not in source and "memory_plan" not in source
-    assert "uses_deepspeed" not in source and "uses_fsdp2" not in source
+    assert "auto" not in _string_constants(tree)
+    assert "engine.name" not in source and "getattr(self.engine" not in source
+    assert [module for _, module, _ in imports_in(source, "train")
+            if module.startswith(("train.config", "train.model.patches", "train.plan"))] == []
+    assert _assigned_into_config(tree, "trainer.py") == []
+    assert len(source.splitlines()) <= 400
 
-    def into_config(target: ast.AST) -> bool:  # cfg.x = ..., self.cfg.x.y = ..., cfg.x[k] = ...
-        while isinstance(target, (ast.Attribute, ast.Subscript)):
-            target = target.value
-            if isinstance(target, ast.Name) and target.id == "cfg":
-                return True
-            if isinstance(target, ast.Attribute) and target.attr == "cfg":
-                return True
-        return False
 
-    assigned = [f"trainer.py:{node.lineno}" for node in ast.walk(tree)
-                if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
-                for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
-                for t in (target.elts if isinstance(target, ast.Tuple) else [target]) if into_config(t)]
-    assert assigned == []
-    assert len(source.splitlines()) <= 700
+def test_the_run_is_built_without_deciding():
+    """train/run/ builds the run and holds its checkpoints and export: it compares no config value with `auto`,
+    writes nothing into the config, and asks no engine its name to branch on (engines answer facts: which state
+    they regroup, which parameters are experts)."""
+    for path in sorted((ROOT / "train" / "run").glob("*.py")):
+        source = path.read_text()
+        tree = ast.parse(source)
+        assert "auto" not in _string_constants(tree), path
+        assert _assigned_into_config(tree, path.name) == []
+        compared = [node for node in ast.walk(tree) if isinstance(node, ast.Compare)
+                    and any(isinstance(side, ast.Attribute) and side.attr == "name"
+                            for side in [node.left, *node.comparators])]
+        assert compared == [], f"{path.name}:{compared[0].lineno}: a branch on a name"
+
+
+def test_the_structure_of_the_data_is_read_in_one_place():
+    """Whether the data is Parallel-R1's or stepwise trees is `data.shards.dataset.structure_of` (from meta.json's
+    token fields): no other module asks whether a field name is present."""
+    found = []
+    for path in sorted(p for package in PACKAGES for p in (ROOT / package).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops) and \
+                    isinstance(node.left, ast.Constant) and node.left.value in ("tree_spans", "block_ids", "path_ids"):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert found == []
+
+
+def test_names_of_the_contract_are_defined_once():
+    """A public name of common/ or data/shards/ is defined nowhere else (no wrapper shadows the contract's name: a
+    reader never wonders which `read_meta` runs), and the checkpoint's and the pipeline's clean-ups have their own
+    names."""
+    def public(path: Path) -> set[str]:
+        return {node.name for node in ast.parse(path.read_text()).body
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_")}
+
+    contract_files = [*(ROOT / "common").rglob("*.py"), *(ROOT / "data" / "shards").rglob("*.py")]
+    contract = {name: path for path in contract_files for name in public(path)}
+    others = [p for package in PACKAGES for p in (ROOT / package).rglob("*.py") if p not in contract_files]
+    shadowed = [f"{path.relative_to(ROOT)}: {name} (of {contract[name].relative_to(ROOT)})"
+                for path in others for name in sorted(public(path) & set(contract))]
+    assert shadowed == []
+    defined = [name for p in [*contract_files, *others] for name in public(p)]
+    assert all(defined.count(name) <= 1 for name in ("read_meta", "tokenizer_hash", "remove_stale_temporaries"))

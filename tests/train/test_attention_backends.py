@@ -135,7 +135,7 @@ def test_trainer_through_a_simulated_cuda_kernel_equals_sdpa(tmp_path, monkeypat
     calls = []
     monkeypatch.setitem(KERNELS, kernel, _stand_in(kernel, calls))
     trainer, got, grads = _one_step(tmp_path, backend, rows, attn_backend="auto" if backend == "flash_varlen" else backend)
-    assert trainer.plan.train.for_layer(NO_FEATURES).name == backend  # auto picks flash_varlen first when it can run
+    assert trainer.plan.attention.train.for_layer(NO_FEATURES).name == backend  # auto picks flash_varlen first when it can run
     n_layers = trainer.lm.config.num_hidden_layers
     assert len(calls) == 2 * n_layers  # one call per layer per micro-batch (2 micro-batches)
     (q_shape, k_shape, cu), lengths = calls[0], [sum(len(s["input_ids"]) for s in r) for r in rows]
@@ -262,6 +262,6 @@ def test_backend_losses_equal_sdpa_on_gpu(tmp_path, example_packed, backend):
                            output_dir=str(tmp_path / f"out_{name}"), lr=1e-3, bf16=True, plot=False, max_steps=4,
                            attn_backend=name)
         trainer = Trainer(load_config(cfg), console=lambda *_: None)
-        assert trainer.plan.train.for_layer(NO_FEATURES).name == name
+        assert trainer.plan.attention.train.for_layer(NO_FEATURES).name == name
         losses[name] = [trainer.train_step(trainer.sampler.plan(s))["loss"] for s in range(4)]
     np.testing.assert_allclose(losses[backend], losses["sdpa"], rtol=2e-2)

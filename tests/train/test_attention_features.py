@@ -23,6 +23,7 @@ from train.attention.sequence_parallel import SP_BACKENDS, shard_batch
 from train.attention.structured import structure_feature_problems
 from train.attention.varlen_kernels import NO_FEATURES, AttentionFeatures, visible_keys
 from train.row import Row
+from data.shards.dataset import Structure
 
 LENGTHS = (7, 11, 5, 9)
 RTOL = 1e-5
@@ -345,7 +346,7 @@ def test_named_backend_refuses_naming_the_feature(only_feature_reasons, name, fe
         choose_backend(name, _query(), features)
 
 
-def _plan(lm, sp_backend="auto", ulysses_size=None, sp_size=None, structure=False):
+def _plan(lm, sp_backend="auto", ulysses_size=None, sp_size=None, structure=Structure.NONE):
     """The attention plan of `lm` on CPU fp32, without sequence parallelism when `sp_size` is None (no process
     group: the SP kernels are only chosen here, not run)."""
     layout = None if sp_size is None else SPLayout(sp_size, ulysses_size or 1, "set by the test")
@@ -498,7 +499,7 @@ def test_structure_mode_refuses_features():
     assert "attention dropout 0.1" in problem
     assert structure_feature_problems(AttentionFeatures(dropout=0.1), sequence_parallel=True) == []
     with pytest.raises(RuntimeError, match="Parallel-R1.*attention sinks"):  # the plan asks, at start
-        _plan(tiny_model("gpt_oss"), structure=True)
+        _plan(tiny_model("gpt_oss"), structure=Structure.PARALLEL_THINKING)
     assert _plan(tiny_model("gpt_oss").eval(), "torch", sp_size=2).train.by_kind  # no structure: planned
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from train.steps.batch import IGNORE_INDEX, StepTotals, make_batch, shift_targets, step_totals
+from data.shards.dataset import Structure
 
 REDUCTIONS = ("token", "turn", "sample")
 
@@ -96,16 +97,16 @@ def test_targets_positions_and_boundaries():
     }
     b = make_batch([row], StepTotals(6, 4, 3), "token")
     # labels[1:], with -100 at the last token of every sequence
-    assert b["targets"].tolist() == [5, 6, -100, 8, -100, 10, 11, 12, -100]
-    assert b["target_categories"].tolist() == [1, 1, 0, 2, 0, 3, 3, 4, 0]
-    assert b["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
-    assert b["cu_seqlens"].dtype == torch.int32 and b["cu_seqlens"].tolist() == [0, 3, 5, 9]
-    assert b["max_seqlen"] == 4
-    assert b["seq_ids"].tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 2]
-    assert b["input_ids"].shape == (1, 9) and b["input_ids"].dtype == torch.int64
-    assert b["weights"].dtype == torch.float32
-    assert torch.equal(b["weights"] > 0, b["targets"] != IGNORE_INDEX)
-    assert (b["n_loss_tokens"], b["n_trained_turns"], b["n_samples"]) == (6, 4, 3)
+    assert b.targets.tolist() == [5, 6, -100, 8, -100, 10, 11, 12, -100]
+    assert b.target_categories.tolist() == [1, 1, 0, 2, 0, 3, 3, 4, 0]
+    assert b.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+    assert b.cu_seqlens.dtype == torch.int32 and b.cu_seqlens.tolist() == [0, 3, 5, 9]
+    assert b.max_seqlen == 4
+    assert b.seq_ids.tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 2]
+    assert b.input_ids.shape == (1, 9) and b.input_ids.dtype == torch.int64
+    assert b.weights.dtype == torch.float32
+    assert torch.equal(b.weights > 0, b.targets != IGNORE_INDEX)
+    assert (b.n_loss_tokens, b.n_trained_turns, b.n_samples) == (6, 4, 3)
     assert shift_targets(np.array([1, 2, 3]), np.array([0, 1])).tolist() == [-100, 3, -100]
 
 
@@ -124,11 +125,11 @@ def test_step_weights_exact_under_any_split(step_rows, reduction, split):
         token_ce = np.concatenate([ce_of[(r, s)] for r in mb for s in range(len(step_rows[r]))])
         target_ce = np.zeros_like(token_ce)
         target_ce[:-1] = token_ce[1:]
-        w = b["weights"].double().numpy()
-        assert np.all(np.isfinite(w)) and np.all(w[b["targets"].numpy() == IGNORE_INDEX] == 0)
+        w = b.weights.double().numpy()
+        assert np.all(np.isfinite(w)) and np.all(w[b.targets.numpy() == IGNORE_INDEX] == 0)
         weight_sum += w.sum()
         step_loss += (w * target_ce).sum()
-        counts += [b["n_loss_tokens"], b["n_trained_turns"], b["n_samples"]]
+        counts += [b.n_loss_tokens, b.n_trained_turns, b.n_samples]
     samples = []
     for r, row in enumerate(step_rows):
         for s, seq in enumerate(row):
@@ -144,9 +145,9 @@ def test_step_weights_exact_under_any_split(step_rows, reduction, split):
 def test_micro_batch_without_loss_tokens_has_zero_weights(step_rows, reduction):
     totals = step_totals(RowsMeta(step_rows), [0, 1, 2, 3])
     b = make_batch([row_of(step_rows[2])], totals, reduction)
-    assert b["n_loss_tokens"] == 0
-    assert torch.count_nonzero(b["weights"]) == 0 and torch.isfinite(b["weights"]).all()
-    assert (b["targets"] == IGNORE_INDEX).all()
+    assert b.n_loss_tokens == 0
+    assert torch.count_nonzero(b.weights) == 0 and torch.isfinite(b.weights).all()
+    assert (b.targets == IGNORE_INDEX).all()
 
 
 def test_turns_of_different_sequences_never_merge():
@@ -154,7 +155,7 @@ def test_turns_of_different_sequences_never_merge():
     a = conversation([(1, False, 0), (2, True, 0)], rng)  # turn 1: 2 tokens
     b = conversation([(1, False, 0), (6, True, 0)], rng)  # also turn id 1: 6 tokens
     batch = make_batch([row_of([a, b])], StepTotals(8, 2, 2), "turn")
-    w = batch["weights"].numpy()
+    w = batch.weights.numpy()
     assert np.allclose(w[w > 0], [1 / 4] * 2 + [1 / 12] * 6)
 
 
@@ -178,7 +179,7 @@ def test_turn_reduction_rejects_loss_tokens_outside_turns():
     seq["turn_ids"][:] = 0
     with pytest.raises(ValueError, match="turn"):
         make_batch([row_of([seq])], StepTotals(3, 1, 1), "turn")
-    assert make_batch([row_of([seq])], StepTotals(3, 1, 1), "token")["n_loss_tokens"] == 3
+    assert make_batch([row_of([seq])], StepTotals(3, 1, 1), "token").n_loss_tokens == 3
 
 
 def test_structure_mode_positions_per_sequence(monkeypatch):
@@ -194,10 +195,10 @@ def test_structure_mode_positions_per_sequence(monkeypatch):
     row = row_of(seqs)
     row["block_ids"] = np.array([0, 1, 1, 0, 2], dtype=np.int16)
     row["path_ids"] = np.array([0, 0, 1, 0, 1], dtype=np.int16)
-    b = make_batch([row], StepTotals(3, 2, 2), "sample", structure=True)
+    b = make_batch([row], StepTotals(3, 2, 2), "sample", structure=Structure.PARALLEL_THINKING)
     assert calls == [([0, 1, 1], [0, 0, 1]), ([0, 2], [0, 1])]
-    assert b["position_ids"].tolist() == [[0, 10, 11, 0, 21]]
-    assert b["block_ids"].tolist() == [0, 1, 1, 0, 2] and b["path_ids"].tolist() == [0, 0, 1, 0, 1]
+    assert b.position_ids.tolist() == [[0, 10, 11, 0, 21]]
+    assert b.block_ids.tolist() == [0, 1, 1, 0, 2] and b.path_ids.tolist() == [0, 0, 1, 0, 1]
 
 
 def test_with_packed_dataset(tmp_path, step_rows):
@@ -210,5 +211,5 @@ def test_with_packed_dataset(tmp_path, step_rows):
     ds = shards.PackedDataset(tmp_path / "packed")
     for reduction in REDUCTIONS:
         totals = step_totals(ds, range(len(ds)))
-        total = sum(float(make_batch([ds[i]], totals, reduction)["weights"].double().sum()) for i in range(len(ds)))
+        total = sum(float(make_batch([ds[i]], totals, reduction).weights.double().sum()) for i in range(len(ds)))
         assert total == pytest.approx(1.0, rel=1e-6)

@@ -57,3 +57,15 @@ def test_verify_data_full_stops_before_training_and_off_reads_anyway(tmp_path, m
 def test_verify_data_value_is_checked(tmp_path, model):
     with pytest.raises(ConfigError, match=r"verify_data: 'yes' is not one of \['full', 'rows', 'off'\]"):
         load_config(_config(tmp_path, tmp_path, model), ["verify_data=yes"])
+
+
+def test_a_corrupt_row_mid_run_ends_the_command_with_one_line(tmp_path, model, capsys):
+    """`python -m train` (its entry point, in-process): the ShardFormatError raised at step 2 is the error base's
+    one `data error:` line and exit status 1, no traceback."""
+    from train.__main__ import main
+
+    config = _config(tmp_path, _corrupt_copy(tmp_path, "labels"), model)
+    assert main([str(config)]) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "Traceback" in line or line.startswith("data error:")]
+    assert len(lines) == 1 and lines[0].startswith("data error: ") and "row 3" in lines[0], err

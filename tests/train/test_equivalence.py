@@ -80,9 +80,9 @@ def test_packed_row_equals_samples_alone(reduction, tie, chunk):
 
     packed_lm = tiny_model(tie=tie)
     model = PackedCausalLM(packed_lm, chunk_size=chunk, num_categories=3)
-    attn = AttentionContext(batch["cu_seqlens"], batch["max_seqlen"], SDPA_KERNELS)
-    loss, _, _ = model(batch["input_ids"], batch["position_ids"], batch["targets"], batch["weights"],
-                       batch["target_categories"], attn)
+    attn = AttentionContext(batch.cu_seqlens, batch.max_seqlen, SDPA_KERNELS)
+    loss, _, _ = model(batch.input_ids, batch.position_ids, batch.targets, batch.weights,
+                       batch.target_categories, attn)
     loss.backward()
 
     ref_lm = tiny_model(tie=tie)

@@ -140,7 +140,7 @@ def gradient_errors(grads: dict, reference: dict) -> tuple[float, float, str]:
 
 
 def assert_step_matches_reference(trainer, record, grads, weights, row, what: str) -> None:
-    loss, reference = _unpacked_reference(trainer.checked.model_config, weights, row)
+    loss, reference = _unpacked_reference(trainer.run.checked.model_config, weights, row)
     assert sorted(grads) == sorted(reference), f"{what}: {sorted(set(grads) ^ set(reference))}"
     together, worst_error, worst = gradient_errors(grads, reference)
     assert abs(record["loss"] - loss) <= LOSS_BAR * abs(loss), f"{what}: loss {record['loss']!r} vs unpacked {loss!r}"
@@ -232,5 +232,5 @@ def test_latent_attention_through_a_kernel_of_one_head_size(model_type, packed_r
     data, row = packed_row
     trainer, record, grads, weights = run_one_step(model_type, data, tmp_path, config=config,
                                                    attn_backend="flash_varlen")
-    assert trainer.plan.train.every.name == "flash_varlen" and set(calls) == {24}
+    assert trainer.plan.attention.train.every.name == "flash_varlen" and set(calls) == {24}
     assert_step_matches_reference(trainer, record, grads, weights, row, f"{model_type} through flash_varlen")

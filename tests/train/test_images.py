@@ -6,6 +6,8 @@ two gloo processes), and the families without an exact image path are refused be
 Run in .venv-vision (the processor imports torchvision): `.venv-vision/bin/python -m pytest -m vision ...`."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -50,7 +52,7 @@ def test_positions_are_the_composites_own_per_record(recs):
     batch = vi.micro_batch(recs[:3], 1)
     row = model.row_images(batch)
     body = model.lm.model
-    cu = batch["cu_seqlens"].tolist()
+    cu = batch.cu_seqlens.tolist()
     for r, (a, b) in zip(recs[:3], zip(cu[:-1], cu[1:])):
         want, _ = body.get_rope_index(r["input_ids"][None], mm_token_type_ids=r["mm_token_type_ids"][None],
                                       image_grid_thw=r["image_grid_thw"])
@@ -63,8 +65,8 @@ def test_positions_are_the_composites_own_per_record(recs):
 def test_mismatched_images_are_an_error(recs):
     model = vi.tiny_vl_model()
     batch = vi.micro_batch(recs[:2], 1)
-    batch["images"].image_grid_thw = batch["images"].image_grid_thw[:-1]  # one image fewer than its tokens
-    batch["images"].pixel_values = batch["images"].pixel_values[:-int(recs[1]["image_grid_thw"].prod())]
+    batch.images.image_grid_thw = batch.images.image_grid_thw[:-1]  # one image fewer than its tokens
+    batch.images.pixel_values = batch.images.pixel_values[:-int(recs[1]["image_grid_thw"].prod())]
     with pytest.raises(ValueError, match=r"image-token runs have \[10, 10, 12\] tokens, the 2 images"):
         model.row_images(batch)
 
@@ -76,7 +78,7 @@ def test_micro_batch_without_images_runs_the_tower_on_a_blank_image(recs):
     text = {k: v for k, v in recs[0].items()}
     text["input_ids"] = text["input_ids"].masked_fill(text["input_ids"] == vi.IMAGE_TOKEN, 7)
     batch = vi.micro_batch([text], 100)
-    batch["images"] = None
+    batch = dataclasses.replace(batch, images=None)
     loss, grads = vi.packed_step(model, [batch])
     towers = {n: g for n, g in grads.items() if ".visual." in n}
     assert towers and all(float(g.abs().max()) == 0.0 for g in towers.values())

@@ -331,7 +331,7 @@ def test_trainer_with_both_options_trains_the_same_steps(tmp_path, tile_calls):
     both = Trainer(_config(tmp_path, "both", tiled_mlp=True, tiled_mlp_tile=4, activation_offload=True),
                    console=lambda *_: None)
     both._console_write = lines.append
-    assert both.memory.checkpointing  # auto turned on by activation_offload
+    assert both.plan.memory.checkpointing  # auto turned on by activation_offload
     records = both.train()
     assert tile_calls and min(tile_calls) > 1
     for got, ref in zip(records, plain, strict=True):
@@ -437,7 +437,7 @@ def test_the_host_bounds_offload_in_the_plan():
 
 def test_the_memory_plan_refuses_an_offload_the_host_cannot_hold(tmp_path, monkeypatch):
     """Checked before any weight loads, on a GPU only (CUDA faked: the device type and the host query are used)."""
-    import train.plan.startup as startup
+    import train.plan.memory_plan as startup
     from train.preflight import preflight
 
     cfg = _config(tmp_path, "offload", activation_offload=True)
@@ -448,7 +448,7 @@ def test_the_memory_plan_refuses_an_offload_the_host_cannot_hold(tmp_path, monke
     monkeypatch.setattr(startup, "available_host_bytes", lambda: int(need / 0.9) - 1)
 
     def plan(device):
-        return startup.plan_memory(cfg, model_config, 1, 4096 // 2, False, device=torch.device(device))
+        return startup.plan_memory(cfg, model_config, 1, 1, 4096 // 2, False, device=torch.device(device))
 
     plan("cpu")  # on a CPU device the offload keeps its tensors: nothing to check
     monkeypatch.setattr(startup, "_choose_checkpointing", lambda *args: (True, None, "on"))  # no GPU to query
@@ -484,11 +484,12 @@ def test_sp_auto_is_the_smallest_degree_of_the_world_that_fits():
         choose_sp_degree(QWEN_15B, row, 6, 80 * GB, state, options)
 
 
-def test_sp_auto_in_the_memory_plan(tmp_path, monkeypatch):
-    """The plan sizes the data's rows against the least free GPU memory: with just enough for half a row it picks 2
-    (CUDA faked: only the memory query is used); on CPU it keeps 1 and says why; the config it was given stays
-    `auto`, the plan's config holds the degree."""
-    import train.plan.startup as startup
+def test_sp_auto_in_the_layout(tmp_path, monkeypatch):
+    """The layout sizes the data's rows against the least free GPU memory (the memory plan's estimate): with just
+    enough for half a row it picks 2 (CUDA faked: only the memory query is used); on CPU it keeps 1 and says why; the
+    config it was given stays `auto`."""
+    import train.plan.memory_plan as memory_plan
+    from train.plan.layout import plan_layout
     from train.preflight import preflight
 
     row = 4096
@@ -497,25 +498,25 @@ def test_sp_auto_in_the_memory_plan(tmp_path, monkeypatch):
     cfg = _config(tmp_path, "auto", sequence_parallel_size="auto", launch={"num_processes": 2})
     cfg.validate(world_size=3)  # auto: no divisibility rule before the degree is chosen
     model_config = preflight(cfg, 2).model_config
-    cpu = torch.device("cpu")
-    plan = startup.plan_memory(cfg, model_config, 2, row, False, device=cpu)
-    assert (plan.sp_degree, plan.sp_reason) == (1, "auto: no CUDA device to size the rows against")
-    assert cfg.parallel.sequence_parallel_size == "auto" and plan.config.parallel.sequence_parallel_size == 1
+    layout = plan_layout(cfg, model_config, 2, row, False)
+    assert (layout.sp, layout.sp_reason) == (1, "auto: no CUDA device to size the rows against")
+    assert cfg.parallel.sequence_parallel_size == "auto"
 
     shape = ModelShape.from_hf_config(model_config)
-    state = startup._model_state_bytes(cfg, shape, 2, False)
+    state = memory_plan._model_state_bytes(cfg, shape, 2, False)
     options = LongRowOptions(checkpointing=True)
     needed = state + activation_bytes(shape, row // 2, 4, True, cfg.steps.loss_chunk_size)
     free = int(needed / 0.9) + 1  # the plan keeps 10% headroom
     assert not row_fits(shape, row, free, state, options, act_bytes=4, loss_chunk=cfg.steps.loss_chunk_size)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
-    monkeypatch.setattr(startup.dist, "is_initialized", lambda: False)  # one rank's memory (a group of earlier tests)
-    plan = startup.plan_memory(cfg, model_config, 2, row, False, device=cpu)
-    assert plan.sp_degree == 2 and plan.sp_reason.startswith("auto: 4,096-token micro-batches, 2,048 tokens per rank fit")
+    monkeypatch.setattr(memory_plan.dist, "is_initialized", lambda: False)  # one rank's memory (a group of earlier tests)
+    layout = plan_layout(cfg, model_config, 2, row, False)
+    assert layout.sp == 2 and layout.sp_reason.startswith("auto: 4,096-token micro-batches, 2,048 tokens per rank fit")
+    assert layout.dp == 1 and cfg.parallel.sequence_parallel_size == "auto"
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (state, 2 * state))
     with pytest.raises(ConfigError, match="sequence_parallel_size: auto: a 4,096-token row does not fit"):
-        startup.plan_memory(cfg, model_config, 2, row, False, device=cpu)
+        plan_layout(cfg, model_config, 2, row, False)
 
 
 def test_sp_auto_trains_and_says_so(tmp_path):
@@ -526,7 +527,8 @@ def test_sp_auto_trains_and_says_so(tmp_path):
                       console=lambda *_: None)
     trainer._console_write = lines.append
     trainer.train()
-    assert trainer.mesh.sp_size == 1 and trainer.cfg.parallel.sequence_parallel_size == 1
+    assert trainer.mesh.sp_size == 1 and trainer.plan.layout.sp == 1
+    assert trainer.cfg.parallel.sequence_parallel_size == "auto"  # the config as written: the choice is the plan's
     assert "sp 1 [auto: no CUDA device to size the rows against]" in next(l for l in lines if l.startswith("training"))
     with pytest.raises(ConfigError, match="sp_ulysses_size=2 needs a fixed sequence_parallel_size"):
         _config(tmp_path, "auto_u", sequence_parallel_size="auto", sp_ulysses_size=2).validate()

@@ -56,7 +56,7 @@ def packed_micro_batch(reduction, seed=0):
 
 def random_inputs(batch, dtype=torch.float32, bias=False, seed=0):
     g = torch.Generator().manual_seed(seed)
-    n = batch["targets"].shape[0]
+    n = batch.targets.shape[0]
     hidden = torch.randn(n, HIDDEN, generator=g, dtype=dtype).requires_grad_()
     weight = (torch.randn(VOCAB, HIDDEN, generator=g) * 0.3).to(dtype).requires_grad_()
     b = (torch.randn(VOCAB, generator=g) * 0.1).to(dtype).requires_grad_() if bias else None
@@ -67,7 +67,7 @@ def run(batch, hidden, weight, bias, chunk_size, **options):
     for t in (hidden, weight, bias):
         if t is not None:
             t.grad = None
-    out = weighted_lm_loss(hidden, weight, batch["targets"], batch["weights"], batch["target_categories"], N_CAT,
+    out = weighted_lm_loss(hidden, weight, batch.targets, batch.weights, batch.target_categories, N_CAT,
                            chunk_size, lm_head_bias=bias, **options)
     out[0].backward()
     grads = [None if t is None else t.grad.clone() for t in (hidden, weight, bias)]
@@ -79,7 +79,7 @@ def run(batch, hidden, weight, bias, chunk_size, **options):
 @pytest.mark.parametrize("bias", [False, True])
 def test_chunked_equals_unchunked(reduction, chunk_size, bias):
     batch = packed_micro_batch(reduction)
-    assert batch["n_loss_tokens"] == 20
+    assert batch.n_loss_tokens == 20
     hidden, weight, b = random_inputs(batch, bias=bias)
     (ref_sum, ref_cat, ref_cnt), ref_grads = run(batch, hidden, weight, b, None)
     (got_sum, got_cat, got_cnt), got_grads = run(batch, hidden, weight, b, chunk_size)
@@ -89,7 +89,7 @@ def test_chunked_equals_unchunked(reduction, chunk_size, bias):
         if ref is not None:
             assert rel_err(got, ref) < 1e-5
     # grads at positions without a target are exactly zero
-    assert torch.count_nonzero(got_grads[0][batch["targets"] == IGNORE_INDEX]) == 0
+    assert torch.count_nonzero(got_grads[0][batch.targets == IGNORE_INDEX]) == 0
 
 
 HEADS = {"plain": LMHead(), "scale": LMHead(scale=0.37), "softcap": LMHead(softcap=3.0),
@@ -165,13 +165,13 @@ def test_reference_matches_definition():
     """The unchunked path itself: sum_t w_t * (logsumexp(logits_t) - logits_t[target_t]), per-category sums."""
     batch = packed_micro_batch("turn")
     hidden, weight, _ = random_inputs(batch)
-    out = weighted_lm_loss(hidden, weight, batch["targets"], batch["weights"], batch["target_categories"], N_CAT, 0)
+    out = weighted_lm_loss(hidden, weight, batch.targets, batch.weights, batch.target_categories, N_CAT, 0)
     logits = (hidden @ weight.t()).double()
-    valid = batch["targets"] != IGNORE_INDEX
-    t = batch["targets"][valid]
+    valid = batch.targets != IGNORE_INDEX
+    t = batch.targets[valid]
     ce = (torch.logsumexp(logits[valid], -1) - logits[valid].gather(1, t[:, None]).squeeze(1)).detach()
-    assert out[0].detach().item() == pytest.approx(float((ce * batch["weights"][valid].double()).sum()), rel=1e-6)
-    cats = batch["target_categories"][valid]
+    assert out[0].detach().item() == pytest.approx(float((ce * batch.weights[valid].double()).sum()), rel=1e-6)
+    cats = batch.target_categories[valid]
     for c in range(N_CAT):
         assert out[1][c].item() == pytest.approx(float(ce[cats == c].sum()), rel=1e-6, abs=1e-9)
         assert out[2][c].item() == int((cats == c).sum())
@@ -181,10 +181,10 @@ def test_reference_matches_definition():
 @pytest.mark.parametrize("chunk_size", [None, 4])
 def test_no_loss_tokens_gives_exact_zeros(chunk_size):
     batch = packed_micro_batch("sample")
-    targets = torch.full_like(batch["targets"], IGNORE_INDEX)
-    weights = torch.zeros_like(batch["weights"])
+    targets = torch.full_like(batch.targets, IGNORE_INDEX)
+    weights = torch.zeros_like(batch.weights)
     hidden, weight, _ = random_inputs(batch)
-    s, cat, cnt = weighted_lm_loss(hidden, weight, targets, weights, batch["target_categories"], N_CAT, chunk_size)
+    s, cat, cnt = weighted_lm_loss(hidden, weight, targets, weights, batch.target_categories, N_CAT, chunk_size)
     s.backward()
     assert s.item() == 0.0 and torch.count_nonzero(cat) == 0 and torch.count_nonzero(cnt) == 0
     for g in (hidden.grad, weight.grad):
@@ -197,10 +197,10 @@ def test_backward_scales_with_the_incoming_gradient():
     hidden, weight, _ = random_inputs(batch)
     _, ref_grads = run(batch, hidden, weight, None, 6)
     hidden.grad = weight.grad = None
-    s, _, _ = weighted_lm_loss(hidden, weight, batch["targets"], batch["weights"], batch["target_categories"], N_CAT, 6)
+    s, _, _ = weighted_lm_loss(hidden, weight, batch.targets, batch.weights, batch.target_categories, N_CAT, 6)
     (s * 3.0).backward()
     assert rel_err(hidden.grad, 3 * ref_grads[0]) < 1e-6 and rel_err(weight.grad, 3 * ref_grads[1]) < 1e-6
-    s, _, _ = weighted_lm_loss(hidden, weight, batch["targets"], batch["weights"], batch["target_categories"], N_CAT, 6)
+    s, _, _ = weighted_lm_loss(hidden, weight, batch.targets, batch.weights, batch.target_categories, N_CAT, 6)
     s.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="inplace"):  # saved gradients were scaled in place: no silent reuse
         s.backward()
@@ -220,7 +220,7 @@ def test_frozen_head_saves_no_weight_gradient():
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            s, _, _ = weighted_lm_loss(h, w, batch["targets"], batch["weights"], batch["target_categories"], N_CAT, 6,
+            s, _, _ = weighted_lm_loss(h, w, batch.targets, batch.weights, batch.target_categories, N_CAT, 6,
                                        lm_head_bias=b)
         return s
 
@@ -238,10 +238,10 @@ def test_no_grad_mode_computes_values_only():
     batch = packed_micro_batch("token")
     hidden, weight, _ = random_inputs(batch)
     with torch.no_grad():
-        s, cat, _ = weighted_lm_loss(hidden, weight, batch["targets"], batch["weights"], batch["target_categories"],
+        s, cat, _ = weighted_lm_loss(hidden, weight, batch.targets, batch.weights, batch.target_categories,
                                      N_CAT, 3)
-        ref, ref_cat, _ = weighted_lm_loss(hidden, weight, batch["targets"], batch["weights"],
-                                           batch["target_categories"], N_CAT, None)
+        ref, ref_cat, _ = weighted_lm_loss(hidden, weight, batch.targets, batch.weights,
+                                           batch.target_categories, N_CAT, None)
     assert not s.requires_grad and rel_err(s, ref) < 1e-6 and rel_err(cat, ref_cat) < 1e-6
 
 
@@ -277,7 +277,7 @@ def test_autocast_runs_matmuls_in_autocast_dtype():
 def test_bad_inputs_are_clear_errors():
     batch = packed_micro_batch("token")
     hidden, weight, _ = random_inputs(batch)
-    t, w, c = batch["targets"], batch["weights"], batch["target_categories"]
+    t, w, c = batch.targets, batch.weights, batch.target_categories
     with pytest.raises(ValueError, match="category"):
         weighted_lm_loss(hidden, weight, t, w, c, 2, 4)
     with pytest.raises(ValueError, match="targets must lie"):
@@ -305,10 +305,10 @@ def models():
 def model_step(model, batch, chunk_size, seq):
     """Loss of one unpacked sequence `seq` (slice of the batch) from the model's hidden states, then backward."""
     model.zero_grad(set_to_none=True)
-    ids = batch["input_ids"][:, seq]
+    ids = batch.input_ids[:, seq]
     hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
-    s, _, _ = weighted_lm_loss(hidden[0], model.lm_head.weight, batch["targets"][seq], batch["weights"][seq],
-                               batch["target_categories"][seq], N_CAT, chunk_size)
+    s, _, _ = weighted_lm_loss(hidden[0], model.lm_head.weight, batch.targets[seq], batch.weights[seq],
+                               batch.target_categories[seq], N_CAT, chunk_size)
     s.backward()
     return s.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -346,15 +346,15 @@ def test_token_reduction_of_one_sequence_equals_hf_loss(models):
     model = models[True]
     batch = packed_micro_batch("token")
     seq = slice(0, 13)
-    n = int((batch["targets"][seq] != IGNORE_INDEX).sum())
-    weights = (batch["targets"][seq] != IGNORE_INDEX).float() / n
+    n = int((batch.targets[seq] != IGNORE_INDEX).sum())
+    weights = (batch.targets[seq] != IGNORE_INDEX).float() / n
     labels = torch.full((1, 13), IGNORE_INDEX)
-    labels[0, 1:] = batch["targets"][seq][:-1]
+    labels[0, 1:] = batch.targets[seq][:-1]
     with torch.no_grad():
-        hf = model(input_ids=batch["input_ids"][:, seq], labels=labels, use_cache=False).loss
-        hidden = model.model(input_ids=batch["input_ids"][:, seq], use_cache=False).last_hidden_state
-        ours, _, _ = weighted_lm_loss(hidden[0], model.lm_head.weight, batch["targets"][seq], weights,
-                                      batch["target_categories"][seq], N_CAT, 3)
+        hf = model(input_ids=batch.input_ids[:, seq], labels=labels, use_cache=False).loss
+        hidden = model.model(input_ids=batch.input_ids[:, seq], use_cache=False).last_hidden_state
+        ours, _, _ = weighted_lm_loss(hidden[0], model.lm_head.weight, batch.targets[seq], weights,
+                                      batch.target_categories[seq], N_CAT, 3)
     assert ours.item() == pytest.approx(hf.item(), rel=1e-5)
 
 

@@ -214,7 +214,7 @@ def test_dense_plan_unchanged(tmp_path, engine):
     under every engine, whatever expert_parallel_size says."""
     from tests._train_helpers import tiny_model
     from train.config.sections import from_keys
-    from train.plan.startup import _model_state_bytes
+    from train.plan.memory_plan import _model_state_bytes
 
     shape = ModelShape.from_hf_config(tiny_model().config)
     assert (shape.n_experts, shape.expert_params, shape.moe_layers) == (0, 0, 0)

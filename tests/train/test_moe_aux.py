@@ -130,9 +130,9 @@ def test_packed_row_equals_hf_padded_batch(family):
     router_aux, _ = resolve_router_aux(packed_lm, None, None)
     assert router_aux is not None and router_aux.coef == COEF
     model = PackedCausalLM(packed_lm, chunk_size=8, num_categories=3, router_aux=router_aux)
-    attn = AttentionContext(batch["cu_seqlens"], batch["max_seqlen"], SDPA_KERNELS)
-    *_, aux = model(batch["input_ids"], batch["position_ids"], batch["targets"], batch["weights"],
-                    batch["target_categories"], attn)
+    attn = AttentionContext(batch.cu_seqlens, batch.max_seqlen, SDPA_KERNELS)
+    *_, aux = model(batch.input_ids, batch.position_ids, batch.targets, batch.weights,
+                    batch.target_categories, attn)
     aux.backward()
 
     ref_lm = build(family)
@@ -320,4 +320,4 @@ def test_train_key_false_turns_it_off(moe_setup, tmp_path):
     trainer = Trainer(load_config(config, [f"output_dir={tmp_path}", "output_router_logits=false"]),
                       console=lambda *_: None)
     record = trainer.train_step(trainer.sampler.plan(0))
-    assert trainer.router_aux is None and "aux_loss" not in record and np.isfinite(record["loss"])
+    assert trainer.plan.loss.router_aux is None and "aux_loss" not in record and np.isfinite(record["loss"])

@@ -116,7 +116,7 @@ def test_the_trainer_refuses_them_under_sequence_parallelism_before_the_model_lo
     launch = LaunchSection(num_processes=2)
     with pytest.raises(ConfigError, match="sequence_parallel_size > 1 cannot train model_type 'phi3' with rope_type "
                                           "longrope"):
-        plan_sp_layout(ParallelSection(sequence_parallel_size=2), launch, config)
-    assert plan_sp_layout(ParallelSection(), launch, config) is None
-    assert plan_sp_layout(ParallelSection(sequence_parallel_size=2), launch, tiny_config("llama")).sp_size == 2
+        plan_sp_layout(ParallelSection(sequence_parallel_size=2), launch, config, 2)
+    assert plan_sp_layout(ParallelSection(), launch, config, 1) is None
+    assert plan_sp_layout(ParallelSection(sequence_parallel_size=2), launch, tiny_config("llama"), 2).sp_size == 2
 

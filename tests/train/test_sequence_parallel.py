@@ -18,6 +18,7 @@ from train.attention.function import AttentionContext
 from train.plan.attention import choose_ring_backend, choose_varlen_kernel, ring_kernel
 from train.attention.sequence_parallel import SP_BACKENDS, TOKEN_PAD_VALUES, SPBackendUnavailable, shard_batch
 from train.attention.varlen_kernels import NO_FEATURES
+from data.shards.dataset import Structure
 
 WORLD = 4
 RTOL = 1e-5
@@ -72,7 +73,8 @@ def test_shard_without_loss_token_contributes_exactly_zero(sp_results, config, r
 def _batches(structure: bool = False):
     rows = structured_rows() if structure else sample_rows()
     totals = totals_of(rows)
-    return [make_batch([row], totals, "sample", structure=structure) for row in rows]
+    kind = Structure.PARALLEL_THINKING if structure else Structure.NONE
+    return [make_batch([row], totals, "sample", structure=kind) for row in rows]
 
 
 def _shards(batch, sp, layout):
@@ -85,11 +87,11 @@ def test_no_loss_token_lost_at_boundaries(layout, sp):
     for batch in _batches():
         shards = _shards(batch, sp, layout)
         trained = sum(int((local["targets"] != IGNORE_INDEX).sum()) for local, _ in shards)
-        assert trained == batch["n_loss_tokens"] == int((batch["targets"] != IGNORE_INDEX).sum())
+        assert trained == batch.n_loss_tokens == int((batch.targets != IGNORE_INDEX).sum())
         # the same weights, token for token (only reordered), so the weighted sums agree exactly
         local_weights = torch.cat([local["weights"] for local, _ in shards])
         assert torch.equal(local_weights[local_weights > 0].sort().values,
-                           batch["weights"][batch["weights"] > 0].sort().values)
+                           batch.weights[batch.weights > 0].sort().values)
         for local, _ in shards:
             assert torch.equal(local["weights"] > 0, local["targets"] != IGNORE_INDEX)
 
@@ -109,28 +111,28 @@ def test_inverse_permutation_recovers_the_row(layout, sp, structure):
         assert torch.equal(gathered, ctx0.gathered_index)
         assert torch.equal(gathered.sort().values, torch.arange(n))  # a permutation of the padded row
         real = ctx0.source_index >= 0
-        assert torch.equal(ctx0.source_index[real], torch.arange(batch["input_ids"].shape[1]))
+        assert torch.equal(ctx0.source_index[real], torch.arange(batch.input_ids.shape[1]))
         for name in ("input_ids", "position_ids", "targets", "weights", "target_categories", "seq_ids",
                      *(("block_ids", "path_ids") if structure else ())):
-            row = torch.zeros(n, dtype=batch[name].dtype)
+            row = torch.zeros(n, dtype=getattr(batch, name).dtype)
             for local, ctx in shards:
                 row[ctx.local_index] = local[name].reshape(-1)
-            assert torch.equal(row[real], batch[name].reshape(-1)), name
+            assert torch.equal(row[real], getattr(batch, name).reshape(-1)), name
             if name in ("targets", "weights"):
                 assert (row[~real] == TOKEN_PAD_VALUES[name]).all(), name
         for local, ctx in shards:
             assert local["input_ids"].shape == (1, ctx.local_length)
             assert local["position_ids"].shape == (1, ctx.local_length)
-            assert "cu_seqlens" not in local and local["n_loss_tokens"] == batch["n_loss_tokens"]
+            assert "cu_seqlens" not in local
 
 
 @pytest.mark.parametrize("sp", [2, 4])
 def test_contiguous_padding_is_its_own_sequence(sp):
     batch = _batches()[0]  # 81 tokens
     local, ctx = shard_batch(batch, sp - 1, sp, "torch")
-    pad = ctx.padded_length - batch["input_ids"].shape[1]
+    pad = ctx.padded_length - batch.input_ids.shape[1]
     assert ctx.padded_length % sp == 0 and 0 < pad < sp
-    assert ctx.cu_seqlens.tolist() == batch["cu_seqlens"].tolist() + [ctx.padded_length]
+    assert ctx.cu_seqlens.tolist() == batch.cu_seqlens.tolist() + [ctx.padded_length]
     assert local["position_ids"][0, -pad:].tolist() == list(range(pad))  # a fresh sequence
     moved = ctx.to("cpu")
     assert torch.equal(moved.cu_seqlens, ctx.cu_seqlens) and moved.local_range == ctx.local_range
@@ -151,7 +153,7 @@ def test_zigzag_layout(sp):
     """Every sequence padded to a multiple of 2*sp; rank i holds chunks i and 2*sp-1-i of each sequence, whose
     positions run on consecutively; the local cu_seqlens (what the zigzag kernel gets) are the padded ones / sp."""
     batch = _batches()[0]
-    lengths = (batch["cu_seqlens"][1:] - batch["cu_seqlens"][:-1]).tolist()
+    lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()
     for rank in range(sp):
         local, ctx = shard_batch(batch, rank, sp, "torch", layout="zigzag")
         padded = (ctx.cu_seqlens[1:] - ctx.cu_seqlens[:-1]).tolist()
@@ -210,7 +212,7 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="needs the contiguous layout"):
         shard_batch(batch, 0, 2, "llama3", layout="zigzag")
     with pytest.raises(ValueError, match="'loss_mask' has no padding rule"):
-        shard_batch({**batch, "loss_mask": torch.ones(batch["input_ids"].shape[1])}, 0, 2, "torch")
+        shard_batch({**batch.row_fields(), "loss_mask": torch.ones(batch.input_ids.shape[1])}, 0, 2, "torch")
     with pytest.raises(ValueError, match="structure mode .* needs sp_backend=torch"):
         shard_batch(_batches(structure=True)[0], 0, 2, "zigzag")
 

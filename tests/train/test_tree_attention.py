@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from data.shards.prefix_tree import PrefixTree, tree_parents
 from train.attention.structured import build_mask, structured_sdpa_by_sequence
+from data.shards.dataset import Structure
 
 
 def random_tree(rng, n_samples: int) -> dict:
@@ -80,10 +81,10 @@ def test_attention_over_trees_equals_causal_attention_per_path(row):
 def test_sequence_parallelism_refuses_tree_rows():
     from train.plan.attention import TREE_SP_REFUSAL, AttentionPlan
 
-    plan = AttentionPlan(kinds=(), packed=None, train=None, requested="sdpa", structure=True, layout=object(),
+    plan = AttentionPlan(kinds=(), packed=None, train=None, requested="sdpa", structure=Structure.TREE, layout=object(),
                          ring_backend="torch", ulysses=None, mesh=types.SimpleNamespace(device=torch.device("cpu")))
     with pytest.raises(ValueError, match="sequence_parallel_size: 1"):
-        plan.context({"tree_spans": torch.ones(3, dtype=torch.int64)})
+        plan.context(None)
     assert "stepwise: samples" in TREE_SP_REFUSAL
 
 

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from data.shards.dataset import Structure
 from train.config.backend_names import LLAMA3, RING_BACKENDS, TORCH, ZIGZAG
 from train.attention.structured import build_mask
 from train.attention.varlen_kernels import AttentionFeatures, VarlenKernel, eager_attention
@@ -326,17 +327,21 @@ def shard_batch(
     group: Any = None,
     layout: str | None = None,
     heads_k_stride: int | None = None,
+    structure: Structure = Structure.NONE,
 ) -> tuple[dict, SPContext]:
-    """This rank's part of a full micro-batch from `train.steps.batch.make_batch`, and the SPContext for attention.
+    """This rank's part of a full micro-batch's row (a MicroBatch of train/steps/batch.py, or its `row_fields()`: the
+    per-token tensors and the row's bounds), and the SPContext for attention.
 
     Call once per micro-batch on the full batch (targets and weights already computed on the full row), on CPU
     tensors; move the local batch and `ctx.to(device)` to the GPU afterwards. `layout` defaults to the backend's
     (`zigzag` for zigzag, else contiguous); `backend="torch", layout="zigzag"` is the CPU reference of the zigzag
     layout. The local batch keeps every per-token field (sliced, [1, L] or [L] as given) and every non-token
     field; `cu_seqlens`/`max_seqlen` describe the full row and are dropped (the SPContext holds what attention
-    needs). Structure mode (seq/block/path ids present) needs the torch backend, or None. `backend=None`: the
+    needs). `structure` PARALLEL_THINKING (the data's; block / path ids in the row) needs the torch backend, or None. `backend=None`: the
     contiguous slices alone, with nothing a backend needs (what Ulysses shards: train/attention/ulysses.py `ulysses_shard`).
     """
+    if hasattr(batch, "row_fields"):  # a MicroBatch (train/steps/batch.py): its row, its structure
+        batch, structure = batch.row_fields(), batch.structure
     if backend is not None and backend not in SP_BACKENDS:
         raise ValueError(f"shard_batch: backend must be one of {RING_BACKENDS} or None (choose 'auto' first), got "
                          f"{backend!r}")
@@ -356,7 +361,11 @@ def shard_batch(
         raise ValueError(
             f"shard_batch: cu_seqlens must run from 0 to the row length {length}, got {cu_seqlens.tolist()}"
         )
-    structured = "block_ids" in batch or "path_ids" in batch
+    if structure is Structure.TREE:
+        raise ValueError("shard_batch: stepwise trees have no sequence-parallel layout")
+    structured = structure is Structure.PARALLEL_THINKING
+    if not structured and any(name in batch for name in STRUCTURE_FIELDS[1:]):
+        raise ValueError(f"shard_batch: the row holds {list(STRUCTURE_FIELDS[1:])}: say its structure (structure=)")
     if structured and backend not in (TORCH, None):
         raise ValueError(
             f"structure mode (Parallel-R1 mask) needs sp_backend=torch or ulysses; {backend!r} runs causal flash "

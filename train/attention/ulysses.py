@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from data.shards.dataset import Structure
 from train.attention.function import AttentionContext, LayerKernels
 from train.config.backend_names import TORCH
 from train.attention.sequence_parallel import SPContext, shard_batch
@@ -125,16 +126,17 @@ def ulysses_context(spec: UlyssesSpec, sp_rank: int, sp_size: int, padded_cu: to
     padded_length = int(padded_cu[-1])
     row = {"input_ids": torch.zeros(1, padded_length, dtype=torch.int64), "cu_seqlens": padded_cu}
     row.update(structure or {})
-    _, ring = shard_batch(row, ring_rank, ring_size, spec.ring_backend, group=spec.ring_group)
+    _, ring = shard_batch(row, ring_rank, ring_size, spec.ring_backend, group=spec.ring_group,
+                          structure=Structure.PARALLEL_THINKING if structure else Structure.NONE)
     return UlyssesContext(spec.group, spec.size, rank, AttentionContext(ring.cu_seqlens, ring.max_seqlen, spec.local,
                                                                         sp=ring))
 
 
-def ulysses_shard(batch: dict, sp_rank: int, sp_size: int, spec: UlyssesSpec, group: Any = None
-                  ) -> tuple[dict, SPContext]:
+def ulysses_shard(batch: dict, sp_rank: int, sp_size: int, spec: UlyssesSpec, group: Any = None,
+                  structure: Structure = Structure.NONE) -> tuple[dict, SPContext]:
     """`shard_batch` for Ulysses: this rank's contiguous slice of the row, and an SPContext whose `ulysses` holds the
     UlyssesContext of the micro-batch."""
-    local, ctx = shard_batch(batch, sp_rank, sp_size, None, group=group)
+    local, ctx = shard_batch(batch, sp_rank, sp_size, None, group=group, structure=structure)
     row_structure = None if ctx.structure is None else {"seq_ids": ctx.seq_ids, **ctx.structure}
     ctx.ulysses = ulysses_context(spec, sp_rank, sp_size, ctx.cu_seqlens, row_structure)
     return local, ctx

@@ -12,8 +12,9 @@ functions (no torch) that say what is wrong (None: nothing), naming the key and 
 from __future__ import annotations
 
 
-def expert_parallel_problem(cfg, world_size: int) -> str | None:
-    """What the values of TrainConfig `cfg` forbid for its expert_parallel_size on `world_size` processes."""
+def expert_parallel_problem(cfg, world_size: int, sp: int | str | None = None) -> str | None:
+    """What the values of TrainConfig `cfg` forbid for its expert_parallel_size on `world_size` processes (`sp`: the
+    sequence-parallel degree, default the config's; `auto` leaves the data-parallel size to be checked once chosen)."""
     ep = cfg.parallel.expert_parallel_size
     if ep < 1:
         return f"expert_parallel_size must be >= 1, got {ep}"
@@ -34,7 +35,7 @@ def expert_parallel_problem(cfg, world_size: int) -> str | None:
     if cfg.model.compile_layers:
         return (f"{head} with compile_layers: true is not verified yet (the token exchange inside a compiled decoder "
                 "layer); set compile_layers=false, or expert_parallel_size=1")
-    sp = cfg.parallel.sequence_parallel_size  # auto: checked again once the trainer has chosen the degree
+    sp = cfg.parallel.sequence_parallel_size if sp is None else sp
     for processes, what in ((world_size, f"world size {world_size}"),
                             (cfg.launch.num_processes, f"launch.num_processes={cfg.launch.num_processes}")):
         if processes <= 1 or sp == "auto" or processes % sp:  # (not whole sp groups: sp_rules' message)

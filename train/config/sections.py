@@ -384,19 +384,20 @@ class TrainConfig:
             )
         if launch.num_machines > 1 and not launch.main_process_ip:
             raise ConfigError("launch.main_process_ip is required when launch.num_machines > 1")
-        if sp == "auto":  # checked again once the trainer has chosen the degree
-            if problem := expert_parallel_problem(self, world_size):
-                raise ConfigError(problem)
-            return
-        problem = (processes_problem(world_size, f"world size {world_size}", sp)
-                   or processes_problem(launch.num_processes, f"launch.num_processes={launch.num_processes}", sp)
-                   or ulysses_size_problem(parallel.sp_backend, sp, parallel.sp_ulysses_size)
-                   or placement_problem(parallel.sp_backend, sp, parallel.sp_ulysses_size,
-                                        launch.processes_per_machine))
-        if problem:
+        if sp != "auto" and (problem := self.parallel_problem(world_size, sp)):
             raise ConfigError(problem)
-        if problem := expert_parallel_problem(self, world_size):
+        if sp == "auto" and (problem := expert_parallel_problem(self, world_size)):  # the degree: checked once chosen
             raise ConfigError(problem)
+
+    def parallel_problem(self, world_size: int, sp: int) -> str | None:
+        """What the processes, the Ulysses degree, the placement and expert parallelism forbid for the sequence-parallel
+        degree `sp` (the configured one, or the one `auto` chose: train/plan/layout.py); None: nothing."""
+        parallel, launch = self.parallel, self.launch
+        return (processes_problem(world_size, f"world size {world_size}", sp)
+                or processes_problem(launch.num_processes, f"launch.num_processes={launch.num_processes}", sp)
+                or ulysses_size_problem(parallel.sp_backend, sp, parallel.sp_ulysses_size)
+                or placement_problem(parallel.sp_backend, sp, parallel.sp_ulysses_size, launch.processes_per_machine)
+                or expert_parallel_problem(self, world_size, sp))
 
     def _validate_combinations(self) -> None:
         ds, model = self.deepspeed, self.model

@@ -49,6 +49,9 @@ class Engine:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     backward_scale = 1.0
     autocasts = False
+    # under expert parallelism, whether a checkpoint holds each rank's part of the experts (a resume on another degree
+    # puts the parts together and cuts them anew: `load`'s experts_from), rather than every expert whole (FSDP2's DCP)
+    saves_expert_parts = False
 
     def describe(self) -> str:
         raise NotImplementedError
@@ -78,6 +81,11 @@ class Engine:
         """Collective. The full state dict to export on the main rank (None elsewhere), or None everywhere when
         the export reads the live parameters (LoRA on full copies)."""
         raise NotImplementedError
+
+    def expert_parameter_names(self) -> list[str] | None:
+        """The names of this rank's expert parameters where checkpoints hold parts of them (`saves_expert_parts`),
+        else None."""
+        return None
 
     def check_saved_with(self, path: Path) -> None:
         saved = saved_with(path)

@@ -20,6 +20,7 @@ class PlainEngine(_TorchOptimizerEngine):
     one file per part, and the export gathers the parts."""
 
     name = "plain"
+    saves_expert_parts = True
 
     def __init__(self, cfg, model, param_groups, lr_factor, mesh: Mesh, ds_config: dict | None):
         from train.model.experts import is_expert_parameter

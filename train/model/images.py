@@ -131,14 +131,14 @@ class VisionPath:
         return RowImages(images, feature_index, positions, [0, *itertools.accumulate(patches)],
                          [0, *itertools.accumulate(tokens)])
 
-    def sequences(self, batch: dict, limit: int = 4, max_tokens: int = SELF_CHECK_MAX_TOKENS) -> tuple[list, list]:
+    def sequences(self, batch, limit: int = 4, max_tokens: int = SELF_CHECK_MAX_TOKENS) -> tuple[list, list]:
         """Up to `limit` whole packed sequences of a micro-batch of at most `max_tokens` tokens each (an image is never
         cut) and each one's `ImageBatch` (None: no image): the start-up self-check's inputs."""
-        ids = batch["input_ids"].reshape(-1).cpu()
-        images = batch.get("images")
+        ids = batch.input_ids.reshape(-1).cpu()
+        images = batch.images
         grid = images.image_grid_thw.cpu().long() if images is not None else torch.zeros(0, 3, dtype=torch.long)
         patches = [0, *itertools.accumulate(grid.prod(-1).tolist())]
-        bounds = [int(x) for x in batch["cu_seqlens"].reshape(-1).tolist()]
+        bounds = [int(x) for x in batch.cu_seqlens.reshape(-1).tolist()]
         # no ImageBatch (text rows): no image to run, whatever the ids hold
         run_starts = [start for start, _ in _runs(ids == self.image_token_id)] if images is not None else []
         sequences, their_images = [], []

@@ -391,3 +391,17 @@ def save_lora(
         if use_cache is not None:
             base.config.use_cache = use_cache
     return out
+
+
+def describe_lora(model: nn.Module, lora) -> str:
+    """The start line's words for LoRA (`lora`: the config's section): rank, alpha, targets and the trainable
+    parameters of the wrapped `model` (ZeRO-3 partitions counted whole)."""
+    def numel(p) -> int:
+        return int(getattr(p, "ds_numel", p.numel()))
+
+    trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
+    total = sum(numel(p) for p in model.parameters())
+    targets = ALL_LINEAR if list(lora.target_modules) == [ALL_LINEAR] else ", ".join(lora.target_modules)
+    parameters = f" and the parameters {', '.join(lora.target_parameters)}" if lora.target_parameters else ""
+    return (f"LoRA rank {lora.lora_rank} (alpha {lora.lora_alpha:g}) on {targets}{parameters}: {trainable:,} "
+            f"trainable parameters of {total:,} ({100 * trainable / max(total, 1):.2f}%)")

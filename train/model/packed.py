@@ -59,12 +59,12 @@ class PackedCausalLM(nn.Module):
                 if p is not None:
                     deepspeed.zero.register_external_parameter(self, p)
 
-    def row_images(self, batch: dict) -> RowImages | None:
-        """The images of a whole micro-batch of train/steps/batch.py (`batch["images"]`, None: none in its rows), prepared
+    def row_images(self, batch) -> RowImages | None:
+        """The images of a whole micro-batch of train/steps/batch.py (`batch.images`, None: none in its rows), prepared
         on its whole row before sequence-parallel sharding; None when the run has no image path (text data)."""
         if self.vision is None:
             return None
-        return self.vision.prepare(self.lm, batch["input_ids"], batch["cu_seqlens"], batch.get("images"))
+        return self.vision.prepare(self.lm, batch.input_ids, batch.cu_seqlens, batch.images)
 
     def forward(self, input_ids, position_ids, targets, weights, target_categories, attn: AttentionContext,
                 router_tokens: torch.Tensor | None = None, images: RowImages | None = None):
@@ -174,3 +174,26 @@ def compile_decoder_layers(lm: nn.Module) -> None:
     guarded on and recompile every step); the projections, RoPE, norms and MLP around it are fused."""
     for layer in decoder_of(lm).layers:
         layer.compile()
+
+
+def model_features(cfg: TrainConfig, lm: nn.Module, model: PackedCausalLM, memory) -> tuple[str, ...]:
+    """What the start line says of the built model (`memory`: the run's MemoryPlan): compiled decoder layers, Liger,
+    tiled MLPs, the towers, the activation offload, LoRA."""
+    from train.model.patches.tiled_mlp import describe_tiling
+
+    features = []
+    if cfg.model.compile_layers:
+        features.append("compiled decoder layers")
+    if cfg.model.liger:
+        features.append("Liger kernels")
+    if cfg.model.tiled_mlp:
+        features.append(describe_tiling(lm))
+    if model.vision is not None:
+        features.append(model.vision.describe())
+    if cfg.model.activation_offload and memory.checkpointing:
+        features.append("checkpointed inputs offloaded to host memory")
+    if cfg.lora.lora_rank > 0:
+        from train.model.lora import describe_lora
+
+        features.append(describe_lora(lm, cfg.lora))
+    return tuple(features)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from common.config import ConfigError, pretrained_dir
+from common.errors import PackSFTError
 from train.attention.function import AttentionContext, LayerKernels
 
 # Relative tolerances of a correct packed path against the eager reference. In fp32 a gradient's error is measured
@@ -46,8 +47,10 @@ TOLERANCES = {
 GRAD_FLOOR = 1e-3
 
 
-class SelfCheckError(RuntimeError):
+class SelfCheckError(PackSFTError, RuntimeError):
     """The packed path does not reproduce the model's own unpacked forward (the trainer's start-up self-check)."""
+
+    label = "self-check failed"
 
 
 @dataclass(frozen=True)
@@ -219,12 +222,13 @@ def self_check_tree(dataset, chain_tokens: int = 16, max_children: int = 3) -> t
     """(token ids, tree spans) of a small tree cut from the first tree of the first rows with a branch point (data
     with `tree_spans`, data/shards/prefix_tree.py): the last `chain_tokens` tokens up to that branch point, then up to
     `max_children` of its branches, `chain_tokens` tokens down each. None: no tree there branches."""
+    from data.shards.dataset import Structure
     from data.shards.prefix_tree import tree_parents
 
+    if dataset.structure is not Structure.TREE:
+        return None
     for r in range(min(len(dataset), 8)):
         row = dataset[r]
-        if "tree_spans" not in row:
-            return None
         bounds = np.concatenate([[0], np.cumsum(np.asarray(row["seq_lens"], dtype=np.int64))])
         for lo, hi in zip(bounds[:-1], bounds[1:]):
             ids, spans = np.asarray(row["input_ids"][lo:hi]), np.asarray(row["tree_spans"][lo:hi])

@@ -20,11 +20,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from common.errors import PackSFTError
 from train.families import FAMILIES, ImageInputs, text_config
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(PackSFTError, ValueError):
     """A model PackSFT cannot train exactly on packed rows (or not with the requested setup)."""
+
+    label = "model not supported"
+    exit_code = 2
 
 
 @dataclass(frozen=True)

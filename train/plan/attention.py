@@ -4,7 +4,7 @@ then calls the callables the plan chose (train/attention/function.py `LayerKerne
 micro-batch or per layer.
 
 Two steps, because the mesh depends on the first:
-1. `plan_sp_layout(parallel, launch, model_config)`, before the mesh: the Ulysses degree of the sp groups
+1. `plan_sp_layout(parallel, launch, model_config, sp_size)`, before the mesh (train/plan/layout.py): the Ulysses degree of the sp groups
    (`choose_sp_layout`, by the config, the model's heads and the processes per machine; the rules are
    train/config/sp_rules.py's), and the refusal of model features no SP path honours (recurrent mixers, length-dependent
    ropes);
@@ -43,6 +43,8 @@ from train.attention.structured import structure_feature_problems
 from train.attention.ulysses import UlyssesSpec, ulysses_attention, ulysses_shard
 from train.attention.varlen_kernels import KERNELS, NO_FEATURES, AttentionFeatures, VarlenKernel
 from train.row import queued_copy
+from train.steps.batch import MicroBatch
+from data.shards.dataset import Structure
 
 
 # ---------------------------------------------------------------------------------------------- 1. the SP layout
@@ -117,11 +119,11 @@ def choose_sp_layout(sp_backend: str, sp_size: int, ulysses_size: int | None, n_
                                      f"{sp_size // degree} groups")
 
 
-def plan_sp_layout(parallel: ParallelSection, launch: LaunchSection, model_config) -> SPLayout | None:
-    """The trainer's layout (None without sequence parallelism), from the model config read at start: its heads,
-    and the features no SP path honours; the processes per machine are the launcher's LOCAL_WORLD_SIZE, else the
-    config's launch section."""
-    if parallel.sequence_parallel_size == 1:
+def plan_sp_layout(parallel: ParallelSection, launch: LaunchSection, model_config, sp_size: int) -> SPLayout | None:
+    """The split of an sp group of `sp_size` ranks (None without sequence parallelism), from the model config read at
+    start: its heads, and the features no SP path honours; the processes per machine are the launcher's
+    LOCAL_WORLD_SIZE, else the config's launch section."""
+    if sp_size == 1:
         return None
     if problem := rope_sp_problem(model_config.get_text_config()) or recurrent_sp_problem(model_config):
         raise ConfigError(problem)
@@ -129,8 +131,7 @@ def plan_sp_layout(parallel: ParallelSection, launch: LaunchSection, model_confi
     n_heads = text.num_attention_heads
     n_kv_heads = getattr(text, "num_key_value_heads", None) or n_heads
     per_machine = ranks_per_machine(launch.processes_per_machine)
-    return choose_sp_layout(parallel.sp_backend, parallel.sequence_parallel_size, parallel.sp_ulysses_size, n_heads,
-                            n_kv_heads, per_machine)
+    return choose_sp_layout(parallel.sp_backend, sp_size, parallel.sp_ulysses_size, n_heads, n_kv_heads, per_machine)
 
 
 # ---------------------------------------------------------------------------------------------- 2. the choices
@@ -243,30 +244,32 @@ class AttentionPlan:
     packed: LayerKernels  # per kind, the packed backend (no SP; pure Ulysses' local attention; the self-check)
     train: LayerKernels  # per kind, what a training micro-batch runs
     requested: str  # attn_backend of the config
-    structure: bool  # the data has Parallel-R1 structure ids: their mask
+    structure: Structure  # the data's: Parallel-R1's or a tree's mask (train/attention/structured.py)
     layout: SPLayout | None  # None: no sequence parallelism
     ring_backend: str | None  # the gather / ring backend (SP without Ulysses, or across the Ulysses groups)
     ulysses: UlyssesSpec | None  # the Ulysses groups and their local kernels
     mesh: Mesh
 
-    def context(self, batch: dict) -> tuple[dict, AttentionContext]:
-        """This rank's part of a full micro-batch of `train.steps.batch.make_batch` and its AttentionContext on the
+    def context(self, batch: MicroBatch) -> tuple[MicroBatch, AttentionContext]:
+        """This rank's part of a full micro-batch (train/steps/batch.py `make_batch`) and its AttentionContext on the
         mesh's device: the varlen bounds (and structure ids) go to the device once here, never inside a layer;
         under sequence parallelism the row is sharded first (`shard_batch`, `ulysses_shard`)."""
         device, mesh = self.mesh.device, self.mesh
         if self.layout is None:
-            structure = {k: queued_copy(batch[k], device) for k in STRUCTURE_FIELDS} if self.structure else {}
-            if self.structure and "tree_spans" in batch:  # stepwise trees (data/shards/prefix_tree.py)
-                structure["tree_spans"] = queued_copy(batch["tree_spans"], device)
-            return batch, AttentionContext.for_micro_batch(batch["cu_seqlens"], device, self.train, **structure)
-        if "tree_spans" in batch:  # the trainer refuses this at start; a direct caller gets the same answer
+            structure = {}
+            if self.structure is not Structure.NONE:
+                structure = {k: queued_copy(getattr(batch, k), device) for k in STRUCTURE_FIELDS}
+            if self.structure is Structure.TREE:  # stepwise trees (data/shards/prefix_tree.py)
+                structure["tree_spans"] = queued_copy(batch.tree_spans, device)
+            return batch, AttentionContext.for_micro_batch(batch.cu_seqlens, device, self.train, **structure)
+        if self.structure is Structure.TREE:  # refused at start (train/plan/startup.py); a direct caller too
             raise ValueError(TREE_SP_REFUSAL)
         if self.ulysses is not None:
-            local, sp = ulysses_shard(batch, mesh.sp_rank, mesh.sp_size, self.ulysses, group=mesh.sp_group)
+            fields, sp = ulysses_shard(batch, mesh.sp_rank, mesh.sp_size, self.ulysses, group=mesh.sp_group)
         else:
-            local, sp = shard_batch(batch, mesh.sp_rank, mesh.sp_size, self.ring_backend, group=mesh.sp_group)
+            fields, sp = shard_batch(batch, mesh.sp_rank, mesh.sp_size, self.ring_backend, group=mesh.sp_group)
         sp = sp.to(device)
-        return local, AttentionContext(sp.cu_seqlens.to(device), sp.max_seqlen, self.train, sp=sp)
+        return batch.local(fields), AttentionContext(sp.cu_seqlens.to(device), sp.max_seqlen, self.train, sp=sp)
 
     def describe(self) -> str:
         """The start line: the SP layout and why, then per kind of layer the kernel and the features it honours."""
@@ -279,7 +282,7 @@ class AttentionPlan:
         where = "on the whole row" if self.layout.ring_size == 1 else "across the Ulysses groups"
         local = self._per_kind(self.ulysses.local)
         return f"attention: {layout}: all-to-all of heads, then {where} {local}" + (
-            f" ({requested})" if self.layout.ring_size == 1 and not self.structure else "")
+            f" ({requested})" if self.layout.ring_size == 1 and self.structure is Structure.NONE else "")
 
     def _per_kind(self, kernels: LayerKernels) -> str:
         if not self.kinds:
@@ -293,10 +296,11 @@ class AttentionPlan:
 
 
 def plan_attention(model: ModelSection, parallel: ParallelSection, layout: SPLayout | None, mesh: Mesh,
-                   lm: torch.nn.Module, structure: bool) -> AttentionPlan:
+                   lm: torch.nn.Module, structure: Structure) -> AttentionPlan:
     """The plan of a run: the config's model and parallel sections, the layout `plan_sp_layout` chose (the mesh was
     built from it), the model (its attention modules) and whether the data carries structure ids. Raises before the
     first step when a named backend cannot run here or a path cannot honour a feature of the model."""
+    structured = structure is not Structure.NONE
     dtype = torch.bfloat16 if model.bf16 else torch.float32
     probe = torch.empty((1, 1, 0, 1), device=mesh.device, dtype=dtype)
     kinds = layer_kinds(text_decoder_of(lm) if is_composite(lm.config) else lm)  # a composite's towers: their own
@@ -304,22 +308,22 @@ def plan_attention(model: ModelSection, parallel: ParallelSection, layout: SPLay
     packed = packed_kernels(model.attn_backend, probe, features)
     ring = None
     if layout is not None and layout.ring_size > 1:
-        ring = choose_ring_backend(parallel.sp_backend, structure, half_precision=model.bf16)
+        ring = choose_ring_backend(parallel.sp_backend, structured, half_precision=model.bf16)
     problems = []
     for f in features:
-        if structure:
+        if structured:
             problems += structure_feature_problems(f, sequence_parallel=ring is not None)
         if ring is not None:
             problems += SP_BACKENDS[ring].feature_problems(f)
     if problems:
         raise RuntimeError("; ".join(dict.fromkeys(problems)))
-    local = LayerKernels(every=STRUCTURED_FLEX if mesh.device.type == "cuda" else STRUCTURED_SDPA) if structure \
+    local = LayerKernels(every=STRUCTURED_FLEX if mesh.device.type == "cuda" else STRUCTURED_SDPA) if structured \
         else packed
     ulysses = None
     if layout is None:
         train = local
     else:
-        ringed = LayerKernels(tuple((f.layer_kind, ring_kernel(ring, probe, f, structure)) for f in features)) \
+        ringed = LayerKernels(tuple((f.layer_kind, ring_kernel(ring, probe, f, structured)) for f in features)) \
             if ring is not None else None
         if layout.ulysses_size > 1:
             ulysses = UlyssesSpec(layout.ulysses_size, mesh.ulysses_group, mesh.ring_group, ring or TORCH,

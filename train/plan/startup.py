@@ -1,155 +1,192 @@
-"""The memory plan of a run, made once at start before any weight loads: `plan_memory` -> `MemoryPlan`.
+"""The start-up of a run as one value: `StartupPlan`, every decision made at start, in one place.
 
-What it decides, from the model shape (derived once here), the data's row length, the world and the device:
-- the sequence-parallel degree of `sequence_parallel_size: auto` (the smallest whose share of a micro-batch fits
-  the least free GPU memory of all ranks; 1 on CPU), and the config with that degree (validated again);
-- activation checkpointing per layer (`gradient_checkpointing: auto`: on a GPU from the estimate of
-  train/plan/memory.py, the fewest first decoder layers; on CPU by row length);
-- tiled_mlp's tile;
-- the host memory the activation offload needs (refused at start when it does not fit).
-The model builder (train/model/packed.py `build_lm`) and the trainer take the plan; neither decides any of it.
+The decisions, each a function of this module's or of the plan wing's, called in order by train/run/setup.py (which
+builds the run and decides nothing):
+- `plan_data`: the data's facts, read once from the datasets' meta.json (the row length, else the longest row; the
+  structure, `Structure`; images), and the refusals of the data against the model (images on a family that cannot
+  train them, stepwise trees under sequence parallelism);
+- `plan_layout` (train/plan/layout.py): dp, sp (`auto`), Ulysses / ring, ep, processes per machine;
+- `plan_memory` (train/plan/memory_plan.py): checkpointing per layer, the MLP tile, the offload's host memory;
+- `plan_schedule`: the lr schedule's steps (warmup from `warmup_ratio`);
+- `plan_loss`: the reduction, the chunk, whether the chunk is compiled (`compile_loss: auto`), the router aux loss;
+- `plan_experts`: expert parallelism, or transformers' experts kernel at degree 1 (`moe_kernel`);
+- `plan_self_check`: whether the start-up self-check runs (not on weights ZeRO-3 loads partitioned);
+- the family check (train/model/support.py) and the attention plan (train/plan/attention.py).
+`StartupPlan.describe()` is the run's start line. The config stays as the user wrote it: every value chosen here
+lives in the plan, never in the config.
 """
 from __future__ import annotations
 
-import copy
-import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Callable, Mapping
 
+import numpy as np
 import torch
-import torch.distributed as dist
 
 from common.config import ConfigError
+from data.shards.dataset import Structure
 from train.config.sections import TrainConfig
-from train.distributed import default_device, ranks_per_machine
-from train.model.patches.tiled_mlp import intermediate_size
-from train.plan.memory import (
-    LongRowOptions,
-    ModelShape,
-    all_to_all_bytes,
-    available_host_bytes,
-    choose_checkpointing,
-    choose_sp_degree,
-    host_offload_problem,
-    mlp_tile,
-    model_state_bytes,
-)
+from train.engines.schedule import lr_lambda_factory
+from train.families import ImageInputs
+from train.model.moe import RouterAux, resolve_router_aux
+from train.model.support import check_image_support
+from train.plan.attention import TREE_SP_REFUSAL, AttentionPlan
+from train.plan.layout import ParallelLayout
+from train.plan.memory_plan import MemoryPlan
 
 
+# ---------------------------------------------------------------------------------------------- the data
 @dataclass(frozen=True)
-class MemoryPlan:
-    """What a run keeps in memory: the config it runs (the SP degree of `auto` resolved), checkpointing per layer,
-    the MLP tile."""
+class DataFacts:
+    """What the run's data is, read once: the row length (the shards' `max_length`, else their longest row), the
+    `structure` of its sequences, whether the training or eval data holds images, the categories."""
 
-    config: TrainConfig | None = None  # the config with sequence_parallel_size resolved (None: not planned from one)
-    sp_reason: str | None = None  # why the SP degree (auto), None when the config set it
-    checkpointing: bool = False
-    checkpointed_layers: int | None = None  # the first decoder layers checkpointed; None: all of them
-    checkpointing_reason: str = ""
-    tile: int | None = None  # tiled_mlp's tile in tokens (train/model/patches/tiled_mlp.py); None: untiled
+    row_length: int
+    structure: Structure
+    images: bool
+    categories: Mapping[int, str] = field(default_factory=dict)
 
     @property
-    def sp_degree(self) -> int:
-        return self.config.parallel.sequence_parallel_size
+    def num_categories(self) -> int:
+        return max([0, *self.categories]) + 1
 
 
-def plan_memory(cfg: TrainConfig, model_config, world: int, row_length: int, offloads_optimizer: bool,
-                device: torch.device | None = None) -> MemoryPlan:
-    """The plan of a run of `world` processes on `device` (default: this rank's) over rows of `row_length` tokens;
-    `offloads_optimizer`: the engine keeps the optimizer state on the host (DeepSpeed's offload, FSDP2's
-    cpu_offload). Raises ConfigError when no plan fits."""
-    device = device or default_device()
-    # derived once, when a decision needs it (on CPU none does)
-    shape = functools.cache(lambda: ModelShape.from_hf_config(model_config))
-    sp_reason = None
-    if cfg.parallel.sequence_parallel_size == "auto":
-        degree, sp_reason = _choose_sp_degree(cfg, shape, world, offloads_optimizer)
-        cfg = copy.deepcopy(cfg)  # the caller's config stays as given
-        cfg.parallel.sequence_parallel_size = degree
-        cfg.validate(world)  # the sp rules of the degree chosen
-    sp_size = cfg.parallel.sequence_parallel_size
-    checkpointing, layers, why = _choose_checkpointing(cfg, shape, row_length, sp_size, world, device,
-                                                       offloads_optimizer)
-    _check_offload_host_memory(cfg, shape, row_length, sp_size, device)
-    tile = mlp_tile(cfg.model, intermediate_size(model_config))  # the width a tile holds (MoE: the routed experts')
-    return MemoryPlan(cfg, sp_reason, checkpointing, layers, why, tile)
+def plan_data(dataset, eval_dataset, model_config) -> tuple[DataFacts, ImageInputs | None]:
+    """The data's facts and, for data with images, how the model trains them (train/model/support.py: a family that
+    cannot is refused here, before any weight loads)."""
+    meta = dataset.meta
+    row_length = int(meta.get("max_length") or int(np.max(dataset.row_n_tokens)))
+    images = any(getattr(data, "has_images", False) for data in (dataset, eval_dataset))
+    facts = DataFacts(row_length, dataset.structure, images,
+                      {int(k): v for k, v in (meta.get("categories") or {}).items()})
+    return facts, (check_image_support(model_config) if images else None)
 
 
-def _choose_checkpointing(cfg: TrainConfig, shape, row_length: int, sp_size: int, world: int,
-                          device: torch.device, offloads_optimizer: bool) -> tuple[bool, int | None, str]:
-    """gradient_checkpointing auto: on a GPU from the memory estimate of train/plan/memory.py (the fewest
-    decoder layers to checkpoint for a micro-batch's activations to fit the free memory less the model state);
-    on CPU by row length. (enabled, layers checkpointed: None for all, why)."""
-    per_rank_row = -(-row_length // sp_size)
-    if cfg.model.activation_offload and cfg.model.gradient_checkpointing == "auto":
-        return True, None, "on (auto: activation_offload keeps the checkpointed layer inputs on the host)"
-    if cfg.model.gradient_checkpointing != "auto" or device.type != "cuda":
-        enabled = cfg.model.checkpointing_enabled(per_rank_row)
-        why = "set" if cfg.model.gradient_checkpointing != "auto" else (
-            f"auto: {per_rank_row} tokens per rank {'>=' if enabled else '<'} checkpointing_min_length="
-            f"{cfg.model.checkpointing_min_length}")
-        return enabled, None, f"{'on' if enabled else 'off'} ({why})"
-    tokens = -(-row_length * cfg.steps.micro_batch_rows // sp_size)
-    free, _ = torch.cuda.mem_get_info(device)
-    act_bytes = 2 if cfg.model.bf16 else 4
-    state = (_model_state_bytes(cfg, shape(), world, offloads_optimizer)
-             + all_to_all_bytes(shape(), tokens, act_bytes, cfg.parallel.expert_parallel_size))
-    decision = choose_checkpointing(shape(), tokens, free, state, act_bytes=act_bytes,
-                                    loss_chunk=cfg.steps.loss_chunk_size,
-                                    tile=mlp_tile(cfg.model, shape().intermediate))
-    return decision.enabled, decision.layers, decision.describe()
+def check_layout_for_data(data: DataFacts, layout: ParallelLayout, data_path: str) -> None:
+    """Stepwise trees have no sequence-parallel layout yet: refused before the mesh."""
+    if data.structure is Structure.TREE and layout.sp_split is not None:
+        raise ConfigError(f"data_path {data_path}: {TREE_SP_REFUSAL}")
 
 
-def _model_state_bytes(cfg: TrainConfig, shape: ModelShape, world: int, offloads_optimizer: bool) -> int:
-    """Weights, gradients and optimizer state per GPU (train/plan/memory.py's estimate)."""
-    n_trainable = shape.n_params if cfg.lora.lora_rank == 0 else 0  # LoRA adapters: negligible next to the model
-    # expert parallelism: each rank's expert_params / N (train/plan/memory.py); dense: 0 experts, the same count
-    experts = dict(expert_params=shape.expert_params, expert_parallel_size=cfg.parallel.expert_parallel_size)
-    if cfg.uses_fsdp2:  # fp32 weights, gradients and moments sharded over every rank, as ZeRO-3 in fp32
-        return model_state_bytes(shape.n_params, n_trainable, 3, world, offload_optimizer=offloads_optimizer,
-                                 bf16=False, **experts)
-    return model_state_bytes(shape.n_params, n_trainable, cfg.deepspeed.stage, world,
-                             offload_optimizer=offloads_optimizer, bf16=cfg.model.bf16, **experts)
+# ---------------------------------------------------------------------------------------------- the schedule
+@dataclass(frozen=True)
+class Schedule:
+    """The lr schedule: `total_steps` (max_steps, else the epochs' steps), warmup, the shape of the decay."""
+
+    total_steps: int
+    warmup_steps: int
+    name: str
+    min_lr_ratio: float
+
+    def lr_factor(self) -> Callable[[int], float]:
+        return lr_lambda_factory(self.total_steps, self.warmup_steps, self.name, self.min_lr_ratio)
 
 
-def _choose_sp_degree(cfg: TrainConfig, shape, world: int, offloads_optimizer: bool) -> tuple[int, str]:
-    """`sequence_parallel_size: auto`: the smallest degree whose share of a micro-batch fits the GPU with the
-    configured long-row options (train/plan/memory.py), from the least free memory of all ranks; 1 on CPU."""
-    if not torch.cuda.is_available():
-        return 1, "auto: no CUDA device to size the rows against"
-    from train.preflight import read_meta
-
-    row = cfg.data.online_max_length or int(read_meta(cfg.data.data_path)["max_length"])
-    free = torch.cuda.mem_get_info(default_device())[0]
-    host = available_host_bytes()
-    if dist.is_initialized():  # every rank must choose the same degree: the least memory of all
-        least = torch.tensor([free, -1 if host is None else host], dtype=torch.int64, device=default_device())
-        dist.all_reduce(least, op=dist.ReduceOp.MIN)
-        free, host = int(least[0]), (None if int(least[1]) < 0 else int(least[1]))
-    options = LongRowOptions(checkpointing=cfg.model.gradient_checkpointing is not False,
-                             tile=mlp_tile(cfg.model, shape().intermediate), offload=cfg.model.activation_offload)
-    # the all-to-all buffers of a whole micro-batch (sp 1): an upper bound over the degrees tried
-    state = (_model_state_bytes(cfg, shape(), world, offloads_optimizer)
-             + all_to_all_bytes(shape(), row * cfg.steps.micro_batch_rows, 2 if cfg.model.bf16 else 4,
-                                cfg.parallel.expert_parallel_size))
-    try:
-        choice = choose_sp_degree(shape(), row * cfg.steps.micro_batch_rows, world, free, state, options,
-                                  act_bytes=2 if cfg.model.bf16 else 4, loss_chunk=cfg.steps.loss_chunk_size,
-                                  host_bytes=host, host_ranks=ranks_per_machine(cfg.launch.processes_per_machine))
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    return choice.degree, choice.describe()
+def plan_schedule(cfg: TrainConfig, total_steps: int) -> Schedule:
+    """`warmup_steps`, else `warmup_ratio` of the run's `total_steps` (the sampler's count for this data)."""
+    optim = cfg.optim
+    warmup = optim.warmup_steps if optim.warmup_steps is not None else int(optim.warmup_ratio * total_steps)
+    return Schedule(total_steps, warmup, optim.schedule, optim.min_lr_ratio)
 
 
-def _check_offload_host_memory(cfg: TrainConfig, shape, row_length: int, sp_size: int,
-                               device: torch.device) -> None:
-    """activation_offload on a GPU: a micro-batch's pinned layer inputs must fit the host memory available to
-    this rank (the machine's, shared by its ranks), checked before any weight loads; past it the kernel's OOM
-    killer would end the run in the middle of a forward."""
-    if not cfg.model.activation_offload or device.type != "cuda":
-        return  # on a CPU device the offload keeps the tensors where they are
-    tokens = -(-row_length * cfg.steps.micro_batch_rows // sp_size)
-    problem = host_offload_problem(shape(), tokens, 2 if cfg.model.bf16 else 4, available_host_bytes(),
-                                   ranks_per_machine(cfg.launch.processes_per_machine))
-    if problem:
-        raise ConfigError(f"{problem}; set a larger sequence_parallel_size (or auto), shorter rows (max_length) "
-                          "or activation_offload: false")
+# ---------------------------------------------------------------------------------------------- the loss
+@dataclass(frozen=True)
+class LossPlan:
+    """How a micro-batch's loss is computed: the step `reduction`, the lm-head chunk, whether the chunk is compiled,
+    and the MoE router aux term (None: none)."""
+
+    reduction: str
+    chunk_size: int
+    compiled: bool
+    router_aux: RouterAux | None = None
+
+    def describe(self) -> str:
+        aux = self.router_aux
+        return (f"loss {self.reduction}" + (", compiled loss chunks" if self.compiled else "")
+                + (f", router aux loss (coef {aux.coef:g}, {aux.num_experts} experts, top {aux.top_k})"
+                   if aux is not None else ""))
+
+
+def plan_loss(cfg: TrainConfig, device: torch.device) -> LossPlan:
+    """`compile_loss: auto` compiles the loss chunk on a GPU: measured 1.18x the step of the eager chunk on an H100
+    (BENCHMARKS.md); on the CPU inductor's C++ build costs more than it saves."""
+    compiled = cfg.model.compile_loss is True or (cfg.model.compile_loss == "auto" and device.type == "cuda")
+    return LossPlan(cfg.steps.loss_reduction, cfg.steps.loss_chunk_size, compiled)
+
+
+def plan_router_aux(cfg: TrainConfig, loss: LossPlan, lm: torch.nn.Module, warn) -> LossPlan:
+    """The router aux term of the built model (train/model/moe.py: from the config's keys, else the model's)."""
+    aux, warning = resolve_router_aux(lm, cfg.moe.output_router_logits, cfg.moe.router_aux_loss_coef)
+    if warning:
+        warn(warning)
+    return replace(loss, router_aux=aux)
+
+
+# ---------------------------------------------------------------------------------------------- the experts
+@dataclass(frozen=True)
+class ExpertsPlan:
+    """How the routed experts of an MoE model run: split over `parallel` ranks (expert parallelism,
+    train/model/experts.py), else as transformers' experts module with the `moe_kernel` chosen there. `applied`: what
+    the model's experts turned out to be once built (layers, experts per rank, the kernel), None for a dense model."""
+
+    parallel: int
+    kernel: str
+    applied: Mapping | None = None
+
+    def describe(self) -> str | None:
+        from train.model.experts import describe, describe_experts_kernel
+
+        if self.applied is None:
+            return None
+        return describe(self.applied, self.parallel) if self.parallel > 1 else describe_experts_kernel(self.applied)
+
+
+def plan_experts(cfg: TrainConfig, layout: ParallelLayout) -> ExpertsPlan:
+    return ExpertsPlan(layout.ep, cfg.moe.moe_kernel)
+
+
+# ---------------------------------------------------------------------------------------------- the self-check
+@dataclass(frozen=True)
+class SelfCheckPlan:
+    """Whether the start-up self-check runs, and why not when the config asked for it."""
+
+    runs: bool
+    why_not: str | None = None
+
+
+def plan_self_check(cfg: TrainConfig, partitioned_load: bool) -> SelfCheckPlan:
+    """The start-up self-check (train/model/self_check.py) compares the packed path with the model's own unpacked
+    forward on full weights: not where ZeRO-3 loads them partitioned."""
+    if not cfg.model.self_check:
+        return SelfCheckPlan(False)  # the user's call: nothing to say
+    if partitioned_load:
+        return SelfCheckPlan(False, "ZeRO-3 loads the weights partitioned (self_check covers ZeRO-0/1/2)")
+    return SelfCheckPlan(True)
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class StartupPlan:
+    """Every decision of a run's start-up (this module's docstring), and what the built parts say of themselves for
+    the start line: `engine` (train/engines/), `features` (the model's patches, towers, LoRA)."""
+
+    family: str
+    data: DataFacts
+    images: ImageInputs | None
+    layout: ParallelLayout
+    memory: MemoryPlan
+    schedule: Schedule
+    loss: LossPlan
+    experts: ExpertsPlan
+    self_check: SelfCheckPlan
+    attention: AttentionPlan
+    rows_per_step: int
+    engine: str = ""
+    features: tuple[str, ...] = ()
+
+    def describe(self) -> list[str]:
+        """The start lines: the attention plan, then what a step trains and how."""
+        training = [self.layout.describe(), f"{self.rows_per_step} rows/step", self.engine, self.experts.describe(),
+                    self.loss.describe(), self.memory.describe(), *self.features]
+        return [self.attention.describe(),
+                f"training {self.schedule.total_steps} steps: " + ", ".join(p for p in training if p)]

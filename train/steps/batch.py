@@ -17,12 +17,13 @@ are computed locally from the row; only the step totals come from the shard meta
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
+from data.shards.dataset import Structure
 from train.model.vision import ImageBatch
 
 IGNORE_INDEX = -100
@@ -42,6 +43,59 @@ class StepTotals:
         """The denominator of `reduction` for this step: loss tokens, trained turns or samples."""
         check_reduction(reduction)
         return {"token": self.n_loss_tokens, "turn": self.n_trained_turns, "sample": self.n_samples}[reduction]
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch (T tokens, S packed sequences), what `make_batch` builds from rows of the shards.
+
+    Per token: `input_ids` / `position_ids` [1, T] (positions restart at 0 per sequence; Parallel-R1's rule, or a
+    tree's depths, for structured data), `seq_ids` [T] (sequence index in the micro-batch), `targets` [T] (the next
+    label, -100 where nothing is predicted), `weights` [T] float32 (exact step weights, 0 where the target is -100),
+    `target_categories` [T] (the category of the predicted label token, 0 where ignored); `block_ids` / `path_ids`
+    [T] for structured data (zeros for a tree), `tree_spans` [T] for stepwise trees (data/shards/prefix_tree.py),
+    None otherwise.
+    Per row: `cu_seqlens` [S + 1] int32 and `max_seqlen` (None on a rank's part of a sequence-parallel row, whose
+    SPContext holds the bounds), this micro-batch's counts (summed over a step they equal its `StepTotals`), the
+    `structure` of its data, and `images` (an ImageBatch in the order of the rows' image-token runs; None: none)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    seq_ids: torch.Tensor
+    targets: torch.Tensor
+    weights: torch.Tensor
+    target_categories: torch.Tensor
+    cu_seqlens: torch.Tensor | None
+    max_seqlen: int | None
+    n_loss_tokens: int
+    n_trained_turns: int
+    n_samples: int
+    structure: Structure = Structure.NONE
+    images: ImageBatch | None = None
+    block_ids: torch.Tensor | None = None
+    path_ids: torch.Tensor | None = None
+    tree_spans: torch.Tensor | None = None
+
+    def as_filler(self) -> "MicroBatch":
+        """The same rows contributing nothing: a rank with no row left in a step runs them for the collectives."""
+        return replace(self, targets=torch.full_like(self.targets, IGNORE_INDEX),
+                       weights=torch.zeros_like(self.weights))
+
+    def row_fields(self) -> dict[str, Any]:
+        """The whole row as sequence parallelism shards it (train/attention/sequence_parallel.py `shard_batch`): every
+        per-token tensor (the structure's ids included) and the row's bounds."""
+        fields = {name: getattr(self, name) for name in TOKEN_FIELDS}
+        if self.structure is Structure.PARALLEL_THINKING:
+            fields.update(block_ids=self.block_ids, path_ids=self.path_ids)
+        return {**fields, "cu_seqlens": self.cu_seqlens, "max_seqlen": self.max_seqlen}
+
+    def local(self, fields: Mapping[str, Any]) -> "MicroBatch":
+        """This rank's part of the row: `fields`, the sliced per-token tensors `shard_batch` returns."""
+        return replace(self, **{name: fields[name] for name in TOKEN_FIELDS}, cu_seqlens=None, max_seqlen=None,
+                       block_ids=fields.get("block_ids"), path_ids=fields.get("path_ids"))
+
+
+TOKEN_FIELDS = ("input_ids", "position_ids", "seq_ids", "targets", "weights", "target_categories")
 
 
 def check_reduction(reduction: str) -> None:
@@ -87,22 +141,14 @@ def make_batch(
     rows: Sequence[Mapping[str, np.ndarray]],
     totals: StepTotals,
     reduction: str,
-    structure: bool = False,
+    structure: Structure = Structure.NONE,
     images: Callable[[list[bytes], np.ndarray], tuple[torch.Tensor, torch.Tensor]] | None = None,
-) -> dict[str, Any]:
-    """Tensors of one micro-batch: `rows` (dicts from `PackedDataset[i]`) concatenated into one varlen sequence.
-
-    Returns (T tokens, S packed sequences):
-      input_ids [1, T] int64, position_ids [1, T] int64 (restart at 0 per sequence; Parallel-R1 rule when
-      `structure`), cu_seqlens [S+1] int32, max_seqlen int, seq_ids [T] int64 (sequence index in the
-      micro-batch), targets [T] int64, weights [T] float32 (exact step weights, 0 where target = -100),
-      target_categories [T] int64 (category of the predicted label token, 0 where ignored),
-      n_loss_tokens / n_trained_turns / n_samples (ints, this micro-batch; summed over the step they equal
-      `totals`), and in structure mode block_ids [T], path_ids [T] int64, plus tree_spans [T] int64 for stepwise
-      trees (data/shards/prefix_tree.py: positions are depths; with reduction `sample` a sample is a trained turn).
-      images: an `ImageBatch` of the rows' images in the order of their token runs (rows of an image dataset,
-      whose `image_data` / `image_grid_thw` the loader `images`, e.g. data.shards.images.ImageLoader, turns into pixel
-      values), None for text-only rows.
+) -> MicroBatch:
+    """The `MicroBatch` of `rows` (dicts from `PackedDataset[i]`) concatenated into one varlen sequence, with the
+    exact weights of the step whose totals are `totals` (its `reduction`). `structure`: the data's (`PackedDataset
+    .structure`): Parallel-R1 positions and ids, or a stepwise tree's depths and spans (with reduction `sample` a
+    sample of a tree is a trained turn). `images`: the loader of an image dataset's rows (their `image_data` /
+    `image_grid_thw`; e.g. data.shards.images.ImageLoader) -> the micro-batch's `ImageBatch`; None for text rows.
     """
     check_reduction(reduction)
     if not rows:
@@ -144,7 +190,7 @@ def make_batch(
     seq_loss = np.bincount(seq_ids[valid], minlength=seq_lens.shape[0])
     n_loss = int(valid.sum())
     n_samples = int(np.count_nonzero(seq_loss))
-    tree = structure and "tree_spans" in rows[0]  # stepwise trees: a sample is a trained turn (prefix_tree.py)
+    tree = structure is Structure.TREE  # stepwise trees: a sample is a trained turn (prefix_tree.py)
     # Turns never merge across sequences: key = (sequence, turn id).
     if valid.any() and (target_turns[valid] <= 0).any():
         bad = int(np.flatnonzero(valid & (target_turns <= 0))[0])
@@ -193,7 +239,7 @@ def make_batch(
             sl = slice(int(cu[k]), int(cu[k + 1]))
             positions[sl] = tree_positions(tree_spans[sl])
             check_flat_labels(labels[sl], tree_spans[sl])
-    elif structure:
+    elif structure is Structure.PARALLEL_THINKING:
         block_ids = _concat(rows, "block_ids", np.int64)
         path_ids = _concat(rows, "path_ids", np.int64)
         from data.shards.parallel_thinking import position_ids as structure_position_ids  # lazy: optional mode
@@ -211,26 +257,25 @@ def make_batch(
     else:
         positions = np.arange(n_tok, dtype=np.int64) - np.repeat(starts, seq_lens)
 
-    batch: dict[str, Any] = {
-        "input_ids": torch.from_numpy(input_ids).unsqueeze(0),
-        "position_ids": torch.from_numpy(positions).unsqueeze(0),
-        "cu_seqlens": torch.from_numpy(cu.astype(np.int32)),
-        "max_seqlen": int(seq_lens.max()),
-        "seq_ids": torch.from_numpy(seq_ids),
-        "targets": torch.from_numpy(targets),
-        "weights": torch.from_numpy(weights.astype(np.float32)),
-        "target_categories": torch.from_numpy(target_categories),
-        "n_loss_tokens": n_loss,
-        "n_trained_turns": n_turns,
-        "n_samples": n_samples,
-    }
-    batch["images"] = _image_batch(rows, images)
-    if structure:
-        batch["block_ids"] = torch.from_numpy(block_ids)
-        batch["path_ids"] = torch.from_numpy(path_ids)
-    if tree:
-        batch["tree_spans"] = torch.from_numpy(tree_spans)
-    return batch
+    structured = structure is not Structure.NONE  # the structured kernels read block / path ids (trees: zeros)
+    return MicroBatch(
+        input_ids=torch.from_numpy(input_ids).unsqueeze(0),
+        position_ids=torch.from_numpy(positions).unsqueeze(0),
+        seq_ids=torch.from_numpy(seq_ids),
+        targets=torch.from_numpy(targets),
+        weights=torch.from_numpy(weights.astype(np.float32)),
+        target_categories=torch.from_numpy(target_categories),
+        cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
+        max_seqlen=int(seq_lens.max()),
+        n_loss_tokens=n_loss,
+        n_trained_turns=n_turns,
+        n_samples=n_samples,
+        structure=structure,
+        images=_image_batch(rows, images),
+        block_ids=torch.from_numpy(block_ids) if structured else None,
+        path_ids=torch.from_numpy(path_ids) if structured else None,
+        tree_spans=torch.from_numpy(tree_spans) if tree else None,
+    )
 
 
 def _image_batch(rows: Sequence[Mapping[str, Any]], loader) -> ImageBatch | None:

@@ -18,9 +18,10 @@ import threading
 import time
 from typing import Callable
 
+from train.steps.batch import MicroBatch
 from train.steps.sampler import MicroBatchPlan, StepPlan, StepSampler
 
-BuildMicroBatch = Callable[[StepPlan, MicroBatchPlan], dict]
+BuildMicroBatch = Callable[[StepPlan, MicroBatchPlan], MicroBatch]
 
 
 class InlineFeed:
@@ -39,7 +40,7 @@ class InlineFeed:
         self.step += 1
         return self._plan
 
-    def micro_batch(self, k: int) -> dict:
+    def micro_batch(self, k: int) -> MicroBatch:
         """The k-th micro-batch of the last plan (asked in order)."""
         start = time.perf_counter()
         batch = self.build(self._plan, self._plan.micro_batches[k])
@@ -114,7 +115,7 @@ class PrefetchFeed:
     def next_plan(self) -> StepPlan:
         return self._get("plan")
 
-    def micro_batch(self, k: int) -> dict:
+    def micro_batch(self, k: int) -> MicroBatch:
         """The k-th micro-batch of the last plan (asked in order)."""
         return self._get("batch")
 

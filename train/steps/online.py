@@ -70,6 +70,7 @@ class OnlinePackedDataset:
                 f"({over.size} such rows); tokenize with max_length <= {self.max_length} or raise max_length"
             )
         self.token_fields = src.token_fields
+        self.structure = src.structure
         self.dtype = src.dtype
         self.kind = "packed"
         self.set_epoch(epoch)
