@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
     die_with_supervisor()  # under train.sh: never outlive it (kill -9 to it leaves no orphan training on)
     config_path = argv.pop(0) if argv and "=" not in argv[0] else DEFAULT_CONFIG
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_console()
     from train.config.sections import load_config
     from train.preflight import preflight
 
@@ -110,6 +110,30 @@ def main(argv: list[str] | None = None) -> int:
         trainer = None
         release_process_groups()
     return 0
+
+
+class ConsoleFormat(logging.Formatter):
+    """PackSFT's console lines are plain text: a warning reads `warning: message`, as an error reads `config error:
+    message` (train/ and data/ print the rest themselves)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return f"{record.levelname.lower()}: {text}" if record.levelno >= logging.WARNING else text
+
+
+PACKSFT_LOGGERS = ("train", "data", "common", "packsft")
+
+
+def configure_console() -> None:
+    """One console format for the run's log lines (`ConsoleFormat`), and PackSFT's own warnings said once: by rank 0
+    (every rank runs the same checks on the same inputs, so the others would repeat them word for word); an error
+    is still said by the rank that meets it."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(ConsoleFormat("%(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    if int(os.environ.get("RANK", "0")) != 0:
+        for name in PACKSFT_LOGGERS:
+            logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def quiet_cpu_accelerator_notice() -> None:

@@ -148,7 +148,7 @@ def test_tree_trains_exactly_as_samples(built, case, lora, tmp_path):
         for mode, tr in trainers.items():
             records[mode] = tr.train()
         assert len(records["tree"]) == len(records["samples"]) == steps
-        names = {v: k for k, v in s.categories.items()}
+        names = {v: k for k, v in s.plan.data.categories.items()}
         for step, (rs, rt) in enumerate(zip(records["samples"], records["tree"])):
             assert abs(rt["loss"] - rs["loss"]) <= TOL * max(1.0, rs["loss"]), step
             assert rt["loss_tokens"] == rs["loss_tokens"] and rt["tokens"] < rs["tokens"], step

@@ -17,6 +17,8 @@ import shutil
 import numpy as np
 import orjson
 import pytest
+
+from data.shards.dataset import Structure
 import torch
 
 from tests._train_helpers import write_config
@@ -266,15 +268,15 @@ def test_tree_rows_train_exactly_as_samples_rows(data_dirs, tmp_path):
                             loss_reduction="token") for m in ("samples", "tree")}
     try:
         s, t = trainers["samples"], trainers["tree"]
-        assert t.structure and "tree_spans" in t.dataset.token_fields
+        assert t.plan.data.structure is Structure.TREE and "tree_spans" in t.dataset.token_fields
         # the start-up self-check ran a branching tree of the data against transformers on its paths, and would
         # have failed under the plain causal kernels
         assert sum("tree = its paths" in line for line in said) == 1, said
         from train.model.self_check import compare_tree_with_reference, self_check_tree
 
         cut = self_check_tree(t.dataset)
-        assert cut is not None and compare_tree_with_reference(t.model, *cut, t.plan.train).ok
-        assert not compare_tree_with_reference(t.model, *cut, t.plan.packed).ok
+        assert cut is not None and compare_tree_with_reference(t.model, *cut, t.plan.attention.train).ok
+        assert not compare_tree_with_reference(t.model, *cut, t.plan.attention.packed).ok
         for (name, a), b in zip(s.model.named_parameters(), t.model.parameters()):
             assert torch.equal(a, b), f"the two trainers start from different weights ({name})"
         for tr in trainers.values():  # one step holds every row, in two or more real micro-batches
@@ -305,7 +307,7 @@ def test_tree_rows_train_exactly_as_samples_rows(data_dirs, tmp_path):
         assert cats.keys() == records["tree"]["category_loss"].keys() and cats
         for name, value in cats.items():
             assert abs(records["tree"]["category_loss"][name] - value) <= TOL * max(1.0, value), name
-        names = {v: k for k, v in s.categories.items()}
+        names = {v: k for k, v in s.plan.data.categories.items()}
         for name, value in cats.items():
             assert abs(value - ref_cats[names[name]]) <= TOL * max(1.0, value), name
         assert grads["samples"].keys() == grads["tree"].keys() and grads["samples"]

@@ -4,6 +4,7 @@ import torch
 
 from train.attention.function import BACKENDS, STRUCTURED_SDPA, AttentionContext, LayerKernels, packsft_attention
 from train.attention.varlen_kernels import AttentionFeatures
+from common.config import ConfigError
 
 SDPA = LayerKernels(every=BACKENDS["sdpa"])
 
@@ -44,7 +45,7 @@ def test_flash_backend_without_cuda_is_a_clear_error():
     from train.plan.attention import packed_kernels
     from train.attention.varlen_kernels import NO_FEATURES
 
-    with pytest.raises(RuntimeError, match="attn_backend=flash_varlen cannot run on cpu.*attn_backend=sdpa"):
+    with pytest.raises(ConfigError, match="attn_backend=flash_varlen cannot run on cpu.*attn_backend=sdpa"):
         packed_kernels("flash_varlen", torch.zeros(1, 2, 0, 4), [NO_FEATURES])
 
 

@@ -30,6 +30,7 @@ from train.attention.function import (
 from train.plan.attention import choose_backend
 from train.config.backend_names import ATTENTION_BACKENDS
 from train.attention.varlen_kernels import KERNELS, NO_FEATURES, AttentionFeatures, VarlenKernel
+from common.config import ConfigError
 
 RTOL = 1e-5
 
@@ -75,7 +76,7 @@ def test_kernel_reasons_come_from_the_kernel_table(monkeypatch):
 
 @pytest.mark.parametrize("name,reason", [("flash_varlen", "CUDA"), ("torch_varlen", "CUDA"), ("flex", "CUDA")])
 def test_named_backend_that_cannot_run_raises_its_reasons(name, reason):
-    with pytest.raises(RuntimeError, match=rf"attn_backend={name} cannot run on cpu.*{reason}.*attn_backend=auto"):
+    with pytest.raises(ConfigError, match=rf"attn_backend={name} cannot run on cpu.*{reason}.*attn_backend=auto"):
         choose_backend(name, _query())
 
 

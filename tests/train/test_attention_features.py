@@ -23,6 +23,7 @@ from train.attention.sequence_parallel import SP_BACKENDS, shard_batch
 from train.attention.structured import structure_feature_problems
 from train.attention.varlen_kernels import NO_FEATURES, AttentionFeatures, visible_keys
 from train.row import Row
+from common.config import ConfigError
 from data.shards.dataset import Structure
 
 LENGTHS = (7, 11, 5, 9)
@@ -342,7 +343,7 @@ def test_auto_skips_torch_varlen_for_softcap(monkeypatch, only_feature_reasons):
     ("torch_varlen", AttentionFeatures(has_sinks=True), "attention sinks"),
 ])
 def test_named_backend_refuses_naming_the_feature(only_feature_reasons, name, features, reason):
-    with pytest.raises(RuntimeError, match=rf"attn_backend={name} cannot run.*{reason}"):
+    with pytest.raises(ConfigError, match=rf"attn_backend={name} cannot run.*{reason}"):
         choose_backend(name, _query(), features)
 
 
@@ -369,7 +370,7 @@ def test_the_plan_reads_the_model_features(only_feature_reasons, ring_flash_attn
     assert {kernel.name for _, kernel in _plan(lm).train.by_kind} == {"flex"}
     # the ring alone; the ring across the Ulysses groups, named or (sp_backend ulysses) chosen as auto does
     for sp_backend, ulysses in (("llama3", None), ("llama3", 2), ("ulysses", 2)):
-        with pytest.raises(RuntimeError, match="sp_backend='llama3'.*attention sinks"):
+        with pytest.raises(ConfigError, match="sp_backend='llama3'.*attention sinks"):
             _plan(lm, sp_backend, ulysses, sp_size=4)
     gather = _plan(lm, "torch", sp_size=4)
     assert [kernel.name for _, kernel in gather.train.by_kind] == ["all-gathered K/V, one sdpa_loop varlen call"] * 2
@@ -487,7 +488,7 @@ def test_ring_backends_refuse_features_before_training(ring_flash_attn_usable, b
         assert named in problem and "sp_backend=torch" in problem
     everything = AttentionFeatures(sliding_window=4, softcap=30.0, has_sinks=True)
     assert SP_BACKENDS["torch"].feature_problems(everything) == []
-    with pytest.raises(RuntimeError, match=rf"sp_backend='{backend}'.*softcap=1.0"):  # the plan asks, at start
+    with pytest.raises(ConfigError, match=rf"sp_backend='{backend}'.*softcap=1.0"):  # the plan asks, at start
         _plan(tiny_model("gemma2"), backend, sp_size=2)
 
 
@@ -498,7 +499,7 @@ def test_structure_mode_refuses_features():
     (problem,) = structure_feature_problems(AttentionFeatures(dropout=0.1))
     assert "attention dropout 0.1" in problem
     assert structure_feature_problems(AttentionFeatures(dropout=0.1), sequence_parallel=True) == []
-    with pytest.raises(RuntimeError, match="Parallel-R1.*attention sinks"):  # the plan asks, at start
+    with pytest.raises(ConfigError, match="Parallel-R1.*attention sinks"):  # the plan asks, at start
         _plan(tiny_model("gpt_oss"), structure=Structure.PARALLEL_THINKING)
     assert _plan(tiny_model("gpt_oss").eval(), "torch", sp_size=2).train.by_kind  # no structure: planned
 

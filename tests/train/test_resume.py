@@ -153,7 +153,7 @@ def test_crash_between_the_renames_of_a_resave(setup, monkeypatch):
 
     # resuming at the step of the checkpoint and stopping there saves nothing again
     saves = []
-    monkeypatch.setattr("train.trainer.save_checkpoint", lambda *a, **k: saves.append(a))
+    monkeypatch.setattr("train.run.resume.save_checkpoint", lambda *a, **k: saves.append(a))
     _train(config, out, "resume=latest", "stop_at_step=3")
     assert saves == []
 

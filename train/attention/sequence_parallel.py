@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from common.config import ConfigError
 from data.shards.dataset import Structure
 from train.config.backend_names import LLAMA3, RING_BACKENDS, TORCH, ZIGZAG
 from train.attention.structured import build_mask
@@ -79,7 +80,7 @@ STRUCTURE_FIELDS = ("seq_ids", "block_ids", "path_ids")
 ROW_FIELDS = ("cu_seqlens", "max_seqlen")
 
 
-class SPBackendUnavailable(RuntimeError):
+class SPBackendUnavailable(ConfigError):
     """The selected sequence-parallel backend cannot run here (missing CUDA, flash-attn or ring-flash-attn)."""
 
 

@@ -346,7 +346,7 @@ class TrainConfig:
             "num_epochs": steps.num_epochs,
             "loss_chunk_size": steps.loss_chunk_size,
         }
-        if self.parallel.sequence_parallel_size != "auto":  # auto is resolved at start (train/trainer.py)
+        if self.parallel.sequence_parallel_size != "auto":  # auto is chosen at start (train/plan/layout.py)
             positive["sequence_parallel_size"] = self.parallel.sequence_parallel_size
         for name, value in positive.items():
             if value < 1:

@@ -144,14 +144,14 @@ def choose_backend(requested: str, query: torch.Tensor, features: AttentionFeatu
         for backend in BACKENDS.values():
             if backend.exact and not backend.reasons(query, features):
                 return backend
-        raise RuntimeError("no attention backend can run here: " + "; ".join(
+        raise ConfigError("no attention backend can run here: " + "; ".join(
             f"{name}: {', '.join(backend.reasons(query, features))}" for name, backend in BACKENDS.items()))
     if requested not in BACKENDS:
         raise ValueError(f"attn_backend must be one of {[AUTO, *BACKENDS]}, got {requested!r}")
     reasons = BACKENDS[requested].reasons(query, features)
     if reasons:
         asked = ", ".join([f"dropout {features.dropout}", *features.names()])
-        raise RuntimeError(
+        raise ConfigError(
             f"attn_backend={requested} cannot run on {query.device.type} {query.dtype} ({asked}): "
             + "; ".join(reasons) + ". Use attn_backend=auto (or attn_backend=sdpa, which runs anywhere)"
         )
@@ -316,7 +316,7 @@ def plan_attention(model: ModelSection, parallel: ParallelSection, layout: SPLay
         if ring is not None:
             problems += SP_BACKENDS[ring].feature_problems(f)
     if problems:
-        raise RuntimeError("; ".join(dict.fromkeys(problems)))
+        raise ConfigError("; ".join(dict.fromkeys(problems)))
     local = LayerKernels(every=STRUCTURED_FLEX if mesh.device.type == "cuda" else STRUCTURED_SDPA) if structured \
         else packed
     ulysses = None
