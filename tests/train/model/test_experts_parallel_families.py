@@ -19,7 +19,7 @@ import torch
 
 from tests._train_helpers import one_thread, random_rows, run_train, write_packed  # noqa: F401
 from tests._train_helpers import VOCAB
-from tests.train.test_expert_parallel import AUX, COMMON, RTOL, STEPS, _model_config, _rel, _setup
+from tests.train.model.test_experts_parallel import AUX, COMMON, RTOL, STEPS, _model_config, _rel, _setup
 from train.config.sections import load_config
 from train.metrics import read_log
 from train.trainer import Trainer
@@ -184,7 +184,7 @@ def test_tiled_local_experts_equal_one_call(family, kernel):
     one call: outputs and the gradients of the rows and of every expert weight (gpt_oss: its biases too)."""
     import copy
 
-    from tests.train.test_experts import _close, _experts
+    from tests.train.model.test_experts import _close, _experts
     from train.model.experts import tiled_local_experts
 
     module = _experts(family)

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from common.config import ConfigError
 from tests._train_helpers import one_thread, random_rows, save_tiny_model, write_config, write_packed  # noqa: F401
-from tests.train.test_composite import save_tiny_composite
+from tests.train.model.test_composite import save_tiny_composite
 from train.config.sections import load_config
 from train.trainer import Trainer
 

@@ -21,8 +21,8 @@ import torch
 
 from tests._reshard_worker import record_rows
 from tests._train_helpers import ROOT, free_port, one_thread  # noqa: F401 (a fixture)
-from tests.train.test_expert_parallel import _assert_equal_runs, _options, _setup, data  # noqa: F401 (a fixture)
-from tests.train.test_reshard import _rows_by_step
+from tests.train.model.test_experts_parallel import _assert_equal_runs, _options, _setup, data  # noqa: F401 (a fixture)
+from tests.train.run.test_resume_reshard import _rows_by_step
 from train.checkpoint import checkpoint_root, load_trainer_state
 from train.config.sections import load_config
 from train.metrics import read_log

@@ -14,7 +14,6 @@ import os
 import resource
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,10 +21,10 @@ from transformers.models.granitemoehybrid import modeling_granitemoehybrid as gr
 from transformers.models.kimi_linear import modeling_kimi_linear as kimi
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
 
+from tests.conftest import ROOT
 from train.model.patches import recurrent_kernels as kernels
 from train.row import Row
 
-ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-5
 CHUNK = 8
 # lengths of the packed sequences, against chunks of 8: one sequence; sequences across chunk boundaries, one starting

@@ -13,7 +13,7 @@ import pytest
 
 from common.config import ConfigError
 from tests._train_helpers import ROOT, VOCAB, random_rows, write_config, write_packed
-from tests.train.test_expert_parallel import _model_config
+from tests.train.model.test_experts_parallel import _model_config
 from train.config.sections import load_config
 from train.preflight import preflight
 

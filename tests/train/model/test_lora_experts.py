@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tests._train_helpers import random_rows, run_train, write_config, write_packed
-from tests.train.test_expert_parallel import AUX, COMMON, STEPS
-from tests.train.test_expert_parallel_families import LORA, _assert_same_logs, _assert_same_tensors, _family_config
+from tests.train.model.test_experts_parallel import AUX, COMMON, STEPS
+from tests.train.model.test_experts_parallel_families import LORA, _assert_same_logs, _assert_same_tensors, _family_config
 from train.config.sections import load_config
 from train.trainer import Trainer
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests._train_helpers import random_rows, tiny_model, write_config, write_packed
-from tests.train.test_expert_parallel import _model_config
+from tests.train.model.test_experts_parallel import _model_config
 from train.config.sections import load_config
 from train.trainer import Trainer
 

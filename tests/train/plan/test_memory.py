@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests._train_helpers import one_thread  # noqa: F401  (a fixture)
+from tests._train_helpers import ROOT, one_thread  # noqa: F401  (a fixture)
 
 from train.plan.memory import (
     ModelShape,
@@ -241,7 +241,5 @@ def test_memory_cli_shows_expert_parallelism():
     assert len(rows) == 4 and sum("| 16 of 128 |" in r for r in rows) == 2
     plain = {r.split("|")[3].strip(): float(r.split("|")[5].split()[0]) for r in rows if "| plain |" in r}
     assert plain["1"] == pytest.approx(8 * plain["8"], rel=1e-3)
-    from pathlib import Path
-
-    docs = (Path(__file__).resolve().parents[2] / "docs" / "TRAINING.md").read_text()
+    docs = (ROOT / "docs" / "TRAINING.md").read_text()
     assert all(f"  {row}\n" in docs for row in rows), "docs/TRAINING.md's EP table differs from the CLI's"
