@@ -1,5 +1,6 @@
-"""Redirected output without tqdm fragments, stop_at_step naming its checkpoint and the exact resume command, and
-loss.png with an lr / grad-norm panel and per-category curves without gaps."""
+"""What a run shows (train/metrics.py, and the loop's console): redirected output without tqdm fragments, stop_at_step
+naming its checkpoint and the exact resume command, loss.png with an lr / grad-norm panel, per-category curves without
+gaps, plain titles and a token axis, start lines above the progress bar, and the run summary."""
 from __future__ import annotations
 
 import math
@@ -124,3 +125,42 @@ def test_start_lines_are_written_above_the_progress_bar(tmp_path, monkeypatch):
     trainer.train()
     assert any(line.startswith("training 1 steps:") for line in written), (written, printed)
     assert not any(line.startswith("training 1 steps:") for line in printed)
+
+
+def test_loss_png_titles_are_plain_and_the_loss_panels_have_a_token_axis():
+    from train.metrics import loss_figure
+
+    records = [{"step": s, "loss": 3.0 - s / 10, "lr": 1e-3, "grad_norm": 1.0, "tokens": 1000,
+                "category_loss": {"math": 2.0}, **({"eval_loss": 2.5, "eval_category_loss": {"math": 2.4}}
+                                                   if s % 5 == 0 else {})} for s in range(1, 11)]
+    fig = loss_figure(records)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == ["loss", "per-category loss (lines smoothed, dots measured)", "learning rate and gradient norm",
+                      ""]  # the last: the grad-norm twin axis
+    assert not any("EMA" in t for t in titles)
+    token_axes = [child for ax in fig.axes[:2] for child in ax.child_axes]
+    assert [a.get_xlabel() for a in token_axes] == ["tokens trained", "tokens trained"]
+    legend = [t.get_text() for t in fig.axes[1].get_legend().get_texts()]
+    assert legend == ["math", "math (eval)"]
+
+
+def test_run_summary_says_time_rate_losses_paths_and_how_to_chat(tmp_path):
+    from train.metrics import run_summary
+
+    records = [{"step": 11, "loss": 7.5, "tokens": 4000, "tokens_per_s": 200.0},
+               {"step": 12, "loss": 7.25, "tokens": 6000, "tokens_per_s": 300.0, "eval_loss": 7.375}]
+    final = tmp_path / "final"
+    text = run_summary(records, 99.0, tmp_path / "checkpoints" / "step-000012", final, 75.0)
+    assert text.splitlines() == [
+        "run summary: steps 11-12 in 0m40s (1m15s in all, start-up and saving included), 250 tokens/s, final loss "
+        "7.25, eval loss 7.375 (step 12)",
+        f"  checkpoint:  {tmp_path / 'checkpoints' / 'step-000012'}",
+        f"  final model: {final}",
+        f"  try it:      python -m train.chat {final}   (one user turn per line; with .venv active, from the project "
+        "directory)"]
+    final.mkdir()
+    (final / "adapter_config.json").write_text("{}")
+    assert run_summary(records[:1], 20.0, None, final).splitlines()[-1] == (
+        "  try it:      the export is a LoRA adapter: set lora_merge_on_save=true to chat with the merged model")
+    stopped = run_summary(records, 99.0, tmp_path / "c", None)
+    assert "final model" not in stopped and "try it" not in stopped

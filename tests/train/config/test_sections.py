@@ -1,18 +1,23 @@
-"""Trainer config: YAML + overrides, every invariant checked before the model loads with a clear message, the
-DeepSpeed dict built in code."""
+"""The trainer's config (train/config/sections.py): one YAML file plus `key=value` overrides, keys flat or in their
+section, every rule of the values checked before the model loads with a clear message naming the key and where it
+was written (unknown keys with the closest one, other tools' key names, bad values and numbers), relative paths
+naming the directory they were resolved against, `sh train.sh --help`, the shipped configs."""
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
+import subprocess
+import typing
 
-import numpy as np
+import orjson
 import pytest
+import yaml
 
-from common.config import ConfigError
-from tests._train_helpers import random_rows, save_tiny_model, write_config, write_packed
-from train.config.sections import load_config
+from common.config import ConfigError, field_help
+from tests._train_helpers import ROOT, VOCAB, random_rows, save_tiny_model, write_config, write_packed
+from train.config.sections import FLAT_KEYS, SECTIONS, TrainConfig, load_config
 from train.preflight import preflight
-from train.engines.deepspeed_config import build_deepspeed_config
-from train.engines.schedule import lr_lambda_factory
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +27,24 @@ def setup(tmp_path_factory):
     model = save_tiny_model(tmp / "model")
     config = write_config(tmp / "c.yaml", data_path=str(data), model_path=str(model), output_dir=str(tmp / "out"))
     return tmp, config
+
+
+@pytest.fixture(scope="module")
+def data_and_model(tmp_path_factory):
+    """Packed rows of 20-24-token sequences and a tiny saved model."""
+    tmp = tmp_path_factory.mktemp("data_and_model")
+    data = write_packed(tmp / "data", random_rows(0, 2, min_len=20, max_len=24))
+    model = save_tiny_model(tmp / "model")
+    return tmp, data, model
+
+
+def _model_config(path, max_positions: int):
+    """A tiny Qwen2's config.json of `max_positions` positions."""
+    from transformers import Qwen2Config
+
+    Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=max_positions).to_json_file(path)
+    return path
 
 
 def test_yaml_and_overrides(setup):
@@ -38,7 +61,8 @@ def test_yaml_and_overrides(setup):
     [
         (["data_path=/nonexistent/packed"], 1, "data_path: /nonexistent/packed is not a directory"),
         (["model_path=/nonexistent/model"], 1, "model_path: /nonexistent/model does not exist"),
-        # the override replaces the file's model_path (test_newcomer_frictions), then the path is checked
+        # the override replaces the file's model_path (test_a_model_source_on_the_command_line_replaces_the_yaml_one),
+        # then the path is checked
         (["model_config=x.json"], 1, "model_config: x.json does not exist (x.json is relative to the current directory"),
         (["sequence_parallel_size=2", "launch.num_processes=2"], 3, "world size 3 is not divisible by sequence_parallel_size=2"),
         (["sequence_parallel_size=2"], 2, "launch.num_processes=1 is not divisible"),
@@ -97,71 +121,130 @@ def test_unknown_key_and_bad_type(setup):
         load_config(config, ["distributed_backend=zero2"])
 
 
-def test_token_ids_must_fit_the_vocabulary(setup):
-    tmp, config = setup
-    rows = random_rows(1, 1)
-    rows[0][0]["input_ids"][3] = 500  # the tiny model's vocabulary is 97
-    write_packed(tmp / "big_ids", rows)
-    cfg = load_config(config, [f"data_path={tmp / 'big_ids'}"])
-    with pytest.raises(ConfigError, match=r"data_path: token id 500 .* \(vocab_size=97\)"):
-        preflight(cfg)
-
-
-def test_tokenizer_hash_mismatch_error_or_warning(setup, caplog):
-    tmp, config = setup
-    tok = tmp / "tok"
-    tok.mkdir(exist_ok=True)
-    (tok / "tokenizer.json").write_text('{"model": "a"}')
-    write_packed(tmp / "hashed", random_rows(2, 1), {"tokenizer": {"path": str(tok), "hash": "0" * 64}})
-    cfg = load_config(config, [f"data_path={tmp / 'hashed'}", f"tokenizer_path={tok}"])
-    with pytest.raises(ConfigError, match="tokenizer hash"):
-        preflight(cfg)
-    cfg = load_config(config, [f"data_path={tmp / 'hashed'}", f"tokenizer_path={tok}", "tokenizer_mismatch=warn"])
-    with caplog.at_level(logging.WARNING):
-        preflight(cfg)
-    assert "tokenizer hash" in caplog.text
-
-
-def test_deepspeed_dict_built_in_code(setup, tmp_path):
+def test_unknown_key_names_its_origin_and_the_closest_key(setup, tmp_path):
     _, config = setup
-    cfg = load_config(config, ["deepspeed.stage=3", "deepspeed.offload_optimizer=true", "grad_accum=4",
-                               "max_grad_norm=0.5", "deepspeed.template=configs/deepspeed/zero3.json"])
-    ds = build_deepspeed_config(cfg)
-    assert ds["zero_optimization"]["stage"] == 3
-    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
-    assert ds["gradient_accumulation_steps"] == 4 and ds["gradient_clipping"] == 0.5
-    assert ds["zero_optimization"]["stage3_prefetch_bucket_size"] == 50000000  # from the template
-    assert ds["optimizer"]["type"] == "AdamW"
-    cfg = load_config(config, ["deepspeed.stage=2"])
-    assert "optimizer" not in build_deepspeed_config(cfg)
+    with pytest.raises(ConfigError, match=r"override 'max_step=3': unknown key 'max_step'; did you mean 'max_steps'\?"):
+        load_config(config, ["max_step=3"])
+    with pytest.raises(ConfigError, match=r"override 'deepspeed.stag=2': unknown key 'deepspeed.stag'; did you mean "
+                                          r"'deepspeed.stage'\?"):
+        load_config(config, ["deepspeed.stag=2"])
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(config.read_text() + "warmup_step: 3\n")
+    with pytest.raises(ConfigError, match=rf"config file {typo}: unknown key 'warmup_step'; did you mean 'warmup_steps'"):
+        load_config(typo)
+    with pytest.raises(ConfigError, match="unknown key 'frobnicate' \\(sh train.sh --help lists every key\\)"):
+        load_config(config, ["frobnicate=1"])
+    load_config(config, ["deepspeed.overrides.zero_optimization.overlap_comm=true"])  # free-form mapping
 
 
-def test_deepspeed_template_offload_counts(setup):
-    from train.engines.deepspeed_config import offloads_optimizer
+def test_other_tools_key_names_suggest_ours(data_and_model, tmp_path):
+    tmp, data, model = data_and_model
+    config = write_config(tmp_path / "c.yaml", data_path=str(data), model_path=str(model),
+                          output_dir=str(tmp_path / "out"))
+    with pytest.raises(ConfigError, match=r"override 'learning_rate=1e-4': unknown key 'learning_rate'; did you mean "
+                                          r"'lr'\?"):
+        load_config(config, ["learning_rate=1e-4"])
+    with pytest.raises(ConfigError, match=r"unknown key 'gradient_accumulation_steps'; did you mean 'grad_accum'"):
+        load_config(config, ["gradient_accumulation_steps=4"])
 
+    from data.config import load_config as load_data_config
+
+    data_config = tmp_path / "d.json"
+    data_config.write_bytes(orjson.dumps({"inputs": [{"path": "x.jsonl"}], "output_dir": "o", "tokenizer_path": "t",
+                                          "max_seq_length": 4096}))
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['max_seq_length'\]; did you mean 'max_length'\?"):
+        load_data_config(data_config)
+    data_config.write_bytes(orjson.dumps({"inputs": [{"path": "x.jsonl"}], "output_dir": "o", "tokenizer_path": "t"}))
+    with pytest.raises(ConfigError, match=r"^override 'merge.probabilty=0.5': unknown key 'merge.probabilty'; did you "
+                                          r"mean 'merge.probability'\?"):
+        load_data_config(data_config, ["merge.probabilty=0.5"])
+    with pytest.raises(ConfigError, match=r"^override 'seed=abc': seed: expected an integer, got 'abc'"):
+        load_data_config(data_config, ["seed=abc"])
+
+
+def test_a_bad_override_value_names_the_override_and_file_values_the_file(data_and_model, tmp_path):
+    tmp, data, model = data_and_model
+    config = write_config(tmp_path / "c.yaml", data_path=str(data), model_path=str(model),
+                          output_dir=str(tmp_path / "out"))
+    with pytest.raises(ConfigError, match=r"^override 'loss_reduction=avg': loss_reduction: 'avg' is not one of \['token'"):
+        load_config(config, ["loss_reduction=avg"])
+    with pytest.raises(ConfigError, match=r"^override 'deepspeed.stage=4': deepspeed.stage: 4 is not one of"):
+        load_config(config, ["deepspeed.stage=4"])
+    bad = write_config(tmp_path / "bad.yaml", data_path=str(data), model_path=str(model),
+                       output_dir=str(tmp_path / "out"), loss_reduction="avg")
+    with pytest.raises(ConfigError, match=rf"^{bad}.loss_reduction: 'avg' is not one of"):
+        load_config(bad)
+
+
+@pytest.mark.parametrize(
+    "yaml_line,message",
+    [
+        ("lr: .nan", "lr must be a finite number, got nan"),
+        ("lr: .inf", "lr must be a finite number, got inf"),
+        ("adam_beta1: 1.5", "adam_beta1 must be in [0, 1), got 1.5"),
+        ("adam_beta2: 1.0", "adam_beta2 must be in [0, 1), got 1.0"),
+        ("adam_eps: -1", "adam_eps must be > 0, got -1.0"),
+        ("weight_decay: -1", "weight_decay must be >= 0, got -1.0"),
+        ("lora_dropout: 1.5", "lora_dropout must be in [0, 1), got 1.5"),
+        ("lora_alpha: 0", "lora_alpha must be > 0, got 0.0"),
+        ("max_grad_norm: -.inf", "max_grad_norm must be a finite number, got -inf"),
+        ("warmup_ratio: 1.0", "warmup_ratio must be in [0, 1), got 1.0"),
+        ("stop_at_step: 0", "stop_at_step must be >= 1 (or null), got 0"),
+        ("launch: {machine_rank: 1}", "launch.machine_rank must be in [0, launch.num_machines=1), got 1"),
+    ],
+)
+def test_bad_numbers_fail_before_launch(setup, tmp_path, yaml_line, message):
     _, config = setup
-    template = "deepspeed.template=configs/deepspeed/zero3_offload.json"
-    ds = build_deepspeed_config(load_config(config, ["deepspeed.stage=3", template]))  # YAML flags false
-    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
-    assert ds["zero_optimization"]["offload_param"]["device"] == "cpu"
-    assert offloads_optimizer(ds) and ds["optimizer"]["type"] == "AdamW"  # DeepSpeed's CPU optimizer, not ours
-    plain = build_deepspeed_config(
-        load_config(config, ["deepspeed.stage=3", "deepspeed.template=configs/deepspeed/zero3.json"])
-    )
-    assert not offloads_optimizer(plain) and "optimizer" not in plain
-    assert plain["zero_optimization"]["offload_param"]["device"] == "none"
-    with pytest.raises(ConfigError, match="offloads parameters.*stage 3"):
-        build_deepspeed_config(load_config(config, ["deepspeed.stage=2", template]))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(config.read_text() + yaml_line + "\n")
+    cfg = load_config(bad)
+    with pytest.raises(ConfigError) as exc:
+        cfg.validate()
+    assert str(exc.value) == message
 
 
-def test_lr_schedule():
-    f = lr_lambda_factory(total_steps=10, warmup_steps=2, schedule="cosine", min_ratio=0.1)
-    values = [f(s) for s in range(10)]
-    assert values[0] == pytest.approx(0.5) and values[1] == pytest.approx(1.0) and values[2] == pytest.approx(1.0)
-    assert values[-1] == pytest.approx(0.1)
-    assert all(a >= b for a, b in zip(values[1:], values[2:]))
-    g = lr_lambda_factory(total_steps=5, warmup_steps=0, schedule="linear", min_ratio=0.0)
-    assert np.allclose([g(s) for s in range(5)], [1.0, 0.75, 0.5, 0.25, 0.0])
+def test_train_sh_refuses_a_nan_lr_before_launching(tmp_path):
+    proc = subprocess.run(["sh", "train.sh", "configs/train/example.yaml", "adam_beta1=1.5", f"output_dir={tmp_path}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "config error: adam_beta1 must be in [0, 1), got 1.5" in proc.stderr
+
+
+def test_a_model_source_on_the_command_line_replaces_the_yaml_one(data_and_model, tmp_path, caplog):
+    tmp, data, model = data_and_model
+    config = write_config(tmp_path / "c.yaml", data_path=str(data), model_config=str(_model_config(
+        tmp_path / "m.json", 512)), output_dir=str(tmp_path / "out"))
+    with caplog.at_level(logging.INFO, logger="train.config.sections"):
+        cfg = load_config(config, [f"model_path={model}"])
+    assert cfg.model.model_path == str(model) and cfg.model.model_config is None
+    preflight(cfg)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"override 'model_path={model}' replaces model_config: {tmp_path / 'm.json'} of config file {config}"]
+    both = write_config(tmp_path / "both.yaml", data_path=str(data), model_path=str(model),
+                        model_config=str(tmp_path / "m.json"), output_dir=str(tmp_path / "out"))
+    with pytest.raises(ConfigError, match=f"exactly one of model_path .* must be set; config file {both} sets both"):
+        load_config(both)
+
+
+def test_relative_paths_in_errors_name_the_directory_they_were_resolved_against(data_and_model, tmp_path, monkeypatch):
+    tmp, data, model = data_and_model
+    monkeypatch.chdir(tmp_path)
+    config = write_config(tmp_path / "c.yaml", data_path="outputs/packed", model_path=str(model),
+                          output_dir=str(tmp_path / "out"))
+    with pytest.raises(ConfigError, match=f"data_path: outputs/packed is not a directory .*\\(outputs/packed is "
+                                          f"relative to the current directory {tmp_path}\\)"):
+        preflight(load_config(config))
+    with pytest.raises(ConfigError, match=f"config file nope.yaml does not exist \\(nope.yaml is relative to the "
+                                          f"current directory {tmp_path}\\)"):
+        load_config("nope.yaml")
+    from data.config import load_config as load_data_config
+
+    data_config = tmp_path / "d.json"
+    data_config.write_bytes(orjson.dumps({"inputs": [{"path": "raw/*.jsonl"}], "output_dir": "o",
+                                          "tokenizer_path": str(ROOT / "data/example/tokenizer")}))
+    with pytest.raises(ConfigError, match=f"inputs\\[0\\].path: no file matches 'raw/\\*.jsonl' \\(raw/\\*.jsonl is "
+                                          f"relative to the current directory {tmp_path}\\)"):
+        load_data_config(data_config).validate()
+    assert os.getcwd() == str(tmp_path)
 
 
 @pytest.mark.parametrize("path,world", [("configs/train/example.yaml", 1), ("configs/train/example_sp.yaml", 2)])
@@ -178,6 +261,14 @@ def test_shipped_configs_parse(path, world, tmp_path):
     assert ("--multi_gpu" in args) == (world > 1)
 
 
+def test_no_shipped_train_config_deletes_an_earlier_run():
+    configs = sorted((ROOT / "configs" / "train").glob("*.yaml"))
+    assert configs
+    for path in configs:
+        raw = yaml.safe_load(path.read_text()) or {}
+        assert raw.get("overwrite_output_dir", False) is False, f"{path.name} deletes the previous run's checkpoints"
+
+
 def test_activation_checkpointing_auto_follows_row_length(setup):
     _, config = setup
     cfg = load_config(config, [])
@@ -188,91 +279,6 @@ def test_activation_checkpointing_auto_follows_row_length(setup):
     assert load_config(config, ["gradient_checkpointing=true"]).model.checkpointing_enabled(16) is True
     with pytest.raises(ConfigError, match="gradient_checkpointing"):
         load_config(config, ["gradient_checkpointing=sometimes"])
-
-
-def test_data_without_loss_tokens_is_refused_before_step_1(setup):
-    """Packed rows whose labels are all -100 would train steps of loss 0 and export the initial weights, exit 0."""
-    from tests._train_helpers import untrained_sequence
-
-    tmp, config = setup
-    rng = np.random.default_rng(3)
-    data = write_packed(tmp / "no_loss", [[untrained_sequence(rng, 12), untrained_sequence(rng, 7)]])
-    cfg = load_config(config, [f"data_path={data}"])
-    with pytest.raises(ConfigError, match=f"data_path: {data} has no loss token"):
-        preflight(cfg)
-    cfg = load_config(config, [f"eval_data_path={data}"])
-    with pytest.raises(ConfigError, match=f"eval_data_path: {data} has no loss token"):
-        preflight(cfg)
-
-
-def test_hand_edited_manifest_cannot_hide_token_ids_outside_the_vocabulary(setup):
-    """meta.json's max_token_id lowered by hand used to pass the vocabulary check (IndexError at step 1): the
-    manifest carries its own checksum, and a manifest without one (an older dataset) is not trusted for the maximum."""
-    import orjson
-
-    from data.shards.dataset import MANIFEST_CHECKSUM
-
-    tmp, config = setup
-    rows = random_rows(1, 1)
-    rows[0][0]["input_ids"][3] = 500  # the tiny model's vocabulary is 97
-    data = write_packed(tmp / "edited", rows)
-    meta_file = data / "meta.json"
-    meta = orjson.loads(meta_file.read_bytes())
-    assert meta["max_token_id"] == 500
-    meta["max_token_id"] = 96
-    meta_file.write_bytes(orjson.dumps(meta, option=orjson.OPT_INDENT_2))
-    cfg = load_config(config, [f"data_path={data}"])
-    with pytest.raises(ConfigError, match=f"{meta_file}: manifest checksum mismatch: meta.json changed after it was "
-                                          r"written .* re-create .*--stages pack"):
-        preflight(cfg)
-    del meta[MANIFEST_CHECKSUM]  # as written before manifests had a checksum: the token arrays decide
-    meta_file.write_bytes(orjson.dumps(meta, option=orjson.OPT_INDENT_2))
-    with pytest.raises(ConfigError, match=r"data_path: token id 500 .* \(vocab_size=97\)"):
-        preflight(cfg)
-
-
-def test_missing_export_tokenizer_is_an_error_at_start(setup, monkeypatch):
-    """Shards whose meta.json names a tokenizer (relative, as older pipelines wrote it) that does not exist from
-    where training runs: an error before the model loads, not a warning after the last step and a final/ without
-    its tokenizer."""
-    from tests._train_helpers import ROOT
-
-    tmp, config = setup
-    data = write_packed(tmp / "relative_tok", random_rows(4, 1), {"tokenizer_path": "data/example/tokenizer"})
-    monkeypatch.chdir(tmp)
-    cfg = load_config(config, [f"data_path={data}"])
-    with pytest.raises(ConfigError, match=r"tokenizer_path: not set; model_path .* holds no tokenizer files, and the "
-                       r"shards' meta.json names the tokenizer data/example/tokenizer, which does not exist \(a "
-                       f"relative path, from {tmp} here\).*Set tokenizer_path"):
-        preflight(cfg)
-    preflight(load_config(config, [f"data_path={data}", f"tokenizer_path={ROOT / 'data/example/tokenizer'}"]))
-    monkeypatch.chdir(ROOT)
-    preflight(cfg)
-
-
-def test_tokenizer_mismatch_with_a_pretrained_model_says_to_retokenize_the_data(setup, tmp_path):
-    """A pretrained model's embeddings belong to the ids of its own tokenizer: exporting it with the data's tokenizer
-    would not fix the ids it trained on, so the advice is to re-tokenize the data with the model's tokenizer."""
-    import shutil
-
-    from tests._train_helpers import ROOT
-
-    _, config = setup
-    model = save_tiny_model(tmp_path / "pretrained")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(ROOT / "data" / "example" / "tokenizer" / name, model / name)
-    data_tok = tmp_path / "data_tok"
-    data_tok.mkdir()
-    (data_tok / "tokenizer.json").write_text('{"model": "b"}')
-    write_packed(tmp_path / "data", random_rows(2, 1), {"tokenizer": {"path": str(data_tok), "hash": "0" * 64}})
-    cfg = load_config(config, [f"data_path={tmp_path / 'data'}", f"model_path={model}"])
-    with pytest.raises(ConfigError) as exc:
-        preflight(cfg)
-    message = str(exc.value)
-    assert f"the tokenizer exported with the model, {model} (from model_path), has hash" in message
-    assert (f"re-tokenize the data with the model's tokenizer: tokenizer_path: {model} in the data config, then "
-            "sh data_process.sh again") in message
-    assert "set tokenizer_path to the tokenizer the data was tokenized with" not in message
 
 
 def test_keys_flat_or_in_their_section(setup, tmp_path):
@@ -304,3 +310,32 @@ def test_keys_flat_or_in_their_section(setup, tmp_path):
     assert from_keys({"data_path": "d", "output_dir": "o", "model_config": "m.json", "optim": {"lr": 2e-4}}).optim.lr == 2e-4
     with pytest.raises(ConfigError, match="missing required key 'data_path'"):
         from_keys({"output_dir": "o", "model_config": "m.json"})
+
+
+def _all_keys(cls, prefix=""):
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _all_keys(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name, hints[f.name], cls
+
+
+def test_help_lists_every_key_with_type_default_and_help():
+    """Every key under its section's line, by the name it may be written with alone (`lr`; `deepspeed.stage`)."""
+    proc = subprocess.run(["sh", "train.sh", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    for section in SECTIONS:
+        assert any(line.startswith(f"{section}: ") for line in lines), section
+    for dotted, _, cls in _all_keys(TrainConfig):
+        section, name = dotted.split(".", 1)
+        key = name if name in FLAT_KEYS else dotted
+        heads = [i for i, line in enumerate(lines) if line.startswith(f"  {key} (")]
+        assert len(heads) == 1, key
+        assert field_help(cls)[key.rsplit(".", 1)[-1]], f"{key} has no help comment in train/config/sections.py"
+        assert lines[heads[0] + 1].strip(), key
+    assert "  lr (float, default 1.0e-05)" in lines
+    assert "  loss_reduction (token|turn|sample, default token)" in lines
+    assert "  deepspeed.stage (0|1|2|3|null, default null)" in lines
+    assert "  data_path (str, default required)" in lines

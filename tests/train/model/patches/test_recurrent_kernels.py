@@ -6,8 +6,8 @@
   leak).
 - On CUDA the fused kernels get the row's boundaries (`seq_idx` / `cu_seqlens`): checked with stand-ins for the
   fused functions, since no GPU runs this suite.
-- The issue's case: a tiny Granite 4 hybrid with its default Mamba sizes trains on one 4,096-token row of 60
-  sequences in a bounded amount of memory.
+- A tiny Granite 4 hybrid with its default Mamba sizes (a row that exhausted the machine's memory before the one-call
+  forms) trains on one 4,096-token row of 60 sequences in a bounded amount of memory.
 """
 import json
 import os
