@@ -41,7 +41,7 @@ would be train_32k_small's again); with `--second` the trees phase on 3 fixture 
 of the Qwen vocabulary (SDPA; tree rows through the structured SDPA mask) and the moe phase with a tiny qwen3_moe
 (SMOKE_MOE) on the example's 2K rows, TRL on SDPA. `--no-caps` lifts every phase deadline and per-run timeout (a hang guard of
 NO_CAPS_TIMEOUT stays): each phase runs to its end, so what it records does not depend on the machine's load (the
-CPU smoke test, tests/test_gpu_check.py); the caps are sized for the GPU machine's time limits.
+CPU smoke test, tests/project/test_gpu_check.py); the caps are sized for the GPU machine's time limits.
 
     bash scripts/gpu_check.sh $OUT                # on the GPU machine (installs the carried wheels first)
     bash scripts/gpu_check.sh $OUT/second --second   # the second 10-minute command: trees, moe

@@ -1,7 +1,7 @@
 """Talk to a trained model: `python -m train.chat outputs/example/train/final`.
 
 Each line read from stdin is a user turn; the model's answer (rendered with the model's chat template, the one the
-data was packed with: train/trainer.py exports it with final/) is printed as `assistant: ...`. The conversation
+data was packed with: train/run/export.py exports it with final/) is printed as `assistant: ...`. The conversation
 keeps its history; `/reset` starts a new one, `/exit` (or end of input) ends. Greedy decoding by default
 (`--temperature 0`); `--temperature T` samples (with `--top-p`, seeded by `--seed`). Works on piped input too:
 `printf 'What is 2 + 3?\\n' | python -m train.chat DIR`.

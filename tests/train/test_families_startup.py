@@ -1,7 +1,7 @@
 """Every family the table calls exact trains one step through the CLI's start-up, exactly as transformers' own
 unpacked forward.
 
-tests/train/test_model_conformance.py checks the packed model (`PackedCausalLM` on given kernels) against transformers;
+tests/train/test_families.py checks the packed model (`PackedCausalLM` on given kernels) against transformers;
 this file runs what `sh train.sh` runs for one process: `train.trainer.Trainer` from a config (the preflight's model
 config, the family gate, the model built by `build_lm`, the attention plan, the memory plan of activation
 checkpointing, the start-up self-check, the engine and its optimizer) and then one optimizer step of the sampler's

@@ -36,7 +36,7 @@ def test_example_trains_and_exports(example_data, tmp_path):
                      "warmup_steps=2", "save_steps=4", "grad_accum=1", f"eval_data_path={example_data}",
                      "eval_steps=8")
     log = read_log(out)
-    # the run ends with its summary (tests/test_newcomer_round3.py checks its wording), and without launcher notices
+    # the run ends with its summary (tests/train/test_metrics.py checks its wording), and without launcher notices
     summary = proc.stdout[proc.stdout.index("run summary: steps 1-8 in "):].splitlines()
     assert f"final loss {log[-1]['loss']:.4g}, eval loss {log[-1]['eval_loss']:.4g} (step 8)" in summary[0]
     assert summary[1:4] == [f"  checkpoint:  {out / 'checkpoints' / 'step-000008'}", f"  final model: {out / 'final'}",

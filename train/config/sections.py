@@ -56,7 +56,7 @@ TRAIN_KEY_ALIASES = {
 }
 MODEL_SOURCES = ("model_path", "model_config")  # exactly one is set
 LOG_BACKENDS = ("tensorboard", "wandb")
-# micro-batches the feed thread may hold ahead of the loop (train/feed.py): each is held in host memory whole (its
+# micro-batches the feed thread may hold ahead of the loop (train/steps/feed.py): each is held in host memory whole (its
 # rows, targets, weights, an image row's pixel values), and a couple already hide the building of the next ones
 MAX_PREFETCH_MICRO_BATCHES = 64
 
@@ -346,7 +346,7 @@ class TrainConfig:
             "num_epochs": steps.num_epochs,
             "loss_chunk_size": steps.loss_chunk_size,
         }
-        if self.parallel.sequence_parallel_size != "auto":  # auto is resolved at start (train/trainer.py)
+        if self.parallel.sequence_parallel_size != "auto":  # auto is resolved at start (train/plan/layout.py)
             positive["sequence_parallel_size"] = self.parallel.sequence_parallel_size
         for name, value in positive.items():
             if value < 1:

@@ -112,7 +112,7 @@ def build_lm(cfg: TrainConfig, model_config, dtype: torch.dtype, memory=None) ->
     checkpoint: its own class, the packsft attention on its text decoder, towers frozen as configured:
     train/model/composite.py); optional Liger kernels, tiled MLPs, activation checkpointing, LoRA and compiled
     decoder layers (in that order: compile wraps the patched, checkpointed layers). `memory`: the run's MemoryPlan
-    (train/plan/startup.py: checkpointing of the first `checkpointed_layers` decoder layers, None: all; the MLP
+    (train/plan/memory_plan.py: checkpointing of the first `checkpointed_layers` decoder layers, None: all; the MLP
     tile); None: no checkpointing, untiled."""
     model_config = copy.deepcopy(model_config)  # transformers sets the dtype and attention on the config it is given
     model_class = auto_model_class(model_config)

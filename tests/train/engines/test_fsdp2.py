@@ -2,7 +2,7 @@
 with the same global batch, with gradient clipping on (losses and gradient norms within 1e-5 relative); resumed ==
 not stopped, bit for bit; LoRA with sequence parallelism and activation checkpointing; DCP files read without
 running code from them. FSDP2 == ZeRO-2 and resuming on another number of ranks (through the trainer):
-tests/train/test_reshard.py."""
+tests/train/run/test_resume_reshard.py."""
 from __future__ import annotations
 
 import os

@@ -1,7 +1,7 @@
 """Expert parallelism's core (train/model/experts.py) on one process: the dispatch / exchange / combine of N ranks
 simulated with the exchanges written out (what all_to_all_single delivers), against transformers' own experts module
 on each rank's tokens (outputs and gradients, fp32, 1e-5); grouped_mm == the per-expert loop; the config and model
-refusals. The 2-process runs through the trainer: tests/train/test_expert_parallel.py."""
+refusals. The 2-process runs through the trainer: tests/train/model/test_experts_parallel.py."""
 from __future__ import annotations
 
 import copy

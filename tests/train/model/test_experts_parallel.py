@@ -4,8 +4,8 @@ norms of 3 steps within 1e-5 relative, and final/ (every expert, the model's own
 from_pretrained) equal to the reference's final/ — qwen3_moe with sequence parallelism 2 on 4 processes (stopped
 after step 2 and resumed from its per-part checkpoint) and gpt_oss under FSDP2 on 2; a resume on another degree (2 -> 1);
 the refusal of `sh train.sh` on a dense model. deepseek_v3, the qwen3_5_moe composite's text and mixtral, with
-tiled_mlp and LoRA: tests/train/test_expert_parallel_families.py. The dispatch / combine core alone:
-tests/train/test_experts.py."""
+tiled_mlp and LoRA: tests/train/model/test_experts_parallel_families.py. The dispatch / combine core alone:
+tests/train/model/test_experts.py."""
 from __future__ import annotations
 
 import json
@@ -102,7 +102,7 @@ def _assert_equal_runs(family, ep_out, ref_out, ref_log, first_step: int = 1, st
     assert got.keys() == want.keys()
     experts = [name for name in want if ".experts." in name]
     assert experts and all(got[name].shape == want[name].shape for name in experts)  # every expert exported
-    for name in want:  # atol as tests/train/test_fsdp2.py: Adam's first steps turn the rounding of a tiny
+    for name in want:  # atol as tests/train/engines/test_fsdp2.py: Adam's first steps turn the rounding of a tiny
         # gradient's sums (another order under EP / SP) into up to lr x its relative error: lr 1e-4 keeps that below
         # 1e-6, while a wrong gradient moves a weight by up to lr a step (the weights are ~0.02)
         torch.testing.assert_close(got[name], want[name], rtol=RTOL,

@@ -1,6 +1,6 @@
 """expert_parallel_size: 2 through the trainer's start-up (`python -m train` under torchrun, gloo, 2 CPU processes)
 equals one process without expert parallelism on the same 2 rows a step, for the families and features
-tests/train/test_expert_parallel.py does not run: losses, router aux losses and gradient norms of 3 steps within
+tests/train/model/test_experts_parallel.py does not run: losses, router aux losses and gradient norms of 3 steps within
 1e-5 relative, and final/ equal to the reference's final/ (each tensor within 1e-5 of its scale):
 - deepseek_v3 (a dense first layer, a shared expert, grouped sigmoid routing with its correction bias, latent
   attention) under FSDP2 with tiled_mlp: the dense layer tiled over tokens, the routed experts over the rows they
@@ -30,7 +30,7 @@ TILED = ["tiled_mlp=true", "tiled_mlp_tile=4"]  # rows of 6-24 tokens a sequence
 
 
 def _family_config(family: str) -> dict:
-    """Tiny random-init configs, 8 experts top-2: deepseek_v3 as tests/train/test_expert_parallel.py has it; mixtral
+    """Tiny random-init configs, 8 experts top-2: deepseek_v3 as tests/train/model/test_experts_parallel.py has it; mixtral
     (hidden 32); the qwen3_5_moe composite (towers shrunk, its text decoder: a gated delta-net layer and a full
     attention layer, hidden 64)."""
     if family == "deepseek_v3":
@@ -93,7 +93,7 @@ def _assert_same_logs(ep_out, ref_log, aux: bool):
 
 
 def _assert_same_tensors(got_file, want_file, experts: str = ".experts."):
-    """The same keys and tensors (every expert whole); atol as tests/train/test_expert_parallel.py says why."""
+    """The same keys and tensors (every expert whole); atol as tests/train/model/test_experts_parallel.py says why."""
     from safetensors.torch import load_file
 
     got, want = load_file(got_file), load_file(want_file)

@@ -40,10 +40,11 @@ def test_refused_family_stops_before_the_model_loads(tmp_path, monkeypatch):
     from transformers import BloomConfig
 
     from train import trainer as trainer_module
+    from train.run import setup as run_setup
 
     model_config = tmp_path / "bloom.json"
     BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=1, n_head=2).to_json_file(model_config)
-    monkeypatch.setattr(trainer_module, "build_lm", lambda *a, **k: pytest.fail("the model was built"))
+    monkeypatch.setattr(run_setup, "build_lm", lambda *a, **k: pytest.fail("the model was built"))
     with pytest.raises(UnsupportedModelError, match="model family 'bloom'.*causal mask"):
         trainer_module.Trainer(_config(tmp_path, model_config=str(model_config)), console=lambda *_: None)
 
@@ -52,10 +53,11 @@ def test_refused_setting_stops_before_the_model_loads(tmp_path, monkeypatch):
     """HRM-Text's default config is a prefix-LM: refused from the config, whatever the family's status."""
     from tests.model_zoo import tiny_config
     from train import trainer as trainer_module
+    from train.run import setup as run_setup
 
     config = tiny_config("hrm_text", prefix_lm=True)
     config.to_json_file(tmp_path / "hrm.json")
-    monkeypatch.setattr(trainer_module, "build_lm", lambda *a, **k: pytest.fail("the model was built"))
+    monkeypatch.setattr(run_setup, "build_lm", lambda *a, **k: pytest.fail("the model was built"))
     with pytest.raises(UnsupportedModelError, match="model family 'hrm_text' .* with `prefix_lm: True`"):
         trainer_module.Trainer(_config(tmp_path, model_config=str(tmp_path / "hrm.json")), console=lambda *_: None)
 

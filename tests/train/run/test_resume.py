@@ -153,12 +153,12 @@ def test_crash_between_the_renames_of_a_resave(setup, monkeypatch):
 
     # resuming at the step of the checkpoint and stopping there saves nothing again
     saves = []
-    monkeypatch.setattr("train.trainer.save_checkpoint", lambda *a, **k: saves.append(a))
+    monkeypatch.setattr("train.run.resume.save_checkpoint", lambda *a, **k: saves.append(a))
     _train(config, out, "resume=latest", "stop_at_step=3")
     assert saves == []
 
-    # a checkpoint of another world size that predates the global batch record is a clear error (tests/
-    # test_train_reshard.py resumes current ones on another number of processes)
+    # a checkpoint of another world size that predates the global batch record is a clear error
+    # (tests/train/run/test_resume_reshard.py resumes current ones on another number of processes)
     state_file = root / "step-000003" / "trainer_state.json"
     old_state = {k: v for k, v in orjson.loads(state_file.read_bytes()).items()
                  if k not in ("rows_per_step", "dp_size", "sp_size")}

@@ -8,7 +8,7 @@ router aux losses, gradient norms, the rows of every step, final/ within 1e-5 re
                                           1 process, steps 3-4     1 process, step 4
 
 i.e. 1 -> 2, 2 -> 4 (EP 4 on 4 processes equals EP 1: two steps and the final weights), 2 -> 1 and 4 -> 1. Two
-multi-process launches in all. The plain engine's 2 -> 1 is tests/train/test_expert_parallel.py's. Also: what
+multi-process launches in all. The plain engine's 2 -> 1 is tests/train/model/test_experts_parallel.py's. Also: what
 cannot be regrouped is refused by name, and the resume line's words."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Length-dependent ropes per packed sequence (train/model/patches/rope.py): which rotary modules are wrapped, the wrapper against
 each sequence alone (also with positions that are not 0..n-1), and the refusal under sequence parallelism. The
-model-level equivalence (packed row = each sequence through the model alone) is in tests/train/test_model_conformance.py
+model-level equivalence (packed row = each sequence through the model alone) is in tests/train/test_families.py
 (`test_length_dependent_rope_packed_equals_unpacked`)."""
 from __future__ import annotations
 
