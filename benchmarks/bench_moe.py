@@ -18,7 +18,7 @@ Measured per rank:
   parameters, their gradients just before the optimizer step (read by a wrapper around `optimizer.step`), every
   tensor in the optimizer's state after the last step; split into the routed experts (parameters under `.experts.`)
   and the rest;
-- beside it the memory plan's figure for the same run (train/plan/startup.py's model-state estimate:
+- beside it the memory plan's figure for the same run (train/plan/memory_plan.py's model-state estimate:
   train/plan/memory.py `model_state_bytes` with the experts divided by expert_parallel_size), and its experts part;
 - the step's wall time and CPU time (process time, what a shared machine's load does not inflate), medians over the
   steps after `--warmup`; the peak RSS of the process;

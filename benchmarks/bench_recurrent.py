@@ -8,7 +8,7 @@ sequences in a row of `--tokens` tokens (equal lengths), each path runs in a fre
 set, exactly as the trainer calls it. Measured there: the peak memory of the first step (CPU: growth of the peak
 resident set, `getrusage`; CUDA: peak allocated above what the model and inputs hold), then the best time of
 `--repeats` more. The two paths' losses and every parameter's gradient are compared (the largest relative
-difference is printed, gradients measured as tests/train/test_recurrent.py measures them: both compute each sequence
+difference is printed, gradients measured as tests/train/model/patches/test_recurrent.py measures them: both compute each sequence
 alone).
 
     OMP_NUM_THREADS=1 python -m benchmarks.bench_recurrent --out benchmarks/results/recurrent.md

@@ -8,7 +8,7 @@
    "varlen" is the contiguous-layout path (bounds from `shard_batch`, one kernel call: the SDPA loop on CPU);
    "mask" is the boolean-mask path of the same context (`bounds=None`), what the contiguous layout ran before.
    Both outputs are compared (max abs difference).
-3. Exactness: the multi-process world of tests/train/test_sequence_parallel.py (4 gloo processes, 23 configurations),
+3. Exactness: the multi-process world of tests/train/attention/test_sequence_parallel.py (4 gloo processes, 23 configurations),
    worst relative errors against the single-process run, per attention path of the torch backend.
 
     python -m benchmarks.bench_sp --out benchmarks/results/sp_bench.md

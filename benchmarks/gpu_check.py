@@ -41,7 +41,7 @@ would be train_32k_small's again); with `--second` the trees phase on 3 fixture 
 of the Qwen vocabulary (SDPA; tree rows through the structured SDPA mask) and the moe phase with a tiny qwen3_moe
 (SMOKE_MOE) on the example's 2K rows, TRL on SDPA. `--no-caps` lifts every phase deadline and per-run timeout (a hang guard of
 NO_CAPS_TIMEOUT stays): each phase runs to its end, so what it records does not depend on the machine's load (the
-CPU smoke test, tests/test_gpu_check.py); the caps are sized for the GPU machine's time limits.
+CPU smoke test, tests/project/test_gpu_check.py); the caps are sized for the GPU machine's time limits.
 
     bash scripts/gpu_check.sh $OUT                # on the GPU machine (installs the carried wheels first)
     bash scripts/gpu_check.sh $OUT/second --second   # the second 10-minute command: trees, moe
@@ -139,12 +139,12 @@ TREES_SHAPE = SHAPE_SMALL
 SMOKE_TREES = {"records": 3, "max_length": 4096, "model_config": "configs/model/tiny_qwen2_qwen_vocab.json"}
 
 NO_CAPS_TIMEOUT = 3600.0  # --no-caps: seconds a run may take, a guard against a hang only
-HEAVY_TEST_FILES = ("test_attention_backends.py", "test_step_options.py")  # trainer steps, compiles: run last
+HEAVY_TEST_FILES = ("test_function_backends.py", "test_packed_options.py")  # trainer steps, compiles: run last
 
 
 def gpu_test_files(tests_dir: Path) -> list[str]:
     """Every test file with a `gpu` mark, the ones that build trainers and compile last."""
-    files = sorted(p for p in tests_dir.glob("*/test_*.py") if "mark.gpu" in p.read_text())
+    files = sorted(p for p in tests_dir.rglob("test_*.py") if "mark.gpu" in p.read_text())
     files.sort(key=lambda p: p.name in HEAVY_TEST_FILES)
     return [str(p.relative_to(ROOT)) for p in files]
 

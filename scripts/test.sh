@@ -4,7 +4,7 @@
 #   bash scripts/test.sh                 every stage (~20 min on 2 idle cores: main 15, serial 3, images 2)
 #   bash scripts/test.sh --quick         the fast unit tests only (no slow, multi-process, serial or image tests,
 #                                        nor the longest files: QUICK_SKIP_FILES): a few minutes on 2 idle cores
-#   bash scripts/test.sh tests/train/test_x.py one pytest process in .venv over what the arguments select, then the image
+#   bash scripts/test.sh tests/train/test_row.py one pytest process in .venv over what the arguments select, then the image
 #                                        tests among them in .venv-vision
 #
 # Without arguments, three stages:
@@ -28,9 +28,9 @@ if [ "${1:-}" = "--quick" ]; then quick=1; shift; fi
 QUICK_MARKS="not slow and not multiprocess and not serial and not vision and not gpu"
 # --quick also leaves out these files (by name, wherever they sit under tests/): the longest of the suite by
 # measurement (each test's duration on 2 cores, 2026-12-01): together ~90% of the time of the tests the markers keep
-QUICK_SKIP_FILES=(test_model_conformance test_lm_head test_sequence_parallel test_long_rows test_recurrent
-                  test_recurrent_kernels test_tokenize test_merge test_attention_features test_loss
-                  test_pack_partitions test_self_check test_fidelity test_mistakes test_sample test_family_startup)
+QUICK_SKIP_FILES=(test_families test_lm_head test_sequence_parallel test_tiled_mlp test_recurrent
+                  test_recurrent_kernels test_tokenize test_merge test_function_features test_loss
+                  test_pack_partitions test_self_check test_fidelity test_token_bound test_sample test_families_startup)
 
 ci=0
 case "${CI:-}" in ""|0|false|False|FALSE|no) ;; *) ci=1 ;; esac

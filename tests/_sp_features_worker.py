@@ -1,4 +1,4 @@
-"""Tiny models with attention features, and the 2-process gloo worker of tests/train/test_attention_features.py: sp = 2
+"""Tiny models with attention features, and the 2-process gloo worker of tests/train/attention/test_function_features.py: sp = 2
 over the torch backend (contiguous layout: one varlen call; zigzag: the boolean mask) for tiny gemma2 (softcap,
 alternating window) and gpt-oss (sinks, alternating window) against transformers' eager attention on each sequence
 alone; rank 0 writes the worst relative errors to a JSON file."""

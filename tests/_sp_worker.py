@@ -1,4 +1,4 @@
-"""Helpers and the multi-process worker of tests/train/test_sequence_parallel.py (gloo, CPU, fp32).
+"""Helpers and the multi-process worker of tests/train/attention/test_sequence_parallel.py (gloo, CPU, fp32).
 
 One spawned world of 4 processes runs every configuration (sp=4; dp=2 x sp=2, whose sp groups are the sp=2
 checks; contiguous (varlen kernel path) and zigzag (mask path) layouts through the torch backend) for every loss

@@ -1,4 +1,4 @@
-"""The multi-process worker of tests/train/test_ulysses.py (gloo, CPU, fp32): one spawned world of 4 processes runs
+"""The multi-process worker of tests/train/attention/test_ulysses.py (gloo, CPU, fp32): one spawned world of 4 processes runs
 Ulysses sp = 4, dp = 2 x Ulysses sp = 2 (the second sp group is ranks 2-3, not the first) and the hybrid
 (Ulysses 2 x torch gather 2) on a tiny Qwen2 (4 heads, 2 kv heads: repeated to 4 at degree 4), gemma2 (sliding
 window + softcap) and gpt-oss (sinks + sliding window), and the Parallel-R1 mask; two micro-batches per step

@@ -10,10 +10,10 @@ per-family piece the trainer needs to train it exactly on packed rows; each modu
 - train/model/patches/tiled_mlp.py: whether its decoder layers' feed-forwards can run in tiles of tokens (`untileable_mlp`);
 - train/model/images.py: how a composite trains on image conversations (`images`: an `ImageInputs`), or why it cannot;
 - train/model/experts.py: where its experts module lives, for expert parallelism (`experts`: an `ExpertsSpec`).
-The conformance suite (tests/train/test_model_conformance.py) is parametrized from this table: every `exact` family
+The conformance suite (tests/train/test_families.py) is parametrized from this table: every `exact` family
 trains on a packed row exactly as transformers' own unpacked forward (its length-dependent ropes included), every
 refused one is stopped before any weight loads, and every causal LM of the installed transformers is in it;
-tests/train/test_family_startup.py runs every `exact` one through the trainer's start-up (the CLI's) and one step on a
+tests/train/test_families_startup.py runs every `exact` one through the trainer's start-up (the CLI's) and one step on a
 packed row of 56 sequences against transformers' unpacked forward.
 
 The table covers every causal-LM model type of transformers 5.23 (its auto mapping) and the multimodal types whose

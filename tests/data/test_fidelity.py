@@ -1,4 +1,4 @@
-"""Issue 12: what a record asks to train reaches the loss (reasoning, tool calls, merged turns), or is counted.
+"""What a record asks to train reaches the loss (reasoning, tool calls, merged turns), or is counted.
 
 References are written out here independently of data/fidelity.py: inlined reasoning is built by hand as
 `<think>\\n` + reasoning + `\\n</think>\\n\\n` + content, parsed tool arguments with json.loads, and token ids

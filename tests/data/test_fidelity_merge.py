@@ -1,4 +1,4 @@
-"""Issue 12: pseudo-multiturn merging never loses a trained token, for every fixture template.
+"""Pseudo-multiturn merging never loses a trained token, for every fixture template.
 
 The long-CoT and both tool fixtures go through preprocess -> sample once; then, per tokenizer, merge + tokenize
 run twice: merge.probability 0 (every record alone) and 1 (records chained up to the token budget). A merged

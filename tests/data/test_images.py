@@ -212,7 +212,7 @@ def test_text_pipeline_never_imports_pil_or_torchvision():
 
 
 def test_without_torchvision_an_image_record_says_how_to_set_it_up(tmp_path, monkeypatch):
-    """(where .venv-vision is built, the message is the prefix instead: tests/test_newcomer_round3.py)"""
+    """(where .venv-vision is built, the message is the prefix instead: the next test)"""
     try:
         import torchvision  # noqa: F401
         pytest.skip("torchvision loads here (.venv-vision)")
@@ -225,6 +225,28 @@ def test_without_torchvision_an_image_record_says_how_to_set_it_up(tmp_path, mon
 
     with pytest.raises(ConfigError, match="scripts/setup_vision.sh"):
         load_processor(str(mm("qwen2_5_vl_processor")))
+
+
+def test_without_torchvision_the_hint_is_the_prefix_when_the_image_environment_exists(tmp_path, monkeypatch):
+    try:
+        import torchvision  # noqa: F401
+        pytest.skip("torchvision loads here (.venv-vision)")
+    except Exception:
+        pass
+    from data import images
+
+    processor = str(fixture_path("multimodal", "qwen2_5_vl_processor"))
+    venv = tmp_path / ".venv-vision"
+    monkeypatch.setattr(images, "VISION_VENV", venv)
+    with pytest.raises(ConfigError, match=r"scripts/setup_vision.sh") as absent:
+        images.load_processor(processor)
+    assert "PACKSFT_VENV" not in str(absent.value)
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    with pytest.raises(ConfigError, match=r"the image environment is built \(.*\): run the command with the prefix "
+                                          r"`PACKSFT_VENV=.venv-vision`, e.g. `PACKSFT_VENV=.venv-vision sh "
+                                          r"data_process.sh CONFIG`"):
+        images.load_processor(processor)
 
 
 # ---------------------------------------------------------------------------------------------- the real processor

@@ -3,6 +3,7 @@ import csv
 import hashlib
 import os
 
+import numpy as np
 import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -10,8 +11,12 @@ import pytest
 
 from common import fsutil
 from common.fsutil import atomic_write_bytes, atomic_writer, file_blake2b
+from data import pipeline
 from data.io import append_file, copy_into, expand_inputs, iter_rows, ordered_parallel_map, read_rows
 from data.records import RecordError
+from data.report import read_report
+from data.shards.dataset import ShardWriter
+from tests._data_helpers import CHAT_QA, data_config_file, minimal_config_file, write_jsonl
 from tests._jsonl_index import JsonlIndex
 
 ROWS = [{"question": f"q{i}", "answer": f"a{i}"} for i in range(5)]
@@ -258,3 +263,99 @@ def test_file_blake2b_is_the_hash_of_the_whole_file_across_read_buffers(tmp_path
     path.write_bytes(payload)
     assert file_blake2b(path) == hashlib.blake2b(payload, digest_size=32).hexdigest()
     assert file_blake2b(path, sync=True) == file_blake2b(path)
+
+
+# ---------------------------------------------------------------------------------------------- lines too large for memory
+@pytest.mark.parametrize("failure", ["orjson", "python"])
+def test_a_record_too_large_for_memory_is_an_error_that_says_memory(tmp_path, monkeypatch, capsys, failure):
+    """A valid record whose line does not fit in memory was reported (or under skip dropped) as malformed JSON.
+    Simulated without allocating: the parser fails on one line as orjson does under a memory limit."""
+    path = tmp_path / "big.jsonl"
+    big = {**CHAT_QA, "messages": [{"role": "user", "content": "HUGE"}, CHAT_QA["messages"][1]]}
+    write_jsonl(path, [CHAT_QA, big, CHAT_QA])
+    real_loads = orjson.loads
+
+    def loads(data):
+        if b"HUGE" in bytes(data if not isinstance(data, str) else data.encode()):
+            if failure == "orjson":
+                raise orjson.JSONDecodeError("Not enough memory to allocate buffer for parsing", "", 0)
+            raise MemoryError()
+        return real_loads(data)
+
+    monkeypatch.setattr(orjson, "loads", loads)
+    config = data_config_file(tmp_path, [{"path": str(path), "format": "messages", "category_name": "chat"}],
+                          on_error="skip")
+    with pytest.raises(SystemExit) as exit_info:
+        pipeline.main([config, "--stages", "preprocess"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    size = len(path.read_bytes().splitlines(True)[1])
+    assert err.startswith(f"error: {path}:2: not enough memory to parse this line ({size} bytes")
+    assert "malformed" not in err and "nothing was dropped" in err and "raise the memory limit" in err
+    assert not (tmp_path / "out" / "canonical.jsonl").exists()
+    assert "preprocess" not in read_report(tmp_path / "out" / "report.json")
+
+
+def test_parse_jsonl_line_raises_memory_errors_and_returns_malformed_json():
+    from data.io import LineMemoryError, parse_jsonl_line
+    from data.records import RecordError
+
+    assert isinstance(parse_jsonl_line(b'{"a": ', "f.jsonl:3"), RecordError)
+    assert parse_jsonl_line(b'{"a": 1}\n', "f.jsonl:3") == {"a": 1}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(orjson, "loads", lambda data: (_ for _ in ()).throw(MemoryError()))
+        with pytest.raises(LineMemoryError, match=r"^f\.jsonl:3: not enough memory to parse this line \(9 bytes"):
+            parse_jsonl_line(b'{"a": 1}\n', "f.jsonl:3")
+
+
+# ---------------------------------------------------------------------------------------------- unreadable inputs
+@pytest.mark.parametrize("content", [b"", b"PAR1 this is not parquet"])
+def test_empty_or_corrupt_parquet_names_the_file(tmp_path, capsys, content):
+    bad = tmp_path / "train.parquet"
+    bad.write_bytes(content)
+    config = minimal_config_file(tmp_path, inputs=[{"path": str(bad)}], stages=["preprocess"])
+    with pytest.raises(SystemExit):
+        pipeline.main([str(config)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: {bad}: file: not a readable parquet file: ")
+    assert not any("Traceback" in line for line in err)
+
+
+# ---------------------------------------------------------------------------------------------- durable renames
+def test_writes_are_fsynced_before_the_renames_that_publish_them(tmp_path, monkeypatch):
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.fspath(src), os.fspath(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    from common.fsutil import atomic_write_bytes
+
+    for _ in range(2):  # the second time replaces an existing dataset
+        with ShardWriter(tmp_path / "ds", max_shard_bytes=100) as w:
+            for n in (30, 30, 30):
+                w.add_row([{k: np.ones(n, np.int32) for k in ("input_ids", "labels", "category_ids", "turn_ids")}])
+            w.close({}, extra_files={"stats.json": b"{}"})
+    atomic_write_bytes(tmp_path / "report.json", b"{}")
+
+    publish = [i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(tmp_path / "ds")]
+    assert len(publish) == 2
+    files = sorted(p.name for p in (tmp_path / "ds").iterdir())
+    assert len(files) == 3 * 4 + 2
+    start = 0
+    for at in publish:
+        tmp_dir = events[at][1]
+        synced = [e[1] for e in events[start:at] if e[0] == "fsync"]
+        assert sorted(os.path.basename(p) for p in synced if os.path.dirname(p) == tmp_dir) == files
+        assert synced[-1] == tmp_dir  # the directory itself, after its files
+        assert events[at + 1] == ("fsync", str(tmp_path))  # the parent, after the swap
+        start = at
+    rename = next(i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(tmp_path / "report.json"))
+    assert events[rename - 1] == ("fsync", events[rename][1]) and events[rename + 1] == ("fsync", str(tmp_path))

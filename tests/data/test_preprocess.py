@@ -4,11 +4,13 @@ import itertools
 import orjson
 import pytest
 
-from data import preprocess, ratios
+from data import pipeline, preprocess, ratios, sample
 from data.config import DataConfig, InputSpec
 from data.io import iter_jsonl, iter_rows
+from data.pipeline import cli_main
 from data.records import RecordError, validate_canonical
 from data.report import DROPPED_AT_LIMIT, DroppedAt, check_arithmetic, read_report
+from tests._data_helpers import CHAT_QA, data_config_file, preprocess_config_file, qa_rows
 from tests.conftest import fixture_path
 
 
@@ -491,3 +493,87 @@ def test_the_first_error_in_input_order_is_raised(tmp_path, workers):
     cfg.inputs = [qa]
     with pytest.raises(RecordError, match=rf"^{array}:1: answer: missing field"):
         preprocess.run(cfg)
+
+
+# ---------------------------------------------------------------------------------------------- inputs that lose their rows
+def test_an_input_that_loses_every_row_under_skip_is_an_error_naming_it(tmp_path, capsys):
+    """A wrongly declared format under on_error: skip dropped 100% of the input (150/150 missing_field) with
+    `warnings: []`."""
+    good = _jsonl(tmp_path / "good.jsonl", [CHAT_QA] * 3)
+    wrong = _jsonl(tmp_path / "gsm8k.jsonl", qa_rows(150))
+    config = data_config_file(tmp_path, [{"path": good, "category_name": "chat"},
+                                     {"path": wrong, "format": "prompt_response", "category_name": "math"}],
+                          on_error="skip")
+    with pytest.raises(SystemExit) as exit_info:
+        pipeline.main([config, "--stages", "preprocess"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"error: preprocess: inputs[1] ({wrong}, format prompt_response) lost all its 150 rows "
+                   f"(missing_field 150; the first: {wrong}:1: prompt: missing field 'prompt'; row has ['answer', "
+                   "'question']): nothing of it would be trained. Check its format and keys (prompt_key 'prompt', "
+                   "response_key 'response'), or remove it from inputs")
+    assert not (tmp_path / "out" / "canonical.jsonl").exists()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_an_input_that_loses_most_of_its_rows_is_a_warning(tmp_path, capsys, workers):
+    good = _jsonl(tmp_path / "good.jsonl", [CHAT_QA] * 3)
+    mostly = _jsonl(tmp_path / "qa.jsonl", qa_rows(10, bad={1, 2, 4, 5, 6, 7}))
+    fine = _jsonl(tmp_path / "fine.jsonl", qa_rows(10, bad={3}))
+    config = data_config_file(tmp_path, [{"path": good, "category_name": "chat"},
+                                     {"path": mostly, "format": "prompt_response", "prompt_key": "question",
+                                      "response_key": "answer", "category_name": "math"},
+                                     {"path": fine, "category_name": "math"}],
+                          on_error="skip", num_workers=workers)
+    pipeline.main([config, "--stages", "preprocess"])
+    warning = (f"inputs[1] ({mostly}, format prompt_response) lost 6 of its 10 rows (60%: missing_field 6; the first: "
+               f"{mostly}:2: answer: missing field 'answer'; row has ['question']), more than input_loss_warning 0.5")
+    section = read_report(tmp_path / "out" / "report.json")["preprocess"]
+    assert section["warnings"] == [warning]
+    assert [(st["dropped"], st["dropped_by_reason"]) for st in section["inputs"]] == [
+        (0, {}), (6, {"missing_field": 6}), (1, {"missing_field": 1})]
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"WARNING: preprocess: {warning}"
+    pipeline.main([config, "--stages", "preprocess", "input_loss_warning=0.6"])
+    assert read_report(tmp_path / "out" / "report.json")["preprocess"]["warnings"] == []
+
+
+# ---------------------------------------------------------------------------------------------- ratio-file keys
+QA = {"question": "q", "answer": "a"}
+
+
+@pytest.mark.parametrize("typo", ["sample_rat", "sample_rate "])
+def test_a_mistyped_ratio_key_is_an_error_naming_the_entry_and_the_closest_key(tmp_path, typo):
+    cfg = make_cfg(tmp_path, [InputSpec(path=[_jsonl(tmp_path / "c.jsonl", [QA] * 4)], category_name="chat")])
+    preprocess.run(cfg)
+    written = {"categories": [{"category_id": 1, "category_name": "chat", "size": 4, typo: 0.5}]}
+    cfg.ratio_file.write_bytes(orjson.dumps(written))
+    message = (rf"{cfg.ratio_file}: entry 'chat' \(categories\[0\]\): unknown key '{typo}'; did you mean "
+               r"'sample_rate'\?")
+    with pytest.raises(ValueError, match=message):
+        preprocess.run(cfg)
+    assert orjson.loads(cfg.ratio_file.read_bytes()) == written  # the user's key is still there
+    with pytest.raises(ValueError, match=message):
+        sample.run(cfg)
+    cfg.ratio_file.write_bytes(orjson.dumps({"categoris": []}))
+    with pytest.raises(ValueError, match=r"unknown key 'categoris'; did you mean 'categories'\?"):
+        preprocess.run(cfg)
+
+
+# ---------------------------------------------------------------------------------------------- empty inputs
+@pytest.mark.parametrize("empty_bytes", [b"", b"\n\n  \n"])
+def test_an_empty_input_next_to_others_is_a_counted_warning(tmp_path, capsys, empty_bytes):
+    full = _jsonl(tmp_path / "full.jsonl", [QA] * 3)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(empty_bytes)
+    cli_main(preprocess.run, "preprocess", [preprocess_config_file(tmp_path, [full, str(empty)])])
+    assert capsys.readouterr().err.splitlines()[-1] == f"WARNING: preprocess: input {empty} is empty (no row)"
+    section = read_report(tmp_path / "out" / "report.json")["preprocess"]
+    assert section["empty_inputs"] == [str(empty)] and section["out"] == 3
+
+
+def test_an_empty_only_input_is_an_error_naming_it(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    with pytest.raises(SystemExit):
+        cli_main(preprocess.run, "preprocess", [preprocess_config_file(tmp_path, [str(empty)])])
+    assert capsys.readouterr().err == f"error: preprocess: every input is empty (no row): {empty}\n"

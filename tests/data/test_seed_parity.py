@@ -1,4 +1,4 @@
-"""Issue 6, data side: verl / rllm datasets through the real stages, checked against independent references.
+"""verl / rllm datasets (data side) through the real stages, checked against independent references.
 
 Every test runs data.preprocess.run -> data.sample.run -> data.merge.run -> data.tokenize.run on a config
 built with common.config.from_dict, on the real fixtures, and reads the tokenized output back with

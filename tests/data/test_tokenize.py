@@ -6,15 +6,17 @@ import numpy as np
 import orjson
 import pytest
 
+from tests._data_helpers import tokenize_config_file, tokenize_record
 from tests.conftest import fixture_path, tokenizer_dir
 from tests.data.test_tokenize_templates import _gsm8k_records, check_turn_text, reference_inputs
 
 from common.config import ConfigError
 from data.chat_template import analyze_template, load_chat_tokenizer
+from data import tokenize
 from data.config import DataConfig
 from data.executor import LocalExecutor
 from data.records import RecordError
-from data.report import check_arithmetic
+from data.report import check_arithmetic, read_report
 from data.shards.dataset import PackedDataset, ShardWriter
 from data.pipeline import cli_main
 from data.tokenize import IGNORE_INDEX, TokenizeContext, run, tokenize_records
@@ -345,3 +347,34 @@ def test_meta_records_the_tokenizer_path_resolved(tmp_path, monkeypatch):
     run(DataConfig(inputs=[], output_dir=str(tmp_path), tokenizer_path=tok.name), LocalExecutor(1))
     stored = Path(PackedDataset(tmp_path / "tokenized").meta["tokenizer_path"])
     assert stored.is_absolute() and stored.resolve() == tok.resolve()  # however ../shared is mounted (a link or not)
+
+
+# ---------------------------------------------------------------------------------------------- categories that lose their records
+def test_a_category_that_loses_every_record_is_an_error_naming_it(tmp_path, capsys):
+    records = [tokenize_record(i, "short", "Fine.") for i in range(4)] + [tokenize_record(4 + i, "long", "word " * 200)
+                                                                  for i in range(3)]
+    config = tokenize_config_file(tmp_path, records)
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(tokenize.run, "tokenize", [str(config)])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert ("error: tokenize: category 'long' (id 2) lost all its 3 records (overlong 3): nothing of it would be "
+            "trained (max_length 64") in captured.err
+    assert "sample_rate to 0" in captured.err
+    assert "\nlong " in captured.out  # the summary table names the emptied category
+    assert not (tmp_path / "out" / "tokenized").exists()
+
+
+def test_a_category_that_loses_more_than_the_threshold_warns_at_the_end_and_in_the_report(tmp_path, capsys):
+    records = ([tokenize_record(i, "short", "Fine.") for i in range(4)] + [tokenize_record(4, "long", "Short enough.")]
+               + [tokenize_record(5 + i, "long", "word " * 200) for i in range(3)])
+    config = tokenize_config_file(tmp_path, records)
+    cli_main(tokenize.run, "tokenize", [str(config)])
+    warning = ("category 'long' (id 2) lost 3 of its 4 records (75%: overlong 3), more than category_loss_warning "
+               "0.5")
+    assert capsys.readouterr().err.splitlines()[-1] == f"WARNING: tokenize: {warning}"
+    section = read_report(tmp_path / "out" / "report.json")["tokenize"]
+    assert section["warnings"] == [warning]
+    assert section["categories"]["2"]["dropped"] == {"overlong": 3}
+    cli_main(tokenize.run, "tokenize", [str(config), "category_loss_warning=0.8"])
+    assert "WARNING: tokenize" not in capsys.readouterr().err

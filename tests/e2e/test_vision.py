@@ -148,10 +148,11 @@ def test_stopped_and_resumed_equals_uninterrupted(reference, packed, tmp_path, o
 def test_self_check_says_why_it_skips_long_image_sequences(packed, tmp_path, monkeypatch, one_thread):  # noqa: F811
     """Image sequences are checked whole: where the first rows hold none short enough, the start line says so (not
     that the data has no sequence of 2 tokens)."""
+    import train.run.check
     import train.trainer
     from train.config.sections import load_config
 
-    monkeypatch.setattr(train.trainer, "SELF_CHECK_MAX_TOKENS", 100)  # the example's sequences have 140-195 tokens
+    monkeypatch.setattr(train.run.check, "SELF_CHECK_MAX_TOKENS", 100)  # the example's sequences have 140-195 tokens
     lines: list[str] = []
     with in_project_root():
         train.trainer.Trainer(load_config(TRAIN_CONFIG, _overrides(packed, tmp_path / "out")), console=lines.append)

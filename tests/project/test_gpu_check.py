@@ -39,9 +39,9 @@ def _run_check(out, *args, timeout=900):
 
 def test_gpu_test_files_are_every_file_with_a_gpu_mark_heavy_last():
     files = gpu_test_files(ROOT / "tests")
-    marked = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("*/test_*.py") if "mark.gpu" in p.read_text())
-    assert sorted(files) == marked and "tests/train/test_varlen_kernels.py" in files
-    assert files[-2:] == ["tests/train/test_attention_backends.py", "tests/train/test_step_options.py"]
+    marked = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py") if "mark.gpu" in p.read_text())
+    assert sorted(files) == marked and "tests/train/attention/test_varlen_kernels.py" in files
+    assert files[-2:] == ["tests/train/attention/test_function_backends.py", "tests/train/model/test_packed_options.py"]
 
 
 def test_pytest_lines_of_both_formats_are_read():

@@ -1,1 +1,2 @@
-"""Tests of the trainer (train/): config, plans, model, attention, engines, steps, the loop."""
+"""Tests of the trainer (train/), a folder per wing: config, plan, model (and model/patches), attention, engines, steps,
+run; the top-level modules (the loop, preflight, launch, checkpoints, metrics, ...) at this folder's top."""

@@ -1,5 +1,6 @@
 """`sh train.sh` as jobs are stopped: a signal to it reaches every process of the run, and the output directory is
-locked for as long as any of them runs."""
+locked for as long as any of them runs (train/launch.py's supervisor); a single-process launch starts the trainer as
+accelerate would."""
 from __future__ import annotations
 
 import json
@@ -16,8 +17,6 @@ import pytest
 
 from common.lock import LOCK_NAME
 from tests._train_helpers import ROOT, random_rows, write_packed
-
-pytestmark = pytest.mark.serial  # scripts/test.sh runs these alone (see pytest.ini)
 
 
 def _processes_of(out: Path) -> list[int]:
@@ -75,6 +74,7 @@ def run_dir(tmp_path):
         os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.serial  # scripts/test.sh runs it alone (see pytest.ini)
 @pytest.mark.multiprocess
 def test_sigterm_to_train_sh_stops_the_whole_run_and_the_lock_refuses_a_second_run(run_dir):
     tmp_path, out = run_dir
@@ -140,6 +140,7 @@ with open(os.path.join(os.environ["THREAD_REPORTS"], f"rank{os.environ['RANK']}.
 """
 
 
+@pytest.mark.serial  # scripts/test.sh runs it alone (see pytest.ini)
 @pytest.mark.multiprocess
 def test_gloo_threads_are_joined_before_the_interpreter_shuts_down(tmp_path):
     """The cause of a rare SIGABRT at exit ("terminate called without an active exception") of the rank that exits
@@ -167,6 +168,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.serial  # scripts/test.sh runs it alone (see pytest.ini)
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("target", ["pid", "process group"])
 def test_kill_9_to_train_sh_leaves_no_process_of_the_run(run_dir, target):
@@ -205,6 +207,7 @@ with directory_lock(sys.argv[1]):
 """
 
 
+@pytest.mark.serial  # scripts/test.sh runs it alone (see pytest.ini)
 def test_a_lock_is_kept_while_a_process_its_holder_started_runs(tmp_path, capsys):
     """The holder killed, a process it started (a trainer rank) still running: the lock is not taken over."""
     from common.lock import LockHeldError, directory_lock
@@ -229,6 +232,7 @@ def test_a_lock_is_kept_while_a_process_its_holder_started_runs(tmp_path, capsys
     assert f"[lock] took over {tmp_path / LOCK_NAME} from a run that is gone (pid {holder.pid}" in capsys.readouterr().out
 
 
+@pytest.mark.serial  # scripts/test.sh runs it alone (see pytest.ini)
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("processes", [1, 2])
 def test_train_sh_exits_with_the_trainers_status_and_only_its_message(tmp_path, processes):
@@ -249,3 +253,26 @@ def test_train_sh_exits_with_the_trainers_status_and_only_its_message(tmp_path, 
     assert len(messages) == processes and "model family 'bloom' cannot be trained on packed rows" in messages[0]
     for noise in ("Traceback", "CalledProcessError", "ChildFailedError", "exitcode"):
         assert noise not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+
+
+def test_a_single_process_launch_starts_the_trainer_as_accelerate_would(tmp_path, monkeypatch, capfd):
+    """One process on one machine: the trainer module started directly (no accelerate launcher process), with
+    accelerate's OpenMP setting (the threads train/__main__.py chose on CPU; one on a GPU unless set), and its exit
+    status."""
+    import signal
+
+    from train.launch import FORWARDED_SIGNALS, run_single_process
+
+    (tmp_path / "probe_env.py").write_text("import os, sys\nprint(os.environ.get('OMP_NUM_THREADS'), *sys.argv[1:])\n"
+                                           "sys.exit(3)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    handlers = {sig: signal.getsignal(sig) for sig in FORWARDED_SIGNALS}
+    try:
+        assert run_single_process(["--num_processes", "1", "--cpu", "--num_cpu_threads_per_process", "2", "-m",
+                                   "probe_env", "a.yaml", "k=v"]) == 3
+        assert run_single_process(["--num_processes", "1", "-m", "probe_env", "a.yaml"]) == 3
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert capfd.readouterr().out.splitlines() == ["2 a.yaml k=v", "1 a.yaml"]

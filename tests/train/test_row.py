@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import train.attention.function  # noqa: F401  (registers attn_implementation="packsft")
-from tests.train.test_recurrent import tiny_model
-from tests.train.test_rope import _model as rope_model
+from tests.train.model.patches.test_recurrent import tiny_model
+from tests.train.model.patches.test_rope import _model as rope_model
 from train.attention.function import BACKENDS, AttentionContext, LayerKernels
 from train.model.packed import PackedCausalLM
 from train.row import Row

@@ -56,7 +56,7 @@ TRAIN_KEY_ALIASES = {
 }
 MODEL_SOURCES = ("model_path", "model_config")  # exactly one is set
 LOG_BACKENDS = ("tensorboard", "wandb")
-# micro-batches the feed thread may hold ahead of the loop (train/feed.py): each is held in host memory whole (its
+# micro-batches the feed thread may hold ahead of the loop (train/steps/feed.py): each is held in host memory whole (its
 # rows, targets, weights, an image row's pixel values), and a couple already hide the building of the next ones
 MAX_PREFETCH_MICRO_BATCHES = 64
 

@@ -1,8 +1,9 @@
 """DeepSpeed's JSON, built in code from TrainConfig (a template file may supply defaults; nothing is written to disk).
 
-Gradient scaling contract (see train/trainer.py): the trainer calls `engine.backward(loss, scale_wrt_gas=False)`,
-so DeepSpeed does not divide by gradient_accumulation_steps; it still averages gradients over its data-parallel
-world (all ranks, dp x sp), which the trainer undoes by multiplying the local loss by the world size.
+Gradient scaling contract (see train/engines/deepspeed_engine.py): the engine calls `engine.backward(loss,
+scale_wrt_gas=False)`, so DeepSpeed does not divide by gradient_accumulation_steps; it still averages gradients over
+its data-parallel world (all ranks, dp x sp), which the trainer undoes by multiplying the local loss by the world size
+(the engine's `backward_scale`).
 """
 from __future__ import annotations
 

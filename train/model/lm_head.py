@@ -26,7 +26,7 @@ def _unsupported_head(family: str, what: str) -> UnsupportedModelError:
         f"the output-embedding weight with the family's logit transform (train/families.py), so it would train "
         f"this model on other logits than its own forward produces. To train it, describe its head in "
         f"train/families.py (the family's `logits`, or a new LMHead field in train/model/loss.py) and confirm with the "
-        f"conformance suite (tests/train/test_model_conformance.py) that its packed loss is the model's own."
+        f"conformance suite (tests/train/test_families.py) that its packed loss is the model's own."
     )
 
 

@@ -1,7 +1,7 @@
 """Which model families train exactly on packed rows, and why the others are refused.
 
 The status of a family is its `FamilySpec` in train/families.py (every causal-LM family of the installed
-transformers), which the conformance suite (tests/train/test_model_conformance.py) holds to account: an `exact` family
+transformers), which the conformance suite (tests/train/test_families.py) holds to account: an `exact` family
 must train on a packed row exactly as transformers' own unpacked eager forward on each sequence alone (loss and
 every parameter's gradient, fp32); a refused family must be refused by `check_model_support` before any weight is
 loaded, with the family and the reason. A family the table does not know (a newer transformers, remote code)

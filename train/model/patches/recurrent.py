@@ -66,7 +66,7 @@ MAMBA2 = ("mamba2_split_conv1d_scan_combined", "causal_conv1d_fn", "mamba2_chunk
 GATED_DELTA_RULE = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
 KIMI_DELTA_ATTENTION = ("causal_conv1d_fn", "chunk_kimi_delta_attention")
 # mixer class -> the kernels its forward calls, every token mixing of it among them (checked per family by
-# tests/train/test_recurrent.py): these run once over the whole row; every other known mixer once per sequence
+# tests/train/model/patches/test_recurrent.py): these run once over the whole row; every other known mixer once per sequence
 ONE_CALL = {
     **dict.fromkeys(("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv"), SHORT_CONVOLUTION),
     **dict.fromkeys(("Mamba2Mixer", "BambaMixer", "FalconH1Mixer", "GraniteMoeHybridMambaLayer",

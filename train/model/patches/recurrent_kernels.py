@@ -17,7 +17,7 @@ package) the torch forms below run: transformers' torch references with the rest
   only the sequence the chunk ends in; the state carried from chunk to chunk is dropped where the sequence at the
   chunk ends changes; a token reads the carried state only if it belongs to the sequence the previous chunk ended in.
 The result equals transformers' reference on each sequence alone up to float rounding (the chunks are cut at other
-places), which tests/train/test_recurrent.py checks per kernel and per model family.
+places), which tests/train/model/patches/test_recurrent.py checks per kernel and per model family.
 """
 from __future__ import annotations
 

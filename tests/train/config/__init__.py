@@ -1,0 +1,1 @@
+"""Tests of train/config/: the typed sections of the trainer's YAML, their rules and `--help`."""

@@ -1,0 +1,1 @@
+"""Tests of train/model/patches/: per-sequence rope, recurrent restarts, tiled MLP, activation offload."""

@@ -1,0 +1,1 @@
+"""Tests of train/run/: the run around the loop (resume, resharding, the experts' regrouping)."""

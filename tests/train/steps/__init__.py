@@ -1,0 +1,1 @@
+"""Tests of train/steps/: micro-batches, the feed, online packing, dp balance."""
