@@ -122,7 +122,7 @@ def check_output_dir(cfg: TrainConfig) -> None:
     delete there): a link among them is refused. So is a step-N/ PackSFT did not write when starting over, a
     log.jsonl that is not PackSFT's log (the new run would truncate it), and an earlier run's checkpoints when
     neither resuming nor overwriting."""
-    from train.checkpoint import foreign_step_dirs, list_checkpoints
+    from train.checkpoint import CheckpointError, checkpoint_root, foreign_step_dirs, latest_pointer, list_checkpoints
     from train.metrics import read_log
 
     ckpt = cfg.checkpoint
@@ -139,6 +139,11 @@ def check_output_dir(cfg: TrainConfig) -> None:
         raise ConfigError(f"output_dir: {foreign[0]}; overwrite_output_dir=true removes only PackSFT's own "
                           "checkpoints and the new run would replace this directory: move it out of output_dir")
     read_log(ckpt.output_dir)
+    if ckpt.resume == "latest":
+        try:  # a pointer naming a path outside checkpoints/: refused before anything loads
+            latest_pointer(checkpoint_root(ckpt.output_dir))
+        except CheckpointError as exc:
+            raise ConfigError(f"resume=latest: {exc}") from None
     if ckpt.resume not in ("none", "latest") and not Path(ckpt.resume).is_dir():
         raise ConfigError(f"resume: {ckpt.resume} is not a checkpoint directory (or use none / latest)"
                           f"{relative_note(ckpt.resume)}")

@@ -464,7 +464,7 @@ class Trainer:
         if self.mesh.is_main:
             for stale in remove_stale_temporaries(self.cfg.checkpoint.output_dir):  # a killed save's partial files
                 logger.warning("removed %s, left by a save that did not finish", stale)
-        candidates = resume_candidates(self.cfg.checkpoint.resume, self.cfg.checkpoint.output_dir)
+        candidates = resume_candidates(self.cfg.checkpoint.resume, self.cfg.checkpoint.output_dir, warn=self._warn)
         if not candidates:
             if self.mesh.is_main:  # a new run: no records of an earlier run in the same output_dir
                 truncate_log(self.cfg.checkpoint.output_dir, 0)
