@@ -55,6 +55,8 @@ TRAIN_KEY_ALIASES = {
     "lora_target_modules": "target_modules", "gradient_clipping": "max_grad_norm",
 }
 MODEL_SOURCES = ("model_path", "model_config")  # exactly one is set
+# LoRA's target_modules when the config sets none: the attention and dense MLP projections of Llama-style families
+DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LOG_BACKENDS = ("tensorboard", "wandb")
 # micro-batches the feed thread may hold ahead of the loop (train/feed.py): each is held in host memory whole (its
 # rows, targets, weights, an image row's pixel values), and a couple already hide the building of the next ones
@@ -197,7 +199,7 @@ class LoraSection:
     lora_alpha: float = 16.0  # LoRA scaling alpha / rank, > 0
     lora_dropout: float = 0.0  # LoRA dropout, in [0, 1)
     target_modules: list[str] = field(  # LoRA: module name suffixes, or all-linear
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        default_factory=lambda: list(DEFAULT_TARGET_MODULES)
     )
     lora_merge_on_save: bool = True  # LoRA: also export the merged model to final/merged/
     # LoRA on parameters that are no linear layer (peft's parameter targets): `module.parameter` suffixes, e.g. an MoE's
@@ -407,6 +409,17 @@ class TrainConfig:
                               "in backward would gather the partitioned MLP weights once per tile; for sharded weights "
                               "with tiled MLPs use distributed_backend=fsdp2 (deepspeed.stage=null; it gathers each "
                               "decoder layer whole), else set tiled_mlp=false or use deepspeed.stage 2")
+        lora = self.lora
+        if lora.lora_rank == 0:  # LoRA keys that would be ignored: the run would fine-tune every weight instead
+            ignored = [f"{key}={value}" for key, value in (
+                ("target_parameters", lora.target_parameters),
+                ("target_modules", lora.target_modules if lora.target_modules != list(DEFAULT_TARGET_MODULES) else []))
+                if value]
+            if ignored:
+                raise ConfigError(
+                    f"{' and '.join(ignored)} set, but lora_rank is 0 (full fine-tuning: no adapter, every weight "
+                    "trains); set lora_rank (e.g. lora_rank=16 lora_alpha=32) for LoRA, or drop "
+                    f"{' and '.join(i.split('=', 1)[0] for i in ignored)}")
         if self.lora.target_parameters and self.lora.lora_rank > 0:
             if model.tiled_mlp:
                 raise ConfigError(
