@@ -177,7 +177,8 @@ def check_paths(cfg: TrainConfig) -> None:
         raise ConfigError(f"data_path: {data_path} is not a directory (run sh data_process.sh first?)"
                           f"{relative_note(data_path)}")
     if not (Path(data_path) / "meta.json").is_file():
-        raise ConfigError(f"data_path: {data_path} has no meta.json: not a packed dataset")
+        raise ConfigError(f"data_path: {data_path} has no meta.json: not a packed dataset"
+                          f"{pipeline_output_hint(data_path)}")
     if cfg.data.online_max_length is not None and read_meta(data_path).get("kind") != "tokenized":
         raise ConfigError(
             f"online_max_length is set but data_path {data_path} is already packed; point data_path at a "
@@ -201,6 +202,20 @@ def check_paths(cfg: TrainConfig) -> None:
     template = cfg.deepspeed.template
     if template is not None and not Path(template).is_file():
         raise ConfigError(f"deepspeed.template: {template} does not exist{relative_note(template)}")
+
+
+def pipeline_output_hint(data_path: str) -> str:
+    """Where the data is when `data_path` is the data pipeline's output_dir (or holds it): its packed/ (or only
+    tokenized/) directory; "" otherwise."""
+    root = Path(data_path)
+    for name, hint in (("packed", "the packed rows of sh data_process.sh are in its packed/ directory: "
+                                  "data_path={}"),
+                       ("tokenized", "it holds a tokenized/ directory but no packed/ one: run the pack stage (sh "
+                                     "data_process.sh CONFIG --stages pack), or pack while training with "
+                                     "data_path={} online_max_length=N")):
+        if (root / name / "meta.json").is_file():
+            return "; " + hint.format(root / name)
+    return ""
 
 
 def eval_path(cfg: TrainConfig) -> str | None:

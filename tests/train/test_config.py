@@ -304,3 +304,42 @@ def test_keys_flat_or_in_their_section(setup, tmp_path):
     assert from_keys({"data_path": "d", "output_dir": "o", "model_config": "m.json", "optim": {"lr": 2e-4}}).optim.lr == 2e-4
     with pytest.raises(ConfigError, match="missing required key 'data_path'"):
         from_keys({"output_dir": "o", "model_config": "m.json"})
+
+
+@pytest.mark.parametrize("where, key, needle", [
+    ("override", "max_length=4096", "unknown key 'max_length': packed rows get their length when the data is packed: "
+                                    "set max_length (or pack.max_length) in the data config"),
+    ("override", "max_seq_length=4096", "unknown key 'max_seq_length': packed rows get their length"),
+    ("file", {"cutoff_len": 4096}, "unknown key 'cutoff_len': packed rows get their length"),
+    ("file", {"packing": True}, "unknown key 'packing': PackSFT always trains on packed rows"),
+    ("override", "data.max_length=4096", "unknown key 'data.max_length': packed rows get their length"),
+    ("file", {"template": "qwen"}, "unknown key 'template': the chat template is applied when the data is tokenized"),
+], ids=["max_length", "max_seq_length", "cutoff_len", "packing", "data.max_length", "template"])
+def test_other_frameworks_length_and_packing_keys_say_where_packsft_sets_them(setup, tmp_path, capsys, where, key,
+                                                                              needle):
+    """`sh train.sh … max_length=4096` (TRL's max_seq_length, LLaMA-Factory's cutoff_len, TRL's packing): what the
+    trainer's launcher says. Before: max_length suggested online_max_length (not for packed rows), the others nothing."""
+    from train.__main__ import main
+
+    tmp, config = setup
+    if where == "file":
+        base = dict(__import__("yaml").safe_load(config.read_text()), **key)
+        config, overrides = write_config(tmp_path / "c.yaml", **base), []
+    else:
+        overrides = [key]
+    assert main(["--launch", str(config), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: ") and needle in err and "online_max_length?" not in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_data_path_at_the_pipelines_output_dir_points_to_its_packed_dir(setup, tmp_path):
+    """data_path=<the data config's output_dir> (as typed after sh data_process.sh): the packed/ inside is named.
+    Before: `has no meta.json: not a packed dataset` alone."""
+    _, config = setup
+    out = tmp_path / "example"
+    write_packed(out / "packed", random_rows(0, 2))
+    with pytest.raises(ConfigError) as err:
+        preflight(load_config(config, [f"data_path={out}"]))
+    assert str(err.value) == (f"data_path: {out} has no meta.json: not a packed dataset; the packed rows of sh "
+                              f"data_process.sh are in its packed/ directory: data_path={out / 'packed'}")

@@ -54,6 +54,20 @@ TRAIN_KEY_ALIASES = {
     "report_to": "log_backends", "resume_from_checkpoint": "resume", "lora_r": "lora_rank",
     "lora_target_modules": "target_modules", "gradient_clipping": "max_grad_norm",
 }
+# other frameworks' trainer keys whose setting PackSFT takes elsewhere: what to set instead (no spelling is close)
+_ROW_LENGTH = ("packed rows get their length when the data is packed: set max_length (or pack.max_length) in the data "
+               "config and re-run sh data_process.sh CONFIG --stages merge,tokenize,pack max_length=N; the trainer "
+               "reads the rows as packed (online_max_length is only for data_path at a tokenized/ directory, packed "
+               "while training)")
+_PACKING = ("PackSFT always trains on packed rows, each packed sequence attending only to itself: the pack stage of "
+            "sh data_process.sh packs them (max_length / pack.max_length in the data config), or data_path at a "
+            "tokenized/ directory with online_max_length packs them while training")
+TRAIN_KEY_NOTES = {
+    "max_length": _ROW_LENGTH, "max_seq_length": _ROW_LENGTH, "max_seq_len": _ROW_LENGTH, "cutoff_len": _ROW_LENGTH,
+    "seq_length": _ROW_LENGTH, "model_max_length": _ROW_LENGTH, "packing": _PACKING, "neat_packing": _PACKING,
+    "template": "the chat template is applied when the data is tokenized: chat_template in the data config "
+                "(sh data_process.sh), and the exported model carries it",
+}
 MODEL_SOURCES = ("model_path", "model_config")  # exactly one is set
 # LoRA's target_modules when the config sets none: the attention and dense MLP projections of Llama-style families
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -489,14 +503,21 @@ def key_name(section: str, key: str) -> str:
 
 
 def check_train_keys(raw: dict, origin: str, help_hint: str = "") -> None:
-    """Unknown keys (flat or in sections) name where they came from and the closest known key."""
+    """Unknown keys (flat or in sections) name where they came from and the closest known key, or for another
+    framework's key whose setting lives elsewhere in PackSFT (TRAIN_KEY_NOTES), what to set instead."""
     for key, value in raw.items():
         if key in FLAT_KEYS:
             continue
         if key in SECTIONS:
             if isinstance(value, dict):
+                noted = [k for k in value if k in TRAIN_KEY_NOTES and k not in {f.name for f in
+                                                                                 dataclasses.fields(SECTIONS[key])}]
+                if noted:
+                    raise ConfigError(f"{origin}: unknown key '{key}.{noted[0]}': {TRAIN_KEY_NOTES[noted[0]]}")
                 check_keys(value, SECTIONS[key], origin, f"{key}.", help_hint=help_hint)
             continue
+        if key in TRAIN_KEY_NOTES:
+            raise ConfigError(f"{origin}: unknown key '{key}': {TRAIN_KEY_NOTES[key]}")
         hint = closest_key_hint(key, [*FLAT_KEYS, *SECTIONS], aliases=TRAIN_KEY_ALIASES)
         raise ConfigError(f"{origin}: unknown key '{key}'{hint}{help_hint}")
 
