@@ -223,6 +223,12 @@ class DataConfig:
                         raise ConfigError(f"inputs[{i}].path: no file matches {pattern!r}{relative_note(local)}")
                 if spec.format == "function" and not spec.function:
                     raise ConfigError(f"inputs[{i}]: format 'function' needs function: 'file.py:name'")
+                if spec.function:
+                    file, sep, name = spec.function.rpartition(":")
+                    if not sep or not file or not name:
+                        raise ConfigError(f"inputs[{i}].function: {spec.function!r} is not 'path/to/file.py:function'")
+                    if not Path(file).is_file():
+                        raise ConfigError(f"inputs[{i}].function: {file} is not a file{relative_note(file)}")
         self._validate_inputs_are_not_outputs()
         needs_tokenizer = {"tokenize", "merge"} & set(self.stages)
         if needs_tokenizer:

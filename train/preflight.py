@@ -46,6 +46,7 @@ def preflight(cfg: TrainConfig, world_size: int = 1) -> Preflight:
     """Every check before the model loads; raises ConfigError naming the key."""
     cfg.validate(world_size)
     check_machine(cfg)
+    check_kernels(cfg)
     check_output_dir(cfg)
     check_paths(cfg)
     model_config = read_model_config(cfg)
@@ -107,6 +108,32 @@ def check_machine(cfg: TrainConfig) -> None:
     for backend in cfg.logging.log_backends:
         if importlib.util.find_spec(backend) is None:
             raise ConfigError(f"log_backends: {backend} is not installed (pip install {backend})")
+
+
+def check_kernels(cfg: TrainConfig) -> None:
+    """A named attn_backend or sequence-parallel backend that cannot run on this machine (its device, the precision,
+    the installed kernels), refused before any process starts instead of when the trainer plans its attention after
+    the model has loaded. On CUDA machines the attention backend is checked by that plan on the training device
+    (the launcher touches no GPU); what a backend cannot express of the model's layers (windows, softcaps, sinks) is
+    the plan's too."""
+    from train.attention.sequence_parallel import SP_BACKENDS
+    from train.attention.varlen_kernels import NO_FEATURES
+    from train.config.backend_names import AUTO, TORCH
+    from train.plan.attention import choose_backend
+
+    model, parallel = cfg.model, cfg.parallel
+    if model.attn_backend != AUTO and not _cuda_available():
+        import torch
+
+        probe = torch.empty((1, 1, 0, 1), dtype=torch.bfloat16 if model.bf16 else torch.float32)
+        try:
+            choose_backend(model.attn_backend, probe, NO_FEATURES)
+        except RuntimeError as exc:
+            raise ConfigError(str(exc)) from None
+    if parallel.sequence_parallel_size != 1 and parallel.sp_backend in SP_BACKENDS and parallel.sp_backend != TORCH:
+        reasons = SP_BACKENDS[parallel.sp_backend].reasons(model.bf16)
+        if reasons:
+            raise ConfigError("; ".join(reasons))
 
 
 def _cuda_available() -> bool:
@@ -184,6 +211,8 @@ def check_paths(cfg: TrainConfig) -> None:
             f"online_max_length is set but data_path {data_path} is already packed; point data_path at a "
             "tokenized/ directory for online packing, or drop online_max_length"
         )
+    if cfg.data.online_max_length is not None:
+        check_online_lengths(data_path, cfg.data.online_max_length)
     named_eval = cfg.eval.eval_data_path
     if named_eval not in (None, "none") and not (Path(named_eval) / "meta.json").is_file():
         raise ConfigError(f"eval_data_path: {named_eval} is not a packed dataset (no meta.json)"
@@ -202,6 +231,21 @@ def check_paths(cfg: TrainConfig) -> None:
     template = cfg.deepspeed.template
     if template is not None and not Path(template).is_file():
         raise ConfigError(f"deepspeed.template: {template} does not exist{relative_note(template)}")
+
+
+def check_online_lengths(data_path: str, online_max_length: int) -> None:
+    """Online packing puts each tokenized sequence whole into a row of online_max_length tokens: none may be
+    longer (from the shard index, no token read)."""
+    from data.shards.dataset import PackedDataset
+
+    lengths = np.asarray(PackedDataset(data_path, verify="off").row_n_tokens)
+    longest = int(lengths.max()) if len(lengths) else 0
+    if longest > online_max_length:
+        raise ConfigError(
+            f"online_max_length={online_max_length}: data_path {data_path} holds sequences of up to {longest:,} tokens "
+            f"({int((lengths > online_max_length).sum()):,} longer than {online_max_length:,}), and online packing "
+            f"puts each one whole into a row: set online_max_length >= {longest}, or tokenize with max_length <= "
+            f"{online_max_length} (sh data_process.sh CONFIG --stages merge,tokenize max_length={online_max_length})")
 
 
 def pipeline_output_hint(data_path: str) -> str:

@@ -343,3 +343,48 @@ def test_data_path_at_the_pipelines_output_dir_points_to_its_packed_dir(setup, t
         preflight(load_config(config, [f"data_path={out}"]))
     assert str(err.value) == (f"data_path: {out} has no meta.json: not a packed dataset; the packed rows of sh "
                               f"data_process.sh are in its packed/ directory: data_path={out / 'packed'}")
+
+
+def _tokenized(path, lengths):
+    from data.shards.dataset import ShardWriter
+    from tests._train_helpers import synthetic_sequence
+
+    rng = np.random.default_rng(0)
+    with ShardWriter(path, kind="tokenized") as writer:
+        for uid, length in enumerate(lengths):
+            writer.add_row([synthetic_sequence(rng, length, 1, 1)], record_indices=[uid], uids=[[uid]])
+        writer.close({"max_length": 256, "categories": {"0": "untracked", "1": "math"}})
+    return path
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["attn_backend=torch_varlen"], "config error: attn_backend=torch_varlen cannot run on cpu torch.float32 "
+                                    "(dropout 0.0): needs CUDA tensors (varlen_attn is CUDA-only)"),
+    (["attn_backend=flex"], "config error: attn_backend=flex cannot run on cpu torch.float32"),
+    (["sequence_parallel_size=2", "launch.num_processes=2", "sp_backend=llama3"],
+     "config error: sp_backend='llama3' needs a CUDA GPU (ring-flash-attn runs flash-attn kernels); use "
+     "sp_backend=torch on CPU"),
+    (["online_max_length=16", "TOKENIZED"],
+     "config error: online_max_length=16: data_path {} holds sequences of up to 30 tokens (2 longer than 16), and "
+     "online packing puts each one whole into a row: set online_max_length >= 30, or tokenize with max_length <= 16"),
+], ids=["torch_varlen", "flex", "llama3", "online_max_length"])
+def test_what_this_machine_cannot_run_is_refused_before_any_process_starts(setup, tmp_path, capsys, overrides,
+                                                                          needle):
+    """`sh train.sh` on a CPU machine with a CUDA-only attention or sequence-parallel backend, or online packing
+    rows shorter than the data's sequences: the launcher's start-up checks refuse them (exit 2, one line). Before:
+    a traceback from the trainer after the model loaded (15-27 s on a loaded 2-core machine)."""
+    import torch
+
+    from train.__main__ import main
+
+    if torch.cuda.is_available():
+        pytest.skip("the backends run on CUDA")
+    _, config = setup
+    if "TOKENIZED" in overrides:
+        data = _tokenized(tmp_path / "tokenized", [12, 30, 20, 8])
+        overrides = [o for o in overrides if o != "TOKENIZED"] + [f"data_path={data}", "tokenizer_mismatch=warn"]
+        needle = needle.format(data)
+    assert main(["--launch", str(config), f"output_dir={tmp_path / 'out'}", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(needle) and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
