@@ -337,6 +337,25 @@ def check_data(cfg: TrainConfig, checked: Preflight) -> None:
         if problems:
             raise ConfigError(f"{name}: " + "; and ".join(problems))
         warn_past_max_positions(cfg, text, name, path)
+        check_not_stale(cfg, name, path)
+
+
+def check_not_stale(cfg: TrainConfig, name: str, path: str) -> None:
+    """A dataset the data pipeline's report.json lists as stale (`--stages tokenize` alone after pack: packed/ is the
+    earlier tokenized data's) is refused, or with stale_data=warn trained with a warning."""
+    from data.shards.dataset import stale_stages
+
+    found = stale_stages(path)
+    if found is None:
+        return
+    report, stages = found
+    message = (f"{name}: {path} is stale: the data pipeline ran an earlier stage after {stages[0]} wrote it ({report} "
+               f"lists {stages[0]} under `stale`), so it does not hold what that run made; re-run sh data_process.sh "
+               f"<your data config> --stages {','.join(stages)}")
+    if cfg.data.stale_data == "warn":
+        logger.warning(message + " (stale_data=warn: training on it as it is)")
+        return
+    raise ConfigError(message + ", or set stale_data=warn to train on it as it is")
 
 
 def check_export_tokenizer(cfg: TrainConfig, meta: dict) -> None:

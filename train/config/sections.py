@@ -86,6 +86,9 @@ class DataSection:
     online_max_length: int | None = None  # data_path is a tokenized dataset packed on the fly (train/steps/online.py)
     balance_dp: bool = False  # train/steps/balance.py: balance the step's rows over dp ranks by tokens
     prefetch_micro_batches: int = 2  # micro-batches built ahead on a thread (train/steps/feed.py); 0: in the loop
+    # data_path (or the eval split) that the data pipeline's report.json lists as stale (an earlier stage re-ran after
+    # it was written): a config error, or a warning and trained as it is
+    stale_data: Literal["error", "warn"] = "error"
 
 
 @dataclass
