@@ -329,6 +329,7 @@ def check_data(cfg: TrainConfig, checked: Preflight) -> None:
             )
         if name == "data_path":
             check_export_tokenizer(cfg, meta)
+            check_tree_rows(cfg, meta, path)
         mismatch = tokenizer_hash_mismatch(cfg, meta, data_tok)
         if mismatch and (problems or cfg.model.tokenizer_mismatch == "error"):
             problems.append(mismatch + " (tokenizer_mismatch=warn trains anyway: only when both give the same ids)")
@@ -338,6 +339,16 @@ def check_data(cfg: TrainConfig, checked: Preflight) -> None:
             raise ConfigError(f"{name}: " + "; and ".join(problems))
         warn_past_max_positions(cfg, text, name, path)
         check_not_stale(cfg, name, path)
+
+
+def check_tree_rows(cfg: TrainConfig, meta: dict, path: str) -> None:
+    """Stepwise trees under a fixed sequence-parallel degree above 1 (`auto` is checked once the degree is
+    chosen, when the trainer opens the data)."""
+    sp = cfg.parallel.sequence_parallel_size
+    if isinstance(sp, int) and sp > 1 and "tree_spans" in (meta.get("token_fields") or {}):
+        from train.plan.attention import TREE_SP_REFUSAL
+
+        raise ConfigError(f"data_path {path}: {TREE_SP_REFUSAL} (sequence_parallel_size={sp})")
 
 
 def check_not_stale(cfg: TrainConfig, name: str, path: str) -> None:

@@ -388,3 +388,29 @@ def test_what_this_machine_cannot_run_is_refused_before_any_process_starts(setup
     err = capsys.readouterr().err
     assert err.startswith(needle) and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_stepwise_trees_under_sequence_parallelism_are_refused_by_the_launcher(setup, tmp_path, capsys):
+    """`sh train.sh … sequence_parallel_size=2` on packed stepwise trees: refused before any process starts
+    (before: by every rank once the trainer opened the data)."""
+    from data.shards.dataset import ShardWriter
+    from data.shards.prefix_tree import PrefixTree
+    from tests._train_helpers import synthetic_sequence
+    from train.__main__ import main
+
+    rng = np.random.default_rng(0)
+    tree = PrefixTree()
+    for _ in range(2):
+        tree.insert(synthetic_sequence(rng, 12, 1, 1))
+    data = tmp_path / "trees"
+    with ShardWriter(data, kind="packed", token_fields=["input_ids", "labels", "category_ids", "turn_ids",
+                                                        "tree_spans"]) as writer:
+        writer.add_row([tree.arrays()])
+        writer.close({"max_length": 64, "categories": {"0": "untracked", "1": "math"}})
+    _, config = setup
+    assert main(["--launch", str(config), f"data_path={data}", "sequence_parallel_size=2", "launch.num_processes=2",
+                 "sp_backend=torch", "tokenizer_mismatch=warn", f"output_dir={tmp_path / 'out'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"config error: data_path {data}: stepwise trees (tree_spans in the shards) cannot run "
+                          "under sequence parallelism yet"), err
+    assert err.rstrip().endswith("(sequence_parallel_size=2)")
