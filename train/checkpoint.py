@@ -47,6 +47,7 @@ import orjson
 import torch
 import torch.distributed as dist
 
+from common.config import ConfigError
 from common.fsutil import (apply_umask, atomic_directory, atomic_write_bytes, file_blake2b, fsync_dir, replace_dir,
                            stale_temporaries)
 
@@ -70,6 +71,11 @@ WRITE_ERRORS = (OSError, RuntimeError)
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read; the message names the file or directory and what to do."""
+
+
+class ResumeRefused(CheckpointError, ConfigError):
+    """The start-up checks' refusal of a resume (other data, global batch, step count or model than the checkpoint's):
+    a config error of the run (exit 2, before any weight loads) about a checkpoint."""
 
 
 def _barrier() -> None:
@@ -605,6 +611,28 @@ def data_mismatch(saved: dict | None, current: dict) -> str | None:
         return None
     return (f"the checkpoint was trained on {saved.get('path')}, this run reads {current['path']}: "
             + ", ".join(diffs))
+
+
+def resume_refusal(path: Path, state: dict, layout: dict | None, data: dict | None,
+                   data_policy: str) -> tuple[str | None, str | None]:
+    """(why resuming from checkpoint `path`, whose trainer_state.json is `state`, is refused; a warning): other data
+    (`data`: `dataset_identity` of this run's; refused unless `data_policy` is "allow", then the warning), another
+    global batch or step count (`layout`: this run's, as `layout_mismatch` reads it). None for what is not known
+    yet (the start-up checks, before the data is opened, on online packing's rows)."""
+    mismatch = data_mismatch(state.get("data"), data) if data is not None else None
+    warning = None
+    if mismatch:
+        if data_policy == "error":
+            return (f"resume from {path}: {mismatch}; resume with the same data_path, or set "
+                    "resume_data_mismatch=allow to continue on the new data (the sampler order then differs)", None)
+        warning = f"resume from {path}: {mismatch} (resume_data_mismatch=allow: continuing)"
+    other = layout_mismatch(state, layout, compare_steps=not mismatch) if layout is not None else None
+    if other:
+        return (f"resume from {path}: {other}: the resumed run would train other rows than the run it continues "
+                "(some twice, some never); resume with the checkpoint's value (any dp x grad_accum x micro_batch_rows "
+                "giving its rows per step), or start a new run (another output_dir, or overwrite_output_dir=true "
+                "with resume=none)", warning)
+    return None, warning
 
 
 def layout_mismatch(saved: dict, current: dict, compare_steps: bool = True) -> str | None:

@@ -2,11 +2,14 @@
 process (a bad config is refused in seconds, naming the key) and by every trainer process before the model loads.
 
 `preflight(cfg, world_size)` runs, in order: the rules of the values (`TrainConfig.validate`); what the machine
-offers (CUDA for bf16 and Liger, the installed logging backends); what output_dir already holds; the paths; then the
-model's config, read here once (`Preflight.model_config`, which the trainer carries to everything that needs it:
-the family check, the attention plan, the memory estimate, the model itself and the checkpoints' model record),
-against the data: loss tokens, token ids within the vocabulary, the shards' tokenizer hash, the tokenizer final/ is
-exported with, positions past the model's range (a warning).
+offers (CUDA for bf16 and Liger, the installed logging backends, a named attention or sequence-parallel backend's
+kernels); what output_dir already holds (links, the `latest` pointer); the paths (online packing's sequence
+lengths); then the model's config, read here once (`Preflight.model_config`, which the trainer carries to everything
+that needs it: the family check, the attention plan, the memory estimate, the model itself and the checkpoints'
+model record), against the data: loss tokens, token ids within the vocabulary, the shards' tokenizer hash, the
+tokenizer final/ is exported with, positions past the model's range (a warning), tree rows under sequence
+parallelism, outputs the data pipeline marked stale; and the checkpoint a resume starts from against the run (its
+data, global batch, step count and model).
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ def preflight(cfg: TrainConfig, world_size: int = 1) -> Preflight:
     check_lora_targets(cfg, model_config)
     checked = Preflight(model_config, eval_path(cfg), resolved_tokenizer(cfg)[0])
     check_data(cfg, checked)
+    check_resume(cfg, model_config, world_size)
     return checked
 
 
@@ -297,6 +301,47 @@ def read_model_config(cfg: TrainConfig):
         return AutoConfig.from_pretrained(source)
     except Exception as exc:  # transformers raises several types for a malformed config
         raise ConfigError(f"{key}: cannot read a model config from {source}: {exc}") from None
+
+
+# ---------------------------------------------------------------------------------------------- resume
+def check_resume(cfg: TrainConfig, model_config, world_size: int) -> None:
+    """resume=latest or a checkpoint directory: the checkpoint it starts from (the first candidate) against this run,
+    from its trainer_state.json, before any weight loads: the same data (unless resume_data_mismatch=allow), global
+    batch and step count, model config and LoRA settings. Refused with the trainer's own words (ResumeRefused, a
+    ConfigError), which checks the checkpoint it loads again. What is not known yet is left to it: the rows of
+    online packing, the processes of sequence_parallel_size auto; so is a checkpoint that cannot be read."""
+    import math
+
+    from train.checkpoint import (CheckpointError, ResumeRefused, check_same_model, dataset_identity,
+                                  load_trainer_state, model_identity, resume_candidates, resume_refusal)
+
+    ckpt, steps = cfg.checkpoint, cfg.steps
+    if ckpt.resume == "none":
+        return
+    try:
+        candidates = resume_candidates(ckpt.resume, ckpt.output_dir, warn=lambda _: None)  # said by the trainer
+        state = load_trainer_state(candidates[0]) if candidates else None
+    except CheckpointError:
+        return
+    if not isinstance(state, dict):
+        return
+    rows = None if cfg.data.online_max_length is not None else int(read_meta(cfg.data.data_path)["counts"]["rows"])
+    sp, layout = cfg.parallel.sequence_parallel_size, None
+    if rows is not None and sp != "auto":
+        dp = world_size // sp
+        rows_per_step = dp * steps.grad_accum * steps.micro_batch_rows
+        total = steps.max_steps if steps.max_steps is not None else steps.num_epochs * math.ceil(rows / rows_per_step)
+        layout = {"total_steps": total, "rows_per_step": rows_per_step, "dp_size": dp, "sp_size": sp,
+                  "grad_accum": steps.grad_accum, "micro_batch_rows": steps.micro_batch_rows,
+                  "max_steps": steps.max_steps, "num_epochs": steps.num_epochs}
+    data = dataset_identity(cfg.data.data_path, rows) if rows is not None else None
+    refusal, _ = resume_refusal(candidates[0], state, layout, data, ckpt.resume_data_mismatch)
+    if refusal:
+        raise ResumeRefused(refusal)
+    try:
+        check_same_model(candidates[0], state, model_identity(model_config, cfg.lora), cfg.model)
+    except CheckpointError as exc:
+        raise ResumeRefused(str(exc)) from None
 
 
 # ---------------------------------------------------------------------------------------------- the data

@@ -45,19 +45,18 @@ from train.checkpoint import (
     check_same_model,
     checkpoint_root,
     choose_checkpoint,
-    data_mismatch,
     dataset_identity,
     describe_resume,
     discard_checkpoints,
     export_directory,
     from_main,
-    layout_mismatch,
     load_rng,
     load_trainer_state,
     model_identity,
     remove_stale_temporaries,
     reshard_rng_seed,
     resume_candidates,
+    resume_refusal,
     save_checkpoint,
 )
 from train.model.composite import copy_processor_files, processor_dir
@@ -475,22 +474,12 @@ class Trainer:
             return
         path = choose_checkpoint(candidates, self.cfg.checkpoint.resume_corrupt, warn=self._warn)
         state = load_trainer_state(path)
-        mismatch = data_mismatch(state.get("data"), self._data_identity())
-        if mismatch:
-            if self.cfg.checkpoint.resume_data_mismatch == "error":
-                raise CheckpointError(
-                    f"resume from {path}: {mismatch}; resume with the same data_path, or set "
-                    "resume_data_mismatch=allow to continue on the new data (the sampler order then differs)"
-                )
-            self._warn(f"resume from {path}: {mismatch} (resume_data_mismatch=allow: continuing)")
-        other_layout = layout_mismatch(state, self._step_layout(), compare_steps=not mismatch)
-        if other_layout:
-            raise CheckpointError(
-                f"resume from {path}: {other_layout}: the resumed run would train other rows than the run it continues "
-                "(some twice, some never); resume with the checkpoint's value (any dp x grad_accum x micro_batch_rows "
-                "giving its rows per step), or start a new run (another output_dir, or overwrite_output_dir=true with "
-                "resume=none)"
-            )
+        refusal, warning = resume_refusal(path, state, self._step_layout(), self._data_identity(),
+                                          self.cfg.checkpoint.resume_data_mismatch)
+        if refusal:
+            raise CheckpointError(refusal)
+        if warning:
+            self._warn(warning)
         check_same_model(path, state, self.model_identity, self.cfg.model)
         saved_ep = int(state.get("expert_parallel_size", 1))
         experts_from = None

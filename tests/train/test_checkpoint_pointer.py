@@ -122,3 +122,22 @@ def test_a_malformed_manifest_entry_is_one_checkpoint_error_naming_the_file(trai
                               f"is {orjson.dumps(entry).decode()}, not "), message
     # the default (resume_corrupt=fallback) resumes from the checkpoint before it
     assert _resumed_step(config, out) == 6
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("grad_accum=2", "the global batch is 2 rows per step here (dp 1 x grad_accum 2 x micro_batch_rows 1), but the "
+                     "checkpoint was saved with 1 rows per step"),
+    ("max_steps=10", "max_steps=10 (10 steps), but the checkpoint was saved with max_steps=8 (8 steps; another lr "
+                     "schedule)"),
+    ("lora_rank=4", "the model is not the one the checkpoint was trained as"),
+], ids=["global-batch", "steps", "lora"])
+def test_a_resume_the_checkpoint_refuses_is_refused_by_the_launcher(trained, tmp_path, capsys, override, needle):
+    """`sh train.sh … resume=latest` with another global batch, step count or model than the checkpoint's: the
+    launcher's start-up checks read its trainer_state.json and refuse before any process starts. Before: a
+    `checkpoint error:` after the model had loaded and the self-check had run (28 s on a loaded 2-core machine)."""
+    config, run = trained
+    out = _copy(run, tmp_path)
+    assert main(["--launch", str(config), f"output_dir={out}", "resume=latest", override]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"config error: resume from {checkpoint_root(out) / 'step-000008'}: ") and needle in err, err
+    assert len(err.strip().splitlines()) == 1
