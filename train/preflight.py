@@ -120,20 +120,18 @@ def check_kernels(cfg: TrainConfig) -> None:
     the model has loaded. On CUDA machines the attention backend is checked by that plan on the training device
     (the launcher touches no GPU); what a backend cannot express of the model's layers (windows, softcaps, sinks) is
     the plan's too."""
+    from train.attention.function import backend_problem
     from train.attention.sequence_parallel import SP_BACKENDS
     from train.attention.varlen_kernels import NO_FEATURES
     from train.config.backend_names import AUTO, TORCH
-    from train.plan.attention import choose_backend
 
     model, parallel = cfg.model, cfg.parallel
     if model.attn_backend != AUTO and not _cuda_available():
         import torch
 
         probe = torch.empty((1, 1, 0, 1), dtype=torch.bfloat16 if model.bf16 else torch.float32)
-        try:
-            choose_backend(model.attn_backend, probe, NO_FEATURES)
-        except RuntimeError as exc:
-            raise ConfigError(str(exc)) from None
+        if problem := backend_problem(model.attn_backend, probe, NO_FEATURES):
+            raise ConfigError(problem)
     if parallel.sequence_parallel_size != 1 and parallel.sp_backend in SP_BACKENDS and parallel.sp_backend != TORCH:
         reasons = SP_BACKENDS[parallel.sp_backend].reasons(model.bf16)
         if reasons:
@@ -391,7 +389,7 @@ def check_tree_rows(cfg: TrainConfig, meta: dict, path: str) -> None:
     chosen, when the trainer opens the data)."""
     sp = cfg.parallel.sequence_parallel_size
     if isinstance(sp, int) and sp > 1 and "tree_spans" in (meta.get("token_fields") or {}):
-        from train.plan.attention import TREE_SP_REFUSAL
+        from train.config.sp_rules import TREE_SP_REFUSAL
 
         raise ConfigError(f"data_path {path}: {TREE_SP_REFUSAL} (sequence_parallel_size={sp})")
 
