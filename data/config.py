@@ -35,13 +35,13 @@ class InputSpec:
     """One raw input: a file, a glob, or a list of them (`split@path` selects a split of a datasets dir)."""
 
     path: list[str]  # a file, a glob, split@dir (a datasets directory), or a list of them
-    # auto | messages | sharegpt | prompt_response | verl | function
-    format: Literal["auto", "messages", "sharegpt", "prompt_response", "verl", "function"] = "auto"
+    # auto | messages | sharegpt | prompt_response | verl | alpaca | function
+    format: Literal["auto", "messages", "sharegpt", "prompt_response", "verl", "alpaca", "function"] = "auto"
     category_name: str | None = None  # fixed category for every record of this input
     category_field: str | None = None  # or: the raw field holding the category name
     prompt_key: str = "prompt"  # prompt_response / verl single-turn (prompt: string or message list)
     response_key: str = "response"  # prompt_response / verl: the answer column (verl falls back to `output`)
-    system: str | None = None  # system prompt added to prompt_response records
+    system: str | None = None  # system prompt added to prompt_response / verl / alpaca records without one
     messages_key: str = "messages"  # messages format: the column holding the message list
     tools_key: str = "tools"  # the column holding the tool specs, if any
     function: str | None = None  # "path/to/file.py:function" mapping one raw row to a canonical record
@@ -223,6 +223,12 @@ class DataConfig:
                         raise ConfigError(f"inputs[{i}].path: no file matches {pattern!r}{relative_note(local)}")
                 if spec.format == "function" and not spec.function:
                     raise ConfigError(f"inputs[{i}]: format 'function' needs function: 'file.py:name'")
+                if spec.function:
+                    file, sep, name = spec.function.rpartition(":")
+                    if not sep or not file or not name:
+                        raise ConfigError(f"inputs[{i}].function: {spec.function!r} is not 'path/to/file.py:function'")
+                    if not Path(file).is_file():
+                        raise ConfigError(f"inputs[{i}].function: {file} is not a file{relative_note(file)}")
         self._validate_inputs_are_not_outputs()
         needs_tokenizer = {"tokenize", "merge"} & set(self.stages)
         if needs_tokenizer:

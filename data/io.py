@@ -123,17 +123,36 @@ class LineMemoryError(MemoryError):
         return f"{self.source}: {self.detail}"
 
 
+# orjson parses a document inside one buffer it allocates first, of (len / 2) * 24 bytes (its yyjson pool allocator:
+# orjson's deserialize/backend/yyjson.rs, `buffer_capacity_to_allocate`): about 12 times the document. A line of
+# 2.2 GB asks for one allocation of 26 GB, which a machine with less RAM + swap refuses at once (no OOM).
+ORJSON_PARSE_BUFFER = 12
+ORJSON_NO_BUFFER = "Not enough memory to allocate buffer for parsing"
+
+
 def _out_of_memory(exc: Exception) -> bool:
     """Whether a parse failure is the parser running out of memory (orjson says so in a JSONDecodeError)."""
-    return isinstance(exc, MemoryError) or str(exc).startswith("Not enough memory")
+    return isinstance(exc, MemoryError) or str(exc).startswith(ORJSON_NO_BUFFER)
 
 
 def memory_error(source: str, what: str, size: int, exc: Exception) -> LineMemoryError:
-    """The error for a `what` ("line", "file") of `size` bytes at `source` that `exc` says did not fit in memory."""
+    """The error for a `what` ("line", "file") of `size` bytes at `source` that `exc` says did not fit in memory:
+    orjson's parse buffer refused (`ORJSON_PARSE_BUFFER`), or memory running out while parsing."""
+    keep = "the record may be valid, and nothing was dropped"
+    if str(exc).startswith(ORJSON_NO_BUFFER):
+        need = size * ORJSON_PARSE_BUFFER
+        return LineMemoryError(source, (
+            f"not enough memory to parse this {what} ({size:,} bytes): the JSON parser (orjson) parses a document "
+            f"inside one buffer of about {ORJSON_PARSE_BUFFER} times its size, {need / 2**30:,.1f} GiB here, and that "
+            f"allocation was refused (orjson: {ORJSON_NO_BUFFER}): the system grants no single allocation larger than "
+            f"its memory (RAM and swap) or the limit of ulimit -v, the container or the job. {keep[0].upper()}"
+            f"{keep[1:]}: make the record smaller (split it, or move embedded data such as base64 images into files "
+            f"it names), or run where an allocation of {need / 2**30:,.1f} GiB succeeds (more memory, a higher limit, "
+            "fewer num_workers)"))
     cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    return LineMemoryError(source, f"not enough memory to parse this {what} ({size:,} bytes; {cause}); the record may "
-                           "be valid, and nothing was dropped: raise the memory limit (ulimit -v, the container's or "
-                           "the job's), lower num_workers, or split the record")
+    return LineMemoryError(source, f"not enough memory to parse this {what} ({size:,} bytes; {cause}); {keep}: raise "
+                           "the memory limit (ulimit -v, the container's or the job's), lower num_workers, or split "
+                           "the record")
 
 
 def parse_jsonl_line(line: bytes, source: str, require_object: bool = True) -> Any:

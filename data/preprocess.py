@@ -14,6 +14,9 @@ them absolute, each image part or path becoming an `<image>` placeholder of its 
 - prompt_response: `prompt_key` (a string or a message list) and `response_key` columns (e.g. GSM8K
   question/answer); `InputSpec.system` is prepended when the prompt has no system message.
 - verl: verl SFT parquet, `prompt` message list + `response_key` column, or `output` when there is none.
+- alpaca: Stanford Alpaca / LLaMA-Factory's alpaca records, `instruction`, optional `input` (joined to the
+  instruction with a newline, as LLaMA-Factory does), `output`; optional `system` and `history` (earlier
+  [user, assistant] pairs, trained like the last answer).
 - function: `file.py:function` maps one raw row to a canonical record (None filters the row out, counted
   as `filtered_by_function`; an exception is a `function_error` for that row). It may set
   `meta.category_name`; other `meta` keys are kept.
@@ -213,6 +216,33 @@ def convert_verl(raw: dict, spec: InputSpec, source: str) -> dict:
     return _prompt_response(raw, spec, source, spec.prompt_key, response_key)
 
 
+def _text(raw: dict, key: str, source: str, required: bool = True) -> str:
+    value = _required(raw, key, source) if required else raw.get(key) or ""
+    if not isinstance(value, str):
+        raise RecordError(source, key, f"expected a string, got {type(value).__name__}", "bad_content")
+    return value
+
+
+def convert_alpaca(raw: dict, spec: InputSpec, source: str) -> dict:
+    """instruction (+ "\n" + input when it is not empty) -> the user turn, output -> the trained assistant turn;
+    `history` pairs before them, `system` (else InputSpec.system) first."""
+    instruction, extra = _text(raw, "instruction", source), _text(raw, "input", source, required=False)
+    output = _text(raw, "output", source)
+    system = _text(raw, "system", source, required=False) or spec.system
+    messages = [{"role": "system", "content": system}] if system else []
+    history = raw.get("history") or []
+    if not isinstance(history, list):
+        raise RecordError(source, "history", f"expected a list of [user, assistant] pairs, got "
+                          f"{type(history).__name__}", "bad_record")
+    for k, pair in enumerate(history):
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
+            raise RecordError(source, f"history[{k}]", "expected a [user, assistant] pair of strings", "bad_record")
+        messages += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    messages += [{"role": "user", "content": f"{instruction}\n{extra}" if extra else instruction},
+                 {"role": "assistant", "content": output}]
+    return _passthrough(raw, {"messages": messages}, spec, source)
+
+
 _USER_FUNCTIONS: dict[str, Any] = {}
 
 
@@ -251,7 +281,7 @@ def convert_function(raw: dict, spec: InputSpec, source: str) -> dict | None:
 
 CONVERTERS = {
     "messages": convert_messages, "sharegpt": convert_sharegpt, "prompt_response": convert_prompt_response,
-    "verl": convert_verl, "function": convert_function,
+    "verl": convert_verl, "alpaca": convert_alpaca, "function": convert_function,
 }
 
 
@@ -268,12 +298,14 @@ def detect_format(row: dict, spec: InputSpec, source: str) -> tuple[str, InputSp
         return "prompt_response", spec
     if "prompt" in keys and "output" in keys:
         return "verl", spec
+    if "instruction" in keys and "output" in keys:
+        return "alpaca", spec
     for prompt_key, response_key in KNOWN_PAIRS:
         if prompt_key in keys and response_key in keys:
             return "prompt_response", InputSpec(**{**vars(spec), "prompt_key": prompt_key,
                                                    "response_key": response_key})
     raise RecordError(source, "format", f"cannot detect the format from keys {sorted(keys)}; set format "
-                      f"(messages, sharegpt, prompt_response, verl, function)", "unknown_format")
+                      f"(messages, sharegpt, prompt_response, verl, alpaca, function)", "unknown_format")
 
 
 def category_of(raw: dict, rec: dict, spec: InputSpec, source: str) -> str:

@@ -6,8 +6,10 @@ After a stage succeeds the driver records, in `<output_dir>/provenance.json` (th
 
 - `settings`: the config keys the stage reads that change its output (`stage_settings`), the tokenizer's and
   chat template's hashes for the stages that tokenize;
-- `inputs`: the identity of each file it read, taken before it ran: the raw inputs (and a user function's
-  file) for preprocess, the previous stage's output for the others;
+- `inputs`: the identity of each file it read, taken before it ran: the raw inputs, a user function's file and
+  the files of the modules it imports that are neither the standard library, installed packages nor PackSFT's own
+  (`converter_modules`: found from the source, transitively, nothing executed) for preprocess, the previous
+  stage's output for the others;
 - `outputs`: the identity of what it wrote.
 
 A file's identity (`identity`) is its size, modification time (ns) and a blake2b of its first and last 64 KiB (cheap
@@ -128,7 +130,8 @@ def _fidelity_settings(cfg: DataConfig) -> dict:
 
 
 def _raw_inputs(cfg: DataConfig) -> list[str]:
-    """The files preprocess reads: every input (globs expanded; a missing one is left out) and user functions'."""
+    """The files preprocess reads: every input (globs expanded; a missing one is left out), user functions' and the
+    files of the modules they import (`converter_modules`)."""
     from data.config import split_spec
     from data.io import expand_inputs
 
@@ -140,8 +143,100 @@ def _raw_inputs(cfg: DataConfig) -> list[str]:
             except FileNotFoundError:
                 pass
         if spec.function:
-            paths.append(spec.function.rsplit(":", 1)[0])
+            file = spec.function.rsplit(":", 1)[0]
+            paths += [file, *(converter_modules(file)[0] if Path(file).is_file() else [])]
     return [split_spec(p)[1] for p in paths]
+
+
+# ---------------------------------------------------------------------------------------------- a converter's modules
+PACKSFT_ROOT = Path(__file__).resolve().parents[1]
+PACKSFT_PACKAGES = ("common", "data", "train")
+DYNAMIC_IMPORTS = ("import_module", "__import__", "spec_from_file_location", "run_path", "run_module", "exec")
+
+
+def _installed_or_standard(path: Path) -> bool:
+    """A module file of the standard library, of an installed package, or of PackSFT itself."""
+    import sysconfig
+
+    if any(part in ("site-packages", "dist-packages") for part in path.parts):
+        return True
+    roots = {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib")}
+    if any(path.is_relative_to(Path(root).resolve()) for root in roots if root):
+        return True
+    return any(path.is_relative_to(PACKSFT_ROOT / package) for package in PACKSFT_PACKAGES)
+
+
+def _module_files(name: str, search: list[Path]) -> list[Path]:
+    """The files that `import name` runs (each package's __init__.py on the way, then the module; a later part
+    that is no module is an attribute), found in the first directory of `search` that has the first part, as
+    Python's path finder looks; [] for a builtin or unknown module."""
+    parts = name.split(".")
+    for base in search:
+        files, here = [], base
+        for part in parts:
+            here = here / part
+            if (here / "__init__.py").is_file():
+                files.append(here / "__init__.py")
+            elif here.with_suffix(".py").is_file():
+                files.append(here.with_suffix(".py"))
+                break
+            else:
+                break
+        if files:
+            return [f.resolve() for f in files]
+    return []
+
+
+def _imports_of(path: Path) -> tuple[list[tuple[str, Path | None]], list[str]]:
+    """(modules `path` imports, each with the directory of a relative import's package; the calls that import by a
+    computed name, as `file:line: name(...)`) from its source."""
+    import ast
+
+    try:
+        tree = ast.parse(path.read_bytes(), filename=str(path))
+    except (SyntaxError, ValueError, OSError):
+        return [], [f"{path}: unreadable as Python source"]
+    names, dynamic = [], []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [(alias.name, None) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = path.parent
+            for _ in range(max(node.level - 1, 0)):
+                base = base.parent
+            relative = base if node.level else None
+            if node.module:
+                names.append((node.module, relative))
+            names += [(f"{node.module}.{alias.name}" if node.module else alias.name, relative)
+                      for alias in node.names if alias.name != "*"]
+        elif isinstance(node, ast.Call):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+            if called in DYNAMIC_IMPORTS:
+                dynamic.append(f"{path}:{node.lineno}: {called}(...)")
+    return names, dynamic
+
+
+def converter_modules(function_file: str | os.PathLike) -> tuple[list[str], list[str]]:
+    """(the files of the modules a user function's file imports, transitively, other than the standard library,
+    installed packages and PackSFT's own: what else its output depends on; the imports by a computed name found on
+    the way, which cannot be followed). Found from the source alone, in the function file's directory first, then
+    on sys.path; nothing is executed."""
+    import sys
+
+    start = Path(function_file).resolve()
+    search = [start.parent, *(Path(p or ".").resolve() for p in sys.path if Path(p or ".").is_dir())]
+    seen, found, dynamic, todo = {start}, [], [], [start]
+    while todo:
+        names, calls = _imports_of(todo.pop())
+        dynamic += calls
+        for name, relative in names:
+            for file in _module_files(name, [relative] if relative is not None else search):
+                if file not in seen and not _installed_or_standard(file):
+                    seen.add(file)
+                    found.append(str(file))
+                    todo.append(file)
+    return sorted(found), dynamic
 
 
 def stage_files(cfg: DataConfig, stage: str) -> tuple[dict[str, Path], dict[str, Path]]:
@@ -249,6 +344,19 @@ def _stage_problem(cfg: DataConfig, stage: str, rec: dict) -> str | None:
     return None
 
 
+def _unfollowed_imports(cfg: DataConfig, rerun: str) -> list[str]:
+    """A warning per user function whose modules are imported by a computed name: their changes are not seen."""
+    warnings = []
+    for spec in cfg.inputs:
+        file = spec.function.rsplit(":", 1)[0] if spec.function else None
+        dynamic = converter_modules(file)[1] if file and Path(file).is_file() else []
+        if dynamic:
+            warnings.append(f"{cfg.canonical_path} is reused, but the converter {spec.function} imports modules by a "
+                            f"computed name ({'; '.join(dynamic[:3])}), whose changes PackSFT cannot see: if they "
+                            f"changed, re-run from preprocess: {rerun}")
+    return warnings
+
+
 def check_provenance(cfg: DataConfig, command: Callable[[list[str]], str]) -> list[str]:
     """Before a run: refuse (StaleOutputError) when an output that a stage of the run reads, or any output before
     it, was made from other inputs or settings than the run's; returns warnings (outputs with no record). The
@@ -282,6 +390,8 @@ def check_provenance(cfg: DataConfig, command: Callable[[list[str]], str]) -> li
                 if problem is None or STAGES.index(stage) < STAGES.index(problem[0]):
                     problem = (stage, why, config)
                 break
+            if stage == "preprocess":
+                warnings += _unfollowed_imports(config, rerun(stage))
     if problem:
         stage, why, config = problem
         path = next(iter(stage_files(config, first)[0].values()))  # the eval split's, for a problem of its own

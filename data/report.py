@@ -125,6 +125,19 @@ def sorted_counts(counts: dict) -> dict:
     return {k: counts[k] for k in sorted(counts)}
 
 
+def format_stepwise(stepwise: dict) -> str:
+    """The tokenize summary's line of `stepwise` (report.json's section): the samples the records gave and, as
+    prefix trees, the tokens stored against storing every sample."""
+    head = (f"stepwise ({stepwise['mode']}): {stepwise['records']:,} records -> {stepwise['samples']:,} samples "
+            f"({stepwise['samples_kept']:,} kept)")
+    if stepwise["mode"] != "tree":
+        return f"{head}, {stepwise['sample_tokens']:,} tokens stored"
+    stored, as_samples = stepwise["tokens_stored"], stepwise["sample_tokens"]
+    share = f" ({stepwise['tokens_saved'] / as_samples:.1%})" if as_samples else ""
+    return (f"{head} in {stepwise['sequences']:,} prefix trees: {stored:,} tokens stored, {as_samples:,} as samples "
+            f"would store; {stepwise['tokens_saved']:,} saved{share}")
+
+
 def format_tokenize_summary(section: dict) -> str:
     """The table printed by the tokenize stage: per category records, tokens and loss tokens before and after
     the stage, then what is trained of reasoning and tool calls and what is lost (by reason)."""
@@ -148,6 +161,9 @@ def format_tokenize_summary(section: dict) -> str:
     if images.get("images"):
         lines.append(f"images: {images['images']:,} ({images['image_tokens']:,} image tokens, never labelled; "
                      f"{images['image_bytes']:,} bytes stored)")
+    stepwise = section.get("stepwise")
+    if stepwise:
+        lines.append(format_stepwise(stepwise))
     lost = section["lost"]
     lines.append("not trained: " + (", ".join(f"{reason} {v['records']:,} records / {v['chars']:,} chars"
                                               for reason, v in lost.items()) or "nothing"))

@@ -5,6 +5,11 @@ data was packed with: train/run/export.py exports it with final/) is printed as 
 keeps its history; `/reset` starts a new one, `/exit` (or end of input) ends. Greedy decoding by default
 (`--temperature 0`); `--temperature T` samples (with `--top-p`, seeded by `--seed`). Works on piped input too:
 `printf 'What is 2 + 3?\\n' | python -m train.chat DIR`.
+
+A composite (image-text-to-text) export, such as the image example's Qwen2.5-VL, loads with its own class (the
+trainer's choice, train/model/composite.py `auto_model_class`); its text turns work anywhere, and `/image PATH`
+puts an image into the next user turn where the model's processor loads (its image processor needs torchvision:
+.venv-vision).
 """
 from __future__ import annotations
 
@@ -60,12 +65,17 @@ class Chat:
                     if (path / "adapter_config.json").is_file() else "")
             raise ConfigError(f"{model_dir}: not a model directory (no config.json){hint}")
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         from data.shards.chat_templates import builtin_name, template_text, names
+        from train.model.composite import auto_model_class, is_composite
 
         self.torch = torch
+        config = AutoConfig.from_pretrained(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.processor, self.no_images = None, "a text model"
+        if is_composite(config):  # its processor renders turns with images
+            self.processor, self.no_images = load_processor(model_dir)
         if template:
             if not builtin_name(template) and not Path(template).is_file():
                 raise ConfigError(f"--template: {template} is neither a file nor a built-in template name ({names()})")
@@ -75,18 +85,36 @@ class Chat:
                               f"{names()}, or a Jinja file)")
         self.end_of_turn = end_of_turn(self.tokenizer)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir).to(self.device).eval()
+        self.model = auto_model_class(config).from_pretrained(model_dir).to(self.device).eval()
         self.system = system
         self.reset()
 
     def reset(self) -> None:
         self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
+        self.images: list[str] = []  # for the next user turn
+
+    def attach_image(self, path: str) -> None:
+        """`/image PATH`: the image goes into the next user turn (ConfigError where this model takes none)."""
+        if self.processor is None:
+            raise ConfigError(f"/image: this model takes no images here: {self.no_images}")
+        if not Path(path).is_file():
+            raise ConfigError(f"/image: {path} is not a file")
+        self.images.append(str(Path(path).resolve()))
 
     def reply(self, text: str, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0) -> str:
-        """The model's answer to the user turn `text`, appended to the history with it."""
-        self.messages.append({"role": "user", "content": text})
-        inputs = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=True,
-                                                    return_dict=True, return_tensors="pt").to(self.device)
+        """The model's answer to the user turn `text` (with the images attached since the last turn), appended to
+        the history with it. A conversation with images is rendered by the processor, which puts each image's
+        tokens in and returns its pixel values; a text one by the tokenizer."""
+        if self.images:
+            content = [*({"type": "image", "path": image} for image in self.images), {"type": "text", "text": text}]
+            self.messages.append({"role": "user", "content": content})
+            self.images = []
+        else:
+            self.messages.append({"role": "user", "content": text})
+        with_images = any(isinstance(m["content"], list) for m in self.messages)
+        render = self.processor if with_images else self.tokenizer
+        inputs = render.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=True, return_tensors="pt").to(self.device)
         eos = [i for i in (self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids(self.end_of_turn))
                if isinstance(i, int) and i != self.tokenizer.unk_token_id]
         sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else \
@@ -106,6 +134,21 @@ class Chat:
         return answer
 
 
+def load_processor(model_dir: str):
+    """(the processor of a composite export, or None; why there is none): its image processor needs torchvision,
+    whose PyPI wheels load only beside PyPI's CUDA torch build (.venv-vision), not the CPU wheel of .venv."""
+    from transformers import AutoProcessor
+
+    if not (Path(model_dir) / "preprocessor_config.json").is_file():
+        return None, f"{model_dir} holds no processor (preprocessor_config.json)"
+    try:
+        return AutoProcessor.from_pretrained(model_dir), ""
+    except Exception as exc:  # noqa: BLE001 (ImportError, or torchvision's RuntimeError beside the CPU-only torch)
+        first = str(exc).strip().splitlines()[0].split(". ")[0] if str(exc).strip() else type(exc).__name__
+        return None, (f"its processor does not load in this environment ({type(exc).__name__}: {first}); images need "
+                      "torchvision: run .venv-vision/bin/python -m train.chat (bash scripts/setup_vision.sh)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -116,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     chat.torch.manual_seed(args.seed)
     interactive = sys.stdin.isatty()
     if interactive:
-        print(f"chatting with {args.model_dir} (/reset: a new conversation, /exit or Ctrl-D: quit)", file=sys.stderr)
+        images = ", /image PATH: an image in your next turn" if chat.processor is not None else ""
+        print(f"chatting with {args.model_dir} (/reset: a new conversation{images}, /exit or Ctrl-D: quit)",
+              file=sys.stderr)
     while True:
         if interactive:
             print("user> ", end="", file=sys.stderr, flush=True)
@@ -131,6 +176,13 @@ def main(argv: list[str] | None = None) -> int:
         if text.strip() == "/reset":
             chat.reset()
             print("(new conversation)", file=sys.stderr, flush=True)
+            continue
+        if text.strip().startswith("/image "):
+            try:
+                chat.attach_image(text.strip().removeprefix("/image ").strip())
+                print(f"(image attached to your next turn: {chat.images[-1]})", file=sys.stderr, flush=True)
+            except ConfigError as exc:
+                print(f"error: {exc}", file=sys.stderr, flush=True)
             continue
         print(f"assistant: {chat.reply(text, args.max_new_tokens, args.temperature, args.top_p)}", flush=True)
     return 0

@@ -47,6 +47,7 @@ import orjson
 import torch
 import torch.distributed as dist
 
+from common.config import ConfigError
 from common.errors import PackSFTError
 from common.fsutil import (apply_umask, atomic_directory, atomic_write_bytes, file_blake2b, fsync_dir, replace_dir,
                            stale_temporaries)
@@ -73,6 +74,14 @@ class CheckpointError(PackSFTError, RuntimeError):
     """A checkpoint cannot be written or read; the message names the file or directory and what to do."""
 
     label = "checkpoint error"
+
+
+class ResumeRefused(CheckpointError, ConfigError):
+    """The start-up checks' refusal of a resume (other data, global batch, step count or model than the checkpoint's):
+    a config error of the run (exit 2, before any weight loads) about a checkpoint."""
+
+    label = "config error"
+    exit_code = 2
 
 
 def _barrier() -> None:
@@ -211,7 +220,13 @@ def verify_checkpoint(directory: Path) -> list[str]:
         files = orjson.loads(manifest_file.read_bytes())["files"]
     except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
         return [f"{manifest_file}: unreadable ({exc})"]
-    problems = []
+    if not isinstance(files, dict):
+        return [f"{manifest_file}: `files` is {_shown(files)}, not an object of file names"]
+    problems = [f"{manifest_file}: the entry of {name!r} is {_shown(entry)}, not "
+                '{"size": <bytes>, "blake2b": <hex digest>} (the file was edited: PackSFT writes no such entry)'
+                for name, entry in files.items() if not _manifest_entry_ok(entry)]
+    if problems:
+        return problems
     for name, expected in files.items():
         path = directory / name
         if not isinstance(name, str) or os.path.isabs(name) or ".." in Path(name).parts:
@@ -238,6 +253,18 @@ def verify_checkpoint(directory: Path) -> list[str]:
             elif not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # opening a FIFO would block the resume
                 problems.append(f"{path}: not a regular file (a FIFO, socket or device; PackSFT writes none)")
     return list(dict.fromkeys(problems))
+
+
+def _manifest_entry_ok(entry: Any) -> bool:
+    """A manifest entry as write_manifest writes it: a non-negative integer size and a hex digest."""
+    return (isinstance(entry, dict) and type(entry.get("size")) is int and entry["size"] >= 0
+            and isinstance(entry.get("blake2b"), str))
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    text = orjson.dumps(value).decode() if isinstance(value, (dict, list, str, int, float, bool, type(None))) \
+        else repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def is_complete(directory: Path) -> bool:
@@ -439,7 +466,10 @@ def discard_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
 def _prune(root: Path, keep: int) -> None:
     """Remove all but the newest `keep` checkpoints PackSFT wrote (a `step-N/` it did not write is left alone)."""
     steps = [p for p in list_checkpoints(root.parent) if not_packsft_checkpoint(p) is None]
-    latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+    try:
+        latest = latest_pointer(root)[0]
+    except CheckpointError:
+        latest = None
     for path in steps[:-keep] if keep > 0 else []:
         if path.name != latest:
             shutil.rmtree(path, ignore_errors=True)
@@ -460,9 +490,57 @@ def _moved_aside(root: Path, name: str) -> Path | None:
     return copies[-1] if copies else None
 
 
-def resume_candidates(resume: str, output_dir) -> list[Path]:
+POINTER_MAX_BYTES = 256  # `latest` holds one checkpoint name (step-NNNNNN); more is not PackSFT's pointer
+
+
+def latest_pointer(root: Path) -> tuple[str | None, str | None]:
+    """(the checkpoint name `root/latest` holds, or None; why it cannot be followed, or None). PackSFT writes one
+    name there, `step-NNNNNN`, of a directory beside it. A pointer that names a path (a separator, `..`, an absolute
+    path) would resume a checkpoint outside this run's checkpoints/ (another run's): CheckpointError. A link is
+    refused as well (preflight names it first). An empty, non-text or mistyped pointer, or one that is not a
+    regular file (a FIFO is never opened: lstat first) is a problem resume=latest warns about and falls back from.
+    Without a pointer: (None, None)."""
+    pointer = root / LATEST
+    try:
+        mode = os.lstat(pointer).st_mode
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"{pointer}: cannot be read ({_one_line(exc)})"
+    if stat.S_ISLNK(mode):
+        raise CheckpointError(f"{pointer}: a symbolic link to {os.readlink(pointer)}; PackSFT writes the pointer as a "
+                              "file naming a checkpoint in this run's checkpoints/ and follows no link there")
+    if not stat.S_ISREG(mode):
+        return None, f"{pointer}: not a regular file (a FIFO, socket, device or directory; PackSFT writes a text file)"
+    try:
+        with open(pointer, "rb") as f:
+            data = f.read(POINTER_MAX_BYTES + 1)
+    except OSError as exc:
+        return None, f"{pointer}: cannot be read ({_one_line(exc)})"
+    if len(data) > POINTER_MAX_BYTES:
+        return None, f"{pointer}: more than {POINTER_MAX_BYTES} bytes, not a checkpoint name"
+    try:
+        name = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return None, f"{pointer}: not text"
+    if not name:
+        return None, f"{pointer}: empty"
+    if "/" in name or "\\" in name or name in (".", "..") or os.path.isabs(name):
+        raise CheckpointError(
+            f"{pointer} names {name!r}, a path, not a checkpoint of this run: PackSFT writes there only the name of "
+            f"a step-NNNNNN directory beside it, and resume=latest never leaves {root}. Remove the pointer "
+            "(resume=latest then resumes from the newest complete checkpoint there), or resume=<directory> to resume "
+            "from another checkpoint on purpose")
+    if not _STEP_DIR.match(name):
+        return None, f"{pointer}: names {name!r}, which is not a checkpoint name (step-NNNNNN)"
+    return name, None
+
+
+def resume_candidates(resume: str, output_dir, warn=logger.warning) -> list[Path]:
     """The checkpoints to try, in order. `none`: none. A path: that one. `latest`: the one the pointer names (or
-    its moved-aside copy), then every older complete checkpoint, newest first (the fallbacks)."""
+    its moved-aside copy), then every older complete checkpoint, newest first (the fallbacks). A pointer that cannot
+    be followed (`latest_pointer`; it names a checkpoint that does not exist) is warned about through `warn`, and
+    every complete checkpoint is tried, newest first."""
     if resume == "none":
         return []
     if resume != "latest":
@@ -471,12 +549,16 @@ def resume_candidates(resume: str, output_dir) -> list[Path]:
             raise CheckpointError(f"resume: {path} is not a checkpoint directory")
         return [path]
     root = checkpoint_root(output_dir)
-    pointer = root / LATEST
+    name, problem = latest_pointer(root)
     first = None
-    if pointer.is_file():
-        name = pointer.read_text().strip()
+    if name is not None:
         first = _moved_aside(root, name) or root / name
+        if not first.is_dir() or first.is_symlink():
+            problem, first = f"{root / LATEST}: names {name}, which is not a checkpoint directory in {root}", None
     complete = [p for p in reversed(list_checkpoints(output_dir)) if is_complete(p)]
+    if problem is not None:
+        warn(f"{problem}; " + (f"resuming from the newest complete checkpoint, {complete[0].name}" if complete
+                               else "and there is no complete checkpoint"))
     if first is None:
         if not complete and list_checkpoints(output_dir):
             raise CheckpointError(f"{root}: no complete checkpoint (none has {MANIFEST}); resume=none starts over")
@@ -535,6 +617,28 @@ def data_mismatch(saved: dict | None, current: dict) -> str | None:
         return None
     return (f"the checkpoint was trained on {saved.get('path')}, this run reads {current['path']}: "
             + ", ".join(diffs))
+
+
+def resume_refusal(path: Path, state: dict, layout: dict | None, data: dict | None,
+                   data_policy: str) -> tuple[str | None, str | None]:
+    """(why resuming from checkpoint `path`, whose trainer_state.json is `state`, is refused; a warning): other data
+    (`data`: `dataset_identity` of this run's; refused unless `data_policy` is "allow", then the warning), another
+    global batch or step count (`layout`: this run's, as `layout_mismatch` reads it). None for what is not known
+    yet (the start-up checks, before the data is opened, on online packing's rows)."""
+    mismatch = data_mismatch(state.get("data"), data) if data is not None else None
+    warning = None
+    if mismatch:
+        if data_policy == "error":
+            return (f"resume from {path}: {mismatch}; resume with the same data_path, or set "
+                    "resume_data_mismatch=allow to continue on the new data (the sampler order then differs)", None)
+        warning = f"resume from {path}: {mismatch} (resume_data_mismatch=allow: continuing)"
+    other = layout_mismatch(state, layout, compare_steps=not mismatch) if layout is not None else None
+    if other:
+        return (f"resume from {path}: {other}: the resumed run would train other rows than the run it continues "
+                "(some twice, some never); resume with the checkpoint's value (any dp x grad_accum x micro_batch_rows "
+                "giving its rows per step), or start a new run (another output_dir, or overwrite_output_dir=true "
+                "with resume=none)", warning)
+    return None, warning
 
 
 def layout_mismatch(saved: dict, current: dict, compare_steps: bool = True) -> str | None:

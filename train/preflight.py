@@ -2,11 +2,14 @@
 process (a bad config is refused in seconds, naming the key) and by every trainer process before the model loads.
 
 `preflight(cfg, world_size)` runs, in order: the rules of the values (`TrainConfig.validate`); what the machine
-offers (CUDA for bf16 and Liger, the installed logging backends); what output_dir already holds; the paths; then the
-model's config, read here once (`Preflight.model_config`, which the trainer carries to everything that needs it:
-the family check, the attention plan, the memory estimate, the model itself and the checkpoints' model record),
-against the data: loss tokens, token ids within the vocabulary, the shards' tokenizer hash, the tokenizer final/ is
-exported with, positions past the model's range (a warning).
+offers (CUDA for bf16 and Liger, the installed logging backends, a named attention or sequence-parallel backend's
+kernels); what output_dir already holds (links, the `latest` pointer); the paths (online packing's sequence
+lengths); then the model's config, read here once (`Preflight.model_config`, which the trainer carries to everything
+that needs it: the family check, the attention plan, the memory estimate, the model itself and the checkpoints'
+model record), against the data: loss tokens, token ids within the vocabulary, the shards' tokenizer hash, the
+tokenizer final/ is exported with, positions past the model's range (a warning), tree rows under sequence
+parallelism, outputs the data pipeline marked stale; and the checkpoint a resume starts from against the run (its
+data, global batch, step count and model).
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ def preflight(cfg: TrainConfig, world_size: int = 1) -> Preflight:
     """Every check before the model loads; raises ConfigError naming the key."""
     cfg.validate(world_size)
     check_machine(cfg)
+    check_kernels(cfg)
     check_output_dir(cfg)
     check_paths(cfg)
     model_config = read_model_config(cfg)
@@ -53,6 +57,7 @@ def preflight(cfg: TrainConfig, world_size: int = 1) -> Preflight:
     check_lora_targets(cfg, model_config)
     checked = Preflight(model_config, eval_path(cfg), resolved_tokenizer(cfg)[0])
     check_data(cfg, checked)
+    check_resume(cfg, model_config, world_size)
     return checked
 
 
@@ -109,6 +114,30 @@ def check_machine(cfg: TrainConfig) -> None:
             raise ConfigError(f"log_backends: {backend} is not installed (pip install {backend})")
 
 
+def check_kernels(cfg: TrainConfig) -> None:
+    """A named attn_backend or sequence-parallel backend that cannot run on this machine (its device, the precision,
+    the installed kernels), refused before any process starts instead of when the trainer plans its attention after
+    the model has loaded. On CUDA machines the attention backend is checked by that plan on the training device
+    (the launcher touches no GPU); what a backend cannot express of the model's layers (windows, softcaps, sinks) is
+    the plan's too."""
+    from train.attention.function import backend_problem
+    from train.attention.sequence_parallel import SP_BACKENDS
+    from train.attention.varlen_kernels import NO_FEATURES
+    from train.config.backend_names import AUTO, TORCH
+
+    model, parallel = cfg.model, cfg.parallel
+    if model.attn_backend != AUTO and not _cuda_available():
+        import torch
+
+        probe = torch.empty((1, 1, 0, 1), dtype=torch.bfloat16 if model.bf16 else torch.float32)
+        if problem := backend_problem(model.attn_backend, probe, NO_FEATURES):
+            raise ConfigError(problem)
+    if parallel.sequence_parallel_size != 1 and parallel.sp_backend in SP_BACKENDS and parallel.sp_backend != TORCH:
+        reasons = SP_BACKENDS[parallel.sp_backend].reasons(model.bf16)
+        if reasons:
+            raise ConfigError("; ".join(reasons))
+
+
 def _cuda_available() -> bool:
     import torch
 
@@ -122,7 +151,7 @@ def check_output_dir(cfg: TrainConfig) -> None:
     delete there): a link among them is refused. So is a step-N/ PackSFT did not write when starting over, a
     log.jsonl that is not PackSFT's log (the new run would truncate it), and an earlier run's checkpoints when
     neither resuming nor overwriting."""
-    from train.checkpoint import foreign_step_dirs, list_checkpoints
+    from train.checkpoint import CheckpointError, checkpoint_root, foreign_step_dirs, latest_pointer, list_checkpoints
     from train.metrics import read_log
 
     ckpt = cfg.checkpoint
@@ -139,6 +168,11 @@ def check_output_dir(cfg: TrainConfig) -> None:
         raise ConfigError(f"output_dir: {foreign[0]}; overwrite_output_dir=true removes only PackSFT's own "
                           "checkpoints and the new run would replace this directory: move it out of output_dir")
     read_log(ckpt.output_dir)
+    if ckpt.resume == "latest":
+        try:  # a pointer naming a path outside checkpoints/: refused before anything loads
+            latest_pointer(checkpoint_root(ckpt.output_dir))
+        except CheckpointError as exc:
+            raise ConfigError(f"resume=latest: {exc}") from None
     if ckpt.resume not in ("none", "latest") and not Path(ckpt.resume).is_dir():
         raise ConfigError(f"resume: {ckpt.resume} is not a checkpoint directory (or use none / latest)"
                           f"{relative_note(ckpt.resume)}")
@@ -172,12 +206,15 @@ def check_paths(cfg: TrainConfig) -> None:
         raise ConfigError(f"data_path: {data_path} is not a directory (run sh data_process.sh first?)"
                           f"{relative_note(data_path)}")
     if not (Path(data_path) / "meta.json").is_file():
-        raise ConfigError(f"data_path: {data_path} has no meta.json: not a packed dataset")
+        raise ConfigError(f"data_path: {data_path} has no meta.json: not a packed dataset"
+                          f"{pipeline_output_hint(data_path)}")
     if cfg.data.online_max_length is not None and checked_meta(data_path).get("kind") != "tokenized":
         raise ConfigError(
             f"online_max_length is set but data_path {data_path} is already packed; point data_path at a "
             "tokenized/ directory for online packing, or drop online_max_length"
         )
+    if cfg.data.online_max_length is not None:
+        check_online_lengths(data_path, cfg.data.online_max_length)
     named_eval = cfg.eval.eval_data_path
     if named_eval not in (None, "none") and not (Path(named_eval) / "meta.json").is_file():
         raise ConfigError(f"eval_data_path: {named_eval} is not a packed dataset (no meta.json)"
@@ -196,6 +233,35 @@ def check_paths(cfg: TrainConfig) -> None:
     template = cfg.deepspeed.template
     if template is not None and not Path(template).is_file():
         raise ConfigError(f"deepspeed.template: {template} does not exist{relative_note(template)}")
+
+
+def check_online_lengths(data_path: str, online_max_length: int) -> None:
+    """Online packing puts each tokenized sequence whole into a row of online_max_length tokens: none may be
+    longer (from the shard index, no token read)."""
+    from data.shards.dataset import PackedDataset
+
+    lengths = np.asarray(PackedDataset(data_path, verify="off").row_n_tokens)
+    longest = int(lengths.max()) if len(lengths) else 0
+    if longest > online_max_length:
+        raise ConfigError(
+            f"online_max_length={online_max_length}: data_path {data_path} holds sequences of up to {longest:,} tokens "
+            f"({int((lengths > online_max_length).sum()):,} longer than {online_max_length:,}), and online packing "
+            f"puts each one whole into a row: set online_max_length >= {longest}, or tokenize with max_length <= "
+            f"{online_max_length} (sh data_process.sh CONFIG --stages merge,tokenize max_length={online_max_length})")
+
+
+def pipeline_output_hint(data_path: str) -> str:
+    """Where the data is when `data_path` is the data pipeline's output_dir (or holds it): its packed/ (or only
+    tokenized/) directory; "" otherwise."""
+    root = Path(data_path)
+    for name, hint in (("packed", "the packed rows of sh data_process.sh are in its packed/ directory: "
+                                  "data_path={}"),
+                       ("tokenized", "it holds a tokenized/ directory but no packed/ one: run the pack stage (sh "
+                                     "data_process.sh CONFIG --stages pack), or pack while training with "
+                                     "data_path={} online_max_length=N")):
+        if (root / name / "meta.json").is_file():
+            return "; " + hint.format(root / name)
+    return ""
 
 
 def eval_path(cfg: TrainConfig) -> str | None:
@@ -235,6 +301,47 @@ def read_model_config(cfg: TrainConfig):
         raise ConfigError(f"{key}: cannot read a model config from {source}: {exc}") from None
 
 
+# ---------------------------------------------------------------------------------------------- resume
+def check_resume(cfg: TrainConfig, model_config, world_size: int) -> None:
+    """resume=latest or a checkpoint directory: the checkpoint it starts from (the first candidate) against this run,
+    from its trainer_state.json, before any weight loads: the same data (unless resume_data_mismatch=allow), global
+    batch and step count, model config and LoRA settings. Refused with the trainer's own words (ResumeRefused, a
+    ConfigError), which checks the checkpoint it loads again. What is not known yet is left to it: the rows of
+    online packing, the processes of sequence_parallel_size auto; so is a checkpoint that cannot be read."""
+    import math
+
+    from train.checkpoint import (CheckpointError, ResumeRefused, check_same_model, dataset_identity,
+                                  load_trainer_state, model_identity, resume_candidates, resume_refusal)
+
+    ckpt, steps = cfg.checkpoint, cfg.steps
+    if ckpt.resume == "none":
+        return
+    try:
+        candidates = resume_candidates(ckpt.resume, ckpt.output_dir, warn=lambda _: None)  # said by the trainer
+        state = load_trainer_state(candidates[0]) if candidates else None
+    except CheckpointError:
+        return
+    if not isinstance(state, dict):
+        return
+    rows = None if cfg.data.online_max_length is not None else int(checked_meta(cfg.data.data_path)["counts"]["rows"])
+    sp, layout = cfg.parallel.sequence_parallel_size, None
+    if rows is not None and sp != "auto":
+        dp = world_size // sp
+        rows_per_step = dp * steps.grad_accum * steps.micro_batch_rows
+        total = steps.max_steps if steps.max_steps is not None else steps.num_epochs * math.ceil(rows / rows_per_step)
+        layout = {"total_steps": total, "rows_per_step": rows_per_step, "dp_size": dp, "sp_size": sp,
+                  "grad_accum": steps.grad_accum, "micro_batch_rows": steps.micro_batch_rows,
+                  "max_steps": steps.max_steps, "num_epochs": steps.num_epochs}
+    data = dataset_identity(cfg.data.data_path, rows) if rows is not None else None
+    refusal, _ = resume_refusal(candidates[0], state, layout, data, ckpt.resume_data_mismatch)
+    if refusal:
+        raise ResumeRefused(refusal)
+    try:
+        check_same_model(candidates[0], state, model_identity(model_config, cfg.lora), cfg.model)
+    except CheckpointError as exc:
+        raise ResumeRefused(str(exc)) from None
+
+
 # ---------------------------------------------------------------------------------------------- the data
 def check_data(cfg: TrainConfig, checked: Preflight) -> None:
     """Loss tokens in every dataset; token ids below the model's vocabulary; the shards' tokenizer hash equal to
@@ -265,6 +372,7 @@ def check_data(cfg: TrainConfig, checked: Preflight) -> None:
             )
         if name == "data_path":
             check_export_tokenizer(cfg, meta)
+            check_tree_rows(cfg, meta, path)
         mismatch = tokenizer_hash_mismatch(cfg, meta, data_tok)
         if mismatch and (problems or cfg.model.tokenizer_mismatch == "error"):
             problems.append(mismatch + " (tokenizer_mismatch=warn trains anyway: only when both give the same ids)")
@@ -273,6 +381,37 @@ def check_data(cfg: TrainConfig, checked: Preflight) -> None:
         if problems:
             raise ConfigError(f"{name}: " + "; and ".join(problems))
         warn_past_max_positions(cfg, text, name, path)
+        check_not_stale(cfg, name, path)
+
+
+def check_tree_rows(cfg: TrainConfig, meta: dict, path: str) -> None:
+    """Stepwise trees under a fixed sequence-parallel degree above 1 (`auto` is checked once the degree is
+    chosen, when the trainer opens the data)."""
+    from data.shards.dataset import Structure, structure_of
+
+    sp = cfg.parallel.sequence_parallel_size
+    if isinstance(sp, int) and sp > 1 and structure_of(meta.get("token_fields") or {}) is Structure.TREE:
+        from train.config.sp_rules import TREE_SP_REFUSAL
+
+        raise ConfigError(f"data_path {path}: {TREE_SP_REFUSAL} (sequence_parallel_size={sp})")
+
+
+def check_not_stale(cfg: TrainConfig, name: str, path: str) -> None:
+    """A dataset the data pipeline's report.json lists as stale (`--stages tokenize` alone after pack: packed/ is the
+    earlier tokenized data's) is refused, or with stale_data=warn trained with a warning."""
+    from data.shards.dataset import stale_stages
+
+    found = stale_stages(path)
+    if found is None:
+        return
+    report, stages = found
+    message = (f"{name}: {path} is stale: the data pipeline ran an earlier stage after {stages[0]} wrote it ({report} "
+               f"lists {stages[0]} under `stale`), so it does not hold what that run made; re-run sh data_process.sh "
+               f"<your data config> --stages {','.join(stages)}")
+    if cfg.data.stale_data == "warn":
+        logger.warning(message + " (stale_data=warn: training on it as it is)")
+        return
+    raise ConfigError(message + ", or set stale_data=warn to train on it as it is")
 
 
 def check_export_tokenizer(cfg: TrainConfig, meta: dict) -> None:

@@ -731,6 +731,31 @@ def shard_ranges(row_nbytes: Sequence[int], max_shard_bytes: int) -> list[tuple[
     return list(zip(starts, starts[1:] + [len(row_nbytes)]))
 
 
+# ---------------------------------------------------------------------------------------------- the pipeline's report
+# The data pipeline's report.json (data/report.py), in the output_dir that holds a dataset it wrote, moves under
+# `stale` the sections of the stages whose outputs a later run of an earlier stage invalidated: `--stages tokenize`
+# alone leaves packed/ made from the tokenized data before it.
+PIPELINE_REPORT, STALE = "report.json", "stale"
+STAGE_OF_KIND = {"tokenized": "tokenize", "packed": "pack"}  # the pipeline stage whose output a dataset is
+
+
+def stale_stages(path: str | os.PathLike) -> tuple[Path, list[str]] | None:
+    """(the report, the stages to re-run) when the data pipeline's report.json beside dataset `path` lists the stage
+    that wrote it under `stale`: the stale stages in pipeline order (as the report lists them) up to that one.
+    None otherwise (no report: a dataset the pipeline did not write; or one it wrote since)."""
+    path = Path(path)
+    report_path = path.parent / PIPELINE_REPORT
+    try:
+        report = orjson.loads(report_path.read_bytes())
+        stage = STAGE_OF_KIND.get(read_meta(path).get("kind"))
+    except (OSError, orjson.JSONDecodeError, ShardFormatError):
+        return None
+    stale = list(report.get(STALE) or {}) if isinstance(report, dict) else []
+    if stage not in stale:
+        return None
+    return report_path, stale[:stale.index(stage) + 1]
+
+
 # ---------------------------------------------------------------------------------------------- reader
 def read_meta(path: str | os.PathLike) -> dict:
     """Parse and check `meta.json` of a dataset directory (format name and version)."""

@@ -577,3 +577,52 @@ def test_an_empty_only_input_is_an_error_naming_it(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli_main(preprocess.run, "preprocess", [preprocess_config_file(tmp_path, [str(empty)])])
     assert capsys.readouterr().err == f"error: preprocess: every input is empty (no row): {empty}\n"
+
+
+def test_alpaca_records_are_detected_and_converted_as_llamafactory_reads_them(tmp_path, capsys):
+    """`sh data_process.sh` on Stanford Alpaca / LLaMA-Factory alpaca rows (instruction, input, output; system and
+    history optional) with format auto: the user turn is instruction + "\\n" + input (input empty: the instruction
+    alone), history pairs come first and are trained like the answer. Before: `cannot detect the format from keys
+    ['input', 'instruction', 'output']`."""
+    from data import pipeline
+
+    rows = [
+        {"instruction": "Give three tips for staying healthy.", "input": "", "output": "Eat well, move, sleep."},
+        {"instruction": "Translate to French.", "input": "Good morning", "output": "Bonjour"},
+        {"instruction": "And in German?", "input": "", "output": "Guten Morgen", "system": "You translate.",
+         "history": [["Translate to French: Good morning", "Bonjour"]]},
+    ]
+    data = tmp_path / "alpaca.jsonl"
+    data.write_bytes(b"".join(orjson.dumps(row) + b"\n" for row in rows))
+    config = tmp_path / "alpaca.json"
+    config.write_bytes(orjson.dumps({"inputs": [{"path": str(data)}], "output_dir": str(tmp_path / "out"),
+                                     "tokenizer_path": "data/example/tokenizer", "num_workers": 1}))
+    pipeline.main([str(config), "--stages", "preprocess,sample,merge,tokenize,pack"])
+    records = [orjson.loads(line) for line in (tmp_path / "out" / "canonical.jsonl").read_bytes().splitlines()]
+    assert [r["messages"] for r in records] == [
+        [{"role": "user", "content": "Give three tips for staying healthy."},
+         {"role": "assistant", "content": "Eat well, move, sleep."}],
+        [{"role": "user", "content": "Translate to French.\nGood morning"},
+         {"role": "assistant", "content": "Bonjour"}],
+        [{"role": "system", "content": "You translate."},
+         {"role": "user", "content": "Translate to French: Good morning"}, {"role": "assistant", "content": "Bonjour"},
+         {"role": "user", "content": "And in German?"}, {"role": "assistant", "content": "Guten Morgen"}],
+    ]
+    assert [r["labels"] for r in records] == [[0, 1], [0, 1], [0, 0, 1, 0, 1]]
+    report = read_report(tmp_path / "out" / "report.json")
+    assert report["preprocess"]["inputs"][0]["format"] == "alpaca"
+    assert report["pack"]["out"] >= 1 and capsys.readouterr().out.strip().endswith(f"packed: {tmp_path / 'out' / 'packed'}")
+
+
+@pytest.mark.parametrize("row, field, message", [
+    ({"instruction": ["x"], "output": "y"}, "instruction", "expected a string, got list"),
+    ({"instruction": "x", "input": "", "output": "y", "history": [["only one"]]}, "history[0]",
+     "expected a [user, assistant] pair of strings"),
+])
+def test_alpaca_bad_rows_name_the_field(row, field, message):
+    spec = InputSpec(path=["a.jsonl"])
+    fmt, resolved = preprocess.detect_format(row, spec, "a.jsonl:1")
+    assert fmt == "alpaca"
+    with pytest.raises(RecordError) as err:
+        preprocess.convert_row(row, resolved, fmt, "a.jsonl:1")
+    assert str(err.value).startswith(f"a.jsonl:1: {field}: {message}")

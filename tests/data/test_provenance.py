@@ -173,3 +173,52 @@ def test_the_eval_splits_outputs_are_judged_alike(work, capsys):
     assert _refused(capsys, "--stages", "tokenize,pack").startswith(  # the split's size is sample's
         "tokenize would read out/merged.jsonl, made from other inputs or settings than this run's: sample ran with "
         "eval_size=4 (this run: null); re-run from sample: ")
+
+
+def _converter_run(base, monkeypatch, converter: str):
+    """A run whose input is read by `format: function` (conv.py, which imports helpers.py beside it), from `base`
+    as the current directory (on sys.path, as `python -m data.pipeline` run there has it)."""
+    (base / "raw.jsonl").write_bytes(b"".join(orjson.dumps({"q": f"What is {i} + {i}?", "a": str(2 * i)}) + b"\n"
+                                              for i in range(12)))
+    (base / "helpers.py").write_text("def answer(row):\n    return row['a']\n")
+    (base / "conv.py").write_text(converter)
+    (base / "c.json").write_bytes(orjson.dumps({
+        "inputs": [{"path": "raw.jsonl", "format": "function", "function": "conv.py:to_record"}],
+        "output_dir": "out", "tokenizer_path": str(ROOT / "data/example/tokenizer"), "num_workers": 1,
+        "max_length": 256}))
+    monkeypatch.chdir(base)
+    monkeypatch.syspath_prepend(str(base))
+    pipeline.main(["c.json"])
+
+
+CONVERTER = """import helpers
+
+
+def to_record(row):
+    return {"messages": [{"role": "user", "content": row["q"]}, {"role": "assistant", "content": helpers.answer(row)}]}
+"""
+
+
+def test_a_changed_module_the_converter_imports_refuses_the_reuse_of_canonical_jsonl(tmp_path, capsys, monkeypatch):
+    """Before: the converter's own file was recorded, not the helper module it imports; after an edit of the helper
+    `--stages sample,merge,tokenize,pack` reused the stale canonical.jsonl."""
+    _converter_run(tmp_path, monkeypatch, CONVERTER)
+    helper = tmp_path / "helpers.py"
+    before = helper.stat().st_size
+    helper.write_text("def answer(row):\n    return row['a'] + ' (checked)'\n")
+    message = _refused(capsys, "--stages", "sample,merge,tokenize,pack")
+    assert message == (
+        f"sample would read out/canonical.jsonl, made from other inputs or settings than this run's: an input of "
+        f"preprocess, {helper}, changed (size {before} -> {helper.stat().st_size} bytes) since preprocess ran; "
+        f"re-run from preprocess: sh {SCRIPT} c.json --stages {ALL}")
+
+
+def test_a_converter_importing_by_a_computed_name_is_said_to_be_unfollowed(tmp_path, capsys, monkeypatch):
+    _converter_run(tmp_path, monkeypatch, "import importlib\n" + CONVERTER.replace(
+        "import helpers\n", "helpers = importlib.import_module('helpers')\n"))
+    capsys.readouterr()
+    pipeline.main(["c.json", "--stages", "sample,merge,tokenize,pack"])
+    err = capsys.readouterr().err
+    assert (f"WARNING: inputs: out/canonical.jsonl is reused, but the converter conv.py:to_record "
+            f"imports modules by a computed name ({tmp_path / 'conv.py'}:2: import_module(...)), whose changes PackSFT "
+            f"cannot see: if they changed, re-run from preprocess: sh {SCRIPT} c.json --stages {ALL}") in err, err

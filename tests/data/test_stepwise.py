@@ -172,3 +172,34 @@ def test_samples_are_template_renders_and_trees_train_them(tokenizer, records):
         assert trained_pairs_of_tree(arrays) == trained_pairs_of_samples(mine)
     if tokenizer == "qwen3":  # 10+ steps behind a long tools prompt: the trees store >= 3x fewer tokens
         assert sum(len(s.input_ids) for s in samples) >= 3 * sum(len(t.input_ids) for t in trees)
+
+
+@pytest.mark.parametrize("mode", ["samples", "tree"])
+def test_the_pipelines_console_says_what_the_trees_save(tmp_path, capsys, monkeypatch, mode):
+    """`sh data_process.sh` with stepwise: the tokenize summary says how many samples the records gave and, for
+    trees, the tokens stored against storing every sample, as report.json counts them. Before: report.json only."""
+    import orjson
+
+    from data import pipeline
+    from data.report import read_report
+    from tests.conftest import tokenizer_dir
+
+    raw = tmp_path / "agent.jsonl"
+    raw.write_bytes(b"".join(orjson.dumps({k: v for k, v in _record(uid).items() if k != "meta"}) + b"\n"
+                             for uid in range(4)))
+    config = tmp_path / "c.json"
+    config.write_bytes(orjson.dumps({"inputs": [{"path": str(raw), "category_name": "agent"}],
+                                     "output_dir": str(tmp_path / "out"), "num_workers": 1, "max_length": 4096,
+                                     "tokenizer_path": str(tokenizer_dir("qwen3")), "stepwise": mode}))
+    monkeypatch.chdir(tmp_path)
+    pipeline.main([str(config), "--stages", "preprocess,sample,merge,tokenize"])
+    out = capsys.readouterr().out
+    step = read_report(tmp_path / "out" / "report.json")["tokenize"]["stepwise"]
+    assert step["records"] == 4 and step["samples"] == 12
+    head = f"stepwise ({mode}): 4 records -> 12 samples (12 kept)"
+    if mode == "samples":
+        assert f"{head}, {step['sample_tokens']:,} tokens stored\n" in out
+        return
+    assert 0 < step["tokens_saved"] == step["sample_tokens"] - step["tokens_stored"]
+    assert (f"{head} in 4 prefix trees: {step['tokens_stored']:,} tokens stored, {step['sample_tokens']:,} as samples "
+            f"would store; {step['tokens_saved']:,} saved ({step['tokens_saved'] / step['sample_tokens']:.1%})\n") in out

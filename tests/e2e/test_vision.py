@@ -158,3 +158,36 @@ def test_self_check_says_why_it_skips_long_image_sequences(packed, tmp_path, mon
         train.trainer.Trainer(load_config(TRAIN_CONFIG, _overrides(packed, tmp_path / "out")), console=lines.append)
     assert "self-check skipped: the first 3 rows hold fewer than 2 sequences of 2 to 100 tokens, which it checks " \
            "whole (images are never cut" in "\n".join(lines), lines
+
+
+def test_chat_with_the_export_takes_text_and_image_turns(reference, monkeypatch, capsys):
+    """The run's own `try it: python -m train.chat …/final` (before: AutoModelForCausalLM refused Qwen2_5_VLConfig):
+    a text turn, then `/image PATH` and a turn about it, which the processor renders with the image's tokens and
+    whose pixel values reach the model."""
+    import io
+    import sys
+
+    from train import chat
+
+    final = reference[2] / "final"
+    image = fixture_path("multimodal", "mllm_demo_data", "1.jpg")
+    seen = []
+    real_generate = None
+
+    def spying(self, *args, **kwargs):
+        seen.append({key: kwargs[key] for key in ("input_ids", "pixel_values", "image_grid_thw") if key in kwargs})
+        return real_generate(self, *args, **kwargs)
+
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    real_generate = Qwen2_5_VLForConditionalGeneration.generate
+    monkeypatch.setattr(Qwen2_5_VLForConditionalGeneration, "generate", spying)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"Hello\n/image {image}\nWhat is in the picture?\n"))
+    assert chat.main([str(final), "--max-new-tokens", "3"]) == 0
+    captured = capsys.readouterr()
+    assert len([line for line in captured.out.splitlines() if line.startswith("assistant:")]) == 2, captured
+    assert f"(image attached to your next turn: {image})" in captured.err
+    text_turn, image_turn = seen
+    assert "pixel_values" not in text_turn and image_turn["pixel_values"].shape[0] > 0
+    tokens = int((image_turn["input_ids"] == 151655).sum())  # <|image_pad|>: one per 2x2 merged patches
+    assert tokens == int(image_turn["image_grid_thw"].prod(dim=-1).sum()) // 4 > 0

@@ -181,7 +181,7 @@ def test_resume_on_other_data_is_refused_unless_allowed(setup, tmp_path, caplog)
     assert trainer.step == 2 and "resume_data_mismatch=allow: continuing" in caplog.text
 
 
-def test_cli_reports_a_checkpoint_error_in_one_line(setup, tmp_path):
+def test_cli_refuses_a_resume_on_other_data_in_one_line_before_the_model_loads(setup, tmp_path):
     import subprocess
     import sys
 
@@ -191,10 +191,11 @@ def test_cli_reports_a_checkpoint_error_in_one_line(setup, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "train", str(config), f"output_dir={out}", "resume=latest",
                            f"data_path={other}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1
-    assert f"checkpoint error: resume from {checkpoint_root(out) / 'step-000002'}: the checkpoint was trained on" \
+    # refused by the start-up checks, before any weight loads (before: exit 1 after the model and the self-check)
+    assert proc.returncode == 2
+    assert f"config error: resume from {checkpoint_root(out) / 'step-000002'}: the checkpoint was trained on" \
         in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert "Traceback" not in proc.stderr and "self-check" not in proc.stdout
 
 
 @pytest.mark.multiprocess

@@ -114,3 +114,42 @@ def test_train_sh_reports_config_errors_before_launching(tmp_path):
     assert proc.returncode == 2
     assert "config error: world size 3 is not divisible by sequence_parallel_size=2" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.multiprocess
+def test_moe_example_trains_lora_on_experts_split_over_two_processes(example_data, tmp_path):
+    """`sh train.sh configs/train/example_moe.yaml` (2 steps): a tiny Qwen3-MoE, expert_parallel_size 2 on 2 CPU
+    processes, LoRA on the attention and on the routed experts. Its losses and gradient norms are one process's
+    without expert parallelism on the same 2 rows a step (grad_accum 2); the adapter holds the experts' trained
+    factors and final/merged/ loads as a causal LM."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from tests._train_helpers import in_project_root
+    from train.config.sections import load_config
+    from train.trainer import Trainer
+
+    steps = ["max_steps=2", "save_steps=0", "plot=false", f"data_path={example_data}"]
+    proc = _train_sh("configs/train/example_moe.yaml", f"output_dir={tmp_path / 'ep2'}", *steps)
+    assert "expert parallel 2: 4 of 8 experts per rank" in proc.stdout, proc.stdout[-3000:]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with in_project_root():
+            Trainer(load_config("configs/train/example_moe.yaml", [
+                f"output_dir={tmp_path / 'one'}", *steps, "expert_parallel_size=1", "launch.num_processes=1",
+                "grad_accum=2"]), console=lambda *_: None).train()
+    finally:
+        torch.set_num_threads(before)
+    ep2, one = read_log(tmp_path / "ep2"), read_log(tmp_path / "one")
+    assert [r["step"] for r in ep2] == [r["step"] for r in one] == [1, 2]
+    for a, b in zip(ep2, one):
+        for key in ("loss", "aux_loss", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), key
+    final = tmp_path / "ep2" / "final"
+    with safe_open(final / "adapter_model.safetensors", "pt") as adapter:
+        experts_b = [adapter.get_tensor(k) for k in adapter.keys() if ".mlp.experts." in k and "lora_B" in k]
+    assert len(experts_b) == 4 and all(float(t.abs().max()) > 0 for t in experts_b)  # 2 layers x 2 fused weights
+    merged = AutoModelForCausalLM.from_pretrained(final / "merged")
+    assert type(merged).__name__ == "Qwen3MoeForCausalLM"

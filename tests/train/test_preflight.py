@@ -249,3 +249,34 @@ def test_qwen2_5_tiny_config_trains_on_cpu(qwen_data, tmp_path, one_thread):
     tok = AutoTokenizer.from_pretrained(out / "final")
     assert tok("<|im_end|>")["input_ids"] == [151645]
     assert AutoModelForCausalLM.from_pretrained(out / "final").config.vocab_size == 151936
+
+
+def test_packed_data_the_pipeline_marked_stale_is_refused_naming_the_stage_to_re_run(tmp_path, capsys, caplog):
+    """`sh data_process.sh` (every stage), then `--stages tokenize` alone: packed/ still holds the rows of the
+    tokenized data before it (report.json lists pack under `stale`). Before: `sh train.sh` trained it, rc 0."""
+    import logging
+
+    from data import pipeline
+    from tests._train_helpers import in_project_root
+    from train.__main__ import main
+    from train.preflight import preflight
+
+    out = tmp_path / "example"
+    common = ["configs/data/example.json", f"output_dir={out}", f"ratio_path={out / 'ratios.json'}"]
+    with in_project_root():
+        pipeline.main(common)
+        pipeline.main([*common, "--stages", "tokenize"])
+        capsys.readouterr()
+        train = ["configs/train/example.yaml", f"data_path={out / 'packed'}", f"output_dir={tmp_path / 'train'}"]
+        assert main(["--launch", *train]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"config error: data_path: {out / 'packed'} is stale: the data pipeline ran an earlier stage "
+                       f"after pack wrote it ({out / 'report.json'} lists pack under `stale`), so it does not hold "
+                       "what that run made; re-run sh data_process.sh <your data config> --stages pack, or set "
+                       "stale_data=warn to train on it as it is\n")
+        with caplog.at_level(logging.WARNING):
+            preflight(load_config(train[0], [*train[1:], "stale_data=warn"]))
+        assert "(stale_data=warn: training on it as it is)" in caplog.text
+        pipeline.main([*common, "--stages", "pack"])  # what it says to run: the data is current again
+        preflight(load_config(train[0], train[1:]))
+    assert not (tmp_path / "train").exists()

@@ -72,3 +72,69 @@ def test_targets_that_exist_pass(setup):
                           output_dir=str(tmp / "ok_out"), lora_rank=4)
     preflight(load_config(config, ['target_modules=["q_proj","v_proj"]',
                                    'target_parameters=["experts.gate_up_proj","experts.down_proj"]']))
+
+
+def _model_dir(tmp, name: str, config: dict):
+    model_dir = tmp / name
+    model_dir.mkdir(exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return model_dir
+
+
+@pytest.mark.parametrize("tie, target, needle", [
+    (False, "lm_head.weight", "target_parameters ['lm_head.weight'] names the output head (lm_head), which LoRA "
+                              "never adapts"),
+    (True, "lm_head.weight", "target_parameters ['lm_head.weight'] names the output head (lm_head, tied to the input "
+                             "embedding), which LoRA never adapts"),
+    (True, "embed_tokens.weight", "target_parameters ['embed_tokens.weight'] names the input embedding "
+                                  "(model.embed_tokens, tied to the output head), which LoRA never adapts"),
+], ids=["head", "tied-head", "tied-embedding"])
+def test_the_head_or_embedding_as_a_target_parameter_is_refused_before_the_weights_load(setup, capsys, tie, target,
+                                                                                       needle):
+    """Before: lm_head.weight passed preflight (the self-check then blamed the family; without it the head's lora_B
+    stayed 0), and a tied model's embed_tokens.weight died in autograd naming no key."""
+    tmp, packed, model_dir = setup
+    config = json.loads((model_dir / "config.json").read_text())
+    tied = _model_dir(tmp, f"mixtral_tie{tie}", dict(config, tie_word_embeddings=tie))
+    run = write_config(tmp / "head.yaml", data_path=str(packed), model_path=str(tied), output_dir=str(tmp / "h"),
+                       lora_rank=4, target_modules=["q_proj"], target_parameters=[target])
+    with pytest.raises(ConfigError) as err:
+        preflight(load_config(run, []))
+    assert needle in str(err.value)
+
+
+def test_target_parameters_without_a_lora_rank_is_a_config_error(setup, capsys):
+    """Before: target_parameters with lora_rank 0 ran a full fine-tune, rc 0, with no word of LoRA."""
+    from train.__main__ import main
+
+    tmp, packed, model_dir = setup
+    run = write_config(tmp / "rank0.yaml", data_path=str(packed), model_path=str(model_dir), output_dir=str(tmp / "r0"))
+    assert main(["--launch", str(run), 'target_parameters=["experts.down_proj"]']) == 2
+    err = capsys.readouterr().err
+    assert err == ("config error: target_parameters=['experts.down_proj'] set, but lora_rank is 0 (full fine-tuning: "
+                   "no adapter, every weight trains); set lora_rank (e.g. lora_rank=16 lora_alpha=32) for LoRA, or "
+                   "drop target_parameters\n")
+    assert main(["--launch", str(run), 'target_modules=["q_proj"]']) == 2
+    assert "config error: target_modules=['q_proj'] set, but lora_rank is 0" in capsys.readouterr().err
+
+
+def test_the_default_target_modules_on_an_moe_model_say_they_are_the_default_and_what_to_set(setup):
+    """Before: `target_modules ['gate_proj', 'up_proj', 'down_proj'] match no module of Qwen3MoeForCausalLM`, a key
+    the user never set."""
+    tmp, packed, _ = setup
+    config = dict(_model_config("qwen3_moe"), vocab_size=VOCAB)
+    model_dir = _model_dir(tmp, "qwen3_moe", config)
+    run = write_config(tmp / "default.yaml", data_path=str(packed), model_path=str(model_dir),
+                       output_dir=str(tmp / "d"), lora_rank=4)
+    with pytest.raises(ConfigError) as err:
+        preflight(load_config(run, []))
+    assert str(err.value) == (
+        "target_modules is not set, and LoRA's default ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', "
+        "'up_proj', 'down_proj'] names modules Qwen3MoeForCausalLM does not have: gate_proj, up_proj, down_proj (its "
+        "feed-forward layers are routed experts, whose weights are fused 3-D parameters, not linear layers). Set "
+        'target_modules to its linear layers, target_modules=["q_proj","k_proj","v_proj","o_proj"] (or '
+        'target_modules=all-linear), and target_parameters=["experts.gate_up_proj","experts.down_proj"] to adapt the '
+        "routed experts too (one adapter per expert)")
+    # what it says to set passes
+    preflight(load_config(run, ['target_modules=["q_proj","k_proj","v_proj","o_proj"]',
+                                'target_parameters=["experts.gate_up_proj","experts.down_proj"]']))

@@ -294,6 +294,17 @@ if tuple(BACKENDS) != ATTENTION_BACKENDS:
 
 
 # ---------------------------------------------------------------------------------------------- Parallel-R1 mask
+def backend_problem(name: str, query: torch.Tensor, features: AttentionFeatures) -> str | None:
+    """Why the packed backend `name` of BACKENDS cannot run a kind of layer with `features` on `query`'s device and
+    dtype (an empty tensor of them will do), as one sentence naming it and the alternatives; None when it can."""
+    reasons = BACKENDS[name].reasons(query, features)
+    if not reasons:
+        return None
+    asked = ", ".join([f"dropout {features.dropout}", *features.names()])
+    return (f"attn_backend={name} cannot run on {query.device.type} {query.dtype} ({asked}): " + "; ".join(reasons)
+            + ". Use attn_backend=auto (or attn_backend=sdpa, which runs anywhere)")
+
+
 def _structured_ids(query: torch.Tensor, ctx: AttentionContext) -> tuple:
     return ctx.seq_ids, ctx.block_ids, ctx.path_ids, torch.arange(query.shape[2], device=query.device)
 

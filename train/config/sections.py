@@ -54,7 +54,23 @@ TRAIN_KEY_ALIASES = {
     "report_to": "log_backends", "resume_from_checkpoint": "resume", "lora_r": "lora_rank",
     "lora_target_modules": "target_modules", "gradient_clipping": "max_grad_norm",
 }
+# other frameworks' trainer keys whose setting PackSFT takes elsewhere: what to set instead (no spelling is close)
+_ROW_LENGTH = ("packed rows get their length when the data is packed: set max_length (or pack.max_length) in the data "
+               "config and re-run sh data_process.sh CONFIG --stages merge,tokenize,pack max_length=N; the trainer "
+               "reads the rows as packed (online_max_length is only for data_path at a tokenized/ directory, packed "
+               "while training)")
+_PACKING = ("PackSFT always trains on packed rows, each packed sequence attending only to itself: the pack stage of "
+            "sh data_process.sh packs them (max_length / pack.max_length in the data config), or data_path at a "
+            "tokenized/ directory with online_max_length packs them while training")
+TRAIN_KEY_NOTES = {
+    "max_length": _ROW_LENGTH, "max_seq_length": _ROW_LENGTH, "max_seq_len": _ROW_LENGTH, "cutoff_len": _ROW_LENGTH,
+    "seq_length": _ROW_LENGTH, "model_max_length": _ROW_LENGTH, "packing": _PACKING, "neat_packing": _PACKING,
+    "template": "the chat template is applied when the data is tokenized: chat_template in the data config "
+                "(sh data_process.sh), and the exported model carries it",
+}
 MODEL_SOURCES = ("model_path", "model_config")  # exactly one is set
+# LoRA's target_modules when the config sets none: the attention and dense MLP projections of Llama-style families
+DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LOG_BACKENDS = ("tensorboard", "wandb")
 # micro-batches the feed thread may hold ahead of the loop (train/steps/feed.py): each is held in host memory whole (its
 # rows, targets, weights, an image row's pixel values), and a couple already hide the building of the next ones
@@ -70,6 +86,9 @@ class DataSection:
     online_max_length: int | None = None  # data_path is a tokenized dataset packed on the fly (train/steps/online.py)
     balance_dp: bool = False  # train/steps/balance.py: balance the step's rows over dp ranks by tokens
     prefetch_micro_batches: int = 2  # micro-batches built ahead on a thread (train/steps/feed.py); 0: in the loop
+    # data_path (or the eval split) that the data pipeline's report.json lists as stale (an earlier stage re-ran after
+    # it was written): a config error, or a warning and trained as it is
+    stale_data: Literal["error", "warn"] = "error"
 
 
 @dataclass
@@ -197,7 +216,7 @@ class LoraSection:
     lora_alpha: float = 16.0  # LoRA scaling alpha / rank, > 0
     lora_dropout: float = 0.0  # LoRA dropout, in [0, 1)
     target_modules: list[str] = field(  # LoRA: module name suffixes, or all-linear
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        default_factory=lambda: list(DEFAULT_TARGET_MODULES)
     )
     lora_merge_on_save: bool = True  # LoRA: also export the merged model to final/merged/
     # LoRA on parameters that are no linear layer (peft's parameter targets): `module.parameter` suffixes, e.g. an MoE's
@@ -408,6 +427,17 @@ class TrainConfig:
                               "in backward would gather the partitioned MLP weights once per tile; for sharded weights "
                               "with tiled MLPs use distributed_backend=fsdp2 (deepspeed.stage=null; it gathers each "
                               "decoder layer whole), else set tiled_mlp=false or use deepspeed.stage 2")
+        lora = self.lora
+        if lora.lora_rank == 0:  # LoRA keys that would be ignored: the run would fine-tune every weight instead
+            ignored = [f"{key}={value}" for key, value in (
+                ("target_parameters", lora.target_parameters),
+                ("target_modules", lora.target_modules if lora.target_modules != list(DEFAULT_TARGET_MODULES) else []))
+                if value]
+            if ignored:
+                raise ConfigError(
+                    f"{' and '.join(ignored)} set, but lora_rank is 0 (full fine-tuning: no adapter, every weight "
+                    "trains); set lora_rank (e.g. lora_rank=16 lora_alpha=32) for LoRA, or drop "
+                    f"{' and '.join(i.split('=', 1)[0] for i in ignored)}")
         if self.lora.target_parameters and self.lora.lora_rank > 0:
             if model.tiled_mlp:
                 raise ConfigError(
@@ -477,14 +507,21 @@ def key_name(section: str, key: str) -> str:
 
 
 def check_train_keys(raw: dict, origin: str, help_hint: str = "") -> None:
-    """Unknown keys (flat or in sections) name where they came from and the closest known key."""
+    """Unknown keys (flat or in sections) name where they came from and the closest known key, or for another
+    framework's key whose setting lives elsewhere in PackSFT (TRAIN_KEY_NOTES), what to set instead."""
     for key, value in raw.items():
         if key in FLAT_KEYS:
             continue
         if key in SECTIONS:
             if isinstance(value, dict):
+                noted = [k for k in value if k in TRAIN_KEY_NOTES and k not in {f.name for f in
+                                                                                 dataclasses.fields(SECTIONS[key])}]
+                if noted:
+                    raise ConfigError(f"{origin}: unknown key '{key}.{noted[0]}': {TRAIN_KEY_NOTES[noted[0]]}")
                 check_keys(value, SECTIONS[key], origin, f"{key}.", help_hint=help_hint)
             continue
+        if key in TRAIN_KEY_NOTES:
+            raise ConfigError(f"{origin}: unknown key '{key}': {TRAIN_KEY_NOTES[key]}")
         hint = closest_key_hint(key, [*FLAT_KEYS, *SECTIONS], aliases=TRAIN_KEY_ALIASES)
         raise ConfigError(f"{origin}: unknown key '{key}'{hint}{help_hint}")
 

@@ -76,3 +76,10 @@ def placement_problem(sp_backend: str, sp_size: int, ulysses_size: int | None, p
     return (f"sequence_parallel_size={sp_size} does not divide the {per_machine} processes per machine: a "
             "sequence-parallel group must not span machines, except the Ulysses x ring hybrid (sp_backend auto or "
             "sp_ulysses_size dividing the processes per machine, sequence_parallel_size a multiple of them)")
+
+
+# stepwise trees and sequence parallelism (the plan refuses tree rows under an SP layout; the start-up checks a fixed
+# degree from the shards' fields)
+TREE_SP_REFUSAL = ("stepwise trees (tree_spans in the shards) cannot run under sequence parallelism yet: no SP "
+                   "layout carries their subtree mask. Train them with sequence_parallel_size: 1, or re-run the data "
+                   "pipeline with stepwise: samples")

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from train.checkpoint import export_directory
+from train.config.sections import DEFAULT_TARGET_MODULES
 from train.model.composite import copy_processor_files, is_composite, text_decoder_targets
 
 __all__ = ["apply_lora", "save_lora", "merged_state_dict", "adapter_state_dict", "base_causal_lm", "is_peft_model"]
@@ -141,6 +142,8 @@ def check_targets(model: nn.Module, target_modules, target_parameters, lora_drop
                               "its weight)")
         names = {n for n, _ in model.named_modules()}
         missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+        if missing and targets == list(DEFAULT_TARGET_MODULES):
+            raise ConfigError(_default_targets_missing(model, missing, head))
         if missing:
             raise ConfigError(f"target_modules {missing} match no module of {type(model).__name__}")
         _refuse_routed_experts(model, targets)
@@ -154,6 +157,27 @@ def check_targets(model: nn.Module, target_modules, target_parameters, lora_drop
             raise ConfigError(f"target_modules {target_modules} match no layer of the text decoder of "
                               f"{type(model).__name__}: a composite checkpoint adapts its text decoder only")
     return targets, target_parameters
+
+
+def _default_targets_missing(model: nn.Module, missing: list[str], head: str | None) -> str:
+    """Why LoRA's default target_modules do not fit `model` (an MoE whose feed-forward is routed experts has no
+    gate_proj / up_proj / down_proj module), and the settings that do: its own linear layers, and its experts'
+    fused parameters."""
+    from train.model.patches.tiled_mlp import is_experts_module
+
+    linear = list(dict.fromkeys(name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                                if isinstance(module, nn.Linear) and name != head))
+    fused = list(dict.fromkeys(f"{name.rsplit('.', 1)[-1]}.{n}" for name, module in model.named_modules()
+                               if is_experts_module(module)
+                               for n, p in module.named_parameters(recurse=False) if p.dim() == 3))
+    quoted = lambda names: "[" + ",".join(f'"{n}"' for n in names) + "]"  # noqa: E731 (as typed on a command line)
+    why = (" (its feed-forward layers are routed experts, whose weights are fused 3-D parameters, not linear layers)"
+           if fused else "")
+    return (f"target_modules is not set, and LoRA's default {list(DEFAULT_TARGET_MODULES)} names modules "
+            f"{type(model).__name__} does not have: {', '.join(missing)}{why}. Set target_modules to its linear "
+            f"layers, target_modules={quoted(linear)} (or target_modules=all-linear)"
+            + (f", and target_parameters={quoted(fused)} to adapt the routed experts too (one adapter per expert)"
+               if fused else ""))
 
 
 def _refuse_routed_experts(model: nn.Module, targets: list[str]) -> None:
@@ -179,11 +203,30 @@ def _check_target_parameters(model: nn.Module, targets: list[str], lora_dropout:
 
     if lora_dropout:
         raise ConfigError(f"target_parameters={targets} needs lora_dropout=0, got {lora_dropout}")
-    names = [name for name, _ in model.named_parameters()]
+    names = [name for name, _ in model.named_parameters(remove_duplicate=False)]  # a tied head's weight too
     missing = [t for t in targets if "." not in t or not any(n == t or n.endswith("." + t) for n in names)]
     if missing:
         raise ConfigError(f"target_parameters {missing} match no parameter of {type(model).__name__} (give "
                           "`module.parameter` suffixes, e.g. \"experts.gate_up_proj\")")
+    head = _output_head_name(model)
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    embedding_name = next((name for name, module in model.named_modules() if module is embedding), None)
+    tied = embedding is not None and head is not None and \
+        getattr(embedding, "weight", None) is getattr(model.get_submodule(head), "weight", False)
+    for role, module_name in (("the output head", head), ("the input embedding", embedding_name)):
+        if module_name is None:
+            continue
+        hit = [t for t in targets if any((n == t or n.endswith("." + t)) and n.startswith(module_name + ".")
+                                         for n in names)]
+        if hit:
+            raise ConfigError(
+                f"target_parameters {hit} names {role} ({module_name}"
+                + (", tied to " + ("the input embedding" if role == "the output head" else "the output head")
+                   if tied else "")
+                + "), which LoRA never adapts: the chunked loss reads the head's weight as a plain matrix and the "
+                "embedding is read by index, so an adapter there would not train (or not merge exactly). "
+                "target_parameters are for weights no linear layer holds, e.g. an MoE's routed experts "
+                "[\"experts.gate_up_proj\",\"experts.down_proj\"]; drop it")
 
 
 # ---------------------------------------------------------------------------------------------- export

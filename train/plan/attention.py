@@ -29,6 +29,7 @@ import torch
 
 from common.config import ConfigError
 from train.attention.function import BACKENDS, STRUCTURED_FLEX, STRUCTURED_SDPA, AttentionBackend, AttentionContext, Kernel
+from train.attention.function import backend_problem
 from train.attention.function import LayerKernels, layer_features
 from train.config.backend_names import AUTO, LLAMA3, TORCH, ULYSSES
 from train.model.composite import is_composite, text_decoder_of
@@ -38,7 +39,7 @@ from train.model.patches.recurrent import sequence_parallel_problem as recurrent
 from train.model.patches.rope import sequence_parallel_problem as rope_sp_problem
 from train.attention.sequence_parallel import SP_BACKENDS, STRUCTURE_FIELDS, SPBackendUnavailable, shard_batch
 from train.config.sp_rules import allowed_degrees, heads_problem, kv_heads_after_repeat, placement_problem
-from train.config.sp_rules import ulysses_size_problem
+from train.config.sp_rules import TREE_SP_REFUSAL, ulysses_size_problem
 from train.attention.structured import structure_feature_problems
 from train.attention.ulysses import UlyssesSpec, ulysses_attention, ulysses_shard
 from train.attention.varlen_kernels import KERNELS, NO_FEATURES, AttentionFeatures, VarlenKernel
@@ -148,13 +149,9 @@ def choose_backend(requested: str, query: torch.Tensor, features: AttentionFeatu
             f"{name}: {', '.join(backend.reasons(query, features))}" for name, backend in BACKENDS.items()))
     if requested not in BACKENDS:
         raise ValueError(f"attn_backend must be one of {[AUTO, *BACKENDS]}, got {requested!r}")
-    reasons = BACKENDS[requested].reasons(query, features)
-    if reasons:
-        asked = ", ".join([f"dropout {features.dropout}", *features.names()])
-        raise ConfigError(
-            f"attn_backend={requested} cannot run on {query.device.type} {query.dtype} ({asked}): "
-            + "; ".join(reasons) + ". Use attn_backend=auto (or attn_backend=sdpa, which runs anywhere)"
-        )
+    problem = backend_problem(requested, query, features)
+    if problem:
+        raise ConfigError(problem)
     return BACKENDS[requested]
 
 
@@ -230,9 +227,6 @@ def ring_kernel(name: str, query: torch.Tensor, features: AttentionFeatures, str
     return Kernel(label, _Sharded(SP_BACKENDS[name].attention, varlen))
 
 
-TREE_SP_REFUSAL = ("stepwise trees (tree_spans in the shards) cannot run under sequence parallelism yet: no SP "
-                   "layout carries their subtree mask. Train them with sequence_parallel_size: 1, or re-run the data "
-                   "pipeline with stepwise: samples")
 
 
 # ---------------------------------------------------------------------------------------------- the plan

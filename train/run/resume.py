@@ -8,10 +8,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.checkpoint import (CheckpointError, check_same_model, checkpoint_root, choose_checkpoint, data_mismatch,
-                              dataset_identity, describe_resume, discard_checkpoints, layout_mismatch, load_rng,
+from train.checkpoint import (CheckpointError, check_same_model, checkpoint_root, choose_checkpoint, dataset_identity, describe_resume, discard_checkpoints, load_rng,
                               load_trainer_state, model_identity, remove_stale_saves, reshard_rng_seed,
-                              resume_candidates, save_checkpoint)
+                              resume_candidates, resume_refusal, save_checkpoint)
 from train.engines.engine import saved_with
 from train.metrics import truncate_log
 from train.run.setup import Run, seed_everything
@@ -76,7 +75,7 @@ def resume(run: Run) -> Resumed:
     if mesh.is_main:
         for stale in remove_stale_saves(ckpt.output_dir):  # a killed save's partial files
             logger.warning("removed %s, left by a save that did not finish", stale)
-    candidates = resume_candidates(ckpt.resume, ckpt.output_dir)
+    candidates = resume_candidates(ckpt.resume, ckpt.output_dir, warn=run.warn)
     if not candidates:
         if mesh.is_main:  # a new run: no records of an earlier run in the same output_dir
             truncate_log(ckpt.output_dir, 0)
@@ -87,22 +86,11 @@ def resume(run: Run) -> Resumed:
         return Resumed()
     path = choose_checkpoint(candidates, ckpt.resume_corrupt, warn=run.warn)
     state = load_trainer_state(path)
-    mismatch = data_mismatch(state.get("data"), data_identity(run))
-    if mismatch:
-        if ckpt.resume_data_mismatch == "error":
-            raise CheckpointError(
-                f"resume from {path}: {mismatch}; resume with the same data_path, or set "
-                "resume_data_mismatch=allow to continue on the new data (the sampler order then differs)"
-            )
-        run.warn(f"resume from {path}: {mismatch} (resume_data_mismatch=allow: continuing)")
-    other_layout = layout_mismatch(state, step_layout(run), compare_steps=not mismatch)
-    if other_layout:
-        raise CheckpointError(
-            f"resume from {path}: {other_layout}: the resumed run would train other rows than the run it continues "
-            "(some twice, some never); resume with the checkpoint's value (any dp x grad_accum x micro_batch_rows "
-            "giving its rows per step), or start a new run (another output_dir, or overwrite_output_dir=true with "
-            "resume=none)"
-        )
+    refusal, warning = resume_refusal(path, state, step_layout(run), data_identity(run), ckpt.resume_data_mismatch)
+    if refusal:
+        raise CheckpointError(refusal)
+    if warning:
+        run.warn(warning)
     check_same_model(path, state, model_identity(run.checked.model_config, run.cfg.lora), run.cfg.model)
     saved_world = state.get("world_size")
     resharded = saved_world is not None and int(saved_world) != mesh.world_size

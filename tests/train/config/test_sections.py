@@ -10,6 +10,7 @@ import os
 import subprocess
 import typing
 
+import numpy as np
 import orjson
 import pytest
 import yaml
@@ -306,7 +307,7 @@ def test_keys_flat_or_in_their_section(setup, tmp_path):
     with pytest.raises(ConfigError, match=r"^override 'lr=fast': lr: expected a number"):
         load_config(config, ["lr=fast"])
     assert key_path("lr") == "optim.lr" and key_path("deepspeed.stage") == "deepspeed.stage"
-    assert len(FLAT_KEYS) == 67 and "stage" not in FLAT_KEYS  # deepspeed.* and launch.* keep their section
+    assert len(FLAT_KEYS) == 68 and "stage" not in FLAT_KEYS  # deepspeed.* and launch.* keep their section
     assert from_keys({"data_path": "d", "output_dir": "o", "model_config": "m.json", "optim": {"lr": 2e-4}}).optim.lr == 2e-4
     with pytest.raises(ConfigError, match="missing required key 'data_path'"):
         from_keys({"output_dir": "o", "model_config": "m.json"})
@@ -339,3 +340,114 @@ def test_help_lists_every_key_with_type_default_and_help():
     assert "  loss_reduction (token|turn|sample, default token)" in lines
     assert "  deepspeed.stage (0|1|2|3|null, default null)" in lines
     assert "  data_path (str, default required)" in lines
+
+
+
+@pytest.mark.parametrize("where, key, needle", [
+    ("override", "max_length=4096", "unknown key 'max_length': packed rows get their length when the data is packed: "
+                                    "set max_length (or pack.max_length) in the data config"),
+    ("override", "max_seq_length=4096", "unknown key 'max_seq_length': packed rows get their length"),
+    ("file", {"cutoff_len": 4096}, "unknown key 'cutoff_len': packed rows get their length"),
+    ("file", {"packing": True}, "unknown key 'packing': PackSFT always trains on packed rows"),
+    ("override", "data.max_length=4096", "unknown key 'data.max_length': packed rows get their length"),
+    ("file", {"template": "qwen"}, "unknown key 'template': the chat template is applied when the data is tokenized"),
+], ids=["max_length", "max_seq_length", "cutoff_len", "packing", "data.max_length", "template"])
+def test_other_frameworks_length_and_packing_keys_say_where_packsft_sets_them(setup, tmp_path, capsys, where, key,
+                                                                              needle):
+    """`sh train.sh … max_length=4096` (TRL's max_seq_length, LLaMA-Factory's cutoff_len, TRL's packing): what the
+    trainer's launcher says. Before: max_length suggested online_max_length (not for packed rows), the others nothing."""
+    from train.__main__ import main
+
+    tmp, config = setup
+    if where == "file":
+        base = dict(__import__("yaml").safe_load(config.read_text()), **key)
+        config, overrides = write_config(tmp_path / "c.yaml", **base), []
+    else:
+        overrides = [key]
+    assert main(["--launch", str(config), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: ") and needle in err and "online_max_length?" not in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_data_path_at_the_pipelines_output_dir_points_to_its_packed_dir(setup, tmp_path):
+    """data_path=<the data config's output_dir> (as typed after sh data_process.sh): the packed/ inside is named.
+    Before: `has no meta.json: not a packed dataset` alone."""
+    _, config = setup
+    out = tmp_path / "example"
+    write_packed(out / "packed", random_rows(0, 2))
+    with pytest.raises(ConfigError) as err:
+        preflight(load_config(config, [f"data_path={out}"]))
+    assert str(err.value) == (f"data_path: {out} has no meta.json: not a packed dataset; the packed rows of sh "
+                              f"data_process.sh are in its packed/ directory: data_path={out / 'packed'}")
+
+
+def _tokenized(path, lengths):
+    from data.shards.dataset import ShardWriter
+    from tests._train_helpers import synthetic_sequence
+
+    rng = np.random.default_rng(0)
+    with ShardWriter(path, kind="tokenized") as writer:
+        for uid, length in enumerate(lengths):
+            writer.add_row([synthetic_sequence(rng, length, 1, 1)], record_indices=[uid], uids=[[uid]])
+        writer.close({"max_length": 256, "categories": {"0": "untracked", "1": "math"}})
+    return path
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["attn_backend=torch_varlen"], "config error: attn_backend=torch_varlen cannot run on cpu torch.float32 "
+                                    "(dropout 0.0): needs CUDA tensors (varlen_attn is CUDA-only)"),
+    (["attn_backend=flex"], "config error: attn_backend=flex cannot run on cpu torch.float32"),
+    (["sequence_parallel_size=2", "launch.num_processes=2", "sp_backend=llama3"],
+     "config error: sp_backend='llama3' needs a CUDA GPU (ring-flash-attn runs flash-attn kernels); use "
+     "sp_backend=torch on CPU"),
+    (["online_max_length=16", "TOKENIZED"],
+     "config error: online_max_length=16: data_path {} holds sequences of up to 30 tokens (2 longer than 16), and "
+     "online packing puts each one whole into a row: set online_max_length >= 30, or tokenize with max_length <= 16"),
+], ids=["torch_varlen", "flex", "llama3", "online_max_length"])
+def test_what_this_machine_cannot_run_is_refused_before_any_process_starts(setup, tmp_path, capsys, overrides,
+                                                                          needle):
+    """`sh train.sh` on a CPU machine with a CUDA-only attention or sequence-parallel backend, or online packing
+    rows shorter than the data's sequences: the launcher's start-up checks refuse them (exit 2, one line). Before:
+    a traceback from the trainer after the model loaded (15-27 s on a loaded 2-core machine)."""
+    import torch
+
+    from train.__main__ import main
+
+    if torch.cuda.is_available():
+        pytest.skip("the backends run on CUDA")
+    _, config = setup
+    if "TOKENIZED" in overrides:
+        data = _tokenized(tmp_path / "tokenized", [12, 30, 20, 8])
+        overrides = [o for o in overrides if o != "TOKENIZED"] + [f"data_path={data}", "tokenizer_mismatch=warn"]
+        needle = needle.format(data)
+    assert main(["--launch", str(config), f"output_dir={tmp_path / 'out'}", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(needle) and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_stepwise_trees_under_sequence_parallelism_are_refused_by_the_launcher(setup, tmp_path, capsys):
+    """`sh train.sh … sequence_parallel_size=2` on packed stepwise trees: refused before any process starts
+    (before: by every rank once the trainer opened the data)."""
+    from data.shards.dataset import ShardWriter
+    from data.shards.prefix_tree import PrefixTree
+    from tests._train_helpers import synthetic_sequence
+    from train.__main__ import main
+
+    rng = np.random.default_rng(0)
+    tree = PrefixTree()
+    for _ in range(2):
+        tree.insert(synthetic_sequence(rng, 12, 1, 1))
+    data = tmp_path / "trees"
+    with ShardWriter(data, kind="packed", token_fields=["input_ids", "labels", "category_ids", "turn_ids",
+                                                        "tree_spans"]) as writer:
+        writer.add_row([tree.arrays()])
+        writer.close({"max_length": 64, "categories": {"0": "untracked", "1": "math"}})
+    _, config = setup
+    assert main(["--launch", str(config), f"data_path={data}", "sequence_parallel_size=2", "launch.num_processes=2",
+                 "sp_backend=torch", "tokenizer_mismatch=warn", f"output_dir={tmp_path / 'out'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"config error: data_path {data}: stepwise trees (tree_spans in the shards) cannot run "
+                          "under sequence parallelism yet"), err
+    assert err.rstrip().endswith("(sequence_parallel_size=2)")
