@@ -178,7 +178,7 @@ def test_without_torchvision_the_hint_is_the_prefix_when_the_image_environment_e
         pytest.skip("torchvision loads here (.venv-vision)")
     except Exception:
         pass
-    from data import images
+    from data.shards import processor as images
 
     processor = str(fixture_path("multimodal", "qwen2_5_vl_processor"))
     venv = tmp_path / ".venv-vision"
