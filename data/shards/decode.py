@@ -115,10 +115,10 @@ def probe_video(data: bytes, source: str, where: str, limits: MediaLimits) -> Vi
     """The header of a video's first video stream, checked against `limits` (`video_too_long`, `video_too_large`)
     and for frames (`empty_video`) before any frame is decoded."""
     with _open_container(data, source, where, "video") as container:
-        return _video_header(container, source, where, limits)
+        return _video_header(container, data, source, where, limits)
 
 
-def _video_header(container, source: str, where: str, limits: MediaLimits) -> VideoHeader:
+def _video_header(container, data: bytes, source: str, where: str, limits: MediaLimits) -> VideoHeader:
     streams = container.streams.video
     if not streams:
         raise RecordError(source, where, "the file holds no video stream", "bad_video")
@@ -140,13 +140,7 @@ def _video_header(container, source: str, where: str, limits: MediaLimits) -> Vi
                           "video_max_seconds in the data config", "video_too_long")
     total = int(stream.frames or 0)
     if total == 0:  # no count in the header (Matroska / WebM): count the stream's packets, decoding nothing
-        budget = limits.video_frame_limit
-        for packet in container.demux(stream):
-            if packet.size:
-                total += 1
-                if budget is not None and total > budget:
-                    break
-        container.seek(0)
+        total = _count_packets(data, source, where, limits.video_frame_limit)
     if limits.video_frame_limit is not None and total > limits.video_frame_limit:
         raise RecordError(source, where, f"video of {total:,}{'+' if not stream.frames else ''} frames exceeds "
                           f"video_frame_limit={limits.video_frame_limit:,} (counted before decoding): cut it, or "
@@ -162,6 +156,22 @@ def _video_header(container, source: str, where: str, limits: MediaLimits) -> Vi
     return VideoHeader(total, fps, width, height, seconds, any(True for _ in container.streams.audio))
 
 
+def _count_packets(data: bytes, source: str, where: str, budget: int | None) -> int:
+    """The packets of a file's first video stream (one a frame), demuxed from a container of its own; counting stops
+    past `budget`."""
+    total = 0
+    with _open_container(data, source, where, "video") as container:
+        try:
+            for packet in container.demux(container.streams.video[0]):
+                if packet.size:
+                    total += 1
+                    if budget is not None and total > budget:
+                        break
+        except Exception as exc:  # damaged data between packets
+            raise _bad(source, where, "video", f"the video stream breaks after {total} packets", exc) from None
+    return total
+
+
 def decode_video(data: bytes, source: str, where: str, limits: MediaLimits,
                  sample_indices: Callable[[Any], np.ndarray] | None = None):
     """(frames uint8 [n, height, width, 3], transformers `VideoMetadata`) of a video's first video stream: the
@@ -171,7 +181,7 @@ def decode_video(data: bytes, source: str, where: str, limits: MediaLimits,
     from transformers.video_utils import VideoMetadata
 
     with _open_container(data, source, where, "video") as container:
-        header = _video_header(container, source, where, limits)
+        header = _video_header(container, data, source, where, limits)
         metadata = VideoMetadata(total_num_frames=header.total_frames, fps=header.fps, duration=header.seconds,
                                  video_backend="pyav", height=header.height, width=header.width)
         indices = (np.asarray(sample_indices(metadata)) if sample_indices is not None
