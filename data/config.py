@@ -113,13 +113,16 @@ class DataConfig:
     # the omni processors' seconds per temporal patch too); null: the processor's own (Qwen2.5-VL and the omni
     # processors use every decoded frame, Qwen3-VL samples 2 per second)
     video_fps: float | None = None
-    # the smallest / largest pixel count per video frame, replacing the video processor's; null: the processor's own
+    # the smallest pixel count per video frame, replacing the video processor's; null: the processor's own
     video_min_pixels: int | None = None
+    # the largest pixel count per video frame (larger frames are resized), replacing the video processor's
     video_max_pixels: int | None = None
-    # the longest video (seconds), the most frames in a video file and the largest frame (width x height), each read
-    # from the file's header before anything is decoded; more is a bad record (follows on_error); null: no bound
+    # the longest video (seconds), read from its header before decoding; longer is a bad record (follows on_error);
+    # null: no bound
     video_max_seconds: float | None = MediaLimits.video_max_seconds
+    # the most frames in a video file (its header's count, or its packets counted without decoding); null: no bound
     video_frame_limit: int | None = MediaLimits.video_frame_limit
+    # the largest video frame (width x height, read from its header: 3840 x 2160 by default); null: no bound
     video_pixel_limit: int | None = MediaLimits.video_pixel_limit
     # the longest audio clip (seconds, a video's sound track included), read from its header before decoding
     audio_max_seconds: float | None = MediaLimits.audio_max_seconds

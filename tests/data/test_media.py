@@ -200,3 +200,24 @@ def test_counts_reach_report_meta_and_stats(runs):
     assert (stats["videos"], stats["video_seconds"], stats["audios"], stats["audio_seconds"]) == (5, 12.0, 3, 6.0)
     assert report["pack"]["video_tokens"] == counts["video_tokens"]
     assert report["merge"]["blocked"].get("media", 0) == 0  # merge.probability 0: nothing tried to join
+
+
+def test_the_decoder_gives_transformers_pyav_frames_and_metadata():
+    """The pipeline's video decoder, every frame: transformers' own PyAV reader (`load_video(path, "pyav")`), where
+    that reader works (MP4; on WebM it fails: the header holds no frame count)."""
+    from transformers.video_utils import load_video
+
+    from data.shards.decode import MediaLimits, decode_video
+
+    for name in ("clock.mp4", "bars_with_sound.mp4"):
+        path = str(av("mllm_av_demo_data", name))
+        frames, metadata = decode_video(av("mllm_av_demo_data", name).read_bytes(), name, "videos[0]", MediaLimits())
+        ref_frames, ref_metadata = load_video(path, backend="pyav")
+        assert np.array_equal(frames, ref_frames)
+        assert {k: getattr(metadata, k) for k in ("total_num_frames", "fps", "duration", "width", "height")} == \
+            {k: getattr(ref_metadata, k) for k in ("total_num_frames", "fps", "duration", "width", "height")}
+        assert list(metadata.frames_indices) == list(ref_metadata.frames_indices)
+    with pytest.raises(IndexError):
+        load_video(str(av("mllm_av_demo_data", "ball.webm")), backend="pyav")
+    frames, metadata = decode_video(av("mllm_av_demo_data", "ball.webm").read_bytes(), "ball", "v", MediaLimits())
+    assert frames.shape[0] == metadata.total_num_frames == 40
