@@ -56,9 +56,10 @@ def step_cpu_seconds(name: str, processor_dir: Path, rows: list[dict], items: li
     processor = transformers.AutoProcessor.from_pretrained(str(processor_dir))
     total = 0.0
     for ids, sequence in zip(rows, items):
-        inputs = {"input_ids": torch.as_tensor(ids)[None], "labels": torch.as_tensor(ids)[None]}
+        ids = torch.as_tensor(ids, dtype=torch.long)[None]
+        inputs = {"input_ids": ids, "labels": ids}
         if hasattr(processor, "create_mm_token_type_ids"):
-            inputs["mm_token_type_ids"] = torch.as_tensor(processor.create_mm_token_type_ids([list(ids)]))
+            inputs["mm_token_type_ids"] = torch.as_tensor(processor.create_mm_token_type_ids(ids.tolist()))
         for key in {k for item in sequence.items for k in item.inputs}:
             inputs[key] = torch.cat([torch.as_tensor(item.inputs[key]) for item in sequence.items
                                      if key in item.inputs])

@@ -161,7 +161,7 @@ def format_table(stats: dict) -> str:
     if "duplicate_rows" in stats:
         lines.append(f"{'duplicate rows':<28}{stats['duplicate_rows']:>16,}")
         lines.append(f"{'rows with a record twice':<28}{stats['rows_with_a_record_twice']:>16,}")
-    if "images" in stats:
+    if stats.get("images"):
         lines.append(f"{'images':<28}{stats['images']:>16,}")
         lines.append(f"{'image tokens':<28}{stats['image_tokens']:>16,}")
     for kind in ("video", "audio"):

@@ -158,6 +158,8 @@ def test_ids_are_the_processors_and_the_loader_rebuilds_its_tensors(runs, name):
         row, raw = tokenized[i], records[uid]
         ref = reference(processor, raw, keys)
         assert row["input_ids"].tolist() == ref["input_ids"][0].tolist()  # ids exactly the processor's
+        if name == "qwen3_vl":  # its timestamps, in the text between the frames' runs
+            assert "<0.3 seconds><|vision_start|><|video_pad|>" in processor.tokenizer.decode(row["input_ids"])
         is_media = np.isin(row["input_ids"], media_ids)
         assert (row["labels"][is_media] == -100).all() and (row["turn_ids"][is_media] == 0).all()
         answers = [m["content"] for m in raw["messages"] if m["role"] == "assistant"]
