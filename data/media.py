@@ -28,7 +28,7 @@ from typing import Any
 
 from data.records import MEDIA_KINDS, PLACEHOLDERS, RecordError
 from data.shards.dataset import AUDIO_IN_VIDEO, StoredMedia
-from data.shards.processor import Decoded, MediaProcessor
+from data.shards.processor import MediaProcessor
 
 PLACEHOLDER_RE = re.compile("|".join(re.escape(p) for p in PLACEHOLDERS.values()))
 KIND_OF = {placeholder: kind for kind, placeholder in PLACEHOLDERS.items()}

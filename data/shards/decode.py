@@ -100,7 +100,6 @@ class VideoHeader:
     width: int
     height: int
     seconds: float  # total_frames / fps, as transformers' readers compute the duration
-    has_audio: bool
 
 
 def _open_container(data: bytes, source: str, where: str, kind: str):
@@ -111,14 +110,9 @@ def _open_container(data: bytes, source: str, where: str, kind: str):
         raise _bad(source, where, kind, f"not a {kind} file FFmpeg can open", exc) from None
 
 
-def probe_video(data: bytes, source: str, where: str, limits: MediaLimits) -> VideoHeader:
+def _video_header(container, data: bytes, source: str, where: str, limits: MediaLimits) -> VideoHeader:
     """The header of a video's first video stream, checked against `limits` (`video_too_long`, `video_too_large`)
     and for frames (`empty_video`) before any frame is decoded."""
-    with _open_container(data, source, where, "video") as container:
-        return _video_header(container, data, source, where, limits)
-
-
-def _video_header(container, data: bytes, source: str, where: str, limits: MediaLimits) -> VideoHeader:
     streams = container.streams.video
     if not streams:
         raise RecordError(source, where, "the file holds no video stream", "bad_video")
@@ -153,7 +147,7 @@ def _video_header(container, data: bytes, source: str, where: str, limits: Media
         raise RecordError(source, where, f"video of {seconds:,.1f} s ({total:,} frames at {fps:g}/s) exceeds "
                           f"video_max_seconds={limits.video_max_seconds:g} (read before decoding): cut it, or "
                           "raise video_max_seconds in the data config", "video_too_long")
-    return VideoHeader(total, fps, width, height, seconds, any(True for _ in container.streams.audio))
+    return VideoHeader(total, fps, width, height, seconds)
 
 
 def _count_packets(data: bytes, source: str, where: str, budget: int | None) -> int:

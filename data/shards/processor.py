@@ -211,9 +211,6 @@ class MediaProcessor:
     def token(self, kind: str) -> str:
         return getattr(self.processor, f"{kind}_token")
 
-    def token_id(self, kind: str) -> int:
-        return int(self.processor.tokenizer.convert_tokens_to_ids(self.token(kind)))
-
     @property
     def sampling_rate(self) -> int:
         return int(self.processor.feature_extractor.sampling_rate)
