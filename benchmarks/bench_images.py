@@ -60,7 +60,7 @@ def storage(tmp: Path, repeats: int) -> list[dict]:
     import torch
     from transformers import AutoProcessor
 
-    from data.images import decode_image
+    from data.shards.decode import decode_image
 
     processor = AutoProcessor.from_pretrained(str(PROCESSOR))
     torch.set_num_threads(1)  # one core, as each tokenize worker (and the noise of a shared machine kept out)

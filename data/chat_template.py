@@ -24,7 +24,7 @@ from pathlib import Path
 
 from common.config import ConfigError
 from data.shards.chat_templates import BUILTIN_TEMPLATES, builtin_name, names as template_names
-from data.images import is_processor_dir, processor_chat_template
+from data.shards.processor import is_processor_dir, processor_chat_template
 from data.timebound import TimeBoundExceeded, time_bound
 
 PROBE_USER = "PackSFT probe question 1"
@@ -125,7 +125,7 @@ def load_chat_tokenizer(tokenizer_path: str, chat_template: str | None = None,
             raise ConfigError(f"chat_template: {chat_template} is neither a file nor a built-in template name "
                               f"({template_names()})")
     elif is_processor_dir(tokenizer_path) and processor_chat_template(tokenizer_path):
-        tokenizer.chat_template = processor_chat_template(tokenizer_path)  # the one that renders image parts
+        tokenizer.chat_template = processor_chat_template(tokenizer_path)  # the one that renders media parts
     if not tokenizer.chat_template:
         raise ConfigError(
             f"tokenizer_path: the tokenizer at {tokenizer_path} has no chat template; set chat_template to the "

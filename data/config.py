@@ -15,6 +15,7 @@ import orjson
 from common.config import (ConfigError, apply_overrides, check_keys, check_override_values, from_dict, key_tree,
                            pretrained_dir, relative_note, to_dict)
 from data.shards.chat_templates import builtin_name, names as template_names
+from data.shards.decode import MediaLimits
 
 STAGES = ("preprocess", "sample", "merge", "tokenize", "pack")
 # other tools' names for data config keys: the "did you mean" of an unknown key (difflib cannot find these)
@@ -101,12 +102,30 @@ class DataConfig:
     image_min_pixels: int | None = None
     # the largest pixel count per image (larger images are resized), replacing the processor's max_pixels
     image_max_pixels: int | None = None
-    # directories (one or a list) image paths may resolve under (after symlinks) besides the directory of the data
-    # file naming them; a path resolving elsewhere (`../`, absolute, file://) is a bad record (follows on_error)
+    # directories (one or a list) media paths (images, videos, audio) may resolve under (after symlinks) besides
+    # the directory of the data file naming them; a path resolving elsewhere (`../`, absolute, file://) is a bad
+    # record (follows on_error)
     image_root: list[str] = field(default_factory=list)
     # the largest image (width x height, read from its header before decoding) tokenize and the trainer decode;
     # a larger one is a bad record (follows on_error). PIL's decompression-bomb bound; null: no bound
     image_pixel_limit: int | None = 89_478_485
+    # video records: frames sampled per second of video (the video processor's own sampling, with its frame limits;
+    # the omni processors' seconds per temporal patch too); null: the processor's own (Qwen2.5-VL and the omni
+    # processors use every decoded frame, Qwen3-VL samples 2 per second)
+    video_fps: float | None = None
+    # the smallest pixel count per video frame, replacing the video processor's; null: the processor's own
+    video_min_pixels: int | None = None
+    # the largest pixel count per video frame (larger frames are resized), replacing the video processor's
+    video_max_pixels: int | None = None
+    # the longest video (seconds), read from its header before decoding; longer is a bad record (follows on_error);
+    # null: no bound
+    video_max_seconds: float | None = MediaLimits.video_max_seconds
+    # the most frames in a video file (its header's count, or its packets counted without decoding); null: no bound
+    video_frame_limit: int | None = MediaLimits.video_frame_limit
+    # the largest video frame (width x height, read from its header: 3840 x 2160 by default); null: no bound
+    video_pixel_limit: int | None = MediaLimits.video_pixel_limit
+    # the longest audio clip (seconds, a video's sound track included), read from its header before decoding
+    audio_max_seconds: float | None = MediaLimits.audio_max_seconds
     # seconds the chat template may take to render one record (and a probe conversation); longer is an error naming
     # the template and the record (a template that loops); null: no bound
     render_timeout: float | None = 10.0
@@ -192,14 +211,17 @@ class DataConfig:
         if self.render_timeout is not None and not self.render_timeout > 0:
             raise ConfigError(f"render_timeout must be a positive number of seconds (null: no bound), got "
                               f"{self.render_timeout}")
-        for key in ("image_min_pixels", "image_max_pixels", "image_pixel_limit"):
-            if getattr(self, key) is not None and getattr(self, key) <= 0:
-                null = "no bound" if key == "image_pixel_limit" else "the processor's"
-                raise ConfigError(f"{key} must be a positive number of pixels (null: {null}), got "
-                                  f"{getattr(self, key)}")
-        if self.image_min_pixels and self.image_max_pixels and self.image_min_pixels > self.image_max_pixels:
-            raise ConfigError(f"image_min_pixels={self.image_min_pixels} exceeds image_max_pixels="
-                              f"{self.image_max_pixels}")
+        for key in ("image_min_pixels", "image_max_pixels", "image_pixel_limit", "video_fps", "video_min_pixels",
+                    "video_max_pixels", "video_max_seconds", "video_frame_limit", "video_pixel_limit",
+                    "audio_max_seconds"):
+            if getattr(self, key) is not None and not getattr(self, key) > 0:
+                null = "the processor's" if key.endswith(("min_pixels", "max_pixels", "fps")) else "no bound"
+                unit = " of pixels" if "pixel" in key else " of seconds" if "seconds" in key else ""
+                raise ConfigError(f"{key} must be a positive number{unit} (null: {null}), got {getattr(self, key)}")
+        for kind in ("image", "video"):
+            low, high = getattr(self, f"{kind}_min_pixels"), getattr(self, f"{kind}_max_pixels")
+            if low and high and low > high:
+                raise ConfigError(f"{kind}_min_pixels={low} exceeds {kind}_max_pixels={high}")
         for root in self.image_root:
             if not Path(root).is_dir():
                 raise ConfigError(f"image_root: {root} is not a directory{relative_note(root)}")

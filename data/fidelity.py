@@ -35,8 +35,8 @@ import orjson
 from common.config import ConfigError
 from data.chat_template import SpanError, TemplateInfo, assistant_spans, template_error
 from data.config import DEFAULT_REASONING_TAGS
-from data.images import with_image_parts
-from data.records import RecordError
+from data.media import with_media_parts
+from data.records import RecordError, has_media
 
 REASONING_POLICIES = ("auto", "template", "drop", "error")
 TOOL_ARGUMENT_POLICIES = ("parse", "keep")
@@ -188,8 +188,8 @@ def render_record(tokenizer, info: TemplateInfo, record: dict, opts: FidelityOpt
     the record cannot be trained as asked (see the module docstring). `index_map` maps message positions to
     the ones named in errors (a part of a merged record names its position in the merged record)."""
     messages = [{k: v for k, v in m.items() if k != "category_id"} for m in record["messages"]]
-    if record.get("images"):  # placeholders -> the template's image parts (user messages only: validated)
-        messages = with_image_parts(messages)
+    if has_media(record):  # placeholders -> the template's media parts (user messages only: validated)
+        messages = with_media_parts(messages, record)
     labels = record["labels"]
     index_map = index_map if index_map is not None else list(range(len(messages)))
     stats = dict.fromkeys(STAT_KEYS, 0)

@@ -10,8 +10,9 @@
      different system prompt, or with one when the group has none, is not merged, because a second system
      prompt mid-conversation would be a new instruction the first part never saw (and is invalid canonical);
    - tools / enable_thinking / structure must be equal: a chat template renders one of each per conversation;
-   - a record with images is never merged (neither joins nor is joined): it stays a conversation of its own, as
-     transformers' composite forward sees it with its `pixel_values` (counted as blocked by `images`);
+   - a record with media (images, videos, audio) is never merged (neither joins nor is joined): it stays a
+     conversation of its own, as transformers' composite forward sees it with its media (counted as blocked by
+     `media`);
    - token budget (`merge.max_tokens`, default `max_length`): the summed template token counts of the
      group's records must fit. Counts are per original record (each with its own template overhead and
      system prompt, rendered as the tokenize stage renders it alone: data.fidelity.render_record), so the sum
@@ -42,7 +43,7 @@ from data.config import DataConfig
 from data.fidelity import FidelityOptions, render_record, template_renders_reasoning
 from data.executor import ByteRange, Executor, LocalExecutor, Part, byte_ranges, count_lines, spread_ranges
 from data.io import read_lines, require_stage_input
-from data.records import RecordError, validate_canonical
+from data.records import RecordError, has_media, validate_canonical
 from data.preflight import tokenizer_identity
 from data.progress import progress
 from data.randomness import MERGE_JOIN, record_uniforms
@@ -94,10 +95,10 @@ def merge_key(record: dict) -> tuple[int, ...]:
     """What the merge rules compare of a record (`MERGE_KEYS`), as 64-bit digests of canonical JSON (equal when
     the values are ==; a collision is a 2^-64 event), so that engines can ship 40 bytes instead of the record.
     The system prompt's digest is 0 when the record has none (never otherwise); the last value is 1 for a record
-    with images (never merged)."""
+    with media (never merged)."""
     sys = system_prompt(record)
     return ((_digest(sys) | 1) if sys is not None else 0, _digest(record.get("tools")),
-            _digest(record.get("enable_thinking")), _digest(record.get("structure")), int(bool(record.get("images"))))
+            _digest(record.get("enable_thinking")), _digest(record.get("structure")), int(has_media(record)))
 
 
 def block_reason(head_key: tuple, group_tokens: int | None, key: tuple, tokens: int | None,
@@ -106,7 +107,7 @@ def block_reason(head_key: tuple, group_tokens: int | None, key: tuple, tokens: 
     may); see the module docstring for the rules. A token count of None marks a record that fails on its own
     (the group's count is None when its head does)."""
     if key[-1] or head_key[-1]:
-        return "images"
+        return "media"
     if budget is not None and (tokens is None or group_tokens is None):
         return "record_error"
     if key[0] and key[0] != head_key[0]:

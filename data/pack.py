@@ -407,8 +407,8 @@ def write_rows(writer: ShardWriter, src: PackedDataset, rows: RowPlan) -> tuple[
         tokens = [src.row_tokens(j) for j in members]
         uids = [src.row_uids(j)[0] for j in members]
         seq_uids += uids
-        images = [src.row_images(j)[0] for j in members] if src.has_images else None
-        writer.add_row(tokens, record_indices=members, uids=uids, images=images)
+        media = [src.row_media(j)[0] for j in members] if src.has_media else None
+        writer.add_row(tokens, record_indices=members, uids=uids, media=media)
         lengths.extend(t.shape[0] for t in tokens)
         categories.extend(int(t["category_ids"][0]) for t in tokens)
         mapped += sum(t.nbytes for t in tokens)
@@ -428,7 +428,7 @@ def write_shard(task: RowSpan) -> WrittenShard:
     dataset of its own at `part_dir` (appended to packed/ by the driver, `ShardWriter.append_dataset`)."""
     src = task.source
     writer = ShardWriter(task.part_dir, token_fields=src.token_fields, max_shard_bytes=task.max_shard_bytes,
-                         kind="packed", images=src.has_images)
+                         kind="packed", media=src.has_media)
     with writer:
         seq_lengths, keys, twice = write_rows(writer, src, load_rows(task.plan_path, task.first, task.end))
         writer.close()
@@ -510,7 +510,7 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
     tally packed/ as written, which must match what was read.
     The driver holds counts and tallies, never a per-sequence array but the released sequences'."""
     from data.report import check_arithmetic, read_report, update_report
-    from data.stats import format_table, pack_statistics, plot_stats
+    from data.stats import MEDIA_REPORT_KEYS, format_table, media_statistics, pack_statistics, plot_stats
 
     executor = executor or LocalExecutor(cfg.workers)
     src = PackedDataset(cfg.tokenized_dir)
@@ -519,7 +519,7 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
     cap = cfg.pack_max_length
     writer = ShardWriter(
         cfg.packed_dir, token_fields=src.token_fields, max_shard_bytes=cfg.pack.shard_size_mb << 20, kind="packed",
-        images=src.has_images)
+        media=src.has_media)
     with writer, executor.scratch(cfg.packed_dir.parent, "pack-parts") as scratch:
         planned = plan_all(executor, src, cfg, scratch)
         placed = planned.placed
@@ -548,9 +548,8 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
                      tokenize=tokenize_losses)
         if tokenize_section is not None and "stepwise" in tokenize_section:  # samples, sequences, tokens saved
             stats["stepwise"] = tokenize_section["stepwise"]
-        if src.has_images:
-            stats.update(images=counts["images"], image_tokens=counts["image_tokens"],
-                         image_bytes=counts["image_bytes"])
+        if src.has_media:
+            stats.update(media_statistics(counts))
         meta_extra = {k: v for k, v in src.meta.items() if k not in RESERVED_META_KEYS}
         meta_extra.update(
             max_length=cap,
@@ -579,7 +578,7 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
         "rows_over_lower_bound": stats["rows_over_lower_bound"],
         "duplicate_rows": stats["duplicate_rows"],
         "rows_with_a_record_twice": stats["rows_with_a_record_twice"],
-        **({"images": stats["images"], "image_tokens": stats["image_tokens"]} if src.has_images else {}),
+        **({key: stats[key] for key in MEDIA_REPORT_KEYS if key in stats} if src.has_media else {}),
         "trace": dict(trace, where=f"{cfg.packed_dir}: per-sequence record_index (tokenized row) and uids, "
                                    "compared with the tokenized rows by counts and 64-bit multiset hashes"),
         "output": str(cfg.packed_dir),

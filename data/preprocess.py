@@ -2,15 +2,20 @@
 
 Formats (InputSpec.format, `auto` detects from the first row's keys):
 - messages: OpenAI-style `messages` (content may be a list of parts: text / reasoning / tool_call, as in
-  LLaMA-Factory's reasoning-tool-use data, and images: `{"type": "image", "image": PATH}`,
-  `{"type": "image_url", "image_url": {"url": PATH or data: URI}}`), optional `labels`, `tools`,
-  `enable_thinking`, `structure`, `images` (LLaMA-Factory's multimodal records: one path per `<image>`).
+  LLaMA-Factory's reasoning-tool-use data, and media: `{"type": "image", "image": PATH}`,
+  `{"type": "image_url", "image_url": {"url": PATH or data: URI}}`, `{"type": "video", "video": PATH}`,
+  `{"type": "video_url", ...}`, `{"type": "audio", "audio": PATH}`, `{"type": "audio_url", ...}`,
+  `{"type": "input_audio", "input_audio": {"data": BASE64, "format": "wav"}}`), optional `labels`, `tools`,
+  `enable_thinking`, `structure`, `images` / `videos` / `audios` (LLaMA-Factory's multimodal records: one path per
+  `<image>` / `<video>` / `<audio>`).
 - sharegpt: `conversations` of {from, value}; from in human/user, gpt/assistant, system, function_call
   (an assistant tool call), observation/tool/function (a tool result); optional top-level `system`, `tools`,
-  `images`.
+  `images`, `videos`, `audios`.
 
-Image paths are relative to the data file's directory (LLaMA-Factory's `images` lists); a canonical record holds
-them absolute, each image part or path becoming an `<image>` placeholder of its user message (data/images.py).
+Media paths are relative to the data file's directory (LLaMA-Factory's lists); a canonical record holds them
+absolute, each media part or path becoming a placeholder of its user message, and a video named in both `videos`
+and `audios` (its `<audio>` after its `<video>`) becomes a video with its sound track (`audio_in_video`;
+data/media.py).
 - prompt_response: `prompt_key` (a string or a message list) and `response_key` columns (e.g. GSM8K
   question/answer); `InputSpec.system` is prepended when the prompt has no system message.
 - verl: verl SFT parquet, `prompt` message list + `response_key` column, or `output` when there is none.
@@ -41,13 +46,14 @@ import orjson
 
 from common.config import ConfigError
 from data.config import DataConfig, InputSpec, split_spec
-from data.images import resolve_image
+from data.media import fold_audio_in_video, resolve_media
 from data.executor import ByteRange, Executor, LocalExecutor, Part, byte_ranges
 from data.io import (UTF8_BOM, LineMemoryError, expand_inputs, input_is_empty, iter_jsonl_range, parse_jsonl_line,
                      read_rows)
 from data.progress import progress
 from data.ratios import UNTRACKED, check_ratio_names, merge_ratio_categories, read_ratio_file, write_ratio_file
-from data.records import IMAGE_PLACEHOLDER, MAX_CATEGORY_ID, RecordError, parse_json_field, validate_canonical
+from data.records import (MAX_CATEGORY_ID, MEDIA_KINDS, PLACEHOLDERS, RecordError, parse_json_field,
+                          validate_canonical)
 from data.report import DROPPED_AT_LIMIT, DroppedAt, check_arithmetic, sorted_counts, update_report
 
 
@@ -81,16 +87,27 @@ def _tool_calls_from_text(text: Any, source: str, field: str) -> list:
     return calls
 
 
-def _image_part(part: dict) -> str | None:
-    """The path or URI of an OpenAI / transformers image part (None: a bare `{"type": "image"}`, whose image is
-    the next of the record's `images`)."""
-    ref = part.get("image", part.get("image_url", part.get("url", part.get("path"))))
-    return ref.get("url") if isinstance(ref, dict) else ref
+# content part type -> the kind of media it holds
+MEDIA_PARTS = {"image": "image", "image_url": "image", "video": "video", "video_url": "video", "audio": "audio",
+               "audio_url": "audio", "input_audio": "audio"}
 
 
-def _flatten_parts(msg: dict, source: str, field: str, images: list) -> dict:
-    """A message whose content is a list of parts -> plain content, reasoning_content and tool_calls; an image
-    part becomes an `<image>` placeholder and its reference (or None) is appended to `images`."""
+def _media_part(part: dict, kind: str) -> Any:
+    """The path or URI (or datasets' {path, bytes} dict) of an OpenAI / transformers media part (None: a bare
+    `{"type": "image"}`, whose item is the next of the record's list). `input_audio` (OpenAI's base64 audio with
+    its format) becomes a `data:` URI."""
+    if part.get("type") == "input_audio":
+        audio = part.get("input_audio")
+        if isinstance(audio, dict) and isinstance(audio.get("data"), str):
+            return f"data:audio/{audio.get('format') or 'wav'};base64,{audio['data']}"
+        return audio
+    ref = part.get(kind, part.get(f"{kind}_url", part.get("url", part.get("path"))))
+    return ref.get("url") if isinstance(ref, dict) and "url" in ref else ref
+
+
+def _flatten_parts(msg: dict, source: str, field: str, media: dict[str, list]) -> dict:
+    """A message whose content is a list of parts -> plain content, reasoning_content and tool_calls; a media
+    part becomes its kind's placeholder and its reference (or None) is appended to `media[kind]`."""
     content = msg.get("content")
     if not isinstance(content, list):
         return msg
@@ -112,12 +129,12 @@ def _flatten_parts(msg: dict, source: str, field: str, images: list) -> dict:
             reasoning.append(value)
         elif kind == "tool_call":
             calls.extend(_tool_calls_from_text(value, source, where))
-        elif kind in ("image", "image_url"):
-            text.append(IMAGE_PLACEHOLDER)
-            images.append(_image_part(part))
+        elif kind in MEDIA_PARTS:
+            text.append(PLACEHOLDERS[MEDIA_PARTS[kind]])
+            media[MEDIA_PARTS[kind]].append(_media_part(part, MEDIA_PARTS[kind]))
         else:
             raise RecordError(source, where, f"unsupported content part type {kind!r} (text, reasoning, "
-                              "tool_call, image, image_url)", "bad_content")
+                              f"tool_call, {', '.join(MEDIA_PARTS)})", "bad_content")
     out = {k: v for k, v in msg.items() if k != "content"}
     out["content"] = "".join(text)
     if reasoning:
@@ -127,42 +144,49 @@ def _flatten_parts(msg: dict, source: str, field: str, images: list) -> dict:
     return out
 
 
-def _message_list(messages: Any, source: str, field: str, images: list | None = None) -> list[dict]:
+def _no_media() -> dict[str, list]:
+    return {kind: [] for kind in MEDIA_KINDS}
+
+
+def _message_list(messages: Any, source: str, field: str, media: dict[str, list] | None = None) -> list[dict]:
     if not isinstance(messages, list):
         raise RecordError(source, field, f"expected a list of messages, got {type(messages).__name__}",
                           "bad_record")
-    images = [] if images is None else images
-    return [_flatten_parts(m, source, f"{field}[{i}]", images) if isinstance(m, dict) else m
+    media = _no_media() if media is None else media
+    return [_flatten_parts(m, source, f"{field}[{i}]", media) if isinstance(m, dict) else m
             for i, m in enumerate(messages)]
 
 
-def _passthrough(raw: dict, rec: dict, spec: InputSpec, source: str, part_images: list | None = None) -> dict:
-    """The record-level keys a format carries over; `part_images`: the references of the messages' image parts
-    (None where a bare image part takes the next of the row's `images`)."""
+def _passthrough(raw: dict, rec: dict, spec: InputSpec, source: str, part_media: dict[str, list] | None = None
+                 ) -> dict:
+    """The record-level keys a format carries over; `part_media`: per kind, the references of the messages' media
+    parts (None where a bare part takes the next of the row's list)."""
     tools = raw.get(spec.tools_key)
     if tools is not None:
         rec["tools"] = tools
-    for key in ("enable_thinking", "structure", "images"):
+    for key in ("enable_thinking", "structure", *MEDIA_KINDS.values()):
         if raw.get(key) is not None:
             rec[key] = raw[key]
-    given = [ref for ref in part_images or () if ref is not None]
-    if given:
-        if len(given) != len(part_images) or raw.get("images"):
-            raise RecordError(source, "images", "image parts with paths and a row-level images "
-                              "list (or bare image parts) in one record; give each image once", "image_count_mismatch")
-        rec["images"] = given
-    elif part_images and raw.get("images") is None:
-        raise RecordError(source, "images", f"{len(part_images)} image parts without a path and no images list",
-                          "image_count_mismatch")
+    for kind, key in MEDIA_KINDS.items():
+        parts = (part_media or {}).get(kind) or []
+        given = [ref for ref in parts if ref is not None]
+        if given:
+            if len(given) != len(parts) or raw.get(key):
+                raise RecordError(source, key, f"{kind} parts with paths and a row-level {key} list (or bare "
+                                  f"{kind} parts) in one record; give each {kind} once", f"{kind}_count_mismatch")
+            rec[key] = given
+        elif parts and raw.get(key) is None:
+            raise RecordError(source, key, f"{len(parts)} {kind} parts without a path and no {key} list",
+                              f"{kind}_count_mismatch")
     return rec
 
 
 def convert_messages(raw: dict, spec: InputSpec, source: str) -> dict:
-    images: list = []
-    rec = {"messages": _message_list(_required(raw, spec.messages_key, source), source, spec.messages_key, images)}
+    media = _no_media()
+    rec = {"messages": _message_list(_required(raw, spec.messages_key, source), source, spec.messages_key, media)}
     if raw.get("labels") is not None:
         rec["labels"] = raw["labels"]
-    return _passthrough(raw, rec, spec, source, images)
+    return _passthrough(raw, rec, spec, source, media)
 
 
 def convert_sharegpt(raw: dict, spec: InputSpec, source: str) -> dict:
@@ -193,18 +217,18 @@ def convert_sharegpt(raw: dict, spec: InputSpec, source: str) -> dict:
 def _prompt_response(raw: dict, spec: InputSpec, source: str, prompt_key: str, response_key: str) -> dict:
     prompt = _required(raw, prompt_key, source)
     response = _required(raw, response_key, source)
-    images: list = []
+    media = _no_media()
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     else:
-        messages = _message_list(prompt, source, prompt_key, images)
+        messages = _message_list(prompt, source, prompt_key, media)
     if spec.system and not (messages and isinstance(messages[0], dict) and messages[0].get("role") == "system"):
         messages.insert(0, {"role": "system", "content": spec.system})
     if not isinstance(response, str):
         raise RecordError(source, response_key, f"expected a string, got {type(response).__name__}",
                           "bad_content")
     messages.append({"role": "assistant", "content": response})
-    return _passthrough(raw, {"messages": messages}, spec, source, images)
+    return _passthrough(raw, {"messages": messages}, spec, source, media)
 
 
 def convert_prompt_response(raw: dict, spec: InputSpec, source: str) -> dict:
@@ -322,15 +346,19 @@ def category_of(raw: dict, rec: dict, spec: InputSpec, source: str) -> str:
 
 def convert_row(raw: dict, spec: InputSpec, fmt: str, source: str, base_dir: str = ".",
                 image_roots: tuple[str, ...] = ()) -> tuple[dict, str] | None:
-    """One raw row -> (validated canonical record, category name); None when a user function filters it. Image
+    """One raw row -> (validated canonical record, category name); None when a user function filters it. Media
     paths are resolved against `base_dir` (the data file's directory), must exist and lie under it or one of
-    `image_roots` (`images.resolve_image`)."""
+    `image_roots` (`media.resolve_media`); a video named in `audios` too becomes a video with its sound track
+    (`media.fold_audio_in_video`)."""
     rec = CONVERTERS[fmt](raw, spec, source)
     if rec is None:
         return None
-    if isinstance(rec, dict) and isinstance(rec.get("images"), list):
-        rec["images"] = [resolve_image(ref, base_dir, source, f"images[{k}]", image_roots)
-                         for k, ref in enumerate(rec["images"])]
+    if isinstance(rec, dict):
+        for kind, key in MEDIA_KINDS.items():
+            if isinstance(rec.get(key), list):
+                rec[key] = [resolve_media(kind, ref, base_dir, source, f"{key}[{k}]", image_roots)
+                            for k, ref in enumerate(rec[key])]
+        rec = fold_audio_in_video(rec, source)
     canonical = validate_canonical(rec, source)
     return canonical, category_of(raw, canonical, spec, source)
 
@@ -366,7 +394,7 @@ Where = int | str  # a row's place in its task: its source (`path:line`, `path:r
 class ConvertTask:
     """Rows of one input to convert (`convert_to_part`): its index in `cfg.inputs`, its spec (with the
     prompt/response keys `detect_format` found), its format, the part file the kept records go to, and the
-    directories besides the data file's that image paths may resolve under (`image_roots`)."""
+    directories besides the data file's that media paths may resolve under (`image_roots`)."""
     spec_index: int
     spec: InputSpec
     fmt: str
@@ -385,7 +413,7 @@ class ConvertTask:
         return where
 
     def base_dir(self, where: Where) -> str:
-        """The directory of the file holding the row at `where` (image paths are relative to it)."""
+        """The directory of the file holding the row at `where` (media paths are relative to it)."""
         raise NotImplementedError
 
 
@@ -651,7 +679,7 @@ def _parquet_row_groups(path: str) -> list[int] | None:
 
 
 def image_roots(cfg: DataConfig) -> tuple[str, ...]:
-    """The config's `image_root` directories, symlinks resolved (what `images.resolve_image` compares with)."""
+    """The config's `image_root` directories, symlinks resolved (what `media.resolve_media` compares with)."""
     return tuple(os.path.realpath(root) for root in cfg.image_root)
 
 

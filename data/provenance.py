@@ -38,6 +38,7 @@ from common.config import ConfigError, to_dict
 from common.fsutil import atomic_write_bytes, file_blake2b, tokenizer_hash
 from data.config import STAGES, DataConfig
 from data.shards.chat_templates import chat_template_hash
+from data.shards.processor import MediaSettings
 
 PROVENANCE_NAME = "provenance.json"
 FORMAT = 1
@@ -114,8 +115,7 @@ def stage_settings(cfg: DataConfig, stage: str) -> dict[str, Any]:
     if stage == "tokenize":
         return {**_tokenizer_settings(cfg), "max_length": cfg.max_length, "overlong": cfg.overlong,
                 "truncation": cfg.truncation, "structure": cfg.structure,
-                **_fidelity_settings(cfg), "image_min_pixels": cfg.image_min_pixels,
-                "image_max_pixels": cfg.image_max_pixels, "image_pixel_limit": cfg.image_pixel_limit,
+                **_fidelity_settings(cfg), **{key: getattr(cfg, key) for key in MediaSettings.keys()},
                 "stepwise": cfg.stepwise,
                 # a tree longer than the row is split between steps at tokenize
                 **({"pack.max_length": cfg.pack_max_length} if cfg.stepwise == "tree" else {})}

@@ -2,7 +2,9 @@
 
 A canonical record (see docs/ARCHITECTURE.md) is
 `{"messages": [...], "labels": [0/1 per message], "meta": {...}, "tools"?, "enable_thinking"?, "structure"?,
-"images"?}` (images: one path or data: URI per `<image>` placeholder of the user messages, data/images.py).
+"images"?, "videos"?, "audios"?, "audio_in_video"?}` (media: one path or data: URI per `<image>` / `<video>` /
+`<audio>` placeholder of the user messages; `audio_in_video`: the videos whose sound track is in their token run;
+data/media.py).
 """
 from __future__ import annotations
 
@@ -10,27 +12,18 @@ from typing import Any
 
 import orjson
 
+from data.shards.errors import RecordError
+
 ROLES = ("system", "user", "assistant", "tool")
-RECORD_KEYS = ("messages", "labels", "meta", "tools", "enable_thinking", "structure", "images")
-IMAGE_PLACEHOLDER = "<image>"  # where an image of `images` goes in a user message (LLaMA-Factory's convention)
+RECORD_KEYS = ("messages", "labels", "meta", "tools", "enable_thinking", "structure", "images", "videos", "audios",
+               "audio_in_video")
+MEDIA_KINDS = {"image": "images", "video": "videos", "audio": "audios"}  # kind -> the record's list of them
+# where an item of a kind's list goes in a user message (LLaMA-Factory's convention)
+PLACEHOLDERS = {"image": "<image>", "video": "<video>", "audio": "<audio>"}
 # message keys written first, in this order; any other message key passes through after them (templates
 # may read e.g. `name` or `tool_call_id`)
 MESSAGE_KEY_ORDER = ("role", "content", "reasoning_content", "tool_calls", "category_id")
 MAX_CATEGORY_ID = 32767  # category ids are stored per token as int16
-
-
-class RecordError(ValueError):
-    """Bad input in one record: `str()` is `path:line: field: message`; `.reason` keys the skip counts."""
-
-    def __init__(self, source: str, field: str, message: str, reason: str = "invalid_record"):
-        super().__init__(source, field, message, reason)
-        self.source = source
-        self.field = field
-        self.message = message
-        self.reason = reason
-
-    def __str__(self) -> str:
-        return f"{self.source}: {self.field}: {self.message}"
 
 
 def parse_json_field(value: Any, source: str, field: str, reason: str) -> Any:
@@ -144,8 +137,8 @@ def validate_canonical(record: Any, source: str) -> dict:
 
     Raises RecordError with reasons: bad_record, unknown_key, empty_conversation, bad_message, unknown_role,
     system_not_first, bad_content, bad_tool_calls, bad_tools, labels_length, bad_label, no_trainable_token,
-    empty_assistant (a trained assistant message with no content, reasoning or tool call), bad_image,
-    image_placement, image_count_mismatch.
+    empty_assistant (a trained assistant message with no content, reasoning or tool call), bad_{kind},
+    {kind}_placement, {kind}_count_mismatch (kind: image, video, audio), bad_audio_in_video.
     """
     if not isinstance(record, dict):
         raise RecordError(source, "record", f"expected an object, got {type(record).__name__}", "bad_record")
@@ -201,27 +194,46 @@ def validate_canonical(record: Any, source: str) -> dict:
         out["enable_thinking"] = thinking
     if record.get("structure") is not None:
         out["structure"] = record["structure"]
-    if record.get("images") is not None:
-        out["images"] = check_images(norm_messages, record["images"], source)
+    for kind, key in MEDIA_KINDS.items():
+        if record.get(key) is not None:
+            out[key] = check_media(kind, norm_messages, record[key], source)
+    if record.get("audio_in_video") is not None:
+        out["audio_in_video"] = check_audio_in_video(record["audio_in_video"], len(out.get("videos", ())), source)
     return out
 
 
-def check_images(messages: list[dict], images: Any, source: str) -> list[str]:
-    """The `images` of a canonical record: a list of strings, one per `<image>` placeholder, all of them in user
-    messages (a placeholder elsewhere would put image tokens in a trained turn or a system prompt)."""
-    if not isinstance(images, list) or not all(isinstance(x, str) and x for x in images):
-        raise RecordError(source, "images", "expected a list of image paths", "bad_image")
+def check_media(kind: str, messages: list[dict], items: Any, source: str) -> list[str]:
+    """A kind's list of a canonical record (`images`, `videos`, `audios`): strings, one per placeholder of that
+    kind, all of them in user messages (a placeholder elsewhere would put media tokens in a trained turn or a
+    system prompt)."""
+    key, placeholder = MEDIA_KINDS[kind], PLACEHOLDERS[kind]
+    if not isinstance(items, list) or not all(isinstance(x, str) and x for x in items):
+        raise RecordError(source, key, f"expected a list of {kind} paths", f"bad_{kind}")
     count = 0
     for i, msg in enumerate(messages):
-        n = msg["content"].count(IMAGE_PLACEHOLDER)
+        n = msg["content"].count(placeholder)
         if n and msg["role"] != "user":
-            raise RecordError(source, f"messages[{i}].content", f"{IMAGE_PLACEHOLDER} in a {msg['role']} message; "
-                              "images go in user messages", "image_placement")
+            raise RecordError(source, f"messages[{i}].content", f"{placeholder} in a {msg['role']} message; "
+                              f"{key} go in user messages", f"{kind}_placement")
         count += n
-    if count != len(images):
-        raise RecordError(source, "images", f"{count} {IMAGE_PLACEHOLDER} placeholders in the messages but "
-                          f"{len(images)} images", "image_count_mismatch")
-    return list(images)
+    if count != len(items):
+        raise RecordError(source, key, f"{count} {placeholder} placeholders in the messages but "
+                          f"{len(items)} {key}", f"{kind}_count_mismatch")
+    return list(items)
+
+
+def check_audio_in_video(indices: Any, n_videos: int, source: str) -> list[int]:
+    """`audio_in_video`: increasing indices of the record's videos (those whose sound track is in their run)."""
+    if (not isinstance(indices, list) or not all(isinstance(j, int) and not isinstance(j, bool) for j in indices)
+            or indices != sorted(set(indices)) or any(not 0 <= j < n_videos for j in indices)):
+        raise RecordError(source, "audio_in_video", f"expected increasing indices of the record's {n_videos} videos, "
+                          f"got {indices!r}", "bad_audio_in_video")
+    return list(indices)
+
+
+def has_media(record: dict) -> bool:
+    """Whether a record holds media (images, videos or audio)."""
+    return any(record.get(key) for key in MEDIA_KINDS.values())
 
 
 def message_category(record: dict, i: int) -> int:

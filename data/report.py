@@ -161,6 +161,13 @@ def format_tokenize_summary(section: dict) -> str:
     if images.get("images"):
         lines.append(f"images: {images['images']:,} ({images['image_tokens']:,} image tokens, never labelled; "
                      f"{images['image_bytes']:,} bytes stored)")
+    for kind in ("video", "audio"):
+        counts = section.get(f"{kind}s") or {}
+        if counts.get(f"{kind}s"):
+            lines.append(f"{kind}s: {counts[f'{kind}s']:,} ({counts[f'{kind}_seconds']:,.1f} s, "
+                         f"{counts[f'{kind}_tokens']:,} {kind} tokens, never labelled; {counts[f'{kind}_bytes']:,} "
+                         "bytes stored" + (f"; {counts['with_audio']:,} with their sound track" if counts.get(
+                             "with_audio") else "") + ")")
     stepwise = section.get("stepwise")
     if stepwise:
         lines.append(format_stepwise(stepwise))

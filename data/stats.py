@@ -126,6 +126,23 @@ def pack_statistics(
     }
 
 
+MEDIA_REPORT_KEYS = ("images", "image_tokens", "videos", "video_tokens", "video_seconds", "videos_with_audio",
+                     "audios", "audio_tokens", "audio_seconds")  # of stats.json's media counts, in report.json
+
+
+def media_statistics(counts: dict) -> dict:
+    """stats.json's media counts from a media store's `counts`: per kind its items, tokens and bytes (and seconds
+    for videos and audio), and the videos with their sound track."""
+    out = {}
+    for kind in ("image", "video", "audio"):
+        out.update({f"{kind}s": counts[f"{kind}s"], f"{kind}_tokens": counts[f"{kind}_tokens"],
+                    f"{kind}_bytes": counts[f"{kind}_bytes"]})
+        if f"{kind}_millis" in counts:
+            out[f"{kind}_seconds"] = counts[f"{kind}_millis"] / 1000
+    out["videos_with_audio"] = counts["videos_with_audio"]
+    return out
+
+
 def format_table(stats: dict) -> str:
     """The human-readable summary printed at the end of the pack stage."""
     spr = stats["sequences_per_row"]
@@ -144,9 +161,13 @@ def format_table(stats: dict) -> str:
     if "duplicate_rows" in stats:
         lines.append(f"{'duplicate rows':<28}{stats['duplicate_rows']:>16,}")
         lines.append(f"{'rows with a record twice':<28}{stats['rows_with_a_record_twice']:>16,}")
-    if "images" in stats:
+    if stats.get("images"):
         lines.append(f"{'images':<28}{stats['images']:>16,}")
         lines.append(f"{'image tokens':<28}{stats['image_tokens']:>16,}")
+    for kind in ("video", "audio"):
+        if stats.get(f"{kind}s"):
+            lines.append(f"{kind + 's (seconds)':<28}{stats[f'{kind}s']:>16,} ({stats[f'{kind}_seconds']:,.1f} s)")
+            lines.append(f"{kind + ' tokens':<28}{stats[f'{kind}_tokens']:>16,}")
     if stats["categories"]:
         lines.append("")
         lines.append(f"{'category':<24}{'tokens':>16}{'loss tokens':>16}{'share':>9}")

@@ -10,11 +10,12 @@ whose tool arguments are objects, the token ids are exactly
 `tokenizer.apply_chat_template(messages, tools=tools, **kwargs)["input_ids"]`. A merged record's assistant turns
 are rendered as in their original records alone (data/fidelity.py, `render_merged`).
 
-A record with images (data/images.py) is rendered with the processor's chat template and each image's placeholder
-replaced by the processor's token run: its ids are exactly `processor(text=rendered, images=...)["input_ids"]`
-(checked per record); image tokens never carry a label; the images' bytes and grids go into the shards beside
-the tokens. Such a record is never truncated (a cut would split or drop images): over-long, it is dropped (or
-an error under `overlong: error`).
+A record with media (data/media.py: images, videos, audio) is rendered with the processor's chat template and each
+item's placeholder replaced by the processor's token run: its ids are exactly
+`processor(text=rendered, images=..., videos=..., audio=...)["input_ids"]` (checked per record); tokens of a media
+run (a video's timestamps and its sound track's tokens included) never carry a label nor a turn id; the media's
+bytes, grids and token counts go into the shards beside the tokens. Such a record is never truncated (a cut would
+split or drop a clip): over-long, it is dropped (or an error under `overlong: error`).
 
 Per token: `input_ids`, `labels` (= input id where trained, -100 elsewhere), `category_ids` (category of the
 assistant message the token belongs to: its own turn, or the prompt that precedes it; tokens after the last
@@ -32,6 +33,7 @@ report's `stepwise` section says how many tokens the trees store and save.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import multiprocessing
 import os
@@ -47,14 +49,16 @@ from data.shards.chat_templates import chat_template_hash
 from data.chat_template import RenderBound, TemplateInfo, analyze_template, load_chat_tokenizer
 from data.config import DataConfig, output_config
 from data.executor import ByteRange, Executor, LocalExecutor, count_lines, spread_ranges
-from data.images import Expanded, Vision, is_processor_dir
+from data.media import Expanded, expand
 from data.fidelity import STAT_KEYS, FidelityOptions, Rendered, asked_chars, render_merged, template_renders_reasoning
 from data.progress import progress
-from data.records import RecordError, message_category, record_uids, validate_canonical
+from data.records import RecordError, has_media, message_category, record_uids, validate_canonical
 from data.report import DROPPED_AT_LIMIT, check_arithmetic, format_tokenize_summary, sorted_counts, update_report
 from data.io import parse_jsonl_line, read_lines
-from data.shards.dataset import (IGNORE_INDEX, REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS, TREE_TOKEN_FIELDS,
-                         PackedDataset, ShardCutter, ShardWriter, StoredImage)
+from data.shards.dataset import (IGNORE_INDEX, MEDIA_DTYPE, MEDIA_KINDS, REQUIRED_TOKEN_FIELDS, STRUCTURE_TOKEN_FIELDS,
+                                 TREE_TOKEN_FIELDS, PackedDataset, ShardCutter, ShardWriter, StoredMedia, count_media,
+                                 media_count_keys)
+from data.shards.processor import MediaProcessor, MediaSettings, is_processor_dir
 from data.token_bound import TokenBound
 
 OVERLONG_POLICIES = ("drop", "error", "truncate", "left", "right")
@@ -79,7 +83,7 @@ class TokenizedSequence:
     structure_kept_plain: bool = False
     fidelity: dict = field(default_factory=dict)  # per-record counters of data.fidelity.STAT_KEYS
     counts_before: dict = field(default_factory=dict)  # {category: [tokens, loss tokens]} before truncation
-    images: list[StoredImage] = field(default_factory=list)  # in the order of their token runs
+    media: list[StoredMedia] = field(default_factory=list)  # in the order of their token runs
     tree_spans: np.ndarray | None = None  # int32 [n], `stepwise: tree`
     samples: list["TokenizedSequence"] = field(default_factory=list)  # a tree's step sequences (for the counts)
 
@@ -113,7 +117,7 @@ class TokenizeContext:
     reasoning_tags: tuple[str, str] = FidelityOptions.reasoning_tags
     tool_arguments: str = "parse"
     render_bound: RenderBound = RenderBound(None, "the chat template")  # time to render one record (render_timeout)
-    vision: Vision | None = None  # the processor of image records (loaded on the first one); None: no processor
+    media: MediaProcessor | None = None  # the processor of media records (loaded on the first one); None: none
     stepwise: str = "off"  # off | samples | tree (module doc)
     tree_max_length: int | None = None  # longest prefix tree (the pack capacity); None: max_length
     backend: Any = field(init=False, repr=False)
@@ -139,8 +143,7 @@ class TokenizeContext:
                    overlong=cfg.effective_overlong, on_error=cfg.on_error,
                    structure=cfg.structure, enable_thinking=cfg.enable_thinking, reasoning=cfg.reasoning,
                    reasoning_tags=tuple(cfg.reasoning_tags), tool_arguments=cfg.tool_arguments, render_bound=bound,
-                   vision=Vision(cfg.tokenizer_path, cfg.image_min_pixels, cfg.image_max_pixels,
-                                 cfg.image_pixel_limit),
+                   media=MediaProcessor(media_settings(cfg)),
                    stepwise=cfg.stepwise, tree_max_length=cfg.pack_max_length)
 
 
@@ -261,7 +264,7 @@ def _build(norm: dict, rendered: Rendered, enc, source: str, record_index: int,
     n = ids.shape[0]
     if expanded is not None and enc.ids != expanded.reference_ids:
         raise RecordError(source, "messages", "the token ids differ from the processor's (processor(text=render, "
-                          f"images)): {n} vs {len(expanded.reference_ids)} tokens", "processor_mismatch")
+                          f"media)): {n} vs {len(expanded.reference_ids)} tokens", "processor_mismatch")
     msgs = norm["messages"]
     labels_in = norm["labels"]
     assistant = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
@@ -289,10 +292,12 @@ def _build(norm: dict, rendered: Rendered, enc, source: str, record_index: int,
                 turn_ids[start_tok:end_tok] = k
                 turn_ends.append(end_tok)
     category_ids[prev:] = message_category(norm, assistant[-1])
-    for a, b in expanded.image_spans if expanded is not None else ():  # image tokens never carry a label
+    media = []
+    for (a, b), item in zip(expanded.media_spans, expanded.media) if expanded is not None else ():
         first, end = _first_token_at(enc, a, n, text_len), _first_token_at(enc, b, n, text_len)
-        labels[first:end] = IGNORE_INDEX
+        labels[first:end] = IGNORE_INDEX  # media tokens never carry a label nor a turn id
         turn_ids[first:end] = 0
+        media.append(item._replace(n_tokens=end - first))
     counts_before = _category_counts(category_ids, labels != IGNORE_INDEX)
     try:  # a record dropped from here on still counts its tokens in the "before" figures
         if k == 0:
@@ -300,7 +305,7 @@ def _build(norm: dict, rendered: Rendered, enc, source: str, record_index: int,
 
         where = f"{n} tokens > max_length {ctx.max_length}"
         if n > ctx.max_length and (ctx.overlong in ("drop", "error") or expanded is not None):
-            raise RecordError(source, "messages", where + (" (a record with images is never truncated)"
+            raise RecordError(source, "messages", where + (" (a record with media is never truncated)"
                                                            if expanded is not None else ""), "overlong")
 
         block_ids = path_ids = None
@@ -362,7 +367,7 @@ def _build(norm: dict, rendered: Rendered, enc, source: str, record_index: int,
             uids=record_uids(norm), record_index=record_index, category_id=_raw_category(norm),
             category_name=meta.get("category_name"), block_ids=block_ids, path_ids=path_ids,
             truncated=truncated, structure_kept_plain=kept_plain, fidelity=rendered.stats,
-            counts_before=counts_before, images=expanded.images if expanded is not None else [],
+            counts_before=counts_before, media=media,
         )
     except RecordError as exc:
         exc.counts_before = counts_before
@@ -373,7 +378,7 @@ def stepwise_records(record: Any, source: str) -> list[Any]:
     """`stepwise` expansion of one record: per trained assistant turn k (in order), the record cut after that turn
     with only it labelled (`loss_turns: last` of the cut record). A record that does not validate, or has no
     trained turn, comes back as it is (the tokenize path rejects it with its reason); a merged record (meta.parts)
-    or one with images is refused (RecordError `stepwise`)."""
+    or one with media is refused (RecordError `stepwise`)."""
     try:
         norm = validate_canonical(record, source)
     except RecordError:
@@ -381,9 +386,9 @@ def stepwise_records(record: Any, source: str) -> list[Any]:
     if norm["meta"].get("parts"):
         return [RecordError(source, "meta.parts", "a pseudo-multiturn merged record cannot be expanded stepwise "
                             "(set merge.probability: 0 with stepwise)", "stepwise")]
-    if norm.get("images"):
-        return [RecordError(source, "images", "records with images are not expanded stepwise yet (stepwise: off "
-                            "for image data)", "stepwise")]
+    if has_media(norm):
+        return [RecordError(source, "messages", "records with media are not expanded stepwise yet (stepwise: off "
+                            "for media data)", "stepwise")]
     messages, labels = norm["messages"], norm["labels"]
     trained = [i for i, (m, label) in enumerate(zip(messages, labels)) if m["role"] == "assistant" and label]
     if not trained:
@@ -467,7 +472,7 @@ def _tokenize_batch(records: list[Any], ctx: TokenizeContext, sources: list[str]
             with ctx.render_bound.rendering(sources[i]):
                 norm, rendered = _prepare(rec, sources[i], ctx)
             expanded = None
-            if norm.get("images"):
+            if has_media(norm):
                 expanded = _expand(norm, rendered, sources[i], ctx)
                 rendered = Rendered(expanded.text, expanded.spans, rendered.stats)
             prepared.append((i, norm, rendered, expanded))
@@ -486,13 +491,14 @@ def _tokenize_batch(records: list[Any], ctx: TokenizeContext, sources: list[str]
 
 
 def _expand(norm: dict, rendered: Rendered, source: str, ctx: TokenizeContext) -> Expanded:
-    """A record with images: its render with the processor's image token runs (data/images.py)."""
-    if ctx.vision is None or not is_processor_dir(ctx.vision.path):
-        where = ctx.vision.path if ctx.vision is not None else "the tokenizer"
-        raise ConfigError(f"{source}: a record with images, but tokenizer_path {where} holds no processor "
-                          "(preprocessor_config.json): point tokenizer_path at the model's processor directory")
+    """A record with media: its render with the processor's media token runs (data/media.py)."""
+    if ctx.media is None or not is_processor_dir(ctx.media.path):
+        where = ctx.media.path if ctx.media is not None else "the tokenizer"
+        raise ConfigError(f"{source}: a record with media, but tokenizer_path {where} holds no processor "
+                          "(preprocessor_config.json): point tokenizer_path at the model's processor directory "
+                          "(or write one: python -m data.processors NAME DIR)")
     try:
-        return ctx.vision.expand(rendered.text, rendered.spans, norm["images"], source)
+        return expand(ctx.media, rendered.text, rendered.spans, norm, source)
     except RecordError as exc:
         exc.asked_chars = asked_chars(norm)
         raise
@@ -510,9 +516,7 @@ class TokenizeTally:
     n_tokens: int = 0
     n_loss: int = 0
     n_turns: int = 0
-    n_images: int = 0
-    n_image_tokens: int = 0
-    n_image_bytes: int = 0
+    media: dict = field(default_factory=lambda: dict.fromkeys(media_count_keys(), 0))  # count_media's counts
     n_rows: int = 0  # sequences written (a tree is one; otherwise n_out)
     n_stored: int = 0  # tokens written (a tree's trie size; otherwise n_tokens)
     n_records: int = 0  # stepwise: records expanded (the range's lines with a record)
@@ -523,6 +527,14 @@ class TokenizeTally:
     names: dict = field(default_factory=dict)  # category id -> name, first seen
     stats: dict = field(default_factory=lambda: dict.fromkeys(STAT_KEYS, 0))  # fidelity counters of kept records
     lost: dict = field(default_factory=dict)  # reason -> [records, characters asked to train and not trained]
+
+    @property
+    def n_media(self) -> int:
+        return sum(self.media[f"{kind}s"] for kind in MEDIA_KINDS)
+
+    @property
+    def media_bytes(self) -> int:
+        return sum(self.media[f"{kind}_bytes"] for kind in MEDIA_KINDS)
 
     def _cat_row(self, cid: int) -> dict:
         return self.cats.setdefault(cid, {"before": 0, "after": 0, "tokens_before": 0, "loss_tokens_before": 0,
@@ -567,7 +579,7 @@ class TokenizeTally:
                 self._count_lost(res.reason, 1, getattr(res, "asked_chars", 0))
                 continue
             writer.add_row([res.token_fields()], record_indices=[res.record_index], uids=[res.uids],
-                           images=[res.images] if writer.images else None)
+                           media=[res.media] if writer.media else None)
             self.n_rows += 1
             self.n_stored += res.input_ids.shape[0]
             for sample in res.samples or [res]:  # a tree counts as the samples it stores
@@ -575,9 +587,8 @@ class TokenizeTally:
 
     def _count_kept(self, res: TokenizedSequence) -> None:
         """Count one kept sequence (one sample of the `stepwise` expansion)."""
-        self.n_images += len(res.images)
-        self.n_image_tokens += sum(image.n_tokens for image in res.images)
-        self.n_image_bytes += sum(len(image.data) for image in res.images)
+        if res.media:
+            count_media(self.media, np.array([item.entry(0, 0) for item in res.media], dtype=MEDIA_DTYPE))
         n = res.input_ids.shape[0]
         self.n_in += 1
         self.n_out += 1
@@ -605,9 +616,11 @@ class TokenizeTally:
 
     def merge(self, other: "TokenizeTally") -> None:
         """Add the tally of the records that follow this one's."""
-        for key in ("n_in", "n_out", "n_truncated", "n_plain", "n_tokens", "n_loss", "n_turns", "n_images",
-                    "n_image_tokens", "n_image_bytes", "n_rows", "n_stored", "n_records"):
+        for key in ("n_in", "n_out", "n_truncated", "n_plain", "n_tokens", "n_loss", "n_turns", "n_rows", "n_stored",
+                    "n_records"):
             setattr(self, key, getattr(self, key) + getattr(other, key))
+        for key, value in other.media.items():
+            self.media[key] += value
         for reason, n in other.dropped.items():
             self.dropped[reason] = self.dropped.get(reason, 0) + n
         for reason, sources in other.dropped_at.items():
@@ -674,7 +687,7 @@ def tokenize_range(task: RangeTask) -> RangeResult:
                                                          task.lines_before + 1) if line.strip()]
     tally = TokenizeTally()
     with ShardWriter(task.part, token_fields=token_fields(cfg), max_shard_bytes=PART_SHARD_BYTES,
-                     kind="tokenized", durable=False, images=is_processor_dir(cfg.tokenizer_path)) as writer:
+                     kind="tokenized", durable=False, media=is_processor_dir(cfg.tokenizer_path)) as writer:
         for first in range(0, len(lines), BATCH_RECORDS):
             batch = lines[first:first + BATCH_RECORDS]
             sources = [f"{path}:{lineno}" for lineno, _ in batch]
@@ -703,14 +716,14 @@ class ShardTask:
     out: str
     token_fields: tuple[str, ...]
     max_shard_bytes: int
-    images: bool  # an image store
+    media: bool  # a media store
 
 
 def write_shard(task: ShardTask) -> str:
     """Worker: one shard of tokenized/, the segments' rows copied (`ShardWriter.add_rows`) into a dataset of its
     own at `task.out` (for `ShardWriter.append_dataset`)."""
     with ShardWriter(task.out, token_fields=task.token_fields, max_shard_bytes=task.max_shard_bytes,
-                     kind="tokenized", images=task.images) as writer:
+                     kind="tokenized", media=task.media) as writer:
         for segment in task.segments:
             writer.add_rows(PackedDataset(segment.part, verify="off"), segment.start, segment.end)
         writer.close()
@@ -727,9 +740,9 @@ class ShardPlan:
         self.cutter = ShardCutter(writer.max_shard_bytes)
         self.shards: list[list[RowSegment]] = [[]]
 
-    def add(self, part: str, rows: int, tokens: int, image_bytes: int = 0) -> None:
-        """The next part: `rows` rows of `tokens` tokens and `image_bytes` of images in all."""
-        cuts = self.cutter.cut_lazily(tokens * self.writer.dtype.itemsize + image_bytes,
+    def add(self, part: str, rows: int, tokens: int, media_bytes: int = 0) -> None:
+        """The next part: `rows` rows of `tokens` tokens and `media_bytes` of media in all."""
+        cuts = self.cutter.cut_lazily(tokens * self.writer.dtype.itemsize + media_bytes,
                                       lambda: PackedDataset(part, verify="off").row_nbytes())
         for j, (start, end) in enumerate(zip([0, *cuts], [*cuts, rows])):
             if j:  # a run after a cut starts a shard (the first may be empty: a cut before the first row)
@@ -742,7 +755,7 @@ class ShardPlan:
         for k, segments in enumerate(self.shards):
             if segments:
                 yield ShardTask(tuple(segments), str(scratch / f"shard_{k:08d}"), tuple(self.writer.token_fields),
-                                self.writer.max_shard_bytes, self.writer.images)
+                                self.writer.max_shard_bytes, self.writer.media)
 
 
 def token_fields(cfg: DataConfig) -> list[str]:
@@ -790,7 +803,7 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
     executor = executor or LocalExecutor(cfg.workers)
     writer = ShardWriter(cfg.tokenized_dir, token_fields=token_fields(cfg),
                          max_shard_bytes=cfg.pack.shard_size_mb << 20, kind="tokenized",
-                         images=is_processor_dir(cfg.tokenizer_path))
+                         media=is_processor_dir(cfg.tokenizer_path))
     tally = TokenizeTally()
     plan = ShardPlan(writer)
     with writer, executor.scratch(Path(cfg.tokenized_dir).parent, "tokenize-parts") as scratch:
@@ -800,7 +813,7 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
                 tally.merge(done.tally)
                 bar.update(done.n_bytes)
                 if done.part is not None:
-                    plan.add(done.part, done.tally.n_rows, done.tally.n_stored, done.tally.n_image_bytes)
+                    plan.add(done.part, done.tally.n_rows, done.tally.n_stored, done.tally.media_bytes)
         if tally.n_out == 0:
             raise ConfigError(f"tokenize: no record of {cfg.merged_path} survived ({tally.n_in} in, dropped "
                               f"{sorted_counts(tally.dropped)})")
@@ -821,8 +834,7 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
             "tokens": tally.n_tokens,
             "loss_tokens": tally.n_loss,
             "trained_turns": tally.n_turns,
-            "images": {"images": tally.n_images, "image_tokens": tally.n_image_tokens,
-                       "image_bytes": tally.n_image_bytes},
+            **media_section(tally.media),
             "categories": {str(c): cats[c] for c in sorted(cats)},
             "category_loss_warning": cfg.category_loss_warning,
             "warnings": warnings,
@@ -848,7 +860,7 @@ def run(cfg: DataConfig, executor: Executor | None = None) -> dict:
             "max_length": cfg.max_length,
             "config": output_config(cfg),
             "categories": categories_meta,
-            **({"images": images_meta(cfg, ctx)} if tally.n_images else {}),
+            **({"media": media_meta(cfg)} if tally.n_media else {}),
         })
     update_report(cfg.report_path, "tokenize", section)
     return section
@@ -862,12 +874,30 @@ def stepwise_section(cfg: DataConfig, tally: TokenizeTally) -> dict:
             "tokens_saved": tally.n_tokens - tally.n_stored}
 
 
-def images_meta(cfg: DataConfig, ctx: TokenizeContext) -> dict:
-    """meta.json's `images`: what the trainer's `data.shards.images.ImageLoader` needs to turn the stored bytes into the
-    pixel values the tokenize stage counted tokens for."""
-    return {"processor_path": os.path.abspath(cfg.tokenizer_path), "min_pixels": cfg.image_min_pixels,
-            "max_pixels": cfg.image_max_pixels, "pixel_limit": cfg.image_pixel_limit,
-            "image_token_id": ctx.vision.image_token_id, "storage": "encoded"}
+def media_settings(cfg: DataConfig) -> MediaSettings:
+    """The media settings of a data config: its processor directory and media keys."""
+    return MediaSettings(os.path.abspath(cfg.tokenizer_path), **{k: getattr(cfg, k) for k in MediaSettings.keys()})
+
+
+def media_meta(cfg: DataConfig) -> dict:
+    """meta.json's `media`: what the trainer's media loader (data/shards/media.py) needs to turn the stored bytes into
+    the processor's inputs the tokenize stage counted tokens for (the files' bytes are stored, `encoded`)."""
+    return {**dataclasses.asdict(media_settings(cfg)), "storage": "encoded"}
+
+
+def media_section(counts: dict) -> dict:
+    """report.json's media counts of the kept records: `images` always (images, tokens, bytes), `videos` and
+    `audios` where there are some (with their seconds; a video's sound track counted with the video)."""
+    out = {"images": {"images": counts["images"], "image_tokens": counts["image_tokens"],
+                      "image_bytes": counts["image_bytes"]}}
+    if counts["videos"]:
+        out["videos"] = {"videos": counts["videos"], "video_tokens": counts["video_tokens"],
+                         "video_bytes": counts["video_bytes"], "video_seconds": counts["video_millis"] / 1000,
+                         "with_audio": counts["videos_with_audio"]}
+    if counts["audios"]:
+        out["audios"] = {"audios": counts["audios"], "audio_tokens": counts["audio_tokens"],
+                         "audio_bytes": counts["audio_bytes"], "audio_seconds": counts["audio_millis"] / 1000}
+    return out
 
 
 def category_losses(cats: dict[int, dict], names: dict[int, str], threshold: float) -> tuple[list[str], list[str]]:

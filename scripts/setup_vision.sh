@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Creates .venv-vision (once): PyPI's default torch build with torchvision, then requirements.txt and
-# requirements-vision.txt. Text users never need it; image conversations do (see requirements-vision.txt).
-# Sizes measured on Linux x86_64, Python 3.11 (2026-12): 6.1 GB installed in all, of which torch's CUDA build
-# 1.2 GB, its nvidia-* libraries 3.2 GB and triton 0.9 GB (PyPI's torchvision loads only next to that build;
-# it runs on CPU too), requirements.txt 0.9 GB.
+# requirements-vision.txt. Text users never need it; image, video and audio conversations do (see
+# requirements-vision.txt). Sizes measured on Linux x86_64, Python 3.11 (2026-12): 6.1 GB installed in all, of which
+# torch's CUDA build 1.2 GB, its nvidia-* libraries 3.2 GB and triton 0.9 GB (PyPI's torchvision loads only next to
+# that build; it runs on CPU too), requirements.txt 0.9 GB, PyAV and soundfile (video and audio decoding) 0.11 GB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

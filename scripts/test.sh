@@ -13,8 +13,9 @@
 #           tests included);
 #   serial  in .venv, the `serial` tests alone, one at a time (they time what they run, send signals, or start
 #           machine-wide services such as a Ray cluster: other tests beside them would make them fail);
-#   vision  the image tests (`-m vision`: the real Qwen2-VL processors need torchvision, which loads only with PyPI's
-#           torch build) in .venv-vision (scripts/setup_vision.sh, ~6 GB). PACKSFT_VISION_TESTS=0 skips this stage
+#   vision  the image, video and audio tests (`-m vision`: the real Qwen2-VL processors need torchvision, which loads
+#           only with PyPI's torch build; PyAV, soundfile) in .venv-vision (scripts/setup_vision.sh, ~6 GB; the video
+#           and audio files alone took 83 s on 2 cores, 2026-12-02). PACKSFT_VISION_TESTS=0 skips this stage
 #           for text-only work (under CI=true a stage that does not run is a failure: CI runs them all).
 # Every stage runs even when an earlier one fails; each prints its name before it starts and its counts and wall
 # time when it ends (after its slowest tests: pytest --durations, so a log shows where the time went), a table of all

@@ -75,7 +75,7 @@ class Chat:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.processor, self.no_images = None, "a text model"
         if is_composite(config):  # its processor renders turns with images
-            self.processor, self.no_images = load_processor(model_dir)
+            self.processor, self.no_images = export_processor(model_dir)
         if template:
             if not builtin_name(template) and not Path(template).is_file():
                 raise ConfigError(f"--template: {template} is neither a file nor a built-in template name ({names()})")
@@ -134,7 +134,7 @@ class Chat:
         return answer
 
 
-def load_processor(model_dir: str):
+def export_processor(model_dir: str):
     """(the processor of a composite export, or None; why there is none): its image processor needs torchvision,
     whose PyPI wheels load only beside PyPI's CUDA torch build (.venv-vision), not the CPU wheel of .venv."""
     from transformers import AutoProcessor

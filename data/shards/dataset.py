@@ -9,10 +9,12 @@ Layout of a dataset directory:
                                the row's token records, checked on every read: meta.json `row_checksum`)
     shard_NNNNN.seqs.npy       per sequence: length, record_index, n_loss_tokens, n_trained_turns, uid_offset, n_uids
     shard_NNNNN.uids.npy       flat int64 source-record uids of the sequences
-    shard_NNNNN.images.npy     (image datasets, meta.json `image_store`) per image, in sequence order: its sequence
-                               (shard-local), byte offset and size in images.bin, token count, patch grid (t, h, w)
-    shard_NNNNN.images.bin     the images' encoded bytes (files as read, not re-encoded); a row's checksum goes on
-                               over its images (`row_checksum`), so it covers the image data too
+    shard_NNNNN.media.npy      (media datasets, meta.json `media_store`) per image, video or audio clip, in sequence
+                               order: its sequence (shard-local), byte offset and size in media.bin, token count,
+                               kind, flags (audio-in-video), patch grid (t, h, w), audio feature frames, duration (ms)
+    shard_NNNNN.media.bin      the media's encoded bytes (files as read, not re-encoded); a row's checksum goes on
+                               over its media (`row_checksum`), so it covers the media data too
+Format 2 datasets stay readable, their image stores too (`image_store`: images.npy / images.bin, images only).
 
 Everything is memory-mapped on read, so opening a dataset costs O(shards) and `ds[i]` is O(1) whatever its size.
 """
@@ -35,7 +37,8 @@ from common.errors import PackSFTError
 from common.fsutil import file_blake2b, fsync_dir, replace_dir, set_aside, temp_sibling, write_synced
 
 FORMAT_NAME = "packsft-indexed"
-FORMAT_VERSION = 2  # 2: per-row checksums in rows.npy
+FORMAT_VERSION = 3  # 2: per-row checksums in rows.npy; 3: the media store (images, videos, audio)
+READ_VERSIONS = (2, 3)  # what this code reads: format 2 datasets (and their image stores) stay readable
 ROW_CHECKSUM = "crc32"  # zlib.crc32 over the bytes of a row's token records, as stored in tokens.bin
 VERIFY_MODES = ("full", "rows", "off")  # PackedDataset(verify=...): + token-file hashes at open | per row | none
 IGNORE_INDEX = -100
@@ -97,14 +100,21 @@ SEQ_DTYPE = np.dtype(
 )
 UID_DTYPE = np.dtype("<i8")
 SHARD_FILES = ("tokens", "rows", "seqs", "uids")
+MEDIA_KINDS = ("image", "video", "audio")  # a stored item's `kind` is its index here
+TIMED_KINDS = ("video", "audio")  # kinds whose counts add up their duration (`{kind}_millis`)
+AUDIO_IN_VIDEO = 1  # StoredMedia.flags: a video whose sound track is in its token run
+MEDIA_DTYPE = np.dtype([("seq", "<i8"), ("byte_offset", "<i8"), ("n_bytes", "<i8"), ("n_tokens", "<i8"),
+                        ("kind", "<i8"), ("flags", "<i8"), ("grid", "<i8", (3,)), ("audio_frames", "<i8"),
+                        ("millis", "<i8")])
+MEDIA_FILES = ("media", "media_data")  # the shard files of a dataset with `media_store`
 IMAGE_DTYPE = np.dtype([("seq", "<i8"), ("byte_offset", "<i8"), ("n_bytes", "<i8"), ("n_tokens", "<i8"),
-                        ("grid", "<i8", (3,))])
-IMAGE_FILES = ("images", "image_data")  # the shard files of a dataset with `image_store`
+                        ("grid", "<i8", (3,))])  # format 2's image store (read only)
+IMAGE_FILES = ("images", "image_data")  # format 2's shard files of a dataset with `image_store`
 _IO_BATCH_BYTES = 1 << 22
 
 # Keys of meta.json the writer owns; meta_extra may not replace them.
 RESERVED_META_KEYS = ("format", "format_version", "row_checksum", "kind", "token_fields", "counts", "max_token_id",
-                      "shards", "manifest_blake2b", "image_store")
+                      "shards", "manifest_blake2b", "image_store", "media_store")
 MANIFEST_CHECKSUM = "manifest_blake2b"  # meta.json's checksum of its own content (manifest_checksum)
 
 class ShardFormatError(PackSFTError, ValueError):
@@ -118,7 +128,7 @@ class RowSlice(NamedTuple):
 
     shard: int
     rows: np.ndarray  # the rows' index entries (a view)
-    nbytes: np.ndarray  # each row's stored bytes (token records, plus its images' bytes)
+    nbytes: np.ndarray  # each row's stored bytes (token records, plus its media's bytes)
 
 
 class StoredRun(NamedTuple):
@@ -132,20 +142,59 @@ class StoredRun(NamedTuple):
     token_offset: int
     seq_offset: int
     uid_offset: int
-    images: np.ndarray | None  # their images' index entries (None: a dataset without images)
-    image_data: np.ndarray | None  # those images' encoded bytes (None: none)
+    media: np.ndarray | None  # their media's index entries (None: a dataset without media)
+    media_data: np.ndarray | None  # those media's encoded bytes (None: none)
 
 
-class StoredImage(NamedTuple):
-    """One image of a sequence: its encoded bytes, patch grid (t, h, w) and number of tokens in the sequence."""
+class StoredMedia(NamedTuple):
+    """One image, video or audio clip of a sequence: its kind, encoded bytes (the file as read), patch grid (t, h, w;
+    images and videos), number of tokens of its run in the sequence, flags (`AUDIO_IN_VIDEO`), audio feature
+    frames (audio, or a video's sound track) and duration in milliseconds (videos, audio)."""
+    kind: str
     data: bytes
     grid: tuple[int, int, int]
     n_tokens: int
+    flags: int = 0
+    audio_frames: int = 0
+    millis: int = 0
+
+    def entry(self, seq: int, byte_offset: int) -> tuple:
+        """Its `MEDIA_DTYPE` index entry."""
+        return (seq, byte_offset, len(self.data), int(self.n_tokens), MEDIA_KINDS.index(self.kind), int(self.flags),
+                tuple(self.grid), int(self.audio_frames), int(self.millis))
 
 
-def image_checksum(crc: int, n_tokens: int, grid: Sequence[int], data: Any) -> int:
-    """A row's crc32 (`ROW_CHECKSUM`) continued over one of its images: token count, grid, then its bytes."""
-    return zlib.crc32(data, zlib.crc32(np.array([n_tokens, *grid], dtype="<i8").tobytes(), crc))
+def media_checksum(crc: int, entry: Any, data: Any, version: int = FORMAT_VERSION) -> int:
+    """A row's crc32 (`ROW_CHECKSUM`) continued over one of its media (a `MEDIA_DTYPE` entry and its bytes): the
+    entry's token count, kind, flags, grid, audio frames and duration, then the bytes (format 2: token count and
+    grid, as its image store did)."""
+    if version == 2:
+        header = [entry["n_tokens"], *entry["grid"]]
+    else:
+        header = [entry["n_tokens"], entry["kind"], entry["flags"], *entry["grid"], entry["audio_frames"],
+                  entry["millis"]]
+    return zlib.crc32(data, zlib.crc32(np.array(header, dtype="<i8").tobytes(), crc))
+
+
+def media_count_keys() -> list[str]:
+    """The keys of `counts` a media store adds: per kind its items, tokens and bytes (and milliseconds for videos
+    and audio), and the videos with their sound track."""
+    keys = []
+    for kind in MEDIA_KINDS:
+        keys += [f"{kind}s", f"{kind}_tokens", f"{kind}_bytes"] + ([f"{kind}_millis"] if kind in TIMED_KINDS else [])
+    return keys + ["videos_with_audio"]
+
+
+def count_media(counts: dict, entries: np.ndarray) -> None:
+    """Add `MEDIA_DTYPE` entries to a media store's `counts`."""
+    for k, kind in enumerate(MEDIA_KINDS):
+        of_kind = entries[entries["kind"] == k]
+        counts[f"{kind}s"] += len(of_kind)
+        counts[f"{kind}_tokens"] += int(of_kind["n_tokens"].sum())
+        counts[f"{kind}_bytes"] += int(of_kind["n_bytes"].sum())
+        if kind in TIMED_KINDS:
+            counts[f"{kind}_millis"] += int(of_kind["millis"].sum())
+    counts["videos_with_audio"] += int(np.count_nonzero(entries["flags"] & AUDIO_IN_VIDEO))
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -179,7 +228,8 @@ def _shard_name(i: int) -> str:
 
 
 def _shard_file(name: str, kind: str) -> str:
-    return {"tokens": f"{name}.tokens.bin", "image_data": f"{name}.images.bin"}.get(kind, f"{name}.{kind}.npy")
+    return {"tokens": f"{name}.tokens.bin", "media_data": f"{name}.media.bin",
+            "image_data": f"{name}.images.bin"}.get(kind, f"{name}.{kind}.npy")
 
 
 def _json_default(obj: Any) -> Any:
@@ -205,7 +255,7 @@ class _ShardBuffer:
     """The shard being written: tokens streamed to disk and hashed by a helper thread (hashlib and file writes
     release the GIL, so this overlaps with preparing the next row), indices kept in memory."""
 
-    def __init__(self, directory: Path, index: int, durable: bool, images: bool = False):
+    def __init__(self, directory: Path, index: int, durable: bool, media: bool = False):
         self.name = _shard_name(index)
         self.durable = durable
         self.tokens_path = directory / _shard_file(self.name, "tokens")
@@ -220,32 +270,34 @@ class _ShardBuffer:
         self._pending: Future | None = None
         self._batch: list[np.ndarray] = []
         self._batch_bytes = 0
-        self.images: list[tuple] | None = [] if images else None  # IMAGE_DTYPE records; their bytes go here:
-        self.image_path = directory / _shard_file(self.name, "image_data")
-        self.image_file = open(self.image_path, "wb") if images else None
-        self.image_hash = hashlib.blake2b(digest_size=32)
-        self.image_bytes = 0
+        self.media: list[tuple] | None = [] if media else None  # MEDIA_DTYPE records; their bytes go here:
+        self.media_path = directory / _shard_file(self.name, "media_data")
+        self.media_file = open(self.media_path, "wb") if media else None
+        self.media_hash = hashlib.blake2b(digest_size=32)
+        self.media_bytes = 0
 
     @property
     def size(self) -> int:
-        """What `max_shard_bytes` bounds: the token records and the images' bytes."""
-        return self.n_bytes + self.image_bytes
+        """What `max_shard_bytes` bounds: the token records and the media's bytes."""
+        return self.n_bytes + self.media_bytes
 
-    def add_image(self, seq: int, image: StoredImage) -> None:
-        self.images.append((seq, self.image_bytes, len(image.data), int(image.n_tokens), tuple(image.grid)))
-        self.add_image_bytes(image.data)
+    def add_media(self, seq: int, item: StoredMedia) -> tuple:
+        entry = item.entry(seq, self.media_bytes)
+        self.media.append(entry)
+        self.add_media_bytes(item.data)
+        return entry
 
-    def add_image_bytes(self, data: Any) -> None:
-        self.image_file.write(data)
-        self.image_hash.update(data)
-        self.image_bytes += len(data)
+    def add_media_bytes(self, data: Any) -> None:
+        self.media_file.write(data)
+        self.media_hash.update(data)
+        self.media_bytes += len(data)
 
-    def finish_images(self) -> str:
-        self.image_file.flush()
+    def finish_media(self) -> str:
+        self.media_file.flush()
         if self.durable:
-            os.fsync(self.image_file.fileno())
-        self.image_file.close()
-        return self.image_hash.hexdigest()
+            os.fsync(self.media_file.fileno())
+        self.media_file.close()
+        return self.media_hash.hexdigest()
 
     def _write(self, batch: list[np.ndarray]) -> None:
         for data in batch:
@@ -283,8 +335,8 @@ class _ShardBuffer:
     def discard(self) -> None:
         self._io.shutdown(wait=True)
         self.file.close()
-        if self.image_file is not None:
-            self.image_file.close()
+        if self.media_file is not None:
+            self.media_file.close()
 
 
 class ShardWriter:
@@ -303,7 +355,7 @@ class ShardWriter:
         max_shard_bytes: int = 1 << 30,
         kind: str = "packed",
         durable: bool = True,
-        images: bool = False,
+        media: bool = False,
     ):
         if kind not in ("packed", "tokenized"):
             raise ValueError(f"kind must be 'packed' or 'tokenized', got {kind!r}")
@@ -315,7 +367,7 @@ class ShardWriter:
         self.dtype = token_dtype(self.token_fields)
         self.max_shard_bytes = int(max_shard_bytes)
         self.durable = durable
-        self.images = images  # an image store: sequences may carry images (`add_row(images=...)`)
+        self.media = media  # a media store: sequences may carry images, videos, audio (`add_row(media=...)`)
         self.out_dir.parent.mkdir(parents=True, exist_ok=True)
         aside = set_aside(self.out_dir)
         if len(aside) == 1:  # an earlier run died inside replace_dir: put the previous output back first
@@ -325,8 +377,8 @@ class ShardWriter:
         self._shards: list[dict] = []
         self._current: _ShardBuffer | None = None
         self._counts = dict(rows=0, sequences=0, tokens=0, loss_tokens=0, trained_turns=0, samples=0, uids=0)
-        if images:
-            self._counts.update(images=0, image_tokens=0, image_bytes=0)
+        if media:
+            self._counts.update(dict.fromkeys(media_count_keys(), 0))
         self._category_tokens = np.zeros(0, dtype=np.int64)
         self._category_loss_tokens = np.zeros(0, dtype=np.int64)
         self._max_token_id = -1
@@ -379,20 +431,20 @@ class ShardWriter:
         sequences: Sequence[Any],
         record_indices: Sequence[int] | None = None,
         uids: Sequence[Sequence[int]] | None = None,
-        images: Sequence[Sequence[StoredImage]] | None = None,
+        media: Sequence[Sequence[StoredMedia]] | None = None,
     ) -> None:
-        """Append one row made of `sequences` (in order). record_indices default to -1, uids to none; `images`
-        (an image store only): each sequence's images, in the order of their token runs."""
+        """Append one row made of `sequences` (in order). record_indices default to -1, uids to none; `media`
+        (a media store only): each sequence's media, in the order of their token runs."""
         if self._closed:
             raise RuntimeError("ShardWriter is closed")
         n = len(sequences)
         row_no = self._counts["rows"]
         if n == 0:
             raise ValueError(f"row {row_no}: a row needs at least one sequence")
-        if images is not None and not self.images:
-            raise ValueError(f"row {row_no}: images given to a writer without an image store (images=True)")
-        if images is not None and len(images) != n:
-            raise ValueError(f"row {row_no}: {len(images)} image lists for {n} sequences")
+        if media is not None and not self.media:
+            raise ValueError(f"row {row_no}: media given to a writer without a media store (media=True)")
+        if media is not None and len(media) != n:
+            raise ValueError(f"row {row_no}: {len(media)} media lists for {n} sequences")
         if record_indices is not None and len(record_indices) != n:
             raise ValueError(f"row {row_no}: {len(record_indices)} record_indices for {n} sequences")
         if uids is not None and len(uids) != n:
@@ -428,7 +480,7 @@ class ShardWriter:
         recs = [-1] * n if record_indices is None else [int(r) for r in record_indices]
 
         # validated: from here on the writer's state changes
-        row_bytes = row_tokens.nbytes + sum(len(image.data) for seq_images in images or () for image in seq_images)
+        row_bytes = row_tokens.nbytes + sum(len(item.data) for seq_media in media or () for item in seq_media)
         shard = self._current
         if shard is not None and shard.size > 0 and shard.size + row_bytes > self.max_shard_bytes:
             self._finish_shard()
@@ -447,13 +499,13 @@ class ShardWriter:
                        else sum(1 for x in seq_loss if x > 0))
         row_data = row_tokens.view(np.uint8)
         crc = zlib.crc32(row_data)
-        for k, seq_images in enumerate(images or ()):
-            for image in seq_images:
-                shard.add_image(seq_offset + k, image)
-                crc = image_checksum(crc, image.n_tokens, image.grid, image.data)
-                self._counts["images"] += 1
-                self._counts["image_tokens"] += int(image.n_tokens)
-                self._counts["image_bytes"] += len(image.data)
+        entries = [shard.add_media(seq_offset + k, item) for k, seq_media in enumerate(media or ())
+                   for item in seq_media]
+        if entries:
+            index = np.array(entries, dtype=MEDIA_DTYPE)
+            for entry, item in zip(index, (item for seq_media in media for item in seq_media)):
+                crc = media_checksum(crc, entry, item.data)
+            count_media(self._counts, index)
         shard.rows.append((shard.n_tokens, n_tok, seq_offset, n, row_loss, row_turns, row_samples, crc))
         shard.append(row_data)
         shard.n_tokens += n_tok
@@ -482,8 +534,8 @@ class ShardWriter:
         fields = list(part["token_fields"])
         if fields != self.token_fields:
             raise ValueError(f"{part_dir}: token fields {fields} differ from this dataset's {self.token_fields}")
-        if bool(part.get("image_store")) != self.images:
-            raise ValueError(f"{part_dir}: image_store {bool(part.get('image_store'))}, this dataset's {self.images}")
+        if bool(part.get("media_store")) != self.media or part.get("image_store"):
+            raise ValueError(f"{part_dir}: media_store {bool(part.get('media_store'))}, this dataset's {self.media}")
         self._finish_shard()
         for shard in part["shards"]:
             name = _shard_name(len(self._shards))
@@ -511,8 +563,12 @@ class ShardWriter:
         if src.token_fields != self.token_fields:
             raise ValueError(f"{src.path}: token fields {src.token_fields} differ from this dataset's "
                              f"{self.token_fields}")
-        if src.has_images != self.images:
-            raise ValueError(f"{src.path}: image_store {src.has_images}, this dataset's {self.images}")
+        if src.has_media != self.media:
+            raise ValueError(f"{src.path}: media_store {src.has_media}, this dataset's {self.media}")
+        if src.has_media and src.format_version != FORMAT_VERSION:  # rows checksummed by another rule
+            raise ShardFormatError(f"{src.path}: a format {src.format_version} media dataset cannot be copied in "
+                                   "bulk into this format; re-run the stage that made it (sh data_process.sh CONFIG "
+                                   "--stages tokenize,pack)")
         for row_slice in src.row_slices(start, end):
             rows = row_slice.rows
             cutter = ShardCutter(self.max_shard_bytes, self._current.size if self._current is not None else 0)
@@ -537,18 +593,14 @@ class ShardWriter:
         rows["token_offset"] += shard.n_tokens - tok_lo
         rows["seq_offset"] += len(shard.seqs) - seq_lo
         seqs["uid_offset"] += len(shard.uids) - uid_lo
-        if self.images:
-            if len(run.images):
-                index = np.array(run.images)
-                byte_lo = int(index["byte_offset"][0])
-                index["seq"] += len(shard.seqs) - seq_lo
-                index["byte_offset"] += shard.image_bytes - byte_lo
-                shard.images.extend(index.tolist())
-                shard.add_image_bytes(run.image_data)
-                byte_hi = byte_lo + len(run.image_data)
-                self._counts["images"] += len(index)
-                self._counts["image_tokens"] += int(index["n_tokens"].sum())
-                self._counts["image_bytes"] += byte_hi - byte_lo
+        if self.media and len(run.media):
+            index = np.array(run.media)
+            byte_lo = int(index["byte_offset"][0])
+            index["seq"] += len(shard.seqs) - seq_lo
+            index["byte_offset"] += shard.media_bytes - byte_lo
+            shard.media.extend(index.tolist())
+            shard.add_media_bytes(run.media_data)
+            count_media(self._counts, index)
         shard.rows.extend(rows.tolist())
         shard.seqs.extend(seqs.tolist())
         shard.uids.extend(uids.tolist())
@@ -567,7 +619,7 @@ class ShardWriter:
         c["uids"] += len(uids)
 
     def _new_shard(self) -> _ShardBuffer:
-        self._current = _ShardBuffer(self.tmp_dir, len(self._shards), self.durable, self.images)
+        self._current = _ShardBuffer(self.tmp_dir, len(self._shards), self.durable, self.media)
         return self._current
 
     def _grow_categories(self, size: int) -> None:
@@ -619,17 +671,17 @@ class ShardWriter:
             files[kind] = {"file": path.name, "bytes": path.stat().st_size, "blake2b": file_blake2b(path)}
         entry = {"name": shard.name, "rows": len(shard.rows), "sequences": len(shard.seqs), "tokens": shard.n_tokens,
                  "uids": len(shard.uids), "files": files}
-        if self.images:
-            digest = shard.finish_images()
-            files["image_data"] = {"file": shard.image_path.name, "bytes": shard.image_bytes, "blake2b": digest}
-            path = self.tmp_dir / _shard_file(shard.name, "images")
+        if self.media:
+            digest = shard.finish_media()
+            files["media_data"] = {"file": shard.media_path.name, "bytes": shard.media_bytes, "blake2b": digest}
+            path = self.tmp_dir / _shard_file(shard.name, "media")
             with open(path, "wb") as f:
-                np.save(f, np.array(shard.images, dtype=IMAGE_DTYPE), allow_pickle=False)
+                np.save(f, np.array(shard.media, dtype=MEDIA_DTYPE), allow_pickle=False)
                 f.flush()
                 if self.durable:
                     os.fsync(f.fileno())
-            files["images"] = {"file": path.name, "bytes": path.stat().st_size, "blake2b": file_blake2b(path)}
-            entry["images"] = len(shard.images)
+            files["media"] = {"file": path.name, "bytes": path.stat().st_size, "blake2b": file_blake2b(path)}
+            entry["media"] = len(shard.media)
         self._shards.append(entry)
         self._current = None
 
@@ -661,7 +713,7 @@ class ShardWriter:
             "token_fields": {name: KNOWN_TOKEN_FIELDS[name] for name in self.token_fields},
             "counts": self.counts,
             "max_token_id": self._max_token_id,
-            **({"image_store": True} if self.images else {}),
+            **({"media_store": True} if self.media else {}),
             **extra,
             "shards": self._shards,
         }))
@@ -777,13 +829,13 @@ def read_meta(path: str | os.PathLike) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise ShardFormatError(f"{meta_path}: not a {FORMAT_NAME} manifest")
     version = meta.get("format_version")
-    if isinstance(version, int) and not isinstance(version, bool) and version < FORMAT_VERSION:
+    if isinstance(version, int) and not isinstance(version, bool) and version < min(READ_VERSIONS):
         raise ShardFormatError(
-            f"{meta_path}: format_version {version} was written by an older PackSFT (this code reads version "
-            f"{FORMAT_VERSION}, which adds per-row checksums); rewrite the dataset by re-running the stage that made "
-            "it: sh data_process.sh CONFIG --stages tokenize,pack"
+            f"{meta_path}: format_version {version} was written by an older PackSFT (this code reads versions "
+            f"{min(READ_VERSIONS)}..{FORMAT_VERSION}; version 2 added per-row checksums); rewrite the dataset by "
+            "re-running the stage that made it: sh data_process.sh CONFIG --stages tokenize,pack"
         )
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS or isinstance(version, bool):
         raise ShardFormatError(
             f"{meta_path}: format_version {version!r} is not supported by this code (expects {FORMAT_VERSION}); "
             "re-run the tokenize/pack stage with this code, or update PackSFT"
@@ -885,10 +937,13 @@ class PackedDataset:
             raise ShardFormatError(f"{self.path / 'meta.json'}: {exc}") from None
         self.dtype = token_dtype(self.token_fields)
         self.structure = structure_of(self.token_fields)
-        self.has_images = bool(meta.get("image_store"))
-        self._images: list[np.ndarray] = []  # IMAGE_DTYPE index per shard (image datasets)
-        self._image_data: list[np.ndarray] = []  # the images' bytes per shard, memory-mapped
-        self._image_maps: list[mmap.mmap | None] = []
+        self.format_version = int(meta["format_version"])
+        self.has_media = bool(meta.get("media_store") or meta.get("image_store"))
+        self.has_images = self.has_media  # what the trainer's image path keys on (format 2 stores held images only)
+        self._media_files = IMAGE_FILES if meta.get("image_store") else MEDIA_FILES
+        self._media: list[np.ndarray] = []  # MEDIA_DTYPE index per shard (media datasets)
+        self._media_data: list[np.ndarray] = []  # the media's bytes per shard, memory-mapped
+        self._media_maps: list[mmap.mmap | None] = []
         self._tokens: list[np.ndarray] = []
         self._maps: list[mmap.mmap | None] = []
         self._rows: list[np.ndarray] = []
@@ -896,7 +951,7 @@ class PackedDataset:
         self._uids: list[np.ndarray] = []
         for shard in meta["shards"]:
             files = shard["files"]
-            for kind in SHARD_FILES + (IMAGE_FILES if self.has_images else ()):
+            for kind in SHARD_FILES + (self._media_files if self.has_media else ()):
                 entry = files.get(kind)
                 if entry is None:
                     raise ShardFormatError(f"{self.path / 'meta.json'}: shard {shard['name']} lists no {kind} file")
@@ -908,7 +963,7 @@ class PackedDataset:
                     raise ShardFormatError(
                         f"{fpath}: size {size} bytes, manifest says {entry['bytes']} (truncated or overwritten)"
                     )
-                hashed = self.verify == "full" if kind in ("tokens", "image_data") else hash_index
+                hashed = self.verify == "full" if kind in ("tokens", "media_data", "image_data") else hash_index
                 if hashed and file_blake2b(fpath) != entry["blake2b"]:
                     raise ShardFormatError(f"{fpath}: checksum mismatch (corrupt shard)")
             tok_path = self.path / files["tokens"]["file"]
@@ -935,8 +990,8 @@ class PackedDataset:
                 if arr.dtype != dtype or arr.shape != (count,):
                     raise ShardFormatError(f"{fpath}: index has dtype {arr.dtype} shape {arr.shape}, expected {count}")
                 store.append(arr)
-            if self.has_images:
-                self._open_images(shard)
+            if self.has_media:
+                self._open_media(shard)
         n_rows = [len(r) for r in self._rows]
         self._row_starts = np.zeros(len(n_rows) + 1, dtype=np.int64)
         np.cumsum(n_rows, out=self._row_starts[1:])
@@ -944,52 +999,66 @@ class PackedDataset:
         if self._n != meta["counts"]["rows"]:
             raise ShardFormatError(f"{self.path}: shards hold {self._n} rows, manifest counts {meta['counts']['rows']}")
 
-    def _open_images(self, shard: dict) -> None:
+    def _open_media(self, shard: dict) -> None:
         files = shard["files"]
-        fpath = self.path / files["images"]["file"]
+        index_kind, data_kind = self._media_files
+        fpath = self.path / files[index_kind]["file"]
         try:
             index = np.load(fpath, mmap_mode="r", allow_pickle=False)
         except ValueError as exc:
             raise ShardFormatError(f"{fpath}: unreadable index: {exc}") from None
-        if index.dtype != IMAGE_DTYPE or index.shape != (shard.get("images"),):
+        dtype = IMAGE_DTYPE if index_kind == "images" else MEDIA_DTYPE
+        if index.dtype != dtype or index.shape != (shard.get(index_kind),):
             raise ShardFormatError(f"{fpath}: index has dtype {index.dtype} shape {index.shape}, expected "
-                                   f"{shard.get('images')} images")
-        self._images.append(index)
+                                   f"{shard.get(index_kind)} entries")
+        if dtype is IMAGE_DTYPE:  # format 2's image store, as media entries (images, nothing else)
+            entries = np.zeros(len(index), dtype=MEDIA_DTYPE)
+            for name in IMAGE_DTYPE.names:
+                entries[name] = index[name]
+            index = entries
+        self._media.append(index)
         mm = None
-        if files["image_data"]["bytes"]:
-            with open(self.path / files["image_data"]["file"], "rb") as f:
+        if files[data_kind]["bytes"]:
+            with open(self.path / files[data_kind]["file"], "rb") as f:
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self._image_maps.append(mm)
-        self._image_data.append(np.frombuffer(mm, dtype=np.uint8) if mm is not None else np.zeros(0, np.uint8))
+        self._media_maps.append(mm)
+        self._media_data.append(np.frombuffer(mm, dtype=np.uint8) if mm is not None else np.zeros(0, np.uint8))
 
-    def _image_range(self, shard: int, seq_lo: int, seq_hi: int) -> tuple[int, int]:
-        """The index entries `[lo, hi)` of the images of shard-local sequences `[seq_lo, seq_hi)`."""
-        seqs = self._images[shard]["seq"]
+    def _media_range(self, shard: int, seq_lo: int, seq_hi: int) -> tuple[int, int]:
+        """The index entries `[lo, hi)` of the media of shard-local sequences `[seq_lo, seq_hi)`."""
+        seqs = self._media[shard]["seq"]
         return int(np.searchsorted(seqs, seq_lo, "left")), int(np.searchsorted(seqs, seq_hi, "left"))
 
-    def _row_images(self, shard: int, r: int) -> np.ndarray:
+    def _row_media(self, shard: int, r: int) -> np.ndarray:
         row = self._rows[shard][r]
-        lo, hi = self._image_range(shard, int(row["seq_offset"]), int(row["seq_offset"] + row["n_seqs"]))
-        return self._images[shard][lo:hi]
+        lo, hi = self._media_range(shard, int(row["seq_offset"]), int(row["seq_offset"] + row["n_seqs"]))
+        return self._media[shard][lo:hi]
 
-    def _image_bytes(self, shard: int, entry) -> np.ndarray:
+    def _media_bytes(self, shard: int, entry) -> np.ndarray:
         off, n = int(entry["byte_offset"]), int(entry["n_bytes"])
-        data = self._image_data[shard][off:off + n]
+        data = self._media_data[shard][off:off + n]
         if data.shape[0] != n:
-            raise ShardFormatError(f"{self.path / self.meta['shards'][shard]['files']['image_data']['file']}: an "
-                                   f"image at bytes {off}..{off + n} lies outside the file (corrupt index)")
+            raise ShardFormatError(f"{self.path / self.meta['shards'][shard]['files'][self._media_files[1]]['file']}:"
+                                   f" a media item at bytes {off}..{off + n} lies outside the file (corrupt index)")
         return data
 
-    def row_images(self, i: int) -> list[list[StoredImage]]:
-        """The images of each sequence of row `i` (an image dataset; rows are checked as `row_tokens` checks)."""
+    def _stored(self, shard: int, entry) -> StoredMedia:
+        return StoredMedia(MEDIA_KINDS[int(entry["kind"])], self._media_bytes(shard, entry).tobytes(),
+                           tuple(int(v) for v in entry["grid"]), int(entry["n_tokens"]), int(entry["flags"]),
+                           int(entry["audio_frames"]), int(entry["millis"]))
+
+    def row_media(self, i: int) -> list[list[StoredMedia]]:
+        """The media of each sequence of row `i` (a media dataset; rows are checked as `row_tokens` checks), in the
+        order of their token runs."""
         shard, r = self._locate(i)
         self._checked_view(shard, r)
+        return self._sequence_media(shard, r)
+
+    def _sequence_media(self, shard: int, r: int) -> list[list[StoredMedia]]:
         row = self._rows[shard][r]
-        out: list[list[StoredImage]] = [[] for _ in range(int(row["n_seqs"]))]
-        for entry in self._row_images(shard, r):
-            out[int(entry["seq"] - row["seq_offset"])].append(
-                StoredImage(self._image_bytes(shard, entry).tobytes(), tuple(int(v) for v in entry["grid"]),
-                            int(entry["n_tokens"])))
+        out: list[list[StoredMedia]] = [[] for _ in range(int(row["n_seqs"]))]
+        for entry in self._row_media(shard, r):
+            out[int(entry["seq"] - row["seq_offset"])].append(self._stored(shard, entry))
         return out
 
     # Whole-dataset row columns, built on first use: a memmap view for one shard, else a concatenation (8 bytes a
@@ -1026,14 +1095,14 @@ class PackedDataset:
 
     def row_nbytes(self, start: int = 0, end: int | None = None) -> np.ndarray:
         """The size of each row of `[start, end)` as `pack.shard_size_mb` counts it: its token records and its
-        images' encoded bytes (from the index only)."""
+        media's encoded bytes (from the index only)."""
         end = self._n if end is None else min(end, self._n)
         return _concat_shards([self._local_row_nbytes(k, a, b) for k, a, b in self._shard_spans(start, end)],
                               np.dtype(np.int64))
 
     def row_slices(self, start: int, end: int) -> Iterator["RowSlice"]:
         """Rows `[start, end)` shard by shard, as stored: each source shard's part of the range as a `RowSlice` (its
-        index entries and each row's stored bytes: token records plus image bytes), for a writer that copies rows
+        index entries and each row's stored bytes: token records plus media bytes), for a writer that copies rows
         in bulk (`ShardWriter.add_rows`)."""
         for k, (first, last) in enumerate(zip(self._row_starts[:-1].tolist(), self._row_starts[1:].tolist())):
             a, b = max(start, first) - first, min(end, last) - first  # this shard's rows, locally
@@ -1042,29 +1111,29 @@ class PackedDataset:
 
     def stored_run(self, shard: int, rows: np.ndarray) -> "StoredRun":
         """What consecutive `rows` (index entries of a `RowSlice` of `shard`) point to, as stored (views of the
-        memory maps): their sequences, uids, token records and images, with the offsets they start at."""
+        memory maps): their sequences, uids, token records and media, with the offsets they start at."""
         first, last = rows[0], rows[-1]
         tok_lo, tok_hi = int(first["token_offset"]), int(last["token_offset"] + last["n_tokens"])
         seq_lo, seq_hi = int(first["seq_offset"]), int(last["seq_offset"] + last["n_seqs"])
         seqs = self._seqs[shard][seq_lo:seq_hi]
         uid_lo = int(seqs[0]["uid_offset"])
         uids = self._uids[shard][uid_lo:uid_lo + int(seqs["n_uids"].sum())]
-        images, image_data = None, None
-        if self.has_images:
-            lo, hi = self._image_range(shard, seq_lo, seq_hi)
-            images = self._images[shard][lo:hi]
+        media, media_data = None, None
+        if self.has_media:
+            lo, hi = self._media_range(shard, seq_lo, seq_hi)
+            media = self._media[shard][lo:hi]
             if hi > lo:
-                byte_lo = int(images["byte_offset"][0])
-                byte_hi = int(images["byte_offset"][-1] + images["n_bytes"][-1])
-                image_data = self._image_data[shard][byte_lo:byte_hi]
-        return StoredRun(rows, seqs, uids, self._tokens[shard][tok_lo:tok_hi], tok_lo, seq_lo, uid_lo, images,
-                         image_data)
+                byte_lo = int(media["byte_offset"][0])
+                byte_hi = int(media["byte_offset"][-1] + media["n_bytes"][-1])
+                media_data = self._media_data[shard][byte_lo:byte_hi]
+        return StoredRun(rows, seqs, uids, self._tokens[shard][tok_lo:tok_hi], tok_lo, seq_lo, uid_lo, media,
+                         media_data)
 
     def _local_row_nbytes(self, shard: int, a: int, b: int) -> np.ndarray:
         rows = self._rows[shard][a:b]
         nbytes = rows["n_tokens"].astype(np.int64) * self.dtype.itemsize
-        if self.has_images and len(self._images[shard]):
-            index = self._images[shard]
+        if self.has_media and len(self._media[shard]):
+            index = self._media[shard]
             before = np.concatenate([[0], np.cumsum(index["n_bytes"], dtype=np.int64)])
             first = rows["seq_offset"].astype(np.int64)
             lo = np.searchsorted(index["seq"], first, "left")
@@ -1125,10 +1194,9 @@ class PackedDataset:
         if off < 0 or view.shape[0] != n:
             self._corrupt(shard, r, f"the index places it at tokens {off}..{off + n}, outside the shard")
         actual = zlib.crc32(view.view(np.uint8))
-        if self.has_images:
-            for entry in self._row_images(shard, r):
-                actual = image_checksum(actual, int(entry["n_tokens"]), entry["grid"].tolist(),
-                                        self._image_bytes(shard, entry))
+        if self.has_media:
+            for entry in self._row_media(shard, r):
+                actual = media_checksum(actual, entry, self._media_bytes(shard, entry), self.format_version)
         if actual != int(row["checksum"]):
             self._corrupt(shard, r, f"{ROW_CHECKSUM} of its {n} token records is {actual:#010x}, the index says "
                           f"{int(row['checksum']):#010x}")
@@ -1172,7 +1240,7 @@ class PackedDataset:
 
         Each field is copied straight from the mapped shards (one copy); with `release_pages` the pages read are
         then unmapped from this process."""
-        tokens, seqs, views, images = [], [], [], []
+        tokens, seqs, views, media = [], [], [], []
         for i in rows:
             shard, r = self._locate(i)
             row = self._rows[shard][r]
@@ -1180,13 +1248,13 @@ class PackedDataset:
             tokens.append((shard, int(row["token_offset"]), int(row["n_tokens"])))
             seqs.append(self._seqs[shard][so : so + ns])
             views.append(self._checked_view(shard, r))
-            if self.has_images:
-                entries = self._row_images(shard, r)
-                images += [(self._image_bytes(shard, e).tobytes(), e["grid"].tolist()) for e in entries]
+            if self.has_media:
+                entries = self._row_media(shard, r)
+                media += self._sequence_media(shard, r)
                 if self.release_pages and len(entries):  # as for the tokens below: the resident set stays flat
                     start = int(entries["byte_offset"][0]) & ~(mmap.PAGESIZE - 1)
                     end = int(entries["byte_offset"][-1] + entries["n_bytes"][-1])
-                    self._image_maps[shard].madvise(mmap.MADV_DONTNEED, start, end - start)
+                    self._media_maps[shard].madvise(mmap.MADV_DONTNEED, start, end - start)
         if not views:
             out = {name: np.zeros(0, dtype=self.dtype[name]) for name in self.token_fields}
             out["seq_lens"] = np.zeros(0, dtype=np.int64)
@@ -1195,9 +1263,11 @@ class PackedDataset:
         out = {name: np.concatenate([v[name] for v in views]) for name in self.token_fields}
         out["seq_lens"] = np.concatenate([s["length"] for s in seqs])
         out["record_index"] = np.concatenate([s["record_index"] for s in seqs])
-        if self.has_images:  # in the order of their token runs in the rows
-            out["image_data"] = [data for data, _ in images]
-            out["image_grid_thw"] = np.array([grid for _, grid in images], dtype=np.int64).reshape(-1, 3)
+        if self.has_media:  # in the order of their token runs in the rows
+            out["media"] = media  # per sequence (as seq_lens), its StoredMedia
+            images = [item for seq_media in media for item in seq_media if item.kind == "image"]
+            out["image_data"] = [item.data for item in images]  # the images alone, as format 2 gave them
+            out["image_grid_thw"] = np.array([item.grid for item in images], dtype=np.int64).reshape(-1, 3)
         if self.release_pages:
             size = self.dtype.itemsize
             for shard, off, n in tokens:
@@ -1210,7 +1280,7 @@ class PackedDataset:
         for readers that go through the zero-copy `row_tokens` views. Earlier views stay valid (re-faulted)."""
         if not hasattr(mmap, "MADV_DONTNEED"):
             return
-        for mm in self._maps + self._image_maps:
+        for mm in self._maps + self._media_maps:
             if mm is not None:
                 mm.madvise(mmap.MADV_DONTNEED)
 

@@ -1,7 +1,9 @@
-"""The trainer's image loader: the stored images of a micro-batch's rows -> the tensors the model's tower takes,
-through the same image processor (and pixel limits) as the tokenize stage (data/images.py's `Vision`). Stored bytes
-that do not decode are the shard format's error (`ShardFormatError`), a grid that differs from the stored one a
-configuration error (the processor or its limits changed since tokenize)."""
+"""The trainer's image loader: the stored images of a micro-batch's rows -> the (pixel_values, image_grid_thw)
+tensors the model's vision tower takes, through the same image processor and settings as the tokenize stage
+(data/shards/processor.py). The image path of the trainer (train/steps/batch.py's `ImageBatch`) runs it; the media
+loader (data/shards/media.py) generalises it to videos and audio. Stored bytes that do not decode are the shard
+format's error (`ShardFormatError`), a grid that differs from the stored one a configuration error (the processor
+or its limits changed since tokenize)."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,9 +11,11 @@ from typing import Any
 import numpy as np
 
 from common.config import ConfigError
-from data.images import DEFAULT_PIXEL_LIMIT, Vision, decode_image
-from data.records import RecordError
 from data.shards.dataset import ShardFormatError
+from data.shards.decode import DEFAULT_PIXEL_LIMIT, decode_image
+from data.shards.errors import RecordError
+from data.shards.media import media_settings_of
+from data.shards.processor import MediaProcessor, MediaSettings
 
 
 class ImageLoader:
@@ -20,17 +24,14 @@ class ImageLoader:
     tokenize stage, each image's grid checked against the stored one."""
 
     def __init__(self, processor_path: str, min_pixels: int | None = None, max_pixels: int | None = None,
-                 pixel_limit: int | None = DEFAULT_PIXEL_LIMIT):
-        self.vision = Vision(processor_path, min_pixels, max_pixels, pixel_limit)
+                 pixel_limit: int | None = DEFAULT_PIXEL_LIMIT, settings: MediaSettings | None = None):
+        self.vision = MediaProcessor(settings or MediaSettings(processor_path, min_pixels, max_pixels, pixel_limit))
 
     @classmethod
     def of(cls, meta: dict) -> "ImageLoader | None":
-        """The loader of a dataset's meta.json (`images` section), None for text-only data."""
-        spec = meta.get("images")
-        if not spec:
-            return None
-        return cls(spec["processor_path"], spec.get("min_pixels"), spec.get("max_pixels"),
-                   spec.get("pixel_limit", DEFAULT_PIXEL_LIMIT))
+        """The loader of a dataset's meta.json (`media`, or format 2's `images`), None for text-only data."""
+        settings = media_settings_of(meta)
+        return None if settings is None else cls(settings.processor_path, settings=settings)
 
     def __call__(self, datas: list[bytes], grids: np.ndarray) -> tuple[Any, Any]:
         """The images' (pixel_values, image_grid_thw): exactly the image processor's on each file as Pillow opens it

@@ -12,7 +12,8 @@ import pytest
 from common.config import ConfigError
 from data import pipeline
 from data.config import DataConfig, InputSpec
-from data.images import DEFAULT_PIXEL_LIMIT, decode_image, resolve_image
+from data.media import resolve_media
+from data.shards.decode import DEFAULT_PIXEL_LIMIT, decode_image
 from data.shards.images import ImageLoader
 from data.records import RecordError
 from data.report import read_report
@@ -42,16 +43,16 @@ def layout(tmp_path):
 def test_image_paths_resolve_under_the_data_files_directory_or_an_image_root(layout):
     data, elsewhere = layout
     base = str(data)
-    assert resolve_image("img/a.png", base, "d.jsonl:1", "images[0]") == str(data / "img" / "a.png")
-    assert resolve_image(str(data / "img" / "a.png"), base, "d.jsonl:1", "images[0]") == str(data / "img" / "a.png")
-    assert resolve_image("data:image/png;base64,AAAA", base, "d.jsonl:1", "images[0]").startswith("data:")
+    assert resolve_media("image", "img/a.png", base, "d.jsonl:1", "images[0]") == str(data / "img" / "a.png")
+    assert resolve_media("image", str(data / "img" / "a.png"), base, "d.jsonl:1", "images[0]") == str(data / "img" / "a.png")
+    assert resolve_media("image", "data:image/png;base64,AAAA", base, "d.jsonl:1", "images[0]").startswith("data:")
     outside = [("../elsewhere/b.png", elsewhere / "b.png", ""), (str(elsewhere / "b.png"), elsewhere / "b.png", ""),
                (f"file://{elsewhere / 'b.png'}", elsewhere / "b.png", ""),
                ("link.png", elsewhere / "b.png", f" (via {data / 'link.png'})"),
                ("/etc/passwd", "/etc/passwd", "")]
     for ref, real, via in outside:
         with pytest.raises(RecordError) as info:
-            resolve_image(ref, base, "d.jsonl:3", "images[1]")
+            resolve_media("image", ref, base, "d.jsonl:3", "images[1]")
         exc = info.value
         assert (exc.source, exc.field, exc.reason) == ("d.jsonl:3", "images[1]", "image_outside_root")
         assert str(exc) == (f"d.jsonl:3: images[1]: image {ref} resolves to {real}{via}, which is not under the data "
@@ -60,15 +61,15 @@ def test_image_paths_resolve_under_the_data_files_directory_or_an_image_root(lay
     # an image root admits what lies under it (symlinks resolved there too), nothing else
     roots = (str(elsewhere),)
     for ref in ("../elsewhere/b.png", str(elsewhere / "b.png"), f"file://{elsewhere / 'b.png'}", "link.png"):
-        assert resolve_image(ref, base, "d.jsonl:1", "images[0]", roots) == os.path.abspath(
+        assert resolve_media("image", ref, base, "d.jsonl:1", "images[0]", roots) == os.path.abspath(
             os.path.join(base, ref.removeprefix("file://")))
     with pytest.raises(RecordError, match=r"not under the data file's directory .* nor under image_root "):
-        resolve_image("/etc/passwd", base, "d.jsonl:1", "images[0]", roots)
+        resolve_media("image", "/etc/passwd", base, "d.jsonl:1", "images[0]", roots)
     # a sibling whose name starts like the root is not under it
     (data.parent / "data2").mkdir()
     _png(data.parent / "data2" / "c.png", (8, 8))
     with pytest.raises(RecordError, match="image_outside_root|not under"):
-        resolve_image("../data2/c.png", base, "d.jsonl:1", "images[0]")
+        resolve_media("image", "../data2/c.png", base, "d.jsonl:1", "images[0]")
 
 
 def _config(tmp_path, data, **kw) -> str:
@@ -179,4 +180,4 @@ def test_tokenize_stops_on_a_pixel_bomb_or_counts_it_under_skip(tmp_path, capsys
     section = read_report(tmp_path / "out" / "report.json")["tokenize"]
     assert (section["out"], section["dropped"]) == (2, {"image_too_large": 1})
     meta = orjson.loads((tmp_path / "out" / "tokenized" / "meta.json").read_bytes())
-    assert meta["images"]["pixel_limit"] == 89_478_485
+    assert meta["media"]["image_pixel_limit"] == 89_478_485

@@ -19,7 +19,7 @@ from data import pipeline
 from data.config import InputSpec
 from data.preprocess import convert_row, detect_format
 from data.records import RecordError
-from data.shards.dataset import PackedDataset, ShardFormatError, ShardWriter, StoredImage
+from data.shards.dataset import PackedDataset, ShardFormatError, ShardWriter, StoredMedia
 from tests.conftest import ROOT, fixture_path
 
 IMAGE_PAD = 151655  # <|image_pad|> of the Qwen2.5-VL processor fixture
@@ -92,44 +92,44 @@ def _seq(ids):
 
 
 def test_image_store_round_trips_copies_and_checks_image_bytes(tmp_path):
-    a, b, c = (StoredImage(bytes([k]) * (10 + k), (1, 2, 2 + k), 1 + k) for k in range(3))
-    with ShardWriter(tmp_path / "src", kind="tokenized", images=True, max_shard_bytes=200) as w:
-        w.add_row([_seq([1, 7, 7, 8])], images=[[a, b]])
+    a, b, c = (StoredMedia("image", bytes([k]) * (10 + k), (1, 2, 2 + k), 1 + k) for k in range(3))
+    with ShardWriter(tmp_path / "src", kind="tokenized", media=True, max_shard_bytes=200) as w:
+        w.add_row([_seq([1, 7, 7, 8])], media=[[a, b]])
         w.add_row([_seq([1, 9])])  # a text-only sequence among image ones
-        w.add_row([_seq([1, 2, 6, 6])], images=[[c]])
+        w.add_row([_seq([1, 2, 6, 6])], media=[[c]])
         w.close()
     src = PackedDataset(tmp_path / "src", verify="full")
     assert src.meta["counts"]["images"] == 3 and src.meta["counts"]["image_bytes"] == 10 + 11 + 12
-    assert src.row_images(0) == [[a, b]] and src.row_images(1) == [[]] and src.row_images(2) == [[c]]
+    assert src.row_media(0) == [[a, b]] and src.row_media(1) == [[]] and src.row_media(2) == [[c]]
     both = src.gather([2, 0])
     assert both["image_data"] == [c.data, a.data, b.data]
     assert both["image_grid_thw"].tolist() == [list(c.grid), list(a.grid), list(b.grid)]
     # a packed row of two sequences, and the bulk copy of the tokenize stage's shard re-cut
-    with ShardWriter(tmp_path / "packed", images=True) as w:
-        w.add_row([src.row_tokens(2), src.row_tokens(0)], images=[src.row_images(2)[0], src.row_images(0)[0]])
+    with ShardWriter(tmp_path / "packed", media=True) as w:
+        w.add_row([src.row_tokens(2), src.row_tokens(0)], media=[src.row_media(2)[0], src.row_media(0)[0]])
         w.close()
     packed = PackedDataset(tmp_path / "packed", verify="full")
-    assert packed.row_images(0) == [[c], [a, b]] and packed[0]["image_data"] == [c.data, a.data, b.data]
-    with ShardWriter(tmp_path / "copy", kind="tokenized", images=True, max_shard_bytes=40) as w:
+    assert packed.row_media(0) == [[c], [a, b]] and packed[0]["image_data"] == [c.data, a.data, b.data]
+    with ShardWriter(tmp_path / "copy", kind="tokenized", media=True, max_shard_bytes=40) as w:
         w.add_rows(src, 0, 3)
         w.close()
     copy = PackedDataset(tmp_path / "copy", verify="full")
-    assert [copy.row_images(i) for i in range(3)] == [src.row_images(i) for i in range(3)]
+    assert [copy.row_media(i) for i in range(3)] == [src.row_media(i) for i in range(3)]
     assert copy.meta["counts"]["images"] == 3 and len(copy.meta["shards"]) > 1
     # one byte of an image changed: its row is refused (the row checksum covers the images)
-    data = tmp_path / "packed" / packed.meta["shards"][0]["files"]["image_data"]["file"]
+    data = tmp_path / "packed" / packed.meta["shards"][0]["files"]["media_data"]["file"]
     raw = bytearray(data.read_bytes())
     raw[11] ^= 1
     data.chmod(0o644)
     data.write_bytes(bytes(raw))
     with pytest.raises(ShardFormatError, match="row 0 .*corrupt"):
         PackedDataset(tmp_path / "packed")[0]
-    with pytest.raises(ValueError, match="without an image store"):
-        ShardWriter(tmp_path / "text").add_row([_seq([1, 7])], images=[[a]])
+    with pytest.raises(ValueError, match="without a media store"):
+        ShardWriter(tmp_path / "text").add_row([_seq([1, 7])], media=[[a]])
 
 
 def _shard_sizes(ds: PackedDataset) -> list[int]:
-    return [sum(info["bytes"] for kind, info in shard["files"].items() if kind in ("tokens", "image_data"))
+    return [sum(info["bytes"] for kind, info in shard["files"].items() if kind in ("tokens", "media_data"))
             for shard in ds.meta["shards"]]
 
 
@@ -160,30 +160,30 @@ def test_shard_size_counts_the_images_bytes(tmp_path, monkeypatch):
     rng = np.random.default_rng(3)
     fields = ["input_ids", "labels", "category_ids", "turn_ids"]
     mib = 1 << 20
-    with ShardWriter(tmp_path / "tokenized", token_fields=fields, kind="tokenized", images=True,
+    with ShardWriter(tmp_path / "tokenized", token_fields=fields, kind="tokenized", media=True,
                      max_shard_bytes=mib) as w:
         for i in range(150):
             ids = rng.integers(6, 500, int(rng.integers(20, 200)))
-            images = [StoredImage(rng.bytes(int(rng.integers(100_000, 400_000))), (1, 4, 4), 4)
+            images = [StoredMedia("image", rng.bytes(int(rng.integers(100_000, 400_000))), (1, 4, 4), 4)
                       for _ in range(int(rng.integers(0, 3)))]
-            w.add_row([_seq(ids)], record_indices=[i], uids=[[i]], images=[images])
+            w.add_row([_seq(ids)], record_indices=[i], uids=[[i]], media=[images])
         w.close({"tokenizer_path": "/tok", "tokenizer_hash": "abc", "max_length": 256, "categories": {"0": "c"}})
     src = PackedDataset(tmp_path / "tokenized", verify="full")
     assert (src.row_nbytes() > src.row_n_tokens * src.dtype.itemsize).sum() > 50
     assert len(src.meta["shards"]) > 10
     _assert_cut_by_the_writers_rule(src, mib)
-    with ShardWriter(tmp_path / "copy", token_fields=fields, kind="tokenized", images=True, max_shard_bytes=mib) as w:
+    with ShardWriter(tmp_path / "copy", token_fields=fields, kind="tokenized", media=True, max_shard_bytes=mib) as w:
         w.add_rows(src, 0, 70)
         w.add_rows(src, 70, len(src))
         w.close()
     assert _shard_sizes(PackedDataset(tmp_path / "copy")) == _shard_sizes(src)
     # tokenize's plan: parts of 40 rows cut from their totals, the per-row sizes read only where a cut falls
-    with ShardWriter(tmp_path / "unused", token_fields=fields, kind="tokenized", images=True,
+    with ShardWriter(tmp_path / "unused", token_fields=fields, kind="tokenized", media=True,
                      max_shard_bytes=mib) as w:
         plan = ShardPlan(w)
         for first in range(0, len(src), 40):
             part = tmp_path / f"part_{first}"
-            with ShardWriter(part, token_fields=fields, kind="tokenized", images=True) as pw:
+            with ShardWriter(part, token_fields=fields, kind="tokenized", media=True) as pw:
                 pw.add_rows(src, first, first + 40)
                 pw.close()
             counts = PackedDataset(part).meta["counts"]
@@ -206,7 +206,7 @@ def test_shard_size_counts_the_images_bytes(tmp_path, monkeypatch):
 
 def test_text_pipeline_never_imports_pil_or_torchvision():
     """(transformers itself may import PIL where it is installed: the trainer's modules are not checked)"""
-    code = ("import sys; import data.pipeline, data.preprocess, data.merge, data.tokenize, data.pack, data.images, "
+    code = ("import sys; import data.pipeline, data.preprocess, data.merge, data.tokenize, data.pack, data.media, "
             "train.steps.batch; bad = [m for m in ('PIL', 'torchvision') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
@@ -218,10 +218,10 @@ def test_without_torchvision_an_image_record_says_how_to_set_it_up(tmp_path, mon
         pytest.skip("torchvision loads here (.venv-vision)")
     except Exception:
         pass
-    from data import images
-    from data.images import load_processor
+    from data.shards import processor
+    from data.shards.processor import load_processor
 
-    monkeypatch.setattr(images, "VISION_VENV", tmp_path / ".venv-vision")  # not built
+    monkeypatch.setattr(processor, "VISION_VENV", tmp_path / ".venv-vision")  # not built
 
     with pytest.raises(ConfigError, match="scripts/setup_vision.sh"):
         load_processor(str(mm("qwen2_5_vl_processor")))
@@ -233,7 +233,7 @@ def test_without_torchvision_the_hint_is_the_prefix_when_the_image_environment_e
         pytest.skip("torchvision loads here (.venv-vision)")
     except Exception:
         pass
-    from data import images
+    from data.shards import processor as images
 
     processor = str(fixture_path("multimodal", "qwen2_5_vl_processor"))
     venv = tmp_path / ".venv-vision"
@@ -317,7 +317,7 @@ def test_example_tokenizes_to_the_processors_ids_with_exact_masks(tmp_path, monk
         (tokenized[i]["input_ids"] == IMAGE_PAD).sum() for i in range(6))),
         "image_bytes": sum(mm(p).stat().st_size for r in records for p in r["images"])}
     packed = PackedDataset(tmp_path / "out" / "packed", verify="full")
-    assert packed.meta["counts"]["images"] == 8 and packed.meta["images"]["processor_path"]
+    assert packed.meta["counts"]["images"] == 8 and packed.meta["media"]["processor_path"]
     stats = json.loads((tmp_path / "out" / "packed" / "stats.json").read_text())
     assert stats["images"] == 8
     # the micro-batch: pixel values of the rows' images, in the order of their token runs, as the processor gives
@@ -385,7 +385,7 @@ def test_image_errors_stop_or_are_counted_and_image_records_are_never_merged(tmp
     pipeline.main([str(config), "on_error=skip"])
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["preprocess"]["dropped"] == {"image_count_mismatch": 1, "missing_image": 1}
-    assert report["merge"]["blocked"].get("images", 0) >= 2  # joins next to an image record refused
+    assert report["merge"]["blocked"].get("media", 0) >= 2  # joins next to an image record refused
     assert report["tokenize"]["dropped"] == {"bad_image": 1}
     assert report["tokenize"]["images"]["images"] == 2
     merged = [orjson.loads(line) for line in (tmp_path / "out" / "merged.jsonl").read_bytes().splitlines()]

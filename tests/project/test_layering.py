@@ -65,6 +65,13 @@ def _train_takes_only_the_contract_of_data(here: str, module: str, name: str | N
     return None
 
 
+def _contract_takes_only_common_and_itself(here: str, module: str, name: str | None, where: str = "") -> str | None:
+    if where.startswith("data/shards/") and _top(module) == "data" and not (
+            module == TRAIN_MAY_IMPORT_FROM_DATA or module.startswith(TRAIN_MAY_IMPORT_FROM_DATA + ".")):
+        return f"{TRAIN_MAY_IMPORT_FROM_DATA}/ (the contract) imports only common/ and itself"
+    return None
+
+
 def _no_private_name_across_packages(here: str, module: str, name: str | None) -> str | None:
     if _top(module) not in PACKAGES or _top(module) == here:
         return None
@@ -88,6 +95,16 @@ def test_layer_rule(rule):
               for here, where, module, name in project_imports()
               if (why := RULES[rule](here, module, name))]
     assert broken == []
+
+
+def test_the_contract_imports_only_common_and_itself():
+    """data/shards/ is what train/ may take from data/: it cannot pull the pipeline in behind it."""
+    broken = [f"{where}: {module if name is None else f'{module}.{name}'}: {why}"
+              for here, where, module, name in project_imports()
+              if (why := _contract_takes_only_common_and_itself(here, module, name, where))]
+    assert broken == []
+    assert _contract_takes_only_common_and_itself("data", "data.records", None, "data/shards/media.py:3")
+    assert not _contract_takes_only_common_and_itself("data", "data.shards.decode", None, "data/shards/media.py:3")
 
 
 def defined_names(path: Path) -> set[str]:

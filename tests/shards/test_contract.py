@@ -40,7 +40,7 @@ def test_a_stored_run_is_what_its_rows_hold(dataset):
         assert [int(u) for u in run.uids] == [int(u) for i in rows for uids in dataset.row_uids(i) for u in uids]
         assert (run.token_offset, run.seq_offset) == (int(row_slice.rows["token_offset"][0]),
                                                       int(row_slice.rows["seq_offset"][0]))
-        assert run.images is None and run.image_data is None  # a dataset without images
+        assert run.media is None and run.media_data is None  # a dataset without media
 
 
 def test_the_image_loader_raises_the_format_error_for_bytes_that_do_not_decode():
