@@ -87,7 +87,7 @@ def tiny_vl_model(model_type: str = "qwen2_5_vl", freeze_tower: bool = False):
                 p.mul_(6.0)
     if freeze_tower:
         freeze_towers(lm, vision_tower=True, projector=True)
-    return PackedCausalLM(lm, 16, 1, images=FAMILIES[model_type].images)
+    return PackedCausalLM(lm, 16, 1, media=FAMILIES[model_type].media, media_kinds=("image",))
 
 
 def targets_of(record: dict) -> torch.Tensor:
@@ -99,8 +99,8 @@ def targets_of(record: dict) -> torch.Tensor:
 
 def micro_batch(recs: list[dict], n_targets: int) -> dict:
     """The packed micro-batch of `recs` (one row) as train/steps/batch.py's make_batch lays it out, token weights 1 /
-    `n_targets` (the step's), with its ImageBatch."""
-    from train.model.vision import ImageBatch
+    `n_targets` (the step's), with its MediaBatch of images."""
+    from train.model.media_batch import MediaBatch
 
     ids = torch.cat([r["input_ids"] for r in recs])
     lengths = [r["input_ids"].numel() for r in recs]
@@ -109,8 +109,8 @@ def micro_batch(recs: list[dict], n_targets: int) -> dict:
     return {"input_ids": ids[None], "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
             "cu_seqlens": cu, "max_seqlen": max(lengths), "targets": targets,
             "weights": (targets != -100).float() / n_targets, "target_categories": torch.zeros_like(targets),
-            "images": ImageBatch(torch.cat([r["pixel_values"] for r in recs]),
-                                 torch.cat([r["image_grid_thw"] for r in recs]))}
+            "media": MediaBatch.of_images(torch.cat([r["pixel_values"] for r in recs]),
+                                          torch.cat([r["image_grid_thw"] for r in recs]))}
 
 
 def n_targets(recs: list[dict]) -> int:
@@ -177,10 +177,10 @@ def packed_step(model, batches: list[dict], attention=None) -> tuple[float, dict
     model.lm.zero_grad(set_to_none=True)
     total = 0.0
     for batch in batches:
-        row = model.row_images(batch)  # on the whole row, before any sharding
+        row = model.row_media(batch)  # on the whole row, before any sharding
         local, attn = attention(batch)
         loss = model(local["input_ids"], local["position_ids"], local["targets"], local["weights"],
-                     local["target_categories"], attn, images=row)[0]
+                     local["target_categories"], attn, media=row)[0]
         loss.backward()
         total += float(loss.detach())
     return total, take_grads(model.lm)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from train.model.vision import ImageBatch
+from train.model.media_batch import MediaBatch
 
 IGNORE_INDEX = -100
 REDUCTIONS = ("token", "turn", "sample")
@@ -89,6 +89,7 @@ def make_batch(
     reduction: str,
     structure: bool = False,
     images: Callable[[list[bytes], np.ndarray], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    media: Callable[[Sequence[Mapping[str, Any]]], tuple[list, list]] | None = None,
 ) -> dict[str, Any]:
     """Tensors of one micro-batch: `rows` (dicts from `PackedDataset[i]`) concatenated into one varlen sequence.
 
@@ -100,9 +101,11 @@ def make_batch(
       n_loss_tokens / n_trained_turns / n_samples (ints, this micro-batch; summed over the step they equal
       `totals`), and in structure mode block_ids [T], path_ids [T] int64, plus tree_spans [T] int64 for stepwise
       trees (data/shards/prefix_tree.py: positions are depths; with reduction `sample` a sample is a trained turn).
-      images: an `ImageBatch` of the rows' images in the order of their token runs (rows of an image dataset,
-      whose `image_data` / `image_grid_thw` the loader `images`, e.g. data.shards.images.ImageLoader, turns into pixel
-      values), None for text-only rows.
+      media: a `MediaBatch` (train/model/media_batch.py) of the rows' media items in the order of their tokens, None
+      for rows without media. From the loader `media` (rows with video or audio: `media(rows)` -> (items,
+      audio_in_video), items the (kind, processor inputs) of every item of the rows in token order, audio_in_video
+      one flag per packed sequence of the rows), or for an image dataset from the loader `images` (the rows'
+      `image_data` / `image_grid_thw`, e.g. data.shards.images.ImageLoader, turned into pixel values).
     """
     check_reduction(reduction)
     if not rows:
@@ -224,7 +227,7 @@ def make_batch(
         "n_trained_turns": n_turns,
         "n_samples": n_samples,
     }
-    batch["images"] = _image_batch(rows, images)
+    batch["media"] = _media_batch(rows, images, media)
     if structure:
         batch["block_ids"] = torch.from_numpy(block_ids)
         batch["path_ids"] = torch.from_numpy(path_ids)
@@ -233,16 +236,19 @@ def make_batch(
     return batch
 
 
-def _image_batch(rows: Sequence[Mapping[str, Any]], loader) -> ImageBatch | None:
+def _media_batch(rows: Sequence[Mapping[str, Any]], images, media) -> MediaBatch | None:
+    if media is not None:
+        items, audio_in_video = media(rows)
+        return MediaBatch(list(items), list(audio_in_video)) if items else None
     datas = [data for row in rows for data in row.get("image_data", ())]
     if not datas:
         return None
-    if loader is None:
+    if images is None:
         raise ValueError("make_batch: the rows hold images but no image loader was given (images=)")
     grids = np.concatenate([np.asarray(row["image_grid_thw"], dtype=np.int64).reshape(-1, 3) for row in rows
                             if len(row.get("image_data", ()))])
-    pixel_values, grid_thw = loader(datas, grids)
-    return ImageBatch(pixel_values=pixel_values, image_grid_thw=grid_thw)
+    pixel_values, grid_thw = images(datas, grids)
+    return MediaBatch.of_images(pixel_values, grid_thw)
 
 
 def _positive(total: int, name: str, local: int) -> int:

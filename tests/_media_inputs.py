@@ -1,0 +1,387 @@
+"""Video and audio conversations for the trainer's media tests (tests/train/test_media.py and its gloo worker).
+
+The shared fixtures (../shared/fixtures/multimodal: mllm_av_demo.json with its H.264 / VP9 clips, wav, MP3 and stereo
+FLAC, and the image demo's records) decoded as transformers decodes them: videos through
+`transformers.video_utils.load_video(path, backend="pyav")`, audio through PyAV resampled to the feature extractor's
+16 kHz, mono. Each conversation goes through the real processor of its family twice:
+- on the whole conversation: the reference (transformers' composite forward takes every key of that output);
+- on each media item alone: the item's `inputs`, what the data side's loader hands the trainer per item
+  (train/model/media_batch.py's contract).
+Tiny random-init composites are built from configs: hidden 64, 2 text layers, towers of 1-2 blocks, the Qwen
+vocabulary (its real media token ids), attention sharpened so positions and placement move the loss.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tests.conftest import fixture_path
+
+VOCAB = 151936  # the Qwen2 / 2.5 / 3 vocabulary: every special id the processors give
+# the families whose video / audio conversations train exactly (train/families.py), and what their data may hold
+KINDS = {"qwen2_5_vl": ("image", "video"), "qwen3_vl": ("image", "video"), "qwen2_audio": ("audio",),
+         "qwen2_5_omni_thinker": ("image", "video", "audio")}
+# small frames and few of them: 2 frames per second, at most 8 x 8 patches per frame
+VIDEO_KWARGS = {
+    "qwen2_5_vl": {"do_sample_frames": True, "fps": 2, "size": {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}},
+    "qwen3_vl": {"do_sample_frames": True, "fps": 2, "size": {"shortest_edge": 64 * 64, "longest_edge": 128 * 128 * 4}},
+    "qwen2_5_omni_thinker": {"do_sample_frames": True, "fps": 2,
+                             "size": {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}},
+}
+IMAGE_SIZE = {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}
+PLACEHOLDERS = {
+    "qwen2_audio": {"audio": "<|audio_bos|><|AUDIO|><|audio_eos|>"},
+    "qwen2_5_omni_thinker": {"image": "<|vision_bos|><|IMAGE|><|vision_eos|>",
+                             "video": "<|vision_bos|><|VIDEO|><|vision_eos|>",
+                             "audio": "<|audio_bos|><|AUDIO|><|audio_eos|>"},
+}
+VL_PLACEHOLDERS = {"image": "<|vision_start|><|image_pad|><|vision_end|>",
+                   "video": "<|vision_start|><|video_pad|><|vision_end|>"}
+# the Omni tokenizer's names of the Qwen special ids (its released tokenizer_config), on the shared Qwen2.5 files
+OMNI_TOKENS = {151646: "<|AUDIO|>", 151647: "<|audio_bos|>", 151648: "<|audio_eos|>", 151652: "<|vision_bos|>",
+               151653: "<|vision_eos|>", 151655: "<|IMAGE|>", 151656: "<|VIDEO|>"}
+TEXT_RECORD = {"messages": [{"role": "user", "content": "What is two plus two? Answer in words."},
+                            {"role": "assistant", "content": "Two plus two is four."}]}
+
+
+@dataclass
+class Conversation:
+    """One conversation: `reference` the processor's output on all of it (with `use_audio_in_video` for Omni), `items`
+    each media item's (kind, processor output alone) in token order, `audio_in_video` its Omni flag."""
+
+    name: str
+    reference: dict
+    items: list = field(default_factory=list)
+    audio_in_video: bool = False
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.reference["input_ids"][0]
+
+
+# ---------------------------------------------------------------------------------------------- processors
+def processor(family: str, directory: Path):
+    """The family's processor, from transformers' classes with the released configurations' values and the shared
+    Qwen tokenizer files (written under `directory`)."""
+    from transformers import (AutoProcessor, AutoTokenizer, Qwen2_5OmniProcessor, Qwen2AudioProcessor,
+                              Qwen2VLImageProcessor, Qwen2VLVideoProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor,
+                              WhisperFeatureExtractor)
+
+    vl = fixture_path("multimodal", "qwen2_5_vl_processor")
+    if family == "qwen2_5_vl":
+        return AutoProcessor.from_pretrained(vl)
+    if family == "qwen3_vl":  # 16-pixel patches, mean / std 0.5 (Qwen3-VL's preprocessor_config)
+        half = [0.5, 0.5, 0.5]
+        return Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(patch_size=16, image_mean=half, image_std=half),
+                                tokenizer=AutoTokenizer.from_pretrained(vl),
+                                video_processor=Qwen3VLVideoProcessor(image_mean=half, image_std=half))
+    features = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000)  # 128 mel bins at 16 kHz
+    tokenizer = AutoTokenizer.from_pretrained(_omni_tokenizer(vl, directory))
+    if family == "qwen2_audio":
+        return Qwen2AudioProcessor(feature_extractor=features, tokenizer=tokenizer)
+    return Qwen2_5OmniProcessor(image_processor=Qwen2VLImageProcessor(), video_processor=Qwen2VLVideoProcessor(),
+                                feature_extractor=features, tokenizer=tokenizer)
+
+
+def _omni_tokenizer(source: Path, directory: Path) -> Path:
+    """The Qwen2.5 tokenizer files with Qwen2-Audio's / Qwen2.5-Omni's names of the special ids (OMNI_TOKENS) and the
+    processor's token attributes."""
+    import shutil
+
+    out = Path(directory) / "omni_tokenizer"
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    for token_id, name in OMNI_TOKENS.items():
+        config["added_tokens_decoder"][str(token_id)]["content"] = name
+    config["additional_special_tokens"] = []
+    config["extra_special_tokens"] = {
+        "image_token": "<|IMAGE|>", "audio_token": "<|AUDIO|>", "video_token": "<|VIDEO|>",
+        "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>", "audio_bos_token": "<|audio_bos|>",
+        "audio_eos_token": "<|audio_eos|>"}
+    for key in ("processor_class", "chat_template"):
+        config.pop(key, None)
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copy(source / name, out / name)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- decoding
+def load_video(path: Path):
+    """(frames, metadata) as transformers decodes a file with PyAV (`load_video(path, backend="pyav")`, every
+    frame). A container whose header gives no frame count (the VP9 webm) makes that function sample nothing: its
+    frames are then counted by decoding them, as the same function would given the count."""
+    import av
+    import numpy as np
+    from transformers.video_utils import VideoMetadata, load_video as load
+
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        if stream.frames:
+            return load(str(path), backend="pyav")
+        frames = np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
+        fps = float(stream.average_rate)
+        return frames, VideoMetadata(total_num_frames=len(frames), fps=fps, duration=len(frames) / fps,
+                                     video_backend="pyav", height=stream.height, width=stream.width,
+                                     frames_indices=np.arange(len(frames)))
+
+
+def load_audio(path: Path, rate: int = 16000):
+    """The first audio stream of `path` as float32 mono samples at `rate` (PyAV's resampler)."""
+    import av
+    import numpy as np
+
+    chunks = []
+    with av.open(str(path)) as container:
+        resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
+        for frame in container.decode(container.streams.audio[0]):
+            chunks += [out.to_ndarray().reshape(-1) for out in resampler.resample(frame)]
+        chunks += [out.to_ndarray().reshape(-1) for out in resampler.resample(None)]
+    return np.concatenate(chunks).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------- conversations
+def records(family: str) -> list[dict]:
+    """The fixture records the family takes: a text conversation, the image demo's first two (families with images),
+    and every audio / video record whose media it takes (Omni: also the clip with its sound inside)."""
+    av_root = fixture_path("multimodal")
+    out = [{**TEXT_RECORD, "name": "text"}]
+    kinds = KINDS[family]
+    if "image" in kinds:
+        for k, record in enumerate(json.loads((av_root / "mllm_demo.json").read_text())[:2]):
+            out.append({**record, "name": f"image{k}", "root": av_root})
+    for k, record in enumerate(json.loads((av_root / "mllm_av_demo.json").read_text())):
+        videos, audios = record.get("videos", []), record.get("audios", [])
+        inside = bool(set(videos) & set(audios))
+        if (videos and "video" not in kinds) or (audios and "audio" not in kinds) or (
+                inside and family != "qwen2_5_omni_thinker"):
+            continue
+        out.append({**record, "name": f"av{k}", "root": av_root})
+    return out
+
+
+def conversations(family: str, directory: Path) -> list[Conversation]:
+    proc = processor(family, directory)
+    return [conversation(family, proc, record) for record in records(family)]
+
+
+def conversation(family: str, proc, record: dict) -> Conversation:
+    """`record` (LLaMA-Factory layout: <image> / <video> / <audio> in the turns, `images` / `videos` / `audios`
+    paths) through `proc`, whole and per item."""
+    from PIL import Image
+
+    root = record.get("root")
+    images = [Image.open(root / p) for p in record.get("images", [])]
+    videos = [load_video(root / p) for p in record.get("videos", [])]
+    inside = [p for p in record.get("audios", []) if p in record.get("videos", [])]  # a clip's own sound
+    audios = [load_audio(root / p) for p in record.get("audios", [])]
+    marks = PLACEHOLDERS.get(family, VL_PLACEHOLDERS)
+    text, order = _render(record, marks, inside)
+    kwargs = _media_kwargs(family, videos)
+    if inside:  # Omni: the clip's audio slot names its video
+        kwargs.update(load_audio_from_video=True,
+                      audio_from_video_indices=[record["videos"].index(p) if p in inside else None
+                                                for p in record["audios"]])
+    reference = proc(text=[text], images=images or None, videos=[v for v, _ in videos] or None,
+                     audio=audios or None, return_tensors="pt", **kwargs)
+    reference = dict(reference)
+    if family == "qwen2_5_omni_thinker":
+        reference["use_audio_in_video"] = bool(inside)
+    items = []
+    for kind, index in order:
+        alone = proc(text=[marks[kind]], return_tensors="pt", **_media_kwargs(family, videos[index:index + 1] if kind == "video" else []),
+                     **({"images": [images[index]]} if kind == "image" else {"videos": [videos[index][0]]}
+                        if kind == "video" else {"audio": [audios[index]]}))
+        items.append((kind, {k: v for k, v in alone.items() if k in MEDIA_KEYS[kind]}))
+    return Conversation(record["name"], reference, items, bool(inside))
+
+
+MEDIA_KEYS = {"image": ("pixel_values", "image_grid_thw"),
+              "video": ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "video_second_per_grid"),
+              "audio": ("input_features", "feature_attention_mask")}
+
+
+def _render(record: dict, marks: dict, inside: list) -> tuple[str, list]:
+    """(ChatML turns with each placeholder replaced by the family's, the items in token order as (kind, index in its
+    list)); a clip's own sound (`inside`) rides in its video's placeholder, right after the video's first frames."""
+    counters = {"image": 0, "video": 0, "audio": 0}
+    out, order = "", []
+    for message in record["messages"]:
+        text = ""
+        for part in re.split(r"(<image>|<video>|<audio>)", message["content"]):
+            if part not in ("<image>", "<video>", "<audio>"):
+                text += part
+                continue
+            kind = part[1:-1]
+            index = counters[kind]
+            counters[kind] += 1
+            if kind == "audio" and record["audios"][index] in inside:
+                continue
+            text += marks[kind]
+            order.append((kind, index))
+            if kind == "video" and record["videos"][index] in inside:
+                order.append(("audio", record["audios"].index(record["videos"][index])))
+        out += f"<|im_start|>{message['role']}\n{text}<|im_end|>\n"
+    return out, order
+
+
+def _media_kwargs(family: str, videos: list) -> dict:
+    kwargs = {"images_kwargs": {"size": IMAGE_SIZE}}
+    if videos:
+        kwargs["videos_kwargs"] = {**VIDEO_KWARGS[family], "video_metadata": [meta for _, meta in videos]}
+    return kwargs
+
+
+# ---------------------------------------------------------------------------------------------- models
+def tiny_config(family: str):
+    """A tiny `family` composite config: 2 text layers, towers of 1-2 blocks with the processors' patch, merge and
+    mel sizes, the released token ids, a short rope wavelength (each M-RoPE component moves the attention)."""
+    from tests.model_zoo import tiny_composite_config
+
+    rope = {"rope_type": "default", "rope_theta": 20.0}
+    if family != "qwen2_audio":
+        rope["mrope_section"] = [2, 3, 3]
+    if family.startswith("qwen3_vl"):
+        rope["mrope_interleaved"] = True
+    config = tiny_composite_config(family, vocab_size=VOCAB, rope_parameters=rope)
+    if hasattr(config, "vision_config"):
+        vision = config.vision_config
+        vision.depth = 2
+        if family.startswith("qwen3_vl"):
+            vision.deepstack_visual_indexes = [0, 1]
+        if hasattr(vision, "fullatt_block_indexes"):
+            vision.fullatt_block_indexes = [1]
+            vision.window_size = 56  # 2 x 2 merged patches per window: several windows per frame
+        if hasattr(vision, "tokens_per_second"):
+            vision.tokens_per_second = 2  # the released Qwen2.5-VL value
+    if family == "qwen2_5_omni_thinker":
+        config.audio_config.n_window = 25  # 50-frame chunks: the fixture audios span several
+        # the released thinker config.json's (its class sets no default)
+        config.vision_start_token_id, config.vision_end_token_id = 151652, 151653
+    return config
+
+
+def tiny_model(family: str, freeze_towers: bool = False, kinds=None):
+    """`PackedCausalLM` over a tiny random-init `family` composite (seed 0) with its media path, the packsft attention
+    on its text decoder, query and key projections scaled up (sharper attention)."""
+    from transformers import AutoModelForMultimodalLM
+
+    from train.attention.function import ATTN_IMPLEMENTATION
+    from train.families import FAMILIES
+    from train.model.composite import attn_implementation, freeze_towers as freeze
+    from train.model.packed import PackedCausalLM
+
+    config = tiny_config(family)
+    torch.manual_seed(0)
+    lm = AutoModelForMultimodalLM.from_config(config, attn_implementation=attn_implementation(
+        config, ATTN_IMPLEMENTATION), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in lm.named_parameters():
+            if ".language_model." in name and name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(6.0)
+    if freeze_towers:
+        freeze(lm, vision_tower=True, projector=True, audio_tower=True)
+    return PackedCausalLM(lm, 64, 1, media=FAMILIES[family].media, media_kinds=kinds or KINDS[family])
+
+
+def media_tokens(model) -> list[int]:
+    return list(model.media.token_ids.values())
+
+
+def targets_of(model, ids: torch.Tensor) -> torch.Tensor:
+    """Every next token but the media tokens (no label, as the data pipeline masks them); -100 after the last."""
+    targets = torch.cat([ids[1:], torch.tensor([-100])])
+    for token in media_tokens(model):
+        targets = targets.masked_fill(targets == token, -100)
+    return targets
+
+
+def n_targets(model, convs: list[Conversation]) -> int:
+    return sum(int((targets_of(model, c.input_ids) != -100).sum()) for c in convs)
+
+
+def micro_batch(model, convs: list[Conversation], total: int) -> dict:
+    """The packed micro-batch of `convs` (one row) as train/steps/batch.py's make_batch lays it out, token weights
+    1 / `total`, with its MediaBatch (every conversation's items in order, one audio_in_video flag per sequence)."""
+    from train.model.media_batch import MediaBatch
+
+    ids = torch.cat([c.input_ids for c in convs])
+    lengths = [c.input_ids.numel() for c in convs]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    targets = torch.cat([targets_of(model, c.input_ids) for c in convs])
+    return {"input_ids": ids[None], "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
+            "cu_seqlens": cu, "max_seqlen": max(lengths), "targets": targets,
+            "weights": (targets != -100).float() / total, "target_categories": torch.zeros_like(targets),
+            "media": MediaBatch([item for c in convs for item in c.items], [c.audio_in_video for c in convs])}
+
+
+def reference(model, convs: list[Conversation], total: int) -> tuple[float, dict, list]:
+    """transformers' composite forward on each conversation alone with every key of its processor output (its own
+    eager attention, towers and positions; `rope_deltas` reset before each), the same token weights: (loss,
+    gradients, each conversation's logits); gradients cleared."""
+    import torch.nn.functional as F
+
+    lm = model.lm
+    lm.zero_grad(set_to_none=True)
+    loss = torch.zeros(())
+    logits = []
+    with model.unpacked():
+        for c in convs:
+            model.media.reset_positions(lm)
+            out = lm(**c.reference, use_cache=False).logits[0]
+            logits.append(out.detach())
+            loss = loss + F.cross_entropy(out.float(), targets_of(model, c.input_ids), reduction="sum") / total
+    loss.backward()
+    return float(loss.detach()), take_grads(lm), logits
+
+
+def take_grads(lm) -> dict:
+    grads = {n: p.grad.detach().clone() for n, p in lm.named_parameters() if p.grad is not None}
+    lm.zero_grad(set_to_none=True)
+    return grads
+
+
+def grad_error(got: dict, want: dict) -> float:
+    """The worst per-parameter relative difference (floor: 1e-3 of the largest gradient, as train/model/self_check.py)."""
+    assert sorted(got) == sorted(want), sorted(set(got) ^ set(want))
+    scale = max(float(g.abs().max()) for g in want.values())
+    return max(float((got[n] - g).abs().max()) / max(float(g.abs().max()), 1e-3 * scale) for n, g in want.items())
+
+
+def packed_step(model, batches: list[dict], attention=None) -> tuple[float, dict]:
+    """PackedCausalLM over `batches` (accumulated): (summed loss, gradients); `attention(batch)` -> (this rank's
+    batch, AttentionContext), default the whole row with the sdpa kernel."""
+    from train.attention.function import BACKENDS, AttentionContext, LayerKernels
+
+    def whole_row(batch):
+        return batch, AttentionContext.for_micro_batch(batch["cu_seqlens"], "cpu", LayerKernels(every=BACKENDS["sdpa"]))
+
+    attention = attention or whole_row
+    model.lm.zero_grad(set_to_none=True)
+    total = 0.0
+    for batch in batches:
+        row = model.row_media(batch)  # on the whole row, before any sharding
+        local, attn = attention(batch)
+        loss = model(local["input_ids"], local["position_ids"], local["targets"], local["weights"],
+                     local["target_categories"], attn, media=row)[0]
+        loss.backward()
+        total += float(loss.detach())
+    return total, take_grads(model.lm)
+
+
+def packed_logits(model, batch: dict) -> torch.Tensor:
+    """The packed row's logits [T, V] (the decoder on the packed path, then the head): to compare per sequence."""
+    from train.attention.function import BACKENDS, AttentionContext, LayerKernels
+    from train.model.lm_head import decoder_of
+
+    row = model.row_media(batch)
+    attn = AttentionContext.for_micro_batch(batch["cu_seqlens"], "cpu", LayerKernels(every=BACKENDS["sdpa"]))
+    with torch.no_grad():
+        inputs = {"position_ids": batch["position_ids"],
+                  **model.media.decoder_inputs(model.lm, batch["input_ids"], row, None)}
+        hidden = decoder_of(model.lm)(**inputs, use_cache=False, packsft=attn).last_hidden_state[0]
+        return model.lm.get_output_embeddings()(hidden)
