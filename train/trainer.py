@@ -61,7 +61,7 @@ from train.checkpoint import (
     save_checkpoint,
 )
 from train.model.composite import copy_processor_files, processor_dir
-from train.model.support import check_family, check_image_support
+from train.model.support import check_family, check_media_support
 from train.config.sections import TrainConfig
 from train.preflight import Preflight, preflight
 from train.steps.sampler import MicroBatchPlan, StepPlan, StepSampler
@@ -70,7 +70,8 @@ from train.distributed import Mesh, all_reduce_sum, build_mesh, init_distributed
 from train.engines.build import EngineSetup, start_process_group
 from train.engines.engine import Engine, saved_with
 from train.engines.schedule import lr_lambda_factory, param_groups
-from train.model.images import SELF_CHECK_MAX_TOKENS
+from train.model.media import SELF_CHECK_MAX_TOKENS
+from train.model.media_batch import dataset_media_kinds
 from train.metrics import EvalProgress, MetricsLogger, plot_losses, process_age, run_summary, step_progress, truncate_log
 from train.model.experts import (apply_expert_parallel, describe as describe_experts, describe_experts_kernel,
                                   set_experts_kernel)
@@ -142,9 +143,9 @@ class Trainer:
         )
         for warning in family_warnings:
             self._warn(warning)
-        # idem: how the model trains on the data's images (None for text data), or why it cannot
-        self.image_inputs = check_image_support(checked.model_config) if any(
-            getattr(data, "has_images", False) for data in (self.dataset, self.eval_dataset)) else None
+        # idem: how the model trains on the data's images / videos / audios (None for text data), or why it cannot
+        self.media_kinds = dataset_media_kinds(self.dataset, self.eval_dataset)
+        self.media_inputs = check_media_support(checked.model_config, self.media_kinds) if self.media_kinds else None
         self.model_identity = model_identity(checked.model_config, cfg.lora)
         setup.before_weights_load()
         self.lm = build_lm(cfg, checked.model_config, setup.dtype, self.memory)
@@ -164,7 +165,7 @@ class Trainer:
                                                                 and self.device.type == "cuda")
         self.model = PackedCausalLM(self.lm, cfg.steps.loss_chunk_size, self.num_categories, zero3=setup.zero3,
                                     router_aux=self.router_aux, fused_loss=self.compiles_loss,
-                                    images=self.image_inputs)
+                                    media=self.media_inputs, media_kinds=self.media_kinds)
         if cfg.model.self_check:
             self._self_check()
         self.lr_factor = lr_lambda_factory(self.total_steps, self.warmup_steps, cfg.optim.schedule, cfg.optim.min_lr_ratio)
@@ -196,16 +197,16 @@ class Trainer:
             return
         switch_points = rope_switch_points(self.lm.config.get_text_config())
         seqs, images = self_check_sequences(self.dataset, switch_points=switch_points), None
-        if self.model.vision is not None:  # whole sequences of the first rows, each with its images
+        if self.model.media is not None:  # whole sequences of the first rows, each with its media
             seqs, images = [], []
             for row in range(min(len(self.dataset), 8)):
                 if len(seqs) < 4:  # a filler's batch: the row's own totals (its weights are not used)
-                    more, their = self.model.vision.sequences(self._micro_batch(None, [row], True), 4 - len(seqs),
+                    more, their = self.model.media.sequences(self._micro_batch(None, [row], True), 4 - len(seqs),
                                                                SELF_CHECK_MAX_TOKENS)
                     seqs, images = seqs + more, images + their
         if len(seqs) < 2:
             self.console("self-check skipped: " + (
-                "the data has no sequence of 2 tokens or more" if self.model.vision is None else
+                "the data has no sequence of 2 tokens or more" if self.model.media is None else
                 f"the first {min(len(self.dataset), 8)} rows hold fewer than 2 sequences of 2 to "
                 f"{SELF_CHECK_MAX_TOKENS:,} tokens, which it checks whole (images are never cut; a "
                 "longer sequence's eager reference forward would hold its full attention and logits)"))
@@ -214,7 +215,7 @@ class Trainer:
         self.model.to(self.device)
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.engine_setup.autocast_bf16 else None
         result = compare_packed_with_reference(self.model, seqs, self.plan.packed, gradient_probe=True,
-                                              autocast=autocast, images=images)
+                                              autocast=autocast, media=images)
         if not result.ok:
             raise SelfCheckError(
                 f"start-up self-check failed for model family {self.family!r}: on {len(seqs)} sequences of the data, "
@@ -245,7 +246,7 @@ class Trainer:
                 else "no sequence of the data is longer, so its long side never trains"))
         with_images = sum(image is not None for image in images or ())
         self.console(f"self-check: packed = unpacked on {len(seqs)} sequences"
-                     + (f" ({with_images} with images: the tower, their features and M-RoPE positions)"
+                     + (f" ({with_images} with media: the towers, their features and positions)"
                         if images is not None else "") + " (loss difference "
                      f"{result.loss_error:.1e}, gradient difference {result.grad_error:.1e}{rope}{tree}) in "
                      f"{time.perf_counter() - start:.2f} s")
@@ -280,7 +281,7 @@ class Trainer:
     def forward_micro_batch(self, batch: dict, filler: bool = False):
         """(weighted_sum, cat_loss_sum, cat_count, router_aux) of this rank's part of one full micro-batch;
         router_aux: this rank's share of the micro-batch's router aux term (PackedCausalLM), None without one."""
-        images = self.model.row_images(batch)  # on the whole row, before sequence-parallel sharding
+        media = self.model.row_media(batch)  # on the whole row, before sequence-parallel sharding
         batch, attn = self.plan.context(batch)
         dev = self.device
 
@@ -300,7 +301,7 @@ class Trainer:
                 to_dev(batch["weights"]).reshape(-1),
                 to_dev(batch["target_categories"]).reshape(-1),
                 attn,
-                images=images,
+                media=media,
                 **router,
             )
         return out if self.router_aux is not None else (*out, None)
@@ -610,7 +611,7 @@ class Trainer:
             + (", compiled decoder layers" if cfg.model.compile_layers else "")
             + (", compiled loss chunks" if self.compiles_loss else "") + (", Liger kernels" if cfg.model.liger else "")
             + (f", {describe_tiling(self.lm)}" if cfg.model.tiled_mlp else "")
-            + (f", {self.model.vision.describe()}" if self.model.vision is not None else "")
+            + (f", {self.model.media.describe(self.lm)}" if self.model.media is not None else "")
             + (", checkpointed inputs offloaded to host memory" if cfg.model.activation_offload and self.memory.checkpointing
                else "")
             + (f", router aux loss (coef {self.router_aux.coef:g}, {self.router_aux.num_experts} experts, top "
