@@ -23,27 +23,14 @@ from tests.conftest import fixture_path
 
 VOCAB = 151936  # the Qwen2 / 2.5 / 3 vocabulary: every special id the processors give
 # the families whose video / audio conversations train exactly (train/families.py), and what their data may hold
-KINDS = {"qwen2_5_vl": ("image", "video"), "qwen3_vl": ("image", "video"), "qwen2_audio": ("audio",),
-         "qwen2_5_omni_thinker": ("image", "video", "audio")}
+KINDS = {"qwen2_vl": ("image", "video"), "qwen2_5_vl": ("image", "video"), "qwen3_vl": ("image", "video"),
+         "qwen3_vl_moe": ("image", "video"), "qwen2_audio": ("audio",), "qwen2_5_omni_thinker": ("image", "video", "audio")}
 # small frames and few of them: 2 frames per second, at most 8 x 8 patches per frame
-VIDEO_KWARGS = {
-    "qwen2_5_vl": {"do_sample_frames": True, "fps": 2, "size": {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}},
-    "qwen3_vl": {"do_sample_frames": True, "fps": 2, "size": {"shortest_edge": 64 * 64, "longest_edge": 128 * 128 * 4}},
-    "qwen2_5_omni_thinker": {"do_sample_frames": True, "fps": 2,
-                             "size": {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}},
-}
+QWEN2_VIDEOS = {"do_sample_frames": True, "fps": 2, "size": {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}}
+QWEN3_VIDEOS = {"do_sample_frames": True, "fps": 2, "size": {"shortest_edge": 64 * 64, "longest_edge": 128 * 128 * 4}}
+VIDEO_KWARGS = {"qwen2_vl": QWEN2_VIDEOS, "qwen2_5_vl": QWEN2_VIDEOS, "qwen3_vl": QWEN3_VIDEOS,
+                "qwen3_vl_moe": QWEN3_VIDEOS, "qwen2_5_omni_thinker": QWEN2_VIDEOS}
 IMAGE_SIZE = {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}
-PLACEHOLDERS = {
-    "qwen2_audio": {"audio": "<|audio_bos|><|AUDIO|><|audio_eos|>"},
-    "qwen2_5_omni_thinker": {"image": "<|vision_bos|><|IMAGE|><|vision_eos|>",
-                             "video": "<|vision_bos|><|VIDEO|><|vision_eos|>",
-                             "audio": "<|audio_bos|><|AUDIO|><|audio_eos|>"},
-}
-VL_PLACEHOLDERS = {"image": "<|vision_start|><|image_pad|><|vision_end|>",
-                   "video": "<|vision_start|><|video_pad|><|vision_end|>"}
-# the Omni tokenizer's names of the Qwen special ids (its released tokenizer_config), on the shared Qwen2.5 files
-OMNI_TOKENS = {151646: "<|AUDIO|>", 151647: "<|audio_bos|>", 151648: "<|audio_eos|>", 151652: "<|vision_bos|>",
-               151653: "<|vision_eos|>", 151655: "<|IMAGE|>", 151656: "<|VIDEO|>"}
 TEXT_RECORD = {"messages": [{"role": "user", "content": "What is two plus two? Answer in words."},
                             {"role": "assistant", "content": "Two plus two is four."}]}
 
@@ -64,50 +51,21 @@ class Conversation:
 
 
 # ---------------------------------------------------------------------------------------------- processors
+# data/processors.py's name of each family's processor (Qwen2-VL's is Qwen2.5-VL's without the seconds per grid,
+# which Qwen2-VL's positions do not use: `ONLY_IN` drops them)
+RELEASE = {"qwen2_vl": "qwen2_5_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl",
+           "qwen2_audio": "qwen2_audio", "qwen2_5_omni_thinker": "qwen2_5_omni"}
+ONLY_IN = {"second_per_grid_ts": "qwen2_5_vl"}
+
+
 def processor(family: str, directory: Path):
-    """The family's processor, from transformers' classes with the released configurations' values and the shared
-    Qwen tokenizer files (written under `directory`)."""
-    from transformers import (AutoProcessor, AutoTokenizer, Qwen2_5OmniProcessor, Qwen2AudioProcessor,
-                              Qwen2VLImageProcessor, Qwen2VLVideoProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor,
-                              WhisperFeatureExtractor)
+    """The family's processor: data/processors.py's directory of the released checkpoint's (the shared Qwen
+    tokenizer files, the released tokens, template and preprocessing values), written under `directory`."""
+    from transformers import AutoProcessor
 
-    vl = fixture_path("multimodal", "qwen2_5_vl_processor")
-    if family == "qwen2_5_vl":
-        return AutoProcessor.from_pretrained(vl)
-    if family == "qwen3_vl":  # 16-pixel patches, mean / std 0.5 (Qwen3-VL's preprocessor_config)
-        half = [0.5, 0.5, 0.5]
-        return Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(patch_size=16, image_mean=half, image_std=half),
-                                tokenizer=AutoTokenizer.from_pretrained(vl),
-                                video_processor=Qwen3VLVideoProcessor(image_mean=half, image_std=half))
-    features = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000)  # 128 mel bins at 16 kHz
-    tokenizer = AutoTokenizer.from_pretrained(_omni_tokenizer(vl, directory))
-    if family == "qwen2_audio":
-        return Qwen2AudioProcessor(feature_extractor=features, tokenizer=tokenizer)
-    return Qwen2_5OmniProcessor(image_processor=Qwen2VLImageProcessor(), video_processor=Qwen2VLVideoProcessor(),
-                                feature_extractor=features, tokenizer=tokenizer)
+    from data.processors import write_processor
 
-
-def _omni_tokenizer(source: Path, directory: Path) -> Path:
-    """The Qwen2.5 tokenizer files with Qwen2-Audio's / Qwen2.5-Omni's names of the special ids (OMNI_TOKENS) and the
-    processor's token attributes."""
-    import shutil
-
-    out = Path(directory) / "omni_tokenizer"
-    out.mkdir(parents=True, exist_ok=True)
-    config = json.loads((source / "tokenizer_config.json").read_text())
-    for token_id, name in OMNI_TOKENS.items():
-        config["added_tokens_decoder"][str(token_id)]["content"] = name
-    config["additional_special_tokens"] = []
-    config["extra_special_tokens"] = {
-        "image_token": "<|IMAGE|>", "audio_token": "<|AUDIO|>", "video_token": "<|VIDEO|>",
-        "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>", "audio_bos_token": "<|audio_bos|>",
-        "audio_eos_token": "<|audio_eos|>"}
-    for key in ("processor_class", "chat_template"):
-        config.pop(key, None)
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
-    for name in ("vocab.json", "merges.txt"):
-        shutil.copy(source / name, out / name)
-    return out
+    return AutoProcessor.from_pretrained(write_processor(RELEASE[family], Path(directory) / RELEASE[family]))
 
 
 # ---------------------------------------------------------------------------------------------- decoding
@@ -179,8 +137,8 @@ def conversation(family: str, proc, record: dict) -> Conversation:
     videos = [load_video(root / p) for p in record.get("videos", [])]
     inside = [p for p in record.get("audios", []) if p in record.get("videos", [])]  # a clip's own sound
     audios = [load_audio(root / p) for p in record.get("audios", [])]
-    marks = PLACEHOLDERS.get(family, VL_PLACEHOLDERS)
-    text, order = _render(record, marks, inside)
+    messages, order = _messages(record, inside)
+    text = proc.apply_chat_template(messages, tokenize=False)
     kwargs = _media_kwargs(family, videos)
     if inside:  # Omni: the clip's audio slot names its video
         kwargs.update(load_audio_from_video=True,
@@ -188,15 +146,17 @@ def conversation(family: str, proc, record: dict) -> Conversation:
                                                 for p in record["audios"]])
     reference = proc(text=[text], images=images or None, videos=[v for v, _ in videos] or None,
                      audio=audios or None, return_tensors="pt", **kwargs)
-    reference = dict(reference)
+    reference = {k: v for k, v in reference.items() if ONLY_IN.get(k, family) == family}
     if family == "qwen2_5_omni_thinker":
         reference["use_audio_in_video"] = bool(inside)
     items = []
     for kind, index in order:
-        alone = proc(text=[marks[kind]], return_tensors="pt", **_media_kwargs(family, videos[index:index + 1] if kind == "video" else []),
+        alone = proc(text=[proc.apply_chat_template([{"role": "user", "content": [{"type": kind, kind: "item"}]}],
+                                                    tokenize=False)], return_tensors="pt", **_media_kwargs(family, videos[index:index + 1] if kind == "video" else []),
                      **({"images": [images[index]]} if kind == "image" else {"videos": [videos[index][0]]}
                         if kind == "video" else {"audio": [audios[index]]}))
-        items.append((kind, {k: v for k, v in alone.items() if k in MEDIA_KEYS[kind]}))
+        items.append((kind, {k: v for k, v in alone.items()
+                             if k in MEDIA_KEYS[kind] and ONLY_IN.get(k, family) == family}))
     return Conversation(record["name"], reference, items, bool(inside))
 
 
@@ -205,28 +165,30 @@ MEDIA_KEYS = {"image": ("pixel_values", "image_grid_thw"),
               "audio": ("input_features", "feature_attention_mask")}
 
 
-def _render(record: dict, marks: dict, inside: list) -> tuple[str, list]:
-    """(ChatML turns with each placeholder replaced by the family's, the items in token order as (kind, index in its
-    list)); a clip's own sound (`inside`) rides in its video's placeholder, right after the video's first frames."""
+def _messages(record: dict, inside: list) -> tuple[list, list]:
+    """(the record's messages as content parts, the items in token order as (kind, index in its list)); a clip's
+    own sound (`inside`) rides in its video's placeholder, right after the video's first frames."""
     counters = {"image": 0, "video": 0, "audio": 0}
-    out, order = "", []
+    messages, order = [], []
     for message in record["messages"]:
-        text = ""
+        parts = []
         for part in re.split(r"(<image>|<video>|<audio>)", message["content"]):
             if part not in ("<image>", "<video>", "<audio>"):
-                text += part
+                if part:
+                    parts.append({"type": "text", "text": part})
                 continue
             kind = part[1:-1]
             index = counters[kind]
             counters[kind] += 1
-            if kind == "audio" and record["audios"][index] in inside:
+            path = record[f"{kind}s"][index]
+            if kind == "audio" and path in inside:
                 continue
-            text += marks[kind]
+            parts.append({"type": kind, kind: path})
             order.append((kind, index))
-            if kind == "video" and record["videos"][index] in inside:
-                order.append(("audio", record["audios"].index(record["videos"][index])))
-        out += f"<|im_start|>{message['role']}\n{text}<|im_end|>\n"
-    return out, order
+            if kind == "video" and path in inside:
+                order.append(("audio", record["audios"].index(path)))
+        messages.append({"role": message["role"], "content": parts})
+    return messages, order
 
 
 def _media_kwargs(family: str, videos: list) -> dict:
@@ -253,6 +215,8 @@ def tiny_config(family: str):
         vision.depth = 2
         if family.startswith("qwen3_vl"):
             vision.deepstack_visual_indexes = [0, 1]
+        if family == "qwen2_vl":  # its tower's width is `embed_dim`; `hidden_size` is the merger's output
+            vision.hidden_size = config.text_config.hidden_size
         if hasattr(vision, "fullatt_block_indexes"):
             vision.fullatt_block_indexes = [1]
             vision.window_size = 56  # 2 x 2 merged patches per window: several windows per frame
