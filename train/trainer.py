@@ -110,7 +110,8 @@ class Trainer:
         self.dataset = open_train_dataset(cfg.data.data_path, cfg.data.online_max_length, seed=cfg.steps.seed, verify=cfg.data.verify_data)
         row_length = int(self.dataset.meta.get("max_length") or int(np.max(self.dataset.row_n_tokens)))
         # SP degree (auto), checkpointing per layer, the MLP tile, the offload's host memory: once, before any weight
-        self.memory = plan_memory(cfg, checked.model_config, world, row_length, setup.offloads_optimizer)
+        self.memory = plan_memory(cfg, checked.model_config, world, row_length, setup.offloads_optimizer,
+                                  media_kinds=dataset_media_kinds(self.dataset))  # the towers' activations too
         self.cfg = cfg = self.memory.config  # the config as planned (sequence_parallel_size auto resolved)
         self.sp_layout = plan_sp_layout(cfg.parallel, cfg.launch, checked.model_config)  # before the mesh
         if "tree_spans" in self.dataset.token_fields and self.sp_layout is not None:
