@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from train.plan.memory import (
     choose_checkpointing,
     choose_sp_degree,
     host_offload_problem,
+    media_towers,
     mlp_tile,
     model_state_bytes,
 )
@@ -53,13 +54,15 @@ class MemoryPlan:
 
 
 def plan_memory(cfg: TrainConfig, model_config, world: int, row_length: int, offloads_optimizer: bool,
-                device: torch.device | None = None) -> MemoryPlan:
+                device: torch.device | None = None, media_kinds=()) -> MemoryPlan:
     """The plan of a run of `world` processes on `device` (default: this rank's) over rows of `row_length` tokens;
     `offloads_optimizer`: the engine keeps the optimizer state on the host (DeepSpeed's offload, FSDP2's
-    cpu_offload). Raises ConfigError when no plan fits."""
+    cpu_offload); `media_kinds`: the image / video / audio kinds the data holds (their towers' activations counted).
+    Raises ConfigError when no plan fits."""
     device = device or default_device()
     # derived once, when a decision needs it (on CPU none does)
-    shape = functools.cache(lambda: ModelShape.from_hf_config(model_config))
+    shape = functools.cache(lambda: replace(ModelShape.from_hf_config(model_config), towers=media_towers(
+        model_config, media_kinds, not cfg.model.freeze_vision_tower, not cfg.model.freeze_audio_tower)))
     sp_reason = None
     if cfg.parallel.sequence_parallel_size == "auto":
         degree, sp_reason = _choose_sp_degree(cfg, shape, world, offloads_optimizer)
