@@ -303,9 +303,10 @@ def test_trainer_refuses_audio_before_any_weight_loads(tmp_path, monkeypatch):
     from train.model.support import UnsupportedModelError
     from train.trainer import Trainer
 
-    def with_audio(*args, **kwargs):  # the dataset as a media store opens (the data side's `media_kinds`)
+    def with_audio(*args, **kwargs):  # the dataset as a media store of audios opens (its meta.json counts)
         dataset = open_dataset(*args, **kwargs)
-        dataset.media_kinds = ("audio",)
+        dataset.has_media = True
+        dataset.meta.setdefault("counts", {})["audios"] = 2
         return dataset
 
     open_dataset = train.steps.online.open_train_dataset
@@ -333,3 +334,53 @@ def test_towers_freeze_by_kind():
     lm = AutoModelForMultimodalLM.from_config(mi.tiny_config("qwen2_5_omni_thinker"))
     assert freeze_towers(lm, vision_tower=True, projector=False, audio_tower=False) == ["model.visual"]
     assert freeze_towers(lm, vision_tower=False, projector=False, audio_tower=True) == ["model.audio_tower"]
+
+
+def test_the_data_side_s_media_loader_output_becomes_the_micro_batch_s():
+    """make_batch's `media=` loader (data/shards/media.py's MediaLoader: per packed sequence its items in token order,
+    a video with its sound track as one item, and `rope`) -> the MediaBatch: the sound track becomes the audio item
+    right after its video, one use_audio_in_video flag per sequence; the data's kinds from its meta.json counts."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from train.model.media_batch import dataset_media_kinds
+    from train.steps.batch import StepTotals, make_batch
+
+    image = {"pixel_values": torch.zeros(4, 8), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+    clip = {"pixel_values_videos": torch.zeros(8, 8), "video_grid_thw": torch.tensor([[2, 2, 2]]),
+            "video_second_per_grid": torch.tensor([1.0]), "input_features": torch.zeros(1, 128, 40),
+            "feature_attention_mask": torch.ones(1, 40, dtype=torch.long)}
+    loaded = [SimpleNamespace(items=[SimpleNamespace(kind="image", inputs=image, audio_in_video=False)], rope={}),
+              SimpleNamespace(items=[], rope={}),
+              SimpleNamespace(items=[SimpleNamespace(kind="video", inputs=clip, audio_in_video=True)],
+                              rope={"use_audio_in_video": True})]
+    asked = []
+
+    def loader(sequences):
+        asked.append(sequences)
+        return loaded
+
+    def row(lengths, media):
+        n = sum(lengths)
+        labels = np.arange(n) % 7
+        labels[np.cumsum([0, *lengths[:-1]])] = -100
+        return {"input_ids": np.arange(n) % 7, "labels": labels, "category_ids": np.zeros(n, np.int16),
+                "turn_ids": (labels >= 0).astype(np.int16), "seq_lens": np.array(lengths), "media": media}
+
+    rows = [row([5, 4], [["stored image"], []]), row([6], [["stored clip"]])]
+    batch = make_batch(rows, StepTotals(100, 100, 100), "token", media=loader)
+    assert asked == [[["stored image"], [], ["stored clip"]]]  # each packed sequence's stored items, in row order
+    media = batch["media"]
+    assert [kind for kind, _ in media.items] == ["image", "video", "audio"] and media.audio_in_video == [False, False, True]
+    assert set(media.items[1][1]) == {"pixel_values_videos", "video_grid_thw", "video_second_per_grid"}
+    assert set(media.items[2][1]) == {"input_features", "feature_attention_mask"}
+    assert make_batch([row([5], [[]])], StepTotals(100, 100, 100), "token", media=loader)["media"] is None
+
+    def store(counts):
+        return SimpleNamespace(has_media=True, meta={"counts": counts})
+    assert dataset_media_kinds(store({"images": 3, "videos": 0, "audios": 0}), None) == ("image",)
+    assert dataset_media_kinds(store({"videos": 2, "videos_with_audio": 1}), store({"images": 1})) == (
+        "image", "video", "audio")
+    assert dataset_media_kinds(SimpleNamespace(has_images=True, meta={})) == ("image",)  # an image store of before
+    assert dataset_media_kinds(SimpleNamespace(meta={"counts": {"images": 1}})) == ()  # text shards

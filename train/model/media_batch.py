@@ -13,6 +13,10 @@ Items are in the order of their first placeholder token in the rows (row by row,
 track the Omni thinker interleaves with its frames comes before that audio). Per packed sequence of the micro-batch,
 `audio_in_video` says whether its videos carry their audio inside (the Omni thinker's `use_audio_in_video`, which
 its processor and its `get_rope_index` take per conversation).
+
+The data side's media loader (data/shards/media.py) gives the same per sequence: its items in token order, a video
+with its sound track as one item whose inputs hold both (`audio_in_video`), and `rope` (`use_audio_in_video`);
+`MediaBatch.of_sequences` turns that into this batch (the sound track becomes the audio item after its video).
 """
 from __future__ import annotations
 
@@ -46,6 +50,21 @@ class MediaBatch:
         return sequence < len(self.audio_in_video) and bool(self.audio_in_video[sequence])
 
     @classmethod
+    def of_sequences(cls, sequences) -> "MediaBatch":
+        """The batch of the data side's media loader output: one entry per packed sequence of the micro-batch, each
+        with `items` (`kind`, `inputs`, `audio_in_video`) in token order and `rope` (`use_audio_in_video`)."""
+        items, flags = [], []
+        for sequence in sequences:
+            flags.append(bool(sequence.rope.get("use_audio_in_video", False)))
+            for item in sequence.items:
+                if item.kind == "video" and item.audio_in_video:
+                    items.append(("video", {k: v for k, v in item.inputs.items() if k not in AUDIO_KEYS}))
+                    items.append(("audio", {k: item.inputs[k] for k in AUDIO_KEYS}))
+                else:
+                    items.append((item.kind, item.inputs))
+        return cls(items, flags)
+
+    @classmethod
     def of_images(cls, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> "MediaBatch":
         """The images of an image loader's output (every image's patch rows concatenated, their grids), one item each
         (data/shards/images.py's ImageLoader)."""
@@ -58,12 +77,20 @@ class MediaBatch:
         return cls([("image", {"pixel_values": p, "image_grid_thw": g[None]}) for p, g in zip(rows, grids)])
 
 
+# a video item's inputs that are its sound track (the Omni processor's audio keys)
+AUDIO_KEYS = ("input_features", "feature_attention_mask")
+COUNT_KEYS = {"image": ("images",), "video": ("videos",), "audio": ("audios", "videos_with_audio")}  # meta.json
+
+
 def dataset_media_kinds(*datasets) -> tuple[str, ...]:
-    """The media kinds the datasets hold (None: no dataset), in MEDIA_KINDS order: a dataset's `media_kinds` (shards
-    with videos or audios), or ("image",) for an image dataset (`has_images`)."""
+    """The media kinds the datasets hold (None: no dataset), in MEDIA_KINDS order, from their meta.json counts
+    (`images`, `videos`, `audios`, `videos_with_audio`: a sound track trains the audio tower); a media store without
+    counts of them holds images (the image stores before videos and audios)."""
     kinds: set[str] = set()
     for data in datasets:
-        if data is None:
+        if data is None or not (getattr(data, "has_media", False) or getattr(data, "has_images", False)):
             continue
-        kinds.update(getattr(data, "media_kinds", None) or (("image",) if getattr(data, "has_images", False) else ()))
+        counts = data.meta.get("counts", {})
+        held = {kind for kind, keys in COUNT_KEYS.items() if any(counts.get(key) for key in keys)}
+        kinds.update(held or {"image"})
     return tuple(kind for kind in MEDIA_KINDS if kind in kinds)

@@ -89,7 +89,7 @@ def make_batch(
     reduction: str,
     structure: bool = False,
     images: Callable[[list[bytes], np.ndarray], tuple[torch.Tensor, torch.Tensor]] | None = None,
-    media: Callable[[Sequence[Mapping[str, Any]]], tuple[list, list]] | None = None,
+    media: Callable[[list], list] | None = None,
 ) -> dict[str, Any]:
     """Tensors of one micro-batch: `rows` (dicts from `PackedDataset[i]`) concatenated into one varlen sequence.
 
@@ -102,10 +102,10 @@ def make_batch(
       `totals`), and in structure mode block_ids [T], path_ids [T] int64, plus tree_spans [T] int64 for stepwise
       trees (data/shards/prefix_tree.py: positions are depths; with reduction `sample` a sample is a trained turn).
       media: a `MediaBatch` (train/model/media_batch.py) of the rows' media items in the order of their tokens, None
-      for rows without media. From the loader `media` (rows with video or audio: `media(rows)` -> (items,
-      audio_in_video), items the (kind, processor inputs) of every item of the rows in token order, audio_in_video
-      one flag per packed sequence of the rows), or for an image dataset from the loader `images` (the rows'
-      `image_data` / `image_grid_thw`, e.g. data.shards.images.ImageLoader, turned into pixel values).
+      for rows without media. From the loader `media` (a media store's rows: their `media`, each packed sequence's
+      stored items, through data.shards.media.MediaLoader: each item's processor output alone), or for an image
+      store from the loader `images` (the rows' `image_data` / `image_grid_thw`, e.g.
+      data.shards.images.ImageLoader, turned into pixel values).
     """
     check_reduction(reduction)
     if not rows:
@@ -237,9 +237,9 @@ def make_batch(
 
 
 def _media_batch(rows: Sequence[Mapping[str, Any]], images, media) -> MediaBatch | None:
-    if media is not None:
-        items, audio_in_video = media(rows)
-        return MediaBatch(list(items), list(audio_in_video)) if items else None
+    if media is not None and any("media" in row for row in rows):
+        sequences = [stored for row in rows for stored in row["media"]]  # per packed sequence, in row order
+        return MediaBatch.of_sequences(media(sequences)) if any(sequences) else None
     datas = [data for row in rows for data in row.get("image_data", ())]
     if not datas:
         return None
