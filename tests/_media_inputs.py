@@ -2,8 +2,8 @@
 
 The shared fixtures (../shared/fixtures/multimodal: mllm_av_demo.json with its H.264 / VP9 clips, wav, MP3 and stereo
 FLAC, and the image demo's records) decoded as transformers decodes them: videos through
-`transformers.video_utils.load_video(path, backend="pyav")`, audio through PyAV resampled to the feature extractor's
-16 kHz, mono. Each conversation goes through the real processor of its family twice:
+`transformers.video_utils.load_video(path, backend="pyav")`, audio through PyAV, its channels averaged and resampled
+to the feature extractor's 16 kHz. Each conversation goes through the real processor of its family twice:
 - on the whole conversation: the reference (transformers' composite forward takes every key of that output);
 - on each media item alone: the item's `inputs`, what the data side's loader hands the trainer per item
   (train/model/media_batch.py's contract).
@@ -89,17 +89,34 @@ def load_video(path: Path):
 
 
 def load_audio(path: Path, rate: int = 16000):
-    """The first audio stream of `path` as float32 mono samples at `rate` (PyAV's resampler)."""
+    """The first audio stream of `path` as float32 mono samples at `rate`: its channels averaged (transformers'
+    loaders' mono), then resampled by FFmpeg's swresample (PyAV; transformers' soxr is not installed here), padded or
+    cut to ceil(n * rate / its rate) samples."""
+    import math
+
     import av
     import numpy as np
 
     chunks = []
     with av.open(str(path)) as container:
-        resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
-        for frame in container.decode(container.streams.audio[0]):
-            chunks += [out.to_ndarray().reshape(-1) for out in resampler.resample(frame)]
-        chunks += [out.to_ndarray().reshape(-1) for out in resampler.resample(None)]
-    return np.concatenate(chunks).astype(np.float32)
+        stream = container.streams.audio[0]
+        source = int(stream.rate)
+        for frame in container.decode(stream):
+            chunk = frame.to_ndarray()
+            if frame.format.is_packed:  # interleaved: [1, samples * channels]
+                chunk = chunk.reshape(-1, len(frame.layout.channels)).T
+            scale = {"s16": 32768.0, "s16p": 32768.0, "s32": 2147483648.0, "s32p": 2147483648.0}.get(
+                frame.format.name, 1.0)
+            chunks.append(chunk.astype(np.float32) / scale)
+    mono = np.concatenate(chunks, axis=1).mean(axis=0, dtype=np.float32)
+    if source == rate:
+        return mono
+    frame = av.AudioFrame.from_ndarray(mono[None, :], format="flt", layout="mono")
+    frame.sample_rate = source
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
+    out = np.concatenate([f.to_ndarray()[0] for f in resampler.resample(frame) + resampler.resample(None)])
+    n = math.ceil(len(mono) * rate / source)
+    return np.ascontiguousarray(np.pad(out, (0, max(0, n - len(out))))[:n], dtype=np.float32)
 
 
 # ---------------------------------------------------------------------------------------------- conversations
