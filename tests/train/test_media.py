@@ -384,3 +384,21 @@ def test_the_data_side_s_media_loader_output_becomes_the_micro_batch_s():
         "image", "video", "audio")
     assert dataset_media_kinds(SimpleNamespace(has_images=True, meta={})) == ("image",)  # an image store of before
     assert dataset_media_kinds(SimpleNamespace(meta={"counts": {"images": 1}})) == ()  # text shards
+
+
+@pytest.mark.vision
+def test_lora_on_the_decoder_trains_media_rows_exactly(convs):
+    """LoRA (train/model/lora.py, as `lora_rank` > 0 builds it) adapts the text decoder only; the towers run frozen
+    through the adapted composite, and the packed row equals its forward per conversation (adapter gradients)."""
+    from train.families import FAMILIES
+    from train.model.lora import apply_lora
+    from train.model.packed import PackedCausalLM
+
+    conversations = convs("qwen2_5_omni_thinker")
+    base = mi.tiny_model("qwen2_5_omni_thinker")
+    lm = apply_lora(base.lm, 4, 8.0)
+    model = PackedCausalLM(lm, 64, 1, media=FAMILIES["qwen2_5_omni_thinker"].media,
+                           media_kinds=mi.KINDS["qwen2_5_omni_thinker"])
+    logits, loss, grad, want = _check_row(model, conversations)
+    assert logits <= LOGIT_TOL and loss <= LOSS_TOL and grad <= GRAD_TOL, (logits, loss, grad)
+    assert want and all("lora_" in name and ".language_model." in name for name in want)
