@@ -286,17 +286,17 @@ class MediaPath:
         extra = {}
         if parts:
             # a feature row among all the items' -> among this rank's parts' features (concatenated in order)
-            part_index = {(item, unit): p for p, (item, first, count) in enumerate(parts)
-                          for unit in range(first, first + count)}
-            part_of = torch.tensor([part_index[(i, u)] for i, u in zip(item_of.tolist(), unit_of.tolist())],
-                                   dtype=torch.long)
+            # the part of each token: the last run starting at or before its (item, unit), runs sorted and disjoint
+            span = max(u.count for u in row.units)
+            run_starts = torch.tensor([item * span + first for item, first, _ in parts])
+            part_of = torch.searchsorted(run_starts, item_of * span + unit_of, right=True) - 1
             first_unit = torch.tensor([first for _, first, _ in parts])
             rows = (torch.tensor(starts)[part_of] + wanted - offsets[item_of]
                     - first_unit[part_of] * per_unit[item_of]).to(device)
             mask = local.to(device)[None, :, None]
             embeds = embeds.masked_scatter(mask.expand_as(embeds), features[rows].to(embeds.dtype))
             if self.spec.deepstack:
-                visual = torch.tensor([row.media.items[i][0] != "audio" for i in item_of.tolist()], dtype=torch.bool)
+                visual = torch.tensor([kind != "audio" for kind, _ in row.media.items])[item_of]
                 visual_mask = local.clone()
                 visual_mask[local] = visual
                 extra = {"visual_pos_masks": visual_mask.to(device)[None],
