@@ -134,8 +134,8 @@ def main() -> None:
     lines = [f"# Video features under sequence parallelism ({time.strftime('%Y-%m-%d')}, {platform.machine()}, "
              f"torch {torch.__version__}, one thread)", "",
              f"Row: {ids.shape[1]:,} tokens, {args.clips} clips of {args.seconds} s at 2 frames/s, "
-             f"{args.side}x{args.side} frames ({sum(u.count for u in row.units)} temporal patches of {row.units[0].tokens} "
-             f"tokens), {total_rows:,} patch rows; tower {args.width} wide, {args.depth} blocks; time: forward + "
+             f"{args.side}x{args.side} frames ({sum(u.count for u in row.units)} temporal patches of "
+             f"{row.units[0].tokens} tokens), {total_rows:,} patch rows; tower {args.width} wide, {args.depth} blocks; time: forward + "
              f"backward of the worst rank's share, CPU seconds, best of {args.repeats}.", "",
              f"`python -m benchmarks.bench_media_sp {' '.join(sys.argv[1:])}`".rstrip() + "", "",
              "| sp | rule | patch rows, worst rank | patch rows, all ranks / row's | tower s, worst rank |",

@@ -24,7 +24,8 @@ from tests.conftest import fixture_path
 VOCAB = 151936  # the Qwen2 / 2.5 / 3 vocabulary: every special id the processors give
 # the families whose video / audio conversations train exactly (train/families.py), and what their data may hold
 KINDS = {"qwen2_vl": ("image", "video"), "qwen2_5_vl": ("image", "video"), "qwen3_vl": ("image", "video"),
-         "qwen3_vl_moe": ("image", "video"), "qwen2_audio": ("audio",), "qwen2_5_omni_thinker": ("image", "video", "audio")}
+         "qwen3_vl_moe": ("image", "video"), "qwen2_audio": ("audio",),
+         "qwen2_5_omni_thinker": ("image", "video", "audio")}
 # small frames and few of them: 2 frames per second, at most 8 x 8 patches per frame
 QWEN2_VIDEOS = {"do_sample_frames": True, "fps": 2, "size": {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}}
 QWEN3_VIDEOS = {"do_sample_frames": True, "fps": 2, "size": {"shortest_edge": 64 * 64, "longest_edge": 128 * 128 * 4}}
@@ -167,11 +168,13 @@ def conversation(family: str, proc, record: dict) -> Conversation:
     if family == "qwen2_5_omni_thinker":
         reference["use_audio_in_video"] = bool(inside)
     items = []
-    for kind, index in order:
-        alone = proc(text=[proc.apply_chat_template([{"role": "user", "content": [{"type": kind, kind: "item"}]}],
-                                                    tokenize=False)], return_tensors="pt", **_media_kwargs(family, videos[index:index + 1] if kind == "video" else []),
-                     **({"images": [images[index]]} if kind == "image" else {"videos": [videos[index][0]]}
-                        if kind == "video" else {"audio": [audios[index]]}))
+    for kind, index in order:  # each item alone: one turn holding only it
+        alone_text = proc.apply_chat_template([{"role": "user", "content": [{"type": kind, kind: "item"}]}],
+                                              tokenize=False)
+        media = ({"images": [images[index]]} if kind == "image" else {"videos": [videos[index][0]]}
+                 if kind == "video" else {"audio": [audios[index]]})
+        alone = proc(text=[alone_text], return_tensors="pt", **media,
+                     **_media_kwargs(family, videos[index:index + 1] if kind == "video" else []))
         items.append((kind, {k: v for k, v in alone.items()
                              if k in MEDIA_KEYS[kind] and ONLY_IN.get(k, family) == family}))
     return Conversation(record["name"], reference, items, bool(inside))
@@ -327,7 +330,8 @@ def take_grads(lm) -> dict:
 
 
 def grad_error(got: dict, want: dict) -> float:
-    """The worst per-parameter relative difference (floor: 1e-3 of the largest gradient, as train/model/self_check.py)."""
+    """The worst per-parameter relative difference (floor: 1e-3 of the largest gradient, as
+    train/model/self_check.py)."""
     assert sorted(got) == sorted(want), sorted(set(got) ^ set(want))
     scale = max(float(g.abs().max()) for g in want.values())
     return max(float((got[n] - g).abs().max()) / max(float(g.abs().max()), 1e-3 * scale) for n, g in want.items())

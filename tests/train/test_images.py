@@ -1,4 +1,4 @@
-"""Image conversations in the trainer (train/model/images.py): packed rows of LLaMA-Factory's demo records, through the real
+"""Image conversations in the trainer (train/model/media.py): packed rows of LLaMA-Factory's demo records, through the real
 Qwen2.5-VL processor, train exactly as transformers' composite forward on each record alone with its pixel_values
 (loss and every gradient, tower trained or frozen, under gradient accumulation; data and sequence parallelism in
 two gloo processes), and the families without an exact image path are refused before any weight loads.
