@@ -87,7 +87,7 @@ def tiny_vl_model(model_type: str = "qwen2_5_vl", freeze_tower: bool = False):
                 p.mul_(6.0)
     if freeze_tower:
         freeze_towers(lm, vision_tower=True, projector=True)
-    return PackedCausalLM(lm, 16, 1, images=FAMILIES[model_type].images)
+    return PackedCausalLM(lm, 16, 1, media=FAMILIES[model_type].media, media_kinds=("image",))
 
 
 def targets_of(record: dict) -> torch.Tensor:
@@ -97,20 +97,24 @@ def targets_of(record: dict) -> torch.Tensor:
     return targets.masked_fill(targets == IMAGE_TOKEN, -100)
 
 
-def micro_batch(recs: list[dict], n_targets: int) -> dict:
+def micro_batch(recs: list[dict], n_targets: int):
     """The packed micro-batch of `recs` (one row) as train/steps/batch.py's make_batch lays it out, token weights 1 /
-    `n_targets` (the step's), with its ImageBatch."""
-    from train.model.vision import ImageBatch
+    `n_targets` (the step's), with its MediaBatch of images."""
+    from train.model.media_batch import MediaBatch
+    from train.steps.batch import MicroBatch
 
     ids = torch.cat([r["input_ids"] for r in recs])
     lengths = [r["input_ids"].numel() for r in recs]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     targets = torch.cat([targets_of(r) for r in recs])
-    return {"input_ids": ids[None], "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
-            "cu_seqlens": cu, "max_seqlen": max(lengths), "targets": targets,
-            "weights": (targets != -100).float() / n_targets, "target_categories": torch.zeros_like(targets),
-            "images": ImageBatch(torch.cat([r["pixel_values"] for r in recs]),
-                                 torch.cat([r["image_grid_thw"] for r in recs]))}
+    return MicroBatch(
+        input_ids=ids[None], position_ids=torch.cat([torch.arange(n) for n in lengths])[None],
+        seq_ids=torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)), cu_seqlens=cu,
+        max_seqlen=max(lengths), targets=targets, n_loss_tokens=int((targets != -100).sum()),
+        n_trained_turns=len(lengths), n_samples=len(lengths),
+        weights=(targets != -100).float() / n_targets, target_categories=torch.zeros_like(targets),
+        media=MediaBatch.of_images(torch.cat([r["pixel_values"] for r in recs]),
+                                   torch.cat([r["image_grid_thw"] for r in recs])))
 
 
 def n_targets(recs: list[dict]) -> int:
@@ -177,10 +181,10 @@ def packed_step(model, batches: list[dict], attention=None) -> tuple[float, dict
     model.lm.zero_grad(set_to_none=True)
     total = 0.0
     for batch in batches:
-        row = model.row_images(batch)  # on the whole row, before any sharding
+        row = model.row_media(batch)  # on the whole row, before any sharding
         local, attn = attention(batch)
         loss = model(local.input_ids, local.position_ids, local.targets, local.weights,
-                     local.target_categories, attn, images=row)[0]
+                     local.target_categories, attn, media=row)[0]
         loss.backward()
         total += float(loss.detach())
     return total, take_grads(model.lm)

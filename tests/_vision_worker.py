@@ -68,9 +68,9 @@ def worker(rank: int, world_size: int, port: int, out_path: str) -> None:
 
 def straddles(model, batch) -> bool:
     """An image's tokens lie on both sides of the sp = 2 boundary of the padded row."""
-    row = model.row_images(batch)
+    row = model.row_media(batch)
     half = -(-batch.input_ids.shape[1] // 2)
     before, after = set(row.feature_index[:half].tolist()), set(row.feature_index[half:].tolist())
-    offsets = row.feature_offsets
+    offsets = row.offsets
     return any(any(f in before for f in range(a, b)) and any(f in after for f in range(a, b))
                for a, b in zip(offsets[:-1], offsets[1:]))

@@ -168,6 +168,7 @@ FAMILY_OVERRIDES.update({
     "qwen2_vl_text": _mrope([2, 3, 3]), "qwen2_5_vl_text": _mrope([2, 3, 3]),
     "qwen3_vl_text": _mrope([2, 3, 3], mrope_interleaved=True),
     "qwen3_vl_moe_text": _mrope([2, 3, 3], mrope_interleaved=True),
+    "qwen2_5_omni_text": _mrope([2, 3, 3]),
     "glm4v_text": _mrope([1, 1, 2], partial_rotary_factor=0.5),
     "glm4v_moe_text": _mrope([1, 1, 2], partial_rotary_factor=0.5),
 })
@@ -199,7 +200,7 @@ def tiny_composite_config(model_type: str, **text_overrides):
         shrunk.update({k: v for k, v in TOWER_SHRINK.items() if k in shrunk})
         if isinstance(shrunk.get("layer_types"), list):  # rebuilt for the shrunk depth (LFM3-VL's tower)
             shrunk["layer_types"] = None
-        for k in ("out_hidden_size", "text_hidden_size"):
+        for k in ("out_hidden_size", "text_hidden_size", "output_dim"):
             if k in shrunk:
                 shrunk[k] = text.hidden_size
         kwargs[key] = shrunk

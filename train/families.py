@@ -8,7 +8,8 @@ per-family piece the trainer needs to train it exactly on packed rows; each modu
 - train/attention/function.py: whether its sliding window lives only in transformers' mask function;
 - train/model/moe.py: the config key of its router aux-loss coefficient;
 - train/model/patches/tiled_mlp.py: whether its decoder layers' feed-forwards can run in tiles of tokens (`untileable_mlp`);
-- train/model/images.py: how a composite trains on image conversations (`images`: an `ImageInputs`), or why it cannot;
+- train/model/media.py: how a composite trains on image, video and audio conversations (`media`: a `MediaInputs`), or
+  why it cannot;
 - train/model/experts.py: where its experts module lives, for expert parallelism (`experts`: an `ExpertsSpec`).
 The conformance suite (tests/train/test_families.py) is parametrized from this table: every `exact` family
 trains on a packed row exactly as transformers' own unpacked forward (its length-dependent ropes included), every
@@ -53,14 +54,50 @@ class Refusal:
     what_to_do: str = "train another family (docs/TRAINING.md, 'Supported models')"
 
 
-@dataclass(frozen=True)
-class ImageInputs:
-    """How a composite's image conversations train on packed rows (train/model/images.py runs it): its tower runs on the
-    micro-batch's images (`get_image_features(pixel_values, image_grid_thw)`), the features replace the embeddings of
-    its image tokens (`config.image_token_id`), and its M-RoPE positions are its own `get_rope_index` on each packed
-    sequence with that sequence's images."""
+MEDIA_KINDS = ("image", "video", "audio")  # what a conversation's media items are (train/model/media_batch.py)
 
+
+class Positions(Enum):
+    """How a composite computes the rotary positions of a conversation with media (train/model/media.py calls its own
+    function per packed sequence); the value is the phrase of the docs table."""
+
+    ONE_D = "1-D positions"  # Qwen2-Audio: text and audio tokens numbered alike, restarted per sequence
+    # Qwen2-VL / Qwen2.5-VL / Qwen3-VL: get_rope_index(ids, mm_token_type_ids, image_grid_thw, video_grid_thw
+    # [, second_per_grid_ts])
+    MROPE = "M-RoPE (its get_rope_index)"
+    # the Qwen2.5-Omni thinker: get_rope_index(ids, image_grid_thw, video_grid_thw, attention_mask,
+    # use_audio_in_video, audio_seqlens, second_per_grids): video and its audio aligned in time
+    OMNI = "time-aligned M-RoPE (its get_rope_index, audio inside video)"
+
+
+class AudioTower(Enum):
+    """How a composite turns one audio's `input_features` into the features of its audio tokens."""
+
+    GET_AUDIO_FEATURES = "get_audio_features"  # the Qwen2.5-Omni thinker's own function
+    # Qwen2-Audio has none: its forward runs `audio_tower` (padding masked) then `multi_modal_projector` and keeps
+    # each audio's first `_get_feat_extract_output_lengths` rows; train/model/media.py runs those same modules
+    PROJECTED = "audio_tower + multi_modal_projector"
+
+
+@dataclass(frozen=True)
+class MediaInputs:
+    """How a composite's image, video and audio conversations train on packed rows (train/model/media.py runs it): its
+    towers run on the media items of each rank's tokens (`get_image_features`, `get_video_features`, the audio tower
+    of `audio`), the features replace the embeddings of the items' placeholder tokens (`config.image_token_id`,
+    `video_token_id`, `audio_token_id`), and the positions are its own (`positions`) per packed sequence with that
+    sequence's items. `kinds`: the media kinds that train exactly; `refused`: kinds its checkpoints take that do not,
+    and why (any other kind: it has no tower for it)."""
+
+    kinds: tuple[str, ...]
+    positions: Positions = Positions.MROPE
     deepstack: bool = False  # Qwen3-VL: features of some tower layers added to the first decoder layers' states
+    audio: AudioTower | None = None
+    refused: tuple[tuple[str, Refusal], ...] = ()
+
+    def __post_init__(self):
+        unknown = set(self.kinds) - set(MEDIA_KINDS)
+        if unknown or ("audio" in self.kinds) != (self.audio is not None):
+            raise ValueError(f"MediaInputs: kinds {self.kinds} (audio needs its AudioTower, got {self.audio})")
 
 
 @dataclass(frozen=True)
@@ -96,16 +133,24 @@ class FamilySpec:
     text_family: str | None = None
     composite_only: bool = False  # a text decoder transformers builds only inside its composite (no *ForCausalLM)
     untileable_mlp: str | None = None  # why tiled_mlp (train/model/patches/tiled_mlp.py) cannot run its feed-forwards in tiles
-    # a composite's image conversations: how they train, or why they cannot (None: UNVERIFIED_IMAGES)
-    images: ImageInputs | Refusal | None = None
+    # a composite's image / video / audio conversations: how they train (per kind), or why none can (None: a
+    # composite's are not verified, `unverified_media`; a text model has no tower)
+    media: MediaInputs | Refusal | None = None
     experts: ExpertsSpec | None = None  # expert parallelism: where its experts live (None: refused under EP)
 
-    @property
-    def image_refusal(self) -> Refusal | None:
-        """Why image conversations cannot train on this family (None: they train exactly, `images`)."""
-        if isinstance(self.images, ImageInputs):
-            return None
-        return self.images or (UNVERIFIED_IMAGES if self.text_family else NO_IMAGES)
+    def media_refusal(self, kind: str, takes: bool = True) -> Refusal | None:
+        """Why `kind` conversations (image, video, audio) cannot train on this family (None: they train exactly,
+        `media`); `takes`: whether its checkpoints' forward takes that kind at all (train/model/support.py reads it
+        from the class)."""
+        if isinstance(self.media, MediaInputs):
+            if kind in self.media.kinds:
+                return None
+            return dict(self.media.refused).get(kind, no_tower(kind))
+        if self.media is not None:
+            return self.media
+        if not self.text_family:
+            return no_tower(kind, text_only=True)
+        return unverified_media(kind) if takes else no_tower(kind)
 
     @property
     def status(self) -> Literal["exact", "refused"]:
@@ -119,8 +164,9 @@ class FamilySpec:
         parts = [self.note or "causal attention"]
         if self.text_family:
             parts = [f"composite: text rows train its `{self.text_family}` decoder, towers kept (train/model/composite.py)"]
-            if self.image_refusal is None:
-                parts.append("image conversations: tower per micro-batch, M-RoPE per packed sequence (train/model/images.py)")
+            if isinstance(self.media, MediaInputs):
+                parts.append(f"{' / '.join(self.media.kinds)} conversations: towers per micro-batch, "
+                             f"{self.media.positions.value} per packed sequence (train/model/media.py)")
         elif self.composite_only:
             parts.append("trained inside its composite")
         if self.logits:
@@ -214,23 +260,58 @@ DYNAMIC_MASK = Refusal(
 POSITION_BIAS = Refusal(
     "its attention adds a learned relative-position bias (`position_bias`) that PackSFT's attention backends do not "
     "implement")
+AUDIO_LM = Refusal(
+    "an audio-language composite (an audio encoder and projector before a text decoder) that PackSFT has not "
+    "verified on packed rows, neither its text rows nor its audio",
+    "use a Qwen2-Audio checkpoint or a Qwen2.5-Omni thinker (docs/TRAINING.md, 'Video and audio conversations')")
+SPEECH_ENCODER_DECODER = Refusal(
+    "a speech encoder-decoder: the audio reaches the text decoder through cross-attention over the encoder's states, "
+    "which packed rows do not carry, and its decoder's positions and layers expect those states",
+    "use a Qwen2-Audio checkpoint or a Qwen2.5-Omni thinker (docs/TRAINING.md, 'Video and audio conversations')")
+WHOLE_OMNI = Refusal(
+    "the whole Omni model: its thinker (the text-generating composite) plus a talker and a speech generator that "
+    "produce audio, which no text loss trains",
+    "train its thinker: a `<family>_thinker` checkpoint (the `thinker_config` and the `thinker.*` weights)")
 DRAFT_MODEL = Refusal(
     "a draft (assistant) model for speculative decoding that reads the target model's hidden states: not a "
     "standalone causal LM", "fine-tune the target model (`gemma4_text`)")
 
-# why a composite's image conversations cannot train (`images`, train/model/images.py)
-UNVERIFIED_IMAGES = Refusal(
-    "PackSFT trains image conversations on the composites whose tower, image tokens and positions it reproduces "
-    "exactly on packed rows (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE); this family's are not verified packed = unpacked",
-    "train it on text rows (no `images` in the data), or use a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint")
-NO_IMAGES = Refusal("a text-only model: it has no vision tower", "use a composite (image-text-to-text) checkpoint")
+# why a composite's image / video / audio conversations cannot train (`media`, train/model/media.py)
+MEDIA_NAMES = {"image": "images", "video": "videos", "audio": "audios"}  # the data's lists
+
+
+def exact_media_families(kind: str) -> list[str]:
+    """The model types whose `kind` conversations train exactly (the table's `media`), sorted."""
+    return sorted(t for t, spec in FAMILIES.items() if isinstance(spec.media, MediaInputs) and kind in spec.media.kinds)
+
+
+def unverified_media(kind: str) -> Refusal:
+    """A composite whose `kind` path PackSFT does not reproduce (the default of a composite without `media`)."""
+    exact = ", ".join(exact_media_families(kind))
+    return Refusal(
+        f"PackSFT trains {kind} conversations on the composites whose tower, {kind} tokens and positions it reproduces "
+        f"exactly on packed rows ({exact}); this family's are not verified packed = unpacked",
+        f"train it on text rows (no `{MEDIA_NAMES[kind]}` in the data), or use a checkpoint of {exact}")
+
+
+def no_tower(kind: str, text_only: bool = False) -> Refusal:
+    """A model that takes no `kind`: a text-only model (no tower at all), or a composite without that input."""
+    why = (f"a text-only model: it has no {'audio' if kind == 'audio' else 'vision'} tower" if text_only
+           else f"its forward takes no {kind} input")
+    return Refusal(why, f"drop the `{MEDIA_NAMES[kind]}` from the data, or use a checkpoint of "
+                        f"{', '.join(exact_media_families(kind))}")
+
+
 BIDIRECTIONAL_IMAGES = Refusal(
     "the tokens of one image attend to each other bidirectionally (its forward builds that mask from "
     "`token_type_ids`), which PackSFT's causal packed attention does not express; and its SigLIP tower takes whole "
     "resized images, not the patch rows the data pipeline stores",
     "train it on text rows (no `images` in the data), or use a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint")
-QWEN_VL_IMAGES = ImageInputs()
-QWEN3_VL_IMAGES = ImageInputs(deepstack=True)
+GEMMA3_MEDIA = MediaInputs((), refused=(("image", BIDIRECTIONAL_IMAGES),))
+QWEN_VL_MEDIA = MediaInputs(("image", "video"))
+QWEN3_VL_MEDIA = MediaInputs(("image", "video"), deepstack=True)
+QWEN2_AUDIO_MEDIA = MediaInputs(("audio",), Positions.ONE_D, audio=AudioTower.PROJECTED)
+OMNI_MEDIA = MediaInputs(("image", "video", "audio"), Positions.OMNI, audio=AudioTower.GET_AUDIO_FEATURES)
 
 # why a family's feed-forwards cannot run in tiles (`untileable_mlp`, train/model/patches/tiled_mlp.py)
 NO_MLP_MODULE = ("its decoder layers have no feed-forward module (`mlp`, `feed_forward`, `block_sparse_moe`, `ffn`) "
@@ -433,7 +514,7 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _exact("starcoder2", WINDOW),
     _refused("trocr", ENCODER_DECODER),
     _exact("vaultgemma", ATTENTION_SOFTCAP, logits=SOFTCAPPED),
-    _exact("whisper", untileable_mlp=NO_MLP_MODULE),
+    _exact("whisper", untileable_mlp=NO_MLP_MODULE, media=SPEECH_ENCODER_DECODER),  # its decoder alone on text
     _refused("xglm", OWN_ATTENTION),
     _refused("xlm", ENCODER),
     _refused("xlm-roberta", ENCODER),
@@ -472,7 +553,7 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _composite("fast_vlm", "qwen2", TIMM_TOWER),
     _composite("florence2", "bart"),
     _composite("fuyu", "persimmon"),
-    _composite("gemma3", "gemma3_text", images=BIDIRECTIONAL_IMAGES),
+    _composite("gemma3", "gemma3_text", media=GEMMA3_MEDIA),
     _composite("gemma3n", "gemma3n_text", TIMM_TOWER, logits=SOFTCAPPED),
     _composite("gemma4", "gemma4_text", logits=SOFTCAPPED),
     _composite("gemma4_unified", "gemma4_unified_text", logits=SOFTCAPPED),
@@ -531,16 +612,21 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _composite("pp_chart2table", "qwen2"),
     _refused("pp_formulanet", MULTIMODAL),
     _composite("qianfan_ocr", "qwen3"),
-    _refused("qwen2_5_omni_thinker", MULTIMODAL),
-    _composite("qwen2_5_vl", "qwen2_5_vl_text", images=QWEN_VL_IMAGES),
+    _refused("qwen2_5_omni", WHOLE_OMNI),
+    _exact("qwen2_5_omni_text", MROPE, composite_only=True),
+    _composite("qwen2_5_omni_thinker", "qwen2_5_omni_text", media=OMNI_MEDIA),
+    _composite("qwen2_5_vl", "qwen2_5_vl_text", media=QWEN_VL_MEDIA),
     _exact("qwen2_5_vl_text", MROPE, composite_only=True),
-    _composite("qwen2_vl", "qwen2_vl_text", images=QWEN_VL_IMAGES),
+    _composite("qwen2_audio", "qwen2", media=QWEN2_AUDIO_MEDIA),
+    _composite("qwen2_vl", "qwen2_vl_text", media=QWEN_VL_MEDIA),
     _exact("qwen2_vl_text", MROPE, composite_only=True),
     _composite("qwen3_5", "qwen3_5_text"),
     _composite("qwen3_5_moe", "qwen3_5_moe_text"),
+    _refused("qwen3_asr", AUDIO_LM),
+    _refused("qwen3_omni_moe", WHOLE_OMNI),
     _refused("qwen3_omni_moe_thinker", MULTIMODAL),
-    _composite("qwen3_vl", "qwen3_vl_text", images=QWEN3_VL_IMAGES),
-    _composite("qwen3_vl_moe", "qwen3_vl_moe_text", images=QWEN3_VL_IMAGES),
+    _composite("qwen3_vl", "qwen3_vl_text", media=QWEN3_VL_MEDIA),
+    _composite("qwen3_vl_moe", "qwen3_vl_moe_text", media=QWEN3_VL_MEDIA),
     _exact("qwen3_vl_moe_text", MROPE, composite_only=True, experts=ExpertsSpec()),
     _exact("qwen3_vl_text", MROPE, composite_only=True),
     _composite("qwen4_exp", "qwen4_exp_text"),
@@ -554,6 +640,30 @@ FAMILIES: dict[str, FamilySpec] = _table(
     _composite("video_llava", "llama"),
     _composite("vipllava", "llama"),
     _composite("vision-encoder-decoder", "bert"),
+    # The other models of transformers' multimodal-LM, seq2seq-causal-LM and speech-seq2seq mappings that take
+    # audio (tests/train/test_media.py enumerates them): audio-language composites and speech encoder-decoders.
+    _refused("audioflamingo3", AUDIO_LM),
+    _refused("canary", SPEECH_ENCODER_DECODER),
+    _refused("cohere_asr", SPEECH_ENCODER_DECODER),
+    _refused("fun_asr_nano", AUDIO_LM),
+    _refused("glmasr", AUDIO_LM),
+    _refused("granite_speech", AUDIO_LM),
+    _refused("granite_speech_plus", AUDIO_LM),
+    _refused("kyutai_speech_to_text", AUDIO_LM),
+    _refused("moonshine", SPEECH_ENCODER_DECODER),
+    _refused("moonshine_streaming", SPEECH_ENCODER_DECODER),
+    _refused("musicflamingo", AUDIO_LM),
+    _refused("nemo_speechlm", AUDIO_LM),
+    _refused("pop2piano", SPEECH_ENCODER_DECODER),
+    _refused("seamless_m4t", SPEECH_ENCODER_DECODER),
+    _refused("seamless_m4t_v2", SPEECH_ENCODER_DECODER),
+    _refused("speech-encoder-decoder", SPEECH_ENCODER_DECODER),
+    _refused("speech_to_text", SPEECH_ENCODER_DECODER),
+    _refused("speecht5", SPEECH_ENCODER_DECODER),
+    _refused("vibevoice", SPEECH_ENCODER_DECODER),
+    _refused("vibevoice_asr", AUDIO_LM),
+    _refused("voxtral", AUDIO_LM),
+    _refused("voxtral_realtime", AUDIO_LM),
 )
 
 

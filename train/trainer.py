@@ -84,13 +84,13 @@ class Trainer:
         # not part of the step's totals, which may be smaller than its own: build it with its own, then zero it
         totals = step_totals(self.dataset, rows) if filler else plan.totals
         batch = make_batch([self.dataset[r] for r in rows], totals, self.plan.loss.reduction,
-                           structure=self.plan.data.structure, images=self.run.image_loader)
+                           structure=self.plan.data.structure, media=self.run.media_loader)
         return batch.as_filler() if filler else batch
 
     def forward_micro_batch(self, batch: MicroBatch, filler: bool = False):
         """(weighted_sum, cat_loss_sum, cat_count, router_aux) of this rank's part of one full micro-batch;
         router_aux: this rank's share of the micro-batch's router aux term (PackedCausalLM), None without one."""
-        images = self.model.row_images(batch)  # on the whole row, before sequence-parallel sharding
+        media = self.model.row_media(batch)  # on the whole row, before sequence-parallel sharding
         batch, attn = self.plan.attention.context(batch)
         dev = self.device
 
@@ -109,7 +109,7 @@ class Trainer:
                 to_dev(batch.weights).reshape(-1),
                 to_dev(batch.target_categories).reshape(-1),
                 attn,
-                images=images,
+                media=media,
                 **router,
             )
         return out if self.plan.loss.router_aux is not None else (*out, None)
@@ -202,7 +202,7 @@ class Trainer:
         for k in range(n_iter):
             filler = k >= len(mine)
             batch = make_batch([ds[mine[k] if not filler else 0]], totals, "token",
-                               structure=self.plan.data.structure, images=self.run.image_loader)
+                               structure=self.plan.data.structure, media=self.run.media_loader)
             weighted, cat_sum, cat_count = self.forward_micro_batch(batch.as_filler() if filler else batch,
                                                                     filler=filler)[:3]
             local[0] += weighted.double().cpu()

@@ -321,17 +321,18 @@ def test_example_tokenizes_to_the_processors_ids_with_exact_masks(tmp_path, monk
     stats = json.loads((tmp_path / "out" / "packed" / "stats.json").read_text())
     assert stats["images"] == 8
     # the micro-batch: pixel values of the rows' images, in the order of their token runs, as the processor gives
-    rows = [packed[i] for i in range(len(packed))]
-    batch = make_batch(rows, StepTotals(10 ** 6, 10 ** 6, 10 ** 6), "token", images=ImageLoader.of(packed.meta))
-    images = batch.images
-    grids = np.concatenate([r["image_grid_thw"] for r in rows])
-    assert images.image_grid_thw.tolist() == grids.tolist() and len(images) == 8
-    order = [merged[int(k)]["meta"]["uid"] for r in rows for k in r["record_index"]]
-    want = [_reference(processor, records[uid], **limits)["pixel_values"] for uid in order]
     import torch
 
-    assert torch.equal(images.pixel_values, torch.cat(want))
-    assert int((batch.input_ids == IMAGE_PAD).sum()) == int(images.image_grid_thw.prod(-1).sum()) // 4
+    rows = [packed[i] for i in range(len(packed))]
+    batch = make_batch(rows, StepTotals(10 ** 6, 10 ** 6, 10 ** 6), "token", images=ImageLoader.of(packed.meta))
+    images = batch.media
+    grids = np.concatenate([r["image_grid_thw"] for r in rows])
+    image_grid_thw = torch.cat([inputs["image_grid_thw"] for _, inputs in images.items])
+    assert image_grid_thw.tolist() == grids.tolist() and len(images) == 8 and images.kinds == {"image"}
+    order = [merged[int(k)]["meta"]["uid"] for r in rows for k in r["record_index"]]
+    want = [_reference(processor, records[uid], **limits)["pixel_values"] for uid in order]
+    assert torch.equal(torch.cat([inputs["pixel_values"] for _, inputs in images.items]), torch.cat(want))
+    assert int((batch.input_ids == IMAGE_PAD).sum()) == int(image_grid_thw.prod(-1).sum()) // 4
     # online packing of tokenized/ carries the images of its rows the same way
     from train.steps.online import open_train_dataset
 
@@ -339,7 +340,7 @@ def test_example_tokenizes_to_the_processors_ids_with_exact_masks(tmp_path, monk
     rows = [online[i] for i in range(len(online))]
     batch = make_batch(rows, StepTotals(10 ** 6, 10 ** 6, 10 ** 6), "token", images=ImageLoader.of(online.meta))
     pads = sum(int((tokenized[i]["input_ids"] == IMAGE_PAD).sum()) for i in range(len(tokenized)))
-    assert len(batch.images) == 8 and int((batch.input_ids == IMAGE_PAD).sum()) == pads
+    assert len(batch.media) == 8 and int((batch.input_ids == IMAGE_PAD).sum()) == pads
 
 
 @pytest.mark.vision

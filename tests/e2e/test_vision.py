@@ -93,8 +93,9 @@ def test_one_process_trains_evaluates_and_exports_a_composite(reference, packed)
     assert [r["step"] for r in log] == list(range(1, STEPS + 1))
     assert all(r["loss"] > 0 and r["grad_norm"] > 0 for r in log)
     assert "eval_loss" in log[-1] and log[-1]["eval_loss"] > 0 and "eval_loss" not in log[0]
-    assert any(line.startswith("self-check: packed = unpacked on 4 sequences (4 with images") for line in lines), lines
-    assert any("images on: the vision tower (trained) runs once per micro-batch" in line for line in lines), lines
+    assert any(line.startswith("self-check: packed = unpacked on 4 sequences (4 with media") for line in lines), lines
+    assert any("media on: images (trained tower): each tower runs once per micro-batch" in line
+               for line in lines), lines
     assert any(line.startswith("attention: sdpa on 2 layers: causal") for line in lines), lines  # not the tower's
     final = out / "final"
     for name in ("preprocessor_config.json", "chat_template.json"):  # the processor's files, from tokenizer_path

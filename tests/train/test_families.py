@@ -10,7 +10,7 @@ transform of its spec with non-trivial values):
 - `refused`: `check_model_support` stops it before any weight is loaded, naming the family and the reason.
 - composite checkpoints (`text_family`, train/model/composite.py): the composite class itself, towers loaded, against its own
   forward on each sequence alone (tests/model_zoo.py's `tiny_composite_config`: the text decoder's tiny config,
-  shrunk towers); every composite of transformers' image-text-to-text mapping is classified.
+  shrunk towers); every composite of transformers' image-text-to-text and multimodal-LM mappings is classified.
 A causal LM of transformers' auto mapping that the table does not classify fails `test_every_family_is_classified`:
 a new transformers release that adds a family fails this suite until it is classified.
 """
@@ -24,8 +24,9 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING,
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    MODEL_FOR_MULTIMODAL_LM_MAPPING,
+    MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES,
 )
 
 from tests.model_zoo import VOCAB, tiny_composite_config, tiny_config
@@ -65,17 +66,19 @@ def test_the_table_names_only_real_families():
     assert not stale, f"train/families.py has specs of model types transformers does not have: {stale}"
     not_causal = sorted(set(EXACT) - set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
     assert not not_causal, f"exact families that AutoModelForCausalLM cannot build: {not_causal}"
-    not_composite = sorted(set(EXACT_COMPOSITES) - set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES))
-    assert not not_composite, f"exact composites that AutoModelForImageTextToText cannot build: {not_composite}"
+    not_composite = sorted(set(EXACT_COMPOSITES) - set(MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES))
+    assert not not_composite, f"exact composites that AutoModelForMultimodalLM cannot build: {not_composite}"
     decoders = {spec.text_family for spec in FAMILIES.values()}
     orphans = sorted(t for t, spec in FAMILIES.items() if spec.composite_only and t not in decoders)
     assert not orphans, f"composite-only text decoders that no composite of the table names: {orphans}"
 
 
 def test_every_composite_is_classified():
-    unclassified = sorted(set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES) - set(FAMILIES))
+    composites = set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES) | set(MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES)
+    unclassified = sorted(composites - set(FAMILIES))
     assert not unclassified, (
-        f"composites of transformers' image-text-to-text mapping with no spec in train/families.py: {unclassified}")
+        f"composites of transformers' image-text-to-text and multimodal-LM mappings with no spec in "
+        f"train/families.py: {unclassified}")
 
 
 @pytest.mark.parametrize("model_type", REFUSED)
@@ -118,7 +121,7 @@ def test_exact_composite_packed_equals_unpacked(model_type):
     included."""
     config = tiny_composite_config(model_type)
     assert check_model_support(config) == "exact"
-    result = _packed_check(config, SEQUENCE_LENGTHS, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
+    result = _packed_check(config, SEQUENCE_LENGTHS, MODEL_FOR_MULTIMODAL_LM_MAPPING)
     assert result.ok, f"{model_type}: {result.describe()}"
     assert result.loss_error <= COMPOSITE_LOSS_BAR and result.grad_error <= COMPOSITE_GRAD_BAR, result.describe()
 

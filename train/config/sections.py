@@ -128,7 +128,8 @@ class ModelSection:
     # keep the checkpointed layer inputs in pinned host memory until backward (needs gradient_checkpointing)
     activation_offload: bool = False
     # composite (multimodal) checkpoints trained on text (train/model/composite.py): keep the towers / projectors frozen
-    freeze_vision_tower: bool = True  # vision / audio towers
+    freeze_vision_tower: bool = True  # vision towers (and every tower of a composite that is not an audio one)
+    freeze_audio_tower: bool = True  # audio towers (Qwen2-Audio's, the Omni thinker's `audio_tower`)
     freeze_multi_modal_projector: bool = True  # the projectors between a tower and the text decoder
 
     def checkpointing_enabled(self, row_length: int) -> bool:

@@ -4,7 +4,7 @@ A composite checkpoint is a `*ForConditionalGeneration`: `model.<towers>` (visio
 beside `model.language_model` (the text decoder, `get_decoder()`) and `lm_head`. On text rows its forward only
 embeds the tokens and runs the text decoder and the head, so PackSFT loads the composite with its own class (the
 image-text-to-text mapping's), trains the text decoder and the head through the packed path, and keeps the towers
-loaded (by default frozen: `freeze_vision_tower`, `freeze_multi_modal_projector`), so `final/` is the same composite
+loaded (by default frozen: `freeze_vision_tower`, `freeze_audio_tower`, `freeze_multi_modal_projector`), so `final/` is the same composite
 again, every key of the checkpoint under its own name. Which composites train exactly is their `FamilySpec` in
 train/families.py (`text_family`: the text decoder's model type); the conformance suite checks each exact one
 against the composite's own forward on each sequence alone.
@@ -29,6 +29,8 @@ PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_p
                    "chat_template.json", "chat_template.jinja", "additional_chat_templates")
 # a tower module whose name says it maps a tower's output into the text embedding space (freeze_multi_modal_projector)
 PROJECTOR = re.compile(r"projector|projection|connector|merger|aligner|adapter|resampler|embed_vision|embed_audio")
+# a tower module whose name says it encodes audio (freeze_audio_tower; every other tower is freeze_vision_tower's)
+AUDIO_TOWER = re.compile(r"audio")
 
 
 def is_composite(config) -> bool:
@@ -38,11 +40,12 @@ def is_composite(config) -> bool:
 
 
 def auto_model_class(config):
-    """The transformers auto class that loads this checkpoint: the composite's own class for a composite, else the
-    causal LM."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    """The transformers auto class that loads this checkpoint: for a composite the multimodal-LM mapping's (the
+    image-text-to-text composites and the audio ones, Qwen2-Audio's: the composite's own class), else the causal
+    LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForMultimodalLM
 
-    return AutoModelForImageTextToText if is_composite(config) else AutoModelForCausalLM
+    return AutoModelForMultimodalLM if is_composite(config) else AutoModelForCausalLM
 
 
 def attn_implementation(config, implementation: str):
@@ -100,13 +103,18 @@ def check_composite_structure(composite: nn.Module) -> None:
             "output embedding; the loss would skip them")
 
 
-def freeze_towers(composite: nn.Module, vision_tower: bool, projector: bool) -> list[str]:
-    """Freeze the towers (`vision_tower`) and the projectors (`projector`, names matching PROJECTOR) of a composite;
-    the names of the frozen modules. Text rows give them no gradient either way; frozen, they hold no optimizer
-    state and export bitwise unchanged."""
+def freeze_towers(composite: nn.Module, vision_tower: bool, projector: bool, audio_tower: bool = True) -> list[str]:
+    """Freeze the towers (`vision_tower`; `audio_tower` for the audio ones, names matching AUDIO_TOWER) and the
+    projectors (`projector`, names matching PROJECTOR) of a composite; the names of the frozen modules. Text rows give
+    them no gradient either way; frozen, they hold no optimizer state and export bitwise unchanged."""
     frozen = []
     for name, module in towers_of(composite).items():
-        if projector if PROJECTOR.search(name.rpartition(".")[2]) else vision_tower:
+        child = name.rpartition(".")[2]
+        if PROJECTOR.search(child):
+            freeze = projector
+        else:
+            freeze = audio_tower if AUDIO_TOWER.search(child) else vision_tower
+        if freeze:
             module.requires_grad_(False)
             frozen.append(name)
     return frozen

@@ -13,8 +13,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from train.attention.function import ATTN_IMPLEMENTATION, AttentionContext
 from train.model.composite import attn_implementation, attn_implementations, auto_model_class, freeze_towers, is_composite
 from train.config.sections import TrainConfig
-from train.families import ImageInputs
-from train.model.images import RowImages, VisionPath
+from train.families import MediaInputs
+from train.model.media import MediaPath, RowMedia
 from train.model.lm_head import decoder_of, lm_head_of
 from train.model.loss import weighted_lm_loss
 from train.model.self_check import check_complete_weights, check_finite_weights
@@ -29,15 +29,16 @@ class PackedCausalLM(nn.Module):
     The lm-head weight is used here, outside lm_head.forward; under ZeRO-3 it is registered as an external
     parameter of this module so DeepSpeed gathers it around this forward (and reduces its gradient).
     With `router_aux` (MoE, train/model/moe.py) the forward also returns this rank's share of the router aux term.
-    With `images` (a composite's `ImageInputs`, the data holds images) the forward takes each micro-batch's
-    `RowImages` (`row_images`) and runs the tower (train/model/images.py).
+    With `media` (a composite's `MediaInputs`, the data holds images, videos or audios: `media_kinds`) the forward
+    takes each micro-batch's `RowMedia` (`row_media`) and runs the towers (train/model/media.py).
     """
 
     def __init__(self, lm: nn.Module, chunk_size: int, num_categories: int, zero3: bool = False,
-                 router_aux: RouterAux | None = None, fused_loss: bool = False, images: ImageInputs | None = None):
+                 router_aux: RouterAux | None = None, fused_loss: bool = False, media: MediaInputs | None = None,
+                 media_kinds=None):
         super().__init__()
         self.lm = lm
-        self.vision = VisionPath(lm, images) if images is not None else None
+        self.media = MediaPath(lm, media, media_kinds) if media is not None else None
         self.chunk_size = chunk_size
         self.fused_loss = fused_loss  # train.model.loss's compiled chunk softmax and gradient
         self.num_categories = num_categories
@@ -59,27 +60,27 @@ class PackedCausalLM(nn.Module):
                 if p is not None:
                     deepspeed.zero.register_external_parameter(self, p)
 
-    def row_images(self, batch) -> RowImages | None:
-        """The images of a whole micro-batch of train/steps/batch.py (`batch.images`, None: none in its rows), prepared
-        on its whole row before sequence-parallel sharding; None when the run has no image path (text data)."""
-        if self.vision is None:
+    def row_media(self, batch) -> RowMedia | None:
+        """The media of a whole micro-batch of train/steps/batch.py (`batch.media`, None: none in its rows), prepared
+        on its whole row before sequence-parallel sharding; None when the run has no media path (text data)."""
+        if self.media is None:
             return None
-        return self.vision.prepare(self.lm, batch.input_ids, batch.cu_seqlens, batch.images)
+        return self.media.prepare(self.lm, batch.input_ids, batch.cu_seqlens, batch.media)
 
     def forward(self, input_ids, position_ids, targets, weights, target_categories, attn: AttentionContext,
-                router_tokens: torch.Tensor | None = None, images: RowImages | None = None):
+                router_tokens: torch.Tensor | None = None, media: RowMedia | None = None):
         """weighted_lm_loss's (weighted_sum, cat_loss_sum, cat_count); with `router_aux`, a fourth value: this
         rank's share of coef * the micro-batch's load-balancing loss over `router_tokens` ([L] 1.0 for a real
-        token, 0.0 for sequence-parallel padding or a filler row; None: every token is real). `images`: the
-        micro-batch's `row_images` (the tower runs, its features replace the image tokens' embeddings, and the
-        M-RoPE positions replace `position_ids`)."""
+        token, 0.0 for sequence-parallel padding or a filler row; None: every token is real). `media`: the
+        micro-batch's `row_media` (the towers run, their features replace the media tokens' embeddings, and the
+        family's M-RoPE positions replace `position_ids`)."""
         if self.recurrent:  # left set after the forward: activation-checkpoint recomputation in backward reads it
             self.recurrent.set_row(attn.bounds)  # the micro-batch's Row (train/row.py), its index tensors cached
         if self.ropes:
             self.ropes.set_row(attn.bounds)
         inputs = {"input_ids": input_ids, "position_ids": position_ids}
-        if images is not None:
-            inputs = self.vision.decoder_inputs(self.lm, input_ids, images, attn.sp)
+        if media is not None:
+            inputs = {"position_ids": position_ids, **self.media.decoder_inputs(self.lm, input_ids, media, attn.sp)}
         outputs = decoder_of(self.lm)(**inputs, use_cache=False, packsft=attn, **self._router_kwargs)
         head = self.lm.get_output_embeddings()
         lm_loss = weighted_lm_loss(
@@ -127,7 +128,8 @@ def build_lm(cfg: TrainConfig, model_config, dtype: torch.dtype, memory=None) ->
     lm.config.use_cache = False
     if is_composite(lm.config):
         lm.config.get_text_config().use_cache = False
-        freeze_towers(lm, cfg.model.freeze_vision_tower, cfg.model.freeze_multi_modal_projector)
+        freeze_towers(lm, cfg.model.freeze_vision_tower, cfg.model.freeze_multi_modal_projector,
+                      cfg.model.freeze_audio_tower)
     if cfg.model.liger:
         # fused RMSNorm / SwiGLU / RoPE (Triton); the loss stays PackSFT's chunked weighted loss, so Liger's cross
         # entropy kernels are not used
@@ -188,8 +190,8 @@ def model_features(cfg: TrainConfig, lm: nn.Module, model: PackedCausalLM, memor
         features.append("Liger kernels")
     if cfg.model.tiled_mlp:
         features.append(describe_tiling(lm))
-    if model.vision is not None:
-        features.append(model.vision.describe())
+    if model.media is not None:
+        features.append(model.media.describe(lm))
     if cfg.model.activation_offload and memory.checkpointing:
         features.append("checkpointed inputs offloaded to host memory")
     if cfg.lora.lora_rank > 0:

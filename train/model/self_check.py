@@ -133,11 +133,11 @@ def _gradient_errors(packed: dict, reference: dict, probe: bool) -> tuple[float,
 
 def compare_packed_with_reference(model, sequences: list[torch.Tensor], kernels: LayerKernels, *,
                                   gradient_probe: bool = False, seed: int = 1234,
-                                  autocast: torch.autocast | None = None, images: list | None = None) -> PackedCheck:
+                                  autocast: torch.autocast | None = None, media: list | None = None) -> PackedCheck:
     """`model`: a `train.model.packed.PackedCausalLM` (weights on their device); `sequences`: 1-D token id tensors
     (at least 2 tokens each); `kernels`: what the packed run's layers run (the attention plan's packed kernels);
-    `images` (a model with an image path): each sequence's `ImageBatch` or None, run through the tower packed and
-    given to the composite's own forward as `pixel_values` per sequence (image tokens are never targets).
+    `media` (a model with a media path): each sequence's `MediaBatch` or None, run through the towers packed and
+    given to the composite's own forward per sequence as its processor gives them (media tokens are never targets).
     Gradients of the model are left cleared."""
     if not sequences or any(s.numel() < 2 for s in sequences):
         raise ValueError("the packed/unpacked comparison needs sequences of at least 2 tokens")
@@ -155,21 +155,22 @@ def compare_packed_with_reference(model, sequences: list[torch.Tensor], kernels:
     model.eval()  # no dropout: both runs must see the same function (gradients are still computed)
     try:
         return _compare(model, lm, params, sequences, device, dtype, guard, gradient_probe, seed, kernels,
-                        images or [None] * len(sequences))
+                        media or [None] * len(sequences))
     finally:
         model.train(was_training)
 
 
 def _targets(model, seq: torch.Tensor) -> torch.Tensor:
-    """The next token of every token of `seq` (-100 after the last, and where the next is an image token)."""
+    """The next token of every token of `seq` (-100 after the last, and where the next is a media token)."""
     targets = torch.cat([seq[1:], torch.full((1,), -100, dtype=torch.long, device=seq.device)])
-    if model.vision is not None:
-        targets = targets.masked_fill(targets == model.vision.image_token_id, -100)
+    if model.media is not None:
+        for token in model.media.token_ids.values():
+            targets = targets.masked_fill(targets == token, -100)
     return targets
 
 
 def _compare(model, lm, params, sequences, device, dtype, guard, gradient_probe, seed, kernels,
-             images) -> PackedCheck:
+             media) -> PackedCheck:
     n_targets = sum(int((_targets(model, s) != -100).sum()) for s in sequences)
     with model.unpacked(), guard:
         total = None
@@ -177,10 +178,10 @@ def _compare(model, lm, params, sequences, device, dtype, guard, gradient_probe,
         # so in this order each sequence gets those of its own length, as alone in a fresh model (train/model/patches/rope.py)
         for k in sorted(range(len(sequences)), key=lambda k: len(sequences[k])):
             seq, extra = sequences[k], {}
-            if images[k] is not None:  # the composite's own image path: its tower, placement and M-RoPE positions
-                extra = {"pixel_values": images[k].pixel_values.to(device),
-                         "image_grid_thw": images[k].image_grid_thw.to(device),
-                         "mm_token_type_ids": (seq == model.vision.image_token_id).int()[None]}
+            if media[k] is not None:  # the composite's own media path: its towers, placement and positions
+                model.media.reset_positions(lm)
+                extra = {key: value.to(device) if torch.is_tensor(value) else value for key, value in
+                         model.media.forward_inputs(seq.cpu(), media[k].items, media[k].audio_in_video_of(0)).items()}
             logits = lm(input_ids=seq[None], use_cache=False, **extra).logits[0].float()
             ce = F.cross_entropy(logits, _targets(model, seq), reduction="sum") / n_targets
             total = ce if total is None else total + ce
@@ -196,15 +197,15 @@ def _compare(model, lm, params, sequences, device, dtype, guard, gradient_probe,
                       dtype=torch.int32)
     attn = AttentionContext.for_micro_batch(cu, device, kernels)
     row = None
-    if any(image is not None for image in images):
-        from train.model.vision import ImageBatch
+    if any(m is not None for m in media):
+        from train.model.media_batch import MediaBatch
 
-        present = [image for image in images if image is not None]
-        row = model.vision.prepare(lm, ids, cu, ImageBatch(torch.cat([i.pixel_values for i in present]),
-                                                           torch.cat([i.image_grid_thw for i in present])))
+        present = MediaBatch([item for m in media if m is not None for item in m.items],
+                             [m is not None and m.audio_in_video_of(0) for m in media])
+        row = model.media.prepare(lm, ids.cpu(), cu, present)
     with guard:
         loss = model(ids[None], positions[None], targets, weights, torch.zeros_like(targets), attn,
-                     images=row)[0]  # LM loss
+                     media=row)[0]  # LM loss
     loss.backward()
     loss_packed = float(loss.detach())
     packed = _gradient_summary(params, gradient_probe, seed)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from common.errors import PackSFTError
-from train.families import FAMILIES, ImageInputs, text_config
+from train.families import FAMILIES, MEDIA_KINDS, MEDIA_NAMES, MediaInputs, exact_media_families, text_config
 
 
 class UnsupportedModelError(PackSFTError, ValueError):
@@ -112,22 +112,54 @@ def check_model_support(config, *, self_check: bool = True) -> str:
     return "unverified" if spec is None else spec.status
 
 
-def check_image_support(config) -> ImageInputs:
-    """How image conversations train on this model (its family's `images`), or UnsupportedModelError naming the
-    family and the reason: read from the config, before any weight loads."""
+# the forward arguments through which a composite class takes each media kind (what `takes_media` looks for)
+MEDIA_ARGUMENTS = {
+    "image": ("pixel_values", "image_embeds"),
+    "video": ("pixel_values_videos", "video_values"),
+    "audio": ("input_features", "input_values", "audio_values", "input_audio_embeds", "audio_input_features",
+              "audio_input_ids"),
+}
+
+
+def takes_media(config, kind: str) -> bool:
+    """Whether the class transformers builds for `config` (a composite's, from the multimodal-LM mapping; else the
+    causal LM's; no weights) has a forward argument for `kind` (MEDIA_ARGUMENTS): what a refusal says, 'not
+    verified' or 'takes none'."""
+    import inspect
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MULTIMODAL_LM_MAPPING
+
+    for mapping in (MODEL_FOR_MULTIMODAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING):
+        if type(config) in mapping:
+            parameters = inspect.signature(mapping[type(config)].forward).parameters
+            return any(arg in parameters for arg in MEDIA_ARGUMENTS[kind])
+    return True  # a type transformers cannot build here: say it is not verified
+
+
+def check_media_support(config, kinds) -> MediaInputs:
+    """How image / video / audio conversations (`kinds`: those the data holds) train on this model (its family's
+    `media`), or UnsupportedModelError naming the family, the kind and the reason: read from the config, before any
+    weight loads."""
     model_type = model_type_of(config)
     spec = FAMILIES.get(model_type)
+    kinds = [kind for kind in MEDIA_KINDS if kind in set(kinds)]
+    listed = " / ".join(MEDIA_NAMES[kind] for kind in kinds)
     if spec is None:
         raise UnsupportedModelError(
-            f"model family {model_type!r} cannot train on image conversations: not in PackSFT's table "
-            "(train/families.py), so nothing says how its tower, image tokens and positions run on packed rows. What "
-            "to do: use a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint, or data without images.")
-    refusal = spec.image_refusal
-    if refusal is not None:
+            f"model family {model_type!r} cannot train on {listed} (the data holds them): not in PackSFT's table "
+            "(train/families.py), so nothing says how its towers, media tokens and positions run on packed rows. "
+            f"What to do: use a checkpoint of {', '.join(exact_media_families(kinds[0]))}, or data without them.")
+    if spec.refusal is not None:
         raise UnsupportedModelError(
-            f"model family {model_type!r} cannot train on image conversations (the data holds images): "
-            f"{refusal.why}. What to do: {refusal.what_to_do.replace('<family>', model_type)}.")
-    return spec.images
+            f"model family {model_type!r} cannot be trained on packed rows: {spec.refusal.why}. "
+            f"What to do: {spec.refusal.what_to_do.replace('<family>', model_type)}.")
+    for kind in kinds:
+        refusal = spec.media_refusal(kind, takes_media(config, kind))
+        if refusal is not None:
+            raise UnsupportedModelError(
+                f"model family {model_type!r} cannot train on {kind} conversations (the data holds "
+                f"{MEDIA_NAMES[kind]}): {refusal.why}. What to do: {refusal.what_to_do.replace('<family>', model_type)}.")
+    return spec.media
 
 
 def check_family(config, self_check: bool, warn) -> str:

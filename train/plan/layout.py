@@ -44,15 +44,16 @@ class ParallelLayout:
         return f"world {self.world} (dp {self.dp} x sp {self.sp}{why})"
 
 
-def plan_layout(cfg: TrainConfig, model_config, world: int, row_length: int, offloads_optimizer: bool
-                ) -> ParallelLayout:
+def plan_layout(cfg: TrainConfig, model_config, world: int, row_length: int, offloads_optimizer: bool,
+                media_kinds=()) -> ParallelLayout:
     """The layout of a run of `world` processes on rows of `row_length` tokens (`offloads_optimizer`: the engine keeps
-    the optimizer state on the host, which the memory estimate of `auto` counts). Raises ConfigError naming the key
+    the optimizer state on the host, which the memory estimate of `auto` counts, as the towers of the data's
+    `media_kinds`). Raises ConfigError naming the key
     when the degree `auto` chose breaks a rule of the processes or the placement."""
     parallel = cfg.parallel
     sp, reason = parallel.sequence_parallel_size, None
     if sp == "auto":
-        sp, reason = choose_sp_degree_for(cfg, model_config, world, row_length, offloads_optimizer)
+        sp, reason = choose_sp_degree_for(cfg, model_config, world, row_length, offloads_optimizer, media_kinds)
         if problem := cfg.parallel_problem(world, sp):
             raise ConfigError(f"sequence_parallel_size auto chose {sp} ({reason}): {problem}")
     split = plan_sp_layout(parallel, cfg.launch, model_config, sp)

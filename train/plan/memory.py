@@ -44,6 +44,19 @@ dispatch, the outputs sent and received back), assuming balanced routing (a rank
 sends; a skewed router can receive up to N times more); added to the model state when EP > 1. The activation
 estimate above stays the dense layer's (`intermediate`); `python -m train.plan.memory --moe` prints the
 Qwen3-30B-A3B shape on 8 GPUs with and without EP (`--expert-parallel`).
+
+Media towers (`ModelShape.towers`, image / video / audio conversations, train/model/media.py): a rank runs a tower on
+the media its tokens show, so its tower activations grow with its tokens too. Per tower (`TowerShape`, read from the
+composite's config for the kinds the data holds), with p = tokens · positions_per_token tower positions (vision: the
+merge² patches behind each media token; audio: the 2 encoder frames behind each audio token) and a tower block kept
+per position like a decoder layer with full multi-head attention (kv_dim = hidden): per_block = a · (16·h + 4·i) +
+8·h. A trained tower keeps p · layers · per_block (checkpointing: p · layers · a · h of block inputs plus one block
+recomputed, p · per_block: transformers checkpoints the towers' blocks with the decoder's); a frozen one runs without
+autograd and keeps nothing beyond its output. Every tower's output, the features placed at the media tokens,
+tokens · a · text hidden, stays for the decoder. The bound takes all of a rank's tokens as media tokens of the tower
+that costs most per token (a video row is nearly all video tokens); it leaves out a block's transient attention
+scores (the towers' sdpa attends within a frame or an audio window), the one temporal patch a rank boundary makes two
+ranks encode, and Qwen2-Audio's padding of each clip to its 30-s window (a row of many short clips there exceeds it).
 """
 from __future__ import annotations
 
@@ -54,8 +67,58 @@ from train.families import text_config
 
 
 @dataclass(frozen=True)
+class TowerShape:
+    """A composite's media tower as the estimates see it (module docstring, "Media towers")."""
+
+    name: str  # "vision" / "audio"
+    hidden: int
+    intermediate: int
+    layers: int
+    positions_per_token: int  # tower positions behind each media token of the row
+    trained: bool  # not frozen: autograd keeps its activations
+
+    def block_bytes(self, act_bytes: int) -> int:
+        """Bytes one block keeps per tower position."""
+        return act_bytes * (16 * self.hidden + 4 * self.intermediate) + 8 * self.hidden
+
+
+def media_towers(config, kinds, trained_vision: bool = False, trained_audio: bool = False) -> tuple[TowerShape, ...]:
+    """The towers a composite of `config` runs for data holding the media `kinds` (image / video / audio), trained
+    or frozen as configured (freeze_vision_tower / freeze_audio_tower)."""
+    towers = []
+    if {"image", "video"} & set(kinds):
+        vision = config.vision_config
+        hidden = getattr(vision, "embed_dim", None) or vision.hidden_size  # Qwen2-VL's width is `embed_dim`
+        intermediate = getattr(vision, "intermediate_size", None) or int(hidden * vision.mlp_ratio)
+        towers.append(TowerShape("vision", hidden, intermediate, vision.depth, vision.spatial_merge_size ** 2,
+                                 trained_vision))
+    if "audio" in kinds:
+        audio = config.audio_config
+        towers.append(TowerShape("audio", audio.d_model, audio.encoder_ffn_dim, audio.encoder_layers, 2,
+                                 trained_audio))
+    return tuple(towers)
+
+
+def tower_activation_bytes(shape: "ModelShape", tokens: int, act_bytes: int, checkpointing: bool) -> int:
+    """What `shape.towers` keep for a `tokens`-long micro-batch per rank (module docstring, "Media towers"); 0 for
+    a text model."""
+    if not shape.towers:
+        return 0
+    kept = []
+    for tower in shape.towers:
+        positions = tokens * tower.positions_per_token
+        if not tower.trained:
+            kept.append(0)
+        elif checkpointing:
+            kept.append(positions * tower.layers * act_bytes * tower.hidden + positions * tower.block_bytes(act_bytes))
+        else:
+            kept.append(positions * tower.layers * tower.block_bytes(act_bytes))
+    return max(kept) + tokens * act_bytes * shape.hidden
+
+
+@dataclass(frozen=True)
 class ModelShape:
-    """What the estimates need from a decoder-only transformer config."""
+    """What the estimates need from a decoder-only transformer config (and a composite's media towers)."""
 
     hidden: int
     n_layers: int
@@ -73,6 +136,7 @@ class ModelShape:
     moe_intermediate: int = 0
     moe_layers: int = 0
     shared_intermediate: int = 0
+    towers: tuple[TowerShape, ...] = ()  # the media towers the data runs (`media_towers`); none for text
 
     @classmethod
     def from_hf_config(cls, config) -> "ModelShape":
@@ -189,7 +253,7 @@ def activation_bytes(shape: ModelShape, tokens: int, act_bytes: int, checkpointi
         body = tokens * inputs_kept * act_bytes * shape.hidden + tokens * max(shape.n_layers - layers, 1) * per_layer
     else:
         body = tokens * shape.n_layers * per_layer
-    body += mlp_transient
+    body += mlp_transient + tower_activation_bytes(shape, tokens, act_bytes, checkpointing and layers > 0)
     edges = tokens * act_bytes * shape.hidden * 2
     head = 3 * 4 * min(loss_chunk, tokens) * shape.vocab + 4 * shape.vocab * shape.hidden
     return body + edges + head

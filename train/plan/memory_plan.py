@@ -12,7 +12,7 @@ The model builder (train/model/packed.py `build_lm`) takes the plan; it decides 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from train.plan.memory import (
     choose_checkpointing,
     choose_sp_degree,
     host_offload_problem,
+    media_towers,
     mlp_tile,
     model_state_bytes,
 )
@@ -47,14 +48,22 @@ class MemoryPlan:
         return f"activation checkpointing {self.checkpointing_reason}"
 
 
+def model_shape(cfg: TrainConfig, model_config, media_kinds=()) -> ModelShape:
+    """The model's shape for the estimates, with the towers of the data's media kinds (their activations count:
+    a trained tower's blocks, a frozen one's output)."""
+    return replace(ModelShape.from_hf_config(model_config), towers=media_towers(
+        model_config, media_kinds, not cfg.model.freeze_vision_tower, not cfg.model.freeze_audio_tower))
+
+
 def plan_memory(cfg: TrainConfig, model_config, world: int, sp_size: int, row_length: int, offloads_optimizer: bool,
-                device: torch.device | None = None) -> MemoryPlan:
+                device: torch.device | None = None, media_kinds=()) -> MemoryPlan:
     """The plan of a run of `world` processes, `sp_size` of them sharing a row, on `device` (default: this rank's)
     over rows of `row_length` tokens; `offloads_optimizer`: the engine keeps the optimizer state on the host
-    (DeepSpeed's offload, FSDP2's cpu_offload). Raises ConfigError when no plan fits."""
+    (DeepSpeed's offload, FSDP2's cpu_offload); `media_kinds`: the image / video / audio kinds the data holds (their
+    towers' activations counted). Raises ConfigError when no plan fits."""
     device = device or default_device()
     # derived once, when a decision needs it (on CPU none does)
-    shape = functools.cache(lambda: ModelShape.from_hf_config(model_config))
+    shape = functools.cache(lambda: model_shape(cfg, model_config, media_kinds))
     checkpointing, layers, why = _choose_checkpointing(cfg, shape, row_length, sp_size, world, device,
                                                        offloads_optimizer)
     _check_offload_host_memory(cfg, shape, row_length, sp_size, device)
@@ -100,13 +109,13 @@ def _model_state_bytes(cfg: TrainConfig, shape: ModelShape, world: int, offloads
 
 
 def choose_sp_degree_for(cfg: TrainConfig, model_config, world: int, row_length: int,
-                         offloads_optimizer: bool) -> tuple[int, str]:
+                         offloads_optimizer: bool, media_kinds=()) -> tuple[int, str]:
     """`sequence_parallel_size: auto`: the smallest degree whose share of a micro-batch of `row_length`-token rows
     fits the GPU with the configured long-row options (train/plan/memory.py), from the least free memory of all
     ranks; 1 on CPU. (degree, why)."""
     if not torch.cuda.is_available():
         return 1, "auto: no CUDA device to size the rows against"
-    shape = ModelShape.from_hf_config(model_config)
+    shape = model_shape(cfg, model_config, media_kinds)
     free = torch.cuda.mem_get_info(default_device())[0]
     host = available_host_bytes()
     if dist.is_initialized():  # every rank must choose the same degree: the least memory of all

@@ -3,8 +3,8 @@
 The decisions, each a function of this module's or of the plan wing's, called in order by train/run/setup.py (which
 builds the run and decides nothing):
 - `plan_data`: the data's facts, read once from the datasets' meta.json (the row length, else the longest row; the
-  structure, `Structure`; images), and the refusals of the data against the model (images on a family that cannot
-  train them, stepwise trees under sequence parallelism);
+  structure, `Structure`; the media kinds), and the refusals of the data against the model (images, videos or audios
+  on a family that cannot train them, stepwise trees under sequence parallelism);
 - `plan_layout` (train/plan/layout.py): dp, sp (`auto`), Ulysses / ring, ep, processes per machine;
 - `plan_memory` (train/plan/memory_plan.py): checkpointing per layer, the MLP tile, the offload's host memory;
 - `plan_schedule`: the lr schedule's steps (warmup from `warmup_ratio`);
@@ -27,9 +27,10 @@ from common.config import ConfigError
 from data.shards.dataset import Structure
 from train.config.sections import TrainConfig
 from train.engines.schedule import lr_lambda_factory
-from train.families import ImageInputs
+from train.families import MediaInputs
 from train.model.moe import RouterAux, resolve_router_aux
-from train.model.support import check_image_support
+from train.model.media_batch import dataset_media_kinds
+from train.model.support import check_media_support
 from train.plan.attention import TREE_SP_REFUSAL, AttentionPlan
 from train.plan.layout import ParallelLayout
 from train.plan.memory_plan import MemoryPlan
@@ -39,11 +40,12 @@ from train.plan.memory_plan import MemoryPlan
 @dataclass(frozen=True)
 class DataFacts:
     """What the run's data is, read once: the row length (the shards' `max_length`, else their longest row), the
-    `structure` of its sequences, whether the training or eval data holds images, the categories."""
+    `structure` of its sequences, the media kinds the training or eval data holds (images, videos, audios; their
+    meta.json counts), the categories."""
 
     row_length: int
     structure: Structure
-    images: bool
+    media_kinds: tuple[str, ...] = ()
     categories: Mapping[int, str] = field(default_factory=dict)
 
     @property
@@ -51,15 +53,15 @@ class DataFacts:
         return max([0, *self.categories]) + 1
 
 
-def plan_data(dataset, eval_dataset, model_config) -> tuple[DataFacts, ImageInputs | None]:
-    """The data's facts and, for data with images, how the model trains them (train/model/support.py: a family that
-    cannot is refused here, before any weight loads)."""
+def plan_data(dataset, eval_dataset, model_config) -> tuple[DataFacts, MediaInputs | None]:
+    """The data's facts and, for data with media, how the model trains them (train/model/support.py: a family that
+    cannot, or a kind it cannot, is refused here, before any weight loads)."""
     meta = dataset.meta
     row_length = int(meta.get("max_length") or int(np.max(dataset.row_n_tokens)))
-    images = any(getattr(data, "has_images", False) for data in (dataset, eval_dataset))
-    facts = DataFacts(row_length, dataset.structure, images,
+    kinds = dataset_media_kinds(dataset, eval_dataset)
+    facts = DataFacts(row_length, dataset.structure, kinds,
                       {int(k): v for k, v in (meta.get("categories") or {}).items()})
-    return facts, (check_image_support(model_config) if images else None)
+    return facts, (check_media_support(model_config, kinds) if kinds else None)
 
 
 def check_layout_for_data(data: DataFacts, layout: ParallelLayout, data_path: str) -> None:
@@ -172,7 +174,7 @@ class StartupPlan:
 
     family: str
     data: DataFacts
-    images: ImageInputs | None
+    media: MediaInputs | None
     layout: ParallelLayout
     memory: MemoryPlan
     schedule: Schedule

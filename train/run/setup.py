@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data.shards.images import ImageLoader
+from data.shards.media import MediaLoader
 from train.config.sections import TrainConfig
 from train.distributed import Mesh, build_mesh, init_distributed
 from train.engines.build import EngineSetup, start_process_group
@@ -51,7 +51,7 @@ class Run:
     engine_setup: EngineSetup
     dataset: Any  # PackedDataset, or OnlinePackedDataset (train/steps/online.py)
     eval_dataset: Any  # PackedDataset or None
-    image_loader: ImageLoader | None  # the images of a micro-batch's rows (None: text data)
+    media_loader: MediaLoader | None  # each item of a micro-batch's stored media -> its processor output (None: text)
     sampler: StepSampler
     lm: torch.nn.Module  # the HF model (with its patches and adapters)
     model: PackedCausalLM
@@ -93,10 +93,12 @@ def build_run(cfg: TrainConfig, console: Callable[[str], None] | None = None, ch
                                  verify=cfg.data.verify_data)
     # opened once and held: every evaluation reads the rows checked at start, even if the folder changes meanwhile
     eval_dataset = None if checked.eval_path is None else PackedDataset(checked.eval_path, verify=cfg.data.verify_data)
-    data, images = plan_data(dataset, eval_dataset, checked.model_config)
-    layout = plan_layout(cfg, checked.model_config, world, data.row_length, setup.offloads_optimizer)
+    data, media = plan_data(dataset, eval_dataset, checked.model_config)
+    layout = plan_layout(cfg, checked.model_config, world, data.row_length, setup.offloads_optimizer,
+                         data.media_kinds)
     check_layout_for_data(data, layout, cfg.data.data_path)
-    memory = plan_memory(cfg, checked.model_config, world, layout.sp, data.row_length, setup.offloads_optimizer)
+    memory = plan_memory(cfg, checked.model_config, world, layout.sp, data.row_length, setup.offloads_optimizer,
+                         media_kinds=data.media_kinds)
     mesh = build_mesh(layout.sp, ulysses_size=layout.ulysses, ep_size=layout.ep)
     console = console or (print if mesh.is_main else (lambda *_: None))
     sampler = StepSampler(dataset, mesh.dp_size, mesh.dp_rank, cfg.steps.grad_accum, cfg.steps.micro_batch_rows,
@@ -118,15 +120,15 @@ def build_run(cfg: TrainConfig, console: Callable[[str], None] | None = None, ch
     loss = plan_router_aux(cfg, plan_loss(cfg, mesh.device), lm,
                            warn=logger.warning if mesh.is_main else (lambda *_: None))
     model = PackedCausalLM(lm, loss.chunk_size, data.num_categories, zero3=setup.zero3, router_aux=loss.router_aux,
-                           fused_loss=loss.compiled, images=images)
-    plan = StartupPlan(family, data, images, layout, memory, schedule, loss, replace(experts, applied=applied),
+                           fused_loss=loss.compiled, media=media, media_kinds=data.media_kinds)
+    plan = StartupPlan(family, data, media, layout, memory, schedule, loss, replace(experts, applied=applied),
                        plan_self_check(cfg, setup.partitioned_load), attention, sampler.rows_per_step)
-    image_loader = ImageLoader.of(dataset.meta)
+    media_loader = MediaLoader.of(dataset.meta)
     if plan.self_check.runs:
-        run_self_check(model, plan, dataset, image_loader, setup.autocast_bf16, console)
+        run_self_check(model, plan, dataset, media_loader, setup.autocast_bf16, console)
     elif plan.self_check.why_not:
         console(f"self-check skipped: {plan.self_check.why_not}")
     engine = setup.build(cfg, model, lambda: param_groups(model, cfg.optim.weight_decay), schedule.lr_factor(), mesh)
     plan = replace(plan, engine=engine.describe(), features=model_features(cfg, lm, model, memory))
-    return Run(cfg, checked, plan, mesh, setup, dataset, eval_dataset, image_loader, sampler, lm, model, engine,
+    return Run(cfg, checked, plan, mesh, setup, dataset, eval_dataset, media_loader, sampler, lm, model, engine,
                console)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from data.shards.dataset import Structure
-from train.model.vision import ImageBatch
+from train.model.media_batch import MediaBatch
 
 IGNORE_INDEX = -100
 REDUCTIONS = ("token", "turn", "sample")
@@ -57,7 +57,8 @@ class MicroBatch:
     None otherwise.
     Per row: `cu_seqlens` [S + 1] int32 and `max_seqlen` (None on a rank's part of a sequence-parallel row, whose
     SPContext holds the bounds), this micro-batch's counts (summed over a step they equal its `StepTotals`), the
-    `structure` of its data, and `images` (an ImageBatch in the order of the rows' image-token runs; None: none)."""
+    `structure` of its data, and `media` (a MediaBatch of the rows' images, videos and audios in token order;
+    None: none)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -71,7 +72,7 @@ class MicroBatch:
     n_trained_turns: int
     n_samples: int
     structure: Structure = Structure.NONE
-    images: ImageBatch | None = None
+    media: MediaBatch | None = None
     block_ids: torch.Tensor | None = None
     path_ids: torch.Tensor | None = None
     tree_spans: torch.Tensor | None = None
@@ -143,12 +144,16 @@ def make_batch(
     reduction: str,
     structure: Structure = Structure.NONE,
     images: Callable[[list[bytes], np.ndarray], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    media: Callable[[list], list] | None = None,
 ) -> MicroBatch:
     """The `MicroBatch` of `rows` (dicts from `PackedDataset[i]`) concatenated into one varlen sequence, with the
     exact weights of the step whose totals are `totals` (its `reduction`). `structure`: the data's (`PackedDataset
     .structure`): Parallel-R1 positions and ids, or a stepwise tree's depths and spans (with reduction `sample` a
-    sample of a tree is a trained turn). `images`: the loader of an image dataset's rows (their `image_data` /
-    `image_grid_thw`; e.g. data.shards.images.ImageLoader) -> the micro-batch's `ImageBatch`; None for text rows.
+    sample of a tree is a trained turn). The micro-batch's `media`, a `MediaBatch` (train/model/media_batch.py) of the
+    rows' media items in the order of their tokens (None for rows without media), come from the loader `media` (the
+    rows' `media`, each packed sequence's stored items, through data.shards.media.MediaLoader: each item's processor
+    output alone), or for an image store from the loader `images` (the rows' `image_data` / `image_grid_thw`, e.g.
+    data.shards.images.ImageLoader, turned into pixel values).
     """
     check_reduction(reduction)
     if not rows:
@@ -271,23 +276,26 @@ def make_batch(
         n_trained_turns=n_turns,
         n_samples=n_samples,
         structure=structure,
-        images=_image_batch(rows, images),
+        media=_media_batch(rows, images, media),
         block_ids=torch.from_numpy(block_ids) if structured else None,
         path_ids=torch.from_numpy(path_ids) if structured else None,
         tree_spans=torch.from_numpy(tree_spans) if tree else None,
     )
 
 
-def _image_batch(rows: Sequence[Mapping[str, Any]], loader) -> ImageBatch | None:
+def _media_batch(rows: Sequence[Mapping[str, Any]], images, media) -> MediaBatch | None:
+    if media is not None and any("media" in row for row in rows):
+        sequences = [stored for row in rows for stored in row["media"]]  # per packed sequence, in row order
+        return MediaBatch.of_sequences(media(sequences)) if any(sequences) else None
     datas = [data for row in rows for data in row.get("image_data", ())]
     if not datas:
         return None
-    if loader is None:
+    if images is None:
         raise ValueError("make_batch: the rows hold images but no image loader was given (images=)")
     grids = np.concatenate([np.asarray(row["image_grid_thw"], dtype=np.int64).reshape(-1, 3) for row in rows
                             if len(row.get("image_data", ()))])
-    pixel_values, grid_thw = loader(datas, grids)
-    return ImageBatch(pixel_values=pixel_values, image_grid_thw=grid_thw)
+    pixel_values, grid_thw = images(datas, grids)
+    return MediaBatch.of_images(pixel_values, grid_thw)
 
 
 def _positive(total: int, name: str, local: int) -> int:

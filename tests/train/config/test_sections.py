@@ -307,7 +307,7 @@ def test_keys_flat_or_in_their_section(setup, tmp_path):
     with pytest.raises(ConfigError, match=r"^override 'lr=fast': lr: expected a number"):
         load_config(config, ["lr=fast"])
     assert key_path("lr") == "optim.lr" and key_path("deepspeed.stage") == "deepspeed.stage"
-    assert len(FLAT_KEYS) == 68 and "stage" not in FLAT_KEYS  # deepspeed.* and launch.* keep their section
+    assert len(FLAT_KEYS) == 69 and "stage" not in FLAT_KEYS  # deepspeed.* and launch.* keep their section
     assert from_keys({"data_path": "d", "output_dir": "o", "model_config": "m.json", "optim": {"lr": 2e-4}}).optim.lr == 2e-4
     with pytest.raises(ConfigError, match="missing required key 'data_path'"):
         from_keys({"output_dir": "o", "model_config": "m.json"})

@@ -164,14 +164,14 @@ def test_image_conversations_are_refused_where_no_exact_image_path(model_type, r
     """From the config alone (the trainer asks before any weight loads when the data holds images)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from train.families import ImageInputs
-    from train.model.support import check_image_support
+    from train.families import MediaInputs
+    from train.model.support import check_media_support
 
     with pytest.raises(UnsupportedModelError, match=f"model family '{model_type}' cannot train on image "
                                                     f"conversations \\(the data holds images\\): {reason}"):
-        check_image_support(CONFIG_MAPPING[model_type]())
-    for exact in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
-        assert isinstance(check_image_support(CONFIG_MAPPING[exact]()), ImageInputs)
+        check_media_support(CONFIG_MAPPING[model_type](), ["image"])
+    for exact in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2_5_omni_thinker"):
+        assert isinstance(check_media_support(CONFIG_MAPPING[exact](), ["image"]), MediaInputs)
 
 
 def test_trainer_refuses_images_before_any_weight_loads(tmp_path, monkeypatch):

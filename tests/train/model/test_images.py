@@ -1,4 +1,4 @@
-"""Image conversations in the trainer (train/model/images.py): packed rows of LLaMA-Factory's demo records, through the real
+"""Image conversations in the trainer (train/model/media.py): packed rows of LLaMA-Factory's demo records, through the real
 Qwen2.5-VL processor, train exactly as transformers' composite forward on each record alone with its pixel_values
 (loss and every gradient, tower trained or frozen, under gradient accumulation; data and sequence parallelism in
 two gloo processes), and the families without an exact image path are refused before any weight loads.
@@ -50,7 +50,7 @@ def test_positions_are_the_composites_own_per_record(recs):
     record alone (with the processor's mm_token_type_ids); image tokens get 2-D grid positions."""
     model = vi.tiny_vl_model()
     batch = vi.micro_batch(recs[:3], 1)
-    row = model.row_images(batch)
+    row = model.row_media(batch)
     body = model.lm.model
     cu = batch.cu_seqlens.tolist()
     for r, (a, b) in zip(recs[:3], zip(cu[:-1], cu[1:])):
@@ -65,10 +65,9 @@ def test_positions_are_the_composites_own_per_record(recs):
 def test_mismatched_images_are_an_error(recs):
     model = vi.tiny_vl_model()
     batch = vi.micro_batch(recs[:2], 1)
-    batch.images.image_grid_thw = batch.images.image_grid_thw[:-1]  # one image fewer than its tokens
-    batch.images.pixel_values = batch.images.pixel_values[:-int(recs[1]["image_grid_thw"].prod())]
-    with pytest.raises(ValueError, match=r"image-token runs have \[10, 10, 12\] tokens, the 2 images"):
-        model.row_images(batch)
+    del batch.media.items[-1]  # one image fewer than its tokens
+    with pytest.raises(ValueError, match=r"the rows hold 32 image tokens, the 2 image items give \[10, 10\]"):
+        model.row_media(batch)
 
 
 def test_micro_batch_without_images_runs_the_tower_on_a_blank_image(recs):
@@ -78,12 +77,12 @@ def test_micro_batch_without_images_runs_the_tower_on_a_blank_image(recs):
     text = {k: v for k, v in recs[0].items()}
     text["input_ids"] = text["input_ids"].masked_fill(text["input_ids"] == vi.IMAGE_TOKEN, 7)
     batch = vi.micro_batch([text], 100)
-    batch = dataclasses.replace(batch, images=None)
+    batch = dataclasses.replace(batch, media=None)
     loss, grads = vi.packed_step(model, [batch])
     towers = {n: g for n, g in grads.items() if ".visual." in n}
     assert towers and all(float(g.abs().max()) == 0.0 for g in towers.values())
-    model.vision = None  # the text path
-    text_loss, _ = vi.packed_step(model, [{**batch, "images": None}])
+    model.media = None  # the text path
+    text_loss, _ = vi.packed_step(model, [{**batch, "media": None}])
     assert loss == pytest.approx(text_loss, rel=1e-6)
 
 
@@ -110,10 +109,11 @@ def test_self_check_compares_image_sequences_with_the_composite(recs):
 
     model = vi.tiny_vl_model()
     batch = vi.micro_batch(recs[:3], 1)
-    seqs, images = model.vision.sequences(batch, max_tokens=100)
+    seqs, media = model.media.sequences(batch, max_tokens=100)
     assert [s.numel() for s in seqs] == [83, 75]  # record 2 (125 tokens) is longer than max_tokens
-    for seq, image, r in zip(seqs, images, recs):
-        assert torch.equal(seq, r["input_ids"]) and torch.equal(image.image_grid_thw, r["image_grid_thw"])
-        assert torch.equal(image.pixel_values, r["pixel_values"])
-    result = compare_packed_with_reference(model, seqs, LayerKernels(every=BACKENDS["sdpa"]), images=images)
+    for seq, items, r in zip(seqs, media, recs):
+        assert torch.equal(seq, r["input_ids"])
+        assert torch.equal(torch.cat([i["image_grid_thw"] for _, i in items.items]), r["image_grid_thw"])
+        assert torch.equal(torch.cat([i["pixel_values"] for _, i in items.items]), r["pixel_values"])
+    result = compare_packed_with_reference(model, seqs, LayerKernels(every=BACKENDS["sdpa"]), media=media)
     assert result.ok and result.loss_error <= LOSS_TOL and result.grad_error <= GRAD_TOL, result.describe()

@@ -147,7 +147,7 @@ def test_a_packed_row_of_image_conversations_equals_the_composite_per_conversati
             trainer = Trainer(load_config(TRAIN_CONFIG, overrides), console=lines.append)
         model = trainer.model
         lm = model.lm
-        assert model.vision is not None and model.vision.trains_tower()
+        assert model.media is not None and model.media.trains(lm, "image")
 
         # transformers' composite on each conversation alone (its eager attention, its own positions), the row's
         # order and labels, token-mean weights as the step's

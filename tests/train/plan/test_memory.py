@@ -1,16 +1,21 @@
 """gradient_checkpointing auto on a GPU: the memory estimate and the decision as pure functions."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tests._train_helpers import ROOT, one_thread  # noqa: F401  (a fixture)
 
 from train.plan.memory import (
     ModelShape,
+    TowerShape,
     activation_bytes,
     activation_bytes_per_token_layer,
     choose_checkpointing,
+    media_towers,
     model_state_bytes,
+    tower_activation_bytes,
 )
 
 GIB = 1 << 30
@@ -243,3 +248,83 @@ def test_memory_cli_shows_expert_parallelism():
     assert plain["1"] == pytest.approx(8 * plain["8"], rel=1e-3)
     docs = (ROOT / "docs" / "TRAINING.md").read_text()
     assert all(f"  {row}\n" in docs for row in rows), "docs/TRAINING.md's EP table differs from the CLI's"
+
+
+# ---------------------------------------------------------------------------------------------- media towers
+# Qwen2.5-VL-7B's vision tower (config.json of the release: 32 blocks of width 1280, MLP 3420, spatial merge 2)
+QWEN25_VL_TOWER = TowerShape("vision", hidden=1280, intermediate=3420, layers=32, positions_per_token=4, trained=True)
+
+
+def test_tower_activations_follow_the_formula():
+    """A trained tower keeps its blocks' activations per tower position (merge² patches per token), its block inputs
+    under checkpointing; a frozen one only its output, the features at the media tokens."""
+    tokens, a = 16384, 2
+    trained = replace(QWEN_15B, towers=(QWEN25_VL_TOWER,))
+    frozen = replace(QWEN_15B, towers=(replace(QWEN25_VL_TOWER, trained=False),))
+    positions, block = tokens * 4, a * (16 * 1280 + 4 * 3420) + 8 * 1280
+    features = tokens * a * QWEN_15B.hidden
+    assert tower_activation_bytes(frozen, tokens, a, checkpointing=False) == features
+    assert tower_activation_bytes(trained, tokens, a, checkpointing=False) == positions * 32 * block + features
+    assert tower_activation_bytes(trained, tokens, a, checkpointing=True) == (
+        positions * 32 * a * 1280 + positions * block + features)
+    assert tower_activation_bytes(QWEN_15B, tokens, a, checkpointing=True) == 0  # a text model
+    for checkpointing in (False, True):  # the term adds to the decoder's estimate
+        assert (activation_bytes(trained, tokens, a, checkpointing, 4096)
+                - activation_bytes(QWEN_15B, tokens, a, checkpointing, 4096)
+                == tower_activation_bytes(trained, tokens, a, checkpointing))
+    # two towers: the rank's tokens are the costlier tower's (a token is one kind), the features counted once
+    audio = TowerShape("audio", hidden=1280, intermediate=5120, layers=32, positions_per_token=2, trained=True)
+    both = replace(QWEN_15B, towers=(QWEN25_VL_TOWER, audio))
+    assert tower_activation_bytes(both, tokens, a, True) == tower_activation_bytes(trained, tokens, a, True)
+
+
+def test_tower_shapes_come_from_the_composite_config():
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    vl = CONFIG_MAPPING["qwen2_vl"]()  # its tower's width is `embed_dim`, its MLP `mlp_ratio` times it
+    (vision,) = media_towers(vl, ("video",), trained_vision=True)
+    assert (vision.hidden, vision.intermediate, vision.layers, vision.positions_per_token, vision.trained) == (
+        vl.vision_config.embed_dim, int(vl.vision_config.embed_dim * vl.vision_config.mlp_ratio),
+        vl.vision_config.depth, 4, True)
+    omni = CONFIG_MAPPING["qwen2_5_omni_thinker"]()
+    assert [t.name for t in media_towers(omni, ("image", "video", "audio"))] == ["vision", "audio"]
+    (audio,) = media_towers(omni, ("audio",), trained_audio=True)
+    assert (audio.hidden, audio.intermediate, audio.layers, audio.positions_per_token) == (
+        omni.audio_config.d_model, omni.audio_config.encoder_ffn_dim, omni.audio_config.encoder_layers, 2)
+    assert media_towers(vl, ()) == ()
+
+
+def test_trained_towers_turn_checkpointing_on(tmp_path, monkeypatch):
+    """The start-up plan (train/plan/startup.py) counts the data's towers: with GPU memory that holds a text row
+    without checkpointing, the same rows of video conversations with a trained vision tower are checkpointed; with
+    the tower frozen they are not."""
+    import torch
+
+    from tests._media_inputs import tiny_config
+    from tests._train_helpers import random_rows, write_config, write_packed
+    from train.config.sections import load_config
+    from train.plan import startup
+    from train.preflight import preflight
+
+    model_dir = tmp_path / "model"
+    tiny_config("qwen2_5_omni_thinker").save_pretrained(model_dir)
+    data = write_packed(tmp_path / "data", random_rows(5, 2))
+
+    def plan(free: int, kinds=(), frozen=False):
+        path = write_config(tmp_path / "train.yaml", data_path=str(data), model_config=str(model_dir / "config.json"),
+                            output_dir=str(tmp_path / "out"), max_steps=1, bf16=False, loss_chunk_size=64,
+                            freeze_vision_tower=frozen, tokenizer_mismatch="warn")
+        cfg = load_config(path)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, free))
+        return startup.plan_memory(cfg, preflight(cfg, 1).model_config, 1, 4096, False,
+                                   device=torch.device("cuda"), media_kinds=kinds)
+
+    shape = ModelShape.from_hf_config(tiny_config("qwen2_5_omni_thinker"))
+    text_peak = startup.model_state_bytes(shape.n_params, shape.n_params, None) + activation_bytes(
+        shape, 4096, 4, False, 64)
+    # the text row fits without checkpointing, with room for a frozen tower's output (4,096 x 64 fp32: 1 MiB) but not
+    # for a trained tower's activations (109 MB)
+    free = int((text_peak + (4 << 20)) / 0.9)
+    assert not plan(free).checkpointing
+    assert plan(free, ("video",)).checkpointing
+    assert not plan(free, ("video",), frozen=True).checkpointing
