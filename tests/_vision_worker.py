@@ -1,4 +1,4 @@
-"""The two-process worker of tests/train/model/test_images.py (gloo, CPU, fp32): image conversations under data parallelism
+"""The two-process worker of tests/train/model/test_media_images.py (gloo, CPU, fp32): image conversations under data parallelism
 (each rank a micro-batch of the step's records) and sequence parallelism (one row over both ranks, an image's tokens
 straddling the boundary), each against the single-process packed step, which the one-process tests hold equal to the
 composite's own forward. The records (processor outputs) are read from `records.safetensors` beside `out_path`; rank 0

@@ -295,7 +295,7 @@ def test_tower_shapes_come_from_the_composite_config():
 
 
 def test_trained_towers_turn_checkpointing_on(tmp_path, monkeypatch):
-    """The start-up plan (train/plan/startup.py) counts the data's towers: with GPU memory that holds a text row
+    """The memory plan (train/plan/memory_plan.py) counts the data's towers: with GPU memory that holds a text row
     without checkpointing, the same rows of video conversations with a trained vision tower are checkpointed; with
     the tower frozen they are not."""
     import torch
@@ -303,7 +303,7 @@ def test_trained_towers_turn_checkpointing_on(tmp_path, monkeypatch):
     from tests._media_inputs import tiny_config
     from tests._train_helpers import random_rows, write_config, write_packed
     from train.config.sections import load_config
-    from train.plan import startup
+    from train.plan import memory_plan as startup
     from train.preflight import preflight
 
     model_dir = tmp_path / "model"
@@ -316,7 +316,7 @@ def test_trained_towers_turn_checkpointing_on(tmp_path, monkeypatch):
                             freeze_vision_tower=frozen, tokenizer_mismatch="warn")
         cfg = load_config(path)
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, free))
-        return startup.plan_memory(cfg, preflight(cfg, 1).model_config, 1, 4096, False,
+        return startup.plan_memory(cfg, preflight(cfg, 1).model_config, 1, 1, 4096, False,
                                    device=torch.device("cuda"), media_kinds=kinds)
 
     shape = ModelShape.from_hf_config(tiny_config("qwen2_5_omni_thinker"))

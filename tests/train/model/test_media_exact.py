@@ -8,7 +8,7 @@ resampled to 16 kHz mono): per-sequence logits, the loss and every gradient (fp3
 
 Measured (2026-12-02, merged with the data side's media store): logits 4.9e-7, loss 1.3e-7, worst gradient 1.5e-6.
 Needs the data side's media store (data/shards/media.py, its `MediaLoader` given to make_batch as `media=` by the
-trainer) and .venv-vision: `.venv-vision/bin/python -m pytest -m vision tests/train/test_media_exact.py`."""
+trainer) and .venv-vision: `.venv-vision/bin/python -m pytest -m vision tests/train/model/test_media_exact.py`."""
 from __future__ import annotations
 
 import json
