@@ -7,7 +7,7 @@ Storage: for each image (the fixture's three JPEGs, 300x~170, and the same upsca
 re-encoded at JPEG quality 90, the size of a typical photo or screenshot) under the Qwen2.5-VL processor fixture's
 default limits: its encoded bytes and its `pixel_values` (float32, what the vision tower takes) as stored; load
 time per image on one torch thread, best of --repeats, from files in the page cache: (a) encoded: read the bytes, decode (PIL) and
-run the image processor, what `data.shards.images.ImageLoader` does per micro-batch; (b) patches: np.load of the stored
+run the image processor, what `data.shards.media.MediaLoader` does per micro-batch; (b) patches: np.load of the stored
 float32 array and `torch.from_numpy`.
 
 Tokenize stage: `--copies` copies of the six LLaMA-Factory demo records (8 images each copy), and a fifth of them,

@@ -113,8 +113,15 @@ def micro_batch(recs: list[dict], n_targets: int):
         max_seqlen=max(lengths), targets=targets, n_loss_tokens=int((targets != -100).sum()),
         n_trained_turns=len(lengths), n_samples=len(lengths),
         weights=(targets != -100).float() / n_targets, target_categories=torch.zeros_like(targets),
-        media=MediaBatch.of_images(torch.cat([r["pixel_values"] for r in recs]),
-                                   torch.cat([r["image_grid_thw"] for r in recs])))
+        media=MediaBatch([("image", {"pixel_values": r["pixel_values"][a:b], "image_grid_thw": grid[None]})
+                          for r in recs for grid, a, b in _patch_runs(r["image_grid_thw"])]))
+
+
+def _patch_runs(grids: torch.Tensor):
+    """(grid, first patch row, end) of each image of a record (its processor output's rows, in order)."""
+    counts = grids.prod(-1).tolist()
+    ends = torch.tensor(counts).cumsum(0).tolist()
+    return [(grid, end - count, end) for grid, count, end in zip(grids, counts, ends)]
 
 
 def n_targets(recs: list[dict]) -> int:

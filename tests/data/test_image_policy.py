@@ -14,7 +14,7 @@ from data import pipeline
 from data.config import DataConfig, InputSpec
 from data.media import resolve_media
 from data.shards.decode import DEFAULT_PIXEL_LIMIT, decode_image
-from data.shards.images import ImageLoader
+from data.shards.media import MediaLoader
 from data.records import RecordError
 from data.report import read_report
 from tests.conftest import ROOT
@@ -147,9 +147,9 @@ def test_the_trainer_decodes_under_the_limit_tokenize_used():
     """meta.json's `images.pixel_limit` reaches the trainer's loader; a dataset from before the key gets the
     default (PIL's bound, which applied then)."""
     meta = {"images": {"processor_path": "p", "min_pixels": None, "max_pixels": None, "pixel_limit": 1234}}
-    assert ImageLoader.of(meta).vision.pixel_limit == 1234
+    assert MediaLoader.of(meta).processor.settings.image_pixel_limit == 1234
     del meta["images"]["pixel_limit"]
-    assert ImageLoader.of(meta).vision.pixel_limit == DEFAULT_PIXEL_LIMIT
+    assert MediaLoader.of(meta).processor.settings.image_pixel_limit == DEFAULT_PIXEL_LIMIT
 
 
 @pytest.mark.vision

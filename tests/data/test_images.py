@@ -286,7 +286,7 @@ def write_config(tmp_path, inputs, **extra):
 def test_example_tokenizes_to_the_processors_ids_with_exact_masks(tmp_path, monkeypatch):
     """configs/data/example_vision.json (LLaMA-Factory's demo records and images from ../shared/fixtures) end to
     end: ids, grids and pixel values as transformers' processor gives them, masks from the answers alone."""
-    from data.shards.images import ImageLoader
+    from data.shards.media import MediaLoader
     from train.steps.batch import StepTotals, make_batch
 
     mm("mllm_demo.json")  # skips (fails in CI) without the fixtures
@@ -324,7 +324,7 @@ def test_example_tokenizes_to_the_processors_ids_with_exact_masks(tmp_path, monk
     import torch
 
     rows = [packed[i] for i in range(len(packed))]
-    batch = make_batch(rows, StepTotals(10 ** 6, 10 ** 6, 10 ** 6), "token", images=ImageLoader.of(packed.meta))
+    batch = make_batch(rows, StepTotals(10 ** 6, 10 ** 6, 10 ** 6), "token", media=MediaLoader.of(packed.meta))
     images = batch.media
     grids = np.concatenate([r["image_grid_thw"] for r in rows])
     image_grid_thw = torch.cat([inputs["image_grid_thw"] for _, inputs in images.items])
@@ -338,7 +338,7 @@ def test_example_tokenizes_to_the_processors_ids_with_exact_masks(tmp_path, monk
 
     online = open_train_dataset(str(tmp_path / "out" / "tokenized"), 2048, seed=0)
     rows = [online[i] for i in range(len(online))]
-    batch = make_batch(rows, StepTotals(10 ** 6, 10 ** 6, 10 ** 6), "token", images=ImageLoader.of(online.meta))
+    batch = make_batch(rows, StepTotals(10 ** 6, 10 ** 6, 10 ** 6), "token", media=MediaLoader.of(online.meta))
     pads = sum(int((tokenized[i]["input_ids"] == IMAGE_PAD).sum()) for i in range(len(tokenized)))
     assert len(batch.media) == 8 and int((batch.input_ids == IMAGE_PAD).sum()) == pads
 

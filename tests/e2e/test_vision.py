@@ -158,7 +158,7 @@ def test_self_check_says_why_it_skips_long_image_sequences(packed, tmp_path, mon
     with in_project_root():
         train.trainer.Trainer(load_config(TRAIN_CONFIG, _overrides(packed, tmp_path / "out")), console=lines.append)
     assert "self-check skipped: the first 3 rows hold fewer than 2 sequences of 2 to 100 tokens, which it checks " \
-           "whole (images are never cut" in "\n".join(lines), lines
+           "whole (media are never cut" in "\n".join(lines), lines
 
 
 def test_chat_with_the_export_takes_text_and_image_turns(reference, monkeypatch, capsys):

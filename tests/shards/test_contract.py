@@ -43,11 +43,13 @@ def test_a_stored_run_is_what_its_rows_hold(dataset):
         assert run.media is None and run.media_data is None  # a dataset without media
 
 
-def test_the_image_loader_raises_the_format_error_for_bytes_that_do_not_decode():
+def test_the_media_loader_raises_the_format_error_for_bytes_that_do_not_decode():
     pytest.importorskip("PIL")
-    from data.shards.images import ImageLoader
+    from data.shards.dataset import StoredMedia
+    from data.shards.media import MediaLoader
+    from data.shards.processor import MediaSettings
 
-    loader = ImageLoader("unused-processor-dir")
-    loader.vision._processor = object()  # the processor is not reached: decoding fails first
+    loader = MediaLoader(MediaSettings("unused-processor-dir"))
+    loader.processor._processor = object()  # the processor is not reached: decoding fails first
     with pytest.raises(ShardFormatError, match="the shards hold an image that does not decode: .*unreadable image"):
-        loader([b"not an image"], np.zeros((1, 3), dtype=np.int64))
+        loader.item(StoredMedia("image", b"not an image", (1, 2, 2), 1))

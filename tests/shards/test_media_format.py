@@ -10,7 +10,6 @@ import pytest
 
 from data.shards.dataset import (AUDIO_IN_VIDEO, FORMAT_VERSION, PackedDataset, ShardFormatError, ShardWriter,
                                  StoredMedia)
-from data.shards.images import ImageLoader
 from data.shards.media import MediaLoader
 
 FORMAT2 = Path(__file__).parent / "format2_image_store"
@@ -93,8 +92,8 @@ def test_format_2_image_stores_stay_readable(tmp_path):
     a, b, c = (StoredMedia("image", bytes([65 + k]) * (10 + k), (1, 2, 2 + k), 1 + k) for k in range(3))
     assert old.row_media(0) == [[a, b], []] and old.row_media(1) == [[c]]
     assert old[0]["image_data"] == [a.data, b.data] and old[1]["media"] == [[c]]
-    # its settings reach both loaders (format 2's meta.json `images`)
-    assert ImageLoader.of(old.meta).vision.settings.image_max_pixels == 401408
+    # its settings reach the loader (format 2's meta.json `images`)
+    assert MediaLoader.of(old.meta).processor.settings.image_max_pixels == 401408
     assert MediaLoader.of(old.meta).processor.settings.image_pixel_limit == 1000
     # rows copied one by one are written in this format; a bulk copy (checksummed by format 2's rule) is refused
     with ShardWriter(tmp_path / "new", media=True) as w:

@@ -64,18 +64,6 @@ class MediaBatch:
                     items.append((item.kind, item.inputs))
         return cls(items, flags)
 
-    @classmethod
-    def of_images(cls, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> "MediaBatch":
-        """The images of an image loader's output (every image's patch rows concatenated, their grids), one item each
-        (data/shards/images.py's ImageLoader)."""
-        grids = torch.as_tensor(image_grid_thw).reshape(-1, 3)
-        counts = grids.prod(-1).tolist()
-        if sum(counts) != int(pixel_values.shape[0]):
-            raise ValueError(f"micro-batch images: pixel_values has {int(pixel_values.shape[0])} patch rows, "
-                             f"image_grid_thw {grids.tolist()} needs {sum(counts)}")
-        rows = torch.split(pixel_values, counts)
-        return cls([("image", {"pixel_values": p, "image_grid_thw": g[None]}) for p, g in zip(rows, grids)])
-
 
 # a video item's inputs that are its sound track (the Omni processor's audio keys)
 AUDIO_KEYS = ("input_features", "feature_attention_mask")

@@ -143,7 +143,6 @@ def make_batch(
     totals: StepTotals,
     reduction: str,
     structure: Structure = Structure.NONE,
-    images: Callable[[list[bytes], np.ndarray], tuple[torch.Tensor, torch.Tensor]] | None = None,
     media: Callable[[list], list] | None = None,
 ) -> MicroBatch:
     """The `MicroBatch` of `rows` (dicts from `PackedDataset[i]`) concatenated into one varlen sequence, with the
@@ -152,8 +151,7 @@ def make_batch(
     sample of a tree is a trained turn). The micro-batch's `media`, a `MediaBatch` (train/model/media_batch.py) of the
     rows' media items in the order of their tokens (None for rows without media), come from the loader `media` (the
     rows' `media`, each packed sequence's stored items, through data.shards.media.MediaLoader: each item's processor
-    output alone), or for an image store from the loader `images` (the rows' `image_data` / `image_grid_thw`, e.g.
-    data.shards.images.ImageLoader, turned into pixel values).
+    output alone; an image store of format 2 too).
     """
     check_reduction(reduction)
     if not rows:
@@ -276,26 +274,20 @@ def make_batch(
         n_trained_turns=n_turns,
         n_samples=n_samples,
         structure=structure,
-        media=_media_batch(rows, images, media),
+        media=_media_batch(rows, media),
         block_ids=torch.from_numpy(block_ids) if structured else None,
         path_ids=torch.from_numpy(path_ids) if structured else None,
         tree_spans=torch.from_numpy(tree_spans) if tree else None,
     )
 
 
-def _media_batch(rows: Sequence[Mapping[str, Any]], images, media) -> MediaBatch | None:
-    if media is not None and any("media" in row for row in rows):
-        sequences = [stored for row in rows for stored in row["media"]]  # per packed sequence, in row order
-        return MediaBatch.of_sequences(media(sequences)) if any(sequences) else None
-    datas = [data for row in rows for data in row.get("image_data", ())]
-    if not datas:
+def _media_batch(rows: Sequence[Mapping[str, Any]], loader) -> MediaBatch | None:
+    sequences = [stored for row in rows for stored in row.get("media", ())]  # per packed sequence, in row order
+    if not any(sequences):
         return None
-    if images is None:
-        raise ValueError("make_batch: the rows hold images but no image loader was given (images=)")
-    grids = np.concatenate([np.asarray(row["image_grid_thw"], dtype=np.int64).reshape(-1, 3) for row in rows
-                            if len(row.get("image_data", ()))])
-    pixel_values, grid_thw = images(datas, grids)
-    return MediaBatch.of_images(pixel_values, grid_thw)
+    if loader is None:
+        raise ValueError("make_batch: the rows hold media but no media loader was given (media=)")
+    return MediaBatch.of_sequences(loader(sequences))
 
 
 def _positive(total: int, name: str, local: int) -> int:

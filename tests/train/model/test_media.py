@@ -12,6 +12,8 @@ Run in .venv-vision (the processors import torchvision; PyAV decodes): `.venv-vi
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -167,7 +169,8 @@ def test_mismatched_media_are_an_error(convs):
     batch = mi.micro_batch(model, conversations, 1)
     first = int(torch.isin(batch.input_ids[0], torch.tensor(mi.media_tokens(model))).nonzero()[0])
     assert first > int(batch.cu_seqlens[1])  # the first conversation is text: move its end into the first item
-    batch.cu_seqlens = torch.tensor([0, first + 1, *batch.cu_seqlens[2:].tolist()], dtype=torch.int32)
+    batch = dataclasses.replace(batch, cu_seqlens=torch.tensor([0, first + 1, *batch.cu_seqlens[2:].tolist()],
+                                                               dtype=torch.int32))
     with pytest.raises(ValueError, match="tokens straddle the packed sequences"):
         model.row_media(batch)
 
@@ -185,7 +188,7 @@ def test_micro_batch_without_media_runs_each_tower_on_a_blank_item(convs):
     assert any(".visual." in n for n in towers) and any(".audio_tower." in n for n in towers)
     assert all(float(g.abs().max()) == 0.0 for g in towers.values())
     model.media = None  # the text path
-    text_loss, _ = mi.packed_step(model, [{**batch, "media": None}])
+    text_loss, _ = mi.packed_step(model, [dataclasses.replace(batch, media=None)])
     assert loss == pytest.approx(text_loss, rel=1e-6)
 
 

@@ -82,7 +82,7 @@ def test_micro_batch_without_images_runs_the_tower_on_a_blank_image(recs):
     towers = {n: g for n, g in grads.items() if ".visual." in n}
     assert towers and all(float(g.abs().max()) == 0.0 for g in towers.values())
     model.media = None  # the text path
-    text_loss, _ = vi.packed_step(model, [{**batch, "media": None}])
+    text_loss, _ = vi.packed_step(model, [dataclasses.replace(batch, media=None)])
     assert loss == pytest.approx(text_loss, rel=1e-6)
 
 

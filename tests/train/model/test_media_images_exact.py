@@ -74,20 +74,25 @@ def _reference_inputs(processor, record: dict) -> dict:
 
 
 def test_pixel_values_are_the_processors_on_the_opened_file(tmp_path):
-    """The trainer's ImageLoader on a file's stored bytes = the image processor on `Image.open(file)`, for opaque
+    """The trainer's media loader on a file's stored bytes = the image processor on `Image.open(file)`, for opaque
     and transparent images (those with an alpha band differ from their RGB-converted selves: what the old decoding
     gave the processor)."""
     from PIL import Image
 
-    from data.shards.images import ImageLoader
+    from data.shards.dataset import StoredMedia
+    from data.shards.media import MediaLoader
+    from data.shards.processor import MediaSettings
 
     processor = _processor()
-    loader = ImageLoader(str(fixture_path("multimodal", "qwen2_5_vl_processor")), None, MAX_PIXELS)
+    loader = MediaLoader(MediaSettings(str(fixture_path("multimodal", "qwen2_5_vl_processor")), None, MAX_PIXELS))
     files = {**_transparent_images(tmp_path), "jpeg": str(fixture_path("multimodal", "mllm_demo_data", "1.jpg"))}
     for name, path in files.items():
         want = processor.image_processor(images=[Image.open(path)], return_tensors="pt", size=SIZE)
-        got, grid = loader([open(path, "rb").read()], want["image_grid_thw"].numpy())
-        assert torch.equal(grid, want["image_grid_thw"]) and torch.equal(got, want["pixel_values"]), name
+        grid = tuple(int(v) for v in want["image_grid_thw"][0])
+        stored = StoredMedia("image", open(path, "rb").read(), grid, grid[0] * grid[1] * grid[2] // 4)
+        inputs = loader.item(stored).inputs
+        got = inputs["pixel_values"]
+        assert torch.equal(inputs["image_grid_thw"], want["image_grid_thw"]) and torch.equal(got, want["pixel_values"]), name
         dropped = processor.image_processor(images=[Image.open(path).convert("RGB")], return_tensors="pt", size=SIZE)
         # Pillow's convert("RGB") keeps a palette's transparent colour (info["transparency"]), which the processor
         # composites too; an alpha band it drops
