@@ -190,10 +190,12 @@ def supervise(command: list[str], lock_dir: str | os.PathLike | None, reports: b
         if report is not None:
             report.say()
         return 128 + received[0]
-    if verdict is not None:
+    report = first_report(stop_reports)
+    # a lost machine explains whatever this machine's ranks said after it (a collective that failed); another
+    # machine's failed end does not hide this machine's own error (the same config error raised on both)
+    if verdict is not None and (verdict.code is None or report is None or report.kind not in ("error", "killed")):
         print(verdict.line(watch.machine, watch.machines), file=sys.stderr, flush=True)
         return LOST_MACHINE_STATUS if verdict.code is None else verdict.code
-    report = first_report(stop_reports)
     if report is not None:
         return report.say()
     return code if code >= 0 else 128 - code

@@ -35,18 +35,22 @@ TIMEOUT_S = 3.0  # the heartbeat timeout of the supervisor tests
 # a "launcher" stuck as a rank in a collective with a lost machine is: it ignores SIGTERM
 STUCK = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('started', flush=True); "
          "time.sleep(600)")
+# a "launcher" whose rank stops on its own error after a second (a config error raised on every machine)
+FAILS = ("import sys, time; from train.machines.stop_report import say_stop; print('started', flush=True); "
+         "time.sleep(1); sys.exit(say_stop('config error: lr must be > 0, got 0', 2))")
 SUPERVISOR = """
 import sys
 from train.launch import MachineWatch, supervise
-machine, port, timeout = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-sys.exit(supervise([sys.executable, "-c", {stuck!r}], None, watch=MachineWatch(machine, 2, "127.0.0.1", port, timeout)))
+machine, port, timeout, launcher = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+sys.exit(supervise([sys.executable, "-c", launcher], None, reports=True,
+                   watch=MachineWatch(machine, 2, "127.0.0.1", port, timeout)))
 """
 
 
-def _supervisor(machine: int, port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", SUPERVISOR.format(stuck=STUCK), str(machine), str(port),
-                             str(TIMEOUT_S)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+def _supervisor(machine: int, port: int, launcher: str = STUCK) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(machine), str(port), str(TIMEOUT_S), launcher],
+                            cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     assert proc.stdout.readline().strip() == "started"  # its launcher runs
     return proc
 
@@ -64,7 +68,7 @@ def test_supervisors_stop_when_another_machine_is_lost(loss):
     machine1 = _supervisor(1, port)
     stuck0 = _launcher_of(machine0)
     try:
-        time.sleep(2 * TIMEOUT_S)  # connected and beating: nothing happens
+        time.sleep(TIMEOUT_S + 1)  # connected and beating: nothing happens
         assert machine0.poll() is None and machine1.poll() is None
         lost_at = time.monotonic()
         if loss == "frozen":  # its connection stays open; no line comes any more
@@ -83,7 +87,7 @@ def test_supervisors_stop_when_another_machine_is_lost(loss):
     lines = [line for line in stderr.splitlines() if line.strip()]
     reason = ("no heartbeat for 3 s (frozen, powered off or cut off)" if loss == "frozen" else
               "its heartbeat connection closed without a word (its processes died)")
-    assert len(lines) == 1 and lines[0].startswith(f"[train.sh] lost machine 1 of 2 ("), stderr
+    assert len(lines) == 1 and lines[0].startswith("[train.sh] lost machine 1 of 2 ("), stderr
     assert f"): {reason}; stopped the processes of machine 0. resume=latest continues from the last" in lines[0]
     detected = TIMEOUT_S if loss == "frozen" else 0
     # the bound: the detection, then LOST_GRACE_S for the processes to stop before SIGKILL (the stuck launcher
@@ -91,6 +95,30 @@ def test_supervisors_stop_when_another_machine_is_lost(loss):
     assert detected <= took <= detected + LOST_GRACE_S + 10, took
     assert all(not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split(")")[1][:3]
                for pid in stuck0), "machine 0's launcher outlived it"
+
+
+@pytest.mark.parametrize("both", [True, False], ids=["both fail", "machine 1 fails"])
+def test_a_machine_that_fails_stops_the_others_without_hiding_their_own_error(both):
+    """Machine 1's rank stops on its own error: machine 0 stops too, saying so in one line with machine 1's status,
+    unless its own rank raised an error of its own (the same config error, raised on every machine): then it says
+    that one."""
+    port = free_ports()
+    machine0 = _supervisor(0, port, FAILS if both else STUCK)
+    machine1 = _supervisor(1, port, FAILS)
+    try:
+        results = [(proc.wait(timeout=120), proc.stderr.read()) for proc in (machine0, machine1)]
+    finally:
+        for proc in (machine0, machine1):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert results[1] == (2, "config error: lr must be > 0, got 0\n")
+    if both:
+        assert results[0] == (2, "config error: lr must be > 0, got 0\n")
+    else:
+        status, stderr = results[0]
+        assert status == 2 and stderr.startswith("[train.sh] machine 1 of 2 (") and stderr.endswith(
+            ") ended with exit status 2 (its own output says why); stopped the processes of machine 0\n"), stderr
 
 
 # ---------------------------------------------------------------------------------------------- the whole stack

@@ -186,9 +186,9 @@ def assert_same_weights(out: Path, ref_out: Path) -> None:
 def dense(tmp_path_factory):
     """A tiny Qwen2 on 8 rows, 2 rows a step, clipping on; the reference: one process, no DeepSpeed or FSDP2."""
     tmp = tmp_path_factory.mktemp("machines")
-    data = write_packed(tmp / "data", random_rows(11, 8))
+    packed = write_packed(tmp / "data", random_rows(11, 8))
     model = save_tiny_model(tmp / "model")
-    config = write_config(tmp / "c.yaml", data_path=str(data), model_path=str(model), max_steps=STEPS, lr=1e-3,
+    config = write_config(tmp / "c.yaml", data_path=str(packed), model_path=str(model), max_steps=STEPS, lr=1e-3,
                           warmup_steps=1, max_grad_norm=0.5, loss_chunk_size=16, plot=False, log_backends=[],
                           output_dir=str(tmp / "unused"), save_total_limit=5)
     before = torch.get_num_threads()
