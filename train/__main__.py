@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "--launch":  # train.sh: accelerate launch under a supervisor (train/launch.py)
         from common.lock import LockHeldError
         from train.launch import MachineWatch, supervise
-        from train.machines.heartbeat import heartbeat_port
+        from train.machines.heartbeat import HeartbeatError, heartbeat_port
         from train.machines.layout import describe_layout, load_launch_config
         from train.machines.threads import THREADS_ENV, choose_cpu_threads
         from train.preflight import preflight
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         try:  # machine 0 holds the lock of the shared output_dir for every machine of the run
             return supervise(command, cfg.checkpoint.output_dir if launch.machine_rank == 0 else None,
                              reports=launch.num_processes > 1, watch=watch if launch.num_machines > 1 else None)
-        except LockHeldError as exc:
+        except (LockHeldError, HeartbeatError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     from train.launch import die_with_supervisor

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests._train_helpers import free_port
-from train.machines.heartbeat import Heartbeat, Verdict
+from train.machines.heartbeat import Heartbeat, HeartbeatError, Verdict
 
 INTERVAL = 0.05
 TIMEOUT = 1.0
@@ -119,12 +119,23 @@ def test_a_failed_end_stops_the_others(port):
 
 
 def test_a_stranger_is_not_a_machine_of_the_run(port):
-    """A connection that says nothing, or names another run's layout, is closed and loses no machine."""
+    """A connection that says nothing, names another run's layout or speaks another protocol is closed and loses no
+    machine."""
     hub = Machine(0, 2, port)
     silent = socket.create_connection(("127.0.0.1", port))
     other_run = FakeMachine(1, 4, port)  # 4 machines: not this run
+    garbage = socket.create_connection(("127.0.0.1", port))
+    garbage.sendall(b"GET / HTTP/1.1\nhello x y z\n")
     time.sleep(TIMEOUT + 0.5)
     assert hub.verdicts == [] and hub.heartbeat._links == []
     hub.heartbeat.finish(0)
-    silent.close()
-    other_run.sock.close()
+    for sock in (silent, other_run.sock, garbage):
+        sock.close()
+
+
+def test_machine_0_says_when_its_port_is_taken(port):
+    taken = socket.create_server(("", port))
+    with pytest.raises(HeartbeatError, match=rf"cannot listen on port {port} \(launch.main_process_port \+ 1\): "
+                                             r"Address already in use; choose another launch.main_process_port"):
+        Heartbeat(0, 2, "127.0.0.1", port, TIMEOUT, on_verdict=print).start()
+    taken.close()

@@ -18,6 +18,7 @@ A machine that has not connected yet is not lost: starting the machines is the r
 """
 from __future__ import annotations
 
+import os
 import selectors
 import socket
 import threading
@@ -51,6 +52,10 @@ class Verdict:
                 f"of machine {me}")
 
 
+class HeartbeatError(RuntimeError):
+    """Machine 0 cannot listen on the heartbeat's port."""
+
+
 class _Link:
     """A connection to another machine (`machine` None until it said hello)."""
 
@@ -74,6 +79,7 @@ class Heartbeat:
         self._decided = threading.Event()
         self._finish_code: int | None = None
         self._links: list[_Link] = []
+        self._joined = False  # machines other than 0: connected once (never again: a later hub is another run's)
         self._selector = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
         self._thread = threading.Thread(target=self._run, name="packsft-heartbeat", daemon=True)
@@ -81,7 +87,13 @@ class Heartbeat:
     # ------------------------------------------------------------------ the supervisor's side
     def start(self) -> Heartbeat:
         if self.machine == 0:  # bound before the launcher starts: a peer that connects early finds it
-            listener = socket.create_server(("", self.port), reuse_port=False)
+            try:
+                listener = socket.create_server(("", self.port))
+            except OSError as exc:
+                why = os.strerror(exc.errno) if exc.errno else str(exc)
+                raise HeartbeatError(
+                    f"the machines' heartbeat cannot listen on port {self.port} (launch.main_process_port + 1): "
+                    f"{why}; choose another launch.main_process_port") from None
             listener.setblocking(False)
             self._selector.register(listener, selectors.EVENT_READ, None)
             self._listener = listener
@@ -108,7 +120,7 @@ class Heartbeat:
                     else:
                         self._read(key.data)
                 now = time.monotonic()
-                if self.machine != 0 and not self._links and self.verdict is None and now >= next_connect:
+                if self.machine != 0 and not self._joined and now >= next_connect:
                     self._connect()
                     next_connect = now + self.interval_s
                 if now >= next_beat:
@@ -137,6 +149,7 @@ class Heartbeat:
             return
         sock.setblocking(False)
         link = _Link(sock, 0, self.hub_address)
+        self._joined = True
         self._add(link)
         self._send(link, f"hello {self.machine} {self.machines} {self.host}")
 
@@ -180,8 +193,17 @@ class Heartbeat:
             return
         link.heard = time.monotonic()
         *lines, link.pending = (link.pending + data).split(b"\n")
+        if len(link.pending) > 4096:  # no line ends: not a machine of the run
+            self._close(link)
+            return
         for line in lines:
-            self._handle(link, line.decode(errors="replace").split())
+            if link not in self._links:  # closed by the line before
+                return
+            try:
+                self._handle(link, line.decode(errors="replace").split())
+            except (ValueError, IndexError):  # not a line of this protocol: not a machine of the run
+                self._close(link)
+                return
 
     def _handle(self, link: _Link, words: list[str]) -> None:
         if not words:
