@@ -15,9 +15,9 @@ DEFAULT_CONFIG = "configs/train/example.yaml"
 
 
 def launch_args(cfg, threads) -> list[str]:
-    """`accelerate launch` options for this config (train.sh), with `threads` (train.launch.CpuThreads) per process.
-    Several processes go through accelerate's multi-process (torchrun) launcher, on CPU too; ranks then come from
-    torch.distributed (gloo on CPU)."""
+    """`accelerate launch` options for this config (train.sh), with `threads` (train.machines.threads.CpuThreads) per
+    process. Several processes go through accelerate's multi-process (torchrun) launcher, on CPU too; ranks then come
+    from torch.distributed (gloo on CPU)."""
     import torch
 
     launch = cfg.launch
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.train()
         if trainer.step < trainer.total_steps and trainer.mesh.is_main:
             print(f"resume with: {resume_command(config_path, argv)}", flush=True)
-    except ConfigError as exc:  # each message once for the run, whichever rank says it (train/machines/stop_report.py)
+    except ConfigError as exc:  # said once for the run, whichever rank says it (train/machines/stop_report.py)
         return say_stop(f"config error: {exc}", 2)
     except UnsupportedModelError as exc:
         return say_stop(f"model not supported: {exc}", 2)
