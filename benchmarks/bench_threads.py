@@ -35,7 +35,9 @@ def load() -> str:
 def run(tmp: Path, threads: str, burners: int, steps: int, index: int) -> dict:
     out = tmp / f"run_{index}"
     cmd = ["sh", "train.sh", "configs/train/example.yaml", f"output_dir={out}", f"max_steps={steps}", "save_steps=0",
-           "plot=false", "log_backends=[]"] + ([] if threads == "auto" else [f"launch.cpu_threads_per_process={threads}"])
+           "plot=false", "log_backends=[]"]
+    if threads != "auto":
+        cmd.append(f"launch.cpu_threads_per_process={threads}")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(burners)]
     before, start = load(), time.perf_counter()
@@ -76,7 +78,8 @@ def main() -> None:
     lines = [f"# CPU threads per process: the example's tokens/s ({dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} "
              "UTC)", "", f"`python benchmarks/bench_threads.py --threads {args.threads} --burners {args.burners} "
              f"--repeats {args.repeats} --steps {args.steps}` on {machine}.", "",
-             "| threads | busy loops | tokens/s (median of steps 3+, each run) | wall s | load before → after | said |",
+             "| threads | busy loops | tokens/s (median of steps 3+, each run) | wall s | load before → after "
+             "| said |",
              "|---|---:|---|---|---|---|"]
     for threads, burners in settings:
         mine = [r for r in runs if (r["threads"], r["burners"]) == (threads, burners)]

@@ -18,7 +18,10 @@ alive, and the supervisor waits for all of them, torchrun's workers in their own
 
 accelerate's launcher ends a failed run with its own traceback (`CalledProcessError`, torchrun's `ChildFailedError`)
 after the trainer's message, and exits 1 whatever the trainer's status: `run_accelerate` runs it in-process and
-exits with the trainer's status instead, printing only what the trainer could not (a rank killed by a signal).
+exits with the trainer's status instead, saying only what the trainer could not (a rank killed by a signal). With
+several processes, what the processes of the run say when they stop goes to the supervisor, which says the one that
+explains the stop once (train/machines/stop_report.py). With several machines, the supervisors watch each other
+(train/machines/heartbeat.py): a lost machine stops the others, with one line naming it.
 """
 from __future__ import annotations
 
