@@ -2,7 +2,8 @@
 # Training: sh train.sh [config.yaml] [key=value ...]   (default config: configs/train/example.yaml)
 # sh train.sh --help lists every config key with its type, default and meaning.
 # Launches `python -m train` through `accelerate launch` with the processes / machines of the config's `launch`
-# section (multi-node: run it on every machine with launch.machine_rank=<i>).
+# section (several machines: run it on every machine with launch.machine_rank=<i>, or scripts/slurm/train.sbatch;
+# docs/TRAINING.md §3).
 set -e
 ROOT="$(cd "$(dirname "$0")" && pwd)"
 # PACKSFT_VENV=.venv-vision for image conversations (torchvision + Pillow: scripts/setup_vision.sh)

@@ -6,35 +6,31 @@ import os
 import shlex
 import signal
 import sys
+import traceback
 
 from common.errors import PackSFTError
+from train.machines.stop_report import reports_directory, say_stop, stopping
 
 DEFAULT_CONFIG = "configs/train/example.yaml"
 
 
-def launch_args(cfg) -> list[str]:
-    """`accelerate launch` options for this config (train.sh). Several processes go through accelerate's
-    multi-process (torchrun) launcher, on CPU too; ranks then come from torch.distributed (gloo on CPU)."""
+def launch_args(cfg, threads) -> list[str]:
+    """`accelerate launch` options for this config (train.sh), with `threads` (train.machines.threads.CpuThreads) per
+    process. Several processes go through accelerate's multi-process (torchrun) launcher, on CPU too; ranks then come
+    from torch.distributed (gloo on CPU)."""
     import torch
 
     launch = cfg.launch
     args = ["--num_processes", str(launch.num_processes), "--num_machines", str(launch.num_machines),
             "--machine_rank", str(launch.machine_rank), "--main_process_port", str(launch.main_process_port),
-            "--mixed_precision", "no", "--dynamo_backend", "no"]
+            "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--num_cpu_threads_per_process", str(threads.per_process)]  # accelerate's OMP_NUM_THREADS, said
     if launch.main_process_ip:
         args += ["--main_process_ip", launch.main_process_ip]
     if launch.num_processes > 1 or launch.num_machines > 1:
         args.append("--multi_gpu")  # accelerate's torchrun launcher; it also starts CPU processes (gloo)
     elif not torch.cuda.is_available():
         args.append("--cpu")  # accelerate's --cpu launcher starts a single process only
-    if not torch.cuda.is_available():
-        # the OpenMP threads per process accelerate would choose (OMP_NUM_THREADS, else the physical cores over the
-        # processes of a machine), said, so that accelerate does not print a notice about choosing them
-        import psutil
-
-        per_machine = max(launch.num_processes // max(launch.num_machines, 1), 1)
-        threads = os.environ.get("OMP_NUM_THREADS") or max((psutil.cpu_count(logical=False) or 1) // per_machine, 1)
-        args += ["--num_cpu_threads_per_process", str(threads)]
     return args
 
 
@@ -62,50 +58,73 @@ def main(argv: list[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     if argv and argv[0] == "--launch":  # train.sh: accelerate launch under a supervisor (train/launch.py)
-        from train.config.sections import load_config
-        from train.launch import supervise
+        from train.launch import MachineWatch, supervise
+        from train.machines.heartbeat import heartbeat_port
+        from train.machines.layout import describe_layout, load_launch_config
+        from train.machines.threads import THREADS_ENV, choose_cpu_threads
         from train.preflight import preflight
 
         argv.pop(0)
         config_path = argv.pop(0) if argv and "=" not in argv[0] else DEFAULT_CONFIG
         try:  # every check is made here, before accelerate starts any process
-            cfg = load_config(config_path, argv)
+            cfg, from_environment = load_launch_config(config_path, argv)
             preflight(cfg, world_size=cfg.launch.num_processes)
-            command = [sys.executable, "-m", "train.launch", *launch_args(cfg), "-m", "train", config_path, *argv]
-            # machine 0 holds the lock of the shared output_dir for every machine of the run
-            return supervise(command, cfg.checkpoint.output_dir if cfg.launch.machine_rank == 0 else None)
         except PackSFTError as exc:
             print(exc.one_line(), file=sys.stderr)
             return exc.exit_code
+        launch = cfg.launch
+        if launch.num_machines > 1 or from_environment:
+            print(describe_layout(cfg, from_environment), flush=True)
+        threads = choose_cpu_threads(launch.cpu_threads_per_process, launch.processes_per_machine)
+        os.environ[THREADS_ENV] = f"{threads.per_process}\t{threads.why}"  # the trainers say it, as chosen here
+        command = [sys.executable, "-m", "train.launch", *launch_args(cfg, threads), "-m", "train", config_path,
+                   *argv]
+        watch = MachineWatch(launch.machine_rank, launch.num_machines, launch.main_process_ip,
+                             heartbeat_port(launch.main_process_port), launch.heartbeat_timeout_s)
+        try:  # machine 0 holds the lock of the shared output_dir for every machine of the run
+            return supervise(command, cfg.checkpoint.output_dir if launch.machine_rank == 0 else None,
+                             reports=launch.num_processes > 1, watch=watch if launch.num_machines > 1 else None)
+        except PackSFTError as exc:  # the output_dir's lock held by another run, the heartbeat's port taken
+            print(exc.one_line(), file=sys.stderr)
+            return exc.exit_code
     from train.launch import die_with_supervisor
+    from train.machines.layout import load_launch_config
+    from train.machines.threads import apply_cpu_threads, trainer_cpu_threads
 
     die_with_supervisor()  # under train.sh: never outlive it (kill -9 to it leaves no orphan training on)
     config_path = argv.pop(0) if argv and "=" not in argv[0] else DEFAULT_CONFIG
     configure_console()
-    from train.config.sections import load_config
-    from train.preflight import preflight
 
     received = stop_on_signals()
     cfg = trainer = None
     try:
-        cfg = load_config(config_path, argv)
+        cfg = load_launch_config(config_path, argv)[0]  # torchrun's world over the launch keys
+        threads = trainer_cpu_threads(cfg.launch.cpu_threads_per_process)
+        apply_cpu_threads(threads)  # before numpy's and torch's thread pools start
+        from train.preflight import preflight
+
         checked = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before the model (and most imports) load
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(threads.describe(), flush=True)
         quiet_cpu_accelerator_notice()
         from train.trainer import Trainer
 
+        apply_cpu_threads(threads)  # torch is loaded: its own count (it caps OMP_NUM_THREADS at the cores)
         trainer = Trainer(cfg, checked=checked)
         trainer.train()
         if trainer.step < trainer.total_steps and trainer.mesh.is_main:
             print(f"resume with: {resume_command(config_path, argv)}", flush=True)
-    except PackSFTError as exc:  # a config, model, checkpoint, data or self-check error, a diverged step: one line
-        print(exc.one_line(), file=sys.stderr)
-        return exc.exit_code
-    except BaseException:
-        if not received:
-            raise
-        # Interrupted, or the error a collective raised on this rank when another rank stopped first
-        report_interrupt(received[0], trainer, cfg, config_path, argv)
-        return 128 + received[0]
+    except PackSFTError as exc:  # a config, model, checkpoint, data or self-check error, a diverged step: one line,
+        return say_stop(exc.one_line(), exc.exit_code)  # said once for the run (train/machines/stop_report.py)
+    except BaseException as exc:
+        if received:  # Interrupted, or the error a collective raised on this rank when another rank stopped first
+            report_interrupt(received[0], trainer, cfg, config_path, argv)
+            return 128 + received[0]
+        if isinstance(exc, Exception) and reports_directory() is not None:  # said only if nothing else explains
+            stopping()  # the stop: mostly a collective failing after another rank or machine ended
+            return say_stop(f"[train.sh] rank {os.environ.get('RANK', '?')} failed:\n{traceback.format_exc()}", 1,
+                            kind="crash")
+        raise
     finally:
         trainer = None
         release_process_groups()
@@ -189,7 +208,7 @@ def report_interrupt(signum: int, trainer, cfg, config_path: str, argv: list[str
     where = (f"stopped at step {trainer.step} of {trainer.total_steps} ({name})" if trainer is not None else
              f"stopped before the first step ({name})")
     if cfg is None:
-        print(where, flush=True)
+        say_stop(where, 128 + signum, kind="interrupt", stream="stdout")
         return
     from train.checkpoint import CheckpointError, resolve_resume
 
@@ -197,9 +216,8 @@ def report_interrupt(signum: int, trainer, cfg, config_path: str, argv: list[str
         last = resolve_resume("latest", cfg.checkpoint.output_dir)
     except CheckpointError:
         last = None
-    print(f"{where}; last checkpoint: {last if last is not None else 'none yet (resume=latest starts at step 0)'}",
-          flush=True)
-    print(f"resume with: {resume_command(config_path, argv)}", flush=True)
+    say_stop(f"{where}; last checkpoint: {last if last is not None else 'none yet (resume=latest starts at step 0)'}"
+             f"\nresume with: {resume_command(config_path, argv)}", 128 + signum, kind="interrupt", stream="stdout")
 
 
 def release_process_groups() -> None:

@@ -266,7 +266,9 @@ class LaunchSection:
     num_machines: int = 1  # machines (one `sh train.sh` per machine)
     machine_rank: int = 0  # this machine's index, 0 .. num_machines-1
     main_process_ip: str | None = None  # rank 0's address (required with num_machines > 1)
-    main_process_port: int = 29500  # rank 0's port
+    main_process_port: int = 29500  # rank 0's port (with num_machines > 1, the machines' heartbeat uses the next one)
+    cpu_threads_per_process: int | None = None  # intra-op CPU threads of each process; null: chosen (docs §3)
+    heartbeat_timeout_s: float = 60.0  # num_machines > 1: a machine silent this long is lost and the others stop
 
     @property
     def processes_per_machine(self) -> int:
@@ -347,8 +349,14 @@ class TrainConfig:
              0 <= self.data.prefetch_micro_batches <= MAX_PREFETCH_MICRO_BATCHES,
              f"in [0, {MAX_PREFETCH_MICRO_BATCHES}] (0: built in the loop; each one ahead is held in host memory "
              "whole, images included, and 2 already hide the building)"),
-            ("launch.main_process_port", launch.main_process_port, 0 < launch.main_process_port < 65536,
+            ("launch.main_process_port", launch.main_process_port,
+             0 < launch.main_process_port < (65535 if launch.num_machines > 1 else 65536),
+             "in [1, 65534] (the machines' heartbeat takes the next port)" if launch.num_machines > 1 else
              "in [1, 65535]"),
+            ("launch.cpu_threads_per_process", launch.cpu_threads_per_process,
+             launch.cpu_threads_per_process is None or launch.cpu_threads_per_process >= 1, ">= 1 (or null: auto)"),
+            ("launch.heartbeat_timeout_s", launch.heartbeat_timeout_s, launch.heartbeat_timeout_s >= 3,
+             ">= 3 (seconds; a line is sent every second)"),
             ("launch.machine_rank", launch.machine_rank, 0 <= launch.machine_rank < max(1, launch.num_machines),
              f"in [0, launch.num_machines={launch.num_machines})"),
         ]

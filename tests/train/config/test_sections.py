@@ -254,11 +254,13 @@ def test_shipped_configs_parse(path, world, tmp_path):
     outputs/ (which a re-run refuses to overwrite) must not decide this test."""
     from tests._train_helpers import ROOT
     from train.__main__ import launch_args
+    from train.machines.threads import CpuThreads
 
     cfg = load_config(ROOT / path, [f"output_dir={tmp_path / 'out'}"])
     cfg.validate(world)
-    args = launch_args(cfg)
+    args = launch_args(cfg, CpuThreads(1, "test"))
     assert args[args.index("--num_processes") + 1] == str(world)
+    assert args[args.index("--num_cpu_threads_per_process") + 1] == "1"
     assert ("--multi_gpu" in args) == (world > 1)
 
 
