@@ -22,7 +22,9 @@ def save_conversations(conversations: list, path) -> None:
 
 
 def load_conversations(path) -> list:
-    return [mi.Conversation(*fields) for fields in torch.load(str(path), weights_only=True)]
+    from train.checkpoint import safe_load  # the repository's one torch.load (tensors and plain containers)
+
+    return [mi.Conversation(*fields) for fields in safe_load(path)]
 
 
 def video_row(model, conversations: list) -> list:

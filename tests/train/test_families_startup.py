@@ -70,10 +70,11 @@ def _model_config(model_type: str):
 
 
 def _reference_class(config):
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, \
-        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+    """transformers' own class of the model: the composite's (the multimodal-LM mapping, which holds the image and
+    the audio composites), else the causal LM's."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MULTIMODAL_LM_MAPPING
 
-    mapping = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING if FAMILIES[config.model_type].text_family \
+    mapping = MODEL_FOR_MULTIMODAL_LM_MAPPING if FAMILIES[config.model_type].text_family \
         else MODEL_FOR_CAUSAL_LM_MAPPING
     return mapping[type(config)]
 
