@@ -22,7 +22,7 @@ def save_conversations(conversations: list, path) -> None:
 
 
 def load_conversations(path) -> list:
-    from train.checkpoint import safe_load  # the repository's one torch.load (tensors and plain containers)
+    from train.checkpoint import safe_load  # tensors and plain containers only
 
     return [mi.Conversation(*fields) for fields in safe_load(path)]
 
