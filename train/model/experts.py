@@ -467,3 +467,12 @@ def apply_expert_parallel(lm: torch.nn.Module, model_config, mesh, kernel: str) 
     text = text_config(model_config)
     spec = FAMILIES[text.model_type].experts
     return shard_experts(lm, spec.path, mesh.ep_size, mesh.ep_rank, mesh.ep_group, kernel)
+
+
+def apply_experts(lm: torch.nn.Module, model_config, mesh, parallel: int, kernel: str) -> dict | None:
+    """The routed experts as the start-up planned them (train/plan/startup.py `ExpertsPlan`): split over `parallel`
+    ranks (`apply_expert_parallel`), else transformers' experts module with `moe_kernel` (`set_experts_kernel`).
+    Returns what the start line says of them (None: a dense model)."""
+    if parallel > 1:
+        return apply_expert_parallel(lm, model_config, mesh, kernel)
+    return set_experts_kernel(lm, model_config, kernel)

@@ -25,7 +25,7 @@ from train.distributed import Mesh, build_mesh, init_distributed
 from train.engines.build import EngineSetup, start_process_group
 from train.engines.engine import Engine
 from train.engines.schedule import param_groups
-from train.model.experts import apply_expert_parallel, set_experts_kernel
+from train.model.experts import apply_experts
 from train.model.packed import PackedCausalLM, build_lm, model_features
 from train.model.support import check_family
 from train.plan.attention import plan_attention
@@ -114,8 +114,7 @@ def build_run(cfg: TrainConfig, console: Callable[[str], None] | None = None, ch
     setup.before_weights_load()
     lm = build_lm(cfg, checked.model_config, setup.dtype, memory)
     experts = plan_experts(cfg, layout)
-    applied = (apply_expert_parallel(lm, checked.model_config, mesh, experts.kernel) if experts.parallel > 1
-               else set_experts_kernel(lm, checked.model_config, experts.kernel))
+    applied = apply_experts(lm, checked.model_config, mesh, experts.parallel, experts.kernel)
     attention = plan_attention(cfg.model, cfg.parallel, layout.sp_split, mesh, lm, data.structure)
     loss = plan_router_aux(cfg, plan_loss(cfg, mesh.device), lm,
                            warn=logger.warning if mesh.is_main else (lambda *_: None))
