@@ -10,6 +10,7 @@ import csv
 import glob
 import multiprocessing
 import os
+import signal
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -429,6 +430,14 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- parallel map
+def _pool_worker_setup(initializer: Callable | None, initargs: tuple) -> None:
+    """A pool worker answers SIGTERM as a process should, whatever it inherited: the pool's `terminate` (on an error
+    or a full disk) ends its workers with it, and one that ignored it (a parent that set SIG_IGN) would hang it."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if initializer is not None:
+        initializer(*initargs)
+
+
 def ordered_parallel_map(fn: Callable, tasks, workers: int, initializer: Callable | None = None,
                          initargs: tuple = (), start_method: str | None = None) -> Iterator:
     """`fn(task)` for every task, results in task order, at most `2 * workers` tasks in flight.
@@ -444,7 +453,8 @@ def ordered_parallel_map(fn: Callable, tasks, workers: int, initializer: Callabl
         for task in tasks:
             yield fn(task)
         return
-    with multiprocessing.get_context(start_method).Pool(workers, initializer=initializer, initargs=initargs) as pool:
+    with multiprocessing.get_context(start_method).Pool(workers, initializer=_pool_worker_setup,
+                                                        initargs=(initializer, initargs)) as pool:
         pending: collections.deque = collections.deque()
         for task in tasks:
             pending.append(pool.apply_async(fn, (task,)))

@@ -48,7 +48,22 @@ def resume_command(config_path: str, overrides: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """The command (module docstring). The stop signals' handlers this process had are restored when it returns:
+    `python -m train` exits right after, and an in-process caller (a test) keeps its own. A SIG_IGN left behind by a
+    stopping run (train/machines/stop_report.py `stopping`) would pass to every process the caller starts later,
+    which a SIGTERM could then no longer stop (a process pool's workers that `terminate` cannot end: seen as a hang)."""
+    from train.machines.stop_report import STOP_SIGNALS
+
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    try:
+        return run_command(list(sys.argv[1:] if argv is None else argv))
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:  # None: a handler not set from Python (left as it is)
+                signal.signal(sig, handler)
+
+
+def run_command(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         from train.config.sections import help_text
 

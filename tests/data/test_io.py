@@ -2,6 +2,8 @@
 import csv
 import hashlib
 import os
+import subprocess
+import sys
 
 import numpy as np
 import orjson
@@ -403,3 +405,25 @@ def test_a_record_larger_than_the_json_parsers_buffer_says_so_and_what_to_do(tmp
         "job. The record may be valid, and nothing was dropped: make the record smaller (split it, or move embedded "
         f"data such as base64 images into files it names), or run where an allocation of {size * 12 / 2**30:,.1f} "
         "GiB succeeds (more memory, a higher limit, fewer num_workers)")
+
+
+_STOPS_EARLY_WITH_SIGTERM_IGNORED = """
+import signal, time
+from data.io import ordered_parallel_map
+
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # what the pool's workers inherit from such a parent
+results = ordered_parallel_map(time.sleep, [0.0] + [1.0] * 8, workers=2)
+print(next(results))
+results.close()  # the pool's terminate while a worker sleeps: it must end though its parent ignores SIGTERM
+print("closed", flush=True)
+"""
+
+
+def test_a_pool_stopped_early_ends_its_workers_whatever_the_parent_ignores():
+    """`ordered_parallel_map` stopped before its end (an error, a full disk) terminates its pool with SIGTERM; a
+    worker that inherited SIG_IGN for it (from a parent that ignored it) kept the pool's join waiting forever."""
+    from tests.conftest import ROOT
+
+    proc = subprocess.run([sys.executable, "-c", _STOPS_EARLY_WITH_SIGTERM_IGNORED], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0 and proc.stdout.split() == ["None", "closed"], proc.stderr[-2000:]

@@ -33,3 +33,18 @@ def test_warnings_are_plain_lines_said_by_rank_0_only(rank, monkeypatch, capsys,
                        "removed a stale temporary", "error: a rank's own failure"]
     else:
         assert err == ["error: a rank's own failure"]
+
+
+def test_the_stop_signals_handlers_are_restored_when_main_returns(tmp_path, capsys):
+    """An in-process `main` that stops on an error ignores further stop signals while it says why (stop_report's
+    `stopping`); its caller gets its own handlers back. Before: SIGTERM stayed ignored in the caller (a pytest
+    worker), and every process it started later inherited it: a process pool's `terminate` then hung on a worker
+    that ignored the SIGTERM."""
+    import signal
+
+    from train.__main__ import main
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    assert main([str(tmp_path / "missing.yaml")]) == 2
+    assert "config error: " in capsys.readouterr().err
+    assert {sig: signal.getsignal(sig) for sig in before} == before
