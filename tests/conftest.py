@@ -1,5 +1,6 @@
 """Shared test helpers: project root on sys.path, the offline fixtures in ../shared/fixtures."""
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -61,3 +62,19 @@ def pytest_collection_modifyitems(config, items):
         for marker, skip in skips.items():
             if marker in item.keywords:
                 item.add_marker(skip)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+@pytest.fixture(autouse=True)
+def stop_signals_as_they_were():
+    """Every test leaves the stop signals' handlers as it found them. A run that stops on an error ignores further
+    stop signals while it says why (train/machines/stop_report.py `stopping`); called in-process, that SIG_IGN stayed
+    in the pytest worker, every process a later test started inherited it, and a process pool's `terminate` hung on a
+    worker that ignored the SIGTERM."""
+    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    yield
+    for sig, handler in before.items():
+        if handler is not None and signal.getsignal(sig) != handler:
+            signal.signal(sig, handler)
