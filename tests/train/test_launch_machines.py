@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from tests._train_helpers import ROOT, random_rows, save_tiny_model, write_config, write_packed
-from tests.train.test_expert_parallel import _assert_equal_runs, _options, _reference, _setup, data  # noqa: F401
+from tests.train.model.test_experts_parallel import _assert_equal_runs, _options, _reference, _setup, data  # noqa: F401
 from train.config.sections import load_config
 from train.metrics import read_log
 from train.trainer import Trainer
